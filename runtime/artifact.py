@@ -1,0 +1,173 @@
+"""The TALE artifact: tensor names, the manifest (tale_config.json) and its checks.
+
+Shared by the converter (writes) and the runtime (reads); see DESIGN.md section 6.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+MANIFEST = "tale_config.json"
+FORMAT = "tale"
+FORMAT_VERSION = "1.0"  # major.minor: readers reject an unknown major
+TOOL_NAME = "tale-kv"
+
+# Per-layer tensor names (prefix: the attention module, e.g. "model.layers.3.self_attn.")
+U_V = "tale.u_v"  # [G, d, R]   A_c: whitened left factor (x A_c = latent)
+V_V = "tale.v_v"  # [G, R, R]   B_c: right factor (latent B_c = values of group c)
+O_FUSED = "tale.o_fused"  # [d, H*R] nn.Linear layout of O^r = vstack_q B_{c(q),j(q)} O_q
+
+
+class ArtifactError(ValueError):
+    """A TALE artifact is missing, malformed, corrupt or of an unknown version."""
+
+
+@dataclass
+class Level:
+    """One fidelity level. Levels are ordered oldest-first: level 0 is the middle
+    (lowest rank/bits), the last level holds the most recent tokens."""
+
+    bits: int  # latent (value) bits
+    key_bits: int  # key bits
+    share: float | None  # fraction of non-sink tokens kept at this level (None for level 0: the rest)
+
+
+@dataclass
+class Schedule:
+    """The rank/bit schedule. `ranks[layer][level]` is the latent rank kept at that level."""
+
+    sinks: int = 4
+    levels: list[Level] = field(
+        default_factory=lambda: [Level(bits=2, key_bits=2, share=None), Level(bits=4, key_bits=4, share=0.1)]
+    )
+    ranks: list[list[int]] = field(default_factory=list)
+    key_group: int = 32  # tokens per key quantization group (keys: per channel over token groups)
+    value_group: int = 32  # channels per latent quantization group (latents: per token over channel groups)
+    residual: int = 32  # the 16-bit tail: once it holds `residual` tokens they are quantized (a multiple of key_group)
+    policy: str = "uniform"
+
+    def validate(self, R: int, num_layers: int | None = None) -> None:
+        if self.sinks < 0:
+            raise ArtifactError(f"sinks must be >= 0, got {self.sinks}")
+        if not self.levels:
+            raise ArtifactError("schedule needs at least one level")
+        if self.levels[0].share is not None:
+            raise ArtifactError("level 0 takes the remaining tokens: its share must be null")
+        shares = [lv.share for lv in self.levels[1:]]
+        if any(s is None or not (0.0 <= s <= 1.0) for s in shares) or sum(shares) > 1.0 + 1e-9:
+            raise ArtifactError(f"level shares must lie in [0, 1] and sum to <= 1, got {shares}")
+        for lv in self.levels:
+            for b in (lv.bits, lv.key_bits):
+                if b not in (2, 4, 8, 16):
+                    raise ArtifactError(f"bits must be one of 2, 4, 8, 16; got {b}")
+        if self.key_group < 1 or self.value_group < 1:
+            raise ArtifactError("key_group and value_group must be >= 1")
+        if self.residual < self.key_group or self.residual % self.key_group:
+            raise ArtifactError(f"residual ({self.residual}) must be a positive multiple of key_group ({self.key_group})")
+        if num_layers is not None and len(self.ranks) != num_layers:
+            raise ArtifactError(f"ranks has {len(self.ranks)} layers, model has {num_layers}")
+        for li, rs in enumerate(self.ranks):
+            if len(rs) != len(self.levels):
+                raise ArtifactError(f"layer {li}: {len(rs)} ranks for {len(self.levels)} levels")
+            if any(not (1 <= r <= R) for r in rs) or list(rs) != sorted(rs):
+                raise ArtifactError(f"layer {li}: ranks {rs} must be non-decreasing in [1, {R}]")
+            for r, lv in zip(rs, self.levels):
+                if lv.bits < 16 and r % self.value_group:
+                    raise ArtifactError(f"layer {li}: rank {r} is not a multiple of value_group {self.value_group}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Schedule":
+        d = dict(d)
+        d["levels"] = [Level(**lv) for lv in d["levels"]]
+        return cls(**d)
+
+    def shares(self) -> list[float]:
+        rest = 1.0 - sum(lv.share for lv in self.levels[1:])
+        return [rest] + [lv.share for lv in self.levels[1:]]
+
+
+def uniform_ranks(R: int, num_layers: int, r0_frac: float = 0.5, value_group: int = 32, n_levels: int = 2) -> list[list[int]]:
+    """Paper default: level 0 keeps r0 = r0_frac * R (rounded down to a quantization group), others full R."""
+    r0 = max(value_group, int(R * r0_frac) // value_group * value_group)
+    return [[min(r0, R)] + [R] * (n_levels - 1) for _ in range(num_layers)]
+
+
+def nominal_ratio(schedule: Schedule, head_dim: int, group: int) -> float:
+    """16-bit K+V bits per token-head over TALE's, ignoring sinks and scales (DESIGN.md 1).
+
+    Per token and KV head a level costs key_bits*n + bits*rank/g (a group latent serves g heads).
+    Ranks are averaged over layers.
+    """
+    n = head_dim
+    layers = schedule.ranks or [[group * n] * len(schedule.levels)]
+    per_layer = []
+    for rs in layers:
+        bits = sum(s * (lv.key_bits * n + lv.bits * r / group) for s, lv, r in zip(schedule.shares(), schedule.levels, rs))
+        per_layer.append(bits)
+    return 32 * n / (sum(per_layer) / len(per_layer))
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(path: str | Path) -> dict:
+    """Read and check tale_config.json of an artifact directory (no checksum pass)."""
+    root = Path(path)
+    mf = root / MANIFEST
+    if not root.is_dir():
+        raise ArtifactError(f"{root}: not a directory (expected a TALE artifact)")
+    if not mf.is_file():
+        raise ArtifactError(f"{root}: no {MANIFEST}; not a TALE artifact (run tale-convert first)")
+    try:
+        m = json.loads(mf.read_text())
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{mf}: corrupt manifest ({e.msg} at line {e.lineno})") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise ArtifactError(f"{mf}: not a TALE manifest (format != {FORMAT!r})")
+    ver = str(m.get("format_version", ""))
+    major = ver.split(".")[0]
+    if major != FORMAT_VERSION.split(".")[0]:
+        raise ArtifactError(
+            f"{mf}: format version {ver!r} is not supported by this reader ({FORMAT_VERSION}); upgrade tale-kv"
+        )
+    for key in ("architecture", "schedule", "files"):
+        if key not in m:
+            raise ArtifactError(f"{mf}: manifest lacks {key!r}")
+    return m
+
+
+def verify_files(path: str | Path, manifest: dict | None = None) -> None:
+    """Check the sha256 of every tensor file listed in the manifest."""
+    root = Path(path)
+    m = manifest or read_manifest(root)
+    for name, digest in m["files"].items():
+        f = root / name
+        if not f.is_file():
+            raise ArtifactError(f"{root}: tensor file {name} is missing")
+        if sha256_file(f) != digest:
+            raise ArtifactError(f"{root}: checksum mismatch for {name} (file corrupt or modified)")
+
+
+def schedule_of(manifest: dict) -> Schedule:
+    return Schedule.from_dict(manifest["schedule"])
+
+
+def write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def ceil_share(p: float, n: int) -> int:
+    """ceil(p*n) robust to float noise (0.1*30 must give 3, not 4)."""
+    return int(math.ceil(p * n - 1e-9))

@@ -1,0 +1,253 @@
+"""The token-adaptive lazy cache of one decoder layer (DESIGN.md section 4).
+
+Per layer, tokens sit in position order in these regions (one rectangular tensor per
+region for the whole batch):
+
+    sinks | level 0 (middle) | level 1 | ... | level L (recent) | residual
+    16-bit  r_0 @ b_0          r_1 @ b_1        r_L @ b_L          16-bit
+
+- keys: [B, K, L, n] after RoPE; latents h = x A: [B, G, L, R] (truncated to r_i at level i).
+- Level stores hold whole key groups (key quantization runs per channel over `key_group`
+  tokens); the residual holds the newest tokens until `residual` of them fill groups.
+- Left-padded batches: the sink region covers the first `max_pad + sinks` positions, so every
+  row's first `sinks` real tokens are exact (rows with less padding keep a few more exact
+  tokens); padding is masked through `valid`.
+- Level i >= 1 keeps ceil(p_i * N) of the N non-sink tokens (the last level counts the
+  residual too); the oldest whole groups above that move down one level at a time
+  (dequantize, truncate to the lower rank, requantize).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .artifact import Schedule, ceil_share
+from .quant import QTensor, cat, dequantize, quantize, split
+
+
+@dataclass
+class Store:
+    """One quantized level: keys per channel over token groups, latents per token over channel groups."""
+
+    keys: QTensor  # [B, K, L, n]
+    lat: QTensor  # [B, G, L, r]
+    rank: int
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[-2]
+
+    def nbytes(self) -> int:
+        return self.keys.nbytes() + self.lat.nbytes()
+
+
+class TaleLayerCache:
+    def __init__(self, schedule: Schedule, layer_idx: int, num_kv_heads: int, head_dim: int, num_groups: int, latent_rank: int):
+        self.s = schedule
+        self.ranks = schedule.ranks[layer_idx]
+        self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank
+        self.sink_cap: int | None = None  # set at the first append
+        self.sink_k = self.sink_h = None
+        self.levels: list[Store | None] = [None] * len(schedule.levels)
+        self.res_k = self.res_h = None
+        self.valid: torch.Tensor | None = None  # [B, kappa] bool; False = padding
+
+    # -- bookkeeping -------------------------------------------------------------------
+
+    @property
+    def kappa(self) -> int:
+        return 0 if self.valid is None else self.valid.shape[-1]
+
+    def lengths(self) -> dict[str, int]:
+        """Tokens per region, in position order."""
+        out = {"sinks": 0 if self.sink_k is None else self.sink_k.shape[-2]}
+        for i, st in enumerate(self.levels):
+            out[f"level{i}"] = 0 if st is None else st.length
+        out["residual"] = 0 if self.res_k is None else self.res_k.shape[-2]
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes of every cached tensor: packed codes, scales, zero points, sinks, residual."""
+        ts = [self.sink_k, self.sink_h, self.res_k, self.res_h]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None) + sum(
+            st.nbytes() for st in self.levels if st is not None
+        )
+
+    def baseline_nbytes(self) -> int:
+        """16-bit K+V bytes of the same tokens (batch rows x positions)."""
+        if self.valid is None:
+            return 0
+        B = self.valid.shape[0]
+        return 2 * B * self.K * self.kappa * self.n * 2
+
+    # -- quantization of a span of exact tokens into level i --------------------------
+
+    def _quant(self, k: torch.Tensor, h: torch.Tensor, level: int) -> Store:
+        lv, r = self.s.levels[level], self.ranks[level]
+        keys = quantize(k, lv.key_bits, self.s.key_group, dim=-2)
+        lat = quantize(h[..., :r].contiguous(), lv.bits, self.s.value_group, dim=-1)
+        return Store(keys, lat, r)
+
+    def _push(self, level: int, st: Store, front: bool = False) -> None:
+        cur = self.levels[level]
+        if cur is None or cur.length == 0:
+            self.levels[level] = st
+        else:
+            a, b = (st, cur) if front else (cur, st)
+            self.levels[level] = Store(cat([a.keys, b.keys]), cat([a.lat, b.lat]), cur.rank)
+
+    def _targets(self) -> list[int]:
+        """Tokens each level >= 1 should hold (level 0 takes the rest)."""
+        N = self.kappa - (self.sink_cap or 0)
+        return [0] + [ceil_share(lv.share, N) for lv in self.s.levels[1:]]
+
+    def _demote(self) -> None:
+        """Move the oldest whole key groups of over-full levels one level down."""
+        gk, L = self.s.key_group, len(self.levels) - 1
+        targets = self._targets()
+        for i in range(L, 0, -1):
+            st = self.levels[i]
+            if st is None:
+                continue
+            extra = self.res_k.shape[-2] if (i == L and self.res_k is not None) else 0
+            excess = st.length + extra - targets[i]
+            n_move = min(excess // gk, st.length // gk) * gk
+            if n_move <= 0:
+                continue
+            k_old, k_keep = split(st.keys, n_move)
+            h_old, h_keep = split(st.lat, n_move)
+            self.levels[i] = Store(k_keep, h_keep, st.rank)
+            k = dequantize(k_old)
+            h = dequantize(h_old)
+            self._push(i - 1, self._quant(k, h, i - 1))
+
+    # -- filling -----------------------------------------------------------------------
+
+    def append(self, k: torch.Tensor, h: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Cache T new exact tokens: k [B, K, T, n] (post-RoPE), h [B, G, T, R].
+
+        `valid` [B, T] marks real (non-padding) tokens; only read at the first call.
+        """
+        B, T = k.shape[0], k.shape[-2]
+        if valid is None:
+            valid = torch.ones(B, T, dtype=torch.bool, device=k.device)
+        first = self.valid is None
+        if first:
+            pad = (~valid).int().cumprod(dim=-1).sum(dim=-1)  # leading padding per row
+            self.sink_cap = int(pad.max()) + self.s.sinks
+            self.valid = valid.clone()
+        else:
+            self.valid = torch.cat([self.valid, valid], dim=-1)
+
+        # sinks first, exact
+        n_sink = 0 if self.sink_k is None else self.sink_k.shape[-2]
+        take = min(T, self.sink_cap - n_sink)
+        if take > 0:
+            ks, hs = k[..., :take, :], h[..., :take, :]
+            self.sink_k = ks.clone() if self.sink_k is None else torch.cat([self.sink_k, ks], dim=-2)
+            self.sink_h = hs.clone() if self.sink_h is None else torch.cat([self.sink_h, hs], dim=-2)
+            k, h = k[..., take:, :], h[..., take:, :]
+        if k.shape[-2] == 0:
+            return
+
+        if first or self._empty_beyond_sinks():
+            self._fill(k, h)
+        else:
+            self.res_k = k if self.res_k is None else torch.cat([self.res_k, k], dim=-2)
+            self.res_h = h if self.res_h is None else torch.cat([self.res_h, h], dim=-2)
+            self._flush()
+        self._demote()
+
+    def _empty_beyond_sinks(self) -> bool:
+        return self.res_k is None and all(st is None for st in self.levels)
+
+    def _flush(self) -> None:
+        """Quantize whole groups of a full residual into the last level."""
+        cap, gk = self.s.residual, self.s.key_group
+        n = self.res_k.shape[-2]
+        if n < cap:
+            return
+        q = n // gk * gk
+        L = len(self.levels) - 1
+        self._push(L, self._quant(self.res_k[..., :q, :], self.res_h[..., :q, :], L))
+        self.res_k, self.res_h = self.res_k[..., q:, :].clone(), self.res_h[..., q:, :].clone()
+        if self.res_k.shape[-2] == 0:
+            self.res_k = self.res_h = None
+
+    def _fill(self, k: torch.Tensor, h: torch.Tensor) -> None:
+        """Place a run of exact non-sink tokens (prefill) straight into their final levels,
+        so the middle is quantized once from exact values, not requantized."""
+        gk = self.s.key_group
+        N = k.shape[-2]
+        n_res = N if N < self.s.residual else N % gk  # as if decoded one by one: flush at `residual`
+        q_total = N - n_res
+        targets = self._targets()
+        counts = [0] * len(self.levels)
+        left = q_total
+        for i in range(len(self.levels) - 1, 0, -1):
+            need = targets[i] - (n_res if i == len(self.levels) - 1 else 0)
+            c = min(left, max(0, -(-need // gk) * gk))
+            counts[i] = c
+            left -= c
+        counts[0] = left
+        start = 0
+        for i, c in enumerate(counts):
+            if c:
+                self._push(i, self._quant(k[..., start : start + c, :], h[..., start : start + c, :], i))
+            start += c
+        if n_res:
+            self.res_k, self.res_h = k[..., start:, :].clone(), h[..., start:, :].clone()
+
+    # -- reading (torch reference) -------------------------------------------------------
+
+    def regions(self, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Dequantized (keys [B,K,L,n], latents [B,G,L,r]) per region in position order."""
+        out = []
+        if self.sink_k is not None:
+            out.append((self.sink_k.to(dtype), self.sink_h.to(dtype)))
+        for st in self.levels:
+            if st is not None and st.length:
+                out.append((dequantize(st.keys, dtype), dequantize(st.lat, dtype)))
+        if self.res_k is not None:
+            out.append((self.res_k.to(dtype), self.res_h.to(dtype)))
+        return out
+
+
+def latent_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    h_new: torch.Tensor,
+    cache: TaleLayerCache,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention of T new queries over the cached (compressed) tokens plus the T new exact tokens
+    (causal among themselves), summed in latent space. Returns z [B, T, H, R] with
+    z_q = sum_t s_{q,t} pad_R(h_t[:r_t]) (DESIGN.md 4). Computed in float32.
+
+    q: [B, H, T, n]; k_new: [B, K, T, n]; h_new: [B, G, T, R].
+    """
+    B, H, T, n = q.shape
+    K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
+    rep, g = H // K, K // G
+    f32 = torch.float32
+    regions = cache.regions(f32) + [(k_new.to(f32), h_new.to(f32))]
+    keys = torch.cat([k for k, _ in regions], dim=-2)  # [B, K, L, n]
+    qf = q.to(f32).view(B, K, rep, T, n)
+    logits = torch.einsum("bkitn,bkln->bkitl", qf, keys) * scaling
+    past = cache.kappa
+    Ltot = keys.shape[-2]
+    mask = torch.ones(B, T, Ltot, dtype=torch.bool, device=q.device)
+    if past:
+        mask[:, :, :past] = cache.valid[:, None, :]
+    mask[:, :, past:] = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    logits = logits.masked_fill(~mask[:, None, None], float("-inf"))
+    probs = logits.softmax(dim=-1).view(B, G, g * rep, T, Ltot)
+    z = torch.zeros(B, G, g * rep, T, R, dtype=f32, device=q.device)
+    start = 0
+    for _, h in regions:
+        L, r = h.shape[-2], h.shape[-1]
+        z[..., :r] += torch.einsum("bcqtl,bclr->bcqtr", probs[..., start : start + L], h)
+        start += L
+    return z.permute(0, 3, 1, 2, 4).reshape(B, T, H, R)

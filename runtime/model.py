@@ -1,0 +1,208 @@
+"""TALE attention for Llama/Mistral/Qwen2 decoder layers and the HF-compatible TaleCache.
+
+Prefill (empty cache): exact q, k, v with v = (x A) B, exact attention through the model's
+own attention function (SDPA/flash), output through the original W_O; then the prompt is
+cached as keys + latents h = x A by region.
+Later calls (decode, or chunks after a prefix): attention over the compressed cache plus the
+new exact tokens, summed in latent space, output through O^r (fused) or B then W_O
+(factored). Values are never reconstructed per cached token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .artifact import Schedule
+from .cache import TaleLayerCache, latent_attention
+
+# Decode attention backend: (q, k_new, h_new, layer_cache, scaling) -> z [B, T, H, R].
+# The runtime swaps in the Triton kernel on CUDA (tale_kernels), the torch reference elsewhere.
+AttentionFn = Callable[..., torch.Tensor]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+class TaleLayer(TaleLayerCache, CacheLayerMixin):
+    """One layer of TaleCache, visible to transformers as a cache layer (length, mask sizes)."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, *args, **kwargs):
+        CacheLayerMixin.__init__(self)
+        TaleLayerCache.__init__(self, *args, **kwargs)
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # regions are created on append
+        pass
+
+    def update(self, *args, **kwargs):
+        raise RuntimeError("TaleCache is filled by TaleAttention; it does not take full key/value states")
+
+    def get_seq_length(self) -> int:
+        return self.kappa
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.kappa + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        TaleLayerCache.__init__(self, self.s, self._layer_idx, self.K, self.n, self.G, self.R)
+
+    @property
+    def is_initialized(self) -> bool:  # HF asks; we have state once a token is cached
+        return self.valid is not None
+
+    @is_initialized.setter
+    def is_initialized(self, value) -> None:
+        pass
+
+
+class TaleCache(Cache):
+    """The TALE cache for a whole model: one TaleLayer per decoder layer."""
+
+    def __init__(self, schedule: Schedule, num_layers: int, num_kv_heads: int, head_dim: int, num_groups: int, latent_rank: int):
+        layers = []
+        for i in range(num_layers):
+            layer = TaleLayer(schedule, i, num_kv_heads, head_dim, num_groups, latent_rank)
+            layer._layer_idx = i
+            layers.append(layer)
+        super().__init__(layers=layers)
+        self.schedule = schedule
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def baseline_nbytes(self) -> int:
+        return sum(layer.baseline_nbytes() for layer in self.layers)
+
+
+class TaleWeights(nn.Module):
+    """Holds the artifact's tensors under the names of DESIGN.md 6 (`self_attn.tale.*`)."""
+
+    def __init__(self, G: int, d: int, R: int, H: int, dtype=None, device=None):
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.u_v = nn.Parameter(torch.empty(G, d, R, **kw), requires_grad=False)
+        self.v_v = nn.Parameter(torch.empty(G, R, R, **kw), requires_grad=False)
+        self.o_fused = nn.Parameter(torch.empty(d, H * R, **kw), requires_grad=False)
+
+
+class TaleAttention(nn.Module):
+    def __init__(self, orig: nn.Module, config, layer_idx: int, group: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self.head_dim = orig.head_dim
+        self.H = config.num_attention_heads
+        self.K = config.num_key_value_heads
+        self.g = group
+        self.G = self.K // group
+        self.R = group * self.head_dim
+        self.scaling = orig.scaling
+        self.is_causal = True
+        self.attention_dropout = 0.0
+        self.num_key_value_groups = self.H // self.K
+        self.sliding_window = getattr(orig, "sliding_window", None)
+        self.q_proj, self.k_proj, self.o_proj = orig.q_proj, orig.k_proj, orig.o_proj
+        w = orig.q_proj.weight
+        self.tale = TaleWeights(self.G, config.hidden_size, self.R, self.H, dtype=w.dtype, device=w.device)
+        # A value bias (Qwen2) passes through attention unchanged (softmax weights sum to 1).
+        # Kept as `v_proj.bias` so the artifact's tensor name still matches.
+        vb = orig.v_proj.bias
+        self.v_proj = nn.Module()
+        self.v_proj.bias = None if vb is None else nn.Parameter(vb.detach().clone(), requires_grad=False)
+        self.output_path = "fused"  # or "factored"
+        self.attention_fn: AttentionFn = latent_attention
+
+    # -- projections --------------------------------------------------------------------
+
+    def latents(self, x: torch.Tensor) -> torch.Tensor:
+        """h = x A per group: [B, T, d] -> [B, G, T, R]."""
+        return torch.einsum("btd,cdr->bctr", x, self.tale.u_v)
+
+    def values(self, h: torch.Tensor) -> torch.Tensor:
+        """v = h B (+ bias): [B, G, T, R] -> [B, K, T, n]."""
+        B, G, T, _ = h.shape
+        v = torch.einsum("bctr,crs->bcts", h, self.tale.v_v)  # [B, G, T, g*n]
+        v = v.view(B, G, T, self.g, self.head_dim).permute(0, 1, 3, 2, 4).reshape(B, self.K, T, self.head_dim)
+        if self.v_proj.bias is not None:
+            v = v + self.v_proj.bias.view(1, self.K, 1, self.head_dim)
+        return v
+
+    def _bias_out(self) -> torch.Tensor | None:
+        """Constant output of the value bias: concat_q b_{m(q)} . W_O."""
+        if self.v_proj.bias is None:
+            return None
+        b = self.v_proj.bias.view(self.K, 1, self.head_dim).expand(self.K, self.H // self.K, self.head_dim)
+        return nn.functional.linear(b.reshape(1, -1), self.o_proj.weight).squeeze(0)
+
+    def output(self, z: torch.Tensor) -> torch.Tensor:
+        """z [B, T, H, R] (latent attention output) -> [B, T, d]."""
+        B, T = z.shape[:2]
+        dtype = self.o_proj.weight.dtype
+        if self.output_path == "fused":
+            out = nn.functional.linear(z.reshape(B, T, -1).to(dtype), self.tale.o_fused)
+            if self.o_proj.bias is not None:
+                out = out + self.o_proj.bias
+        else:
+            rep = self.H // self.K
+            zz = z.view(B, T, self.G, self.g, rep, self.R).to(dtype)
+            vv = self.tale.v_v.view(self.G, self.R, self.g, self.head_dim)
+            y = torch.einsum("btcjir,crjn->btcjin", zz, vv).reshape(B, T, self.H * self.head_dim)
+            out = self.o_proj(y)
+        bias = self._bias_out()
+        return out if bias is None else out + bias
+
+    # -- forward ------------------------------------------------------------------------
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        B, T, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        h = self.latents(hidden_states)
+
+        layer = None
+        if isinstance(past_key_values, TaleCache):
+            layer = past_key_values.layers[self.layer_idx]
+        elif past_key_values is not None and past_key_values.get_seq_length(self.layer_idx) > 0:
+            raise TypeError("TALE models need a TaleCache (tale_runtime.new_cache(model)), not " + type(past_key_values).__name__)
+
+        if layer is None or layer.kappa == 0:
+            # exact prefill through the model's attention function
+            v = self.values(h)
+            attn = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+            if attn is None:
+                from transformers.integrations.sdpa_attention import sdpa_attention_forward as attn
+            out, weights = attn(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+            out = self.o_proj(out.reshape(B, T, -1).contiguous())
+            if layer is not None:
+                layer.append(k, h, _valid_from_mask(attention_mask, B, T, hidden_states.device))
+            return out, weights
+
+        z = self.attention_fn(q, k, h, layer, self.scaling)
+        layer.append(k, h)
+        return self.output(z), None
+
+
+def _valid_from_mask(mask, B: int, T: int, device) -> torch.Tensor | None:
+    """Real (non-padding) key positions from the prefill mask (bool: True=attend; float: 0=attend)."""
+    if mask is None or not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return None
+    last = mask[:, 0, -1, -T:]
+    valid = last if last.dtype == torch.bool else last == 0
+    return valid.expand(B, T).to(device)

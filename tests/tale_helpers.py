@@ -1,0 +1,76 @@
+"""Test helpers: tiny random models turned into TALE models in memory (no converter needed)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from tale_runtime.artifact import Level, Schedule, uniform_ranks
+from tale_runtime.model import TaleAttention
+
+TINY = dict(
+    llama=dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+               num_attention_heads=8, num_key_value_heads=4, head_dim=16, vocab_size=320, max_position_embeddings=512),
+    mistral=dict(model_type="mistral", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=320, max_position_embeddings=512,
+                 sliding_window=None),
+    qwen2=dict(model_type="qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+               num_attention_heads=8, num_key_value_heads=4, head_dim=16, vocab_size=320, max_position_embeddings=512),
+    mha=dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=4, head_dim=32, vocab_size=320, max_position_embeddings=512),
+)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, dtype=torch.float32):
+    cfg = dict(TINY[arch])
+    mt = cfg.pop("model_type")
+    config = AutoConfig.for_model(mt, **cfg)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+    if arch == "qwen2":  # make the value bias matter
+        for layer in model.model.layers:
+            layer.self_attn.v_proj.bias.data.normal_(0, 0.5)
+    return model
+
+
+def talify(model, group: int, schedule: Schedule | None = None):
+    """A TALE copy of `model` with plain (unwhitened) SVD factors: enough for runtime identities."""
+    tm = copy.deepcopy(model)
+    cfg = tm.config
+    n = tm.model.layers[0].self_attn.head_dim
+    K = cfg.num_key_value_heads
+    G, R = K // group, group * n
+    for i, layer in enumerate(tm.model.layers):
+        orig = layer.self_attn
+        att = TaleAttention(orig, cfg, i, group)
+        W = orig.v_proj.weight.detach().double().T  # [d, K*n]
+        Wo = orig.o_proj.weight.detach().double().T  # [H*n, d]
+        A, B, Of = [], [], []
+        for c in range(G):
+            U, S, Vh = torch.linalg.svd(W[:, c * R:(c + 1) * R], full_matrices=False)
+            A.append(U * S.sqrt())
+            B.append(S.sqrt()[:, None] * Vh)
+        rep = cfg.num_attention_heads // K
+        for q in range(cfg.num_attention_heads):
+            m = q // rep
+            c, j = m // group, m % group
+            Of.append(B[c][:, j * n:(j + 1) * n] @ Wo[q * n:(q + 1) * n])
+        dt = orig.q_proj.weight.dtype
+        att.tale.u_v.data = torch.stack(A).to(dt)
+        att.tale.v_v.data = torch.stack(B).to(dt)
+        att.tale.o_fused.data = torch.cat(Of).T.contiguous().to(dt)
+        layer.self_attn = att
+    L = cfg.num_hidden_layers
+    sched = schedule or Schedule(ranks=uniform_ranks(R, L, 0.5, value_group=8), value_group=8, key_group=8, residual=8)
+    tm.tale_manifest = {"architecture": {"head_dim": n, "num_groups": G, "latent_rank": R, "group_size": group}}
+    tm.tale_schedule = sched
+    return tm
+
+
+def exact_schedule(R: int, layers: int, sinks: int = 4) -> Schedule:
+    """No compression: r0 = R, all bits 16."""
+    return Schedule(sinks=sinks, levels=[Level(16, 16, None), Level(16, 16, 0.1)], ranks=[[R, R]] * layers,
+                    key_group=8, value_group=8, residual=8)
