@@ -8,9 +8,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from .artifact import ArtifactError, Schedule, read_manifest, schedule_of, verify_files
+from .artifact import ArtifactError, Level, Schedule, read_manifest, schedule_of, verify_files
 from .model import TaleAttention, TaleCache
 
 SUPPORTED = ("llama", "mistral", "qwen2")
@@ -41,6 +41,90 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
+def override_schedule(
+    base: Schedule,
+    R: int,
+    num_layers: int,
+    *,
+    sinks: int | None = None,
+    recent: float | list[float] | None = None,
+    ranks: float | int | list[float | int] | None = None,
+    bits: int | list[int] | None = None,
+    key_bits: int | list[int] | None = None,
+    key_group: int | None = None,
+    value_group: int | None = None,
+    residual: int | None = None,
+) -> Schedule:
+    """`base` (the artifact's schedule) with some knobs replaced; raises ValueError if the result is invalid.
+
+    recent: the share p of each level above level 0, oldest first (one float: the paper's two levels).
+    ranks: one per level or one for all, a fraction of R (float, rounded down to value_group) or a rank
+      (int); the same for every layer.
+    bits: one per level or one for all, for latents and keys; key_bits then replaces the key bits only.
+    Changing the number of levels needs `bits`; without `ranks`, level 0 keeps its ranks, the others get R.
+    """
+    n_old = len(base.levels)
+    shares = None if recent is None else _listify(recent)
+    n = n_old if shares is None else len(shares) + 1
+    if n != n_old and bits is None:
+        raise ValueError(f"schedule override: {n} levels (from recent) need bits for each level ({n} values)")
+    levels = [replace(lv) for lv in base.levels] if n == n_old else [Level(16, 16, None) for _ in range(n)]
+    if shares is not None:
+        for lv, p in zip(levels[1:], shares):
+            lv.share = float(p)
+    if bits is not None:
+        for lv, b in zip(levels, _per_level("bits", bits, n)):
+            lv.bits = lv.key_bits = int(b)
+    if key_bits is not None:
+        for lv, b in zip(levels, _per_level("key_bits", key_bits, n)):
+            lv.key_bits = int(b)
+
+    vg = base.value_group if value_group is None else value_group
+    if ranks is not None:
+        rs = [_rank(r, R, vg) for r in _per_level("ranks", ranks, n)]
+        layer_ranks = [list(rs) for _ in range(num_layers)]
+    elif n != n_old:
+        layer_ranks = [[rs[0]] + [R] * (n - 1) for rs in base.ranks]
+    else:
+        layer_ranks = [list(rs) for rs in base.ranks]
+
+    sched = Schedule(
+        sinks=base.sinks if sinks is None else sinks,
+        levels=levels,
+        ranks=layer_ranks,
+        key_group=base.key_group if key_group is None else key_group,
+        value_group=vg,
+        residual=base.residual if residual is None else residual,
+        policy=base.policy if ranks is None else "uniform",
+    )
+    try:
+        sched.validate(R, num_layers)
+    except ArtifactError as e:
+        raise ValueError(f"schedule override: {e}") from None
+    return sched
+
+
+def _listify(v) -> list:
+    return list(v) if isinstance(v, (list, tuple)) else [v]
+
+
+def _per_level(name: str, v, n: int) -> list:
+    vs = _listify(v)
+    if len(vs) == 1:
+        vs = vs * n
+    if len(vs) != n:
+        raise ValueError(f"schedule override: {name} has {len(vs)} values for {n} levels")
+    return vs
+
+
+def _rank(r: float | int, R: int, value_group: int) -> int:
+    if isinstance(r, float):
+        if not 0.0 < r <= 1.0:
+            raise ValueError(f"schedule override: rank fraction {r} must lie in (0, 1]")
+        return min(R, max(value_group, int(r * R + 1e-9) // value_group * value_group))
+    return int(r)
+
+
 def load(
     path_or_id: str | os.PathLike,
     device: str | torch.device | None = None,
@@ -52,39 +136,44 @@ def load(
 ):
     """Return (model, tokenizer) with TALE attention in every layer.
 
-    `schedule` replaces the artifact's; `overrides` replace single Schedule fields
-    (sinks, key_group, value_group, residual, ...). The tokenizer is None if the artifact has none.
+    `schedule` replaces the artifact's; `overrides` (sinks, recent, ranks, bits, key_bits, key_group,
+    value_group, residual) then change single knobs, see `override_schedule`. Problems with the
+    artifact raise ArtifactError, bad overrides ValueError. The tokenizer is None if the artifact has none.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     root = resolve(path_or_id, revision)
     manifest = read_manifest(root)
+    arch = manifest["architecture"]
+    try:
+        g, R = int(arch["group_size"]), int(arch["latent_rank"])
+    except (KeyError, TypeError, ValueError):
+        raise ArtifactError(f"{root}: manifest architecture lacks group_size/latent_rank") from None
+    model_type = _model_type(root)
+    if model_type not in SUPPORTED:
+        raise ArtifactError(f"{root}: model_type {model_type!r} is not supported (only {', '.join(SUPPORTED)})")
     if verify:
         verify_files(root, manifest)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or default_dtype(device)
 
     config = AutoConfig.from_pretrained(root)
-    if config.model_type not in SUPPORTED:
-        raise ArtifactError(f"{root}: model_type {config.model_type!r} is not supported (only {', '.join(SUPPORTED)})")
     config._attn_implementation = "sdpa"
-    arch = manifest["architecture"]
-    g = int(arch["group_size"])
+    try:
+        sched = schedule or schedule_of(manifest)
+    except (KeyError, TypeError) as e:
+        raise ArtifactError(f"{root}: malformed schedule in the manifest ({e})") from None
+    if overrides:
+        sched = override_schedule(sched, R, config.num_hidden_layers, **overrides)
+    else:
+        sched.validate(R, config.num_hidden_layers)
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     for i, layer in enumerate(model.model.layers):
         layer.self_attn = TaleAttention(layer.self_attn, config, i, g)
 
-    state = {}
-    index = root / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-    for f in files:
-        if not (root / f).is_file():
-            raise ArtifactError(f"{root}: tensor file {f} is missing")
-        with safe_open(root / f, framework="pt", device=str(device)) as st:
-            for name in st.keys():
-                state[name] = st.get_tensor(name).to(dtype)
+    state = _read_tensors(root, device, dtype)
     expected = set(model.state_dict().keys())
     tied = getattr(config, "tie_word_embeddings", False)
     missing = expected - set(state) - ({"lm_head.weight"} if tied else set())
@@ -93,17 +182,17 @@ def load(
     unexpected = set(state) - expected
     if unexpected:
         raise ArtifactError(f"{root}: artifact has unexpected tensors, e.g. {sorted(unexpected)[0]}")
-    model.load_state_dict(state, strict=False, assign=True)
+    try:
+        model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as e:
+        first = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), str(e).splitlines()[0])
+        raise ArtifactError(f"{root}: tensors do not match config.json/manifest: {first}") from None
     if tied:
         model.tie_weights()
     # non-persistent buffers (rotary inv_freq) were created on meta: rebuild them for real
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=config, device=device)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
     model.to(device).eval()
 
-    sched = schedule or schedule_of(manifest)
-    if overrides:
-        sched = replace(sched, **overrides)
-    sched.validate(int(arch["latent_rank"]), config.num_hidden_layers)
     model.tale_manifest = manifest
     model.tale_schedule = sched
     model.tale_path = root
@@ -114,6 +203,38 @@ def load(
     if any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tok = AutoTokenizer.from_pretrained(root)
     return model, tok
+
+
+def _model_type(root: Path) -> str | None:
+    f = root / "config.json"
+    if not f.is_file():
+        raise ArtifactError(f"{root}: no config.json")
+    try:
+        return json.loads(f.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError):
+        raise ArtifactError(f"{f}: corrupt config.json") from None
+
+
+def _read_tensors(root: Path, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise ArtifactError(f"{index}: corrupt safetensors index") from None
+    else:
+        files = ["model.safetensors"]
+    state = {}
+    for f in files:
+        if not (root / f).is_file():
+            raise ArtifactError(f"{root}: tensor file {f} is missing")
+        try:
+            with safe_open(root / f, framework="pt", device=str(device)) as st:
+                for name in st.keys():
+                    state[name] = st.get_tensor(name).to(dtype)
+        except SafetensorError as e:
+            raise ArtifactError(f"{root / f}: unreadable safetensors file ({e})") from None
+    return state
 
 
 def new_cache(model, schedule: Schedule | None = None) -> TaleCache:

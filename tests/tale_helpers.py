@@ -74,3 +74,48 @@ def exact_schedule(R: int, layers: int, sinks: int = 4) -> Schedule:
     """No compression: r0 = R, all bits 16."""
     return Schedule(sinks=sinks, levels=[Level(16, 16, None), Level(16, 16, 0.1)], ranks=[[R, R]] * layers,
                     key_group=8, value_group=8, residual=8)
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer without merges (256 bytes + <eos>) and a chat template: multi-byte
+    characters span several tokens. Fits the tiny models' vocab."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=257, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<eos>"], show_progress=False)
+    t.train_from_iterator(["x"], trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>")
+    tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    return tok
+
+
+def save_artifact(tm, path, tokenizer=None):
+    """Write a talified model as a TALE artifact directory (the layout of DESIGN.md 6)."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from tale_runtime.artifact import FORMAT, FORMAT_VERSION, MANIFEST, nominal_ratio, sha256_file, write_json
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tm.config.save_pretrained(path)
+    state = {k: v.contiguous() for k, v in tm.state_dict().items()}
+    if tm.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, path / "model.safetensors")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    arch = dict(tm.tale_manifest["architecture"], model_type=tm.config.model_type)
+    write_json(path / MANIFEST, {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "architecture": arch,
+        "schedule": tm.tale_schedule.to_dict(),
+        "nominal_ratio": nominal_ratio(tm.tale_schedule, arch["head_dim"], arch["group_size"]),
+        "files": {"model.safetensors": sha256_file(path / "model.safetensors")},
+    })
+    return path

@@ -1,0 +1,156 @@
+"""tale-run: generate from a TALE artifact with the compressed cache and report what it saved."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+          "fp32": "float32", "float32": "float32"}
+
+app = typer.Typer(add_completion=False, help=__doc__)
+err = Console(stderr=True, soft_wrap=True, highlight=False)
+
+
+class CliError(Exception):
+    """A user-facing problem: printed as one `error: ...` line, exit code 2."""
+
+
+def _numbers(name: str, text: str | None, kind: type) -> list | None:
+    """'2,4' -> [2, 4]. For ranks, '0.5' is a fraction of R and '96' a rank."""
+    if text is None:
+        return None
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            out.append(float(part) if kind is float or (kind is None and "." in part) else int(part))
+        except ValueError:
+            raise CliError(f"--{name}: {part!r} is not a {'number' if kind is not int else 'whole number'}") from None
+    return out
+
+
+def schedule_overrides(sinks, recent, ranks, bits, key_bits, key_group, value_group, residual) -> dict:
+    """CLI strings -> keyword overrides for tale_runtime.load (validated there)."""
+    ov = {
+        "sinks": _numbers("sinks", sinks, int),
+        "recent": _numbers("recent", recent, float),
+        "ranks": _numbers("ranks", ranks, None),
+        "bits": _numbers("bits", bits, int),
+        "key_bits": _numbers("key-bits", key_bits, int),
+        "key_group": _numbers("key-group", key_group, int),
+        "value_group": _numbers("value-group", value_group, int),
+        "residual": _numbers("residual", residual, int),
+    }
+    for name in ("sinks", "key_group", "value_group", "residual"):
+        if ov[name] is not None:
+            if len(ov[name]) != 1:
+                raise CliError(f"--{name.replace('_', '-')} takes one value")
+            ov[name] = ov[name][0]
+    return {k: v for k, v in ov.items() if v is not None}
+
+
+def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    if (prompt is None) == (prompt_file is None):
+        raise CliError("give exactly one of --prompt and --prompt-file")
+    if prompt_file is not None:
+        try:
+            prompt = prompt_file.read_text()
+        except OSError as e:
+            raise CliError(f"--prompt-file: {e.strerror}: {prompt_file}") from None
+    if not prompt.strip():
+        raise CliError("empty prompt")
+    return prompt
+
+
+def encode(tok, prompt: str, raw: bool) -> list[int]:
+    if not raw and tok.chat_template:
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+    return tok(prompt)["input_ids"]
+
+
+@app.command()
+def run(
+    model: str = typer.Argument(..., metavar="DIR_OR_REPO", help="TALE artifact directory or Hub repo id"),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="the prompt text"),
+    prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="read the prompt from a file"),
+    raw: bool = typer.Option(False, "--raw", help="no chat template: feed the prompt as it is"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy"),
+    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="nucleus sampling (temperature > 0)"),
+    seed: int = typer.Option(0, "--seed"),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:1, ..."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32"),
+    output_path: str = typer.Option("fused", "--output-path", help="fused (O^r) or factored (B then W_O)"),
+    sinks: Optional[str] = typer.Option(None, "--sinks", metavar="N", help="exact sink tokens (alpha)"),
+    recent: Optional[str] = typer.Option(
+        None, "--recent", metavar="P[,P..]", help="share p of each level above the middle, oldest first"),
+    ranks: Optional[str] = typer.Option(
+        None, "--ranks", metavar="R,R..", help="rank per level: fraction of full rank (0.5) or absolute (96)"),
+    bits: Optional[str] = typer.Option(None, "--bits", metavar="B,B..", help="bits per level (latents and keys)"),
+    key_bits: Optional[str] = typer.Option(None, "--key-bits", metavar="B,B..", help="key bits per level"),
+    key_group: Optional[str] = typer.Option(None, "--key-group", metavar="N", help="tokens per key quantization group"),
+    value_group: Optional[str] = typer.Option(
+        None, "--value-group", metavar="N", help="channels per latent quantization group"),
+    residual: Optional[str] = typer.Option(None, "--residual", metavar="N", help="16-bit recent tail length"),
+) -> None:
+    """Generate from a TALE artifact, streaming the text; a stats line follows on stderr."""
+    try:
+        text = read_prompt(prompt, prompt_file)
+        overrides = schedule_overrides(sinks, recent, ranks, bits, key_bits, key_group, value_group, residual)
+        if dtype not in DTYPES:
+            raise CliError(f"--dtype must be one of bf16, fp16, fp32; got {dtype!r}")
+        if output_path not in ("fused", "factored"):
+            raise CliError(f"--output-path must be fused or factored; got {output_path!r}")
+
+        import torch
+
+        from .artifact import ArtifactError
+        from .generate import generate
+        from .load import load, set_output_path
+
+        try:
+            dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                               "cpu" if device == "auto" else device)
+        except RuntimeError:
+            raise CliError(f"--device: unknown device {device!r}") from None
+        try:
+            m, tok = load(model, device=dev, dtype=getattr(torch, DTYPES[dtype]), **overrides)
+        except (ArtifactError, ValueError) as e:
+            raise CliError(str(e)) from None
+        if tok is None:
+            raise CliError(f"{model}: the artifact has no tokenizer")
+        ids = encode(tok, text, raw)
+        ctx = m.config.max_position_embeddings
+        if len(ids) >= ctx:
+            raise CliError(f"prompt is {len(ids)} tokens; the model's context is {ctx}")
+        if len(ids) + max_new_tokens > ctx:
+            max_new_tokens = ctx - len(ids)
+            err.print(f"note: --max-new-tokens capped to {max_new_tokens} by the model's context ({ctx})", style="dim")
+        set_output_path(m, output_path)
+    except CliError as e:
+        err.print(f"error: {e}", markup=False, style=None)
+        raise typer.Exit(2)
+
+    def emit(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    _, stats = generate(m, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                        seed=seed, tokenizer=tok, on_text=emit)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    err.print(stats.line(), style="dim", markup=False)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""A plain decode loop over a TaleCache: greedy or sampled, streaming text, with cache statistics.
+
+For batches, beam search or logits processors use `model.generate(..., past_key_values=new_cache(model))`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .artifact import nominal_ratio
+from .load import new_cache
+from .model import TaleCache
+
+
+@dataclass
+class GenStats:
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_s: float  # the prompt's forward pass (it yields the first new token)
+    decode_s: float  # every later forward pass
+    cache_bytes: int  # TaleCache.nbytes(): every cached tensor
+    baseline_bytes: int  # 16-bit K+V of the same tokens
+    nominal_ratio: float | None  # artifact.nominal_ratio of the schedule: no sinks, scales, zeros, residual
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = self.generated_tokens - 1
+        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+
+    @property
+    def ratio(self) -> float:
+        return self.baseline_bytes / self.cache_bytes if self.cache_bytes else 0.0
+
+    def line(self) -> str:
+        nominal = f"{self.nominal_ratio:.2f}x" if self.nominal_ratio else "n/a"
+        return (
+            f"prompt {self.prompt_tokens} tok, generated {self.generated_tokens} tok, "
+            f"prefill {self.prefill_s:.2f} s, decode {self.decode_tokens_per_s:.1f} tok/s | "
+            f"cache {_mib(self.cache_bytes)} vs 16-bit K+V {_mib(self.baseline_bytes)}: "
+            f"measured {self.ratio:.2f}x (nominal {nominal})"
+        )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+class TextStream:
+    """Incremental detokenization: emits the text of each new token once it is complete.
+
+    Decodes the tokens since the last newline together (so tokenizers that merge spaces or
+    bytes across tokens come out right) and holds back a trailing U+FFFD: a multi-byte
+    character split over byte-level tokens is emitted only when its last byte arrives.
+    """
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\n"):
+            out = text[self.printed :]
+            self.ids, self.printed = [], 0
+            return out
+        if text.endswith("\ufffd"):
+            return ""
+        out = text[self.printed :]
+        self.printed = len(text)
+        return out
+
+    def flush(self) -> str:
+        """The held-back rest (an incomplete character at the end of generation)."""
+        text = self.tok.decode(self.ids, skip_special_tokens=True) if self.ids else ""
+        out = text[self.printed :]
+        self.ids, self.printed = [], 0
+        return out
+
+
+def schedule_nominal_ratio(model, schedule) -> float | None:
+    """artifact.nominal_ratio of the schedule in use (overrides included)."""
+    arch = getattr(model, "tale_manifest", {}).get("architecture", {})
+    if "head_dim" not in arch or "group_size" not in arch:
+        return None
+    return nominal_ratio(schedule, int(arch["head_dim"]), int(arch["group_size"]))
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+def _next_token(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> int:
+    """logits [V] (float32) -> token id: greedy at temperature 0, else nucleus sampling."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = (logits / temperature).softmax(-1)
+    if top_p < 1.0:
+        sp, si = probs.sort(descending=True)
+        keep = sp.cumsum(-1) - sp < top_p  # the smallest prefix with mass >= top_p (always the top token)
+        probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    input_ids: torch.Tensor | list[int],
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    tokenizer=None,
+    on_text: Callable[[str], None] | None = None,
+    cache: TaleCache | None = None,
+    eos_token_id: int | list[int] | None = None,
+) -> tuple[list[int], GenStats]:
+    """Generate from one prompt with a fresh TaleCache; stop at EOS or after max_new_tokens.
+
+    `on_text` receives the decoded text as it grows (needs `tokenizer`). Returns the new token
+    ids (EOS included if reached) and the statistics.
+    """
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
+    if ids.shape[1] == 0:
+        raise ValueError("empty prompt")
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    cache = cache if cache is not None else new_cache(model)
+    stop = eos_ids(model, tokenizer) if eos_token_id is None else set(torch.as_tensor(eos_token_id).reshape(-1).tolist())
+    gen = None
+    if temperature > 0 and seed is not None:
+        gen = torch.Generator(device=device).manual_seed(seed)
+    stream = TextStream(tokenizer) if on_text is not None else None
+
+    out: list[int] = []
+    t0 = time.perf_counter()
+    logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    prefill_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    while len(out) < max_new_tokens:
+        tok = _next_token(logits[0, -1].float(), temperature, top_p, gen)
+        out.append(tok)
+        if stream is not None and tok not in stop and (text := stream.push(tok)):
+            on_text(text)
+        if tok in stop or len(out) == max_new_tokens:
+            break
+        step = torch.tensor([[tok]], device=device)
+        logits = model(input_ids=step, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    decode_s = time.perf_counter() - t1 if len(out) > 1 else 0.0
+    if stream is not None and (text := stream.flush()):
+        on_text(text)
+
+    stats = GenStats(
+        prompt_tokens=ids.shape[1],
+        generated_tokens=len(out),
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        cache_bytes=cache.nbytes(),
+        baseline_bytes=cache.baseline_nbytes(),
+        nominal_ratio=schedule_nominal_ratio(model, cache.schedule),
+    )
+    return out, stats
