@@ -1,0 +1,202 @@
+"""The model card (README.md) of a TALE artifact: Hub metadata, the cache schedule, measured
+figures when there are any, and how to run it. Everything comes from the manifest; fields the
+converter or the evaluator did not record are left out, never guessed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+from tale_runtime.artifact import Schedule, nominal_ratio
+
+# A generated card carries this line; tale-push regenerates such a card and keeps any other README.
+MARKER = "<!-- tale-kv: generated card, tale-push rewrites it. Delete this line to keep your own edits. -->"
+TAGS = ["tale", "kv-cache-compression", "text-generation"]
+# Base-model tags that would be false for a TALE artifact (other formats, other serving stacks).
+DROP_TAGS = {"gguf", "onnx", "mlx", "transformers.js", "autotrain_compatible", "endpoints_compatible",
+             "text-generation-inference", "region:us", "region:eu"}
+PLACEHOLDER_ID = "OWNER/NAME"
+
+
+def base_model_id(manifest: dict) -> str | None:
+    """The base model's Hub id, or None when it was converted from a local directory."""
+    base = manifest.get("base")
+    bid = base.get("id") if isinstance(base, dict) else base
+    if not isinstance(bid, str) or bid.startswith(("/", ".", "~")) or bid.count("/") != 1:
+        return None
+    try:
+        validate_repo_id(bid)
+    except HFValidationError:
+        return None
+    return bid
+
+
+def card_data(text: str | None) -> ModelCardData:
+    """The front matter of a card, empty if it has none or it does not parse."""
+    if not text or not text.lstrip().startswith("---"):
+        return ModelCardData()
+    try:
+        return ModelCard(text).data
+    except ValueError:  # malformed YAML
+        return ModelCardData()
+
+
+def render_card(manifest: dict, base_card: str | None = None, quality: dict | None = None,
+                *, repo_id: str | None = None) -> str:
+    """README.md for an artifact.
+
+    base_card: the base model's README (or a previous TALE card): its license, tags and
+    language are carried over. quality: measured figures (e.g. from tale-eval), merged over
+    manifest["measured"] / manifest["quality"]. repo_id: where the artifact is published
+    (the usage lines name it; a placeholder otherwise).
+    """
+    base = manifest.get("base") if isinstance(manifest.get("base"), dict) else {}
+    hub_base = base_model_id(manifest)
+    base_name = hub_base or Path(str(base.get("id") or "the base model")).name  # never a local absolute path
+    prev = card_data(base_card)
+    arch = manifest["architecture"]
+    tags = list(dict.fromkeys(TAGS + [arch.get("model_type")] + list(prev.tags or [])))
+    data = ModelCardData(
+        base_model=hub_base,
+        library_name="tale-kv",
+        license=base.get("license") or manifest.get("license") or prev.license or "other",
+        language=prev.language,
+        pipeline_tag="text-generation",
+        tags=[t for t in tags if t and t not in DROP_TAGS],
+    )
+    sections = [
+        f"# {repo_id or base_name + ' (TALE)'}\n\n{MARKER}",
+        _intro(manifest, base_name, hub_base),
+        _schedule(manifest),
+        _measured({**_dict(manifest.get("measured")), **_dict(manifest.get("quality")), **_dict(quality)}),
+        _usage(repo_id or PLACEHOLDER_ID),
+        _provenance(manifest),
+    ]
+    body = "\n\n".join(s for s in sections if s)
+    return f"---\n{data.to_yaml()}\n---\n\n{body}\n"
+
+
+def complete_metadata(card: str, manifest: dict) -> str:
+    """A user's own card, with the metadata the Hub needs for a TALE artifact filled in
+    (base_model, library_name, tags); everything the user wrote is kept."""
+    mc = ModelCard(card) if card.lstrip().startswith("---") else ModelCard(f"---\n---\n{card}")
+    mc.data.base_model = mc.data.base_model or base_model_id(manifest)
+    mc.data.library_name = mc.data.library_name or "tale-kv"
+    mc.data.tags = list(dict.fromkeys(list(mc.data.tags or []) + TAGS))
+    return str(mc)
+
+
+def _dict(x) -> dict:
+    return x if isinstance(x, dict) else {}
+
+
+def _intro(m: dict, base_name: str, hub_base: str | None) -> str:
+    arch = m["architecture"]
+    link = f"[`{base_name}`](https://huggingface.co/{hub_base})" if hub_base else f"`{base_name}`"
+    return (
+        f"A TALE (token-adaptive low-rank KV-cache compression, training-free) artifact of {link}. "
+        f"Each layer's value projection is replaced by whitened SVD factors over groups of "
+        f"{arch.get('group_size')} KV heads (latent rank R = {arch.get('latent_rank')}) plus a fused output "
+        "matrix; all other weights are the base model's. Nothing is truncated in the weights: at run time "
+        "each cached token keeps a value rank and bit width chosen by its position, and its key quantized, "
+        "while the forward pass itself stays exact."
+    )
+
+
+def _schedule(m: dict) -> str:
+    s = Schedule.from_dict(m["schedule"])
+    arch = m["architecture"]
+    R = arch.get("latent_rank")
+    rows = []
+    for i, (lv, share) in enumerate(zip(s.levels, s.shares())):
+        ranks = [rs[i] for rs in s.ranks]
+        rank = "?" if not ranks else str(ranks[0]) if len(set(ranks)) == 1 else f"{min(ranks)}..{max(ranks)} (by layer)"
+        who = "oldest (middle)" if i == 0 else "most recent" if i == len(s.levels) - 1 else f"level {i}"
+        rows.append(f"| {i} | {who} | {share:.3g} | {rank} / {R} | {lv.bits} | {lv.key_bits} |")
+    ratio = m.get("nominal_ratio")
+    if ratio is None and arch.get("head_dim") and arch.get("group_size"):
+        ratio = nominal_ratio(s, int(arch["head_dim"]), int(arch["group_size"]))
+    lines = [
+        "## Cache schedule",
+        "",
+        f"The first {s.sinks} tokens (attention sinks) stay at 16 bits. The other tokens, oldest first:",
+        "",
+        "| level | tokens | share | value rank | value bits | key bits |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"Quantization groups: keys per channel over {s.key_group} tokens, value latents per token over "
+        f"{s.value_group} channels; the newest tokens wait in a 16-bit residual of up to {s.residual} tokens. "
+        f"Level policy: {s.policy}.",
+    ]
+    if ratio is not None:
+        lines += ["", f"Nominal K+V cache compression versus 16 bits: **{ratio:.2f}x** "
+                      "(ignoring sinks, scales and zero points; the measured ratio counts them)."]
+    return "\n".join(lines)
+
+
+def _flat(d: dict, prefix: str = "") -> list[tuple[str, object]]:
+    out = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out += _flat(v, f"{prefix}{k}.")
+        elif isinstance(v, (int, float, str, bool)):
+            out.append((f"{prefix}{k}", v))
+    return out
+
+
+def _measured(q: dict) -> str:
+    rows = [f"| {k} | {f'{v:.4g}' if isinstance(v, float) else v} |" for k, v in _flat(q)]
+    if not rows:
+        return ""
+    return "\n".join(["## Measured", "", "| metric | value |", "|---|---|", *rows])
+
+
+def _usage(repo_id: str) -> str:
+    return f"""## Use
+
+```bash
+pip install tale-kv
+tale-run {repo_id} --prompt "Explain KV-cache compression in one paragraph."
+```
+
+```python
+from tale_runtime import load, new_cache
+
+model, tok = load("{repo_id}")
+inputs = tok("Explain KV-cache compression in one paragraph.", return_tensors="pt").to(model.device)
+out = model.generate(**inputs, past_key_values=new_cache(model), max_new_tokens=64)
+print(tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+```
+
+`load` also takes a local artifact directory; offline (`HF_HUB_OFFLINE=1`) it loads from the local
+Hugging Face cache."""
+
+
+def _provenance(m: dict) -> str:
+    lines = []
+    tool = _dict(m.get("tool"))
+    if tool.get("version"):
+        lines.append(f"- made with {tool.get('name', 'tale-kv')} {tool['version']}")
+    base = _dict(m.get("base"))
+    if base.get("revision"):
+        lines.append(f"- base revision `{base['revision']}`")
+    if base.get("origin"):
+        lines.append(f"- base weights: {base['origin']}")
+    cal = _dict(m.get("calibration"))
+    if cal.get("samples") and cal.get("seq_len"):
+        lines.append(f"- calibration: {cal['samples']} x {cal['seq_len']} tokens from {cal.get('source', '?')}"
+                     f" (seed {cal.get('seed', '?')})")
+    svd = _dict(m.get("svd"))
+    if svd.get("method"):
+        lines.append(f"- factorization: {svd['method']}")
+    energy = m.get("energy_kept")
+    if isinstance(energy, list) and energy and all(isinstance(e, list) and e for e in energy):
+        mean = [sum(e[i] for e in energy) / len(energy) for i in range(len(energy[0]))]
+        lines.append("- whitened value energy kept at each level's rank (mean over layers): "
+                     + ", ".join(f"{x:.1%}" for x in mean))
+    if not lines:
+        return ""
+    return "\n".join(["## Conversion", "", *lines, "", "The full record is in `tale_config.json`."])

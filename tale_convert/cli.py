@@ -1,0 +1,109 @@
+"""`tale-convert`: the command line around tale_convert.convert."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tale_runtime.artifact import ArtifactError
+
+from . import ConvertError
+from .convert import Options, convert
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help="Convert a Llama-family checkpoint into a TALE artifact.")
+out_console = Console()
+err_console = Console(stderr=True)
+D = Options()
+
+
+def _numbers(s: str, kind, flag: str) -> tuple:
+    try:
+        return tuple(kind(x) for x in s.split(","))
+    except ValueError:
+        raise ConvertError(f"{flag} {s!r}: expected comma-separated numbers, e.g. 2,4") from None
+
+
+@app.command()
+def run(
+    model: str = typer.Argument("smollm2", help="`smollm2` (embedded default), a local checkpoint dir, or a Hub id owner/name"),
+    out: Path = typer.Option(..., "--out", "-o", help="artifact directory to write"),
+    group: int = typer.Option(D.group, help="KV heads per latent group g (must divide the KV heads)"),
+    calib: Optional[list[Path]] = typer.Option(None, help="calibration .txt/.json/.jsonl file (repeatable); default: bundled CC0 corpus"),
+    samples: int = typer.Option(D.samples, help="calibration sequences"),
+    seq_len: int = typer.Option(D.seq_len, help="tokens per calibration sequence"),
+    seed: int = typer.Option(D.seed, help="seed for sampling the calibration sequences"),
+    device: str = typer.Option(D.device, help="where layers run: auto, cpu, cuda, cuda:1, ..."),
+    dtype: str = typer.Option(D.dtype, help="stored tensor dtype: bf16, fp16, fp32 or auto (the checkpoint's)"),
+    sinks: int = typer.Option(D.sinks, help="sink tokens kept at 16 bits (alpha)"),
+    recent: str = typer.Option("0.1", help="share p of non-sink tokens at full rank (one per level above 0)"),
+    r0: float = typer.Option(D.r0, help="level-0 rank as a fraction of the latent rank R"),
+    bits: str = typer.Option("2,4", help="value bits per level, oldest first (b0,b1)"),
+    key_bits: Optional[str] = typer.Option(None, help="key bits per level (default: --bits)"),
+    key_group: int = typer.Option(D.key_group, help="tokens per key quantization group"),
+    value_group: int = typer.Option(D.value_group, help="channels per latent quantization group"),
+    residual: int = typer.Option(D.residual, help="16-bit residual tokens (multiple of --key-group)"),
+    overwrite: bool = typer.Option(False, help="replace an existing artifact at --out"),
+    resume: bool = typer.Option(False, help="reuse the finished layers of an interrupted run with the same settings"),
+    shard_size: str = typer.Option(str(D.shard_size), help="max safetensors shard size, e.g. 2GB"),
+) -> None:
+    try:
+        opts = Options(
+            group=group, calib=calib or None, samples=samples, seq_len=seq_len, seed=seed, device=device, dtype=dtype,
+            sinks=sinks, recent=_numbers(recent, float, "--recent"), r0=r0, bits=_numbers(bits, int, "--bits"),
+            key_bits=_numbers(key_bits, int, "--key-bits") if key_bits else None, key_group=key_group,
+            value_group=value_group, residual=residual, shard_size=shard_size, overwrite=overwrite, resume=resume,
+        )
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err_console, transient=True) as progress:
+            task = progress.add_task("calibrating + factorizing layers", total=None)
+
+            def on_layer(lr, total):
+                progress.update(task, total=total, advance=1)
+
+            report = convert(model, out, opts, on_layer=on_layer, log=lambda s: progress.console.print(s))
+    except (ConvertError, ArtifactError) as e:
+        _fail(str(e), 2)
+    except Exception as e:  # a bug or an environment problem, not bad input
+        if os.environ.get("TALE_DEBUG"):
+            raise
+        _fail(f"internal error: {type(e).__name__}: {e} (set TALE_DEBUG=1 for the traceback)", 1)
+    _summary(report)
+
+
+def _summary(report) -> None:
+    t = Table(title="per layer")
+    for col in ("layer", "energy kept at r0", "whitening eps", "time (s)"):
+        t.add_column(col, justify="right")
+    for lr in report.layers:
+        t.add_row(str(lr.index), f"{lr.energy[0]:.4f}", f"{lr.eps:g}", f"{lr.seconds:.1f}" + (" (reused)" if lr.reused else ""))
+    out_console.print(t)
+    dev = f", device peak {report.peak_device / 2**30:.2f} GiB" if report.peak_device is not None else ""
+    out_console.print(f"wrote {report.out}\nnominal ratio {report.nominal_ratio:.2f}x, total {report.seconds:.1f} s, "
+                      f"peak RSS {report.peak_rss / 2**30:.2f} GiB{dev}")
+
+
+def _fail(msg: str, code: int) -> None:
+    print(f"error: {' '.join(msg.split())}", file=sys.stderr)
+    raise typer.Exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console script entry. Usage errors are one line too (click would print a usage box)."""
+    try:
+        code = app(args=argv, standalone_mode=False)
+    except typer.Exit as e:
+        code = e.exit_code
+    except typer.Abort:  # Ctrl-C
+        print("aborted", file=sys.stderr)
+        code = 130
+    except typer.TyperException as e:  # usage errors
+        print(f"error: {' '.join(e.format_message().split())}", file=sys.stderr)
+        code = getattr(e, "exit_code", 2)
+    sys.exit(code or 0)

@@ -1,0 +1,239 @@
+"""The conversion pipeline end to end: source -> calibrate -> whiten -> fuse -> write."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+import resource
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tale_runtime.artifact import (FORMAT, FORMAT_VERSION, MANIFEST, TOOL_NAME, O_FUSED, U_V, V_V, Level, Schedule,
+                                   nominal_ratio, uniform_ranks, write_json)
+
+from . import ConvertError, __version__
+from . import calibrate, resume, source, write
+from .fuse import fuse
+from .whiten import energy_kept, whiten
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+
+
+@dataclass
+class Options:
+    group: int = 4
+    calib: list[Path] | None = None  # None: the bundled corpus
+    samples: int = 64
+    seq_len: int = 512
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "bf16"  # of the stored tensors; "auto": the checkpoint's
+    sinks: int = 4
+    recent: tuple[float, ...] = (0.1,)  # share of each level above 0
+    r0: float = 0.5  # level-0 rank as a fraction of R
+    bits: tuple[int, ...] = (2, 4)  # value bits per level
+    key_bits: tuple[int, ...] | None = None  # default: = bits
+    key_group: int = 32
+    value_group: int = 32
+    residual: int = 32
+    shard_size: str | int = "2GB"
+    overwrite: bool = False
+    resume: bool = False
+
+    def schedule(self, R: int, num_layers: int) -> Schedule:
+        key_bits = self.key_bits or self.bits
+        if len(key_bits) != len(self.bits) or len(self.recent) != len(self.bits) - 1:
+            raise ConvertError(f"{len(self.bits)} levels (--bits) need {len(self.bits)} --key-bits and {len(self.bits) - 1} --recent shares")
+        if not 0 < self.r0 <= 1:
+            raise ConvertError(f"--r0 must be a fraction of R in (0, 1], got {self.r0}")
+        levels = [Level(b, kb, None if i == 0 else self.recent[i - 1]) for i, (b, kb) in enumerate(zip(self.bits, key_bits))]
+        ranks = uniform_ranks(R, num_layers, self.r0, self.value_group, len(levels))
+        return Schedule(self.sinks, levels, ranks, self.key_group, self.value_group, self.residual)
+
+
+@dataclass
+class LayerReport:
+    index: int
+    eps: float
+    energy: list[float]  # whitened energy kept at each level's rank
+    seconds: float
+    reused: bool
+
+
+@dataclass
+class Report:
+    out: Path
+    layers: list[LayerReport] = field(default_factory=list)
+    nominal_ratio: float = 0.0
+    seconds: float = 0.0
+    peak_rss: int = 0  # bytes, this process
+    peak_device: int | None = None  # bytes, CUDA only
+
+
+def convert(model: str | None, out: str | Path, opts: Options, on_layer: Callable[[LayerReport, int], None] | None = None,
+            log: Callable[[str], None] = lambda s: None) -> Report:
+    """Convert MODEL into a TALE artifact at `out`. Raises ConvertError on bad input."""
+    t0 = time.perf_counter()
+    out = Path(out).expanduser().absolute()
+    write.check_out(out, opts.overwrite)
+    shard_size = write.parse_size(opts.shard_size)
+    if opts.samples < 1 or opts.seq_len < 2:
+        raise ConvertError("--samples must be >= 1 and --seq-len >= 2")
+
+    src = source.resolve(model)
+    config, arch = source.load_config(src, opts.group)
+    schedule = opts.schedule(arch.R, arch.L)
+    schedule.validate(arch.R, arch.L)
+    window = source.sliding_window(config)
+    if window and opts.seq_len > window:
+        raise ConvertError(f"--seq-len {opts.seq_len} exceeds the model's sliding window {window}")
+    dtype = DTYPES.get(opts.dtype) or (config.dtype if opts.dtype == "auto" else None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConvertError(f"unknown --dtype {opts.dtype!r}: use bf16, fp16, fp32 or auto")
+    device = _device(opts.device)
+
+    tokenizer = source.load_tokenizer(src)
+    docs, calib_info = calibrate.load_documents(opts.calib)
+    tokens = calibrate.sample_tokens(tokenizer, docs, opts.samples, opts.seq_len, opts.seed)
+    log(f"calibration: {opts.samples} x {opts.seq_len} tokens from {calib_info['source']}")
+    base_files = src.file_hashes()
+    # Everything the factors depend on; a partial run is reused only if this matches exactly.
+    settings = {"tool": __version__, "model": base_files, "group": arch.g,
+                "tokens": hashlib.sha256(tokens.numpy().tobytes()).hexdigest()}
+
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    found = resume.find(out, settings) if opts.resume else None
+    if found != tmp:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if found and found != tmp:
+        os.replace(found, tmp)
+    if opts.resume:
+        log(f"resuming {found.name}" if found else "nothing to resume for these settings: starting afresh")
+    partial = None
+    try:
+        partial = resume.Partial(tmp / resume.DIR, settings)
+        log(f"loading {src.id}")
+        hf = source.load_model(src)
+        source.check_layout(hf, arch)
+        layers = _factorize(hf, tokens, device, arch, schedule, partial, on_layer)
+
+        entries = _entries(hf, arch, dtype, partial)
+        files = write.write_tensors(tmp, entries, shard_size)
+        write.copy_model_files(tmp, config, tokenizer, hf.generation_config, dtype)
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "tool": {"name": TOOL_NAME, "version": __version__},
+            "base": {"id": src.id, "revision": src.revision, "origin": src.origin, "files": base_files},
+            "dtype": str(dtype).removeprefix("torch."),
+            "architecture": arch.to_manifest(),
+            "schedule": schedule.to_dict(),
+            "svd": {"method": "svd-llm-whitened", "compute_dtype": "float64",
+                    "whitening_eps": [lr.eps for lr in layers]},
+            "calibration": {**calib_info, "samples": opts.samples, "seq_len": opts.seq_len, "seed": opts.seed,
+                            "tokens": opts.samples * opts.seq_len},
+            "energy_kept": [lr.energy for lr in layers],
+            "nominal_ratio": round(nominal_ratio(schedule, arch.n, arch.g), 4),
+            "files": files,
+        }
+        write_json(tmp / MANIFEST, manifest)
+        (tmp / "README.md").write_text(write.model_card(manifest, src.hub_id, src.license))
+        shutil.rmtree(tmp / resume.DIR)
+        write.publish(tmp, out)
+    except KeyboardInterrupt:
+        if partial and partial.done():
+            log(f"interrupted: {len(partial.done())} finished layers kept in {tmp}; rerun with --resume to reuse them")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Report(out, layers, manifest["nominal_ratio"], time.perf_counter() - t0,
+                  resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
+
+
+def _factorize(hf, tokens, device, arch, schedule, partial, on_layer) -> list[LayerReport]:
+    """Stream the calibration set through the layers; whiten + factor each layer's v_proj.
+
+    Layers already in `partial` are only replayed forward, and not even that once no later
+    layer is missing."""
+    done = partial.done()
+    missing = [i for i in range(arch.L) if i not in done]
+    stop = max(missing) + 1 if missing else 0
+    ckpt = partial.load_hidden() if done and missing else None
+    start = ckpt[0] if ckpt else 0
+    hidden = None
+    if start < stop:
+        hidden = ckpt[1].to(device) if ckpt else calibrate.embed(hf, tokens, device)
+        rope = calibrate.rotary(hf, tokens.shape[1], device)
+    reports: dict[int, LayerReport] = {}
+    saved = time.perf_counter()
+    for i in range(start, stop):
+        t = time.perf_counter()
+        layer = hf.model.layers[i]
+        C = calibrate.run_layer(layer, hidden, rope, i, covariance=i not in done)
+        if C is not None:
+            f = whiten(C, layer.self_attn.v_proj.weight.T, arch.g, arch.n)
+            del C
+            partial.save_layer(i, f, time.perf_counter() - t)
+            reports[i] = LayerReport(i, f.eps, [energy_kept(f.S, r) for r in schedule.ranks[i]], time.perf_counter() - t, False)
+            if on_layer:
+                on_layer(reports[i], arch.L)
+        if i + 1 < stop and time.perf_counter() - saved > resume.HIDDEN_EVERY_S:
+            partial.save_hidden(i + 1, hidden)
+            saved = time.perf_counter()
+    del hidden
+    for i in sorted(set(range(arch.L)) - set(reports)):
+        f, seconds = partial.load_layer(i)
+        reports[i] = LayerReport(i, f.eps, [energy_kept(f.S, r) for r in schedule.ranks[i]], seconds, True)
+        if on_layer:
+            on_layer(reports[i], arch.L)
+    return [reports[i] for i in range(arch.L)]
+
+
+def _entries(hf, arch, dtype, partial) -> list[write.Entry]:
+    """Base tensors in state_dict order, each layer's v_proj.weight replaced by the TALE tensors.
+    Tied weights are written once (as transformers does)."""
+    factors = functools.lru_cache(maxsize=1)(lambda i: partial.load_layer(i)[0])
+    size = torch.finfo(dtype).bits // 8
+    d, G, R, H = arch.d, arch.G, arch.R, arch.H
+    entries, seen = [], set()
+    for name, t in hf.state_dict().items():
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        m = re.fullmatch(r"(.*\.layers\.(\d+)\.self_attn\.)v_proj\.weight", name)
+        if not m:
+            entries.append(write.Entry(name, t.numel() * size, lambda t=t: t.to(dtype)))
+            continue
+        prefix, i = m.group(1), int(m.group(2))
+        W_O = hf.model.layers[i].self_attn.o_proj.weight
+        entries += [
+            write.Entry(prefix + U_V, G * d * R * size, lambda i=i: factors(i).A.to(dtype)),
+            write.Entry(prefix + V_V, G * R * R * size, lambda i=i: factors(i).B.to(dtype)),
+            write.Entry(prefix + O_FUSED, d * H * R * size,
+                        lambda i=i, W_O=W_O: fuse(factors(i).B, W_O.T.double(), H).T.to(dtype)),
+        ]
+    return entries
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConvertError(f"unknown --device {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConvertError(f"--device {name}: CUDA is not available")
+    return device

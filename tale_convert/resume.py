@@ -1,0 +1,99 @@
+"""Partial progress of a conversion, kept in <tmp>/.partial so that --resume can reuse it.
+
+- settings.json: everything the factors depend on (model files, group, calibration tokens).
+- layer_NNNN.safetensors: a finished layer's A, B, S (float64) and eps: a few MB each.
+- hidden.safetensors: the calibration hidden states entering layer k. Checkpointed at most
+  every HIDDEN_EVERY_S seconds, because it is large (samples*seq_len*hidden*4 bytes); on
+  resume, finished layers after the checkpoint are replayed forward only (no covariance, no SVD).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .whiten import Factors
+
+DIR = ".partial"
+HIDDEN_EVERY_S = 60.0
+
+
+class Partial:
+    def __init__(self, root: Path, settings: dict):
+        self.root = root
+        self.root.mkdir(parents=True, exist_ok=True)
+        _atomic_write(self.root / "settings.json", lambda p: p.write_text(json.dumps(settings, indent=1)))
+
+    def done(self) -> set[int]:
+        return {int(m.group(1)) for f in self.root.iterdir() if (m := re.fullmatch(r"layer_(\d+)\.safetensors", f.name))}
+
+    def save_layer(self, i: int, f: Factors, seconds: float) -> None:
+        tensors = {"A": f.A.cpu().contiguous(), "B": f.B.cpu().contiguous(), "S": f.S.cpu().contiguous()}
+        meta = {"eps": repr(f.eps), "seconds": repr(seconds)}
+        _atomic_write(self._layer(i), lambda p: save_file(tensors, p, metadata=meta))
+
+    def load_layer(self, i: int) -> tuple[Factors, float]:
+        from safetensors import safe_open
+
+        with safe_open(self._layer(i), "pt") as st:
+            meta = st.metadata()
+            t = {k: st.get_tensor(k) for k in st.keys()}
+        return Factors(t["A"], t["B"], t["S"], float(meta["eps"])), float(meta["seconds"])
+
+    def save_hidden(self, layer: int, hidden: torch.Tensor) -> None:
+        _atomic_write(self.root / "hidden.safetensors",
+                      lambda p: save_file({"hidden": hidden.cpu()}, p, metadata={"layer": str(layer)}))
+
+    def load_hidden(self) -> tuple[int, torch.Tensor] | None:
+        """(k, hidden states entering layer k), or None if never checkpointed."""
+        from safetensors import safe_open
+
+        f = self.root / "hidden.safetensors"
+        if not f.is_file():
+            return None
+        with safe_open(f, "pt") as st:
+            return int(st.metadata()["layer"]), st.get_tensor("hidden")
+
+    def _layer(self, i: int) -> Path:
+        return self.root / f"layer_{i:04d}.safetensors"
+
+
+def find(out: Path, settings: dict) -> Path | None:
+    """The temp sibling of `out` left by an interrupted run with the same settings (most layers done)."""
+    best, most = None, -1
+    for tmp in out.parent.glob(f"{out.name}.tmp-*"):
+        if _alive(tmp.name.rsplit("-", 1)[-1]):
+            continue  # another conversion is still writing it
+        f = tmp / DIR / "settings.json"
+        try:
+            same = json.loads(f.read_text()) == settings
+        except (OSError, ValueError):
+            continue
+        if same and (k := len(list((tmp / DIR).glob("layer_*.safetensors")))) > most:
+            best, most = tmp, k
+    return best
+
+
+def _alive(pid: str) -> bool:
+    """Whether another live process owns that temp dir (our own pid: an earlier call of ours)."""
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _atomic_write(path: Path, write) -> None:
+    """A crash mid-write must not leave a truncated file that a later --resume would trust."""
+    tmp = path.with_name(path.name + ".part")
+    write(tmp)
+    os.replace(tmp, path)
