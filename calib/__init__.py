@@ -1,7 +1,14 @@
 """Bundled offline calibration/evaluation corpus (CC0-1.0), written for the TALE toolkit."""
 from pathlib import Path
 ROOT = Path(__file__).resolve().parent
-CALIB_FILES = ("corpus_encyclopedic.txt", "corpus_narrative.txt", "corpus_instructional.txt")
+CALIB_FILES = (
+    "corpus_encyclopedic.txt",
+    "corpus_narrative.txt",
+    "corpus_instructional.txt",
+    "corpus_science.txt",
+    "corpus_dialogue.txt",
+    "corpus_society.txt",
+)
 HELDOUT_FILE = "corpus_heldout.txt"
 DOC_SEPARATOR = "<|doc|>"
 
