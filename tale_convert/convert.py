@@ -20,6 +20,7 @@ from tale_runtime.artifact import (FORMAT, FORMAT_VERSION, MANIFEST, TOOL_NAME, 
 
 from . import ConvertError, __version__
 from . import calibrate, resume, source, write
+from .card import render_card
 from .fuse import fuse
 from .whiten import energy_kept, whiten
 
@@ -132,7 +133,8 @@ def convert(model: str | None, out: str | Path, opts: Options, on_layer: Callabl
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "tool": {"name": TOOL_NAME, "version": __version__},
-            "base": {"id": src.id, "revision": src.revision, "origin": src.origin, "files": base_files},
+            "base": {"id": src.id, "revision": src.revision, "license": src.license, "origin": src.origin,
+                     "files": base_files},
             "dtype": str(dtype).removeprefix("torch."),
             "architecture": arch.to_manifest(),
             "schedule": schedule.to_dict(),
@@ -145,7 +147,8 @@ def convert(model: str | None, out: str | Path, opts: Options, on_layer: Callabl
             "files": files,
         }
         write_json(tmp / MANIFEST, manifest)
-        (tmp / "README.md").write_text(write.model_card(manifest, src.hub_id, src.license))
+        base_card = src.path / "README.md"
+        (tmp / "README.md").write_text(render_card(manifest, base_card.read_text() if base_card.is_file() else None))
         shutil.rmtree(tmp / resume.DIR)
         write.publish(tmp, out)
     except KeyboardInterrupt:

@@ -21,7 +21,6 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tik
 class Source:
     path: Path  # local checkpoint directory
     id: str  # Hub id, or the absolute local path
-    hub_id: str | None  # for the model card's base_model
     revision: str | None  # Hub commit, None when local
     license: str | None
     origin: str | None = None  # how a non-Hub checkpoint was made (the GGUF alias)
@@ -80,12 +79,12 @@ def resolve(model: str | None) -> Source:
         except FileNotFoundError as e:
             raise ConvertError(str(e)) from None
         origin = (path / "SOURCE").read_text().strip()
-        return Source(path, smollm2.HUB_ID, smollm2.HUB_ID, None, "apache-2.0", origin=f"{origin}, dequantized to bf16")
+        return Source(path, smollm2.HUB_ID, None, "apache-2.0", origin=f"{origin}, dequantized to bf16")
     p = Path(model).expanduser()
     if p.exists():
         if not (p / "config.json").is_file():
             raise ConvertError(f"{model}: not a model directory (no config.json)")
-        return Source(p.resolve(), str(p.resolve()), None, None, _license(p))
+        return Source(p.resolve(), str(p.resolve()), None, _license(p))
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise ConvertError(f"model not found: {model} (no such directory, and not a Hub id 'owner/name')")
     return _download(model)
@@ -103,7 +102,7 @@ def _download(hub_id: str) -> Source:
         raise ConvertError(f"{hub_id}: not in the local cache and the Hub is unreachable") from None
     except (HfHubHTTPError, OSError, ValueError) as e:
         raise ConvertError(f"{hub_id}: download failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    return Source(path, hub_id, hub_id, path.name, _license(path))
+    return Source(path, hub_id, path.name, _license(path))
 
 
 def _license(path: Path) -> str | None:
