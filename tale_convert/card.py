@@ -70,7 +70,7 @@ def render_card(manifest: dict, base_card: str | None = None, quality: dict | No
         f"# {repo_id or base_name + ' (TALE)'}\n\n{MARKER}",
         _intro(manifest, base_name, hub_base),
         _schedule(manifest),
-        _measured({**_dict(manifest.get("measured")), **_dict(manifest.get("quality")), **_dict(quality)}),
+        _measured([manifest.get("measured"), manifest.get("quality"), quality]),
         _usage(repo_id or PLACEHOLDER_ID),
         _provenance(manifest),
     ]
@@ -147,8 +147,10 @@ def _flat(d: dict, prefix: str = "") -> list[tuple[str, object]]:
     return out
 
 
-def _measured(q: dict) -> str:
-    rows = [f"| {k} | {f'{v:.4g}' if isinstance(v, float) else v} |" for k, v in _flat(q)]
+def _measured(sources: list) -> str:
+    """One table of the scalar figures, nested keys dotted; later sources win key by key."""
+    merged = {k: v for src in sources for k, v in _flat(_dict(src))}
+    rows = [f"| {k} | {f'{v:.4g}' if isinstance(v, float) else v} |" for k, v in merged.items()]
     if not rows:
         return ""
     return "\n".join(["## Measured", "", "| metric | value |", "|---|---|", *rows])

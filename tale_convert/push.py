@@ -124,39 +124,42 @@ def show(p: Plan, revision: str, private: bool, large: bool) -> None:
     out.print(p.card, markup=False, highlight=False)
 
 
+def write_card(p: Plan) -> None:
+    readme = p.root / "README.md"
+    try:
+        if not readme.is_file() or readme.read_text(encoding="utf-8") != p.card:
+            readme.write_text(p.card, encoding="utf-8")
+    except OSError as e:
+        raise PushError(f"cannot write the model card {readme}: {e.strerror}") from None
+
+
 def upload(api: HfApi, p: Plan, revision: str, private: bool, message: str, large: bool) -> str:
     api.create_repo(p.repo_id, repo_type="model", private=private, exist_ok=True)
     if revision != "main":
         api.create_branch(p.repo_id, repo_type="model", branch=revision, exist_ok=True)
-    readme = p.root / "README.md"
-    if not readme.is_file() or readme.read_text(encoding="utf-8") != p.card:
-        readme.write_text(p.card, encoding="utf-8")
+    # fresh pattern lists: upload_folder extends ignore_patterns in place
     common = dict(repo_id=p.repo_id, repo_type="model", folder_path=p.root, revision=revision)
     if large:
-        api.upload_folder(**common, allow_patterns=p.tensors, commit_message=f"{message} (tensors)")
+        api.upload_folder(**common, allow_patterns=list(p.tensors), commit_message=f"{message} (tensors)")
         info = api.upload_folder(**common, ignore_patterns=IGNORE + p.tensors, commit_message=message)
     else:
-        info = api.upload_folder(**common, ignore_patterns=IGNORE, commit_message=message)
+        info = api.upload_folder(**common, ignore_patterns=list(IGNORE), commit_message=message)
     return info.commit_url
 
 
-def hub_error(e: Exception, repo_id: str, revision: str) -> str:
+def hub_error(e: HfHubHTTPError, repo_id: str, revision: str) -> str:
     if isinstance(e, RevisionNotFoundError):
         return f"revision {revision!r} not found in {repo_id}"
     if isinstance(e, RepositoryNotFoundError):
         return f"{repo_id}: repo not found or not visible to this token"
-    if isinstance(e, HfHubHTTPError):
-        status = e.response.status_code if e.response is not None else None
-        said = (getattr(e, "server_message", "") or str(e)).strip().splitlines()
-        said = f": {said[0]}" if said else ""
-        if status == 401:
-            return f"the Hub rejected the token (401 Unauthorized{said}); log in again (`hf auth login`) or pass --token"
-        if status == 403:
-            return (f"no write access to {repo_id} (403 Forbidden{said}); use a token with write permission "
-                    "on that namespace")
-        return f"the Hub refused the push ({status}{said})"
-    return (f"network failure while pushing to {repo_id} ({type(e).__name__}: {e}); Hub commits are atomic, "
-            "so nothing half-written is there: run the same command again to finish")
+    status = e.response.status_code if e.response is not None else None
+    said = (e.server_message or str(e)).strip().splitlines()
+    said = f": {said[0]}" if said else ""
+    if status == 401:
+        return f"the Hub rejected the token (401 Unauthorized{said}); log in again (`hf auth login`) or pass --token"
+    if status == 403:
+        return f"no write access to {repo_id} (403 Forbidden{said}); use a token with write permission on that namespace"
+    return f"the Hub refused the push ({status}{said})"
 
 
 @app.command()
@@ -183,18 +186,24 @@ def push(
         token = token or get_token()
         if not token:
             raise PushError("no Hugging Face token: pass --token, set HF_TOKEN or run `hf auth login`")
+        write_card(p)
         base = base_model_id(p.manifest) or "a local model"
         message = commit_message or f"Upload TALE artifact of {base} with tale-push"
         try:
             url = upload(HfApi(token=token), p, revision, private, message, large)
-        except (HfHubHTTPError, httpx2.TransportError, OSError) as e:
+        except HfHubHTTPError as e:
             raise PushError(hub_error(e, repo_id, revision)) from None
+        except (httpx2.TransportError, OSError) as e:  # OSError: also what hf_xet raises
+            raise PushError(f"upload to {repo_id} failed ({type(e).__name__}: {e}); each Hub commit is atomic, "
+                            "so no commit is half-written: run the same command again to finish") from None
     except PushError as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
-    rev = "" if revision == "main" else f" --revision {revision}"
     out.print(f"pushed {artifact} -> {url}", highlight=False)
-    out.print(f"run it: tale-run {repo_id}{rev} --prompt \"Hello\"", highlight=False)
+    if revision == "main":
+        out.print(f'run it: tale-run {repo_id} --prompt "Hello"', highlight=False)
+    else:
+        out.print(f'load it: tale_runtime.load("{repo_id}", revision="{revision}")', highlight=False)
 
 
 def main() -> None:

@@ -1,0 +1,256 @@
+"""tale-push against a local fake of the Hub (tests/hub_helpers.py): the real huggingface_hub
+upload code runs, only 127.0.0.1 is reached."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from huggingface_hub import HfApi, ModelCard
+from rich.filesize import decimal
+from typer.testing import CliRunner
+
+from hub_helpers import FakeHub, convert_tiny, patch_hub
+from tale_convert import push as push_mod
+from tale_convert.card import MARKER, render_card
+from tale_runtime.artifact import MANIFEST, read_manifest
+
+REPO = "alice/tiny-tale"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    return convert_tiny(d / "art", d / "base")
+
+
+@pytest.fixture
+def art(built, tmp_path):
+    """A fresh copy per test, without the converter's card (tale-push renders one)."""
+    a = shutil.copytree(built, tmp_path / "art")
+    (a / "README.md").unlink()
+    return a
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    h = FakeHub()
+    patch_hub(monkeypatch, h, tmp_path / "hf-cache")
+    yield h
+    h.close()
+
+
+@pytest.fixture
+def uploads(monkeypatch):
+    """Records upload_folder's arguments, then lets the real call run."""
+    calls = []
+    real = HfApi.upload_folder
+
+    def spy(self, **kw):
+        calls.append(copy.deepcopy(kw))  # upload_folder extends its pattern lists in place
+        return real(self, **kw)
+
+    monkeypatch.setattr(HfApi, "upload_folder", spy)
+    return calls
+
+
+def tale_push(*args):
+    return CliRunner().invoke(push_mod.app, [str(a) for a in args])
+
+
+def assert_error(result, text):
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and text in lines[-1], result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_dry_run_lists_files_and_card_without_network(art, hub):
+    r = tale_push(art, REPO, "--dry-run", "--private")
+    assert r.exit_code == 0, r.output
+    local = {p.name: p.stat().st_size for p in art.iterdir()}
+    assert {"config.json", "model-00001-of-00001.safetensors", MANIFEST, "tokenizer.json"} <= set(local)
+    for name, size in local.items():
+        assert any(name in line and decimal(size) in line for line in r.stdout.splitlines()), (name, r.stdout)
+    card = render_card(read_manifest(art), repo_id=REPO)
+    assert any("README.md" in line and decimal(len(card.encode())) in line for line in r.stdout.splitlines())
+    assert card.strip().splitlines()[-1] in r.stdout and "library_name: tale-kv" in r.stdout
+    assert "private repo, one commit" in r.stdout
+    assert hub.requests == []
+    assert not (art / "README.md").exists()  # a dry run writes nothing
+
+
+def test_dry_run_needs_no_token(art, hub, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN")
+    assert tale_push(art, REPO, "--dry-run").exit_code == 0
+
+
+def test_push_uploads_artifact_and_card(art, hub, uploads):
+    r = tale_push(art, REPO)
+    assert r.exit_code == 0, r.output
+    assert f"tale-run {REPO}" in r.stdout
+    remote = hub.files(REPO)
+    local = {p.name: p.read_bytes() for p in art.iterdir()}
+    assert "README.md" in local  # written into the artifact before the upload
+    assert {k: v for k, v in remote.items() if k != ".gitattributes"} == local
+    assert uploads == [dict(repo_id=REPO, repo_type="model", folder_path=art, revision="main",
+                            ignore_patterns=push_mod.IGNORE,
+                            commit_message="Upload TALE artifact of a local model with tale-push")]
+    assert not hub.repos[REPO].private
+    card = ModelCard(remote["README.md"].decode())
+    assert card.data.library_name == "tale-kv" and MARKER in card.text
+    assert f'load("{REPO}")' in card.text
+
+
+def test_push_to_branch_with_message(art, hub, uploads):
+    r = tale_push(art, REPO, "--revision", "dev", "-m", "first cut", "--private")
+    assert r.exit_code == 0, r.output
+    repo = hub.repos[REPO]
+    assert repo.private and set(repo.branches) == {"main", "dev"}
+    assert MANIFEST in hub.files(REPO, "dev") and MANIFEST not in hub.files(REPO, "main")
+    assert [c["message"] for c in repo.log] == ["initial commit", "first cut"]
+    assert uploads[0]["revision"] == "dev" and uploads[0]["commit_message"] == "first cut"
+    # the branch exists now: a second push reuses it and only commits what changed
+    (art / "extra.txt").write_text("notes")
+    assert tale_push(art, REPO, "--revision", "dev", "-m", "notes").exit_code == 0
+    assert repo.log[-1] == {"message": "notes", "revision": "dev", "files": ["extra.txt"]}
+
+
+def test_large_push_commits_tensors_before_manifest(art, hub, uploads):
+    r = tale_push(art, REPO, "--large")
+    assert r.exit_code == 0, r.output
+    tensors = ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    assert uploads[0]["allow_patterns"] == tensors
+    assert uploads[1]["ignore_patterns"] == push_mod.IGNORE + tensors
+    first, second = hub.repos[REPO].log[1:]
+    assert first["files"] == tensors and first["message"].endswith("(tensors)")
+    assert MANIFEST in second["files"] and "README.md" in second["files"]
+    assert not set(tensors) & set(second["files"])
+
+
+def test_large_is_chosen_by_size(art, hub, uploads, monkeypatch):
+    monkeypatch.setattr(push_mod, "LARGE_BYTES", 1000)
+    assert tale_push(art, REPO).exit_code == 0
+    assert len(uploads) == 2 and "allow_patterns" in uploads[0]
+
+
+def test_hidden_files_are_not_uploaded(art, hub):
+    (art / ".DS_Store").write_text("x")
+    (art / "notes").mkdir()
+    (art / "notes" / ".swp").write_text("x")
+    assert tale_push(art, REPO).exit_code == 0
+    assert not any(name.endswith((".DS_Store", ".swp")) for name in hub.files(REPO))
+
+
+def test_user_card_is_kept_with_metadata_completed(art, hub):
+    (art / "README.md").write_text("---\nlicense: mit\n---\n# My notes\n\nHand-written.\n")
+    assert tale_push(art, REPO).exit_code == 0
+    card = ModelCard(hub.files(REPO)["README.md"].decode())
+    assert "Hand-written." in card.text and MARKER not in card.text
+    assert card.data.license == "mit" and card.data.library_name == "tale-kv"
+    assert {"tale", "kv-cache-compression", "text-generation"} <= set(card.data.tags)
+
+
+def test_generated_card_is_regenerated_for_the_repo(art, hub):
+    base = "---\nlicense: llama3.1\ntags: [facebook, gguf]\n---\n# base\n"
+    (art / "README.md").write_text(render_card(read_manifest(art), base_card=base))  # as tale-convert writes it
+    assert tale_push(art, REPO, "--quality", _quality(art)).exit_code == 0
+    card = ModelCard(hub.files(REPO)["README.md"].decode())
+    assert card.data.license == "llama3.1"  # carried over from the previous card
+    assert "facebook" in card.data.tags and "gguf" not in card.data.tags
+    assert f"tale-run {REPO}" in card.text and "OWNER/NAME" not in card.text
+    assert "| measured_ratio | 5.5 |" in card.text
+
+
+def _quality(art):
+    p = art.parent / "quality.json"
+    p.write_text('{"measured_ratio": 5.5}')
+    return p
+
+
+def test_card_front_matter(art):
+    m = read_manifest(art)
+    m["base"] = {"id": "HuggingFaceTB/SmolLM2-135M-Instruct", "revision": "abc123"}
+    m["measured"] = {"ratio": 4.91234, "ppl": {"base": 12.0, "tale": 12.3}}
+    base = "---\nlicense: apache-2.0\nlanguage: [en]\ntags: [safetensors, onnx, chat]\n---\n# SmolLM2\n"
+    card = render_card(m, base_card=base, quality={"ppl": {"tale": 12.25}}, repo_id=REPO)
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front == {
+        "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "language": ["en"], "library_name": "tale-kv",
+        "license": "apache-2.0", "pipeline_tag": "text-generation",
+        "tags": ["tale", "kv-cache-compression", "text-generation", "llama", "safetensors", "chat"],
+    }
+    assert ModelCard(card).data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert "| 0 | oldest (middle) | 0.9 | 16 / 32 | 2 | 2 |" in card
+    assert "| 1 | most recent | 0.1 | 32 / 32 | 4 | 4 |" in card
+    assert "first 4 tokens" in card and f"**{m['nominal_ratio']:.2f}x**" in card
+    assert "| ratio | 4.912 |" in card and "| ppl.base | 12 |" in card and "| ppl.tale | 12.25 |" in card
+    assert "pip install tale-kv" in card and f"tale-run {REPO} --prompt" in card and "base revision `abc123`" in card
+
+
+def test_card_defaults_for_a_local_base(art):
+    m = read_manifest(art)  # converted from a local directory, no license recorded
+    card = render_card(m)
+    front = ModelCard(card).data
+    assert front.license == "other" and front.base_model is None
+    assert str(art.parent) not in card  # no local absolute paths in a public card
+    assert "## Measured" not in card and "OWNER/NAME" in card
+    m["base"]["license"] = "apache-2.0"
+    assert ModelCard(render_card(m)).data.license == "apache-2.0"
+
+
+# ---- errors: one line, exit 2, nothing sent where the problem is local
+
+
+def test_missing_token(art, hub, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN")
+    assert_error(tale_push(art, REPO), "no Hugging Face token")
+    assert hub.requests == []
+
+
+def test_rejected_token(art, hub):
+    assert_error(tale_push(art, REPO, "--token", "hf_bogus"), "rejected the token (401")
+    assert REPO not in hub.repos
+
+
+@pytest.mark.parametrize("repo,token", [("bob/tiny-tale", "hf_write"), (REPO, "hf_read")])
+def test_no_write_permission(art, hub, repo, token):
+    assert_error(tale_push(art, repo, "--token", token), f"no write access to {repo} (403")
+    assert repo not in hub.repos
+
+
+@pytest.mark.parametrize("repo,text", [("alice/bad..name", "invalid repo id"), ("a/b/c", "invalid repo id"),
+                                       ("tiny-tale", "use 'owner/name'")])
+def test_malformed_repo_id(art, hub, repo, text):
+    assert_error(tale_push(art, repo), text)
+    assert hub.requests == []
+
+
+def test_corrupt_artifact_is_refused_before_any_network_call(art, hub):
+    shard = art / "model-00001-of-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(data)
+    assert_error(tale_push(art, REPO), "checksum mismatch for model-00001-of-00001.safetensors")
+    assert hub.requests == []
+
+
+def test_missing_dir_and_non_artifact(art, hub, tmp_path):
+    assert_error(tale_push(tmp_path / "nope", REPO), "not a directory")
+    assert_error(tale_push(tmp_path, REPO), "not a TALE artifact")
+    (art / "config.json").unlink()
+    assert_error(tale_push(art, REPO), "config.json is missing")
+    assert hub.requests == []
+
+
+def test_network_failure_mid_upload(art, hub, monkeypatch):
+    monkeypatch.setattr("huggingface_hub.utils._http.time", SimpleNamespace(sleep=lambda s: None))  # no backoff waits
+    hub.drop = {"commit"}
+    assert_error(tale_push(art, REPO), "failed (RemoteProtocolError")
+    assert hub.repos[REPO].log == [{"message": "initial commit", "revision": "main", "files": [".gitattributes"]}]
+    hub.drop = set()  # the network is back: the same command finishes the job
+    assert tale_push(art, REPO).exit_code == 0
+    assert MANIFEST in hub.files(REPO)
