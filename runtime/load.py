@@ -25,12 +25,17 @@ def resolve(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
     if s.startswith((".", "/", "~")) or s.count("/") != 1:
         raise ArtifactError(f"{s}: no such artifact directory (and not a Hub repo id 'owner/name')")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import (HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
 
     try:
         return Path(snapshot_download(s, revision=revision))
+    except RevisionNotFoundError:
+        raise ArtifactError(f"{s}: no revision {revision!r} on the Hub") from None
     except RepositoryNotFoundError:
-        raise ArtifactError(f"{s}: no such repo on the Hub (or no access; log in or pass a token)") from None
+        raise ArtifactError(
+            f"{s}: no such local directory, and no such repo on the Hub (or no access; log in or pass a token)"
+        ) from None
     except LocalEntryNotFoundError:
         raise ArtifactError(f"{s}: not in the local cache and the Hub is unreachable (HF_HUB_OFFLINE set or no network)") from None
     except HfHubHTTPError as e:

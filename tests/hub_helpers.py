@@ -1,4 +1,4 @@
-"""A local fake of the Hugging Face Hub HTTP API (127.0.0.1 only) and a tiny converted artifact.
+"""A local fake of the Hugging Face Hub HTTP API (127.0.0.1 only), and a tiny converted artifact.
 
 The fake implements just what tale-push and snapshot_download call, so the real
 huggingface_hub client code runs end to end: create repo/branch, preupload (every file is
@@ -237,13 +237,9 @@ def patch_hub(monkeypatch, hub: FakeHub, cache: Path, token: str | None = "hf_wr
         monkeypatch.setenv("HF_TOKEN", token)
 
 
-def convert_tiny(out: Path, base: Path) -> Path:
-    """A real tale-convert artifact of a tiny random Llama (with a byte tokenizer), about 2 MB."""
-    from tale_helpers import byte_tokenizer, tiny_model
-
+def convert_tiny(base: Path, out: Path) -> Path:
+    """A real tale-convert artifact (about 2 MB) of a tiny checkpoint (conftest's tiny_model_dir)."""
     from tale_convert.convert import Options, convert
 
-    tiny_model("llama").save_pretrained(base)
-    byte_tokenizer().save_pretrained(base)
     convert(str(base), out, Options(group=2, samples=4, seq_len=64, dtype="fp32", key_group=8, value_group=8, residual=8))
     return out

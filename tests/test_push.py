@@ -22,9 +22,8 @@ REPO = "alice/tiny-tale"
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    return convert_tiny(d / "art", d / "base")
+def built(tiny_model_dir, tmp_path_factory):
+    return convert_tiny(tiny_model_dir("llama"), tmp_path_factory.mktemp("push") / "art")
 
 
 @pytest.fixture
@@ -154,13 +153,12 @@ def test_user_card_is_kept_with_metadata_completed(art, hub):
     assert {"tale", "kv-cache-compression", "text-generation"} <= set(card.data.tags)
 
 
-def test_generated_card_is_regenerated_for_the_repo(art, hub):
-    base = "---\nlicense: llama3.1\ntags: [facebook, gguf]\n---\n# base\n"
-    (art / "README.md").write_text(render_card(read_manifest(art), base_card=base))  # as tale-convert writes it
+def test_generated_card_is_regenerated_for_the_repo(built, art, hub):
+    shutil.copy(built / "README.md", art / "README.md")  # the converter's card: base license, placeholder id
+    assert MARKER in (art / "README.md").read_text()
     assert tale_push(art, REPO, "--quality", _quality(art)).exit_code == 0
     card = ModelCard(hub.files(REPO)["README.md"].decode())
-    assert card.data.license == "llama3.1"  # carried over from the previous card
-    assert "facebook" in card.data.tags and "gguf" not in card.data.tags
+    assert card.data.license == "mit"  # from the base model's card, through the manifest
     assert f"tale-run {REPO}" in card.text and "OWNER/NAME" not in card.text
     assert "| measured_ratio | 5.5 |" in card.text
 
@@ -191,15 +189,19 @@ def test_card_front_matter(art):
     assert "pip install tale-kv" in card and f"tale-run {REPO} --prompt" in card and "base revision `abc123`" in card
 
 
-def test_card_defaults_for_a_local_base(art):
-    m = read_manifest(art)  # converted from a local directory, no license recorded
+def test_card_of_a_local_base(art, tiny_model_dir):
+    m = read_manifest(art)  # converted from a local directory
     card = render_card(m)
     front = ModelCard(card).data
-    assert front.license == "other" and front.base_model is None
-    assert str(art.parent) not in card  # no local absolute paths in a public card
+    assert front.base_model is None and front.license == "mit"  # the base README's license
+    assert str(tiny_model_dir("llama")) not in card  # no local absolute paths in a public card
     assert "## Measured" not in card and "OWNER/NAME" in card
-    m["base"]["license"] = "apache-2.0"
-    assert ModelCard(render_card(m)).data.license == "apache-2.0"
+    del m["base"]["license"]
+    assert ModelCard(render_card(m)).data.license == "other"
+    prev = "---\nlicense: llama3.1\nlanguage: [de]\ntags: [tale, facebook, gguf]\n---\n# old card\n"
+    again = ModelCard(render_card(m, base_card=prev)).data  # a previous card's metadata carries over
+    assert again.license == "llama3.1" and again.language == ["de"]
+    assert again.tags == ["tale", "kv-cache-compression", "text-generation", "llama", "facebook"]
 
 
 # ---- errors: one line, exit 2, nothing sent where the problem is local
