@@ -19,7 +19,6 @@ from .convert import Options, convert
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help="Convert a Llama-family checkpoint into a TALE artifact.")
 out_console = Console()
-err_console = Console(stderr=True)
 D = Options()
 
 
@@ -60,8 +59,10 @@ def run(
             key_bits=_numbers(key_bits, int, "--key-bits") if key_bits else None, key_group=key_group,
             value_group=value_group, residual=residual, shard_size=shard_size, overwrite=overwrite, resume=resume,
         )
+        _quiet_libraries()
+        # stdout: progress and report; stderr: only the error line
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=err_console, transient=True) as progress:
+                      console=out_console, transient=True) as progress:
             task = progress.add_task("calibrating + factorizing layers", total=None)
 
             def on_layer(lr, total):
@@ -75,6 +76,17 @@ def run(
             raise
         _fail(f"internal error: {type(e).__name__}: {e} (set TALE_DEBUG=1 for the traceback)", 1)
     _summary(report)
+
+
+def _quiet_libraries() -> None:
+    """Their tqdm bars and info logs would interleave with ours on stderr."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
 
 
 def _summary(report) -> None:

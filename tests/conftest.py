@@ -1,0 +1,139 @@
+"""Shared fixtures.
+
+- tiny_model_dir(arch): a tiny random checkpoint directory (config, safetensors, tokenizer) of
+  each supported architecture, built offline once per session.
+- smollm2_path: the real SmolLM2-135M-Instruct checkpoint (built once per machine, cached).
+- smollm2_artifact: SmolLM2 converted with the paper defaults and --group 3, once per machine
+  (cached under TALE_CACHE, keyed by the converter settings and sources).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+# Tiny configs: GQA with several groups (llama), one group (mistral, sliding window config),
+# value bias and rep=3 (qwen2), MHA with tied embeddings (mha).
+TINY = {
+    "llama": dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=16),
+    "mistral": dict(model_type="mistral", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                    num_attention_heads=8, num_key_value_heads=2, head_dim=32, sliding_window=256),
+    "qwen2": dict(model_type="qwen2", hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                  num_attention_heads=6, num_key_value_heads=2, head_dim=16),
+    "mha": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4, head_dim=32, tie_word_embeddings=True),
+}
+TINY_GROUP = {"llama": 2, "mistral": 2, "qwen2": 1, "mha": 2}
+TINY_VOCAB = 512
+EOS = "<|endoftext|>"
+# Converter options that fit the tiny models (latent ranks 16..64) and run in about a second.
+TINY_OPTS = dict(samples=8, seq_len=64, dtype="fp32", key_group=8, value_group=8, residual=8)
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer trained on the bundled corpus, with a chat template: no network."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tale_calib import calib_paths, documents
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=[EOS], show_progress=False)
+    t.train_from_iterator([d for p in calib_paths() for d in documents(p)], trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, eos_token=EOS)
+    tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    return tok
+
+
+def save_tiny(path: Path, arch: str, tokenizer, seed: int = 0, edit=None) -> Path:
+    """Save a random-init tiny model of `arch`; `edit(model)` may change weights first."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(TINY[arch])
+    config = AutoConfig.for_model(cfg.pop("model_type"), vocab_size=TINY_VOCAB, max_position_embeddings=512,
+                                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id, **cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "qwen2":  # the value bias must survive conversion: make it non-trivial
+        for layer in model.model.layers:
+            layer.self_attn.v_proj.bias.data.normal_(0, 0.5)
+    if edit:
+        edit(model)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    if arch == "llama":  # a base model card: its license must reach the artifact's card
+        (path / "README.md").write_text("---\nlicense: mit\n---\n# tiny llama\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tok):
+    """Factory: tiny_model_dir(arch) -> checkpoint dir, arch in TINY (llama, mistral, qwen2, mha)."""
+    built: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = save_tiny(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, tiny_tok)
+        return built[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from tale_convert.smollm2 import smollm2_dir
+
+    return smollm2_dir()
+
+
+def _artifact_key(opts) -> str:
+    """Changes whenever the artifact could: settings, converter sources, calibration corpus."""
+    import tale_calib
+    import tale_convert
+
+    h = hashlib.sha256(json.dumps(asdict(opts), sort_keys=True, default=str).encode())
+    for f in sorted(Path(tale_convert.__file__).parent.glob("*.py")) + sorted(Path(tale_calib.__file__).parent.glob("*")):
+        if f.is_file() and f.name != "push.py":
+            h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@pytest.fixture(scope="session")
+def smollm2_artifact(smollm2_path) -> Path:
+    """SmolLM2-135M-Instruct as a TALE artifact: paper defaults, --group 3, built once per machine."""
+    from tale_convert.convert import Options, convert
+    from tale_convert.smollm2 import cache_root
+
+    opts = Options(group=3)
+    root = cache_root() / "artifacts"
+    out = root / f"smollm2-g3-{_artifact_key(opts)}"
+    if (out / "tale_config.json").is_file():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".smollm2-g3.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent sessions: one converts, the others reuse
+        if not (out / "tale_config.json").is_file():
+            convert("smollm2", out, opts)
+            # older builds (other sources/settings), unless a session may still be reading one
+            for stale in root.glob("smollm2-g3-*"):
+                if stale != out and stale.is_dir() and time.time() - stale.stat().st_mtime > 3600:
+                    shutil.rmtree(stale, ignore_errors=True)
+    return out

@@ -1,0 +1,121 @@
+"""tale-convert's command line: bad input is one `error:` line, exit code 2, and nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import TINY_OPTS, save_tiny
+
+from tale_convert.cli import main
+
+TINY_ARGS = ["--samples", "8", "--seq-len", "64", "--dtype", "fp32", "--key-group", "8", "--value-group", "8",
+             "--residual", "8"]
+assert set(TINY_OPTS) == {"samples", "seq_len", "dtype", "key_group", "value_group", "residual"}
+
+
+def run(argv, capsys) -> tuple[int, str, str]:
+    capsys.readouterr()  # drop what fixtures printed
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return e.value.code, cap.out, cap.err
+
+
+def assert_bad(argv, capsys, tmp_path, match: str, keep=()):
+    before = {p.name for p in tmp_path.iterdir()}
+    code, out, err = run(argv, capsys)
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("error: ") and match in err, err
+    assert "Traceback" not in err + out
+    assert {p.name for p in tmp_path.iterdir()} == before  # no output dir, no temp sibling
+
+
+@pytest.fixture
+def llama(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+def test_converts_and_reports(llama, tmp_path, capsys):
+    code, out, err = run([llama, "--out", tmp_path / "tale", "--group", "2", *TINY_ARGS], capsys)
+    assert code == 0, err
+    assert "nominal ratio" in out and "peak RSS" in out and "energy kept at r0" in out
+    assert (tmp_path / "tale" / "tale_config.json").is_file()
+
+
+@pytest.mark.parametrize("case", [
+    "missing-path", "hub-offline", "unsupported-arch", "group-divides", "rank-exceeds-hidden", "calib-too-short",
+    "calib-missing", "calib-no-text", "bad-bits", "bits-value", "bad-dtype", "bad-shard-size",
+    "recent-count",
+])
+def test_bad_input(case, llama, tiny_model_dir, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "tale"
+    short = tmp_path / "short.txt"
+    short.write_text("Too little text.")
+    nojson = tmp_path / "c.jsonl"
+    nojson.write_text('{"body": "no text field"}\n')
+    gpt2 = tmp_path / "gpt2"
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(gpt2)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    argv, match = {
+        "missing-path": (["./does/not/exist"], "model not found"),
+        "hub-offline": (["nobody-xyz/no-such-model"], "nobody-xyz/no-such-model"),
+        "unsupported-arch": ([gpt2], "unsupported architecture 'gpt2'"),
+        "group-divides": ([llama, "--group", "3"], "must divide the number of KV heads (4)"),
+        "rank-exceeds-hidden": ([tiny_model_dir("mha"), "--group", "4"], "latent rank 128 > hidden size 64"),
+        "calib-too-short": ([llama, "--group", "2", "--calib", short], "calibration text too short"),
+        "calib-missing": ([llama, "--group", "2", "--calib", tmp_path / "nope.txt"], "calibration file not found"),
+        "calib-no-text": ([llama, "--group", "2", "--calib", nojson], "no 'text' field"),
+        "bad-bits": ([llama, "--group", "2", "--bits", "2,x"], "--bits '2,x'"),
+        "bits-value": ([llama, "--group", "2", "--bits", "3,4"], "bits must be one of"),
+        "bad-dtype": ([llama, "--group", "2", "--dtype", "int8"], "unknown --dtype"),
+        "bad-shard-size": ([llama, "--group", "2", "--shard-size", "lots"], "bad size"),
+        "recent-count": ([llama, "--group", "2", "--recent", "0.1,0.2"], "2 levels"),
+    }[case]
+    assert_bad([*TINY_ARGS, "--out", out, *argv], capsys, tmp_path, match)  # the case's options come last: they win
+
+
+def test_calib_wrong_type(llama, tmp_path, capsys):
+    csv = tmp_path / "data.csv"
+    csv.write_text("text\nhello\n")
+    assert_bad([llama, "--group", "2", "--calib", csv, "--out", tmp_path / "tale", *TINY_ARGS], capsys, tmp_path,
+               "unsupported type")
+
+
+def test_existing_output(llama, tmp_path, capsys):
+    out = tmp_path / "tale"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert_bad([llama, "--group", "2", "--out", out, *TINY_ARGS], capsys, tmp_path, "exists (pass --overwrite")
+    # --overwrite only ever replaces a TALE artifact
+    assert_bad([llama, "--group", "2", "--out", out, "--overwrite", *TINY_ARGS], capsys, tmp_path, "not a TALE artifact")
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_non_finite_activations(tiny_tok, tmp_path, capsys):
+    def blow_up(model):
+        model.model.layers[0].mlp.down_proj.weight.data.fill_(float("inf"))
+
+    bad = save_tiny(tmp_path / "bad", "llama", tiny_tok, edit=blow_up)
+    assert_bad([bad, "--group", "2", "--out", tmp_path / "tale", *TINY_ARGS], capsys, tmp_path,
+               "non-finite activations after layer 0")
+
+
+def test_usage_errors_are_one_line(tmp_path, capsys):
+    code, _, err = run(["--out", tmp_path / "x", "--samples", "many"], capsys)
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1
+    code, _, err = run([], capsys)
+    assert code == 2 and "--out" in err and err.count("\n") == 1
+
+
+def test_console_script(tmp_path):
+    """The installed entry point, in a fresh process: no traceback reaches the user."""
+    exe = [sys.executable, "-c", "from tale_convert.cli import main; main()"]
+    p = subprocess.run([*exe, str(tmp_path / "missing"), "--out", str(tmp_path / "o")], capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.startswith("error: model not found") and p.stderr.count("\n") == 1
+    assert not list(tmp_path.iterdir())
