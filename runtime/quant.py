@@ -8,6 +8,9 @@ Layout (the Triton kernels in tale_kernels use exactly this one):
   dim into uint8: element i of a byte sits at bit offset (i % per_byte) * bits,
   per_byte = 8 // bits. So packed has last dim = last_dim * bits / 8.
 - bits = 16 means "not quantized": the tensor is kept as it is.
+
+On CUDA, quantize / dequantize / requantize run tale_kernels' Triton kernels when Triton is
+installed (same layout and results, up to rare one-step differences on rounding ties).
 """
 
 from __future__ import annotations
@@ -38,6 +41,22 @@ class QTensor:
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize(self, dtype)
+
+
+_KERNELS = None
+
+
+def _kernels(t: torch.Tensor):
+    """tale_kernels.quant for CUDA tensors, or None (CPU tensor, or Triton missing)."""
+    global _KERNELS
+    if not t.is_cuda:
+        return None
+    if _KERNELS is None:
+        try:
+            from tale_kernels import quant as _KERNELS
+        except ImportError:
+            _KERNELS = False
+    return _KERNELS or None
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -77,6 +96,9 @@ def quantize(x: torch.Tensor, bits: int, group: int, dim: int) -> QTensor:
         return QTensor(x, None, None, 16, group, dim)
     if bits not in (2, 4, 8):
         raise ValueError(f"unsupported bit width {bits}")
+    k = _kernels(x)
+    if k and k.supports(x.shape, bits, group, dim, x):
+        return k.quantize(x, bits, group, dim)
     xg, rd = _grouped(x.float(), group, dim)
     mn = xg.amin(dim=rd, keepdim=True)
     mx = xg.amax(dim=rd, keepdim=True)
@@ -92,11 +114,27 @@ def quantize(x: torch.Tensor, bits: int, group: int, dim: int) -> QTensor:
 def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     if q.bits == 16:
         return q.data if dtype is None else q.data.to(dtype)
+    k = _kernels(q.data)
+    if k and k.supports(q.shape, q.bits, q.group, q.dim, q.data, q.scale):
+        return k.dequantize(q, dtype)
     dtype = dtype or q.scale.dtype
     codes = unpack(q.data, q.bits).float()
     cg, rd = _grouped(codes, q.group, q.dim)
     x = cg * q.scale.float().unsqueeze(rd) + q.zero.float().unsqueeze(rd)
     return x.reshape(codes.shape).to(dtype)
+
+
+def requantize(q: QTensor, bits: int, rank: int | None = None) -> QTensor:
+    """Demotion: dequantize (to the source dtype), keep the first `rank` channels, quantize to `bits`.
+    One pass on CUDA."""
+    k = _kernels(q.data)
+    shape = q.shape if rank is None else torch.Size([*q.shape[:-1], rank])
+    if k and q.bits != 16 and k.supports(shape, bits, q.group, q.dim, q.data, q.scale):
+        return k.requantize(q, bits, rank)
+    x = dequantize(q)
+    if rank is not None:
+        x = x[..., :rank].contiguous()
+    return quantize(x, bits, q.group, q.dim)
 
 
 def cat(parts: list[QTensor]) -> QTensor:

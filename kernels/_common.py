@@ -1,0 +1,48 @@
+"""Pieces shared by the Triton kernels: code unpacking and the CPU/interpreter gate."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    """True when the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def runnable(*ts: torch.Tensor) -> bool:
+    """The kernels run on CUDA tensors, and on CPU tensors only under the interpreter."""
+    return all(t.is_cuda for t in ts) or (interpreting() and not any(t.is_cuda for t in ts))
+
+
+def pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@triton.jit
+def unpack(byts, BITS: tl.constexpr):
+    """uint8 [M, NB] packed codes -> float32 [M, NB * 8 // BITS] in channel order.
+
+    Element i of a byte sits at bit offset i * BITS (runtime/quant.py). Codes become floats
+    through the exponent trick (2^23 + c as bits, minus 2^23) instead of a slow int->float
+    conversion.
+    """
+    b = byts.to(tl.int32)
+    if BITS == 8:
+        c = b
+    elif BITS == 4:
+        c = tl.interleave(b & 15, b >> 4)
+    else:  # 2 bits: interleave twice to get c0 c1 c2 c3 per byte
+        c = tl.interleave(tl.interleave(b & 3, (b >> 4) & 3), tl.interleave((b >> 2) & 3, b >> 6))
+    return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0

@@ -1,0 +1,206 @@
+"""Triton kernels (tale_kernels) against the torch reference (tale_runtime).
+
+On a CUDA machine the kernels run compiled on the GPU; elsewhere they run in Triton's CPU
+interpreter (TRITON_INTERPRET=1 is set before triton is first imported), on small shapes.
+Every check draws fresh random inputs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+
+import tale_kernels  # noqa: E402
+from tale_kernels import _common, attention, quant  # noqa: E402
+
+from tale_helpers import talify, tiny_model  # noqa: E402
+from tale_runtime import new_cache, use_kernels  # noqa: E402
+from tale_runtime import quant as ref_quant  # noqa: E402
+from tale_runtime.artifact import Level, Schedule, uniform_ranks  # noqa: E402
+from tale_runtime.cache import TaleLayerCache  # noqa: E402
+from tale_runtime.cache import latent_attention as ref_attention  # noqa: E402
+
+DEVICE = "cuda" if CUDA else "cpu"
+
+if not CUDA:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(attention._region_kernel, InterpretedFunction):
+        # triton was imported earlier without the interpreter: rebuild the kernels for it
+        os.environ["TRITON_INTERPRET"] = "1"
+        for m in (_common, quant, attention, tale_kernels):
+            importlib.reload(m)
+        if not isinstance(attention._region_kernel, InterpretedFunction):
+            pytest.skip("Triton's CPU interpreter is not available", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def same_quant(a, b, bits: int) -> None:
+    """Equal packed codes, scales and zeros. On the GPU a code may differ by one step where the
+    value sits on a rounding tie (GPU division); at most 0.1% of them."""
+    assert a.data.shape == b.data.shape and a.scale.shape == b.scale.shape and a.data.dtype == torch.uint8
+    assert (a.bits, a.group, a.dim) == (b.bits, b.group, b.dim)
+    ca = ref_quant.unpack(a.data.cpu(), bits).int()
+    cb = ref_quant.unpack(b.data.cpu(), bits).int()
+    if CUDA:
+        diff = (ca - cb).abs()
+        assert diff.max() <= 1 and (diff > 0).float().mean() <= 1e-3
+        torch.testing.assert_close(a.scale.cpu(), b.scale.cpu(), rtol=1e-2, atol=0)
+        torch.testing.assert_close(a.zero.cpu(), b.zero.cpu(), rtol=1e-2, atol=0)
+    else:
+        assert torch.equal(ca, cb)
+        assert torch.equal(a.scale.cpu(), b.scale.cpu()) and torch.equal(a.zero.cpu(), b.zero.cpu())
+
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_quantize_and_dequantize_match_torch(bits, dtype):
+    # keys [B, K, L, n] per channel over token groups; latents [B, G, L, r] per token over channel groups.
+    # The keys come transposed from [B, L, K, n] as in the model (non-contiguous).
+    k = torch.randn(2, 40, 3, 64, device=DEVICE, dtype=dtype).transpose(1, 2) * 3
+    h = torch.randn(2, 2, 21, 96, device=DEVICE, dtype=dtype) + 1
+    for x, group, dim in ((k, 8, -2), (h, 32, -1)):
+        q = quant.quantize(x, bits, group, dim)
+        r = ref_quant.quantize(x.cpu(), bits, group, dim)
+        same_quant(q, r, bits)
+        # dequantize the reference codes both ways
+        rq = ref_quant.QTensor(r.data.to(DEVICE), r.scale.to(DEVICE), r.zero.to(DEVICE), bits, group, dim)
+        for dt in (None, torch.float32):
+            torch.testing.assert_close(quant.dequantize(rq, dt).cpu(), ref_quant.dequantize(r, dt), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_requantize_is_the_demotion_step(dtype):
+    """4-bit full-rank latents -> first r0 channels at 2 bits; 4-bit keys -> 2-bit keys; one pass each."""
+    k = torch.randn(1, 2, 64, 32, device=DEVICE, dtype=dtype)
+    h = torch.randn(1, 2, 19, 128, device=DEVICE, dtype=dtype)
+    for x, group, dim, rank in ((k, 16, -2, None), (h, 16, -1, 48)):
+        r4 = ref_quant.quantize(x.cpu(), 4, group, dim)
+        q4 = ref_quant.QTensor(r4.data.to(DEVICE), r4.scale.to(DEVICE), r4.zero.to(DEVICE), 4, group, dim)
+        got = quant.requantize(q4, 2, rank)
+        want = ref_quant.dequantize(r4)
+        if rank is not None:
+            want = want[..., :rank].contiguous()
+        same_quant(got, ref_quant.quantize(want, 2, group, dim), 2)
+
+
+def layer_cache(B, H, K, g, n, L0, dtype, sched=None, pad=None, r0=0.5, group=16):
+    G, R = K // g, g * n
+    s = sched or Schedule(ranks=uniform_ranks(R, 1, r0, value_group=group), key_group=group,
+                          value_group=group, residual=group)
+    c = TaleLayerCache(s, 0, K, n, G, R)
+    valid = None
+    if pad:
+        valid = torch.ones(B, L0, dtype=torch.bool, device=DEVICE)
+        for i, p in enumerate(pad):
+            valid[i, :p] = False
+    c.append(torch.randn(B, K, L0, n, device=DEVICE, dtype=dtype) * 2,
+             torch.randn(B, G, L0, R, device=DEVICE, dtype=dtype), valid)
+    return c
+
+
+TOL = {torch.float32: 5e-3 if CUDA else 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+# (B, H, K, g, n, prompt, pad, kwargs): GQA and MHA, g = 1/2/4, rep = 3, odd lengths, left
+# padding, tiny splits (many partials, lengths not a multiple of the split), ranks below 16
+# (the kernel's non-tensor-core path), one region empty or absent.
+CASES = {
+    "gqa-g2": (1, 8, 4, 2, 64, 101, None, {}),
+    "gqa-g2-pad-splits": (2, 8, 4, 2, 64, 77, [0, 5], dict(split_tokens=32)),
+    "gqa-g4-tiles16": (2, 8, 4, 4, 16, 130, [3, 0], dict(split_tokens=16, block_t=16)),
+    "mha-g1": (2, 4, 4, 1, 32, 50, None, dict(split_tokens=48)),
+    "rep3-g2": (1, 6, 2, 2, 32, 45, None, {}),
+    "rank8": (1, 4, 2, 1, 16, 29, None, dict(group=8)),
+    "prompt-in-sinks": (1, 8, 4, 2, 32, 3, None, {}),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_decode_attention_matches_reference(case, dtype):
+    B, H, K, g, n, L0, pad, kw = CASES[case]
+    kw = dict(kw)
+    group = kw.pop("group", 16)
+    c = layer_cache(B, H, K, g, n, L0, dtype, pad=pad, group=group)
+    G, R = K // g, g * n
+    seen = set()
+    for _ in range(3):  # decode steps: regions fill, flush and demote in between
+        q = torch.randn(B, H, 1, n, device=DEVICE, dtype=dtype)
+        k = torch.randn(B, K, 1, n, device=DEVICE, dtype=dtype)
+        h = torch.randn(B, G, 1, R, device=DEVICE, dtype=dtype)
+        z = tale_kernels.latent_attention(q, k, h, c, n**-0.5, **kw)
+        assert z.shape == (B, 1, H, R) and z.dtype == torch.float32
+        assert rel(z, ref_attention(q, k, h, c, n**-0.5)) < TOL[dtype]
+        seen.add(tuple(c.lengths().values()))
+        c.append(k, h)
+    assert len(seen) > 1 or L0 < 4
+
+
+@pytest.mark.parametrize("bits", [(8, 8), (16, 4), (4, 16)])
+def test_other_bit_widths_and_exact_levels(bits):
+    kb, vb = bits
+    s = Schedule(levels=[Level(vb, kb, None), Level(16, 16, 0.25)], ranks=[[32, 64]], key_group=16,
+                 value_group=16, residual=16)
+    c = layer_cache(1, 8, 4, 2, 32, 90, torch.float32, sched=s)
+    args = (torch.randn(1, 8, 1, 32, device=DEVICE), torch.randn(1, 4, 1, 32, device=DEVICE),
+            torch.randn(1, 2, 1, 64, device=DEVICE), c, 0.2)
+    assert rel(tale_kernels.latent_attention(*args), ref_attention(*args)) < TOL[torch.float32]
+
+
+def test_falls_back_to_the_reference(monkeypatch):
+    c = layer_cache(1, 8, 4, 2, 16, 40, torch.float32)
+    q, k, h = (torch.randn(1, 8, 2, 16, device=DEVICE), torch.randn(1, 4, 2, 16, device=DEVICE),
+               torch.randn(1, 2, 2, 32, device=DEVICE))
+    assert not attention.supported(q, k, h, c)  # a chunk of two tokens
+    assert torch.equal(tale_kernels.latent_attention(q, k, h, c, 0.25), ref_attention(q, k, h, c, 0.25))
+    q, k, h = q[:, :, :1], k[:, :, :1], h[:, :, :1]
+    assert attention.supported(q, k, h, c)
+    if not CUDA:  # CPU tensors use the kernel only when the interpreter is asked for
+        monkeypatch.delenv("TRITON_INTERPRET")
+        assert not attention.supported(q, k, h, c)
+        assert not quant.supports(k.shape, 2, 1, -2, k)
+
+
+@pytest.mark.parametrize("arch,g", [("llama", 2), ("qwen2", 1)])
+def test_generation_with_kernels_matches_reference(arch, g):
+    """Greedy decoding of a tiny TALE model: same tokens and close logits, kernels on vs off."""
+    tm = talify(tiny_model(arch), g).to(DEVICE)  # its schedule: r0 = R/2, 2/4 bits, groups of 8
+    ids = torch.randint(1, 320, (2, 21), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+
+    @torch.no_grad()
+    def greedy(steps=6):
+        cache, x, toks, logits = new_cache(tm), ids, [], []
+        for _ in range(steps):
+            out = tm(x, past_key_values=cache).logits[:, -1]
+            x = out.argmax(-1, keepdim=True)
+            toks.append(x)
+            logits.append(out)
+        return torch.cat(toks, 1), torch.stack(logits, 1)
+
+    assert use_kernels(tm, False) is False
+    t_ref, l_ref = greedy()
+    assert use_kernels(tm) is True
+    t_k, l_k = greedy()
+    assert torch.equal(t_k, t_ref)
+    assert rel(l_k, l_ref) < (5e-3 if CUDA else 1e-4)
