@@ -340,4 +340,4 @@ def test_smollm2_answers_paris(smollm2_artifact):
     text = tok.decode(out, skip_special_tokens=True)
     print(f"\nanswer: {text!r}\n{stats.line()}")
     assert "Paris" in text
-    assert math.isclose(stats.nominal_ratio, model.tale_manifest["nominal_ratio"], rel_tol=1e-6)
+    assert math.isclose(stats.nominal_ratio, model.tale_manifest["nominal_ratio"], rel_tol=1e-3)
