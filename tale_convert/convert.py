@@ -96,9 +96,7 @@ def convert(model: str | None, out: str | Path, opts: Options, on_layer: Callabl
     window = source.sliding_window(config)
     if window and opts.seq_len > window:
         raise ConvertError(f"--seq-len {opts.seq_len} exceeds the model's sliding window {window}")
-    dtype = DTYPES.get(opts.dtype) or (config.dtype if opts.dtype == "auto" else None)
-    if not isinstance(dtype, torch.dtype):
-        raise ConvertError(f"unknown --dtype {opts.dtype!r}: use bf16, fp16, fp32 or auto")
+    dtype = _dtype(opts.dtype, config)
     device = _device(opts.device)
 
     tokenizer = source.load_tokenizer(src)
@@ -110,6 +108,7 @@ def convert(model: str | None, out: str | Path, opts: Options, on_layer: Callabl
     settings = {"tool": __version__, "model": base_files, "group": arch.g,
                 "tokens": hashlib.sha256(tokens.numpy().tobytes()).hexdigest()}
 
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     found = resume.find(out, settings) if opts.resume else None
     if found != tmp:
@@ -129,23 +128,7 @@ def convert(model: str | None, out: str | Path, opts: Options, on_layer: Callabl
         entries = _entries(hf, arch, dtype, partial)
         files = write.write_tensors(tmp, entries, shard_size)
         write.copy_model_files(tmp, config, tokenizer, hf.generation_config, dtype)
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "tool": {"name": TOOL_NAME, "version": __version__},
-            "base": {"id": src.id, "revision": src.revision, "license": src.license, "origin": src.origin,
-                     "files": base_files},
-            "dtype": str(dtype).removeprefix("torch."),
-            "architecture": arch.to_manifest(),
-            "schedule": schedule.to_dict(),
-            "svd": {"method": "svd-llm-whitened", "compute_dtype": "float64",
-                    "whitening_eps": [lr.eps for lr in layers]},
-            "calibration": {**calib_info, "samples": opts.samples, "seq_len": opts.seq_len, "seed": opts.seed,
-                            "tokens": opts.samples * opts.seq_len},
-            "energy_kept": [lr.energy for lr in layers],
-            "nominal_ratio": round(nominal_ratio(schedule, arch.n, arch.g), 4),
-            "files": files,
-        }
+        manifest = _manifest(src, base_files, arch, schedule, layers, calib_info, opts, dtype, files)
         write_json(tmp / MANIFEST, manifest)
         base_card = src.path / "README.md"
         (tmp / "README.md").write_text(render_card(manifest, base_card.read_text() if base_card.is_file() else None))
@@ -163,6 +146,25 @@ def convert(model: str | None, out: str | Path, opts: Options, on_layer: Callabl
     return Report(out, layers, manifest["nominal_ratio"], time.perf_counter() - t0,
                   resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
+
+
+def _manifest(src, base_files, arch, schedule, layers, calib_info, opts, dtype, files) -> dict:
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "tool": {"name": TOOL_NAME, "version": __version__},
+        "base": {"id": src.id, "revision": src.revision, "license": src.license, "origin": src.origin,
+                 "files": base_files},
+        "dtype": str(dtype).removeprefix("torch."),
+        "architecture": arch.to_manifest(),
+        "schedule": schedule.to_dict(),
+        "svd": {"method": "svd-llm-whitened", "compute_dtype": "float64", "whitening_eps": [lr.eps for lr in layers]},
+        "calibration": {**calib_info, "samples": opts.samples, "seq_len": opts.seq_len, "seed": opts.seed,
+                        "tokens": opts.samples * opts.seq_len},
+        "energy_kept": [lr.energy for lr in layers],
+        "nominal_ratio": round(nominal_ratio(schedule, arch.n, arch.g), 4),
+        "files": files,
+    }
 
 
 def _factorize(hf, tokens, device, arch, schedule, partial, on_layer) -> list[LayerReport]:
@@ -228,6 +230,14 @@ def _entries(hf, arch, dtype, partial) -> list[write.Entry]:
                         lambda i=i, W_O=W_O: fuse(factors(i).B, W_O.T.double(), H).T.to(dtype)),
         ]
     return entries
+
+
+def _dtype(name: str, config) -> torch.dtype:
+    if name == "auto":  # the checkpoint's own dtype
+        name = str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
+    if name not in DTYPES:
+        raise ConvertError(f"unknown --dtype {name!r}: use bf16, fp16, fp32 or auto")
+    return DTYPES[name]
 
 
 def _device(name: str) -> torch.device:

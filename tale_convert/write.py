@@ -65,8 +65,8 @@ def check_out(out: Path, overwrite: bool) -> None:
     """Refuse before any work: an existing output needs --overwrite, and only a TALE artifact
     (or an empty directory) may be replaced."""
     if not out.exists():
-        if not out.parent.is_dir():
-            raise ConvertError(f"output parent directory does not exist: {out.parent}")
+        if out.parent.exists() and not out.parent.is_dir():
+            raise ConvertError(f"cannot write {out}: {out.parent} is not a directory")
         return
     if not overwrite:
         raise ConvertError(f"{out} exists (pass --overwrite to replace it)")

@@ -218,7 +218,7 @@ def test_calib_files_and_sharding(tiny_model_dir, tmp_path):
     one = tmp_path / "one"
     convert(str(tiny_model_dir("mistral")), one, tiny_opts("mistral", calib=[txt, jl]))
     many = tmp_path / "many"
-    convert(str(tiny_model_dir("mistral")), many, tiny_opts("mistral", calib=[txt, jl], shard_size="100KB"))
+    convert(str(tiny_model_dir("mistral")), many, tiny_opts("mistral", calib=[txt, jl], shard_size="100KB", dtype="auto"))  # auto: fp32 as saved
     m1, _, t1 = read_artifact(one)
     m2, index, t2 = read_artifact(many)
     assert m1["calibration"]["source"] == "files" and set(m1["calibration"]["files"]) == {"a.txt", "b.jsonl"}

@@ -40,10 +40,10 @@ def llama(tiny_model_dir):
 
 
 def test_converts_and_reports(llama, tmp_path, capsys):
-    code, out, err = run([llama, "--out", tmp_path / "tale", "--group", "2", *TINY_ARGS], capsys)
+    code, out, err = run([llama, "--out", tmp_path / "new" / "tale", "--group", "2", *TINY_ARGS], capsys)
     assert code == 0, err
     assert "nominal ratio" in out and "peak RSS" in out and "energy kept at r0" in out
-    assert (tmp_path / "tale" / "tale_config.json").is_file()
+    assert (tmp_path / "new" / "tale" / "tale_config.json").is_file()  # parents are created
 
 
 @pytest.mark.parametrize("case", [
