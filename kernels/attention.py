@@ -62,6 +62,11 @@ def _region_kernel(
     c = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     QG: tl.constexpr = GS * REP
+    NBK: tl.constexpr = N * KBITS // 8  # packed key bytes per token and head
+    ROWS: tl.constexpr = BT // KG if BT > KG else 1  # key scale rows (token groups) in a tile
+    NB: tl.constexpr = RANK * HBITS // 8  # packed latent bytes per token
+    NBP: tl.constexpr = RP * HBITS // 8
+    NGP: tl.constexpr = RP // VG  # latent scale groups per token (padded)
     rows = tl.arange(0, QGP)
     head = c * QG + rows
     rmask = rows < QG
@@ -88,11 +93,9 @@ def _region_kernel(
                 k = tl.load(k_ptr + b * s_kb + kv * s_kh + t[:, None] * s_kt + dn[None, :], mask=tmask[:, None], other=0.0)
                 k = k.to(DOT)
             else:
-                NBK: tl.constexpr = N * KBITS // 8
                 byts = tl.load(k_ptr + b * s_kb + kv * s_kh + t[:, None] * s_kt + tl.arange(0, NBK)[None, :],
                                mask=tmask[:, None], other=0)
                 codes = unpack(byts, KBITS)  # [BT, N]
-                ROWS: tl.constexpr = BT // KG if BT > KG else 1  # key scale rows (token groups) in the tile
                 r = t0 // KG + tl.arange(0, ROWS)
                 rm = r * KG < L
                 soff = b * s_ksb + kv * s_ksh + r[:, None] * s_kst + dn[None, :]
@@ -122,13 +125,10 @@ def _region_kernel(
                         mask=tmask[:, None] & (cols < RANK)[None, :], other=0.0)
             h = h.to(DOT)
         else:
-            NB: tl.constexpr = RANK * HBITS // 8
-            NBP: tl.constexpr = RP * HBITS // 8
             cb = tl.arange(0, NBP)
             byts = tl.load(h_ptr + b * s_hb + c * s_hg + t[:, None] * s_ht + cb[None, :],
                            mask=tmask[:, None] & (cb < NB)[None, :], other=0)
             codes = unpack(byts, HBITS)  # [BT, RP]
-            NGP: tl.constexpr = RP // VG
             gi = tl.arange(0, NGP)
             gmask = tmask[:, None] & (gi < RANK // VG)[None, :]
             soff = b * s_hsb + c * s_hsg + t[:, None] * s_hst + gi[None, :]

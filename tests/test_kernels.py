@@ -204,3 +204,25 @@ def test_generation_with_kernels_matches_reference(arch, g):
     t_k, l_k = greedy()
     assert torch.equal(t_k, t_ref)
     assert rel(l_k, l_ref) < (5e-3 if CUDA else 1e-4)
+
+
+@pytest.mark.skipif(not CUDA, reason="load() installs the kernel on CUDA only")
+def test_load_on_cuda_installs_the_kernel(tmp_path):
+    from tale_helpers import save_artifact
+    from tale_runtime import load
+
+    save_artifact(talify(tiny_model("llama"), 2), tmp_path / "art")
+    model, _ = load(tmp_path / "art", device="cuda", dtype=torch.float32)
+    assert all(layer.self_attn.attention_fn is tale_kernels.latent_attention for layer in model.model.layers)
+    ids = torch.randint(1, 320, (1, 40), generator=torch.Generator().manual_seed(2)).cuda()
+
+    @torch.no_grad()
+    def logits():
+        cache = new_cache(model)
+        model(ids[:, :30], past_key_values=cache)
+        return torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(30, 40)], 1)
+
+    got = logits()
+    use_kernels(model, False)
+    want = logits()
+    assert torch.equal(got.argmax(-1), want.argmax(-1)) and rel(got, want) < 5e-3
