@@ -133,7 +133,7 @@ def _schedule(m: dict) -> str:
     ]
     if ratio is not None:
         lines += ["", f"Nominal K+V cache compression versus 16 bits: **{ratio:.2f}x** "
-                      "(ignoring sinks, scales and zero points; the measured ratio counts them)."]
+                      "(ignoring sinks, scales, zero points and the residual)."]
     return "\n".join(lines)
 
 

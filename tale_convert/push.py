@@ -121,7 +121,7 @@ def show(p: Plan, revision: str, private: bool, large: bool) -> None:
     how = "tensors first, then the rest" if large else "one commit"
     out.print(f"{'private' if private else 'public'} repo, {how}; nothing was sent (dry run).")
     out.rule("README.md")
-    out.print(p.card, markup=False, highlight=False)
+    out.print(p.card, markup=False, highlight=False, soft_wrap=True)  # the exact text, unwrapped
 
 
 def write_card(p: Plan) -> None:
