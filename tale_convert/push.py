@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.filesize import decimal
 from rich.table import Table
 
-from tale_runtime.artifact import MANIFEST, ArtifactError, read_manifest, verify_files
+from tale_runtime.artifact import ArtifactError, read_manifest, verify_files
 
 from .card import MARKER, base_model_id, complete_metadata, render_card
 
@@ -66,13 +66,12 @@ def check_repo_id(repo_id: str) -> None:
         raise PushError(f"invalid repo id {repo_id!r}: use 'owner/name' (tale-run loads it by that id)")
 
 
-def plan(root: Path, repo_id: str, quality: Path | None = None, verify: bool = True) -> Plan:
+def plan(root: Path, repo_id: str, quality: Path | None = None) -> Plan:
     """Everything the push will do, computed locally: no network, nothing written."""
     check_repo_id(repo_id)
     try:
         manifest = read_manifest(root)
-        if verify:
-            verify_files(root, manifest)
+        verify_files(root, manifest)
     except ArtifactError as e:
         raise PushError(str(e)) from None
     if not (root / "config.json").is_file():
@@ -164,16 +163,21 @@ def hub_error(e: HfHubHTTPError, repo_id: str, revision: str) -> str:
 
 @app.command()
 def push(
-    artifact: Path = typer.Argument(..., help="TALE artifact directory (tale-convert output)."),
-    repo_id: str = typer.Argument(..., help="Hub repo id, owner/name. Created if missing."),
-    revision: str = typer.Option("main", "--revision", "--branch", help="Branch to push to; created from main if missing."),
-    commit_message: str | None = typer.Option(None, "--commit-message", "-m"),
-    private: bool = typer.Option(False, "--private", help="Create the repo private (an existing repo keeps its visibility)."),
-    token: str | None = typer.Option(None, "--token", help="Hub token with write access. Default: HF_TOKEN, then the cached login."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="List the files and print the card; no network, nothing written."),
+    artifact: Path = typer.Argument(..., metavar="ARTIFACT", help="TALE artifact directory (tale-convert output)."),
+    repo_id: str = typer.Argument(..., metavar="REPO_ID", help="Hub repo id, owner/name. Created if missing."),
+    revision: str = typer.Option("main", "--revision", "--branch",
+                                 help="Branch to push to; created from main if missing."),
+    commit_message: str | None = typer.Option(None, "--commit-message", "-m", help="Commit message."),
+    private: bool = typer.Option(False, "--private",
+                                 help="Create the repo private (an existing repo keeps its visibility)."),
+    token: str | None = typer.Option(None, "--token",
+                                     help="Hub token with write access. Default: HF_TOKEN, then the cached login."),
+    dry_run: bool = typer.Option(False, "--dry-run",
+                                 help="List the files and print the card; no network, nothing written."),
     large: bool | None = typer.Option(None, "--large/--single-commit", show_default=False,
-                                      help=f"Tensors first, manifest last (default: for artifacts >= {decimal(LARGE_BYTES)})."),
-    quality: Path | None = typer.Option(None, "--quality", help="JSON object of measured figures for the card (e.g. from tale-eval)."),
+                                      help=f"Tensors first, manifest last (default: from {decimal(LARGE_BYTES)})."),
+    quality: Path | None = typer.Option(None, "--quality",
+                                        help="JSON object of measured figures for the card (e.g. from tale-eval)."),
 ) -> None:
     """Check ARTIFACT, write its model card (README.md) and upload it to REPO_ID."""
     try:
