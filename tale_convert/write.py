@@ -1,5 +1,5 @@
-"""Write the artifact (DESIGN.md 6): sharded safetensors + index, manifest, model card, and
-move it into place in one step."""
+"""Write the artifact (DESIGN.md 6): sharded safetensors + index, model files, and the move of
+the finished directory into place."""
 
 from __future__ import annotations
 
