@@ -37,9 +37,10 @@ class GenStats:
 
     def line(self) -> str:
         nominal = f"{self.nominal_ratio:.2f}x" if self.nominal_ratio else "n/a"
+        speed = f"{self.decode_tokens_per_s:.1f} tok/s" if self.generated_tokens > 1 else "n/a"
         return (
             f"prompt {self.prompt_tokens} tok, generated {self.generated_tokens} tok, "
-            f"prefill {self.prefill_s:.2f} s, decode {self.decode_tokens_per_s:.1f} tok/s | "
+            f"prefill {self.prefill_s:.2f} s, decode {speed} | "
             f"cache {_mib(self.cache_bytes)} vs 16-bit K+V {_mib(self.baseline_bytes)}: "
             f"measured {self.ratio:.2f}x (nominal {nominal})"
         )
@@ -112,6 +113,11 @@ def _next_token(logits: torch.Tensor, temperature: float, top_p: float, gen: tor
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @torch.inference_mode()
 def generate(
     model,
@@ -125,7 +131,8 @@ def generate(
     cache: TaleCache | None = None,
     eos_token_id: int | list[int] | None = None,
 ) -> tuple[list[int], GenStats]:
-    """Generate from one prompt with a fresh TaleCache; stop at EOS or after max_new_tokens.
+    """Generate from one prompt into `cache` (default: a fresh TaleCache); stop at EOS or after
+    max_new_tokens. Greedy at temperature 0, else sampling (nucleus if top_p < 1) seeded by `seed`.
 
     `on_text` receives the decoded text as it grows (needs `tokenizer`). Returns the new token
     ids (EOS included if reached) and the statistics.
@@ -145,6 +152,7 @@ def generate(
     out: list[int] = []
     t0 = time.perf_counter()
     logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    _sync(device)
     prefill_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     while len(out) < max_new_tokens:
@@ -156,6 +164,7 @@ def generate(
             break
         step = torch.tensor([[tok]], device=device)
         logits = model(input_ids=step, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    _sync(device)
     decode_s = time.perf_counter() - t1 if len(out) > 1 else 0.0
     if stream is not None and (text := stream.flush()):
         on_text(text)
