@@ -53,6 +53,7 @@ class TaleLayerCache:
         self.levels: list[Store | None] = [None] * len(schedule.levels)
         self.res_k = self.res_h = None
         self.valid: torch.Tensor | None = None  # [B, kappa] bool; False = padding
+        self.window: int | None = None  # sliding-window layers: a query sees keys less than `window` positions back
 
     # -- bookkeeping -------------------------------------------------------------------
 
@@ -242,6 +243,9 @@ def latent_attention(
     if past:
         mask[:, :, :past] = cache.valid[:, None, :]
     mask[:, :, past:] = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    if cache.window is not None:
+        back = torch.arange(past, past + T, device=q.device)[:, None] - torch.arange(Ltot, device=q.device)
+        mask &= back < cache.window
     logits = logits.masked_fill(~mask[:, None, None], float("-inf"))
     probs = logits.softmax(dim=-1).view(B, G, g * rep, T, Ltot)
     z = torch.zeros(B, G, g * rep, T, R, dtype=f32, device=q.device)

@@ -115,7 +115,8 @@ class TaleAttention(nn.Module):
         self.is_causal = True
         self.attention_dropout = 0.0
         self.num_key_value_groups = self.H // self.K
-        self.sliding_window = getattr(orig, "sliding_window", None)
+        # Qwen2 marks sliding layers on the module, Mistral only in the config
+        self.sliding_window = orig.sliding_window if hasattr(orig, "sliding_window") else getattr(config, "sliding_window", None)
         self.q_proj, self.k_proj, self.o_proj = orig.q_proj, orig.k_proj, orig.o_proj
         w = orig.q_proj.weight
         self.tale = TaleWeights(self.G, config.hidden_size, self.R, self.H, dtype=w.dtype, device=w.device)
@@ -179,6 +180,7 @@ class TaleAttention(nn.Module):
         layer = None
         if isinstance(past_key_values, TaleCache):
             layer = past_key_values.layers[self.layer_idx]
+            layer.window = self.sliding_window
         elif past_key_values is not None and past_key_values.get_seq_length(self.layer_idx) > 0:
             raise TypeError("TALE models need a TaleCache (tale_runtime.new_cache(model)), not " + type(past_key_values).__name__)
 

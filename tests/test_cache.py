@@ -100,7 +100,7 @@ def test_decode_steps_demote_through_the_levels(sched):
 
 
 @pytest.mark.parametrize("sched", [two_levels(), three_levels()], ids=["2-levels", "3-levels"])
-@pytest.mark.parametrize("T", [5, 11, 64, 203])
+@pytest.mark.parametrize("T", [3, 5, 11, 64, 203])
 def test_prefill_places_tokens_once(sched, T):
     k, h = tokens(1, T, seed=T)
     c = TaleLayerCache(sched, 0, K, n, G, R)

@@ -70,6 +70,17 @@ def test_exact_settings_reproduce_the_original_model(arch, g):
     assert rel(decode_logits(tm, ids, 12), ref) > 1e-3
 
 
+def test_sliding_window_layers_keep_their_window():
+    base = tiny_model("mistral")
+    base.config.sliding_window = 12  # Mistral reads the window from the config at every forward
+    ids = ids_for(48)
+    with torch.no_grad():
+        ref = base(ids).logits[:, 9:-1]
+    tm = talify(base, 2, exact_schedule(32, 2))
+    assert rel(decode_logits(tm, ids, 10), ref) < 1e-4
+    assert rel(decode_logits(tm, ids, 10, chunks=[7, 1, 20, 10]), ref) < 1e-4
+
+
 @pytest.mark.parametrize("arch,g", [("llama", 2), ("llama", 4), ("qwen2", 2), ("mha", 1)])
 def test_fused_and_factored_outputs_agree(arch, g):
     tm = talify(tiny_model(arch), g)  # lossy default schedule
