@@ -12,12 +12,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tale_runtime.artifact import ArtifactError
-
 from . import ConvertError
 from .convert import Options, convert
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help="Convert a Llama-family checkpoint into a TALE artifact.")
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+                  help="Convert a Llama-family checkpoint into a TALE artifact.")
 out_console = Console()
 D = Options()
 
@@ -31,10 +30,11 @@ def _numbers(s: str, kind, flag: str) -> tuple:
 
 @app.command()
 def run(
-    model: str = typer.Argument("smollm2", help="`smollm2` (embedded default), a local checkpoint dir, or a Hub id owner/name"),
+    model: str = typer.Argument("smollm2", help="`smollm2` (the default), a checkpoint dir, or a Hub id owner/name"),
     out: Path = typer.Option(..., "--out", "-o", help="artifact directory to write"),
     group: int = typer.Option(D.group, help="KV heads per latent group g (must divide the KV heads)"),
-    calib: Optional[list[Path]] = typer.Option(None, help="calibration .txt/.json/.jsonl file (repeatable); default: bundled CC0 corpus"),
+    calib: Optional[list[Path]] = typer.Option(None, help="calibration .txt/.json/.jsonl file (repeatable); "
+                                                          "default: the bundled CC0 corpus"),
     samples: int = typer.Option(D.samples, help="calibration sequences"),
     seq_len: int = typer.Option(D.seq_len, help="tokens per calibration sequence"),
     seed: int = typer.Option(D.seed, help="seed for sampling the calibration sequences"),
@@ -69,7 +69,7 @@ def run(
                 progress.update(task, total=total, advance=1)
 
             report = convert(model, out, opts, on_layer=on_layer, log=lambda s: progress.console.print(s))
-    except (ConvertError, ArtifactError) as e:
+    except ConvertError as e:
         _fail(str(e), 2)
     except Exception as e:  # a bug or an environment problem, not bad input
         if os.environ.get("TALE_DEBUG"):
@@ -94,7 +94,8 @@ def _summary(report) -> None:
     for col in ("layer", "energy kept at r0", "whitening eps", "time (s)"):
         t.add_column(col, justify="right")
     for lr in report.layers:
-        t.add_row(str(lr.index), f"{lr.energy[0]:.4f}", f"{lr.eps:g}", f"{lr.seconds:.1f}" + (" (reused)" if lr.reused else ""))
+        seconds = f"{lr.seconds:.1f}" + (" (reused)" if lr.reused else "")
+        t.add_row(str(lr.index), f"{lr.energy[0]:.4f}", f"{lr.eps:g}", seconds)
     out_console.print(t)
     dev = f", device peak {report.peak_device / 2**30:.2f} GiB" if report.peak_device is not None else ""
     out_console.print(f"wrote {report.out}\nnominal ratio {report.nominal_ratio:.2f}x, total {report.seconds:.1f} s, "

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from tale_runtime.artifact import (FORMAT, FORMAT_VERSION, MANIFEST, TOOL_NAME, O_FUSED, U_V, V_V, Level, Schedule,
-                                   nominal_ratio, uniform_ranks, write_json)
+from tale_runtime.artifact import (FORMAT, FORMAT_VERSION, MANIFEST, O_FUSED, TOOL_NAME, U_V, V_V, ArtifactError, Level,
+                                   Schedule, nominal_ratio, uniform_ranks, write_json)
 
 from . import ConvertError, __version__
 from . import calibrate, resume, source, write
@@ -52,12 +52,19 @@ class Options:
     def schedule(self, R: int, num_layers: int) -> Schedule:
         key_bits = self.key_bits or self.bits
         if len(key_bits) != len(self.bits) or len(self.recent) != len(self.bits) - 1:
-            raise ConvertError(f"{len(self.bits)} levels (--bits) need {len(self.bits)} --key-bits and {len(self.bits) - 1} --recent shares")
+            n = len(self.bits)
+            raise ConvertError(f"{n} levels (--bits) need {n} --key-bits and {n - 1} --recent shares")
         if not 0 < self.r0 <= 1:
             raise ConvertError(f"--r0 must be a fraction of R in (0, 1], got {self.r0}")
-        levels = [Level(b, kb, None if i == 0 else self.recent[i - 1]) for i, (b, kb) in enumerate(zip(self.bits, key_bits))]
+        shares = (None, *self.recent)
+        levels = [Level(b, kb, p) for b, kb, p in zip(self.bits, key_bits, shares)]
         ranks = uniform_ranks(R, num_layers, self.r0, self.value_group, len(levels))
-        return Schedule(self.sinks, levels, ranks, self.key_group, self.value_group, self.residual)
+        schedule = Schedule(self.sinks, levels, ranks, self.key_group, self.value_group, self.residual)
+        try:
+            schedule.validate(R, num_layers)
+        except ArtifactError as e:
+            raise ConvertError(f"invalid schedule: {e}") from None
+        return schedule
 
 
 @dataclass
@@ -79,7 +86,8 @@ class Report:
     peak_device: int | None = None  # bytes, CUDA only
 
 
-def convert(model: str | None, out: str | Path, opts: Options, on_layer: Callable[[LayerReport, int], None] | None = None,
+def convert(model: str | None, out: str | Path, opts: Options,
+            on_layer: Callable[[LayerReport, int], None] | None = None,
             log: Callable[[str], None] = lambda s: None) -> Report:
     """Convert MODEL into a TALE artifact at `out`. Raises ConvertError on bad input."""
     t0 = time.perf_counter()
@@ -92,7 +100,6 @@ def convert(model: str | None, out: str | Path, opts: Options, on_layer: Callabl
     src = source.resolve(model)
     config, arch = source.load_config(src, opts.group)
     schedule = opts.schedule(arch.R, arch.L)
-    schedule.validate(arch.R, arch.L)
     window = source.sliding_window(config)
     if window and opts.seq_len > window:
         raise ConvertError(f"--seq-len {opts.seq_len} exceeds the model's sliding window {window}")
@@ -125,7 +132,7 @@ def convert(model: str | None, out: str | Path, opts: Options, on_layer: Callabl
         source.check_layout(hf, arch)
         layers = _factorize(hf, tokens, device, arch, schedule, partial, on_layer)
 
-        entries = _entries(hf, arch, dtype, partial)
+        entries = _entries(hf, arch, dtype, partial, device)
         files = write.write_tensors(tmp, entries, shard_size)
         write.copy_model_files(tmp, config, tokenizer, hf.generation_config, dtype)
         manifest = _manifest(src, base_files, arch, schedule, layers, calib_info, opts, dtype, files)
@@ -191,7 +198,8 @@ def _factorize(hf, tokens, device, arch, schedule, partial, on_layer) -> list[La
             f = whiten(C, layer.self_attn.v_proj.weight.T, arch.g, arch.n)
             del C
             partial.save_layer(i, f, time.perf_counter() - t)
-            reports[i] = LayerReport(i, f.eps, [energy_kept(f.S, r) for r in schedule.ranks[i]], time.perf_counter() - t, False)
+            energy = [energy_kept(f.S, r) for r in schedule.ranks[i]]
+            reports[i] = LayerReport(i, f.eps, energy, time.perf_counter() - t, False)
             if on_layer:
                 on_layer(reports[i], arch.L)
         if i + 1 < stop and time.perf_counter() - saved > resume.HIDDEN_EVERY_S:
@@ -206,9 +214,10 @@ def _factorize(hf, tokens, device, arch, schedule, partial, on_layer) -> list[La
     return [reports[i] for i in range(arch.L)]
 
 
-def _entries(hf, arch, dtype, partial) -> list[write.Entry]:
+def _entries(hf, arch, dtype, partial, device) -> list[write.Entry]:
     """Base tensors in state_dict order, each layer's v_proj.weight replaced by the TALE tensors.
-    Tied weights are written once (as transformers does)."""
+    Tied weights are written once (as transformers does). O^r is fused on the device: in float64
+    it is the one large product of the conversion (g times the size of W_O)."""
     factors = functools.lru_cache(maxsize=1)(lambda i: partial.load_layer(i)[0])
     size = torch.finfo(dtype).bits // 8
     d, G, R, H = arch.d, arch.G, arch.R, arch.H
@@ -223,11 +232,14 @@ def _entries(hf, arch, dtype, partial) -> list[write.Entry]:
             continue
         prefix, i = m.group(1), int(m.group(2))
         W_O = hf.model.layers[i].self_attn.o_proj.weight
+
+        def o_fused(i=i, W_O=W_O):
+            return fuse(factors(i).B.to(device), W_O.to(device).T.double(), H).T.to("cpu", dtype)
+
         entries += [
             write.Entry(prefix + U_V, G * d * R * size, lambda i=i: factors(i).A.to(dtype)),
             write.Entry(prefix + V_V, G * R * R * size, lambda i=i: factors(i).B.to(dtype)),
-            write.Entry(prefix + O_FUSED, d * H * R * size,
-                        lambda i=i, W_O=W_O: fuse(factors(i).B, W_O.T.double(), H).T.to(dtype)),
+            write.Entry(prefix + O_FUSED, d * H * R * size, o_fused),
         ]
     return entries
 

@@ -15,7 +15,8 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from .whiten import Factors
 
@@ -30,7 +31,8 @@ class Partial:
         _atomic_write(self.root / "settings.json", lambda p: p.write_text(json.dumps(settings, indent=1)))
 
     def done(self) -> set[int]:
-        return {int(m.group(1)) for f in self.root.iterdir() if (m := re.fullmatch(r"layer_(\d+)\.safetensors", f.name))}
+        names = (re.fullmatch(r"layer_(\d+)\.safetensors", f.name) for f in self.root.iterdir())
+        return {int(m.group(1)) for m in names if m}
 
     def save_layer(self, i: int, f: Factors, seconds: float) -> None:
         tensors = {"A": f.A.cpu().contiguous(), "B": f.B.cpu().contiguous(), "S": f.S.cpu().contiguous()}
@@ -38,7 +40,6 @@ class Partial:
         _atomic_write(self._layer(i), lambda p: save_file(tensors, p, metadata=meta))
 
     def load_layer(self, i: int) -> tuple[Factors, float]:
-        from safetensors import safe_open
 
         with safe_open(self._layer(i), "pt") as st:
             meta = st.metadata()
@@ -51,7 +52,6 @@ class Partial:
 
     def load_hidden(self) -> tuple[int, torch.Tensor] | None:
         """(k, hidden states entering layer k), or None if never checkpointed."""
-        from safetensors import safe_open
 
         f = self.root / "hidden.safetensors"
         if not f.is_file():

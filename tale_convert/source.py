@@ -101,7 +101,7 @@ def _download(hub_id: str) -> Source:
     except LocalEntryNotFoundError:
         raise ConvertError(f"{hub_id}: not in the local cache and the Hub is unreachable") from None
     except (HfHubHTTPError, OSError, ValueError) as e:
-        raise ConvertError(f"{hub_id}: download failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise ConvertError(f"{hub_id}: download failed: {(str(e) or type(e).__name__).splitlines()[0]}") from None
     return Source(path, hub_id, path.name, _license(path))
 
 
@@ -144,9 +144,10 @@ def load_model(src: Source):
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(src.path, dtype="auto", attn_implementation="sdpa").eval().requires_grad_(False)
+        model = AutoModelForCausalLM.from_pretrained(src.path, dtype="auto", attn_implementation="sdpa")
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise ConvertError(f"{src.id}: cannot load the model: {str(e).splitlines()[0]}") from None
+    return model.eval().requires_grad_(False)
 
 
 def load_tokenizer(src: Source):
@@ -173,7 +174,7 @@ def check_layout(model, arch: Arch) -> None:
         for name, shape in want.items():
             lin = getattr(attn, name, None)
             if not isinstance(lin, torch.nn.Linear) or tuple(lin.weight.shape) != shape:
-                raise ConvertError(f"unsupported attention layout in layer {i}: {name} is not a Linear of shape {shape}")
+                raise ConvertError(f"unsupported attention layout in layer {i}: {name} is not a Linear {shape}")
 
 
 def sliding_window(config) -> int | None:

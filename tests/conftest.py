@@ -110,7 +110,9 @@ def _artifact_key(opts) -> str:
     import tale_convert
 
     h = hashlib.sha256(json.dumps(asdict(opts), sort_keys=True, default=str).encode())
-    for f in sorted(Path(tale_convert.__file__).parent.glob("*.py")) + sorted(Path(tale_calib.__file__).parent.glob("*")):
+    conv, calib = Path(tale_convert.__file__).parent, Path(tale_calib.__file__).parent
+    sources = sorted(conv.glob("*.py")) + sorted(calib.glob("*"))
+    for f in sources:
         if f.is_file() and f.name != "push.py":
             h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()[:16]

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from tale_convert import ConvertError, calibrate, convert as convert_mod, resume, source
 from tale_convert.convert import Options, convert
-from tale_runtime.artifact import (MANIFEST, O_FUSED, U_V, V_V, ArtifactError, Schedule, nominal_ratio, read_manifest,
+from tale_runtime.artifact import (O_FUSED, U_V, V_V, ArtifactError, Schedule, nominal_ratio, read_manifest,
                                    verify_files)
 
 
@@ -52,7 +52,8 @@ def artifacts(tiny_model_dir, tmp_path_factory):
 def test_factors_reproduce_base_weights(arch, artifacts, tiny_model_dir):
     """A_c B_c = W_c per group, O^r blocks = B_{c(q),j(q)} O_q, all other tensors untouched."""
     cfg = TINY[arch]
-    d, H, K, n, g = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], TINY_GROUP[arch]
+    d, H, K, n = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    g = TINY_GROUP[arch]
     G, R, rep = K // g, g * n, H // K
     _, index, art = read_artifact(artifacts[arch])
     base = load_file(tiny_model_dir(arch) / "model.safetensors")
@@ -196,8 +197,6 @@ def test_cholesky_jitter():
 
 
 def test_layout_check_refuses_other_attention(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
     src = source.resolve(str(tiny_model_dir("llama")))
     _, arch = source.load_config(src, 2)
     model = source.load_model(src)
@@ -214,11 +213,14 @@ def test_calib_files_and_sharding(tiny_model_dir, tmp_path):
     txt = tmp_path / "a.txt"
     txt.write_text(calib_paths()[0].read_text())
     jl = tmp_path / "b.jsonl"
-    jl.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(calib_paths()[1].read_text().split("\n\n"))))
+    paragraphs = calib_paths()[1].read_text().split("\n\n")
+    jl.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(paragraphs)))
     one = tmp_path / "one"
     convert(str(tiny_model_dir("mistral")), one, tiny_opts("mistral", calib=[txt, jl]))
     many = tmp_path / "many"
-    convert(str(tiny_model_dir("mistral")), many, tiny_opts("mistral", calib=[txt, jl], shard_size="100KB", dtype="auto"))  # auto: fp32 as saved
+    # dtype auto: fp32 as saved, so the same tensors as `one`
+    convert(str(tiny_model_dir("mistral")), many,
+            tiny_opts("mistral", calib=[txt, jl], shard_size="100KB", dtype="auto"))
     m1, _, t1 = read_artifact(one)
     m2, index, t2 = read_artifact(many)
     assert m1["calibration"]["source"] == "files" and set(m1["calibration"]["files"]) == {"a.txt", "b.jsonl"}

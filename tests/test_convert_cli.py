@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
-import torch
 from conftest import TINY_OPTS, save_tiny
 
 from tale_convert.cli import main
 
-TINY_ARGS = ["--samples", "8", "--seq-len", "64", "--dtype", "fp32", "--key-group", "8", "--value-group", "8",
-             "--residual", "8"]
-assert set(TINY_OPTS) == {"samples", "seq_len", "dtype", "key_group", "value_group", "residual"}
+TINY_ARGS = [a for k, v in TINY_OPTS.items() for a in (f"--{k.replace('_', '-')}", str(v))]
 
 
 def run(argv, capsys) -> tuple[int, str, str]:
@@ -49,7 +45,7 @@ def test_converts_and_reports(llama, tmp_path, capsys):
 @pytest.mark.parametrize("case", [
     "missing-path", "hub-offline", "unsupported-arch", "group-divides", "rank-exceeds-hidden", "calib-too-short",
     "calib-missing", "calib-no-text", "bad-bits", "bits-value", "bad-dtype", "bad-shard-size",
-    "recent-count",
+    "recent-count", "sliding-window",
 ])
 def test_bad_input(case, llama, tiny_model_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "tale"
@@ -76,6 +72,7 @@ def test_bad_input(case, llama, tiny_model_dir, tmp_path, capsys, monkeypatch):
         "bad-dtype": ([llama, "--group", "2", "--dtype", "int8"], "unknown --dtype"),
         "bad-shard-size": ([llama, "--group", "2", "--shard-size", "lots"], "bad size"),
         "recent-count": ([llama, "--group", "2", "--recent", "0.1,0.2"], "2 levels"),
+        "sliding-window": ([tiny_model_dir("mistral"), "--group", "2", "--seq-len", "300"], "sliding window 256"),
     }[case]
     assert_bad([*TINY_ARGS, "--out", out, *argv], capsys, tmp_path, match)  # the case's options come last: they win
 
@@ -93,7 +90,8 @@ def test_existing_output(llama, tmp_path, capsys):
     (out / "keep.txt").write_text("mine")
     assert_bad([llama, "--group", "2", "--out", out, *TINY_ARGS], capsys, tmp_path, "exists (pass --overwrite")
     # --overwrite only ever replaces a TALE artifact
-    assert_bad([llama, "--group", "2", "--out", out, "--overwrite", *TINY_ARGS], capsys, tmp_path, "not a TALE artifact")
+    assert_bad([llama, "--group", "2", "--out", out, "--overwrite", *TINY_ARGS], capsys, tmp_path,
+               "not a TALE artifact")
     assert (out / "keep.txt").read_text() == "mine"
 
 
