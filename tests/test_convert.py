@@ -298,3 +298,19 @@ def test_resume_reuses_finished_layers(checkpoint_hidden, tiny_model_dir, tmp_pa
     calls = {"whiten": [], "run_layer": []}
     convert(model, tmp_path / "again", tiny_opts("llama", resume=True, seed=5))
     assert len(calls["whiten"]) == 3
+
+
+def test_hub_model_records_id_and_revision(tiny_model_dir, tmp_path, monkeypatch):
+    """A Hub id goes through snapshot_download; the manifest and card name the repo and commit."""
+    import huggingface_hub
+
+    snapshot = tmp_path / "models--someone--tiny" / "snapshots" / "0123abcd"
+    shutil.copytree(tiny_model_dir("qwen2"), snapshot)
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **kw: asked.append(repo) or str(snapshot))
+    out = tmp_path / "tale"
+    convert("someone/tiny", out, tiny_opts("qwen2"))
+    m = read_manifest(out)
+    assert asked == ["someone/tiny"]
+    assert (m["base"]["id"], m["base"]["revision"]) == ("someone/tiny", "0123abcd")
+    assert "base_model: someone/tiny" in (out / "README.md").read_text()
