@@ -31,16 +31,20 @@ LOG2E = 1.4426950408889634
 def _scores(q, k, USE_DOT: tl.constexpr):
     """q [M, N] . k [T, N]^T -> [M, T] in float32."""
     if USE_DOT:
-        return tl.dot(q, tl.trans(k))
-    return tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        s = tl.dot(q, tl.trans(k))
+    else:
+        s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+    return s
 
 
 @triton.jit
 def _mix(p, h, USE_DOT: tl.constexpr):
     """p [M, T] @ h [T, R] -> [M, R] in float32."""
     if USE_DOT:
-        return tl.dot(p, h)
-    return tl.sum(p.to(tl.float32)[:, :, None] * h.to(tl.float32)[None, :, :], axis=1)
+        z = tl.dot(p, h)
+    else:
+        z = tl.sum(p.to(tl.float32)[:, :, None] * h.to(tl.float32)[None, :, :], axis=1)
+    return z
 
 
 @triton.jit
@@ -95,14 +99,14 @@ def _region_kernel(
             else:
                 byts = tl.load(k_ptr + b * s_kb + kv * s_kh + t[:, None] * s_kt + tl.arange(0, NBK)[None, :],
                                mask=tmask[:, None], other=0)
-                codes = unpack(byts, KBITS)  # [BT, N]
+                codes = unpack(byts, KBITS, DOT)  # [BT, N], dequantized in the dot's dtype
                 r = t0 // KG + tl.arange(0, ROWS)
                 rm = r * KG < L
                 soff = b * s_ksb + kv * s_ksh + r[:, None] * s_kst + dn[None, :]
-                ks = tl.load(ks_ptr + soff, mask=rm[:, None], other=0.0).to(tl.float32)
-                kz = tl.load(kz_ptr + soff, mask=rm[:, None], other=0.0).to(tl.float32)
+                ks = tl.load(ks_ptr + soff, mask=rm[:, None], other=0.0).to(DOT)
+                kz = tl.load(kz_ptr + soff, mask=rm[:, None], other=0.0).to(DOT)
                 k = tl.reshape(codes, (ROWS, BT // ROWS, N)) * ks[:, None, :] + kz[:, None, :]
-                k = tl.reshape(k, (BT, N)).to(DOT)
+                k = tl.reshape(k, (BT, N))
             s = _scores(q, k, USE_DOT)
             logits = tl.where(slot[:, None] == j, s, logits)
         ok = tmask
@@ -128,14 +132,14 @@ def _region_kernel(
             cb = tl.arange(0, NBP)
             byts = tl.load(h_ptr + b * s_hb + c * s_hg + t[:, None] * s_ht + cb[None, :],
                            mask=tmask[:, None] & (cb < NB)[None, :], other=0)
-            codes = unpack(byts, HBITS)  # [BT, RP]
+            codes = unpack(byts, HBITS, DOT)  # [BT, RP]
             gi = tl.arange(0, NGP)
             gmask = tmask[:, None] & (gi < RANK // VG)[None, :]
             soff = b * s_hsb + c * s_hsg + t[:, None] * s_hst + gi[None, :]
-            hs = tl.load(hs_ptr + soff, mask=gmask, other=0.0).to(tl.float32)
-            hz = tl.load(hz_ptr + soff, mask=gmask, other=0.0).to(tl.float32)
+            hs = tl.load(hs_ptr + soff, mask=gmask, other=0.0).to(DOT)
+            hz = tl.load(hz_ptr + soff, mask=gmask, other=0.0).to(DOT)
             h = tl.reshape(codes, (BT, NGP, VG)) * hs[:, :, None] + hz[:, :, None]
-            h = tl.reshape(h, (BT, RP)).to(DOT)
+            h = tl.reshape(h, (BT, RP))
         acc = acc * alpha[:, None] + _mix(p.to(DOT), h, USE_DOT)
 
     # -- partial results of this split
@@ -245,18 +249,18 @@ def latent_attention(
     cache: TaleLayerCache,
     scaling: float,
     *,
-    block_t: int = 32,
+    block_t: int = 64,
     split_tokens: int | None = None,
-    min_split: int = 512,
-    waves: float = 2.0,
-    num_warps: int = 4,
+    min_split: int = 64,
+    waves: float = 4.0,
+    num_warps: int = 8,
     num_stages: int = 2,
 ) -> torch.Tensor:
     """Drop-in for tale_runtime.cache.latent_attention: z [B, T, H, R] (float32).
 
     Decode steps (T = 1) on CUDA run the Triton kernel; anything else (prefill chunks,
     CPU tensors unless TRITON_INTERPRET=1, unusual shapes) runs the torch reference.
-    `split_tokens` fixes the tokens per split (tests); otherwise splits are sized so that
+    `split_tokens` fixes the tokens per split (tests); otherwise each region is split so that
     about `waves` programs per SM run, with at least `min_split` tokens each.
     """
     if not supported(q, k_new, h_new, cache):
@@ -269,12 +273,14 @@ def latent_attention(
     dtype = TL_DTYPE[q.dtype]
 
     BT = block_t
-    if split_tokens is None:
-        total = sum(r.length for r in regions)
-        per_group = max(1, int(waves * _num_sms(q.device)) // (B * G))
-        split_tokens = max(min_split, triton.cdiv(total, per_group))
-    chunk = triton.cdiv(split_tokens, BT) * BT
-    splits = [triton.cdiv(r.length, chunk) for r in regions]
+    # The regions run one launch after another: the long ones get `waves` programs per SM in
+    # total, the short ones still at least one per SM (a launch that leaves SMs idle runs long).
+    sms = _num_sms(q.device)
+    total = sum(r.length for r in regions)
+    chunk = max(min_split, triton.cdiv(total * B * G, int(waves * sms)))
+    chunks = [split_tokens or min(chunk, max(min_split, triton.cdiv(r.length * B * G, sms))) for r in regions]
+    chunks = [triton.cdiv(ch, BT) * BT for ch in chunks]
+    splits = [triton.cdiv(r.length, ch) for r, ch in zip(regions, chunks)]
     n_slots = sum(splits)
     RPAD = pow2(R)
     use_dot = n >= 16 and BT >= 16 and min(pow2(r.rank) for r in regions) >= 16
@@ -287,12 +293,13 @@ def latent_attention(
     valid = cache.valid.view(torch.uint8)
     q = _last_contig(q)
     slot0 = 0
-    for reg, ns in zip(regions, splits):
+    for reg, ns, chunk in zip(regions, splits, chunks):
         kt, ks, kz = _last_contig(reg.keys), _last_contig(reg.key_scale), _last_contig(reg.key_zero)
         ht, hs, hz = _last_contig(reg.lat), _last_contig(reg.lat_scale), _last_contig(reg.lat_zero)
         dummy = kt  # scale pointers of 16-bit regions are never read
         ks_, kz_, hs_, hz_ = (ks if ks is not None else dummy), (kz if kz is not None else dummy), \
             (hs if hs is not None else dummy), (hz if hz is not None else dummy)
+        dense = reg.key_bits == 16 and reg.lat_bits == 16  # sinks, residual, new token: short, full-width tiles
         _region_kernel[(ns, G, B)](
             q, q.stride(0), q.stride(1),
             kt, kt.stride(0), kt.stride(1), kt.stride(2),
@@ -305,8 +312,8 @@ def latent_attention(
             N=n, GS=g, REP=rep, QGP=QGP,
             KBITS=reg.key_bits, HBITS=reg.lat_bits, KG=s.key_group, VG=s.value_group,
             RANK=reg.rank, RP=pow2(reg.rank), RPAD=RPAD,
-            BT=BT, HAS_VALID=reg.pos0 >= 0, USE_DOT=use_dot, DOT=dtype,
-            num_warps=num_warps, num_stages=num_stages,
+            BT=min(BT, 32) if dense else BT, HAS_VALID=reg.pos0 >= 0, USE_DOT=use_dot, DOT=dtype,
+            num_warps=num_warps, num_stages=min(num_stages, 2) if dense else num_stages,
         )
         slot0 += ns
     z = torch.empty(B, 1, H, R, device=dev, dtype=torch.float32)

@@ -31,12 +31,24 @@ def _load_x(x_ptr, xs_ptr, xz_ptr, xoff, soff_a, s_xt, s_st, t0, L, C,
     tm = t < L
     ch = tl.arange(0, CP)
     if IN_BITS == 16:
-        return tl.load(x_ptr + xoff + t[:, None] * s_xt + ch[None, :], mask=tm[:, None] & (ch < C)[None, :],
-                       other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + xoff + t[:, None] * s_xt + ch[None, :], mask=tm[:, None] & (ch < C)[None, :],
+                    other=0.0).to(tl.float32)
+    else:
+        x = _dequant(x_ptr, xs_ptr, xz_ptr, xoff, soff_a, s_xt, s_st, t0, L, C, IN_BITS, GROUP, KEYS, BT, CP, SRC, ROUND)
+    return x
+
+
+@triton.jit
+def _dequant(x_ptr, xs_ptr, xz_ptr, xoff, soff_a, s_xt, s_st, t0, L, C,
+             IN_BITS: tl.constexpr, GROUP: tl.constexpr, KEYS: tl.constexpr,
+             BT: tl.constexpr, CP: tl.constexpr, SRC: tl.constexpr, ROUND: tl.constexpr):
+    t = t0 + tl.arange(0, BT)
+    tm = t < L
+    ch = tl.arange(0, CP)
     cb = tl.arange(0, CP * IN_BITS // 8)
     byts = tl.load(x_ptr + xoff + t[:, None] * s_xt + cb[None, :],
                    mask=tm[:, None] & (cb < C * IN_BITS // 8)[None, :], other=0)
-    codes = unpack(byts, IN_BITS)
+    codes = unpack(byts, IN_BITS, tl.float32)
     if KEYS:
         ROWS: tl.constexpr = BT // GROUP
         r = t0 // GROUP + tl.arange(0, ROWS)
