@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import replace
@@ -201,6 +202,7 @@ def load(
     model.tale_manifest = manifest
     model.tale_schedule = sched
     model.tale_path = root
+    _default_to_tale_cache(model)
     if device.type == "cuda":
         use_kernels(model)
 
@@ -208,6 +210,20 @@ def load(
     if any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tok = AutoTokenizer.from_pretrained(root)
     return model, tok
+
+
+def _default_to_tale_cache(model) -> None:
+    """model.generate without past_key_values gets a fresh TaleCache, not HF's DynamicCache
+    (TALE attention does not fill a DynamicCache: decoding would see no past at all)."""
+    hf_generate = model.generate
+
+    @functools.wraps(hf_generate)
+    def generate(*args, past_key_values=None, **kwargs):
+        if past_key_values is None:
+            past_key_values = new_cache(model)
+        return hf_generate(*args, past_key_values=past_key_values, **kwargs)
+
+    model.generate = generate
 
 
 def _model_type(root: Path) -> str | None:

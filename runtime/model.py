@@ -11,6 +11,7 @@ new exact tokens, summed in latent space, output through O^r (fused) or B then W
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -18,7 +19,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .artifact import Schedule
-from .cache import TaleLayerCache, latent_attention
+from .cache import Store, TaleLayerCache, latent_attention
 
 # Decode attention backend: (q, k_new, h_new, layer_cache, scaling) -> z [B, T, H, R].
 # The runtime swaps in the Triton kernel on CUDA (tale_kernels), the torch reference elsewhere.
@@ -61,6 +62,21 @@ class TaleLayer(TaleLayerCache, CacheLayerMixin):
 
     def reset(self) -> None:
         TaleLayerCache.__init__(self, self.s, self._layer_idx, self.K, self.n, self.G, self.R)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: pick batch rows of every region."""
+        if self.valid is None:
+            return
+
+        def pick(t):
+            return None if t is None else t.index_select(0, beam_idx.to(t.device))
+
+        self.sink_k, self.sink_h, self.res_k, self.res_h, self.valid = map(
+            pick, (self.sink_k, self.sink_h, self.res_k, self.res_h, self.valid))
+        for i, st in enumerate(self.levels):
+            if st is not None:
+                keys, lat = (replace(q, data=pick(q.data), scale=pick(q.scale), zero=pick(q.zero)) for q in (st.keys, st.lat))
+                self.levels[i] = Store(keys, lat, st.rank)
 
     @property
     def is_initialized(self) -> bool:  # HF asks; we have state once a token is cached

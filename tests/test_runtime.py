@@ -162,6 +162,15 @@ def test_hf_generate_sampling_is_seeded_and_exact():
     assert torch.equal(sample(lossy, new_cache(lossy), 3), sample(lossy, new_cache(lossy), 3))
 
 
+@torch.no_grad()
+def test_beam_search_reorders_the_cache():
+    base = tiny_model("llama")
+    tm = talify(base, 2, exact_schedule(32, 2))
+    ids = ids_for(14)
+    kw = dict(max_new_tokens=12, num_beams=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(tm.generate(ids, past_key_values=new_cache(tm), **kw), base.generate(ids, **kw))
+
+
 # -- the decode loop (tale_runtime.generate) ------------------------------------------
 
 
@@ -244,6 +253,16 @@ def test_load_reproduces_the_in_memory_model(tiny_artifact):
     assert torch.equal(decode_logits(model, ids, 10), decode_logits(tm, ids, 10))
     bf16, _ = load(path, device="cpu")
     assert bf16.dtype == torch.bfloat16 and bf16.model.layers[0].self_attn.tale.u_v.dtype == torch.bfloat16
+
+
+def test_generate_without_a_cache_gets_a_tale_cache(tmp_path):
+    tm = talify(tiny_model("llama"), 2)
+    model, _ = load(save_artifact(tm, tmp_path / "a"), device="cpu", dtype=torch.float32)
+    ids = ids_for(20)
+    with_cache = hf_greedy(model, ids, cache=new_cache(model))
+    assert torch.equal(hf_greedy(model, ids), with_cache)
+    # what load() avoids: HF's default DynamicCache, which TALE attention leaves empty
+    assert not torch.equal(hf_greedy(tm, ids), with_cache)
 
 
 def copy_artifact(src, dst):
