@@ -48,6 +48,8 @@ def run(
     key_group: int = typer.Option(D.key_group, help="tokens per key quantization group"),
     value_group: int = typer.Option(D.value_group, help="channels per latent quantization group"),
     residual: int = typer.Option(D.residual, help="16-bit residual tokens (multiple of --key-group)"),
+    policy: str = typer.Option(D.policy, help="level-0 rank per layer: uniform, energy, fisher or progressive"),
+    energy: float = typer.Option(D.energy, help="--policy energy: whitened spectral energy kept per layer at level 0"),
     overwrite: bool = typer.Option(False, help="replace an existing artifact at --out"),
     resume: bool = typer.Option(False, help="reuse the finished layers of an interrupted run with the same settings"),
     shard_size: str = typer.Option(str(D.shard_size), help="max safetensors shard size, e.g. 2GB"),
@@ -58,6 +60,7 @@ def run(
             sinks=sinks, recent=_numbers(recent, float, "--recent"), r0=r0, bits=_numbers(bits, int, "--bits"),
             key_bits=_numbers(key_bits, int, "--key-bits") if key_bits else None, key_group=key_group,
             value_group=value_group, residual=residual, shard_size=shard_size, overwrite=overwrite, resume=resume,
+            policy=policy, energy=energy,
         )
         _quiet_libraries()
         # stdout: progress and report; stderr: only the error line

@@ -10,7 +10,7 @@ import resource
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -20,6 +20,7 @@ from tale_runtime.artifact import (FORMAT, FORMAT_VERSION, MANIFEST, O_FUSED, TO
 
 from . import ConvertError, __version__
 from . import calibrate, resume, source, write
+from . import policy as rank_policy
 from .card import render_card
 from .fuse import fuse
 from .whiten import energy_kept, whiten
@@ -48,8 +49,14 @@ class Options:
     shard_size: str | int = "2GB"
     overwrite: bool = False
     resume: bool = False
+    policy: str = "uniform"  # rank policy (tale_convert.policy): uniform, energy, fisher, progressive
+    energy: float = 0.9  # energy policy: whitened spectral energy kept per layer at level 0
 
     def schedule(self, R: int, num_layers: int) -> Schedule:
+        if self.policy not in rank_policy.POLICIES:
+            raise ConvertError(f"unknown --policy {self.policy!r}: use one of {', '.join(rank_policy.POLICIES)}")
+        if not 0 < self.energy <= 1:
+            raise ConvertError(f"--energy must be a fraction in (0, 1], got {self.energy}")
         key_bits = self.key_bits or self.bits
         if len(key_bits) != len(self.bits) or len(self.recent) != len(self.bits) - 1:
             n = len(self.bits)
@@ -131,6 +138,8 @@ def convert(model: str | None, out: str | Path, opts: Options,
         hf = source.load_model(src)
         source.check_layout(hf, arch)
         layers = _factorize(hf, tokens, device, arch, schedule, partial, on_layer)
+        if opts.policy != "uniform":
+            schedule, layers = _rank_policy(opts, schedule, layers, hf, tokens, arch, partial, log)
 
         entries = _entries(hf, arch, dtype, partial, device)
         files = write.write_tensors(tmp, entries, shard_size)
@@ -212,6 +221,21 @@ def _factorize(hf, tokens, device, arch, schedule, partial, on_layer) -> list[La
         if on_layer:
             on_layer(reports[i], arch.L)
     return [reports[i] for i in range(arch.L)]
+
+
+def _rank_policy(opts, schedule, layers, hf, tokens, arch, partial, log) -> tuple[Schedule, list[LayerReport]]:
+    """Level-0 ranks from --policy, under the uniform schedule's budget (energy: a threshold instead);
+    the layers' reported energy follows the new ranks."""
+    spectra = [partial.load_layer(i)[0].S for i in range(arch.L)]
+    fisher = None
+    if opts.policy == "fisher":
+        log("fisher: gradients of the calibration loss w.r.t. v_proj (8 sequences, on the CPU)")
+        fisher = rank_policy.fisher_scores(hf.to("cpu"), list(tokens[:8].split(2)))
+    ranks0 = rank_policy.level0_ranks(opts.policy, arch.R, arch.L, schedule.value_group, schedule.ranks[0][0],
+                                      spectra=spectra, energy=opts.energy, fisher=fisher)
+    schedule = rank_policy.apply(schedule, opts.policy, ranks0)
+    layers = [replace(lr, energy=[energy_kept(S, r) for r in rs]) for lr, S, rs in zip(layers, spectra, schedule.ranks)]
+    return schedule, layers
 
 
 def _entries(hf, arch, dtype, partial, device) -> list[write.Entry]:

@@ -1,0 +1,130 @@
+"""Rank policies: how much latent rank each layer keeps at level 0 (Schedule.ranks[layer][0]).
+
+- uniform: r0 = a fraction of R in every layer (the paper's default).
+- energy: per layer, the smallest rank that keeps a fraction X of the whitened spectral energy
+  (sum of squared whitened singular values over the layer's groups). A threshold: the budget follows.
+- fisher: Palu-style; ranks proportional to each layer's Fisher information (the summed squared
+  gradients of the calibration LM loss w.r.t. v_proj.weight), same average rank as uniform.
+- progressive: LoRC-style; ranks fall linearly with depth (shallow layers keep more), same average.
+
+Ranks are multiples of value_group in [value_group, R]. Levels above 0 keep the uniform schedule's
+ranks, raised where needed so ranks never decrease over levels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from tale_runtime.artifact import Schedule
+
+POLICIES = ("uniform", "energy", "fisher", "progressive")
+
+
+def singular_values(v_v: torch.Tensor) -> torch.Tensor:
+    """Whitened singular values [G, R] from an artifact's right factors B_c = S^(1/2) V^T ([G, R, R]):
+    the squared norm of row i of B_c is s_i (rows of V^T are orthonormal)."""
+    return v_v.double().pow(2).sum(-1)
+
+
+def energy_rank(S: torch.Tensor, keep: float, value_group: int) -> int:
+    """Smallest multiple of value_group (<= R) whose leading singular values keep `keep` of the energy
+    sum(s_i^2) of a layer (S: [G, R], descending per group)."""
+    e = S.double().pow(2).sum(0)  # the rank is shared by the layer's groups: pool their energy
+    frac = e.cumsum(0) / e.sum()
+    R = S.shape[-1]
+    r = int((frac < keep - 1e-12).sum()) + 1  # first rank reaching `keep`
+    return min(R, -(-r // value_group) * value_group)
+
+
+def budget_ranks(weights: list[float], R: int, value_group: int, total: int) -> list[int]:
+    """Ranks proportional to `weights`, multiples of value_group in [value_group, R], summing to
+    `total` (a multiple of value_group; e.g. layers * r0 for the uniform budget).
+
+    The shares are clamp(lam * w, 1, R / value_group) quantization groups, with lam found by bisection
+    so that they sum to the budget; then the largest remainders round to whole groups."""
+    L, lo, hi = len(weights), 1, R // value_group
+    units_total = total // value_group
+    if not L * lo <= units_total <= L * hi:
+        raise ValueError(f"rank budget {total} does not fit {L} layers with ranks in [{value_group}, {R}]")
+    w = torch.tensor(weights, dtype=torch.float64)
+    if not torch.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+        raise ValueError(f"rank weights must be finite, >= 0 and not all zero, got {weights}")
+    w = w / w.max()
+    a, b = 0.0, float(hi) / w[w > 0].min().item()  # sum is L*lo at a, L*hi at b
+    for _ in range(200):
+        lam = (a + b) / 2
+        a, b = (lam, b) if (lam * w).clamp(lo, hi).sum() < units_total else (a, lam)
+    units = (b * w).clamp(lo, hi)
+    base = units.floor()
+    rest = units_total - int(base.sum())
+    for i in sorted(range(L), key=lambda i: (-(units[i] - base[i]).item(), i)):  # largest remainders first
+        if rest <= 0:
+            break
+        if base[i] < hi:
+            base[i] += 1
+            rest -= 1
+    return [int(u) * value_group for u in base]
+
+
+def progressive_weights(num_layers: int, slope: float = 0.5) -> list[float]:
+    """Linear in depth: 1 + slope at the first layer down to 1 - slope at the last (mean 1)."""
+    if num_layers == 1:
+        return [1.0]
+    return [1 + slope * (1 - 2 * i / (num_layers - 1)) for i in range(num_layers)]
+
+
+def fisher_scores(model, batches: list[torch.Tensor]) -> list[float]:
+    """Per layer: sum over calibration batches of the squared gradients of the LM loss w.r.t. that
+    layer's self_attn.v_proj.weight (Palu's Fisher information). `batches`: token ids [B, T]."""
+    weights = [layer.self_attn.v_proj.weight for layer in model.model.layers]
+    flags = [p.requires_grad for p in model.parameters()]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    scores = torch.zeros(len(weights), dtype=torch.float64)
+    try:
+        for w in weights:
+            w.requires_grad_(True)
+        for ids in batches:
+            ids = ids.to(weights[0].device)
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            grads = torch.autograd.grad(loss, weights)
+            scores += torch.stack([g.double().pow(2).sum() for g in grads]).cpu()
+    finally:
+        for p, f in zip(model.parameters(), flags):
+            p.requires_grad_(f)
+    return scores.tolist()
+
+
+def level0_ranks(policy: str, R: int, num_layers: int, value_group: int, r0: int, *,
+                 spectra: list[torch.Tensor] | None = None, energy: float | None = None,
+                 fisher: list[float] | None = None) -> list[int]:
+    """Level-0 rank per layer. r0: the uniform rank (the budget of fisher and progressive).
+    spectra (energy): per layer whitened singular values [G, R]; fisher: per layer Fisher scores."""
+    if policy == "uniform":
+        return [r0] * num_layers
+    if policy == "energy":
+        if spectra is None or energy is None:
+            raise ValueError("the energy policy needs the whitened spectra and an energy fraction")
+        if not 0 < energy <= 1:
+            raise ValueError(f"energy fraction must lie in (0, 1], got {energy}")
+        return [energy_rank(S, energy, value_group) for S in spectra]
+    if policy == "fisher":
+        if fisher is None:
+            raise ValueError("the fisher policy needs per-layer Fisher scores")
+        return budget_ranks(fisher, R, value_group, num_layers * r0)
+    if policy == "progressive":
+        return budget_ranks(progressive_weights(num_layers), R, value_group, num_layers * r0)
+    raise ValueError(f"unknown rank policy {policy!r}: use one of {', '.join(POLICIES)}")
+
+
+def apply(schedule: Schedule, policy: str, ranks0: list[int]) -> Schedule:
+    """`schedule` with level-0 ranks `ranks0`; higher levels keep their ranks, raised to stay non-decreasing."""
+    ranks = []
+    for r, rs in zip(ranks0, schedule.ranks):
+        row = [r]
+        for x in rs[1:]:
+            row.append(max(x, row[-1]))
+        ranks.append(row)
+    return replace(schedule, ranks=ranks, policy=policy)

@@ -1,0 +1,141 @@
+"""Rank policies (tale_convert.policy): valid schedules, budgets, behaviour on known inputs, and
+`tale-convert --policy` end to end on a tiny checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_GROUP, TINY_OPTS
+from tale_helpers import talify, tiny_model
+
+from tale_convert import ConvertError, policy
+from tale_convert.convert import Options, convert
+from tale_convert.whiten import energy_kept
+from tale_eval.attention import prepare
+from tale_runtime import load
+from tale_runtime.artifact import Schedule, read_manifest, schedule_of, uniform_ranks
+
+
+def check(ranks: list[int], R: int, vg: int) -> None:
+    assert all(r % vg == 0 and vg <= r <= R for r in ranks), ranks
+
+
+def test_energy_rank_on_a_synthetic_spectrum():
+    # two groups; squared singular values 2^-i: the pooled energy kept at rank r is 1 - 2^-r (nearly)
+    R, vg = 32, 4
+    s = torch.tensor([2.0 ** (-i / 2) for i in range(R)])
+    S = torch.stack([s, s])
+    for keep in (0.5, 0.9, 0.99, 0.999):
+        r = policy.energy_rank(S, keep, vg)
+        assert r % vg == 0
+        assert energy_kept(S, r) >= keep
+        assert r == vg or energy_kept(S, r - vg) < keep  # the smallest such multiple
+    assert policy.energy_rank(S, 1.0, vg) == R
+    # a flat spectrum needs a rank proportional to the energy
+    assert policy.energy_rank(torch.ones(1, R), 0.5, vg) == 16
+
+
+def test_singular_values_from_factors():
+    torch.manual_seed(0)
+    G, R = 2, 12
+    S = torch.rand(G, R).sort(descending=True).values + 0.1
+    V = torch.linalg.qr(torch.randn(G, R, R)).Q
+    B = S.sqrt()[..., None] * V.transpose(-1, -2)  # B_c = S^1/2 V^T
+    torch.testing.assert_close(policy.singular_values(B), S.double())
+
+
+def test_budget_ranks_proportional_bounded_and_exact():
+    R, vg, L, r0 = 64, 8, 6, 32
+    w = [1, 2, 3, 4, 5, 6]
+    ranks = policy.budget_ranks(w, R, vg, L * r0)
+    check(ranks, R, vg)
+    assert sum(ranks) == L * r0
+    assert ranks == sorted(ranks)  # more weight, no less rank
+    # one dominant layer is clamped at R, the rest share what is left evenly
+    ranks = policy.budget_ranks([1000, 1, 1, 1, 1, 1], R, vg, L * r0)
+    assert ranks[0] == R and sum(ranks) == L * r0 and max(ranks[1:]) - min(ranks[1:]) <= vg
+    # zero weight still gets one quantization group
+    assert policy.budget_ranks([0, 1], R, vg, 2 * r0)[0] == vg
+    assert policy.budget_ranks([1] * L, R, vg, L * r0) == [r0] * L
+    with pytest.raises(ValueError, match="does not fit"):
+        policy.budget_ranks([1, 1], R, vg, 3 * R)
+    with pytest.raises(ValueError, match="weights"):
+        policy.budget_ranks([0, 0], R, vg, 2 * r0)
+
+
+def test_progressive_keeps_the_budget_and_falls_with_depth():
+    R, vg, L, r0 = 192, 32, 30, 96
+    ranks = policy.level0_ranks("progressive", R, L, vg, r0)
+    check(ranks, R, vg)
+    assert sum(ranks) == L * r0
+    assert ranks == sorted(ranks, reverse=True) and ranks[0] > r0 > ranks[-1]
+
+
+def test_apply_gives_a_valid_schedule():
+    R, L, vg = 64, 4, 8
+    s = Schedule(ranks=uniform_ranks(R, L, 0.5, value_group=vg), value_group=vg, key_group=8, residual=8)
+    ranks0 = policy.level0_ranks("fisher", R, L, vg, 32, fisher=[1.0, 4.0, 2.0, 1.0])
+    out = policy.apply(s, "fisher", ranks0)
+    out.validate(R, L)
+    assert out.policy == "fisher" and [rs[0] for rs in out.ranks] == ranks0
+    assert all(rs[1] == R for rs in out.ranks) and s.policy == "uniform"  # the input is not modified
+    # a 3-level schedule stays non-decreasing when level 0 outgrows level 1
+    s3 = Schedule(levels=[*s.levels[:1], *s.levels[1:], s.levels[1]], ranks=[[16, 24, R]] * L, value_group=vg,
+                  key_group=8, residual=8)
+    s3.levels[1].share = 0.05
+    assert policy.apply(s3, "energy", [8, 32, 64, 16]).ranks == [[8, 24, R], [32, 32, R], [64, 64, R], [16, 24, R]]
+
+
+def test_level0_ranks_errors():
+    with pytest.raises(ValueError, match="unknown rank policy"):
+        policy.level0_ranks("magic", 64, 2, 8, 32)
+    with pytest.raises(ValueError, match="spectra"):
+        policy.level0_ranks("energy", 64, 2, 8, 32)
+    with pytest.raises(ValueError, match="Fisher"):
+        policy.level0_ranks("fisher", 64, 2, 8, 32)
+
+
+def test_fisher_scores_are_squared_v_proj_gradients():
+    base = tiny_model("llama")
+    ids = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(0))
+    scores = policy.fisher_scores(base, [ids[:1], ids[1:]])
+    expect = torch.zeros(len(base.model.layers), dtype=torch.float64)
+    for b in (ids[:1], ids[1:]):
+        base.zero_grad()
+        for layer in base.model.layers:
+            layer.self_attn.v_proj.weight.requires_grad_(True)
+        base(input_ids=b, labels=b).loss.backward()
+        expect += torch.stack([layer.self_attn.v_proj.weight.grad.double().pow(2).sum() for layer in base.model.layers])
+    torch.testing.assert_close(torch.tensor(scores, dtype=torch.float64), expect, rtol=1e-4, atol=0)
+    # the eval model (W_V rebuilt as A B from a TALE model) gives the same scores
+    tale_scores = policy.fisher_scores(prepare(talify(tiny_model("llama"), 2)), [ids[:1], ids[1:]])
+    torch.testing.assert_close(torch.tensor(tale_scores), torch.tensor(scores), rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("name", ["energy", "fisher", "progressive"])
+def test_convert_with_policy(name, tiny_model_dir, tmp_path):
+    src = tiny_model_dir("llama")
+    opts = Options(group=TINY_GROUP["llama"], policy=name, energy=0.8, **TINY_OPTS)
+    convert(str(src), tmp_path / name, opts)
+    m = read_manifest(tmp_path / name)
+    s = schedule_of(m)
+    R, L = m["architecture"]["latent_rank"], m["architecture"]["num_layers"]
+    s.validate(R, L)
+    r0 = uniform_ranks(R, L, 0.5, s.value_group)[0][0]
+    ranks0 = [rs[0] for rs in s.ranks]
+    assert s.policy == name
+    model, _ = load(tmp_path / name, dtype=torch.float32)
+    spectra = [policy.singular_values(layer.self_attn.tale.v_v) for layer in model.model.layers]
+    if name == "energy":  # recomputed from the artifact's factors: the same ranks
+        assert ranks0 == [policy.energy_rank(S, 0.8, s.value_group) for S in spectra]
+    else:
+        assert sum(ranks0) == L * r0
+    for e, S, rs in zip(m["energy_kept"], spectra, s.ranks):  # the manifest's energy follows the new ranks
+        assert e == pytest.approx([energy_kept(S, r) for r in rs], abs=1e-4)
+
+
+def test_convert_rejects_bad_policy_before_work(tiny_model_dir, tmp_path):
+    with pytest.raises(ConvertError, match="unknown --policy"):
+        convert(str(tiny_model_dir("llama")), tmp_path / "x", Options(group=2, policy="magic", **TINY_OPTS))
+    with pytest.raises(ConvertError, match="--energy"):
+        convert(str(tiny_model_dir("llama")), tmp_path / "x", Options(group=2, policy="energy", energy=1.5, **TINY_OPTS))
