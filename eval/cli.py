@@ -1,0 +1,238 @@
+"""`tale-eval`: quality lost by each cache policy, at what measured compression, side by side.
+
+Every policy runs on the same model (attention.prepare), the same held-out windows and the same
+pass-key samples: decode-mode perplexity (delta against the full 16-bit cache), the measured
+compression (16-bit K+V bytes of the same tokens over the bytes the cache holds, at the end of
+the run) and pass-key accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tale_calib import calib_paths, documents
+from tale_convert import policy as rank_policy
+from tale_runtime import ArtifactError, load
+from tale_runtime.load import override_schedule
+
+from . import passkey, perplexity, policies
+from .attention import prepare
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+                  help="Evaluate TALE against full, KIVI, StreamingLLM and Palu caches on one artifact.")
+out_console = Console()
+err_console = Console(stderr=True)
+
+
+@dataclass
+class Preset:
+    ctx: int  # tokens per held-out window
+    windows: int  # windows (one batch)
+    prefill: int  # exact prefix per window
+    chunk: int  # tokens per decode call (1: pure decode)
+    lengths: tuple[str, ...]  # pass-key haystack lengths
+    depths: tuple[float, ...]  # pass-key needle depths
+    policies: tuple[str, ...]
+    rank_policies: tuple[str, ...]
+
+
+PRESETS = {
+    # a few minutes on 2 CPU cores
+    "ci": Preset(512, 2, 64, 4, ("1k",), (0.1, 0.3, 0.5, 0.7, 0.9),
+                 ("full", "tale", "kivi2", "kivi4", "streaming", "palu"), ()),
+    # the numbers of docs/quality.md
+    "full": Preset(1024, 6, 128, 4, tuple(passkey.LENGTHS), passkey.DEPTHS, policies.BASELINES,
+                   ("energy", "fisher", "progressive")),
+}
+
+
+def _csv(s: str | None) -> tuple[str, ...] | None:
+    return None if s is None else tuple(x.strip() for x in s.split(",") if x.strip())
+
+
+@app.command()
+def run(
+    artifact: str = typer.Argument(..., help="TALE artifact directory (tale-convert output) or Hub id"),
+    preset: str = typer.Option("ci", help="ci (minutes on a laptop CPU) or full (the docs/quality.md numbers)"),
+    policy_names: Optional[str] = typer.Option(None, "--policies", help=f"comma list of {', '.join(policies.BASELINES)}"),
+    rank_policies: Optional[str] = typer.Option(None, help="extra TALE rows with these rank policies: "
+                                                "uniform, energy, fisher, progressive ('' for none)"),
+    energy: float = typer.Option(0.9, help="energy policy: whitened spectral energy kept per layer at level 0"),
+    ctx: Optional[int] = typer.Option(None, help="tokens per held-out window"),
+    windows: Optional[int] = typer.Option(None, help="held-out windows"),
+    prefill: Optional[int] = typer.Option(None, help="exact prefix tokens per window"),
+    chunk: Optional[int] = typer.Option(None, help="tokens per decode call (1 = token by token)"),
+    passkey_lengths: Optional[str] = typer.Option(None, help="pass-key lengths: 1k,2k ('' to skip the task)"),
+    passkey_depths: Optional[str] = typer.Option(None, help="pass-key needle depths, e.g. 0.1,0.5,0.9"),
+    sinks: Optional[int] = typer.Option(None, help="TALE: override the artifact's sink tokens"),
+    recent: Optional[float] = typer.Option(None, help="TALE: override the recent share p"),
+    r0: Optional[float] = typer.Option(None, help="TALE: override the level-0 rank (fraction of R, all layers)"),
+    dtype: str = typer.Option("bf16", help="compute dtype: bf16 or fp32 (bytes are measured in it)"),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda, ... (default: cuda if available)"),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="also write the results to this JSON file"),
+) -> None:
+    if preset not in PRESETS:
+        _fail(f"unknown --preset {preset!r}: use {' or '.join(PRESETS)}")
+    p = PRESETS[preset]
+    names = _csv(policy_names) or p.policies
+    ranks = p.rank_policies if rank_policies is None else _csv(rank_policies)
+    lengths = p.lengths if passkey_lengths is None else _csv(passkey_lengths)
+    try:
+        depths = p.depths if passkey_depths is None else tuple(float(x) for x in _csv(passkey_depths))
+    except ValueError:
+        _fail(f"--passkey-depths {passkey_depths!r}: expected comma-separated fractions, e.g. 0.1,0.5")
+    ctx, windows, prefill, chunk = ctx or p.ctx, windows or p.windows, prefill or p.prefill, chunk or p.chunk
+    for n in names:
+        if n not in policies.BASELINES:
+            _fail(f"unknown policy {n!r}: use {', '.join(policies.BASELINES)}")
+    for n in ranks:
+        if n not in rank_policy.POLICIES:
+            _fail(f"unknown rank policy {n!r}: use {', '.join(rank_policy.POLICIES)}")
+    for n in lengths:
+        if n not in passkey.LENGTHS:
+            _fail(f"unknown pass-key length {n!r}: use {', '.join(passkey.LENGTHS)}")
+    if dtype not in ("bf16", "fp32"):
+        _fail(f"--dtype must be bf16 or fp32, got {dtype!r}")
+    if threads:
+        torch.set_num_threads(threads)
+
+    t0 = time.perf_counter()
+    try:
+        model, tok = load(artifact, device=device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+        if sinks is not None or recent is not None or r0 is not None:
+            s = model.tale_schedule
+            model.tale_schedule = override_schedule(
+                s, int(model.tale_manifest["architecture"]["latent_rank"]), len(s.ranks), sinks=sinks, recent=recent,
+                ranks=None if r0 is None else [r0] + [1.0] * (len(s.levels) - 1))
+        ppl_pattern = perplexity.pattern(ctx, prefill, chunk)
+        ids = perplexity.heldout_windows(tok, ctx, windows)
+    except (ArtifactError, ValueError) as e:
+        _fail(str(e))
+    if tok is None:
+        _fail(f"{artifact}: the artifact has no tokenizer")
+    prepare(model)
+    sched = model.tale_schedule
+    log = err_console.print
+    rank_schedules = _rank_schedules(model, tok, sched, ranks, energy, log)
+    pols = policies.build(model, list(names), sched, ppl_pattern, rank_schedules)
+    samples = passkey.load_samples(lengths=lengths, depths=depths) if lengths else []
+    if lengths and not samples:
+        _fail(f"no pass-key samples at depths {depths} (shipped: {', '.join(map(str, passkey.DEPTHS))})")
+
+    rows = []
+    for pol in pols:
+        t = time.perf_counter()
+        cache = pol.new_cache(ppl_pattern)
+        nll, count = perplexity.decode_nll(model, ids, cache, prefill, chunk)
+        row = {"policy": pol.name, "detail": pol.detail, "ppl": math.exp(nll / count),
+               "ratio": cache.baseline_nbytes() / cache.nbytes(), "nominal": pol.nominal, "tokens": count}
+        if samples:
+            task = passkey.run(model, tok, samples, pol)
+            row.update(passkey=task["accuracy"], passkey_ratio=task["ratio"], passkey_answers=task["answers"])
+        row["seconds"] = time.perf_counter() - t
+        rows.append(row)
+        log(f"{pol.name}: ppl {row['ppl']:.3f}, {row['ratio']:.2f}x"
+            + (f", pass-key {row['passkey']:.0%}" if samples else "") + f" ({row['seconds']:.0f} s)")
+    ref = next((r["ppl"] for r in rows if r["policy"] == "full"), None)
+    if ref is None:
+        nll, count = perplexity.forward_nll(model, ids, prefill)
+        ref = math.exp(nll / count)
+    for r in rows:
+        r["delta"] = r["ppl"] - ref
+
+    config = {"artifact": str(artifact), "model": model.tale_manifest.get("base", {}).get("id"), "preset": preset,
+              "ctx": ctx, "windows": windows, "prefill": prefill, "chunk": chunk, "dtype": dtype,
+              "passkey_samples": len(samples), "energy": energy, "schedule": sched.to_dict(),
+              "seconds": time.perf_counter() - t0}
+    _table(rows, config)
+    if json_out:
+        json_out.write_text(json.dumps({"config": config, "results": rows}, indent=2) + "\n")
+        log(f"wrote {json_out}")
+
+
+def _rank_schedules(model, tok, sched, names, energy, log) -> dict:
+    """TALE schedules from the rank policies, all with the artifact's levels and uniform budget."""
+    d = policies.Dims.of(model)
+    r0 = _uniform_r0(sched)
+    out = {}
+    for name in names:
+        kw = {}
+        if name == "energy":
+            kw["spectra"] = [rank_policy.singular_values(layer.self_attn.tale.tale.v_v) for layer in model.model.layers]
+            kw["energy"] = energy
+        elif name == "fisher":
+            log("fisher: gradients of the calibration loss w.r.t. v_proj ...")
+            kw["fisher"] = rank_policy.fisher_scores(model, _calib_batches(tok))
+        out[name] = rank_policy.apply(sched, name, rank_policy.level0_ranks(name, d.R, d.layers, sched.value_group, r0, **kw))
+    return out
+
+
+def _uniform_r0(sched) -> int:
+    """The budget: the artifact's mean level-0 rank, rounded down to a quantization group."""
+    mean = sum(rs[0] for rs in sched.ranks) / len(sched.ranks)
+    return max(sched.value_group, int(mean) // sched.value_group * sched.value_group)
+
+
+def _calib_batches(tok, count: int = 4, length: int = 256, batch: int = 2) -> list[torch.Tensor]:
+    """Fixed calibration windows (the bundled calibration corpus, never the held-out text)."""
+    text = "\n\n".join(d for p in calib_paths() for d in documents(p))
+    ids = torch.tensor(tok(text, add_special_tokens=False).input_ids)
+    wins = ids[: len(ids) // length * length].view(-1, length)
+    pick = torch.linspace(0, len(wins) - 1, count * batch).round().long()  # spread over the corpus
+    return list(wins[pick].split(batch))
+
+
+def _table(rows: list[dict], config: dict) -> None:
+    t = Table(title=f"{config['model'] or config['artifact']}: decode-mode ppl, {config['windows']} x {config['ctx']} held-out "
+                    f"tokens (prefill {config['prefill']}, chunk {config['chunk']}), {config['dtype']}")
+    for col in ("policy", "ppl", "delta", "compr.", "nominal", "pass-key", "pk compr."):
+        t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+    for r in rows:
+        task = "passkey" in r
+        t.add_row(r["policy"], f"{r['ppl']:.3f}", f"{r['delta']:+.3f}", f"{r['ratio']:.2f}x",
+                  f"{r['nominal']:.2f}x" if r["nominal"] else "",
+                  f"{r['passkey']:.0%}" if task else "", f"{r['passkey_ratio']:.2f}x" if task else "")
+    out_console.print(t)
+    for r in rows:
+        out_console.print(f"  {r['policy']}: {r['detail']}")
+    out_console.print(f"compr.: 16-bit K+V bytes of the same tokens / bytes held by the cache (codes, scales, zero points, "
+                      f"sinks, residual), measured at the end of the run; pass-key: {config['passkey_samples']} samples, "
+                      f"exact match; {config['seconds']:.0f} s")
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    print(f"error: {' '.join(str(msg).split())}", file=sys.stderr)
+    raise typer.Exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console script entry: one-line errors (TALE_DEBUG=1 for tracebacks)."""
+    try:
+        code = app(args=argv, standalone_mode=False)
+    except typer.Exit as e:
+        code = e.exit_code
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        code = 130
+    except typer.TyperException as e:
+        print(f"error: {' '.join(e.format_message().split())}", file=sys.stderr)
+        code = getattr(e, "exit_code", 2)
+    except Exception as e:
+        if os.environ.get("TALE_DEBUG"):
+            raise
+        print(f"error: internal error: {type(e).__name__}: {e} (set TALE_DEBUG=1 for the traceback)", file=sys.stderr)
+        code = 1
+    sys.exit(code or 0)

@@ -1,0 +1,56 @@
+"""Decode-mode perplexity: prefill a prefix, then teacher-force the rest through the cache.
+
+Every scored prediction is made by a decode call, so it reads the compressed past (with chunks
+larger than 1, also the exact earlier tokens of its own chunk, as the runtime's multi-token path
+does). The prefill's own prediction is not scored: it reads only exact states.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache
+
+from tale_calib import documents, heldout_path
+
+
+def heldout_windows(tokenizer, length: int, count: int) -> torch.Tensor:
+    """The first `count` non-overlapping windows of `length` tokens of the held-out corpus: [count, length]."""
+    text = "\n\n".join(documents(heldout_path()))
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
+    have = len(ids) // length
+    if have < count:
+        raise ValueError(f"the held-out corpus has {len(ids)} tokens: {have} windows of {length}, not {count}")
+    return ids[: count * length].view(count, length)
+
+
+def pattern(length: int, prefill: int, chunk: int) -> list[int]:
+    """Tokens per forward call: the prefill, then chunks up to the second-to-last token."""
+    if not 0 < prefill < length - 1 or chunk < 1:
+        raise ValueError(f"need 0 < prefill < length - 1 and chunk >= 1 (length {length}, prefill {prefill}, chunk {chunk})")
+    rest = length - 1 - prefill
+    return [prefill] + [chunk] * (rest // chunk) + ([rest % chunk] if rest % chunk else [])
+
+
+@torch.inference_mode()
+def decode_nll(model, ids: torch.Tensor, cache: Cache, prefill: int, chunk: int) -> tuple[float, int]:
+    """Summed NLL and count of the targets ids[:, prefill+1:], each predicted by a decode call."""
+    ids = ids.to(model.device)
+    model(ids[:, :prefill], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    nll, count, s = 0.0, 0, prefill
+    for T in pattern(ids.shape[1], prefill, chunk)[1:]:
+        logits = model(ids[:, s : s + T], past_key_values=cache, use_cache=True).logits
+        target = ids[:, s + 1 : s + T + 1]
+        nll += F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), reduction="sum").item()
+        count += target.numel()
+        s += T
+    return nll, count
+
+
+@torch.inference_mode()
+def forward_nll(model, ids: torch.Tensor, prefill: int) -> tuple[float, int]:
+    """The same targets scored by one plain forward pass without a cache."""
+    ids = ids.to(model.device)
+    logits = model(ids, use_cache=False).logits[:, prefill:-1]
+    target = ids[:, prefill + 1 :]
+    return F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), reduction="sum").item(), target.numel()
