@@ -119,6 +119,8 @@ def run(
                                "cpu" if device == "auto" else device)
         except RuntimeError:
             raise CliError(f"--device: unknown device {device!r}") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise CliError(f"--device {device}: CUDA is not available")
         try:
             m, tok = load(model, device=dev, dtype=getattr(torch, DTYPES[dtype]), **overrides)
         except (ArtifactError, ValueError) as e:

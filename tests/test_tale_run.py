@@ -84,6 +84,7 @@ def bump_major(path):
     (["--prompt", "hi", "--ranks", "1.5"], None, "rank fraction 1.5 must lie in (0, 1]"),
     (["--prompt", "hi", "--dtype", "int8"], None, "--dtype must be one of bf16, fp16, fp32"),
     (["--prompt", "hi", "--output-path", "both"], None, "--output-path must be fused or factored"),
+    (["--prompt", "hi", "--device", "tpu"], None, "--device: unknown device 'tpu'"),
 ])
 def test_errors_are_one_line(artifact, tmp_path, args, breakage, message):
     path = artifact
