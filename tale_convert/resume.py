@@ -40,7 +40,6 @@ class Partial:
         _atomic_write(self._layer(i), lambda p: save_file(tensors, p, metadata=meta))
 
     def load_layer(self, i: int) -> tuple[Factors, float]:
-
         with safe_open(self._layer(i), "pt") as st:
             meta = st.metadata()
             t = {k: st.get_tensor(k) for k in st.keys()}
@@ -52,7 +51,6 @@ class Partial:
 
     def load_hidden(self) -> tuple[int, torch.Tensor] | None:
         """(k, hidden states entering layer k), or None if never checkpointed."""
-
         f = self.root / "hidden.safetensors"
         if not f.is_file():
             return None
@@ -84,11 +82,11 @@ def _alive(pid: str) -> bool:
     if not pid.isdigit() or int(pid) == os.getpid():
         return False
     try:
-        os.kill(int(pid), 0)
+        os.kill(int(pid), 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # exists, owned by another user
+        pass
     return True
 
 
