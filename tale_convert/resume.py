@@ -31,6 +31,8 @@ class Partial:
         _atomic_write(self.root / "settings.json", lambda p: p.write_text(json.dumps(settings, indent=1)))
 
     def done(self) -> set[int]:
+        if not self.root.is_dir():  # removed once the artifact is complete
+            return set()
         names = (re.fullmatch(r"layer_(\d+)\.safetensors", f.name) for f in self.root.iterdir())
         return {int(m.group(1)) for m in names if m}
 
