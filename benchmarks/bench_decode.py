@@ -281,7 +281,7 @@ def row(B: int, L: int, cfg: dict, copy_bw: float, out_cache: dict) -> dict:
 
 # (block_t, num_warps, num_stages). With 8 warps a 32-token tile leaves half of them repeating
 # the dequantization of the other half (the score dot's N dim is split 8 ways in steps of 8).
-CONFIGS = [(64, 8, 2), (64, 8, 3), (32, 4, 2), (32, 4, 3), (64, 4, 2), (128, 8, 2), (32, 8, 3), (16, 4, 2)]
+CONFIGS = [(64, 4, 2), (64, 4, 3), (32, 4, 2), (128, 4, 2), (64, 8, 2), (128, 8, 2)]
 
 
 def sweep(default: dict) -> dict:
@@ -303,7 +303,7 @@ def sweep(default: dict) -> dict:
         if e < 5e-3:
             results.append((t, cfg))
     best = min(results, key=lambda x: x[0])[1]
-    for w in (1.0, 2.0, 4.0, 8.0):
+    for w in (1.0, 2.0, 4.0):
         cfg = dict(best, waves=w)
         t = timeit(lambda: tale_kernels.latent_attention(q, k, h, c, N**-0.5, **cfg))
         print(f"sweep 128K B=1 {cfg}: {t:.1f} us", flush=True)
@@ -312,7 +312,7 @@ def sweep(default: dict) -> dict:
     del c
     c = synth_cache(1, 4096, dt)
     short = []
-    for ms in (64, 128, 256, 512):
+    for ms in (32, 64, 128, 256):
         cfg = dict(best, min_split=ms)
         t = timeit(lambda: tale_kernels.latent_attention(q, k, h, c, N**-0.5, **cfg))
         print(f"sweep 4K B=1 {cfg}: {t:.1f} us", flush=True)
@@ -388,7 +388,7 @@ def main() -> int:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--check", action="store_true", help="correctness against the torch reference first")
     ap.add_argument("--sweep", action="store_true", help="pick launch parameters at 128K batch 1 first")
-    ap.add_argument("--profile", action="store_true", help="only run the kernel a few times at 128K batch 1 (for ncu)")
+    ap.add_argument("--profile", type=int, default=0, help="only run the kernel a few times at this context, batch 1 (for ncu)")
     ap.add_argument("--config", default=None, help="JSON launch parameters for latent_attention")
     ap.add_argument("--save-config", default=None)
     ap.add_argument("--out", default=None, help="markdown file for the table")
@@ -402,7 +402,7 @@ def main() -> int:
     env = f"{props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, triton {triton.__version__}"
     print(env)
     if args.profile:
-        c = synth_cache(1, 131072, torch.float16)
+        c = synth_cache(1, args.profile, torch.float16)
         q, k, h = new_token(1, torch.float16)
         for _ in range(3):
             tale_kernels.latent_attention(q, k, h, c, N**-0.5, **cfg)

@@ -30,7 +30,9 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _scores(q, k, USE_DOT: tl.constexpr):
     """q [M, N] . k [T, N]^T -> [M, T] in float32."""
-    if USE_DOT:
+    if USE_DOT and q.dtype == tl.float32:  # float32 caches: full precision, not tf32
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    elif USE_DOT:
         s = tl.dot(q, tl.trans(k))
     else:
         s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
@@ -40,7 +42,9 @@ def _scores(q, k, USE_DOT: tl.constexpr):
 @triton.jit
 def _mix(p, h, USE_DOT: tl.constexpr):
     """p [M, T] @ h [T, R] -> [M, R] in float32."""
-    if USE_DOT:
+    if USE_DOT and p.dtype == tl.float32:
+        z = tl.dot(p, h, input_precision="ieee")
+    elif USE_DOT:
         z = tl.dot(p, h)
     else:
         z = tl.sum(p.to(tl.float32)[:, :, None] * h.to(tl.float32)[None, :, :], axis=1)
@@ -252,8 +256,8 @@ def latent_attention(
     block_t: int = 64,
     split_tokens: int | None = None,
     min_split: int = 64,
-    waves: float = 4.0,
-    num_warps: int = 8,
+    waves: float = 2.0,
+    num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
     """Drop-in for tale_runtime.cache.latent_attention: z [B, T, H, R] (float32).
@@ -272,13 +276,11 @@ def latent_attention(
     regions = _regions(cache, k_new, h_new)
     dtype = TL_DTYPE[q.dtype]
 
-    BT = block_t
-    # The regions run one launch after another: the long ones get `waves` programs per SM in
-    # total, the short ones still at least one per SM (a launch that leaves SMs idle runs long).
+    BT = max(32, block_t)  # 16-token tiles computed wrong results compiled (Triton 3.6, H200); not understood
+    # The regions run one launch after another, so each is split to fill the GPU on its own:
+    # about `waves` programs per SM, at least `min_split` tokens each.
     sms = _num_sms(q.device)
-    total = sum(r.length for r in regions)
-    chunk = max(min_split, triton.cdiv(total * B * G, int(waves * sms)))
-    chunks = [split_tokens or min(chunk, max(min_split, triton.cdiv(r.length * B * G, sms))) for r in regions]
+    chunks = [split_tokens or max(min_split, triton.cdiv(r.length * B * G, int(waves * sms))) for r in regions]
     chunks = [triton.cdiv(ch, BT) * BT for ch in chunks]
     splits = [triton.cdiv(r.length, ch) for r, ch in zip(regions, chunks)]
     n_slots = sum(splits)

@@ -7,8 +7,8 @@ groups (keys: group tokens x all channels; latents: some tokens x all channels).
 
 `requantize` is the demotion step in one pass: read packed codes, dequantize (rounded to the
 source dtype, like the torch path), truncate to the first `rank` channels, requantize to
-`bits`. Results equal the torch reference except for rare one-step code differences where a
-value lands on a rounding tie and the GPU's division rounds differently.
+`bits`. Divisions are IEEE (div_rn), rounding is half to even, the dequantization multiplies
+then adds (no FMA): the same arithmetic as the torch path.
 """
 
 from __future__ import annotations
@@ -92,9 +92,9 @@ def _quant_kernel(
         ROWS: tl.constexpr = BT // GROUP
         x3 = tl.reshape(x, (ROWS, GROUP, CP))
         mn = tl.min(x3, axis=1)
-        scale = (tl.max(x3, axis=1) - mn) / QMAX
+        scale = tl.math.div_rn(tl.max(x3, axis=1) - mn, QMAX * 1.0)
         safe = tl.where(scale > 0, scale, 1.0)
-        v = (x3 - mn[:, None, :]) / safe[:, None, :]
+        v = tl.math.div_rn(x3 - mn[:, None, :], safe[:, None, :])
         r = t0 // GROUP + tl.arange(0, ROWS)
         soff = a * s_osa + d * s_osd + r[:, None] * s_ost + ch[None, :]
         sm = (r * GROUP < L)[:, None] & (ch < C)[None, :]
@@ -102,9 +102,9 @@ def _quant_kernel(
         NG: tl.constexpr = CP // GROUP
         x3 = tl.reshape(x, (BT, NG, GROUP))
         mn = tl.min(x3, axis=2)
-        scale = (tl.max(x3, axis=2) - mn) / QMAX
+        scale = tl.math.div_rn(tl.max(x3, axis=2) - mn, QMAX * 1.0)
         safe = tl.where(scale > 0, scale, 1.0)
-        v = (x3 - mn[:, :, None]) / safe[:, :, None]
+        v = tl.math.div_rn(x3 - mn[:, :, None], safe[:, :, None])
         gi = tl.arange(0, NG)
         soff = a * s_osa + d * s_osd + t[:, None] * s_ost + gi[None, :]
         sm = tm[:, None] & (gi < C // GROUP)[None, :]

@@ -128,7 +128,7 @@ TOL = {torch.float32: 5e-3 if CUDA else 1e-5, torch.float16: 5e-3, torch.bfloat1
 CASES = {
     "gqa-g2": (1, 8, 4, 2, 64, 101, None, {}),
     "gqa-g2-pad-splits": (2, 8, 4, 2, 64, 77, [0, 5], dict(split_tokens=32)),
-    "gqa-g4-tiles16": (2, 8, 4, 4, 16, 130, [3, 0], dict(split_tokens=16, block_t=16)),
+    "gqa-g4-small-splits": (2, 8, 4, 4, 16, 130, [3, 0], dict(split_tokens=16, block_t=16)),
     "mha-g1": (2, 4, 4, 1, 32, 50, None, dict(split_tokens=48)),
     "rep3-g2": (1, 6, 2, 2, 32, 45, None, {}),
     "rank8": (1, 4, 2, 1, 16, 29, None, dict(group=8)),
