@@ -34,7 +34,7 @@ run: setup
 	$(BIN)/tale-run $(OUT) --prompt "$(PROMPT)" --max-new-tokens 48
 
 test: setup
-	$(BIN)/python -m pytest -q -rs
+	$(BIN)/pytest -q -rs
 
 eval: setup
 	$(BIN)/tale-eval $(OUT) --preset ci
