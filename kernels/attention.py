@@ -1,14 +1,16 @@
 """Fused decode attention (T = 1) over one layer's TALE cache, flash-decoding style.
 
 The cache is a list of regions in position order (sinks | level 0 | ... | level L | residual)
-plus the new token; each region has its own key/latent bit widths and latent rank. One launch
-per region, grid (splits, G, B): a program takes a contiguous chunk of the region's tokens for
+plus the new token; each level has its own key/latent bit widths and latent rank. One launch
+per level, grid (splits, G, B): a program takes a contiguous chunk of the level's tokens for
 one head group c of one batch row, so each latent tile is read once for all g*rep query heads
 of the group. Per tile it dequantizes the keys of the g KV heads, scores them against the
 group's queries (query head q reads KV head q // rep), keeps an online softmax (max, sum)
 per query head and accumulates the rank-truncated latent sum p @ h. Every program writes a
-partial (max, sum, acc[R]) into one slot; a combine launch reduces the slots of all regions
-into z [B, 1, H, R]. Chunks are sized so that batch 1 at long context still fills the GPU.
+partial (max, sum, acc[R]) into one slot. A last launch, one program per (batch row, query
+head, column block), attends the short 16-bit segments itself (sinks, residual, new token)
+and merges them with all slots into z [B, 1, H, R]. Splits are sized so that batch 1 at
+long context still fills the GPU.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def _region_kernel(
     N: tl.constexpr, GS: tl.constexpr, REP: tl.constexpr, QGP: tl.constexpr,
     KBITS: tl.constexpr, HBITS: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr,
     RANK: tl.constexpr, RP: tl.constexpr, RPAD: tl.constexpr,
-    BT: tl.constexpr, HAS_VALID: tl.constexpr, USE_DOT: tl.constexpr, DOT: tl.constexpr,
+    BT: tl.constexpr, USE_DOT: tl.constexpr, DOT: tl.constexpr,
 ):
     sp = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64)
@@ -113,10 +115,8 @@ def _region_kernel(
                 k = tl.reshape(k, (BT, N))
             s = _scores(q, k, USE_DOT)
             logits = tl.where(slot[:, None] == j, s, logits)
-        ok = tmask
-        if HAS_VALID:
-            v = tl.load(valid_ptr + b * s_vb + pos0 + t, mask=tmask, other=0)
-            ok = ok & (v != 0)
+        v = tl.load(valid_ptr + b * s_vb + pos0 + t, mask=tmask, other=0)
+        ok = tmask & (v != 0)
         logits = tl.where(ok[None, :], logits, float("-inf"))
 
         # -- online softmax
@@ -158,26 +158,76 @@ def _region_kernel(
 
 
 @triton.jit
-def _combine_kernel(pm_ptr, pl_ptr, pacc_ptr, z_ptr, n_slots, R,
-                    RPAD: tl.constexpr, BS: tl.constexpr, BR: tl.constexpr):
+def _tail(m, l, acc, q, k_ptr, s_kt, h_ptr, s_ht, L, valid_ptr, cols, R,
+          HAS_VALID: tl.constexpr, N: tl.constexpr, TB: tl.constexpr):
+    """Online-softmax update of one query head with a short 16-bit segment (sinks, residual, new token)."""
+    dn = tl.arange(0, N)
+    for t0 in range(0, L, TB):
+        t = t0 + tl.arange(0, TB)
+        tm = t < L
+        k = tl.load(k_ptr + t[:, None] * s_kt + dn[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+        s = tl.sum(k * q[None, :], axis=1)
+        ok = tm
+        if HAS_VALID:
+            ok = ok & (tl.load(valid_ptr + t, mask=tm, other=0) != 0)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0, keep_dims=True))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe)
+        l = l * alpha + tl.sum(p, axis=0, keep_dims=True)
+        h = tl.load(h_ptr + t[:, None] * s_ht + cols[None, :], mask=tm[:, None] & (cols < R)[None, :], other=0.0)
+        acc = acc * alpha + tl.sum(p[:, None] * h.to(tl.float32), axis=0)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def _combine_kernel(
+    pm_ptr, pl_ptr, pacc_ptr, z_ptr, n_slots, R, H,
+    q_ptr, s_qb, s_qh, qk_scale, valid_ptr, s_vb,
+    ks_ptr, s_ksb, s_ksh, s_kst, hs_ptr, s_hsb, s_hsg, s_hst, Ls,
+    kr_ptr, s_krb, s_krh, s_krt, hr_ptr, s_hrb, s_hrg, s_hrt, Lr, pos_r,
+    kn_ptr, s_knb, s_knh, hn_ptr, s_hnb, s_hng,
+    N: tl.constexpr, REP: tl.constexpr, GS: tl.constexpr,
+    RPAD: tl.constexpr, BS: tl.constexpr, BR: tl.constexpr, TB: tl.constexpr,
+):
+    """z for one (batch row, query head, column block): the short 16-bit segments (sinks,
+    residual, new token) are attended here directly and merged with the region partials."""
     row = tl.program_id(0).to(tl.int64)  # b * H + query head
+    b = row // H
+    hq = row % H
+    kv = hq // REP
+    c = kv // GS
     cols = tl.program_id(1) * BR + tl.arange(0, BR)
+    q = tl.load(q_ptr + b * s_qb + hq * s_qh + tl.arange(0, N)).to(tl.float32) * qk_scale
+    m = tl.full([1], float("-inf"), tl.float32)
+    l = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BR], tl.float32)
+    vb = valid_ptr + b * s_vb
+    m, l, acc = _tail(m, l, acc, q, ks_ptr + b * s_ksb + kv * s_ksh, s_kst, hs_ptr + b * s_hsb + c * s_hsg, s_hst,
+                      Ls, vb, cols, R, True, N, TB)
+    m, l, acc = _tail(m, l, acc, q, kr_ptr + b * s_krb + kv * s_krh, s_krt, hr_ptr + b * s_hrb + c * s_hrg, s_hrt,
+                      Lr, vb + pos_r, cols, R, True, N, TB)
+    m, l, acc = _tail(m, l, acc, q, kn_ptr + b * s_knb + kv * s_knh, 0, hn_ptr + b * s_hnb + c * s_hng, 0,
+                      1, vb, cols, R, False, N, 1)
+
     base = row * n_slots
     mx = tl.full([BS], float("-inf"), tl.float32)
     for s0 in range(0, n_slots, BS):
         s = s0 + tl.arange(0, BS)
         mx = tl.maximum(mx, tl.load(pm_ptr + base + s, mask=s < n_slots, other=float("-inf")))
-    M = tl.max(mx, axis=0)
-    num = tl.zeros([BR], tl.float32)
-    den = tl.zeros([BS], tl.float32)
+    M = tl.maximum(m, tl.max(mx, axis=0, keep_dims=True))  # finite: the new token is always attended
+    num = acc * tl.exp2(m - M)
+    den = l * tl.exp2(m - M)
     for s0 in range(0, n_slots, BS):
         s = s0 + tl.arange(0, BS)
         sm = s < n_slots
         w = tl.exp2(tl.load(pm_ptr + base + s, mask=sm, other=float("-inf")) - M)
-        den += w * tl.load(pl_ptr + base + s, mask=sm, other=0.0)
+        den += tl.sum(w * tl.load(pl_ptr + base + s, mask=sm, other=0.0), axis=0, keep_dims=True)
         a = tl.load(pacc_ptr + (base + s)[:, None] * RPAD + cols[None, :], mask=sm[:, None], other=0.0)
         num += tl.sum(w[:, None] * a, axis=0)
-    tl.store(z_ptr + row * R + cols, num / tl.sum(den, axis=0), mask=cols < R)
+    tl.store(z_ptr + row * R + cols, num / den, mask=cols < R)
 
 
 @dataclass
@@ -198,25 +248,30 @@ class _Region:
         return self.keys.shape[-2]
 
 
-def _regions(cache: TaleLayerCache, k_new: torch.Tensor, h_new: torch.Tensor) -> list[_Region]:
-    out, pos = [], 0
+TAIL_MAX = 256  # 16-bit segments up to this length are attended in the combine launch
 
-    def dense(k, h, pos0):
-        return _Region(k, None, None, 16, h, None, None, 16, h.shape[-1], pos0)
 
+def _regions(cache: TaleLayerCache) -> tuple[list[_Region], tuple | None, tuple | None]:
+    """Launch regions in position order, plus the sinks and the residual as (k, h, length, first
+    position) when short enough for the combine launch (long sinks, from heavy left padding, and
+    16-bit levels are launch regions)."""
+    out, pos, sinks, res = [], 0, None, None
     if cache.sink_k is not None:
-        out.append(dense(cache.sink_k, cache.sink_h, pos))
-        pos += cache.sink_k.shape[-2]
+        S = cache.sink_k.shape[-2]
+        if S <= TAIL_MAX:
+            sinks = (cache.sink_k, cache.sink_h, S, 0)
+        else:
+            out.append(_Region(cache.sink_k, None, None, 16, cache.sink_h, None, None, 16, cache.sink_h.shape[-1], 0))
+        pos += S
     for st in cache.levels:
         if st is None or st.length == 0:
             continue
         kq, hq = st.keys, st.lat
         out.append(_Region(kq.data, kq.scale, kq.zero, kq.bits, hq.data, hq.scale, hq.zero, hq.bits, st.rank, pos))
         pos += st.length
-    if cache.res_k is not None and cache.res_k.shape[-2]:
-        out.append(dense(cache.res_k, cache.res_h, pos))
-    out.append(dense(k_new, h_new, -1))
-    return out
+    if cache.res_k is not None and cache.res_k.shape[-2]:  # under one flush of tokens by construction
+        res = (cache.res_k, cache.res_h, cache.res_k.shape[-2], pos)
+    return out, sinks, res
 
 
 def supported(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, cache: TaleLayerCache) -> bool:
@@ -273,10 +328,13 @@ def latent_attention(
     K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
     rep, g = H // K, K // G
     s = cache.s
-    regions = _regions(cache, k_new, h_new)
+    regions, sinks, res = _regions(cache)
     dtype = TL_DTYPE[q.dtype]
+    dev = q.device
+    valid = cache.valid.view(torch.uint8)
+    q = _last_contig(q)
 
-    BT = max(32, block_t)  # 16-token tiles computed wrong results compiled (Triton 3.6, H200); not understood
+    BT = max(32, block_t)  # 16-token tiles gave wrong results compiled (Triton 3.6, H200); not understood
     # The regions run one launch after another, so each is split to fill the GPU on its own:
     # about `waves` programs per SM, at least `min_split` tokens each.
     sms = _num_sms(q.device)
@@ -285,40 +343,47 @@ def latent_attention(
     splits = [triton.cdiv(r.length, ch) for r, ch in zip(regions, chunks)]
     n_slots = sum(splits)
     RPAD = pow2(R)
-    use_dot = n >= 16 and BT >= 16 and min(pow2(r.rank) for r in regions) >= 16
+    # 16-wide dot operands from the in-register dequantization also came out wrong (Triton 3.6,
+    # H200): heads of 16 take the CUDA-core path.
+    use_dot = n >= 32 and all(pow2(r.rank) >= 16 for r in regions)
     QGP = max(16 if use_dot else 1, pow2(g * rep))
 
-    dev = q.device
-    pm = torch.empty(B, H, n_slots, device=dev, dtype=torch.float32)
+    pm = torch.empty(B, H, max(n_slots, 1), device=dev, dtype=torch.float32)
     pl = torch.empty_like(pm)
-    pacc = torch.empty(B, H, n_slots, RPAD, device=dev, dtype=torch.float32)
-    valid = cache.valid.view(torch.uint8)
-    q = _last_contig(q)
+    pacc = torch.empty(B, H, max(n_slots, 1), RPAD, device=dev, dtype=torch.float32)
     slot0 = 0
     for reg, ns, chunk in zip(regions, splits, chunks):
         kt, ks, kz = _last_contig(reg.keys), _last_contig(reg.key_scale), _last_contig(reg.key_zero)
         ht, hs, hz = _last_contig(reg.lat), _last_contig(reg.lat_scale), _last_contig(reg.lat_zero)
-        dummy = kt  # scale pointers of 16-bit regions are never read
-        ks_, kz_, hs_, hz_ = (ks if ks is not None else dummy), (kz if kz is not None else dummy), \
-            (hs if hs is not None else dummy), (hz if hz is not None else dummy)
-        dense = reg.key_bits == 16 and reg.lat_bits == 16  # sinks, residual, new token: short, full-width tiles
+        ks, kz, hs, hz = (t if t is not None else kt for t in (ks, kz, hs, hz))  # never read at 16 bits
         _region_kernel[(ns, G, B)](
             q, q.stride(0), q.stride(1),
             kt, kt.stride(0), kt.stride(1), kt.stride(2),
-            ks_, kz_, ks_.stride(0), ks_.stride(1), ks_.stride(2),
+            ks, kz, ks.stride(0), ks.stride(1), ks.stride(2),
             ht, ht.stride(0), ht.stride(1), ht.stride(2),
-            hs_, hz_, hs_.stride(0), hs_.stride(1), hs_.stride(2),
-            valid, valid.stride(0), max(reg.pos0, 0),
+            hs, hz, hs.stride(0), hs.stride(1), hs.stride(2),
+            valid, valid.stride(0), reg.pos0,
             pm, pl, pacc, slot0, n_slots,
             reg.length, chunk, scaling * LOG2E,
             N=n, GS=g, REP=rep, QGP=QGP,
             KBITS=reg.key_bits, HBITS=reg.lat_bits, KG=s.key_group, VG=s.value_group,
             RANK=reg.rank, RP=pow2(reg.rank), RPAD=RPAD,
-            BT=min(BT, 32) if dense else BT, HAS_VALID=reg.pos0 >= 0, USE_DOT=use_dot, DOT=dtype,
-            num_warps=num_warps, num_stages=min(num_stages, 2) if dense else num_stages,
+            BT=BT, USE_DOT=use_dot, DOT=dtype,
+            num_warps=num_warps, num_stages=num_stages,
         )
         slot0 += ns
+
     z = torch.empty(B, 1, H, R, device=dev, dtype=torch.float32)
     BR = min(RPAD, 128)
-    _combine_kernel[(B * H, triton.cdiv(R, BR))](pm, pl, pacc, z, n_slots, R, RPAD=RPAD, BS=32, BR=BR, num_warps=4)
+    ks_, hs_, Ls, _ = sinks or (k_new, h_new, 0, 0)
+    kr, hr, Lr, pos_r = res or (k_new, h_new, 0, 0)
+    ks_, hs_, kr, hr, kn, hn = (_last_contig(t) for t in (ks_, hs_, kr, hr, k_new, h_new))
+    _combine_kernel[(B * H, triton.cdiv(R, BR))](
+        pm, pl, pacc, z, n_slots, R, H,
+        q, q.stride(0), q.stride(1), scaling * LOG2E, valid, valid.stride(0),
+        ks_, ks_.stride(0), ks_.stride(1), ks_.stride(2), hs_, hs_.stride(0), hs_.stride(1), hs_.stride(2), Ls,
+        kr, kr.stride(0), kr.stride(1), kr.stride(2), hr, hr.stride(0), hr.stride(1), hr.stride(2), Lr, pos_r,
+        kn, kn.stride(0), kn.stride(1), hn, hn.stride(0), hn.stride(1),
+        N=n, REP=rep, GS=g, RPAD=RPAD, BS=32, BR=BR, TB=32, num_warps=4,
+    )
     return z

@@ -123,8 +123,9 @@ def layer_cache(B, H, K, g, n, L0, dtype, sched=None, pad=None, r0=0.5, group=16
 TOL = {torch.float32: 5e-3 if CUDA else 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 # (B, H, K, g, n, prompt, pad, kwargs): GQA and MHA, g = 1/2/4, rep = 3, odd lengths, left
-# padding, tiny splits (many partials, lengths not a multiple of the split), ranks below 16
-# (the kernel's non-tensor-core path), one region empty or absent.
+# padding (long enough to move the sinks out of the combine launch), tiny splits (many partials,
+# lengths not a multiple of the split), heads of 16 and ranks below 16 (the CUDA-core path),
+# empty or absent regions (a prompt that fits in the sinks).
 CASES = {
     "gqa-g2": (1, 8, 4, 2, 64, 101, None, {}),
     "gqa-g2-pad-splits": (2, 8, 4, 2, 64, 77, [0, 5], dict(split_tokens=32)),
@@ -133,6 +134,7 @@ CASES = {
     "rep3-g2": (1, 6, 2, 2, 32, 45, None, {}),
     "rank8": (1, 4, 2, 1, 16, 29, None, dict(group=8)),
     "prompt-in-sinks": (1, 8, 4, 2, 32, 3, None, {}),
+    "long-left-padding": (2, 8, 4, 2, 32, 340, [0, 300], {}),
 }
 
 
