@@ -197,8 +197,15 @@ class TaleAttention(nn.Module):
         if isinstance(past_key_values, TaleCache):
             layer = past_key_values.layers[self.layer_idx]
             layer.window = self.sliding_window
-        elif past_key_values is not None and past_key_values.get_seq_length(self.layer_idx) > 0:
-            raise TypeError("TALE models need a TaleCache (tale_runtime.new_cache(model)), not " + type(past_key_values).__name__)
+        elif past_key_values is not None:
+            # HF hands a fresh DynamicCache to a plain forward; fine once, but TALE attention never fills
+            # it, so reusing it for a second call would silently drop the past.
+            seen = past_key_values.__dict__.setdefault("_tale_layers_seen", set())
+            if self.layer_idx in seen or past_key_values.get_seq_length(self.layer_idx) > 0:
+                raise TypeError(
+                    f"TALE models need a TaleCache (tale_runtime.new_cache(model)), not {type(past_key_values).__name__}"
+                )
+            seen.add(self.layer_idx)
 
         if layer is None or layer.kappa == 0:
             # exact prefill through the model's attention function

@@ -261,8 +261,21 @@ def test_generate_without_a_cache_gets_a_tale_cache(tmp_path):
     ids = ids_for(20)
     with_cache = hf_greedy(model, ids, cache=new_cache(model))
     assert torch.equal(hf_greedy(model, ids), with_cache)
-    # what load() avoids: HF's default DynamicCache, which TALE attention leaves empty
-    assert not torch.equal(hf_greedy(tm, ids), with_cache)
+    # what load() avoids: HF's default DynamicCache, which TALE attention leaves empty, is refused
+    with pytest.raises(TypeError, match="need a TaleCache"):
+        hf_greedy(tm, ids)
+
+
+def test_reusing_a_dynamic_cache_is_refused():
+    from transformers import DynamicCache
+
+    tm = talify(tiny_model("llama"), 2)
+    cache = DynamicCache(config=tm.config)
+    ids = ids_for(8)
+    with torch.no_grad():
+        tm(ids, past_key_values=cache)  # a plain forward may get HF's fresh cache: allowed
+        with pytest.raises(TypeError, match="need a TaleCache"):
+            tm(ids[:, -1:], past_key_values=cache)
 
 
 def copy_artifact(src, dst):
