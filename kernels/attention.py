@@ -213,21 +213,18 @@ def _combine_kernel(
                       1, vb, cols, R, False, N, 1)
 
     base = row * n_slots
-    mx = tl.full([BS], float("-inf"), tl.float32)
-    for s0 in range(0, n_slots, BS):
-        s = s0 + tl.arange(0, BS)
-        mx = tl.maximum(mx, tl.load(pm_ptr + base + s, mask=s < n_slots, other=float("-inf")))
-    M = tl.maximum(m, tl.max(mx, axis=0, keep_dims=True))  # finite: the new token is always attended
-    num = acc * tl.exp2(m - M)
-    den = l * tl.exp2(m - M)
-    for s0 in range(0, n_slots, BS):
+    for s0 in range(0, n_slots, BS):  # one pass over the slots, rescaling as the max grows
         s = s0 + tl.arange(0, BS)
         sm = s < n_slots
-        w = tl.exp2(tl.load(pm_ptr + base + s, mask=sm, other=float("-inf")) - M)
-        den += tl.sum(w * tl.load(pl_ptr + base + s, mask=sm, other=0.0), axis=0, keep_dims=True)
+        ms = tl.load(pm_ptr + base + s, mask=sm, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(ms, axis=0, keep_dims=True))  # finite: m holds the new token
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(ms - m_new)
+        l = l * alpha + tl.sum(w * tl.load(pl_ptr + base + s, mask=sm, other=0.0), axis=0, keep_dims=True)
         a = tl.load(pacc_ptr + (base + s)[:, None] * RPAD + cols[None, :], mask=sm[:, None], other=0.0)
-        num += tl.sum(w[:, None] * a, axis=0)
-    tl.store(z_ptr + row * R + cols, num / den, mask=cols < R)
+        acc = acc * alpha + tl.sum(w[:, None] * a, axis=0)
+        m = m_new
+    tl.store(z_ptr + row * R + cols, acc / l, mask=cols < R)
 
 
 @dataclass
@@ -374,7 +371,7 @@ def latent_attention(
         slot0 += ns
 
     z = torch.empty(B, 1, H, R, device=dev, dtype=torch.float32)
-    BR = min(RPAD, 128)
+    BR = min(RPAD, 64)
     ks_, hs_, Ls, _ = sinks or (k_new, h_new, 0, 0)
     kr, hr, Lr, pos_r = res or (k_new, h_new, 0, 0)
     ks_, hs_, kr, hr, kn, hn = (_last_contig(t) for t in (ks_, hs_, kr, hr, k_new, h_new))
@@ -384,6 +381,6 @@ def latent_attention(
         ks_, ks_.stride(0), ks_.stride(1), ks_.stride(2), hs_, hs_.stride(0), hs_.stride(1), hs_.stride(2), Ls,
         kr, kr.stride(0), kr.stride(1), kr.stride(2), hr, hr.stride(0), hr.stride(1), hr.stride(2), Lr, pos_r,
         kn, kn.stride(0), kn.stride(1), hn, hn.stride(0), hn.stride(1),
-        N=n, REP=rep, GS=g, RPAD=RPAD, BS=32, BR=BR, TB=32, num_warps=4,
+        N=n, REP=rep, GS=g, RPAD=RPAD, BS=64, BR=BR, TB=32, num_warps=4,
     )
     return z
