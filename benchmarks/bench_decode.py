@@ -346,7 +346,7 @@ def markdown(rows, copy_bw, cfg, cmd, env) -> str:
         "",
         f"Shapes: H=32, K=8, head dim 128, d=4096, g=4 (R=512, r0=256); schedule: 4 sinks, p=0.1 at 4 bits full rank, "
         f"middle 2 bits rank 256, key/value groups 32, 16-bit residual. Random inputs, real shapes. Kernel launch "
-        f"config: {cfg}. Times are medians of CUDA-graph replays with L2 flushed before each (eager: no graph, "
+        f"config: {cfg or 'the defaults of tale_kernels.latent_attention'}. Times are medians of CUDA-graph replays with L2 flushed before each (eager: no graph, "
         f"Python launch overhead included). Device copy bandwidth measured in the same run: {copy_bw:.0f} GB/s "
         f"(read + write). Bytes = TALE cache tensors of the layer (packed codes, scales, zeros, sinks, residual). "
         f"Memory per sequence: all {LAYERS} layers.",

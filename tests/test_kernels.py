@@ -7,7 +7,6 @@ Every check draws fresh random inputs.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
@@ -15,12 +14,18 @@ import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
+_PREV = os.environ.get("TRITON_INTERPRET")
 if not CUDA and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["TRITON_INTERPRET"] = "1"  # triton and the kernels get built for the CPU interpreter
 triton = pytest.importorskip("triton")
 
 import tale_kernels  # noqa: E402
-from tale_kernels import _common, attention, quant  # noqa: E402
+from tale_kernels import attention, quant  # noqa: E402
+
+if _PREV is None:  # the kernels are built; other modules' tests keep the torch paths on CPU
+    os.environ.pop("TRITON_INTERPRET", None)
+else:
+    os.environ["TRITON_INTERPRET"] = _PREV
 
 from tale_helpers import talify, tiny_model  # noqa: E402
 from tale_runtime import new_cache, use_kernels  # noqa: E402
@@ -35,12 +40,9 @@ if not CUDA:
     from triton.runtime.interpreter import InterpretedFunction
 
     if not isinstance(attention._region_kernel, InterpretedFunction):
-        # triton was imported earlier without the interpreter: rebuild the kernels for it
-        os.environ["TRITON_INTERPRET"] = "1"
-        for m in (_common, quant, attention, tale_kernels):
-            importlib.reload(m)
-        if not isinstance(attention._region_kernel, InterpretedFunction):
-            pytest.skip("Triton's CPU interpreter is not available", allow_module_level=True)
+        # Triton's own library functions were built for the GPU when it was first imported
+        pytest.skip("triton was imported without TRITON_INTERPRET=1 before this module; run it alone "
+                    "or with TRITON_INTERPRET=1", allow_module_level=True)
 
 
 @pytest.fixture(autouse=True)
