@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .artifact import Schedule, ceil_share
-from .quant import QTensor, cat, dequantize, quantize, split
+from .quant import QTensor, cat, dequantize, quantize, requantize, split
 
 
 @dataclass
@@ -120,9 +120,8 @@ class TaleLayerCache:
             k_old, k_keep = split(st.keys, n_move)
             h_old, h_keep = split(st.lat, n_move)
             self.levels[i] = Store(k_keep, h_keep, st.rank)
-            k = dequantize(k_old)
-            h = dequantize(h_old)
-            self._push(i - 1, self._quant(k, h, i - 1))
+            lv, r = self.s.levels[i - 1], self.ranks[i - 1]
+            self._push(i - 1, Store(requantize(k_old, lv.key_bits), requantize(h_old, lv.bits, r), r))
 
     # -- filling -----------------------------------------------------------------------
 
