@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import os
 import shutil
 import time
 from dataclasses import asdict
@@ -19,6 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels are tested in Triton's CPU interpreter, which must be chosen
+# before anything imports triton (transformers and torch may, during collection).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Tiny configs: GQA with several groups (llama), one group (mistral, sliding window config),
 # value bias and rep=3 (qwen2), MHA with tied embeddings (mha).
