@@ -53,7 +53,7 @@ PRESETS = {
     "ci": Preset(512, 2, 64, 4, ("1k",), (0.1, 0.3, 0.5, 0.7, 0.9),
                  ("full", "tale", "kivi2", "kivi4", "streaming", "palu"), ()),
     # the numbers of docs/quality.md
-    "full": Preset(1024, 6, 128, 4, tuple(passkey.LENGTHS), passkey.DEPTHS, policies.BASELINES,
+    "full": Preset(1024, 5, 128, 4, tuple(passkey.LENGTHS), passkey.DEPTHS, policies.BASELINES,
                    ("energy", "fisher", "progressive")),
 }
 
@@ -79,6 +79,8 @@ def run(
     sinks: Optional[int] = typer.Option(None, help="TALE: override the artifact's sink tokens"),
     recent: Optional[float] = typer.Option(None, help="TALE: override the recent share p"),
     r0: Optional[float] = typer.Option(None, help="TALE: override the level-0 rank (fraction of R, all layers)"),
+    bits: Optional[str] = typer.Option(None, help="TALE: override the bits per level, oldest first, e.g. 2,4"),
+    key_bits: Optional[str] = typer.Option(None, help="TALE: override the key bits per level, e.g. 4,4"),
     dtype: str = typer.Option("bf16", help="compute dtype: bf16 or fp32 (bytes are measured in it)"),
     device: Optional[str] = typer.Option(None, help="cpu, cuda, ... (default: cuda if available)"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
@@ -92,8 +94,10 @@ def run(
     lengths = p.lengths if passkey_lengths is None else _csv(passkey_lengths)
     try:
         depths = p.depths if passkey_depths is None else tuple(float(x) for x in _csv(passkey_depths))
+        bits_l = None if bits is None else [int(x) for x in _csv(bits)]
+        key_bits_l = None if key_bits is None else [int(x) for x in _csv(key_bits)]
     except ValueError:
-        _fail(f"--passkey-depths {passkey_depths!r}: expected comma-separated fractions, e.g. 0.1,0.5")
+        _fail("--passkey-depths, --bits and --key-bits take comma-separated numbers, e.g. 0.1,0.5 or 2,4")
     ctx, windows, prefill, chunk = ctx or p.ctx, windows or p.windows, prefill or p.prefill, chunk or p.chunk
     for n in names:
         if n not in policies.BASELINES:
@@ -119,11 +123,11 @@ def run(
         model, tok = load(artifact, device=device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
         if tok is None:
             _fail(f"{artifact}: the artifact has no tokenizer")
-        if sinks is not None or recent is not None or r0 is not None:
+        if any(x is not None for x in (sinks, recent, r0, bits_l, key_bits_l)):
             s = model.tale_schedule
             model.tale_schedule = override_schedule(
                 s, int(model.tale_manifest["architecture"]["latent_rank"]), len(s.ranks), sinks=sinks, recent=recent,
-                ranks=None if r0 is None else [r0] + [1.0] * (len(s.levels) - 1))
+                ranks=None if r0 is None else [r0] + [1.0] * (len(s.levels) - 1), bits=bits_l, key_bits=key_bits_l)
         ppl_pattern = perplexity.pattern(ctx, prefill, chunk)
         ids = perplexity.heldout_windows(tok, ctx, windows)
     except (ArtifactError, ValueError) as e:

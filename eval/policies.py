@@ -96,8 +96,9 @@ def tale_policy(model, name: str, schedule: Schedule) -> Policy:
     d = Dims.of(model)
     r0 = [rs[0] for rs in schedule.ranks]
     bits = "/".join(str(lv.bits) for lv in schedule.levels)
+    key_bits = "/".join(str(lv.key_bits) for lv in schedule.levels)
     detail = (f"{schedule.policy} r0 {min(r0)}-{max(r0)}" if min(r0) != max(r0) else f"{schedule.policy} r0 {r0[0]}") \
-        + f"/{d.R}, bits {bits}, sinks {schedule.sinks}"
+        + f"/{d.R}, bits {bits}" + (f", key bits {key_bits}" if key_bits != bits else "") + f", sinks {schedule.sinks}"
     return Policy(name, detail, lambda pattern: new_cache(model, schedule), nominal_ratio(schedule, d.n, d.g))
 
 

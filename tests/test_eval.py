@@ -222,12 +222,27 @@ def test_cli_on_a_tiny_artifact(tiny_artifact, tmp_path, capsys):
     assert "tale/progressive" in capsys.readouterr().out
 
 
+def test_cli_schedule_flags_at_exact_settings_give_the_forward_ppl(tiny_artifact, tmp_path):
+    out = tmp_path / "r.json"
+    with pytest.raises(SystemExit) as e:
+        main([str(tiny_artifact), "--ctx", "64", "--windows", "2", "--prefill", "16", "--dtype", "fp32",
+              "--passkey-lengths", "", "--policies", "tale", "--r0", "1.0", "--bits", "16,16", "--key-bits", "16,16",
+              "--sinks", "2", "--json", str(out)])
+    assert e.value.code == 0
+    res = json.loads(out.read_text())
+    (row,) = res["results"]
+    assert res["config"]["delta_vs"] == "forward" and row["delta"] == pytest.approx(0, abs=1e-4 * row["ppl"])
+    assert row["detail"] == "uniform r0 32/32, bits 16/16, sinks 2" and res["config"]["schedule"]["sinks"] == 2
+
+
 @pytest.mark.parametrize("args, msg", [
     (["--policies", "full,magic"], "unknown policy 'magic'"),
     (["--rank-policies", "magic"], "unknown rank policy"),
     (["--preset", "huge"], "unknown --preset"),
     (["--passkey-depths", "0.55"], "no pass-key samples"),
     (["--ctx", "100000"], "held-out corpus has"),
+    (["--key-bits", "3,4"], "bits must be one of"),
+    (["--energy", "0"], "--energy must be"),
 ])
 def test_cli_errors_are_one_line(args, msg, tiny_artifact, capsys):
     with pytest.raises(SystemExit) as e:
