@@ -144,7 +144,8 @@ def run(
         cache = pol.new_cache(ppl_pattern)
         nll, count = perplexity.decode_nll(model, ids, cache, prefill, chunk)
         row = {"policy": pol.name, "detail": pol.detail, "ppl": math.exp(nll / count),
-               "ratio": cache.baseline_nbytes() / cache.nbytes(), "nominal": pol.nominal, "tokens": count}
+               "ratio": cache.baseline_nbytes() / cache.nbytes(), "nominal": pol.nominal, "ranks": pol.ranks,
+               "tokens": count}
         if samples:
             task = passkey.run(model, tok, samples, pol)
             row.update(passkey=task["accuracy"], passkey_ratio=task["ratio"], passkey_answers=task["answers"])

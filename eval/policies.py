@@ -31,6 +31,7 @@ class Policy:
     detail: str
     new_cache: Callable[[list[int]], Cache]  # the run's call pattern -> a fresh cache
     nominal: float | None = None  # TALE's nominal ratio (no sinks, scales, zero points, residual)
+    ranks: list[int] | None = None  # per-layer level-0 (TALE) or value (Palu) ranks
 
 
 @dataclass
@@ -99,7 +100,7 @@ def tale_policy(model, name: str, schedule: Schedule) -> Policy:
     key_bits = "/".join(str(lv.key_bits) for lv in schedule.levels)
     detail = (f"{schedule.policy} r0 {min(r0)}-{max(r0)}" if min(r0) != max(r0) else f"{schedule.policy} r0 {r0[0]}") \
         + f"/{d.R}, bits {bits}" + (f", key bits {key_bits}" if key_bits != bits else "") + f", sinks {schedule.sinks}"
-    return Policy(name, detail, lambda pattern: new_cache(model, schedule), nominal_ratio(schedule, d.n, d.g))
+    return Policy(name, detail, lambda pattern: new_cache(model, schedule), nominal_ratio(schedule, d.n, d.g), r0)
 
 
 def build(model, names: list[str], schedule: Schedule, match_pattern: list[int],
@@ -131,7 +132,8 @@ def build(model, names: list[str], schedule: Schedule, match_pattern: list[int],
             rr = f"{min(ranks)}-{max(ranks)}" if min(ranks) != max(ranks) else f"{ranks[0]}"
             kb = s.levels[0].key_bits
             out.append(Policy(name, f"eager rank {rr}/{d.R} @ {PALU_BITS}-bit, keys {kb}-bit",
-                              lambda p: caches.palu_cache(ranks, kb, PALU_BITS, s.key_group, s.value_group, s.residual)))
+                              lambda p: caches.palu_cache(ranks, kb, PALU_BITS, s.key_group, s.value_group, s.residual),
+                              ranks=ranks))
         else:
             raise ValueError(f"unknown policy {name!r}: use {', '.join(BASELINES)}")
     for pol, sched in (rank_schedules or {}).items():
