@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +23,7 @@ from rich.table import Table
 from tale_calib import calib_paths, documents
 from tale_convert import policy as rank_policy
 from tale_runtime import ArtifactError, load
+from tale_runtime.console import fail, run_app
 from tale_runtime.load import override_schedule
 
 from . import passkey, perplexity, policies
@@ -87,7 +86,7 @@ def run(
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write the results to this JSON file"),
 ) -> None:
     if preset not in PRESETS:
-        _fail(f"unknown --preset {preset!r}: use {' or '.join(PRESETS)}")
+        fail(f"unknown --preset {preset!r}: use {' or '.join(PRESETS)}")
     p = PRESETS[preset]
     names = _csv(policy_names) or p.policies
     ranks = p.rank_policies if rank_policies is None else _csv(rank_policies)
@@ -97,24 +96,24 @@ def run(
         bits_l = None if bits is None else [int(x) for x in _csv(bits)]
         key_bits_l = None if key_bits is None else [int(x) for x in _csv(key_bits)]
     except ValueError:
-        _fail("--passkey-depths, --bits and --key-bits take comma-separated numbers, e.g. 0.1,0.5 or 2,4")
+        fail("--passkey-depths, --bits and --key-bits take comma-separated numbers, e.g. 0.1,0.5 or 2,4")
     ctx, windows, prefill, chunk = ctx or p.ctx, windows or p.windows, prefill or p.prefill, chunk or p.chunk
     for n in names:
         if n not in policies.BASELINES:
-            _fail(f"unknown policy {n!r}: use {', '.join(policies.BASELINES)}")
+            fail(f"unknown policy {n!r}: use {', '.join(policies.BASELINES)}")
     for n in ranks:
         if n not in rank_policy.POLICIES:
-            _fail(f"unknown rank policy {n!r}: use {', '.join(rank_policy.POLICIES)}")
+            fail(f"unknown rank policy {n!r}: use {', '.join(rank_policy.POLICIES)}")
     for n in lengths:
         if n not in passkey.LENGTHS:
-            _fail(f"unknown pass-key length {n!r}: use {', '.join(passkey.LENGTHS)}")
+            fail(f"unknown pass-key length {n!r}: use {', '.join(passkey.LENGTHS)}")
     if dtype not in ("bf16", "fp32"):
-        _fail(f"--dtype must be bf16 or fp32, got {dtype!r}")
+        fail(f"--dtype must be bf16 or fp32, got {dtype!r}")
     if not 0 < energy <= 1:
-        _fail(f"--energy must be a fraction in (0, 1], got {energy}")
+        fail(f"--energy must be a fraction in (0, 1], got {energy}")
     samples = passkey.load_samples(lengths=lengths, depths=depths) if lengths else []
     if lengths and not samples:
-        _fail(f"no pass-key samples at depths {depths} (shipped: {', '.join(map(str, passkey.DEPTHS))})")
+        fail(f"no pass-key samples at depths {depths} (shipped: {', '.join(map(str, passkey.DEPTHS))})")
     if threads:
         torch.set_num_threads(threads)
 
@@ -122,7 +121,7 @@ def run(
     try:
         model, tok = load(artifact, device=device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
         if tok is None:
-            _fail(f"{artifact}: the artifact has no tokenizer")
+            fail(f"{artifact}: the artifact has no tokenizer")
         if any(x is not None for x in (sinks, recent, r0, bits_l, key_bits_l)):
             s = model.tale_schedule
             model.tale_schedule = override_schedule(
@@ -131,7 +130,7 @@ def run(
         ppl_pattern = perplexity.pattern(ctx, prefill, chunk)
         ids = perplexity.heldout_windows(tok, ctx, windows)
     except (ArtifactError, ValueError) as e:
-        _fail(str(e))
+        fail(str(e))
     prepare(model)
     sched = model.tale_schedule
     log = err_console.print
@@ -221,26 +220,6 @@ def _table(rows: list[dict], config: dict) -> None:
                       f"exact match; {config['seconds']:.0f} s")
 
 
-def _fail(msg: str, code: int = 2) -> None:
-    print(f"error: {' '.join(str(msg).split())}", file=sys.stderr)
-    raise typer.Exit(code)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Console script entry: one-line errors (TALE_DEBUG=1 for tracebacks)."""
-    try:
-        code = app(args=argv, standalone_mode=False)
-    except typer.Exit as e:
-        code = e.exit_code
-    except typer.Abort:
-        print("aborted", file=sys.stderr)
-        code = 130
-    except typer.TyperException as e:
-        print(f"error: {' '.join(e.format_message().split())}", file=sys.stderr)
-        code = getattr(e, "exit_code", 2)
-    except Exception as e:
-        if os.environ.get("TALE_DEBUG"):
-            raise
-        print(f"error: internal error: {type(e).__name__}: {e} (set TALE_DEBUG=1 for the traceback)", file=sys.stderr)
-        code = 1
-    sys.exit(code or 0)
+    run_app(app, argv, internal_errors=True)

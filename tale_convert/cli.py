@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -11,6 +10,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from tale_runtime.console import fail, run_app
 
 from . import ConvertError
 from .convert import Options, convert
@@ -73,11 +74,11 @@ def run(
 
             report = convert(model, out, opts, on_layer=on_layer, log=lambda s: progress.console.print(s))
     except ConvertError as e:
-        _fail(str(e), 2)
+        fail(str(e), 2)
     except Exception as e:  # a bug or an environment problem, not bad input
         if os.environ.get("TALE_DEBUG"):
             raise
-        _fail(f"internal error: {type(e).__name__}: {e} (set TALE_DEBUG=1 for the traceback)", 1)
+        fail(f"internal error: {type(e).__name__}: {e} (set TALE_DEBUG=1 for the traceback)", 1)
     _summary(report)
 
 
@@ -105,21 +106,6 @@ def _summary(report) -> None:
                       f"peak RSS {report.peak_rss / 2**30:.2f} GiB{dev}")
 
 
-def _fail(msg: str, code: int) -> None:
-    print(f"error: {' '.join(msg.split())}", file=sys.stderr)
-    raise typer.Exit(code)
-
-
 def main(argv: list[str] | None = None) -> None:
-    """Console script entry. Usage errors are one line too (click would print a usage box)."""
-    try:
-        code = app(args=argv, standalone_mode=False)
-    except typer.Exit as e:
-        code = e.exit_code
-    except typer.Abort:  # Ctrl-C
-        print("aborted", file=sys.stderr)
-        code = 130
-    except typer.TyperException as e:  # usage errors
-        print(f"error: {' '.join(e.format_message().split())}", file=sys.stderr)
-        code = getattr(e, "exit_code", 2)
-    sys.exit(code or 0)
+    """Console script entry: one-line errors, usage errors included."""
+    run_app(app, argv)
