@@ -183,6 +183,9 @@ def load(
     expected = set(model.state_dict().keys())
     tied = getattr(config, "tie_word_embeddings", False)
     missing = expected - set(state) - ({"lm_head.weight"} if tied else set())
+    if missing and all(m.endswith(".v_proj.weight") for m in missing):  # the exact prefill needs them
+        raise ArtifactError(f"{root}: artifact lacks the original v_proj.weight (written by an older tale-convert): "
+                            "convert the model again")
     if missing:
         raise ArtifactError(f"{root}: artifact lacks {len(missing)} tensors, e.g. {sorted(missing)[0]}")
     unexpected = set(state) - expected
