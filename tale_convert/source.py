@@ -4,8 +4,10 @@ weights lazily (a layer at a time) from the safetensors shards."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,15 +33,18 @@ class Source:
 
     def file_hashes(self) -> dict[str, str]:
         """sha256 of the weight files, keyed by name. Hub blobs are named by their sha256 already."""
-        out = {}
         files = sorted(f for f in self.path.iterdir() if f.name.endswith(WEIGHT_SUFFIXES))
         if self.origin:
             files.append(smollm2.gguf_path())
-        for f in files:
+
+        def digest(f: Path) -> str:
             blob = f.resolve()
             known = blob.parent.name == "blobs" and re.fullmatch(r"[0-9a-f]{64}", blob.name)
-            out[f.name] = blob.name if known else sha256_file(f)
-        return out
+            return blob.name if known else sha256_file(f)
+
+        # hashlib releases the GIL: the shards of a big local checkpoint hash in parallel
+        with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+            return dict(zip((f.name for f in files), pool.map(digest, files)))
 
 
 @dataclass

@@ -64,7 +64,6 @@ def plan_shards(entries: list[Entry], shard_size: int) -> list[list[Entry]]:
 
 
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
-PENDING_BYTES = 1 << 30  # tensors handed to the writer thread but not yet on disk, at most (one bigger one may wait)
 
 
 class ShardWriter:
@@ -78,8 +77,9 @@ class ShardWriter:
     complete shards of an interrupted run with the same plan, which are kept, not rewritten."""
 
     def __init__(self, root: Path, entries: list[Entry], shard_size: int, done: dict[str, str] | None = None,
-                 on_shard: Callable[[str, str], None] | None = None):
+                 on_shard: Callable[[str, str], None] | None = None, pending_bytes: int = 1 << 30):
         self.root, self.on_shard = root, on_shard
+        self.pending_bytes = pending_bytes  # handed over but not yet written, at most (a bigger tensor may wait alone)
         self.shards = plan_shards(entries, shard_size)
         n = len(self.shards)
         self.files = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
@@ -118,7 +118,7 @@ class ShardWriter:
             raise RuntimeError(f"artifact writer: {name} is larger than its planned shape {list(e.shape)}")
         self._left -= data.numel()
         with self._cond:
-            while self._pending and self._pending + data.numel() > PENDING_BYTES and self.error is None:
+            while self._pending and self._pending + data.numel() > self.pending_bytes and self.error is None:
                 self._cond.wait()
             self._pending += data.numel()
         self._raise()
