@@ -79,7 +79,7 @@ def _texts(f: Path, records: list) -> list[str]:
     if not records or not all(isinstance(r, dict) and isinstance(r.get("text"), str) for r in records):
         bad = next((r for r in records if not (isinstance(r, dict) and isinstance(r.get("text"), str))), None)
         fields = sorted(bad) if isinstance(bad, dict) else type(bad).__name__
-        raise ConvertError(f"calibration file {f} has records without a 'text' field (fields: {fields})")
+        raise ConvertError(f"calibration file {f}: a record has no 'text' field (fields: {fields})")
     return [r["text"] for r in records]
 
 
