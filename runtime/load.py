@@ -255,7 +255,10 @@ def _read_tensors(root: Path, device: torch.device, dtype: torch.dtype) -> dict[
         try:
             with safe_open(root / f, framework="pt", device=str(device)) as st:
                 for name in st.keys():
-                    state[name] = st.get_tensor(name).to(dtype)
+                    t = st.get_tensor(name).to(dtype)
+                    # CPU tensors from safetensors may sit 8 bytes off a 64-byte boundary; BLAS results then
+                    # depend on the file layout (1e-7 differences). An aligned copy makes them reproducible.
+                    state[name] = t.clone() if t.device.type == "cpu" and t.data_ptr() % 64 else t
         except SafetensorError as e:
             raise ArtifactError(f"{root / f}: unreadable safetensors file ({e})") from None
     return state
