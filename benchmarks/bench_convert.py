@@ -100,7 +100,8 @@ def first_layers(src: Path, dst: Path, layers: int) -> Path:
 
 def convert_once(src: Path, out: Path, args) -> dict:
     """One conversion in a fresh process (its own peak RSS); returns the report as a dict."""
-    cmd = [sys.executable, __file__, *(["--smoke"] if DEVICE == "cpu" else []), "--one", str(src), str(out), "--group", str(args.group), "--device", DEVICE,
+    cmd = [sys.executable, __file__, *(["--smoke"] if DEVICE == "cpu" else []), "--one", str(src), str(out),
+           "--group", str(args.group), "--device", DEVICE,
            "--samples", str(args.samples), "--seq-len", str(args.seq_len)]
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -254,7 +255,8 @@ def main() -> None:
         xs, ys = [r["L"] for r in fit], [r["total"] for r in fit]
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        lines.append(f"70B extrapolated to 80 layers: {my + slope * (80 - mx):.0f} s = {(my + slope * (80 - mx)) / 60:.1f} "
+        t80 = my + slope * (80 - mx)
+        lines.append(f"70B extrapolated to 80 layers: {t80:.0f} s = {t80 / 60:.1f} "
                      f"min (fit: {my - slope * mx:.1f} s + {slope:.2f} s per layer)")
     table = ["| model | layers | total (s) | wall incl. start-up (s) | median s / layer | host peak RSS (GiB) "
              "| GPU peak allocated (GiB) | GPU reserved (GiB) | artifact (GB) |",

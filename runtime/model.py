@@ -215,7 +215,8 @@ class TaleAttention(nn.Module):
             out, weights = attn(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
             out = self.o_proj(out.reshape(B, T, -1).contiguous())
             if layer is not None:  # h = x A only fills the cache
-                layer.append(k, self.latents(hidden_states), _valid_from_mask(attention_mask, B, T, hidden_states.device))
+                valid = _valid_from_mask(attention_mask, B, T, hidden_states.device)
+                layer.append(k, self.latents(hidden_states), valid)
             return out, weights
 
         h = self.latents(hidden_states)

@@ -37,7 +37,8 @@ def load_documents(files: list[Path] | None) -> tuple[list[str], dict]:
             raise ConvertError(f"calibration file {f}: unsupported type (use {', '.join(READERS)})")
     docs = []
     for suffixes, reader in ((".txt", _text), ((".json", ".jsonl"), _json), (".parquet", _parquet)):
-        docs += [t for f in files if f.suffix.lower() in suffixes for t in reader(f) if t]  # text files first, as before
+        # text files first, then json, as before
+        docs += [t for f in files if f.suffix.lower() in suffixes for t in reader(f) if t]
     return docs, {"source": "files", "files": {Path(f).name: sha256_file(f) for f in files}}
 
 

@@ -145,7 +145,8 @@ def convert(model: str | None, out: str | Path, opts: Options,
             log(f"resuming {found.name}" if found else "nothing to resume for these settings: starting afresh")
         partial = resume.Partial(tmp / resume.DIR, settings)
         entries = _plan(ckpt, arch, dtype)
-        plan = hashlib.sha256(repr((shard_size, [(e.name, str(e.dtype), e.shape) for e in entries])).encode()).hexdigest()
+        layout = [(e.name, str(e.dtype), e.shape) for e in entries]
+        plan = hashlib.sha256(repr((shard_size, layout)).encode()).hexdigest()
         # the writer may lag one layer behind (it writes layer i while layer i+1 runs), not more
         layer_bytes = max(sum(e.nbytes for e in entries if e.name.startswith(_layer_prefix(i))) for i in range(arch.L))
         writer = write.ShardWriter(tmp, entries, shard_size, partial.shards(plan),

@@ -294,7 +294,8 @@ def open_checkpoint(src: Source, config, expected: dict[str, tuple[int, ...]]) -
                     files[k], shapes[k] = f, tuple(sl.get_shape())
                     dtypes[k] = _DTYPES.get(sl.get_dtype(), torch.uint8)
         except (SafetensorError, OSError) as e:
-            raise ConvertError(f"{src.id}: shard {name} is unreadable, truncated or partially downloaded ({e})") from None
+            raise ConvertError(f"{src.id}: shard {name} is unreadable, truncated or partially downloaded ({e})"
+                               ) from None
     if weight_map is not None:
         wrong = [k for k, v in weight_map.items() if files.get(k) != root / v]
         if wrong:
@@ -302,7 +303,8 @@ def open_checkpoint(src: Source, config, expected: dict[str, tuple[int, ...]]) -
     for k in [k for k in files if IGNORED.fullmatch(k)]:
         del files[k], shapes[k]
     tale = [k for k in files if ".tale." in k]
-    if tale or (not any(k.endswith(".v_proj.weight") for k in files) and any(k.endswith("q_proj.weight") for k in files)):
+    no_v = not any(k.endswith(".v_proj.weight") for k in files) and any(k.endswith("q_proj.weight") for k in files)
+    if tale or no_v:
         raise ConvertError(f"{src.id} looks like a TALE artifact ({tale[0] if tale else 'no v_proj.weight'}): "
                            "convert the original checkpoint")
     tied = getattr(config, "tie_word_embeddings", False)
@@ -319,7 +321,8 @@ def open_checkpoint(src: Source, config, expected: dict[str, tuple[int, ...]]) -
         if shapes[k] != tuple(shape):
             raise ConvertError(f"{src.id}: tensor {k} has shape {list(shapes[k])}, config.json implies {list(shape)}")
     order = list(expected)  # state_dict order: the artifact is written in it
-    return Checkpoint({k: files[k] for k in order}, {k: shapes[k] for k in order}, _load_dtype(config, dtypes, expected))
+    return Checkpoint({k: files[k] for k in order}, {k: shapes[k] for k in order},
+                      _load_dtype(config, dtypes, expected))
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

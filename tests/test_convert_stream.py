@@ -121,7 +121,8 @@ def test_resume_across_shards_keeps_complete_shards_and_gives_identical_bytes(ti
     monkeypatch.setattr(convert_mod, "whiten", real_whiten)
     rewritten = []
     real_open = write.ShardWriter._open
-    monkeypatch.setattr(write.ShardWriter, "_open", lambda self, k: rewritten.append(self.files[k]) or real_open(self, k))
+    monkeypatch.setattr(write.ShardWriter, "_open",
+                        lambda self, k: rewritten.append(self.files[k]) or real_open(self, k))
     convert(model, out, tiny_opts("llama", shard_size="200KB", resume=True))
     assert not set(rewritten) & set(kept)
     assert read_manifest(out)["files"] == read_manifest(fresh)["files"]
@@ -283,7 +284,7 @@ def test_bad_sources_are_one_line_errors(case, tmp_path, tiny_tok, tiny_model_di
 
 def test_source_reads_lazily_in_chunks(tiny_model_dir, monkeypatch):
     src = source.resolve(str(tiny_model_dir("llama")))
-    config, arch = source.load_config(src, 2)
+    config, _ = source.load_config(src, 2)
     ckpt = source.open_checkpoint(src, config, convert_mod._source_tensors(source.skeleton(config)))
     monkeypatch.setattr(source, "CHUNK_BYTES", 1000)
     name = "model.embed_tokens.weight"
