@@ -183,6 +183,9 @@ def load(
     expected = set(model.state_dict().keys())
     tied = getattr(config, "tie_word_embeddings", False)
     missing = expected - set(state) - ({"lm_head.weight"} if tied else set())
+    if missing and all(m.endswith(".v_proj.weight") for m in missing):  # the exact prefill needs them
+        raise ArtifactError(f"{root}: artifact lacks the original v_proj.weight (written by an older tale-convert): "
+                            "convert the model again")
     if missing:
         raise ArtifactError(f"{root}: artifact lacks {len(missing)} tensors, e.g. {sorted(missing)[0]}")
     unexpected = set(state) - expected
@@ -252,7 +255,10 @@ def _read_tensors(root: Path, device: torch.device, dtype: torch.dtype) -> dict[
         try:
             with safe_open(root / f, framework="pt", device=str(device)) as st:
                 for name in st.keys():
-                    state[name] = st.get_tensor(name).to(dtype)
+                    t = st.get_tensor(name).to(dtype)
+                    # CPU tensors from safetensors may sit 8 bytes off a 64-byte boundary; BLAS results then
+                    # depend on the file layout (1e-7 differences). An aligned copy makes them reproducible.
+                    state[name] = t.clone() if t.device.type == "cpu" and t.data_ptr() % 64 else t
         except SafetensorError as e:
             raise ArtifactError(f"{root / f}: unreadable safetensors file ({e})") from None
     return state

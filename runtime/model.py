@@ -1,8 +1,9 @@
 """TALE attention for Llama/Mistral/Qwen2 decoder layers and the HF-compatible TaleCache.
 
-Prefill (empty cache): exact q, k, v with v = (x A) B, exact attention through the model's
-own attention function (SDPA/flash), output through the original W_O; then the prompt is
-cached as keys + latents h = x A by region.
+Prefill (empty cache): exact q, k, v through the original projections (v_proj kept in the
+artifact), exact attention through the model's own attention function (SDPA/flash), output
+through the original W_O: bit-identical to the base model; then the prompt is cached as
+keys + latents h = x A by region.
 Later calls (decode, or chunks after a prefix): attention over the compressed cache plus the
 new exact tokens, summed in latent space, output through O^r (fused) or B then W_O
 (factored). Values are never reconstructed per cached token.
@@ -136,11 +137,10 @@ class TaleAttention(nn.Module):
         self.q_proj, self.k_proj, self.o_proj = orig.q_proj, orig.k_proj, orig.o_proj
         w = orig.q_proj.weight
         self.tale = TaleWeights(self.G, config.hidden_size, self.R, self.H, dtype=w.dtype, device=w.device)
-        # A value bias (Qwen2) passes through attention unchanged (softmax weights sum to 1).
-        # Kept as `v_proj.bias` so the artifact's tensor name still matches.
-        vb = orig.v_proj.bias
-        self.v_proj = nn.Module()
-        self.v_proj.bias = None if vb is None else nn.Parameter(vb.detach().clone(), requires_grad=False)
+        # The original value projection (weight and Qwen2's bias) serves the exact prefill
+        # (DESIGN.md 4). A value bias passes through latent attention unchanged (softmax weights
+        # sum to 1), so later calls add it after attention.
+        self.v_proj = orig.v_proj
         self.output_path = "fused"  # or "factored"
         self.attention_fn: AttentionFn = latent_attention
 
@@ -191,7 +191,6 @@ class TaleAttention(nn.Module):
         k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
         cos, sin = position_embeddings
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        h = self.latents(hidden_states)
 
         layer = None
         if isinstance(past_key_values, TaleCache):
@@ -208,17 +207,19 @@ class TaleAttention(nn.Module):
             seen.add(self.layer_idx)
 
         if layer is None or layer.kappa == 0:
-            # exact prefill through the model's attention function
-            v = self.values(h)
+            # exact prefill: the base model's own v_proj and attention function, bit for bit
+            v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
             attn = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
             if attn is None:
                 from transformers.integrations.sdpa_attention import sdpa_attention_forward as attn
             out, weights = attn(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
             out = self.o_proj(out.reshape(B, T, -1).contiguous())
-            if layer is not None:
-                layer.append(k, h, _valid_from_mask(attention_mask, B, T, hidden_states.device))
+            if layer is not None:  # h = x A only fills the cache
+                valid = _valid_from_mask(attention_mask, B, T, hidden_states.device)
+                layer.append(k, self.latents(hidden_states), valid)
             return out, weights
 
+        h = self.latents(hidden_states)
         z = self.attention_fn(q, k, h, layer, self.scaling)
         layer.append(k, h)
         return self.output(z), None

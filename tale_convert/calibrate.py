@@ -1,11 +1,12 @@
 """Calibration: sample token sequences, then stream them through the model one decoder layer
 at a time, accumulating C = X^T X of each layer's v_proj input X (DESIGN.md 3.1).
 
-Only the layer being processed sits on the device; hidden states for all samples stay there
-in float32 (samples * seq_len * hidden * 4 bytes)."""
+Only the layer being processed sits on the device (float32); hidden states for all samples stay
+there in float32 (samples * seq_len * hidden * 4 bytes)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -21,39 +22,69 @@ def load_documents(files: list[Path] | None) -> tuple[list[str], dict]:
     """Documents plus a manifest record of where they came from.
 
     Default: the bundled CC0 corpus (tale_calib). Otherwise local files: each .txt is one
-    document, each .json/.jsonl record one document (its `text` field)."""
+    document, each .json/.jsonl record one document (its `text` field); all read with the
+    standard library. .parquet needs `datasets` (the `convert` extra)."""
     if not files:
         from tale_calib import calib_paths, documents
 
         paths = calib_paths()
         docs = [doc for p in paths for doc in documents(p)]
         return docs, {"source": "tale_calib", "files": {p.name: sha256_file(p) for p in paths}}
-    by_kind: dict[str, list[str]] = {"text": [], "json": []}
     for f in files:
         if not f.is_file():
             raise ConvertError(f"calibration file not found: {f}")
-        kind = {".txt": "text", ".json": "json", ".jsonl": "json"}.get(f.suffix.lower())
-        if kind is None:
-            raise ConvertError(f"calibration file {f}: unsupported type (use .txt, .json or .jsonl)")
-        by_kind[kind].append(str(f))
+        if f.suffix.lower() not in READERS:
+            raise ConvertError(f"calibration file {f}: unsupported type (use {', '.join(READERS)})")
     docs = []
-    for kind, paths in by_kind.items():
-        if paths:
-            docs += _load_dataset(kind, paths)
+    for suffixes, reader in ((".txt", _text), ((".json", ".jsonl"), _json), (".parquet", _parquet)):
+        # text files first, then json, as before
+        docs += [t for f in files if f.suffix.lower() in suffixes for t in reader(f) if t]
     return docs, {"source": "files", "files": {Path(f).name: sha256_file(f) for f in files}}
 
 
-def _load_dataset(kind: str, paths: list[str]) -> list[str]:
-    import datasets
-
-    extra = {"sample_by": "document"} if kind == "text" else {}
+def _text(f: Path) -> list[str]:
     try:
-        ds = datasets.load_dataset(kind, data_files=paths, split="train", **extra)
-    except Exception as e:  # datasets raises many types for unreadable input; all mean bad --calib files
-        raise ConvertError(f"cannot read calibration files {', '.join(paths)}: {str(e).splitlines()[0]}") from None
-    if "text" not in ds.column_names:
-        raise ConvertError(f"calibration files {', '.join(paths)} have no 'text' field (fields: {ds.column_names})")
-    return [t for t in ds["text"] if t]
+        return [f.read_text(encoding="utf-8")]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConvertError(f"cannot read calibration file {f}: {e}") from None
+
+
+def _json(f: Path) -> list[str]:
+    """A .jsonl file (one object per line), or a .json file holding one object or a list of them."""
+    try:
+        raw = f.read_text(encoding="utf-8")
+        if f.suffix.lower() == ".jsonl":
+            records = [json.loads(line) for line in raw.splitlines() if line.strip()]
+        else:
+            records = json.loads(raw)
+            records = records if isinstance(records, list) else [records]
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConvertError(f"cannot read calibration file {f}: {str(e).splitlines()[0]}") from None
+    return _texts(f, records)
+
+
+def _parquet(f: Path) -> list[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise ConvertError(f"calibration file {f}: reading .parquet needs the `datasets` package: "
+                           "pip install 'tale-kv[convert]'") from None
+    try:
+        ds = datasets.load_dataset("parquet", data_files=[str(f)], split="train")
+    except Exception as e:  # datasets raises many types for unreadable input; all mean a bad --calib file
+        raise ConvertError(f"cannot read calibration file {f}: {str(e).splitlines()[0]}") from None
+    return _texts(f, ds.to_list())
+
+
+def _texts(f: Path, records: list) -> list[str]:
+    if not records or not all(isinstance(r, dict) and isinstance(r.get("text"), str) for r in records):
+        bad = next((r for r in records if not (isinstance(r, dict) and isinstance(r.get("text"), str))), None)
+        fields = sorted(bad) if isinstance(bad, dict) else type(bad).__name__
+        raise ConvertError(f"calibration file {f}: a record has no 'text' field (fields: {fields})")
+    return [r["text"] for r in records]
+
+
+READERS = {".txt": _text, ".json": _json, ".jsonl": _json, ".parquet": _parquet}  # suffix -> reader
 
 
 def sample_tokens(tokenizer, docs: list[str], samples: int, seq_len: int, seed: int) -> torch.Tensor:
@@ -80,18 +111,19 @@ def v_proj_input(layer, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def embed(model, tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
-    emb = model.model.embed_tokens.to(device)
-    hidden = torch.cat([emb(t.to(device)).float() for t in tokens.split(_batch(tokens.shape[1]))])
-    model.model.embed_tokens.to("cpu")
+def embed(weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Calibration hidden states entering layer 0, float32 on weight's device: [samples, seq_len, d]."""
+    hidden = torch.cat([torch.nn.functional.embedding(t.to(weight.device), weight).float()
+                        for t in tokens.split(_batch(tokens.shape[1]))])
     check_finite(hidden, "in the embeddings")
     return hidden
 
 
 @torch.no_grad()
 def rotary(model, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for positions 0..seq_len-1, shared by every sample and layer."""
-    rope = model.model.rotary_emb.to(device)
+    """cos/sin for positions 0..seq_len-1, shared by every sample and layer. A fresh copy of the
+    model's rotary module: its inv_freq buffer is computed from the config (the model may be on meta)."""
+    rope = type(model.model.rotary_emb)(config=model.config).to(device)
     pos = torch.arange(seq_len, device=device)[None]
     return rope(torch.zeros(1, device=device), pos)
 
@@ -99,26 +131,21 @@ def rotary(model, seq_len: int, device: torch.device) -> tuple[torch.Tensor, tor
 @torch.no_grad()
 def run_layer(layer, hidden: torch.Tensor, rope, index: int, covariance: bool) -> torch.Tensor | None:
     """Replace `hidden` (on the device) by the layer's output, in place, mini-batch by mini-batch.
+    `layer` is on the same device, in float32.
 
     Returns C = X^T X in float64 of the v_proj inputs if `covariance`, else None (a layer
     whose factors are already known only needs to pass the hidden states on)."""
-    dtype = next(layer.parameters()).dtype
-    device = hidden.device
-    layer.to(device=device, dtype=torch.float32)
     d = hidden.shape[-1]
-    C = torch.zeros(d, d, dtype=torch.float64, device=device) if covariance else None
-    try:
-        for s in range(0, len(hidden), _batch(hidden.shape[1])):
-            h = hidden[s : s + _batch(hidden.shape[1])]
-            if C is not None:
-                x = v_proj_input(layer, h).reshape(-1, d).double()
-                C.addmm_(x.T, x)
-            # attention_mask=None: SDPA runs causal (the calibration batch has no padding)
-            out = layer(h, attention_mask=None, position_embeddings=rope)
-            h.copy_(out[0] if isinstance(out, tuple) else out)
-        check_finite(hidden, f"after layer {index}")
-    finally:
-        layer.to(device="cpu", dtype=dtype)  # exact: the weights were upcast, never changed
+    C = torch.zeros(d, d, dtype=torch.float64, device=hidden.device) if covariance else None
+    for s in range(0, len(hidden), _batch(hidden.shape[1])):
+        h = hidden[s : s + _batch(hidden.shape[1])]
+        if C is not None:
+            x = v_proj_input(layer, h).reshape(-1, d).double()
+            C.addmm_(x.T, x)
+        # attention_mask=None: SDPA runs causal (the calibration batch has no padding)
+        out = layer(h, attention_mask=None, position_embeddings=rope)
+        h.copy_(out[0] if isinstance(out, tuple) else out)
+    check_finite(hidden, f"after layer {index}")
     return C
 
 

@@ -84,11 +84,15 @@ def run(
 
 def _quiet_libraries() -> None:
     """Their tqdm bars and info logs would interleave with ours on stderr."""
-    import datasets
     import transformers
 
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    try:  # optional: only --calib .parquet uses it
+        import datasets
+
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity_error()
+    except ImportError:
+        pass
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
-import re
 import resource
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -96,8 +95,13 @@ class Report:
 def convert(model: str | None, out: str | Path, opts: Options,
             on_layer: Callable[[LayerReport, int], None] | None = None,
             log: Callable[[str], None] = lambda s: None) -> Report:
-    """Convert MODEL into a TALE artifact at `out`. Raises ConvertError on bad input."""
+    """Convert MODEL into a TALE artifact at `out`. Raises ConvertError on bad input.
+
+    Streams: each decoder layer's weights are read from the source shards, run on the device and
+    written to the artifact's shards before the next layer is read, so host memory holds about one
+    layer (plus the tokens), whatever the depth."""
     t0 = time.perf_counter()
+    _fixed_mmap_threshold()
     out = Path(out).expanduser().absolute()
     write.check_out(out, opts.overwrite)
     shard_size = write.parse_size(opts.shard_size)
@@ -110,8 +114,14 @@ def convert(model: str | None, out: str | Path, opts: Options,
     window = source.sliding_window(config)
     if window and opts.seq_len > window:
         raise ConvertError(f"--seq-len {opts.seq_len} exceeds the model's sliding window {window}")
+    context = getattr(config, "max_position_embeddings", None)
+    if context and opts.seq_len > context:
+        raise ConvertError(f"--seq-len {opts.seq_len} exceeds the model's context (max_position_embeddings {context})")
     dtype = _dtype(opts.dtype, config)
     device = _device(opts.device)
+    skeleton = source.skeleton(config)
+    source.check_layout(skeleton, arch)
+    ckpt = source.open_checkpoint(src, config, _source_tensors(skeleton))
 
     tokenizer = source.load_tokenizer(src)
     docs, calib_info = calibrate.load_documents(opts.calib)
@@ -124,39 +134,45 @@ def convert(model: str | None, out: str | Path, opts: Options,
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    found = resume.find(out, settings) if opts.resume else None
-    if found != tmp:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if found and found != tmp:
-        os.replace(found, tmp)
-    if opts.resume:
-        log(f"resuming {found.name}" if found else "nothing to resume for these settings: starting afresh")
-    partial = None
+    writer = None
     try:
+        found = resume.find(out, settings) if opts.resume else None
+        if found != tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if found and found != tmp:
+            os.replace(found, tmp)
+        if opts.resume:
+            log(f"resuming {found.name}" if found else "nothing to resume for these settings: starting afresh")
         partial = resume.Partial(tmp / resume.DIR, settings)
-        log(f"loading {src.id}")
-        hf = source.load_model(src)
-        source.check_layout(hf, arch)
-        layers = _factorize(hf, tokens, device, arch, schedule, partial, on_layer)
+        entries = _plan(ckpt, arch, dtype)
+        layout = [(e.name, str(e.dtype), e.shape) for e in entries]
+        plan = hashlib.sha256(repr((shard_size, layout)).encode()).hexdigest()
+        # the writer may lag one layer behind (it writes layer i while layer i+1 runs), not more
+        layer_bytes = max(sum(e.nbytes for e in entries if e.name.startswith(_layer_prefix(i))) for i in range(arch.L))
+        writer = write.ShardWriter(tmp, entries, shard_size, partial.shards(plan),
+                                   on_shard=lambda f, h: partial.save_shard(plan, f, h), pending_bytes=layer_bytes)
+        layers = _stream(ckpt, skeleton, tokens, device, arch, schedule, partial, writer, dtype, on_layer)
         if opts.policy != "uniform":
-            schedule, layers = _rank_policy(opts, schedule, layers, hf, tokens, arch, partial, log)
-
-        entries = _entries(hf, arch, dtype, partial, device)
-        files = write.write_tensors(tmp, entries, shard_size)
-        write.copy_model_files(tmp, config, tokenizer, hf.generation_config, dtype)
+            schedule, layers = _rank_policy(opts, schedule, layers, src, tokens, arch, partial, log)
+        files = writer.close()
+        write.copy_model_files(tmp, config, tokenizer, source.generation_config(src, config), dtype)
         manifest = _manifest(src, base_files, arch, schedule, layers, calib_info, opts, dtype, files)
         write_json(tmp / MANIFEST, manifest)
         base_card = src.path / "README.md"
         (tmp / "README.md").write_text(render_card(manifest, base_card.read_text() if base_card.is_file() else None))
         shutil.rmtree(tmp / resume.DIR)
         write.publish(tmp, out)
-    except KeyboardInterrupt:
-        if partial and partial.done():
-            log(f"interrupted: {len(partial.done())} finished layers kept in {tmp}; rerun with --resume to reuse them")
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM turned into one by the console layer
+        if writer:
+            writer.abort()
+        if tmp.is_dir() and (n := resume.finished(tmp)):
+            log(f"interrupted: {n} finished layers kept in {tmp}; rerun with --resume to reuse them")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     except BaseException:
+        if writer:
+            writer.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return Report(out, layers, manifest["nominal_ratio"], time.perf_counter() - t0,
@@ -183,54 +199,155 @@ def _manifest(src, base_files, arch, schedule, layers, calib_info, opts, dtype, 
     }
 
 
-def _factorize(hf, tokens, device, arch, schedule, partial, on_layer) -> list[LayerReport]:
-    """Stream the calibration set through the layers; whiten + factor each layer's v_proj.
+def _source_tensors(skeleton) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every tensor the checkpoint must hold, in state_dict order; a tied head is
+    the embedding (stored once, as transformers does)."""
+    unique = {n for n, _ in skeleton.named_parameters()}  # drops tied duplicates
+    every = {n for n, _ in skeleton.named_parameters(remove_duplicate=False)}
+    return {n: tuple(t.shape) for n, t in skeleton.state_dict().items() if n in unique or n not in every}
 
-    Layers already in `partial` are only replayed forward, and not even that once no later
-    layer is missing."""
+
+def _layer_prefix(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def _split(names, L: int) -> tuple[list[str], list[list[str]], list[str]]:
+    """Source tensor names: those before the layers (embeddings), per layer, after (norm, head)."""
+    per = [[n for n in names if n.startswith(_layer_prefix(i))] for i in range(L)]
+    inside = {n for p in per for n in p}
+    first = min(list(names).index(p[0]) for p in per if p) if any(per) else len(names)
+    head = [n for k, n in enumerate(names) if n not in inside and k < first]
+    tail = [n for k, n in enumerate(names) if n not in inside and k >= first]
+    return head, per, tail
+
+
+def _plan(ckpt, arch, dtype) -> list[write.Entry]:
+    """Every artifact tensor in order: the source's, each layer's TALE tensors right after its
+    v_proj.weight (which is kept: the exact prefill uses it, DESIGN.md 4)."""
+    d, G, R, H = arch.d, arch.G, arch.R, arch.H
+    entries = []
+    for name, shape in ckpt.shapes.items():
+        entries.append(write.Entry(name, dtype, shape))
+        if name.endswith(".self_attn.v_proj.weight"):
+            prefix = name.removesuffix("v_proj.weight")
+            entries += [write.Entry(prefix + U_V, dtype, (G, d, R)), write.Entry(prefix + V_V, dtype, (G, R, R)),
+                        write.Entry(prefix + O_FUSED, dtype, (d, H * R))]
+    return entries
+
+
+def _stream(ckpt, skeleton, tokens, device, arch, schedule, partial, writer, dtype, on_layer) -> list[LayerReport]:
+    """One pass over the layers: read a layer's weights, run the calibration set through it on the
+    device (accumulating the covariance of its v_proj input), whiten + factor its v_proj, write
+    its artifact tensors, drop it.
+
+    Resume: finished layers (factors in `partial`) are only replayed forward, and not even that
+    once no later layer is missing; their tensors are rewritten only where their shard is not
+    complete yet."""
+    head, per_layer, tail = _split(list(ckpt.shapes), arch.L)
     done = partial.done()
     missing = [i for i in range(arch.L) if i not in done]
     stop = max(missing) + 1 if missing else 0
-    ckpt = partial.load_hidden() if done and missing else None
-    start = ckpt[0] if ckpt else 0
-    hidden = None
+    ckpt_h = partial.load_hidden() if done and missing else None
+    start = ckpt_h[0] if ckpt_h else 0
+    hidden = rope = None
     if start < stop:
-        hidden = ckpt[1].to(device) if ckpt else calibrate.embed(hf, tokens, device)
-        rope = calibrate.rotary(hf, tokens.shape[1], device)
-    reports: dict[int, LayerReport] = {}
+        rope = calibrate.rotary(skeleton, tokens.shape[1], device)
+        if ckpt_h:
+            hidden = ckpt_h[1].to(device)
+        else:
+            emb = next(n for n in head if n.endswith("embed_tokens.weight"))
+            hidden = calibrate.embed(torch.cat([c.to(device) for c in ckpt.chunks(emb, ckpt.dtype)]), tokens)
+    for name in head:
+        _copy(ckpt, writer, name, dtype)
+
+    def wanted(i: int) -> bool:
+        return start <= i < stop or any(writer.needed(n) for n in per_layer[i])
+
+    todo = [i for i in range(arch.L) if wanted(i)]
+    reports: list[LayerReport] = []
     saved = time.perf_counter()
-    for i in range(start, stop):
-        t = time.perf_counter()
-        layer = hf.model.layers[i]
-        C = calibrate.run_layer(layer, hidden, rope, i, covariance=i not in done)
-        if C is not None:
-            f = whiten(C, layer.self_attn.v_proj.weight.T, arch.g, arch.n)
-            del C
-            partial.save_layer(i, f, time.perf_counter() - t)
-            energy = [energy_kept(f.S, r) for r in schedule.ranks[i]]
-            reports[i] = LayerReport(i, f.eps, energy, time.perf_counter() - t, False)
+    with ThreadPoolExecutor(1, thread_name_prefix="tale-read") as pool:  # reads layer i+1 while i runs
+        reads = {todo[0]: pool.submit(ckpt.read, per_layer[todo[0]])} if todo else {}
+        for i in range(arch.L):
+            t = time.perf_counter()
+            if i not in reads:
+                f, seconds = partial.load_layer(i)
+                reports.append(LayerReport(i, f.eps, [energy_kept(f.S, r) for r in schedule.ranks[i]], seconds, True))
+                if on_layer:
+                    on_layer(reports[-1], arch.L)
+                continue
+            weights = reads.pop(i).result()
+            if (nxt := next((j for j in todo if j > i), None)) is not None:
+                reads[nxt] = pool.submit(ckpt.read, per_layer[nxt])
+            f = None
+            if start <= i < stop:
+                layer = _materialize(skeleton.model.layers[i], weights, _layer_prefix(i), device)
+                try:
+                    C = calibrate.run_layer(layer, hidden, rope, i, covariance=i not in done)
+                    if C is not None:
+                        f = whiten(C, layer.self_attn.v_proj.weight.T, arch.g, arch.n)
+                        del C
+                        partial.save_layer(i, f, time.perf_counter() - t)
+                finally:
+                    layer.to_empty(device="meta")  # frees the device copy; the skeleton stays
+                if i + 1 < stop and time.perf_counter() - saved > resume.HIDDEN_EVERY_S:
+                    partial.save_hidden(i + 1, hidden)
+                    saved = time.perf_counter()
+            reused = f is None
+            if reused:
+                f, seconds = partial.load_layer(i)
+            if any(writer.needed(n) for n in per_layer[i]):
+                _write_layer(writer, weights, per_layer[i], f, arch, dtype, device)
+            del weights
+            seconds = seconds if reused else time.perf_counter() - t
+            reports.append(LayerReport(i, f.eps, [energy_kept(f.S, r) for r in schedule.ranks[i]], seconds, reused))
             if on_layer:
-                on_layer(reports[i], arch.L)
-        if i + 1 < stop and time.perf_counter() - saved > resume.HIDDEN_EVERY_S:
-            partial.save_hidden(i + 1, hidden)
-            saved = time.perf_counter()
+                on_layer(reports[-1], arch.L)
     del hidden
-    for i in sorted(set(range(arch.L)) - set(reports)):
-        f, seconds = partial.load_layer(i)
-        reports[i] = LayerReport(i, f.eps, [energy_kept(f.S, r) for r in schedule.ranks[i]], seconds, True)
-        if on_layer:
-            on_layer(reports[i], arch.L)
-    return [reports[i] for i in range(arch.L)]
+    for name in tail:
+        _copy(ckpt, writer, name, dtype)
+    return reports
 
 
-def _rank_policy(opts, schedule, layers, hf, tokens, arch, partial, log) -> tuple[Schedule, list[LayerReport]]:
+def _materialize(layer, weights: dict[str, torch.Tensor], prefix: str, device) -> torch.nn.Module:
+    """The skeleton's layer with real float32 weights on the device (the math runs in float32
+    whatever the checkpoint's dtype; the upcast is exact)."""
+    layer.to_empty(device=device)
+    layer.load_state_dict({n.removeprefix(prefix): w for n, w in weights.items()})
+    return layer
+
+
+def _write_layer(writer, weights, names, f, arch, dtype, device) -> None:
+    """The layer's tensors in plan order. O^r is fused on the device: in float64 it is the one
+    large product of the conversion (g times the size of W_O)."""
+    for name in names:
+        writer.put(name, weights[name].to(dtype))
+        if name.endswith(".self_attn.v_proj.weight"):
+            prefix = name.removesuffix("v_proj.weight")
+            W_O = weights[prefix + "o_proj.weight"]
+            B = f.B.to(device)
+            writer.put(prefix + U_V, f.A.to(dtype))
+            writer.put(prefix + V_V, f.B.to(dtype))
+            # transposed and cast on the device (same values as on the host; the host would copy twice)
+            writer.put(prefix + O_FUSED, fuse(B, W_O.to(device).T.double(), arch.H).T.to(dtype).contiguous())
+
+
+def _copy(ckpt, writer, name: str, dtype) -> None:
+    """A tensor the artifact takes unchanged (cast to dtype), in row chunks: embeddings and head
+    are the largest tensors of a model and never need to be whole in memory."""
+    if writer.needed(name):
+        for chunk in ckpt.chunks(name, dtype):
+            writer.put(name, chunk)
+
+
+def _rank_policy(opts, schedule, layers, src, tokens, arch, partial, log) -> tuple[Schedule, list[LayerReport]]:
     """Level-0 ranks from --policy, under the uniform schedule's budget (energy: a threshold instead);
     the layers' reported energy follows the new ranks."""
     spectra = [partial.load_layer(i)[0].S for i in range(arch.L)]
     fisher = None
     if opts.policy == "fisher":
-        log("fisher: gradients of the calibration loss w.r.t. v_proj (8 sequences, on the CPU)")
-        fisher = rank_policy.fisher_scores(hf.to("cpu"), list(tokens[:8].split(2)))
+        log("fisher: gradients of the calibration loss w.r.t. v_proj (8 sequences, on the CPU, the whole model)")
+        fisher = rank_policy.fisher_scores(source.load_model(src), list(tokens[:8].split(2)))
     ranks0 = rank_policy.level0_ranks(opts.policy, arch.R, arch.L, schedule.value_group, schedule.ranks[0][0],
                                       spectra=spectra, energy=opts.energy, fisher=fisher)
     schedule = rank_policy.apply(schedule, opts.policy, ranks0)
@@ -238,34 +355,20 @@ def _rank_policy(opts, schedule, layers, hf, tokens, arch, partial, log) -> tupl
     return schedule, layers
 
 
-def _entries(hf, arch, dtype, partial, device) -> list[write.Entry]:
-    """Base tensors in state_dict order, each layer's v_proj.weight replaced by the TALE tensors.
-    Tied weights are written once (as transformers does). O^r is fused on the device: in float64
-    it is the one large product of the conversion (g times the size of W_O)."""
-    factors = functools.lru_cache(maxsize=1)(lambda i: partial.load_layer(i)[0])
-    size = torch.finfo(dtype).bits // 8
-    d, G, R, H = arch.d, arch.G, arch.R, arch.H
-    entries, seen = [], set()
-    for name, t in hf.state_dict().items():
-        if t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        m = re.fullmatch(r"(.*\.layers\.(\d+)\.self_attn\.)v_proj\.weight", name)
-        if not m:
-            entries.append(write.Entry(name, t.numel() * size, lambda t=t: t.to(dtype)))
-            continue
-        prefix, i = m.group(1), int(m.group(2))
-        W_O = hf.model.layers[i].self_attn.o_proj.weight
+def _fixed_mmap_threshold(threshold: int = 1 << 20) -> None:
+    """glibc raises its mmap threshold (up to 32 MB) each time a large block is freed; layer-sized
+    tensors then come from the heap, which fragments: peak RSS grew by ~25 MB per layer (measured,
+    CPU, 69 MB layers). A fixed threshold makes every tensor above 1 MB its own mapping, returned to
+    the system when freed, so the peak stays flat in depth. The price is paid on CPU conversions,
+    whose activation tensors then each take fresh page faults (a SmolLM2 conversion on a busy 2-core
+    machine: 64 s system time of 225 s CPU); malloc_trim after each layer instead was measured
+    cheaper but not flat (+54 MB from 3 to 12 layers of 30 MB). No-op without glibc."""
+    try:
+        import ctypes
 
-        def o_fused(i=i, W_O=W_O):
-            return fuse(factors(i).B.to(device), W_O.to(device).T.double(), H).T.to("cpu", dtype)
-
-        entries += [
-            write.Entry(prefix + U_V, G * d * R * size, lambda i=i: factors(i).A.to(dtype)),
-            write.Entry(prefix + V_V, G * R * R * size, lambda i=i: factors(i).B.to(dtype)),
-            write.Entry(prefix + O_FUSED, d * H * R * size, o_fused),
-        ]
-    return entries
+        ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # M_MMAP_THRESHOLD; also stops the dynamic adjustment
+    except (OSError, AttributeError):
+        pass
 
 
 def _dtype(name: str, config) -> torch.dtype:

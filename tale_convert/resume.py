@@ -5,6 +5,9 @@
 - hidden.safetensors: the calibration hidden states entering layer k. Checkpointed at most
   every HIDDEN_EVERY_S seconds, because it is large (samples*seq_len*hidden*4 bytes); on
   resume, finished layers after the checkpoint are replayed forward only (no covariance, no SVD).
+- shards.json: the artifact shards already complete in <tmp> (file -> sha256) and the shard plan
+  they belong to; a resumed run keeps them and rewrites only the others (from the source weights
+  and the saved factors: no calibration needed for finished layers).
 """
 
 from __future__ import annotations
@@ -47,6 +50,18 @@ class Partial:
             t = {k: st.get_tensor(k) for k in st.keys()}
         return Factors(t["A"], t["B"], t["S"], float(meta["eps"])), float(meta["seconds"])
 
+    def shards(self, plan: str) -> dict[str, str]:
+        """Complete shards of the shard plan `plan` (a hash of names, shapes, dtype, shard size)."""
+        try:
+            rec = json.loads((self.root / "shards.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return rec["done"] if isinstance(rec, dict) and rec.get("plan") == plan else {}
+
+    def save_shard(self, plan: str, name: str, sha256: str) -> None:
+        done = {**self.shards(plan), name: sha256}
+        _atomic_write(self.root / "shards.json", lambda p: p.write_text(json.dumps({"plan": plan, "done": done})))
+
     def save_hidden(self, layer: int, hidden: torch.Tensor) -> None:
         _atomic_write(self.root / "hidden.safetensors",
                       lambda p: save_file({"hidden": hidden.cpu()}, p, metadata={"layer": str(layer)}))
@@ -63,6 +78,11 @@ class Partial:
         return self.root / f"layer_{i:04d}.safetensors"
 
 
+def finished(tmp: Path) -> int:
+    """How many finished layers the temp dir `tmp` holds (0: nothing worth keeping)."""
+    return len(list((tmp / DIR).glob("layer_*.safetensors")))
+
+
 def find(out: Path, settings: dict) -> Path | None:
     """The temp sibling of `out` left by an interrupted run with the same settings (most layers done)."""
     best, most = None, -1
@@ -74,7 +94,7 @@ def find(out: Path, settings: dict) -> Path | None:
             same = json.loads(f.read_text()) == settings
         except (OSError, ValueError):
             continue
-        if same and (k := len(list((tmp / DIR).glob("layer_*.safetensors")))) > most:
+        if same and (k := finished(tmp)) > most:
             best, most = tmp, k
     return best
 

@@ -1,14 +1,20 @@
-"""Resolve MODEL to a local checkpoint directory, load it, and check TALE can convert it."""
+"""Resolve MODEL to a local checkpoint directory, check TALE can convert it, and read its
+weights lazily (a layer at a time) from the safetensors shards."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
-from tale_runtime.artifact import sha256_file
+from tale_runtime.artifact import MANIFEST, sha256_file
 
 from . import ConvertError, smollm2
 
@@ -27,15 +33,18 @@ class Source:
 
     def file_hashes(self) -> dict[str, str]:
         """sha256 of the weight files, keyed by name. Hub blobs are named by their sha256 already."""
-        out = {}
         files = sorted(f for f in self.path.iterdir() if f.name.endswith(WEIGHT_SUFFIXES))
         if self.origin:
             files.append(smollm2.gguf_path())
-        for f in files:
+
+        def digest(f: Path) -> str:
             blob = f.resolve()
             known = blob.parent.name == "blobs" and re.fullmatch(r"[0-9a-f]{64}", blob.name)
-            out[f.name] = blob.name if known else sha256_file(f)
-        return out
+            return blob.name if known else sha256_file(f)
+
+        # hashlib releases the GIL: the shards of a big local checkpoint hash in parallel
+        with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+            return dict(zip((f.name for f in files), pool.map(digest, files)))
 
 
 @dataclass
@@ -141,6 +150,7 @@ def check_config(config, group: int) -> Arch:
 
 
 def load_model(src: Source):
+    """The whole model in host memory: only --policy fisher needs it (gradients through every layer)."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -148,6 +158,18 @@ def load_model(src: Source):
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise ConvertError(f"{src.id}: cannot load the model: {str(e).splitlines()[0]}") from None
     return model.eval().requires_grad_(False)
+
+
+def generation_config(src: Source, config):
+    """generation_config.json, or what transformers derives from config.json without one."""
+    from transformers import GenerationConfig
+
+    if (src.path / "generation_config.json").is_file():
+        try:
+            return GenerationConfig.from_pretrained(src.path)
+        except (OSError, ValueError) as e:
+            raise ConvertError(f"{src.id}: cannot read generation_config.json: {str(e).splitlines()[0]}") from None
+    return GenerationConfig.from_model_config(config)
 
 
 def load_tokenizer(src: Source):
@@ -188,3 +210,129 @@ def sliding_window(config) -> int | None:
     if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
         return None
     return window
+
+
+def skeleton(config):
+    """The model on the meta device (no memory): tensor names, shapes and order, and the module
+    code that calibration runs one layer at a time."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval().requires_grad_(False)
+
+
+INDEX = "model.safetensors.index.json"
+IGNORED = re.compile(r".*\.rotary_emb\.inv_freq")  # a buffer some old checkpoints store; transformers drops it
+CHUNK_BYTES = 256 << 20  # big pass-through tensors (embeddings, head) are read in row chunks of this size
+
+
+@dataclass
+class Checkpoint:
+    """The source weights, read lazily: only safetensors headers are parsed up front.
+
+    Each read opens its shard and closes it again, so the memory map (which counts towards RSS
+    once touched) never outlives one layer."""
+
+    files: dict[str, Path]  # tensor name -> shard
+    shapes: dict[str, tuple[int, ...]]
+    dtype: torch.dtype  # what transformers' from_pretrained(dtype="auto") would load it as
+
+    def read(self, names: list[str], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for shard in dict.fromkeys(self.files[n] for n in names):
+            with safe_open(shard, "pt") as st:
+                for n in names:
+                    if self.files[n] == shard:
+                        out[n] = st.get_tensor(n).to(device=device, dtype=self.dtype)
+        return out
+
+    def chunks(self, name: str, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+        """`name` cast to `dtype` in row chunks of about CHUNK_BYTES (its bytes in order)."""
+        shape = self.shapes[name]
+        row = max(1, torch.Size(shape[1:]).numel()) * torch.finfo(self.dtype).bits // 8
+        step = max(1, CHUNK_BYTES // row)
+        for a in range(0, shape[0] if shape else 1, step):
+            with safe_open(self.files[name], "pt") as st:
+                t = st.get_slice(name)[a : a + step] if shape else st.get_tensor(name)
+            yield t.to(self.dtype).to(dtype)
+
+
+def open_checkpoint(src: Source, config, expected: dict[str, tuple[int, ...]]) -> Checkpoint:
+    """Index the safetensors shards of `src` and check them against `expected` (name -> shape from
+    config.json) before any work: truncated shards, missing/unexpected tensors, wrong shapes, and a
+    TALE artifact passed as the source are all refused."""
+    root = src.path
+    if (root / MANIFEST).is_file():
+        raise ConvertError(f"{src.id} is already a TALE artifact ({MANIFEST}): convert the original checkpoint")
+    index = root / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ConvertError(f"{index}: corrupt safetensors index") from None
+    else:
+        weight_map = None
+        shards = sorted(f.name for f in root.glob("*.safetensors"))
+        if not shards:
+            bins = sorted(f.name for f in root.iterdir() if f.name.endswith((".bin", ".pt", ".pth")))
+            what = f"only {bins[0]}" if bins else "no weight files"
+            raise ConvertError(f"{src.id}: no *.safetensors weights ({what}); tale-convert streams safetensors "
+                               "checkpoints only (save the model with save_pretrained(safe_serialization=True))")
+    files: dict[str, Path] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for name in shards:
+        f = root / name
+        if not f.is_file():
+            raise ConvertError(f"{src.id}: shard {name} is missing (incomplete download?)")
+        try:
+            with safe_open(f, "pt") as st:
+                for k in st.keys():
+                    sl = st.get_slice(k)
+                    files[k], shapes[k] = f, tuple(sl.get_shape())
+                    dtypes[k] = _DTYPES.get(sl.get_dtype(), torch.uint8)
+        except (SafetensorError, OSError) as e:
+            raise ConvertError(f"{src.id}: shard {name} is unreadable, truncated or partially downloaded ({e})"
+                               ) from None
+    if weight_map is not None:
+        wrong = [k for k, v in weight_map.items() if files.get(k) != root / v]
+        if wrong:
+            raise ConvertError(f"{index.name} does not match the shards: {wrong[0]} is not in {weight_map[wrong[0]]}")
+    for k in [k for k in files if IGNORED.fullmatch(k)]:
+        del files[k], shapes[k]
+    tale = [k for k in files if ".tale." in k]
+    no_v = not any(k.endswith(".v_proj.weight") for k in files) and any(k.endswith("q_proj.weight") for k in files)
+    if tale or no_v:
+        raise ConvertError(f"{src.id} looks like a TALE artifact ({tale[0] if tale else 'no v_proj.weight'}): "
+                           "convert the original checkpoint")
+    tied = getattr(config, "tie_word_embeddings", False)
+    if tied and "lm_head.weight" not in expected:
+        files.pop("lm_head.weight", None)  # stored although tied: transformers ignores it too
+        shapes.pop("lm_head.weight", None)
+    missing = [k for k in expected if k not in files]
+    unexpected = [k for k in files if k not in expected]
+    if missing:
+        raise ConvertError(f"{src.id}: {len(missing)} tensors that config.json implies are missing, e.g. {missing[0]}")
+    if unexpected:
+        raise ConvertError(f"{src.id}: {len(unexpected)} tensors that config.json does not know, e.g. {unexpected[0]}")
+    for k, shape in expected.items():
+        if shapes[k] != tuple(shape):
+            raise ConvertError(f"{src.id}: tensor {k} has shape {list(shapes[k])}, config.json implies {list(shape)}")
+    order = list(expected)  # state_dict order: the artifact is written in it
+    return Checkpoint({k: files[k] for k in order}, {k: shapes[k] for k in order},
+                      _load_dtype(config, dtypes, expected))
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _load_dtype(config, dtypes: dict[str, torch.dtype], expected) -> torch.dtype:
+    """As from_pretrained(dtype="auto"): config.json's dtype, else the first floating tensor's."""
+    d = getattr(config, "dtype", None)
+    if isinstance(d, str):
+        d = getattr(torch, d.removeprefix("torch."), None)
+    if isinstance(d, torch.dtype) and d.is_floating_point:
+        return d
+    return next((dtypes[k] for k in expected if dtypes[k].is_floating_point), torch.float32)

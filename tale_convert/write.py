@@ -1,19 +1,24 @@
-"""Write the artifact (DESIGN.md 6): sharded safetensors + index, model files, and the move of
-the finished directory into place."""
+"""Write the artifact (DESIGN.md 6): sharded safetensors + index streamed as layers finish, model
+files, and the move of the finished directory into place."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 import os
+import queue
 import re
 import shutil
+import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from tale_runtime.artifact import MANIFEST, sha256_file, write_json
+from tale_runtime.artifact import MANIFEST, write_json
 
 from . import ConvertError
 
@@ -22,9 +27,15 @@ INDEX = "model.safetensors.index.json"
 
 @dataclass
 class Entry:
+    """One tensor of the artifact, known before it is computed."""
+
     name: str
-    nbytes: int
-    tensor: Callable[[], torch.Tensor]  # built when its shard is written: only one shard is in memory
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.finfo(self.dtype).bits // 8
 
 
 def parse_size(s: str | int) -> int:
@@ -39,9 +50,8 @@ def parse_size(s: str | int) -> int:
     return size
 
 
-def write_tensors(root: Path, entries: list[Entry], shard_size: int) -> dict[str, str]:
-    """Shards of at most shard_size bytes (a bigger tensor gets a shard of its own), always with
-    an index, as transformers writes them. Returns {file: sha256}."""
+def plan_shards(entries: list[Entry], shard_size: int) -> list[list[Entry]]:
+    """Consecutive entries in shards of at most shard_size bytes (a bigger tensor gets a shard of its own)."""
     shards: list[list[Entry]] = [[]]
     size = 0
     for e in entries:
@@ -50,15 +60,148 @@ def write_tensors(root: Path, entries: list[Entry], shard_size: int) -> dict[str
             size = 0
         shards[-1].append(e)
         size += e.nbytes
-    weight_map, files = {}, {}
-    for k, shard in enumerate(shards):
-        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({e.name: e.tensor().contiguous() for e in shard}, root / name, metadata={"format": "pt"})
-        os.chmod(root / name, 0o644)  # safetensors creates it owner-only; an artifact is meant to be shared
-        files[name] = sha256_file(root / name)
-        weight_map.update({e.name: name for e in shard})
-    write_json(root / INDEX, {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map})
-    return files
+    return shards
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
+
+
+class ShardWriter:
+    """Writes the planned safetensors shards tensor by tensor as they are produced, so the artifact
+    never exists whole in memory. Every entry's shape and dtype are known up front, so each shard's
+    header is written first and the tensors' bytes are appended in order (safetensors' own
+    save_file needs the whole shard as one dict). A background thread writes and hashes while the
+    caller computes the next layer.
+
+    A shard is written to `<name>.part` and renamed when complete; `done` (file -> sha256) names
+    complete shards of an interrupted run with the same plan, which are kept, not rewritten."""
+
+    def __init__(self, root: Path, entries: list[Entry], shard_size: int, done: dict[str, str] | None = None,
+                 on_shard: Callable[[str, str], None] | None = None, pending_bytes: int = 1 << 30):
+        self.root, self.on_shard = root, on_shard
+        self.pending_bytes = pending_bytes  # handed over but not yet written, at most (a bigger tensor may wait alone)
+        self.shards = plan_shards(entries, shard_size)
+        n = len(self.shards)
+        self.files = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        self.shard_of = {e.name: k for k, shard in enumerate(self.shards) for e in shard}
+        self.hashes = {f: h for f, h in (done or {}).items() if f in self.files and (root / f).is_file()}
+        self.kept = set(self.hashes)
+        self._todo = iter([e for k, shard in enumerate(self.shards) if self.files[k] not in self.kept for e in shard])
+        self._entry: Entry | None = None
+        self._left = 0  # bytes of self._entry still to come
+        self._queue: queue.Queue = queue.Queue()
+        self._pending = 0
+        self._cond = threading.Condition()
+        self._stop = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tale-shard-writer", daemon=True)
+        self._thread.start()
+
+    def needed(self, name: str) -> bool:
+        """Whether `name` must still be written (not in a shard kept from an interrupted run)."""
+        return self.files[self.shard_of[name]] not in self.kept
+
+    def put(self, name: str, t: torch.Tensor) -> None:
+        """The next tensor of the plan, or the next row chunk of it; ignored if its shard is kept."""
+        if not self.needed(name):
+            return
+        if self._entry is None or self._left == 0:
+            self._entry, self._left = next(self._todo, None), None
+            if self._entry is not None:
+                self._left = self._entry.nbytes
+        e = self._entry
+        if e is None or e.name != name or t.dtype != e.dtype:
+            raise RuntimeError(f"artifact writer: got {name} {t.dtype}, expected {e.name if e else 'nothing'} "
+                               f"{e.dtype if e else ''}")
+        data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        if data.numel() > self._left:
+            raise RuntimeError(f"artifact writer: {name} is larger than its planned shape {list(e.shape)}")
+        self._left -= data.numel()
+        with self._cond:
+            while self._pending and self._pending + data.numel() > self.pending_bytes and self.error is None:
+                self._cond.wait()
+            self._pending += data.numel()
+        self._raise()
+        self._queue.put((self.shard_of[name], data))
+
+    def close(self) -> dict[str, str]:
+        """Wait for the last shard, write the index; returns {file: sha256} for every shard."""
+        if next(self._todo, None) is not None or self._left:
+            raise RuntimeError("artifact writer: closed before every planned tensor was written")
+        self._queue.put(None)
+        self._thread.join()
+        self._raise()
+        entries = [e for shard in self.shards for e in shard]
+        write_json(self.root / INDEX, {"metadata": {"total_size": sum(e.nbytes for e in entries)},
+                                       "weight_map": {e.name: self.files[self.shard_of[e.name]] for e in entries}})
+        return {f: self.hashes[f] for f in self.files}
+
+    def abort(self) -> None:
+        """Stop without finishing (an error or Ctrl-C in the caller); the shard being written stays a .part."""
+        self._stop = True
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            e = self.error
+            if isinstance(e, OSError):
+                raise ConvertError(f"cannot write the artifact in {self.root}: {e.strerror or e}") from None
+            raise e
+
+    def _run(self) -> None:
+        f = h = None
+        k_open, left = -1, 0
+        try:
+            while (item := self._queue.get()) is not None:
+                k, data = item
+                try:
+                    if self._stop or self.error is not None:
+                        continue
+                    if f is None:
+                        f, h, left = self._open(k)
+                        k_open = k
+                    assert k == k_open, "tensors arrive in shard order"
+                    buf = data.numpy()
+                    f.write(buf)
+                    h.update(buf)
+                    left -= len(buf)
+                    if left == 0:
+                        f.close()
+                        f = None
+                        name = self.files[k]
+                        os.chmod(self.root / (name + ".part"), 0o644)  # an artifact is meant to be shared
+                        os.replace(self.root / (name + ".part"), self.root / name)
+                        self.hashes[name] = h.hexdigest()
+                        if self.on_shard:
+                            self.on_shard(name, self.hashes[name])
+                finally:
+                    with self._cond:
+                        self._pending -= data.numel()
+                        self._cond.notify_all()
+        except BaseException as e:  # handed to the caller at its next put/close
+            self.error = e
+            with self._cond:
+                self._cond.notify_all()
+        finally:
+            if f is not None:
+                f.close()
+
+    def _open(self, k: int):
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for e in self.shards[k]:
+            header[e.name] = {"dtype": _ST_DTYPES[e.dtype], "shape": list(e.shape),
+                              "data_offsets": [offset, offset + e.nbytes]}
+            offset += e.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        f = open(self.root / (self.files[k] + ".part"), "wb")
+        h = hashlib.sha256()
+        for b in (struct.pack("<Q", len(raw)), raw):
+            f.write(b)
+            h.update(b)
+        return f, h, offset
 
 
 def check_out(out: Path, overwrite: bool) -> None:
