@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tale_runtime.console import fail, run_app
+from tale_runtime import console
 
 from . import ConvertError
 from .convert import Options, convert
@@ -55,31 +55,67 @@ def run(
     resume: bool = typer.Option(False, help="reuse the finished layers of an interrupted run with the same settings"),
     shard_size: str = typer.Option(str(D.shard_size), help="max safetensors shard size, e.g. 2GB"),
 ) -> None:
-    try:
-        opts = Options(
-            group=group, calib=calib or None, samples=samples, seq_len=seq_len, seed=seed, device=device, dtype=dtype,
-            sinks=sinks, recent=_numbers(recent, float, "--recent"), r0=r0, bits=_numbers(bits, int, "--bits"),
-            key_bits=_numbers(key_bits, int, "--key-bits") if key_bits else None, key_group=key_group,
-            value_group=value_group, residual=residual, shard_size=shard_size, overwrite=overwrite, resume=resume,
-            policy=policy, energy=energy,
-        )
-        _quiet_libraries()
-        # stdout: progress and report; stderr: only the error line
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=out_console, transient=True) as progress:
-            task = progress.add_task("calibrating + factorizing layers", total=None)
+    opts = Options(
+        group=group, calib=calib or None, samples=samples, seq_len=seq_len, seed=seed, device=device, dtype=dtype,
+        sinks=sinks, recent=_numbers(recent, float, "--recent"), r0=r0, bits=_numbers(bits, int, "--bits"),
+        key_bits=_numbers(key_bits, int, "--key-bits") if key_bits else None, key_group=key_group,
+        value_group=value_group, residual=residual, shard_size=shard_size, overwrite=overwrite, resume=resume,
+        policy=policy, energy=energy,
+    )
+    check_inputs(out, opts)
+    _quiet_libraries()
+    # stdout: progress and report; stderr: only the error line
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=out_console, transient=True) as progress:
+        task = progress.add_task("calibrating + factorizing layers", total=None)
 
-            def on_layer(lr, total):
-                progress.update(task, total=total, advance=1)
+        def on_layer(lr, total):
+            progress.update(task, total=total, advance=1)
 
-            report = convert(model, out, opts, on_layer=on_layer, log=lambda s: progress.console.print(s))
-    except ConvertError as e:
-        fail(str(e), 2)
-    except Exception as e:  # a bug or an environment problem, not bad input
-        if os.environ.get("TALE_DEBUG"):
-            raise
-        fail(f"internal error: {type(e).__name__}: {e} (set TALE_DEBUG=1 for the traceback)", 1)
+        report = convert(model, out, opts, on_layer=on_layer, log=lambda s: progress.console.print(s))
     _summary(report)
+
+
+def check_inputs(out: Path, opts: Options) -> None:
+    """What can be checked before minutes of work: the place to write, the device, the calibration files."""
+    console.writable_dir(out, "--out")
+    console.device(opts.device)
+    for name, v, least in (("--samples", opts.samples, 1), ("--seq-len", opts.seq_len, 2), ("--sinks", opts.sinks, 0),
+                           ("--key-group", opts.key_group, 1), ("--value-group", opts.value_group, 1),
+                           ("--residual", opts.residual, 1), ("--group", opts.group, 1)):
+        if v < least:
+            raise ConvertError(f"{name} must be >= {least}, got {v}")
+    for f in opts.calib or []:
+        check_calib(f)
+
+
+def check_calib(f: Path) -> None:
+    """A calibration file is read in full only after the model is loaded: refuse a bad one now, in one line
+    (datasets would log its own lines first, or fail with a message that does not name the record)."""
+    if not f.is_file():
+        raise ConvertError(f"calibration file not found: {f}")
+    kind = f.suffix.lower()
+    if kind not in (".txt", ".json", ".jsonl"):
+        raise ConvertError(f"calibration file {f}: unsupported type (use .txt, .json or .jsonl)")
+    text = console.read_text(f, "--calib")  # empty, binary, not UTF-8
+    if kind == ".txt":
+        return
+    try:
+        records = json.loads(text) if kind == ".json" and text.lstrip()[:1] in "[{" else None
+    except json.JSONDecodeError:
+        records = None  # a .json file may hold JSON lines too
+    if records is None:
+        records = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ConvertError(f"calibration file {f}, line {n}: not JSON ({e.msg}, column {e.colno})") from None
+    records = records if isinstance(records, list) else [records]
+    if not any(isinstance(r, dict) and isinstance(r.get("text"), str) and r["text"].strip() for r in records):
+        raise ConvertError(f"calibration files {f} have no 'text' field with text in it (one JSON object per record, "
+                           '{"text": ...})')
 
 
 def _quiet_libraries() -> None:
@@ -88,7 +124,8 @@ def _quiet_libraries() -> None:
     import transformers
 
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    if not console.debug():  # datasets logs a failed read at ERROR level before raising it
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
 
@@ -108,4 +145,4 @@ def _summary(report) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Console script entry: one-line errors, usage errors included."""
-    run_app(app, argv)
+    console.run_app(app, argv, user_errors=(ConvertError,))

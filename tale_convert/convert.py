@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from tale_runtime.artifact import (FORMAT, FORMAT_VERSION, MANIFEST, O_FUSED, TOOL_NAME, U_V, V_V, ArtifactError, Level,
-                                   Schedule, nominal_ratio, uniform_ranks, write_json)
+                                   Schedule, hash_files, nominal_ratio, uniform_ranks, write_json)
 
 from . import ConvertError, __version__
 from . import calibrate, resume, source, write
@@ -145,9 +145,10 @@ def convert(model: str | None, out: str | Path, opts: Options,
         files = write.write_tensors(tmp, entries, shard_size)
         write.copy_model_files(tmp, config, tokenizer, hf.generation_config, dtype)
         manifest = _manifest(src, base_files, arch, schedule, layers, calib_info, opts, dtype, files)
-        write_json(tmp / MANIFEST, manifest)
         base_card = src.path / "README.md"
         (tmp / "README.md").write_text(render_card(manifest, base_card.read_text() if base_card.is_file() else None))
+        manifest["files"] = hash_files(tmp)  # every file of the artifact, written last (artifact.verify_files)
+        write_json(tmp / MANIFEST, manifest)
         shutil.rmtree(tmp / resume.DIR)
         write.publish(tmp, out)
     except KeyboardInterrupt:
