@@ -137,4 +137,5 @@ def invoke(main, args):
             code = e.code if isinstance(e.code, int) else 1
         sys.stdout.flush()
         sys.stderr.flush()
-        return SimpleNamespace(exit_code=code, stdout=out.getvalue().decode(), stderr=err.getvalue().decode())
+        o, e = out.getvalue().decode(), err.getvalue().decode()
+        return SimpleNamespace(exit_code=code, stdout=o, stderr=e, output=o + e)
