@@ -22,8 +22,7 @@ from rich.table import Table
 
 from tale_calib import calib_paths, documents
 from tale_convert import policy as rank_policy
-from tale_runtime import ArtifactError, load
-from tale_runtime import console
+from tale_runtime import ArtifactError, console, load
 from tale_runtime.console import fail
 from tale_runtime.load import override_schedule
 

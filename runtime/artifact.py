@@ -83,7 +83,7 @@ class Schedule:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Schedule":
+    def from_dict(cls, d: dict) -> Schedule:
         d = dict(d)
         d["levels"] = [Level(**lv) for lv in d["levels"]]
         return cls(**d)

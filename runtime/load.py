@@ -26,8 +26,12 @@ def resolve(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
     if s.startswith((".", "/", "~")) or s.count("/") != 1:
         raise ArtifactError(f"{s}: no such artifact directory (and not a Hub repo id 'owner/name')")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     try:
         return Path(snapshot_download(s, revision=revision))

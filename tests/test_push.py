@@ -10,10 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from hub_helpers import FakeHub, convert_tiny, patch_hub
 from huggingface_hub import HfApi, ModelCard
 from rich.filesize import decimal
-from hub_helpers import FakeHub, convert_tiny, patch_hub
 from tale_helpers import invoke
+
 from tale_convert import push as push_mod
 from tale_convert.card import MARKER, render_card
 from tale_runtime.artifact import MANIFEST, read_manifest

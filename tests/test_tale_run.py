@@ -5,6 +5,7 @@ import re
 
 import pytest
 from tale_helpers import byte_tokenizer, invoke, save_artifact, talify, tiny_model
+
 from tale_runtime.cli import main
 
 STATS = re.compile(r"prompt (\d+) tok, generated (\d+) tok, .* cache .* MiB vs 16-bit K\+V .* MiB: "
