@@ -103,10 +103,12 @@ def run_app(app: typer.Typer, argv: list[str] | None = None,
     _quiet_libraries()
     user_errors = (UserError, ArtifactError, *user_errors)
     try:
-        code = app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)  # typer returns typer.Exit's code, 130 for KeyboardInterrupt
+        if code == 128 + signal.SIGINT:
+            raise KeyboardInterrupt
     except typer.Exit as e:
         code = e.exit_code
-    except (typer.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort
+    except (typer.Abort, KeyboardInterrupt):
         sig = _received[0] if _received else signal.SIGINT
         print(f"interrupted ({signal.Signals(sig).name})", file=sys.stderr)
         code = 128 + sig
