@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import TINY_OPTS
 from hub_helpers import convert_tiny
 from tale_helpers import invoke
