@@ -185,25 +185,36 @@ def _existing_ancestor(path: Path) -> Path:
 
 
 def writable_dir(path: Path, flag: str) -> None:
-    """A directory we may create (or replace) at `path`: its nearest existing ancestor is a writable directory."""
+    """A directory we may create (or replace) at `path`: its nearest existing ancestor is a directory in
+    which we can create one. Tried for real (and removed): os.access says yes to root, and to /proc."""
+    import tempfile
+
     path = Path(path).expanduser()
     if path.exists() and not path.is_dir():
         raise UserError(f"{flag} {path}: exists and is not a directory")
-    base = path if path.exists() else _existing_ancestor(path)
+    base = path.absolute().parent if path.exists() else _existing_ancestor(path)
     if not base.is_dir():
         raise UserError(f"{flag} {path}: {base} is not a directory")
-    parent = path.absolute().parent if path.exists() else base
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"{flag} {path}: {parent} is not writable")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".tale-probe-", dir=base))
+    except OSError as e:
+        raise UserError(f"{flag} {path}: {base} is not writable ({e.strerror})") from None
 
 
 def writable_file(path: Path, flag: str) -> None:
-    """A file we will write at the end: its directory exists and is writable, it is not a directory."""
+    """A file we will write at the end: its directory exists and it can be opened for writing (tried now,
+    a new file removed again), so results are not lost after the work."""
     path = Path(path).expanduser()
     parent = path.absolute().parent
     if not parent.is_dir():
         raise UserError(f"{flag} {path}: directory {parent} does not exist")
     if path.is_dir():
         raise UserError(f"{flag} {path}: is a directory")
-    if not os.access(path if path.exists() else parent, os.W_OK):
-        raise UserError(f"{flag} {path}: not writable")
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise UserError(f"{flag} {path}: not writable ({e.strerror})") from None
+    if not existed:
+        path.unlink(missing_ok=True)
