@@ -249,6 +249,7 @@ def test_disk_full_is_one_line_and_leaves_nothing(ctx, monkeypatch):
     assert r.exit_code == 2 and r.stderr.startswith("error: no space left on the device"), r.output
     assert r.stderr.count("\n") == 1
     assert not ctx.out.exists() and not list(ctx.out.parent.glob("*.tmp-*"))
+    assert not list(ctx.out.parent.parent.glob(".tale-probe-*"))  # the writability probe is removed again
 
 
 def test_safetensors_disk_full_text_is_recognised():
