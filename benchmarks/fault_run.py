@@ -648,7 +648,8 @@ def write_doc(rows: list[dict], work: Path, path: Path, skipped: list[str], wall
         "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_run.py",
         "```",
         "",
-        f"**{line}** ({wall / 60:.1f} min on a shared 2-core CPU machine, one subprocess per case through the",
+        f"**{line}** ({sum(r['seconds'] for r in rows) / 60:.0f} min of subprocesses on a shared, busy 2-core CPU "
+        "machine, one per case, through the",
         "installed console scripts; `$MODEL` is a tiny random Llama, `$W` the case's directory holding a fresh",
         "copy of its tale-convert artifact `$W/art`, `$SLOW_MODEL` a 16-layer random Llama that converts in",
         "about 15 s, `$TINY_OPTS` the small converter settings of the tests).",
@@ -676,6 +677,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "errors.md")
     ap.add_argument("--only", default=None, help="run the cases whose id contains this (no doc written)")
     ap.add_argument("--pending", action="store_true", help="also the converter's source checks (PENDING)")
+    ap.add_argument("--rows", type=Path, default=Path(tempfile.gettempdir()) / "tale-fault-rows.jsonl",
+                    help="every row is appended here as it is measured")
+    ap.add_argument("--rerun-failed", action="store_true",
+                    help="keep the passing rows of --rows, run only the failed or missing cases, rewrite the doc")
     args = ap.parse_args()
     t0 = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="tale-fault-"))
@@ -686,19 +691,39 @@ def main() -> None:
             todo = [c for c in todo if args.only in c.id]
         root = os.geteuid() == 0 and shutil.which("unshare")
         skipped = [c.id for c in todo if c.root_only and not root]
+        kept = {}
+        if args.rerun_failed and args.rows.is_file():
+            for line in args.rows.read_text().splitlines():
+                r = json.loads(line)
+                r["cmd"] = [a.replace(r["work"], str(work)).replace(r["bin"], str(BIN)) for a in r["cmd"]]
+                r["message"] = r["message"].replace(r["work"], str(work))
+                kept[r["id"]] = r
+            kept = {k: r for k, r in kept.items() if not r["problems"]}
+        elif not args.only:
+            args.rows.unlink(missing_ok=True)
         rows = []
         for c in todo:
             if c.id in skipped:
                 continue
-            r = run_case(c, work)
-            rows.append(r)
+            if c.id in kept and (c.id != "sigkill-after-2-layers" or "resume-after-sigkill" in kept):
+                rows.append(kept[c.id])
+                if c.id == "sigkill-after-2-layers":
+                    rows.append(kept["resume-after-sigkill"])
+                continue
+            new = [run_case(c, work)]
             if c.id == "sigkill-after-2-layers":
-                rows.append(resume_after_kill(work))
-            for r in rows[-2 if c.id == "sigkill-after-2-layers" else -1:]:
+                new.append(resume_after_kill(work))
+            for r in new:
+                rows.append(r)
+                with open(args.rows, "a") as f:
+                    f.write(json.dumps({**r, "work": str(work), "bin": str(BIN)}) + "\n")
                 print(f"{r['id']:40s} exit {r['code']:4d} {r['seconds']:5.1f}s {'; '.join(r['problems']) or 'ok'}"
                       f"  | {paths(r['message'], work)[:110]}", flush=True)
         if args.only:
             return
+        reused = sum(r in kept.values() for r in rows)
+        if reused:
+            print(f"{reused} passing rows reused from {args.rows}")
         summary = write_doc(rows, work, args.out, skipped, time.perf_counter() - t0)
         print(", ".join(f"{k} {v}" for k, v in summary.items()))
         print(f"wrote {args.out}")
