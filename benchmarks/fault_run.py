@@ -607,7 +607,8 @@ def shorten(args: list[str], work: Path) -> str:
     return s
 
 
-def write_doc(rows: list[dict], work: Path, path: Path, skipped: list[str], wall: float) -> dict:
+def write_doc(rows: list[dict], work: Path, path: Path, skipped: list[str], wall: float,
+              not_run: list[str] = ()) -> dict:
     def count(kind):
         return sum(any(p == kind or p.startswith(kind) for p in r["problems"]) for r in rows)
 
@@ -657,6 +658,8 @@ def write_doc(rows: list[dict], work: Path, path: Path, skipped: list[str], wall
     ]
     if skipped:
         out += [f"Skipped (need root for `unshare -m`): {', '.join(skipped)}.", ""]
+    if not_run:
+        out += [f"Not run this time ({len(not_run)}, the run was cut short): {', '.join(not_run)}.", ""]
     for group in dict.fromkeys(r["group"] for r in rows):
         out += [f"### {group}", "", "| case | command | exit | message | verdict |", "|---|---|---|---|---|"]
         for r in (r for r in rows if r["group"] == group):
@@ -672,6 +675,23 @@ def count_multi(rows):
     return sum(any(p.endswith("stderr lines") for p in r["problems"]) for r in rows)
 
 
+def doc_only(args) -> None:
+    rows = {}
+    for line in args.rows.read_text().splitlines():
+        r = json.loads(line)
+        rows[r["id"]] = r
+    first = next(iter(rows.values()))
+    work = Path(first["work"])
+    PATHS.update(MODEL=work / "model", SIG=work / "sig", ART=work / "art")
+    order = [c.id for c in cases() + pending()]
+    order = order[:order.index("sigkill-after-2-layers") + 1] + ["resume-after-sigkill"] + \
+        order[order.index("sigkill-after-2-layers") + 1:]
+    done = [rows[i] for i in order if i in rows]
+    missing = [c.id for c in cases() if c.id not in rows]
+    summary = write_doc(done, work, args.out, [], 0.0, not_run=missing)
+    print(", ".join(f"{k} {v}" for k, v in summary.items()), f"(not run: {len(missing)})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "errors.md")
@@ -681,7 +701,11 @@ def main() -> None:
                     help="every row is appended here as it is measured")
     ap.add_argument("--rerun-failed", action="store_true",
                     help="keep the passing rows of --rows, run only the failed or missing cases, rewrite the doc")
+    ap.add_argument("--doc-only", action="store_true",
+                    help="write the doc from the rows recorded in --rows (of the last run), running nothing")
     args = ap.parse_args()
+    if args.doc_only:
+        return doc_only(args)
     t0 = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="tale-fault-"))
     try:
