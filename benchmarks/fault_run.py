@@ -215,7 +215,7 @@ def cases() -> list[Case]:
     add("push-no-args", g, ["tale-push"], "Missing argument 'ARTIFACT'")
     add("push-no-repo", g, ["tale-push", "{ART}"], "Missing argument 'REPO_ID'")
     add("push-unknown-option", g, ["tale-push", "{ART}", "alice/x", "--bogus"], "No such option: --bogus")
-    add("eval-no-args", g, ["tale-eval"], "Missing argument 'ARTIFACT'")
+    add("eval-no-args", g, ["tale-eval"], "Missing argument 'artifact'")
     add("eval-unknown-option", g, [*ev, "--bogus"], "No such option: --bogus")
     add("eval-ctx-not-int", g, [*ev, "--ctx", "x"], "Invalid value for '--ctx'")
     add("eval-threads-not-int", g, [*ev, "--threads", "many"], "Invalid value for '--threads'")
@@ -471,7 +471,6 @@ def build(work: Path) -> None:
     """The tiny checkpoint (tests/conftest.py), its artifact (through tale-convert) and the slow model."""
     sys.path.insert(0, str(REPO / "tests"))
     from conftest import TINY, save_tiny, tiny_tokenizer
-
     from transformers.utils import logging
 
     logging.disable_progress_bar()
