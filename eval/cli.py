@@ -22,8 +22,8 @@ from rich.table import Table
 
 from tale_calib import calib_paths, documents
 from tale_convert import policy as rank_policy
-from tale_runtime import ArtifactError, load
-from tale_runtime.console import fail, run_app
+from tale_runtime import ArtifactError, console, load
+from tale_runtime.console import fail
 from tale_runtime.load import override_schedule
 
 from . import passkey, perplexity, policies
@@ -97,6 +97,10 @@ def run(
         key_bits_l = None if key_bits is None else [int(x) for x in _csv(key_bits)]
     except ValueError:
         fail("--passkey-depths, --bits and --key-bits take comma-separated numbers, e.g. 0.1,0.5 or 2,4")
+    for name, v in (("--ctx", ctx), ("--windows", windows), ("--prefill", prefill), ("--chunk", chunk),
+                    ("--threads", threads)):
+        if v is not None and v < 1:  # 0 would silently mean the preset's value
+            fail(f"{name} must be >= 1, got {v}")
     ctx, windows, prefill, chunk = ctx or p.ctx, windows or p.windows, prefill or p.prefill, chunk or p.chunk
     for n in names:
         if n not in policies.BASELINES:
@@ -114,6 +118,11 @@ def run(
     samples = passkey.load_samples(lengths=lengths, depths=depths) if lengths else []
     if lengths and not samples:
         fail(f"no pass-key samples at depths {depths} (shipped: {', '.join(map(str, passkey.DEPTHS))})")
+    if prefill >= ctx:
+        fail(f"--prefill ({prefill}) must be smaller than --ctx ({ctx})")
+    device = str(console.device(device))
+    if json_out is not None:  # checked now, not after the whole evaluation ran
+        console.writable_file(json_out, "--json")
     if threads:
         torch.set_num_threads(threads)
 
@@ -222,4 +231,4 @@ def _table(rows: list[dict], config: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Console script entry: one-line errors (TALE_DEBUG=1 for tracebacks)."""
-    run_app(app, argv, internal_errors=True)
+    console.run_app(app, argv)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 MANIFEST = "tale_config.json"
 FORMAT = "tale"
-FORMAT_VERSION = "1.0"  # major.minor: readers reject an unknown major
+FORMAT_VERSION = "2.0"  # major.minor: readers reject another major (2.0: every file hashed, v_proj.weight kept)
 TOOL_NAME = "tale-kv"
 
 # Per-layer tensor names (prefix: the attention module, e.g. "model.layers.3.self_attn.")
@@ -83,7 +83,7 @@ class Schedule:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Schedule":
+    def from_dict(cls, d: dict) -> Schedule:
         d = dict(d)
         d["levels"] = [Level(**lv) for lv in d["levels"]]
         return cls(**d)
@@ -138,7 +138,11 @@ def read_manifest(path: str | Path) -> dict:
         raise ArtifactError(f"{mf}: not a TALE manifest (format != {FORMAT!r})")
     ver = str(m.get("format_version", ""))
     major = ver.split(".")[0]
-    if major != FORMAT_VERSION.split(".")[0]:
+    ours = FORMAT_VERSION.split(".")[0]
+    if major.isdigit() and int(major) < int(ours):
+        raise ArtifactError(f"{root}: an artifact of format {ver}, from an older tale-kv; this one reads "
+                            f"{FORMAT_VERSION}: re-convert the model with tale-convert")
+    if major != ours:
         raise ArtifactError(
             f"{mf}: format version {ver!r} is not supported by this reader ({FORMAT_VERSION}); upgrade tale-kv"
         )
@@ -148,16 +152,54 @@ def read_manifest(path: str | Path) -> dict:
     return m
 
 
-def verify_files(path: str | Path, manifest: dict | None = None) -> None:
-    """Check the sha256 of every tensor file listed in the manifest."""
+def artifact_files(path: str | Path) -> list[str]:
+    """Every file of an artifact directory but the manifest, as sorted POSIX paths relative to it.
+    Hidden paths (.gitattributes of a Hub snapshot, .partial of a conversion, editor files) are not part of
+    it: nothing reads them and tale-push does not upload them. Symlinks are followed (Hub snapshots)."""
+    root = Path(path)
+    names = []
+    for p in root.rglob("*"):
+        rel = p.relative_to(root)
+        if any(part.startswith(".") for part in rel.parts) or not p.is_file() or rel.as_posix() == MANIFEST:
+            continue
+        names.append(rel.as_posix())
+    return sorted(names)
+
+
+def hash_files(path: str | Path) -> dict[str, str]:
+    """{file: sha256} of every artifact file (artifact_files): the manifest's "files". The converter
+    calls it last, once everything else is written."""
+    root = Path(path)
+    return {name: sha256_file(root / name) for name in artifact_files(root)}
+
+
+def verify_files(path: str | Path, manifest: dict | None = None, skip: tuple[str, ...] = ()) -> set[str]:
+    """Check the artifact against manifest["files"]: every listed file present with its sha256, and no
+    other file (an unlisted file could be read unverified). Returns the verified names; the loader
+    reads only those. `skip`: names not checked (tale-push rehashes the README.md it regenerates)."""
     root = Path(path)
     m = manifest or read_manifest(root)
-    for name, digest in m["files"].items():
+    files = m.get("files")
+    if not isinstance(files, dict) or not files or not all(isinstance(v, str) for v in files.values()):
+        raise ArtifactError(f"{root}: the manifest lists no files to verify (corrupt or edited {MANIFEST})")
+    for name in files:
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise ArtifactError(f"{root}: the manifest names {name!r}, outside the artifact")
+    if "config.json" not in files:
+        raise ArtifactError(f"{root}: the manifest does not cover config.json (corrupt or edited {MANIFEST})")
+    unlisted = sorted(set(artifact_files(root)) - set(files) - set(skip))
+    if unlisted:
+        raise ArtifactError(f"{root}: {unlisted[0]} is not in the manifest (not part of the artifact: remove it, "
+                            "or re-convert)")
+    for name, digest in files.items():
+        if name in skip:
+            continue
         f = root / name
         if not f.is_file():
-            raise ArtifactError(f"{root}: tensor file {name} is missing")
+            raise ArtifactError(f"{root}: {name} is missing (incomplete artifact: re-download or re-convert)")
         if sha256_file(f) != digest:
             raise ArtifactError(f"{root}: checksum mismatch for {name} (file corrupt or modified)")
+    return set(files) - set(skip)
 
 
 def schedule_of(manifest: dict) -> Schedule:

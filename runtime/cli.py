@@ -9,15 +9,16 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from . import console
+
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "fp32": "float32", "float32": "float32"}
 
-app = typer.Typer(add_completion=False, help=__doc__)
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__)
 err = Console(stderr=True, soft_wrap=True, highlight=False)
 
 
-class CliError(Exception):
-    """A user-facing problem: printed as one `error: ...` line, exit code 2."""
+CliError = console.UserError  # one `error: ...` line, exit code 2 (tale_runtime.console.run_app)
 
 
 def _numbers(name: str, text: str | None, kind: type) -> list | None:
@@ -51,6 +52,9 @@ def schedule_overrides(sinks, recent, ranks, bits, key_bits, key_group, value_gr
             if len(ov[name]) != 1:
                 raise CliError(f"--{name.replace('_', '-')} takes one value")
             ov[name] = ov[name][0]
+            least = 0 if name == "sinks" else 1
+            if ov[name] < least:
+                raise CliError(f"--{name.replace('_', '-')} must be >= {least}, got {ov[name]}")
     return {k: v for k, v in ov.items() if v is not None}
 
 
@@ -58,12 +62,9 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     if (prompt is None) == (prompt_file is None):
         raise CliError("give exactly one of --prompt and --prompt-file")
     if prompt_file is not None:
-        try:
-            prompt = prompt_file.read_text()
-        except OSError as e:
-            raise CliError(f"--prompt-file: {e.strerror}: {prompt_file}") from None
+        return console.read_text(prompt_file, "--prompt-file")  # refuses empty and binary files
     if not prompt.strip():
-        raise CliError("empty prompt")
+        raise CliError("--prompt is empty")
     return prompt
 
 
@@ -100,44 +101,36 @@ def run(
     residual: Optional[str] = typer.Option(None, "--residual", metavar="N", help="16-bit recent tail length"),
 ) -> None:
     """Generate from a TALE artifact, streaming the text; a stats line follows on stderr."""
+    text = read_prompt(prompt, prompt_file)
+    overrides = schedule_overrides(sinks, recent, ranks, bits, key_bits, key_group, value_group, residual)
+    if dtype not in DTYPES:
+        raise CliError(f"--dtype must be one of bf16, fp16, fp32; got {dtype!r}")
+    if output_path not in ("fused", "factored"):
+        raise CliError(f"--output-path must be fused or factored; got {output_path!r}")
+    dev = console.device(device)
+
+    import torch
+
+    from .artifact import ArtifactError
+    from .generate import generate
+    from .load import load, set_output_path
+
     try:
-        text = read_prompt(prompt, prompt_file)
-        overrides = schedule_overrides(sinks, recent, ranks, bits, key_bits, key_group, value_group, residual)
-        if dtype not in DTYPES:
-            raise CliError(f"--dtype must be one of bf16, fp16, fp32; got {dtype!r}")
-        if output_path not in ("fused", "factored"):
-            raise CliError(f"--output-path must be fused or factored; got {output_path!r}")
-
-        import torch
-
-        from .artifact import ArtifactError
-        from .generate import generate
-        from .load import load, set_output_path
-
-        try:
-            dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                               "cpu" if device == "auto" else device)
-        except RuntimeError:
-            raise CliError(f"--device: unknown device {device!r}") from None
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise CliError(f"--device {device}: CUDA is not available")
-        try:
-            m, tok = load(model, device=dev, dtype=getattr(torch, DTYPES[dtype]), **overrides)
-        except (ArtifactError, ValueError) as e:
-            raise CliError(str(e)) from None
-        if tok is None:
-            raise CliError(f"{model}: the artifact has no tokenizer")
-        ids = encode(tok, text, raw)
-        ctx = m.config.max_position_embeddings
-        if len(ids) >= ctx:
-            raise CliError(f"prompt is {len(ids)} tokens; the model's context is {ctx}")
-        if len(ids) + max_new_tokens > ctx:
-            max_new_tokens = ctx - len(ids)
-            err.print(f"note: --max-new-tokens capped to {max_new_tokens} by the model's context ({ctx})", style="dim")
-        set_output_path(m, output_path)
-    except CliError as e:
-        err.print(f"error: {e}", markup=False, style=None)
-        raise typer.Exit(2)
+        m, tok = load(model, device=dev, dtype=getattr(torch, DTYPES[dtype]), **overrides)
+    except (ArtifactError, ValueError) as e:
+        raise CliError(str(e)) from None
+    if tok is None:
+        raise CliError(f"{model}: the artifact has no tokenizer")
+    ids = encode(tok, text, raw)
+    if not ids:
+        raise CliError("the prompt encodes to no tokens")
+    ctx = m.config.max_position_embeddings
+    if len(ids) >= ctx:
+        raise CliError(f"prompt is {len(ids)} tokens; the model's context is {ctx}")
+    if len(ids) + max_new_tokens > ctx:
+        max_new_tokens = ctx - len(ids)
+        err.print(f"note: --max-new-tokens capped to {max_new_tokens} by the model's context ({ctx})", style="dim")
+    set_output_path(m, output_path)
 
     def emit(piece: str) -> None:
         sys.stdout.write(piece)
@@ -150,8 +143,9 @@ def run(
     err.print(stats.line(), style="dim", markup=False)
 
 
-def main() -> None:
-    app()
+def main(argv: list[str] | None = None) -> None:
+    """Console script entry: one-line errors, usage errors included (tale_runtime.console)."""
+    console.run_app(app, argv)
 
 
 if __name__ == "__main__":

@@ -108,7 +108,8 @@ def _next_token(logits: torch.Tensor, temperature: float, top_p: float, gen: tor
     probs = (logits / temperature).softmax(-1)
     if top_p < 1.0:
         sp, si = probs.sort(descending=True)
-        keep = sp.cumsum(-1) - sp < top_p  # the smallest prefix with mass >= top_p (always the top token)
+        keep = sp.cumsum(-1) - sp < top_p  # the smallest prefix with mass >= top_p
+        keep[0] = True  # always the top token (top_p = 0 would keep none)
         probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
     return int(torch.multinomial(probs, 1, generator=gen))
 

@@ -26,8 +26,12 @@ def resolve(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
     if s.startswith((".", "/", "~")) or s.count("/") != 1:
         raise ArtifactError(f"{s}: no such artifact directory (and not a Hub repo id 'owner/name')")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     try:
         return Path(snapshot_download(s, revision=revision))
@@ -150,6 +154,8 @@ def load(
 
     root = resolve(path_or_id, revision)
     manifest = read_manifest(root)
+    # only verified files are read below: the shards come from the index, and each must be in the manifest
+    verified = verify_files(root, manifest) if verify else None
     arch = manifest["architecture"]
     try:
         g, R = int(arch["group_size"]), int(arch["latent_rank"])
@@ -158,8 +164,6 @@ def load(
     model_type = _model_type(root)
     if model_type not in SUPPORTED:
         raise ArtifactError(f"{root}: model_type {model_type!r} is not supported (only {', '.join(SUPPORTED)})")
-    if verify:
-        verify_files(root, manifest)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or default_dtype(device)
 
@@ -179,7 +183,7 @@ def load(
     for i, layer in enumerate(model.model.layers):
         layer.self_attn = TaleAttention(layer.self_attn, config, i, g)
 
-    state = _read_tensors(root, device, dtype)
+    state = _read_tensors(root, device, dtype, verified)
     expected = set(model.state_dict().keys())
     tied = getattr(config, "tie_word_embeddings", False)
     missing = expected - set(state) - ({"lm_head.weight"} if tied else set())
@@ -239,18 +243,27 @@ def _model_type(root: Path) -> str | None:
         raise ArtifactError(f"{f}: corrupt config.json") from None
 
 
-def _read_tensors(root: Path, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _read_tensors(root: Path, device: torch.device, dtype: torch.dtype,
+                  verified: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of the shards named by the index. verified: the files verify_files checked; a shard
+    outside it (an index edited to point at another file) is refused, never read. None: no checking."""
     index = root / "model.safetensors.index.json"
     if index.is_file():
         try:
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
             raise ArtifactError(f"{index}: corrupt safetensors index") from None
     else:
         files = ["model.safetensors"]
+    if verified is not None:
+        if index.is_file() and index.name not in verified:
+            raise ArtifactError(f"{root}: {index.name} is not covered by the manifest checksums")
+        for f in files:
+            if not isinstance(f, str) or f not in verified:
+                raise ArtifactError(f"{root}: the index names {f!r}, which the manifest does not list (refused unread)")
     state = {}
     for f in files:
-        if not (root / f).is_file():
+        if not isinstance(f, str) or not (root / f).is_file():
             raise ArtifactError(f"{root}: tensor file {f} is missing")
         try:
             with safe_open(root / f, framework="pt", device=str(device)) as st:

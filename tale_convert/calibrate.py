@@ -53,13 +53,21 @@ def _json(f: Path) -> list[str]:
     """A .jsonl file (one object per line), or a .json file holding one object or a list of them."""
     try:
         raw = f.read_text(encoding="utf-8")
-        if f.suffix.lower() == ".jsonl":
-            records = [json.loads(line) for line in raw.splitlines() if line.strip()]
-        else:
-            records = json.loads(raw)
-            records = records if isinstance(records, list) else [records]
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+    except (OSError, UnicodeDecodeError) as e:
         raise ConvertError(f"cannot read calibration file {f}: {str(e).splitlines()[0]}") from None
+    if f.suffix.lower() == ".json":
+        try:
+            records = json.loads(raw)
+            return _texts(f, records if isinstance(records, list) else [records])
+        except json.JSONDecodeError:
+            pass  # a .json file may hold JSON lines too
+    records = []
+    for n, line in enumerate(raw.splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ConvertError(f"calibration file {f}, line {n}: not JSON ({e.msg}, column {e.colno})") from None
     return _texts(f, records)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -11,9 +10,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tale_runtime.console import fail, run_app
+from tale_runtime import console
 
 from . import ConvertError
+from .calibrate import load_documents
 from .convert import Options, convert
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
@@ -34,7 +34,7 @@ def run(
     model: str = typer.Argument("smollm2", help="`smollm2` (the default), a checkpoint dir, or a Hub id owner/name"),
     out: Path = typer.Option(..., "--out", "-o", help="artifact directory to write"),
     group: int = typer.Option(D.group, help="KV heads per latent group g (must divide the KV heads)"),
-    calib: Optional[list[Path]] = typer.Option(None, help="calibration .txt/.json/.jsonl file (repeatable); "
+    calib: Optional[list[Path]] = typer.Option(None, help="calibration .txt/.json/.jsonl/.parquet file (repeatable); "
                                                           "default: the bundled CC0 corpus"),
     samples: int = typer.Option(D.samples, help="calibration sequences"),
     seq_len: int = typer.Option(D.seq_len, help="tokens per calibration sequence"),
@@ -55,31 +55,41 @@ def run(
     resume: bool = typer.Option(False, help="reuse the finished layers of an interrupted run with the same settings"),
     shard_size: str = typer.Option(str(D.shard_size), help="max safetensors shard size, e.g. 2GB"),
 ) -> None:
-    try:
-        opts = Options(
-            group=group, calib=calib or None, samples=samples, seq_len=seq_len, seed=seed, device=device, dtype=dtype,
-            sinks=sinks, recent=_numbers(recent, float, "--recent"), r0=r0, bits=_numbers(bits, int, "--bits"),
-            key_bits=_numbers(key_bits, int, "--key-bits") if key_bits else None, key_group=key_group,
-            value_group=value_group, residual=residual, shard_size=shard_size, overwrite=overwrite, resume=resume,
-            policy=policy, energy=energy,
-        )
-        _quiet_libraries()
-        # stdout: progress and report; stderr: only the error line
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=out_console, transient=True) as progress:
-            task = progress.add_task("calibrating + factorizing layers", total=None)
+    opts = Options(
+        group=group, calib=calib or None, samples=samples, seq_len=seq_len, seed=seed, device=device, dtype=dtype,
+        sinks=sinks, recent=_numbers(recent, float, "--recent"), r0=r0, bits=_numbers(bits, int, "--bits"),
+        key_bits=_numbers(key_bits, int, "--key-bits") if key_bits else None, key_group=key_group,
+        value_group=value_group, residual=residual, shard_size=shard_size, overwrite=overwrite, resume=resume,
+        policy=policy, energy=energy,
+    )
+    check_inputs(out, opts)
+    _quiet_libraries()
+    # stdout: progress and report; stderr: only the error line
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=out_console, transient=True) as progress:
+        task = progress.add_task("calibrating + factorizing layers", total=None)
 
-            def on_layer(lr, total):
-                progress.update(task, total=total, advance=1)
+        def on_layer(lr, total):
+            progress.update(task, total=total, advance=1)
 
-            report = convert(model, out, opts, on_layer=on_layer, log=lambda s: progress.console.print(s))
-    except ConvertError as e:
-        fail(str(e), 2)
-    except Exception as e:  # a bug or an environment problem, not bad input
-        if os.environ.get("TALE_DEBUG"):
-            raise
-        fail(f"internal error: {type(e).__name__}: {e} (set TALE_DEBUG=1 for the traceback)", 1)
+        report = convert(model, out, opts, on_layer=on_layer, log=lambda s: progress.console.print(s))
     _summary(report)
+
+
+def check_inputs(out: Path, opts: Options) -> None:
+    """What can be checked before minutes of work: the place to write, the device, the calibration files."""
+    console.writable_dir(out, "--out")
+    console.device(opts.device)
+    for name, v, least in (("--samples", opts.samples, 1), ("--seq-len", opts.seq_len, 2), ("--sinks", opts.sinks, 0),
+                           ("--key-group", opts.key_group, 1), ("--value-group", opts.value_group, 1),
+                           ("--residual", opts.residual, 1), ("--group", opts.group, 1)):
+        if v < least:
+            raise ConvertError(f"{name} must be >= {least}, got {v}")
+    for f in opts.calib or []:
+        if f.is_file() and f.suffix.lower() != ".parquet":
+            console.read_text(f, "--calib")  # empty, binary, not UTF-8: one line naming the file
+    if opts.calib:
+        load_documents(opts.calib)  # parsed now (one-line errors), not after the model is loaded
 
 
 def _quiet_libraries() -> None:
@@ -90,7 +100,8 @@ def _quiet_libraries() -> None:
         import datasets
 
         datasets.disable_progress_bars()
-        datasets.logging.set_verbosity_error()
+        if not console.debug():  # datasets logs a failed read at ERROR level before raising it
+            datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     except ImportError:
         pass
     transformers.utils.logging.disable_progress_bar()
@@ -112,4 +123,4 @@ def _summary(report) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Console script entry: one-line errors, usage errors included."""
-    run_app(app, argv)
+    console.run_app(app, argv, user_errors=(ConvertError,))

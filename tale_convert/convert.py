@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from tale_runtime.artifact import (FORMAT, FORMAT_VERSION, MANIFEST, O_FUSED, TOOL_NAME, U_V, V_V, ArtifactError, Level,
-                                   Schedule, nominal_ratio, uniform_ranks, write_json)
+                                   Schedule, hash_files, nominal_ratio, uniform_ranks, write_json)
 
 from . import ConvertError, __version__
 from . import calibrate, resume, source, write
@@ -157,9 +157,10 @@ def convert(model: str | None, out: str | Path, opts: Options,
         files = writer.close()
         write.copy_model_files(tmp, config, tokenizer, source.generation_config(src, config), dtype)
         manifest = _manifest(src, base_files, arch, schedule, layers, calib_info, opts, dtype, files)
-        write_json(tmp / MANIFEST, manifest)
         base_card = src.path / "README.md"
         (tmp / "README.md").write_text(render_card(manifest, base_card.read_text() if base_card.is_file() else None))
+        manifest["files"] = hash_files(tmp)  # every file of the artifact, written last (artifact.verify_files)
+        write_json(tmp / MANIFEST, manifest)
         shutil.rmtree(tmp / resume.DIR)
         write.publish(tmp, out)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM turned into one by the console layer

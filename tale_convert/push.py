@@ -1,32 +1,34 @@
 """tale-push: publish a TALE artifact to the Hugging Face Hub, with its model card.
 
-The artifact is checked (manifest + sha256 of every tensor file) before anything touches the
-network, README.md is (re)written as a model card, then the folder is uploaded with
-huggingface_hub. Hub commits are atomic: a failed commit leaves the repo as it was.
+The artifact is checked (manifest + sha256 of every file) before anything touches the network. The
+model card (README.md) is rendered in memory and uploaded with a manifest whose README.md checksum
+matches it: the local artifact is never modified, so a failed push leaves it as it was. Files are
+sent with huggingface_hub's create_commit. Hub commits are atomic: a failed commit leaves the repo as
+it was.
 
-Artifacts of LARGE_BYTES and more are pushed tensors first and the manifest last. A long upload
-may land in several commits (huggingface_hub commits big folders in batches, and re-running
-skips what is already there), so the manifest only appears once every tensor it lists is on
-the Hub; readers check those tensors' sha256 anyway.
+Artifacts of LARGE_BYTES and more are pushed tensors first and the manifest last (two commits), so
+the manifest only appears once every tensor it lists is on the Hub; re-running skips files the Hub
+already has.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx2
 import typer
-from huggingface_hub import HfApi, get_token
+from huggingface_hub import CommitOperationAdd, HfApi, get_token
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, HFValidationError, filter_repo_objects, validate_repo_id
 from rich.console import Console
 from rich.filesize import decimal
 from rich.table import Table
 
-from tale_runtime.artifact import ArtifactError, read_manifest, verify_files
+from tale_runtime import console
+from tale_runtime.artifact import MANIFEST, ArtifactError, read_manifest, verify_files
 
 from .card import MARKER, base_model_id, complete_metadata, render_card
 
@@ -34,12 +36,11 @@ LARGE_BYTES = 4 * 2**30
 IGNORE = [".*", "*/.*"]  # hidden files and folders (editor, OS, tool state)
 INDEX = "model.safetensors.index.json"
 
-app = typer.Typer(add_completion=False, help="Publish a TALE artifact to the Hugging Face Hub.")
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help="Publish a TALE artifact to the Hugging Face Hub.")
 out = Console()
-err = Console(stderr=True)
 
 
-class PushError(Exception):
+class PushError(console.UserError):
     """Printed as one line `error: ...`, exit code 2."""
 
 
@@ -47,14 +48,22 @@ class PushError(Exception):
 class Plan:
     root: Path
     repo_id: str
-    manifest: dict
+    manifest: dict  # as uploaded: README.md's checksum is the card's
     card: str  # README.md as it will be uploaded
-    files: list[tuple[str, int]]  # (path in repo, bytes), README.md at its new size
+    files: list[tuple[str, int]]  # (path in repo, bytes), README.md and the manifest at their new size
     tensors: list[str]  # tensor files + index: the first commit of a large push
 
     @property
     def total(self) -> int:
         return sum(size for _, size in self.files)
+
+    def content(self, name: str) -> bytes | Path:
+        """What is uploaded as `name`: the card and the manifest from memory, every other file from disk."""
+        if name == "README.md":
+            return self.card.encode()
+        if name == MANIFEST:
+            return (json.dumps(self.manifest, indent=2) + "\n").encode()  # as artifact.write_json writes it
+        return self.root / name
 
 
 def check_repo_id(repo_id: str) -> None:
@@ -71,20 +80,20 @@ def plan(root: Path, repo_id: str, quality: Path | None = None) -> Plan:
     check_repo_id(repo_id)
     try:
         manifest = read_manifest(root)
-        verify_files(root, manifest)
+        verify_files(root, manifest, skip=("README.md",))  # the card is rendered afresh and rehashed below
     except ArtifactError as e:
         raise PushError(str(e)) from None
-    if not (root / "config.json").is_file():
-        raise PushError(f"{root}: config.json is missing (incomplete artifact; re-run tale-convert)")
     card = _card(root, manifest, repo_id, _quality(quality))
+    manifest = {**manifest, "files": {**manifest["files"], "README.md": hashlib.sha256(card.encode()).hexdigest()}}
     names = filter_repo_objects(
         (p.relative_to(root).as_posix() for p in sorted(root.rglob("*")) if p.is_file()),
         ignore_patterns=IGNORE + DEFAULT_IGNORE_PATTERNS,
     )
-    files = [(n, (root / n).stat().st_size) for n in names if n != "README.md"]
-    files.append(("README.md", len(card.encode())))
-    tensors = [n for n, _ in files if n in manifest["files"] or n == INDEX]
-    return Plan(root, repo_id, manifest, card, sorted(files), tensors)
+    p = Plan(root, repo_id, manifest, card, [], [])
+    names = sorted(set(names) | {"README.md", MANIFEST})
+    p.files = [(n, (root / n).stat().st_size if n not in ("README.md", MANIFEST) else len(p.content(n))) for n in names]
+    p.tensors = [n for n, _ in p.files if n.endswith(".safetensors") or n == INDEX]
+    return p
 
 
 def _quality(path: Path | None) -> dict | None:
@@ -123,26 +132,17 @@ def show(p: Plan, revision: str, private: bool, large: bool) -> None:
     out.print(p.card, markup=False, highlight=False, soft_wrap=True)  # the exact text, unwrapped
 
 
-def write_card(p: Plan) -> None:
-    readme = p.root / "README.md"
-    try:
-        if not readme.is_file() or readme.read_text(encoding="utf-8") != p.card:
-            readme.write_text(p.card, encoding="utf-8")
-    except OSError as e:
-        raise PushError(f"cannot write the model card {readme}: {e.strerror}") from None
-
-
 def upload(api: HfApi, p: Plan, revision: str, private: bool, message: str, large: bool) -> str:
     api.create_repo(p.repo_id, repo_type="model", private=private, exist_ok=True)
     if revision != "main":
         api.create_branch(p.repo_id, repo_type="model", branch=revision, exist_ok=True)
-    # fresh pattern lists: upload_folder extends ignore_patterns in place
-    common = dict(repo_id=p.repo_id, repo_type="model", folder_path=p.root, revision=revision)
-    if large:
-        api.upload_folder(**common, allow_patterns=list(p.tensors), commit_message=f"{message} (tensors)")
-        info = api.upload_folder(**common, ignore_patterns=IGNORE + p.tensors, commit_message=message)
-    else:
-        info = api.upload_folder(**common, ignore_patterns=list(IGNORE), commit_message=message)
+    names = [n for n, _ in p.files]
+    batches = [(p.tensors, f"{message} (tensors)"), ([n for n in names if n not in p.tensors], message)] if large \
+        else [(names, message)]
+    info = None
+    for batch, msg in batches:
+        ops = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=p.content(n)) for n in batch]
+        info = api.create_commit(p.repo_id, ops, commit_message=msg, repo_type="model", revision=revision)
     return info.commit_url
 
 
@@ -179,30 +179,24 @@ def push(
     quality: Path | None = typer.Option(None, "--quality",
                                         help="JSON object of measured figures for the card (e.g. from tale-eval)."),
 ) -> None:
-    """Check ARTIFACT, write its model card (README.md) and upload it to REPO_ID."""
+    """Check ARTIFACT, render its model card (README.md) and upload both to REPO_ID; local files are not changed."""
+    p = plan(artifact, repo_id, quality)
+    large = p.total >= LARGE_BYTES if large is None else large
+    if dry_run:
+        show(p, revision, private, large)
+        return
+    token = token or get_token()
+    if not token:
+        raise PushError("no Hugging Face token: pass --token, set HF_TOKEN or run `hf auth login`")
+    base = base_model_id(p.manifest) or "a local model"
+    message = commit_message or f"Upload TALE artifact of {base} with tale-push"
     try:
-        err.print(f"checking {artifact} ...", highlight=False)
-        p = plan(artifact, repo_id, quality)
-        large = p.total >= LARGE_BYTES if large is None else large
-        if dry_run:
-            show(p, revision, private, large)
-            return
-        token = token or get_token()
-        if not token:
-            raise PushError("no Hugging Face token: pass --token, set HF_TOKEN or run `hf auth login`")
-        write_card(p)
-        base = base_model_id(p.manifest) or "a local model"
-        message = commit_message or f"Upload TALE artifact of {base} with tale-push"
-        try:
-            url = upload(HfApi(token=token), p, revision, private, message, large)
-        except HfHubHTTPError as e:
-            raise PushError(hub_error(e, repo_id, revision)) from None
-        except (httpx2.TransportError, OSError) as e:  # OSError: also what hf_xet raises
-            raise PushError(f"upload to {repo_id} failed ({type(e).__name__}: {e}); each Hub commit is atomic, "
-                            "so no commit is half-written: run the same command again to finish") from None
-    except PushError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(2) from None
+        url = upload(HfApi(token=token), p, revision, private, message, large)
+    except HfHubHTTPError as e:
+        raise PushError(hub_error(e, repo_id, revision)) from None
+    except (httpx2.TransportError, OSError) as e:  # OSError: also what hf_xet raises
+        raise PushError(f"upload to {repo_id} failed ({type(e).__name__}: {console.one_line(e)}); each Hub commit "
+                        "is atomic, so no commit is half-written: run the same command again to finish") from None
     out.print(f"pushed {artifact} -> {url}", highlight=False)
     if revision == "main":
         out.print(f'run it: tale-run {repo_id} --prompt "Hello"', highlight=False)
@@ -210,5 +204,6 @@ def push(
         out.print(f'load it: tale_runtime.load("{repo_id}", revision="{revision}")', highlight=False)
 
 
-def main() -> None:
-    app()
+def main(argv: list[str] | None = None) -> None:
+    """Console script entry: one-line errors, usage errors included (tale_runtime.console)."""
+    console.run_app(app, argv)

@@ -100,7 +100,7 @@ def save_artifact(tm, path, tokenizer=None):
 
     from safetensors.torch import save_file
 
-    from tale_runtime.artifact import FORMAT, FORMAT_VERSION, MANIFEST, nominal_ratio, sha256_file, write_json
+    from tale_runtime.artifact import FORMAT, FORMAT_VERSION, MANIFEST, hash_files, nominal_ratio, write_json
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -116,6 +116,26 @@ def save_artifact(tm, path, tokenizer=None):
         "format": FORMAT, "format_version": FORMAT_VERSION, "architecture": arch,
         "schedule": tm.tale_schedule.to_dict(),
         "nominal_ratio": nominal_ratio(tm.tale_schedule, arch["head_dim"], arch["group_size"]),
-        "files": {"model.safetensors": sha256_file(path / "model.safetensors")},
+        "files": hash_files(path),  # every file, as the converter writes it
     })
     return path
+
+
+def invoke(main, args):
+    """Run a console-script entry point (`main(argv)`, tale_runtime.console.run_app) the way a shell would,
+    output captured as typer's CliRunner does: -> .exit_code, .stdout, .stderr."""
+    import sys
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    with CliRunner().isolation() as (out, err, _):
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        o, e = out.getvalue().decode(), err.getvalue().decode()
+        return SimpleNamespace(exit_code=code, stdout=o, stderr=e, output=o + e)

@@ -3,17 +3,18 @@ upload code runs, only 127.0.0.1 is reached."""
 
 from __future__ import annotations
 
-import copy
+import hashlib
+import json
 import shutil
 from types import SimpleNamespace
 
 import pytest
 import yaml
+from hub_helpers import FakeHub, convert_tiny, patch_hub
 from huggingface_hub import HfApi, ModelCard
 from rich.filesize import decimal
-from typer.testing import CliRunner
+from tale_helpers import invoke
 
-from hub_helpers import FakeHub, convert_tiny, patch_hub
 from tale_convert import push as push_mod
 from tale_convert.card import MARKER, render_card
 from tale_runtime.artifact import MANIFEST, read_manifest
@@ -44,20 +45,24 @@ def hub(monkeypatch, tmp_path):
 
 @pytest.fixture
 def uploads(monkeypatch):
-    """Records upload_folder's arguments, then lets the real call run."""
+    """Records create_commit's arguments (files by path in the repo), then lets the real call run."""
     calls = []
-    real = HfApi.upload_folder
+    real = HfApi.create_commit
 
-    def spy(self, **kw):
-        calls.append(copy.deepcopy(kw))  # upload_folder extends its pattern lists in place
-        return real(self, **kw)
+    def spy(self, repo_id, operations, **kw):
+        calls.append(dict(repo_id=repo_id, files=sorted(op.path_in_repo for op in operations), **kw))
+        return real(self, repo_id, operations, **kw)
 
-    monkeypatch.setattr(HfApi, "upload_folder", spy)
+    monkeypatch.setattr(HfApi, "create_commit", spy)
     return calls
 
 
 def tale_push(*args):
-    return CliRunner().invoke(push_mod.app, [str(a) for a in args])
+    return invoke(push_mod.main, args)
+
+
+def snapshot(path):
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
 def assert_error(result, text):
@@ -88,23 +93,39 @@ def test_dry_run_needs_no_token(art, hub, monkeypatch):
 
 
 def test_push_uploads_artifact_and_card(art, hub, uploads):
+    before = snapshot(art)
     r = tale_push(art, REPO)
     assert r.exit_code == 0, r.output
     assert f"tale-run {REPO}" in r.stdout
+    assert snapshot(art) == before  # the card is rendered in memory: no local file is written
     remote = hub.files(REPO)
-    local = {p.name: p.read_bytes() for p in art.iterdir()}
-    assert "README.md" in local  # written into the artifact before the upload
-    assert {k: v for k, v in remote.items() if k != ".gitattributes"} == local
-    assert uploads == [dict(repo_id=REPO, repo_type="model", folder_path=art, revision="main",
-                            ignore_patterns=push_mod.IGNORE,
-                            commit_message="Upload TALE artifact of a local model with tale-push")]
+    assert set(remote) - {".gitattributes"} == set(before) | {"README.md"}
+    assert all(remote[k] == v for k, v in before.items() if k != MANIFEST)
+    # the uploaded manifest is the local one with the checksum of the uploaded card
+    m_local, m_remote = json.loads(before[MANIFEST]), json.loads(remote[MANIFEST])
+    assert m_remote["files"]["README.md"] == hashlib.sha256(remote["README.md"]).hexdigest()
+    assert {**m_remote, "files": {**m_remote["files"], "README.md": m_local["files"]["README.md"]}} == m_local
+    assert uploads == [dict(repo_id=REPO, files=sorted(set(before) | {"README.md"}), repo_type="model",
+                            revision="main", commit_message="Upload TALE artifact of a local model with tale-push")]
     assert not hub.repos[REPO].private
     card = ModelCard(remote["README.md"].decode())
     assert card.data.library_name == "tale-kv" and MARKER in card.text
     assert f'load("{REPO}")' in card.text
 
 
-def test_push_to_branch_with_message(art, hub, uploads):
+def test_pushed_artifact_loads_verified(art, hub, tmp_path):
+    """What was uploaded passes the loader's checks: every file hashed, the card's checksum included."""
+    from tale_runtime.artifact import verify_files
+
+    assert tale_push(art, REPO).exit_code == 0
+    down = tmp_path / "down"
+    for name, data in hub.files(REPO).items():
+        (down / name).parent.mkdir(parents=True, exist_ok=True)
+        (down / name).write_bytes(data)
+    assert "README.md" in verify_files(down)
+
+
+def test_push_to_branch_with_message(art, hub, uploads, tmp_path):
     r = tale_push(art, REPO, "--revision", "dev", "-m", "first cut", "--private")
     assert r.exit_code == 0, r.output
     repo = hub.repos[REPO]
@@ -112,18 +133,25 @@ def test_push_to_branch_with_message(art, hub, uploads):
     assert MANIFEST in hub.files(REPO, "dev") and MANIFEST not in hub.files(REPO, "main")
     assert [c["message"] for c in repo.log] == ["initial commit", "first cut"]
     assert uploads[0]["revision"] == "dev" and uploads[0]["commit_message"] == "first cut"
-    # the branch exists now: a second push reuses it and only commits what changed
-    (art / "extra.txt").write_text("notes")
-    assert tale_push(art, REPO, "--revision", "dev", "-m", "notes").exit_code == 0
-    assert repo.log[-1] == {"message": "notes", "revision": "dev", "files": ["extra.txt"]}
+    # the branch exists now: a second push reuses it and only commits what changed (the card, its checksum)
+    q = tmp_path / "q.json"
+    q.write_text('{"ppl": 12.5}')
+    assert tale_push(art, REPO, "--revision", "dev", "-m", "card", "--quality", q).exit_code == 0
+    assert repo.log[-1] == {"message": "card", "revision": "dev", "files": ["README.md", MANIFEST]}
+
+
+def test_file_outside_the_manifest_is_refused(art, hub):
+    (art / "extra.txt").write_text("notes")  # the loader would refuse the pushed repo: so does tale-push
+    assert_error(tale_push(art, REPO), "extra.txt is not in the manifest")
+    assert hub.requests == []
 
 
 def test_large_push_commits_tensors_before_manifest(art, hub, uploads):
     r = tale_push(art, REPO, "--large")
     assert r.exit_code == 0, r.output
     tensors = ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
-    assert uploads[0]["allow_patterns"] == tensors
-    assert uploads[1]["ignore_patterns"] == push_mod.IGNORE + tensors
+    assert uploads[0]["files"] == tensors
+    assert MANIFEST in uploads[1]["files"] and not set(tensors) & set(uploads[1]["files"])
     first, second = hub.repos[REPO].log[1:]
     assert first["files"] == tensors and first["message"].endswith("(tensors)")
     assert MANIFEST in second["files"] and "README.md" in second["files"]
@@ -133,7 +161,7 @@ def test_large_push_commits_tensors_before_manifest(art, hub, uploads):
 def test_large_is_chosen_by_size(art, hub, uploads, monkeypatch):
     monkeypatch.setattr(push_mod, "LARGE_BYTES", 1000)
     assert tale_push(art, REPO).exit_code == 0
-    assert len(uploads) == 2 and "allow_patterns" in uploads[0]
+    assert len(uploads) == 2 and uploads[0]["commit_message"].endswith("(tensors)")
 
 
 def test_hidden_files_are_not_uploaded(art, hub):
@@ -251,7 +279,9 @@ def test_missing_dir_and_non_artifact(art, hub, tmp_path):
 def test_network_failure_mid_upload(art, hub, monkeypatch):
     monkeypatch.setattr("huggingface_hub.utils._http.time", SimpleNamespace(sleep=lambda s: None))  # no backoff waits
     hub.drop = {"commit"}
+    before = snapshot(art)
     assert_error(tale_push(art, REPO), "failed (RemoteProtocolError")
+    assert snapshot(art) == before  # a failed push changes no local file
     assert hub.repos[REPO].log == [{"message": "initial commit", "revision": "main", "files": [".gitattributes"]}]
     hub.drop = set()  # the network is back: the same command finishes the job
     assert tale_push(art, REPO).exit_code == 0

@@ -11,7 +11,7 @@ import torch
 
 from tale_helpers import byte_tokenizer, exact_schedule, save_artifact, talify, tiny_model
 from tale_runtime import ArtifactError, load, new_cache, set_output_path
-from tale_runtime.artifact import Level, Schedule, nominal_ratio, uniform_ranks
+from tale_runtime.artifact import Level, Schedule, hash_files, nominal_ratio, uniform_ranks
 from tale_runtime.generate import TextStream, generate
 from tale_runtime.load import override_schedule
 
@@ -295,9 +295,9 @@ def edit_json(path, **changes):
     ("missing", "no such artifact directory"),
     ("no_manifest", "not a TALE artifact"),
     ("bad_json", "corrupt manifest"),
-    ("major", "format version '2.0' is not supported"),
+    ("major", "format version '9.0' is not supported"),
     ("checksum", "checksum mismatch for model.safetensors"),
-    ("shard", "tensor file model.safetensors is missing"),
+    ("shard", "model.safetensors is missing"),
     ("model_type", "model_type 'gpt2' is not supported"),
     ("schedule", "bits must be one of"),
 ])
@@ -311,7 +311,7 @@ def test_load_errors_are_clear(tiny_artifact, tmp_path, breakage, message):
     elif breakage == "bad_json":
         mf.write_text(mf.read_text()[:-20])
     elif breakage == "major":
-        edit_json(mf, format_version="2.0")
+        edit_json(mf, format_version="9.0")
     elif breakage == "checksum":
         data = bytearray((path / "model.safetensors").read_bytes())
         data[-1] ^= 1
@@ -320,6 +320,9 @@ def test_load_errors_are_clear(tiny_artifact, tmp_path, breakage, message):
         (path / "model.safetensors").unlink()
     elif breakage == "model_type":
         edit_json(path / "config.json", model_type="gpt2")
+        m = json.loads(mf.read_text())  # with its checksum updated too (else: checksum mismatch for config.json)
+        m["files"] = hash_files(path)
+        mf.write_text(json.dumps(m))
     elif breakage == "schedule":
         m = json.loads(mf.read_text())
         m["schedule"]["levels"][0]["bits"] = 3

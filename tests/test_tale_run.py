@@ -4,12 +4,9 @@ import json
 import re
 
 import pytest
-from typer.testing import CliRunner
+from tale_helpers import byte_tokenizer, invoke, save_artifact, talify, tiny_model
 
-from tale_helpers import byte_tokenizer, save_artifact, talify, tiny_model
-from tale_runtime.cli import app
-
-runner = CliRunner()
+from tale_runtime.cli import main
 
 STATS = re.compile(r"prompt (\d+) tok, generated (\d+) tok, .* cache .* MiB vs 16-bit K\+V .* MiB: "
                    r"measured ([\d.]+)x \(nominal ([\d.]+)x\)")
@@ -21,7 +18,7 @@ def artifact(tmp_path_factory):
 
 
 def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
+    return invoke(main, args)
 
 
 def test_happy_path_streams_and_reports(artifact):
@@ -68,10 +65,10 @@ def bump_major(path):
 
 
 @pytest.mark.parametrize("args,breakage,message", [
-    (["--prompt", "  \n"], None, "empty prompt"),
+    (["--prompt", "  \n"], None, "--prompt is empty"),
     ([], None, "give exactly one of --prompt and --prompt-file"),
     (["--prompt", "x" * 600], None, "prompt is 617 tokens; the model's context is 512"),
-    (["--prompt-file", "/nonexistent/p.txt"], None, "--prompt-file: No such file or directory"),
+    (["--prompt-file", "/nonexistent/p.txt"], None, "--prompt-file /nonexistent/p.txt: no such file"),
     (["--prompt", "hi"], "missing", "no such artifact directory"),
     (["--prompt", "hi"], break_manifest, "corrupt manifest"),
     (["--prompt", "hi"], break_checksum, "checksum mismatch"),
@@ -84,7 +81,7 @@ def bump_major(path):
     (["--prompt", "hi", "--ranks", "1.5"], None, "rank fraction 1.5 must lie in (0, 1]"),
     (["--prompt", "hi", "--dtype", "int8"], None, "--dtype must be one of bf16, fp16, fp32"),
     (["--prompt", "hi", "--output-path", "both"], None, "--output-path must be fused or factored"),
-    (["--prompt", "hi", "--device", "tpu"], None, "--device: unknown device 'tpu'"),
+    (["--prompt", "hi", "--device", "tpu"], None, "--device 'tpu': unknown device"),
 ])
 def test_errors_are_one_line(artifact, tmp_path, args, breakage, message):
     path = artifact
