@@ -196,7 +196,7 @@ def test_json_calibration_files(tmp_path):
     assert set(info["files"]) == {"a.json", "b.jsonl", "c.txt"}
     bad = tmp_path / "d.jsonl"
     bad.write_text('{"text": "ok"}\n{oops\n')
-    with pytest.raises(ConvertError, match="cannot read calibration file"):
+    with pytest.raises(ConvertError, match="d.jsonl, line 2: not JSON"):
         calibrate.load_documents([bad])
 
 
