@@ -39,7 +39,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 if not CUDA:
     from triton.runtime.interpreter import InterpretedFunction
 
-    if not isinstance(attention._region_kernel, InterpretedFunction):
+    if not isinstance(attention._attn_kernel, InterpretedFunction):
         # Triton's own library functions were built for the GPU when it was first imported
         pytest.skip("triton was imported without TRITON_INTERPRET=1 before this module; run it alone "
                     "or with TRITON_INTERPRET=1", allow_module_level=True)
