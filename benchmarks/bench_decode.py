@@ -107,6 +107,8 @@ def copy_bandwidth() -> float:
 
 def region_lengths(L: int) -> tuple[int, int, int, int]:
     """(sinks, level 0, level 1, residual) for a cache of L tokens, as the runtime lays them out."""
+    if L <= SINKS:
+        return L, 0, 0, 0
     n = L - SINKS
     res = n % KG
     l1 = min(-(-ceil_share(P, n) // KG) * KG, n - res)
@@ -313,9 +315,8 @@ def sweep(cfg: dict) -> dict:
     q, k, h = new_token(1)
     want = ref_attention(q, k, h, v, N**-0.5)
     res = []
-    for bt, nw, ns, w, fold in ((64, 4, 2, 2, True), (64, 4, 2, 2, False), (64, 4, 3, 2, True), (64, 8, 2, 2, True),
-                                (64, 4, 4, 2, True), (64, 4, 2, 1, True), (64, 4, 2, 4, True), (32, 4, 2, 2, False)):
-        c = dict(cfg, block_t=bt, num_warps=nw, num_stages=ns, waves=w, fold_keys=fold)
+    for bt, nw, ns, w in ((64, 4, 2, 2), (64, 4, 3, 2), (64, 8, 2, 2), (128, 8, 2, 2), (64, 4, 2, 3), (64, 4, 2, 1.5)):
+        c = dict(cfg, block_t=bt, num_warps=nw, num_stages=ns, waves=w)
         try:
             e = rel(tale_kernels.latent_attention(q, k, h, v, N**-0.5, **c), want)
             t = timeit(lambda: tale_kernels.latent_attention(q, k, h, v, N**-0.5, **c))

@@ -107,7 +107,7 @@ def _region(
     WIN: tl.constexpr, DOT: tl.constexpr,
     KBITS: tl.constexpr, HBITS: tl.constexpr, RANK: tl.constexpr, NPK: tl.constexpr, KW: tl.constexpr,
     KROWS: tl.constexpr, NPH: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, BT: tl.constexpr,
-    KDOT: tl.constexpr, HDOT: tl.constexpr, LENP: tl.constexpr, KFOLD: tl.constexpr,
+    KDOT: tl.constexpr, HDOT: tl.constexpr, LENP: tl.constexpr,
 ):
     """One split of one region: partial (max, sum, acc[:RANK]) of the group's query heads."""
     QG: tl.constexpr = GS * REP
@@ -159,80 +159,41 @@ def _region(
         kmask = tm[:, None] & um[None, :]
         if KBITS < 8:
             kb = tl.load(k_ptr + koff[None, :] + t[:, None] * s_kt, mask=kmask, other=0)
-        if KFOLD:
-            # keys as the A operand straight from the codes: sT [BT, QGP] = codes @ (q * scale)^T + q . zero,
-            # the tile inside one key group (BT <= KG), so scale and zero fold into the query
-            st = tl.zeros([BT, QGP], tl.float32)
-            bias = tl.zeros([QGP], tl.float32)
-            for i in tl.static_range(NPK):
-                if i == 0:
-                    qi = qp0
-                elif i == 1:
-                    qi = qp1
-                elif i == 2:
-                    qi = qp2
-                else:
-                    qi = qp3
-                if KBITS < 8:
-                    kc = plane(kb, i, KBITS, DOT)
-                elif KBITS == 8:
-                    kc = to_float(tl.load(k_ptr + koff[None, :] + i * PK + t[:, None] * s_kt, mask=kmask,
-                                          other=0).to(tl.int32), 8, DOT)
-                else:
-                    kc = tl.load(k_ptr + koff[None, :] + i * PK + t[:, None] * s_kt, mask=kmask, other=0.0).to(DOT)
-                if KBITS < 16:
-                    so = ksoff + i * PK + (t0 // KG) * s_kst
-                    ks = tl.load(ks_ptr + so, mask=um, other=0.0).to(tl.float32)
-                    kz = tl.load(kz_ptr + so, mask=um, other=0.0).to(tl.float32)
-                    qf = qi.to(tl.float32)
-                    bias += tl.sum(qf * kz[None, :], axis=1)
-                    qi = (qf * ks[None, :]).to(DOT)
-                st = _dot(kc, tl.trans(qi), st, KDOT)
-            st = st + bias[None, :]
-            st = tl.where(ok[:, None], st, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(st, axis=0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            pt = tl.exp2(st - m_safe[None, :])
-            l_i = l_i * alpha + tl.sum(pt, axis=0)
-            m_i = m_new
-            pd = tl.trans(pt.to(DOT))
-        else:
-            logits = tl.zeros([QGP, BT], tl.float32)
-            for i in tl.static_range(NPK):
-                if KBITS < 8:
-                    kc = plane(kb, i, KBITS, DOT)
-                elif KBITS == 8:
-                    kc = to_float(tl.load(k_ptr + koff[None, :] + i * PK + t[:, None] * s_kt, mask=kmask,
-                                          other=0).to(tl.int32), 8, DOT)
-                else:
-                    kc = tl.load(k_ptr + koff[None, :] + i * PK + t[:, None] * s_kt, mask=kmask, other=0.0).to(DOT)
-                if KBITS < 16:  # per channel over key groups: KROWS scale rows per tile
-                    r = t0 // KG + tl.arange(0, KROWS)
-                    sm = (r * KG < L)[:, None] & um[None, :]
-                    so = ksoff[None, :] + i * PK + r[:, None] * s_kst
-                    ks = tl.load(ks_ptr + so, mask=sm, other=0.0).to(DOT)
-                    kz = tl.load(kz_ptr + so, mask=sm, other=0.0).to(DOT)
-                    kc = tl.reshape(tl.reshape(kc, (KROWS, BT // KROWS, KW)) * ks[:, None, :] + kz[:, None, :],
-                                    (BT, KW))
-                if i == 0:
-                    qi = qp0
-                elif i == 1:
-                    qi = qp1
-                elif i == 2:
-                    qi = qp2
-                else:
-                    qi = qp3
-                logits = _dot(qi, tl.trans(kc), logits, KDOT)
-            logits = tl.where(ok[None, :], logits, float("-inf"))
-            # -- online softmax
-            m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(logits - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-            pd = p.to(DOT)
+        logits = tl.zeros([QGP, BT], tl.float32)
+        for i in tl.static_range(NPK):
+            if KBITS < 8:
+                kc = plane(kb, i, KBITS, DOT)
+            elif KBITS == 8:
+                kc = to_float(tl.load(k_ptr + koff[None, :] + i * PK + t[:, None] * s_kt, mask=kmask,
+                                      other=0).to(tl.int32), 8, DOT)
+            else:
+                kc = tl.load(k_ptr + koff[None, :] + i * PK + t[:, None] * s_kt, mask=kmask, other=0.0).to(DOT)
+            if KBITS < 16:  # per channel over key groups: KROWS scale rows per tile
+                r = t0 // KG + tl.arange(0, KROWS)
+                sm = (r * KG < L)[:, None] & um[None, :]
+                so = ksoff[None, :] + i * PK + r[:, None] * s_kst
+                ks = tl.load(ks_ptr + so, mask=sm, other=0.0).to(DOT)
+                kz = tl.load(kz_ptr + so, mask=sm, other=0.0).to(DOT)
+                kc = tl.reshape(tl.reshape(kc, (KROWS, BT // KROWS, KW)) * ks[:, None, :] + kz[:, None, :],
+                                (BT, KW))
+            if i == 0:
+                qi = qp0
+            elif i == 1:
+                qi = qp1
+            elif i == 2:
+                qi = qp2
+            else:
+                qi = qp3
+            logits = _dot(qi, tl.trans(kc), logits, KDOT)
+        logits = tl.where(ok[None, :], logits, float("-inf"))
+        # -- online softmax
+        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(logits - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+        pd = p.to(DOT)
 
         # -- latents, plane by plane
         hoff = hrow + t * s_ht
@@ -279,16 +240,16 @@ def _attn_kernel(
     s_hst3, pos3, s_pb3, ln3, ns3,
     KBITS0: tl.constexpr, HBITS0: tl.constexpr, RANK0: tl.constexpr, NPK0: tl.constexpr, KW0: tl.constexpr, KROWS0:
     tl.constexpr, NPH0: tl.constexpr, P0: tl.constexpr, PP0: tl.constexpr, BT0: tl.constexpr, KDOT0: tl.constexpr,
-    HDOT0: tl.constexpr, LENP0: tl.constexpr, KFOLD0: tl.constexpr,
+    HDOT0: tl.constexpr, LENP0: tl.constexpr,
     KBITS1: tl.constexpr, HBITS1: tl.constexpr, RANK1: tl.constexpr, NPK1: tl.constexpr, KW1: tl.constexpr, KROWS1:
     tl.constexpr, NPH1: tl.constexpr, P1: tl.constexpr, PP1: tl.constexpr, BT1: tl.constexpr, KDOT1: tl.constexpr,
-    HDOT1: tl.constexpr, LENP1: tl.constexpr, KFOLD1: tl.constexpr,
+    HDOT1: tl.constexpr, LENP1: tl.constexpr,
     KBITS2: tl.constexpr, HBITS2: tl.constexpr, RANK2: tl.constexpr, NPK2: tl.constexpr, KW2: tl.constexpr, KROWS2:
     tl.constexpr, NPH2: tl.constexpr, P2: tl.constexpr, PP2: tl.constexpr, BT2: tl.constexpr, KDOT2: tl.constexpr,
-    HDOT2: tl.constexpr, LENP2: tl.constexpr, KFOLD2: tl.constexpr,
+    HDOT2: tl.constexpr, LENP2: tl.constexpr,
     KBITS3: tl.constexpr, HBITS3: tl.constexpr, RANK3: tl.constexpr, NPK3: tl.constexpr, KW3: tl.constexpr, KROWS3:
     tl.constexpr, NPH3: tl.constexpr, P3: tl.constexpr, PP3: tl.constexpr, BT3: tl.constexpr, KDOT3: tl.constexpr,
-    HDOT3: tl.constexpr, LENP3: tl.constexpr, KFOLD3: tl.constexpr,
+    HDOT3: tl.constexpr, LENP3: tl.constexpr,
     N: tl.constexpr, GS: tl.constexpr, REP: tl.constexpr, QGP: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr,
     WIN: tl.constexpr, NPP: tl.constexpr, NREG: tl.constexpr, DOT: tl.constexpr,
 ):
@@ -305,27 +266,24 @@ def _attn_kernel(
         _region(q_ptr, s_qb, s_qh, qk_scale, b, c, slot0 + sp, sp - S0, n_slots, H, next_pos, window, pm_ptr, pl_ptr,
                 pacc_ptr, s_acc, k0, s_kb0, s_kh0, s_kt0, ks0, kz0, s_ksb0, s_ksh0, s_kst0, h0, s_hb0, s_hg0, s_ht0,
                 hs0, hz0, s_hsb0, s_hsg0, s_hst0, pos0, s_pb0, ln0, ns0, N, GS, REP, QGP, KG, VG, WIN, DOT, KBITS0,
-                HBITS0, RANK0, NPK0, KW0, KROWS0, NPH0, P0, PP0, BT0, KDOT0, HDOT0, LENP0, KFOLD0)
+                HBITS0, RANK0, NPK0, KW0, KROWS0, NPH0, P0, PP0, BT0, KDOT0, HDOT0, LENP0)
     elif NREG > 1:
         if sp < S2:
             _region(q_ptr, s_qb, s_qh, qk_scale, b, c, slot0 + sp, sp - S1, n_slots, H, next_pos, window, pm_ptr,
                     pl_ptr, pacc_ptr, s_acc, k1, s_kb1, s_kh1, s_kt1, ks1, kz1, s_ksb1, s_ksh1, s_kst1, h1, s_hb1,
                     s_hg1, s_ht1, hs1, hz1, s_hsb1, s_hsg1, s_hst1, pos1, s_pb1, ln1, ns1, N, GS, REP, QGP, KG, VG,
-                    WIN, DOT, KBITS1, HBITS1, RANK1, NPK1, KW1, KROWS1, NPH1, P1, PP1, BT1, KDOT1, HDOT1, LENP1,
-                    KFOLD1)
+                    WIN, DOT, KBITS1, HBITS1, RANK1, NPK1, KW1, KROWS1, NPH1, P1, PP1, BT1, KDOT1, HDOT1, LENP1)
         elif NREG > 2:
             if sp < S3:
                 _region(q_ptr, s_qb, s_qh, qk_scale, b, c, slot0 + sp, sp - S2, n_slots, H, next_pos, window, pm_ptr,
                         pl_ptr, pacc_ptr, s_acc, k2, s_kb2, s_kh2, s_kt2, ks2, kz2, s_ksb2, s_ksh2, s_kst2, h2, s_hb2,
                         s_hg2, s_ht2, hs2, hz2, s_hsb2, s_hsg2, s_hst2, pos2, s_pb2, ln2, ns2, N, GS, REP, QGP, KG, VG,
-                        WIN, DOT, KBITS2, HBITS2, RANK2, NPK2, KW2, KROWS2, NPH2, P2, PP2, BT2, KDOT2, HDOT2, LENP2,
-                        KFOLD2)
+                        WIN, DOT, KBITS2, HBITS2, RANK2, NPK2, KW2, KROWS2, NPH2, P2, PP2, BT2, KDOT2, HDOT2, LENP2)
             elif NREG > 3:
                 _region(q_ptr, s_qb, s_qh, qk_scale, b, c, slot0 + sp, sp - S3, n_slots, H, next_pos, window, pm_ptr,
                         pl_ptr, pacc_ptr, s_acc, k3, s_kb3, s_kh3, s_kt3, ks3, kz3, s_ksb3, s_ksh3, s_kst3, h3, s_hb3,
                         s_hg3, s_ht3, hs3, hz3, s_hsb3, s_hsg3, s_hst3, pos3, s_pb3, ln3, ns3, N, GS, REP, QGP, KG, VG,
-                        WIN, DOT, KBITS3, HBITS3, RANK3, NPK3, KW3, KROWS3, NPH3, P3, PP3, BT3, KDOT3, HDOT3, LENP3,
-                        KFOLD3)
+                        WIN, DOT, KBITS3, HBITS3, RANK3, NPK3, KW3, KROWS3, NPH3, P3, PP3, BT3, KDOT3, HDOT3, LENP3)
 
 
 @triton.jit
@@ -474,27 +432,24 @@ def _c(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _region_args(r: Region, n: int, g: int, KG: int, VG: int, block_t: int, ns: int, fold: bool) -> tuple[list, list]:
+def _region_args(r: Region, n: int, g: int, KG: int, block_t: int, ns: int) -> tuple[list, list]:
     kq, hq = r.keys, r.lat
     kt, ht = _c(kq.data), _c(hq.data)
     ks, kz = (_c(kq.scale), _c(kq.zero)) if kq.bits != 16 else (kt, kt)  # never read at 16 bits
     hs, hz = (_c(hq.scale), _c(hq.zero)) if hq.bits != 16 else (ht, ht)
     kb, hb = kq.bits, hq.bits
     BT = block_t if (kb != 16 or hb != 16) else 32
-    fold = fold and (kb == 16 or KG >= 32)  # tiles of 16 slots: see docs/kernels.md, Triton quirks
-    if fold and kb != 16:
-        BT = min(BT, KG)  # a tile inside one key group
     NPK = 8 // kb if kb < 8 else (4 if n >= 64 else 1)
     PK = n // NPK
-    KW = pow2(g * PK)
+    KW = max(16, pow2(g * PK))  # tiles of width 4 or 8 came out wrong compiled (Triton 3.6, H100)
     NPH, P = (8 // hb, r.rank * hb // 8) if hb < 8 else _lat_planes(r.rank)
-    PP = pow2(P)
+    PP = max(16, pow2(P))
     ln = r.length
     lenp = isinstance(ln, torch.Tensor)
     rt = [kt, kt.stride(0), kt.stride(1), kt.stride(2), ks, kz, ks.stride(0), ks.stride(1), ks.stride(2),
           ht, ht.stride(0), ht.stride(1), ht.stride(2), hs, hz, hs.stride(0), hs.stride(1), hs.stride(2),
           r.pos, r.pos.stride(0), ln, ns]
-    ct = [kb, hb, r.rank, NPK, KW, max(1, BT // KG), NPH, P, PP, BT, KW >= 32, PP >= 32, lenp, fold]
+    ct = [kb, hb, r.rank, NPK, KW, max(1, BT // KG), NPH, P, PP, BT, KW >= 32, PP >= 32, lenp]
     return rt, ct
 
 
@@ -527,7 +482,6 @@ def latent_attention(
     waves: float = 2.0,
     num_warps: int = 4,
     num_stages: int = 2,
-    fold_keys: bool = True,
 ) -> torch.Tensor:
     """Drop-in for tale_runtime.cache.latent_attention: z [B, T, H, R] (float32).
 
@@ -561,7 +515,7 @@ def latent_attention(
     slot0 = 0
     for i0 in range(0, len(regions), NREG):
         part = list(zip(regions[i0:i0 + NREG], splits[i0:i0 + NREG]))
-        args = [_region_args(r, n, g, KG, VG, BT, ns, fold_keys) for r, ns in part]
+        args = [_region_args(r, n, g, KG, BT, ns) for r, ns in part]
         total = sum(ns for _, ns in part)
         bounds = [sum(ns for _, ns in part[:j]) if j < len(part) else total for j in range(1, NREG)]  # S1..S3
         while len(args) < NREG:
@@ -569,7 +523,7 @@ def latent_attention(
         rt = [a for r_, _ in args for a in r_]
         ct = {f"{name}{j}": v for j, (_, c_) in enumerate(args)
               for name, v in zip(("KBITS", "HBITS", "RANK", "NPK", "KW", "KROWS", "NPH", "P", "PP", "BT", "KDOT",
-                                  "HDOT", "LENP", "KFOLD"), c_)}
+                                  "HDOT", "LENP"), c_)}
         _attn_kernel[(total, G, B)](
             q, q.stride(0), q.stride(1), qk, npos, 0 if win is None else int(win),
             pm, pl, pacc, pacc.stride(2), n_slots, H, slot0, *bounds,

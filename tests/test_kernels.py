@@ -153,8 +153,7 @@ CASES = {
     "rank8": (1, 4, 2, 1, 16, 29, None, dict(group=8)),
     "prompt-in-sinks": (1, 8, 4, 2, 32, 3, None, {}),
     "long-left-padding": (2, 8, 4, 2, 32, 340, [0, 300], {}),
-    "group32-folded-keys": (2, 8, 4, 2, 64, 203, [0, 11], dict(group=32, split_tokens=64)),
-    "group32-unfolded-keys": (1, 8, 4, 2, 64, 203, None, dict(group=32, fold_keys=False)),
+    "group32": (2, 8, 4, 2, 64, 203, [0, 11], dict(group=32, split_tokens=64)),
 }
 
 
