@@ -315,8 +315,9 @@ def sweep(cfg: dict) -> dict:
     q, k, h = new_token(1)
     want = ref_attention(q, k, h, v, N**-0.5)
     res = []
-    for bt, nw, ns, w in ((64, 4, 2, 2), (64, 4, 3, 2), (64, 8, 2, 2), (128, 8, 2, 2), (64, 4, 2, 3), (64, 4, 2, 1.5)):
-        c = dict(cfg, block_t=bt, num_warps=nw, num_stages=ns, waves=w)
+    for bt, nw, ns, w, ql in ((64, 4, 2, 2, False), (64, 4, 2, 2, True), (64, 4, 3, 2, False), (128, 8, 2, 2, False),
+                              (128, 8, 2, 2, True), (64, 4, 2, 3, False), (64, 4, 2, 1.5, False)):
+        c = dict(cfg, block_t=bt, num_warps=nw, num_stages=ns, waves=w, q_in_loop=ql)
         try:
             e = rel(tale_kernels.latent_attention(q, k, h, v, N**-0.5, **c), want)
             t = timeit(lambda: tale_kernels.latent_attention(q, k, h, v, N**-0.5, **c))

@@ -104,7 +104,7 @@ def _region(
     h_ptr, s_hb, s_hg, s_ht, hs_ptr, hz_ptr, s_hsb, s_hsg, s_hst,
     p_ptr, s_pb, len_arg, nsplit,
     N: tl.constexpr, GS: tl.constexpr, REP: tl.constexpr, QGP: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr,
-    WIN: tl.constexpr, DOT: tl.constexpr,
+    WIN: tl.constexpr, DOT: tl.constexpr, QLOOP: tl.constexpr,
     KBITS: tl.constexpr, HBITS: tl.constexpr, RANK: tl.constexpr, NPK: tl.constexpr, KW: tl.constexpr,
     KROWS: tl.constexpr, NPH: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, BT: tl.constexpr,
     KDOT: tl.constexpr, HDOT: tl.constexpr, LENP: tl.constexpr,
@@ -131,11 +131,20 @@ def _region(
     kvu = c * GS + ju
     # block-diagonal queries [QGP, KW] per plane, log2-domain scores
     pi = tl.arange(0, NPK)
-    qm = (rmask[:, None] & ((rows // REP)[:, None] == ju[None, :]))[:, :, None]
-    q3 = tl.load(q_ptr + b * s_qb + head[:, None, None] * s_qh + (pi[None, None, :] * PK + jj[None, :, None]),
-                 mask=qm, other=0.0)
-    q3 = (q3.to(tl.float32) * qk_scale).to(DOT)
-    qp0, qp1, qp2, qp3 = _split4(q3, NPK, QGP, KW)
+    qm2 = rmask[:, None] & ((rows // REP)[:, None] == ju[None, :])
+    qm = qm2[:, :, None]
+    qoff = b * s_qb + head[:, None] * s_qh + jj[None, :]  # [QGP, KW]
+    if QLOOP:  # the query planes are reloaded per tile (cache hits): fewer live registers
+        q_scale = qk_scale
+        qp0 = qoff
+        qp1 = qoff
+        qp2 = qoff
+        qp3 = qoff
+    else:
+        q3 = tl.load(q_ptr + qoff[:, :, None] + pi[None, None, :] * PK, mask=qm, other=0.0)
+        q3 = (q3.to(tl.float32) * qk_scale).to(DOT)
+        qp0, qp1, qp2, qp3 = _split4(q3, NPK, QGP, KW)
+        q_scale = 1.0
     koff = b * s_kb + kvu * s_kh + jj  # [KW]
     ksoff = b * s_ksb + kvu * s_ksh + jj
     hrow = b * s_hb + c * s_hg
@@ -176,7 +185,9 @@ def _region(
                 kz = tl.load(kz_ptr + so, mask=sm, other=0.0).to(DOT)
                 kc = tl.reshape(tl.reshape(kc, (KROWS, BT // KROWS, KW)) * ks[:, None, :] + kz[:, None, :],
                                 (BT, KW))
-            if i == 0:
+            if QLOOP:
+                qi = tl.load(q_ptr + qoff + i * PK, mask=qm2, other=0.0).to(DOT)
+            elif i == 0:
                 qi = qp0
             elif i == 1:
                 qi = qp1
@@ -185,6 +196,8 @@ def _region(
             else:
                 qi = qp3
             logits = _dot(qi, tl.trans(kc), logits, KDOT)
+        if QLOOP:
+            logits = logits * q_scale
         logits = tl.where(ok[None, :], logits, float("-inf"))
         # -- online softmax
         m_new = tl.maximum(m_i, tl.max(logits, axis=1))
@@ -251,7 +264,7 @@ def _attn_kernel(
     tl.constexpr, NPH3: tl.constexpr, P3: tl.constexpr, PP3: tl.constexpr, BT3: tl.constexpr, KDOT3: tl.constexpr,
     HDOT3: tl.constexpr, LENP3: tl.constexpr,
     N: tl.constexpr, GS: tl.constexpr, REP: tl.constexpr, QGP: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr,
-    WIN: tl.constexpr, NPP: tl.constexpr, NREG: tl.constexpr, DOT: tl.constexpr,
+    WIN: tl.constexpr, NPP: tl.constexpr, NREG: tl.constexpr, DOT: tl.constexpr, QLOOP: tl.constexpr,
 ):
     """Program (split sp, head group c, batch row b): sp < S1 is region 0's split sp, and so on."""
     sp = tl.program_id(0)
@@ -265,25 +278,27 @@ def _attn_kernel(
     if sp < S1:
         _region(q_ptr, s_qb, s_qh, qk_scale, b, c, slot0 + sp, sp - S0, n_slots, H, next_pos, window, pm_ptr, pl_ptr,
                 pacc_ptr, s_acc, k0, s_kb0, s_kh0, s_kt0, ks0, kz0, s_ksb0, s_ksh0, s_kst0, h0, s_hb0, s_hg0, s_ht0,
-                hs0, hz0, s_hsb0, s_hsg0, s_hst0, pos0, s_pb0, ln0, ns0, N, GS, REP, QGP, KG, VG, WIN, DOT, KBITS0,
-                HBITS0, RANK0, NPK0, KW0, KROWS0, NPH0, P0, PP0, BT0, KDOT0, HDOT0, LENP0)
+                hs0, hz0, s_hsb0, s_hsg0, s_hst0, pos0, s_pb0, ln0, ns0, N, GS, REP, QGP, KG, VG, WIN, DOT, QLOOP,
+                KBITS0, HBITS0, RANK0, NPK0, KW0, KROWS0, NPH0, P0, PP0, BT0, KDOT0, HDOT0, LENP0)
     elif NREG > 1:
         if sp < S2:
             _region(q_ptr, s_qb, s_qh, qk_scale, b, c, slot0 + sp, sp - S1, n_slots, H, next_pos, window, pm_ptr,
                     pl_ptr, pacc_ptr, s_acc, k1, s_kb1, s_kh1, s_kt1, ks1, kz1, s_ksb1, s_ksh1, s_kst1, h1, s_hb1,
                     s_hg1, s_ht1, hs1, hz1, s_hsb1, s_hsg1, s_hst1, pos1, s_pb1, ln1, ns1, N, GS, REP, QGP, KG, VG,
-                    WIN, DOT, KBITS1, HBITS1, RANK1, NPK1, KW1, KROWS1, NPH1, P1, PP1, BT1, KDOT1, HDOT1, LENP1)
+                    WIN, DOT, QLOOP, KBITS1, HBITS1, RANK1, NPK1, KW1, KROWS1, NPH1, P1, PP1, BT1, KDOT1, HDOT1, LENP1)
         elif NREG > 2:
             if sp < S3:
                 _region(q_ptr, s_qb, s_qh, qk_scale, b, c, slot0 + sp, sp - S2, n_slots, H, next_pos, window, pm_ptr,
                         pl_ptr, pacc_ptr, s_acc, k2, s_kb2, s_kh2, s_kt2, ks2, kz2, s_ksb2, s_ksh2, s_kst2, h2, s_hb2,
                         s_hg2, s_ht2, hs2, hz2, s_hsb2, s_hsg2, s_hst2, pos2, s_pb2, ln2, ns2, N, GS, REP, QGP, KG, VG,
-                        WIN, DOT, KBITS2, HBITS2, RANK2, NPK2, KW2, KROWS2, NPH2, P2, PP2, BT2, KDOT2, HDOT2, LENP2)
+                        WIN, DOT, QLOOP, KBITS2, HBITS2, RANK2, NPK2, KW2, KROWS2, NPH2, P2, PP2, BT2, KDOT2, HDOT2,
+                        LENP2)
             elif NREG > 3:
                 _region(q_ptr, s_qb, s_qh, qk_scale, b, c, slot0 + sp, sp - S3, n_slots, H, next_pos, window, pm_ptr,
                         pl_ptr, pacc_ptr, s_acc, k3, s_kb3, s_kh3, s_kt3, ks3, kz3, s_ksb3, s_ksh3, s_kst3, h3, s_hb3,
                         s_hg3, s_ht3, hs3, hz3, s_hsb3, s_hsg3, s_hst3, pos3, s_pb3, ln3, ns3, N, GS, REP, QGP, KG, VG,
-                        WIN, DOT, KBITS3, HBITS3, RANK3, NPK3, KW3, KROWS3, NPH3, P3, PP3, BT3, KDOT3, HDOT3, LENP3)
+                        WIN, DOT, QLOOP, KBITS3, HBITS3, RANK3, NPK3, KW3, KROWS3, NPH3, P3, PP3, BT3, KDOT3, HDOT3,
+                        LENP3)
 
 
 @triton.jit
@@ -482,6 +497,7 @@ def latent_attention(
     waves: float = 2.0,
     num_warps: int = 4,
     num_stages: int = 2,
+    q_in_loop: bool = False,
 ) -> torch.Tensor:
     """Drop-in for tale_runtime.cache.latent_attention: z [B, T, H, R] (float32).
 
@@ -529,7 +545,7 @@ def latent_attention(
             pm, pl, pacc, pacc.stride(2), n_slots, H, slot0, *bounds,
             *rt,
             N=n, GS=g, REP=rep, QGP=QGP, KG=KG, VG=VG, WIN=win is not None, NPP=isinstance(npos, torch.Tensor),
-            NREG=len(part), DOT=dtype, **ct,
+            NREG=len(part), DOT=dtype, QLOOP=q_in_loop, **ct,
             num_warps=num_warps, num_stages=num_stages,
         )
         slot0 += total
