@@ -497,7 +497,7 @@ def latent_attention(
     waves: float = 2.0,
     num_warps: int = 4,
     num_stages: int = 2,
-    q_in_loop: bool = False,
+    q_in_loop: bool = True,
 ) -> torch.Tensor:
     """Drop-in for tale_runtime.cache.latent_attention: z [B, T, H, R] (float32).
 
