@@ -223,7 +223,7 @@ def check(cfg: dict) -> bool:
                 r.length.copy_(ln - shrink)
                 r.pos.copy_(pos)
                 r.pos[:, int(ln) - shrink:] = -1
-        v.next_pos.fill_(20000 - 2 * shrink)
+        v.next_pos.fill_(20000 + 3 * shrink)  # after every cached position, as in a real cache
         for t in (q, k, h):
             t.normal_()
         gr.replay()
