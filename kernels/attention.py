@@ -99,7 +99,7 @@ def _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, i: tl.constexpr,
 @triton.jit
 def _region(
     q_ptr, s_qb, s_qh, qk_scale, b, c, slot, spl, n_slots, H, next_pos, window,
-    pm_ptr, pl_ptr, pacc_ptr, s_acc,
+    pm_ptr, pl_ptr, pacc_ptr, s_acc, rk_ptr,
     k_ptr, s_kb, s_kh, s_kt, ks_ptr, kz_ptr, s_ksb, s_ksh, s_kst,
     h_ptr, s_hb, s_hg, s_ht, hs_ptr, hz_ptr, s_hsb, s_hsg, s_hst,
     p_ptr, s_pb, len_arg, nsplit,
@@ -227,6 +227,7 @@ def _region(
 
     # -- the partial of this split: channels past RANK are never written (the combine skips them)
     prow = (b * H + head) * n_slots + slot
+    tl.store(rk_ptr + slot + tl.arange(0, 1), tl.full([1], RANK, tl.int32))  # the combine reads this many channels
     tl.store(pm_ptr + prow, m_i, mask=rmask)
     tl.store(pl_ptr + prow, l_i, mask=rmask)
     am = rmask[:, None] & (jp < P)[None, :]
@@ -242,7 +243,7 @@ def _region(
 @triton.jit
 def _attn_kernel(
     q_ptr, s_qb, s_qh, qk_scale, np_arg, window,
-    pm_ptr, pl_ptr, pacc_ptr, s_acc, n_slots, H, slot0, S1, S2, S3,
+    pm_ptr, pl_ptr, pacc_ptr, s_acc, rk_ptr, n_slots, H, slot0, S1, S2, S3,
     k0, s_kb0, s_kh0, s_kt0, ks0, kz0, s_ksb0, s_ksh0, s_kst0, h0, s_hb0, s_hg0, s_ht0, hs0, hz0, s_hsb0, s_hsg0,
     s_hst0, pos0, s_pb0, ln0, ns0,
     k1, s_kb1, s_kh1, s_kt1, ks1, kz1, s_ksb1, s_ksh1, s_kst1, h1, s_hb1, s_hg1, s_ht1, hs1, hz1, s_hsb1, s_hsg1,
@@ -277,28 +278,29 @@ def _attn_kernel(
         next_pos = np_arg
     if sp < S1:
         _region(q_ptr, s_qb, s_qh, qk_scale, b, c, slot0 + sp, sp - S0, n_slots, H, next_pos, window, pm_ptr, pl_ptr,
-                pacc_ptr, s_acc, k0, s_kb0, s_kh0, s_kt0, ks0, kz0, s_ksb0, s_ksh0, s_kst0, h0, s_hb0, s_hg0, s_ht0,
-                hs0, hz0, s_hsb0, s_hsg0, s_hst0, pos0, s_pb0, ln0, ns0, N, GS, REP, QGP, KG, VG, WIN, DOT, QLOOP,
-                KBITS0, HBITS0, RANK0, NPK0, KW0, KROWS0, NPH0, P0, PP0, BT0, KDOT0, HDOT0, LENP0)
+                pacc_ptr, s_acc, rk_ptr, k0, s_kb0, s_kh0, s_kt0, ks0, kz0, s_ksb0, s_ksh0, s_kst0, h0, s_hb0, s_hg0,
+                s_ht0, hs0, hz0, s_hsb0, s_hsg0, s_hst0, pos0, s_pb0, ln0, ns0, N, GS, REP, QGP, KG, VG, WIN, DOT,
+                QLOOP, KBITS0, HBITS0, RANK0, NPK0, KW0, KROWS0, NPH0, P0, PP0, BT0, KDOT0, HDOT0, LENP0)
     elif NREG > 1:
         if sp < S2:
             _region(q_ptr, s_qb, s_qh, qk_scale, b, c, slot0 + sp, sp - S1, n_slots, H, next_pos, window, pm_ptr,
-                    pl_ptr, pacc_ptr, s_acc, k1, s_kb1, s_kh1, s_kt1, ks1, kz1, s_ksb1, s_ksh1, s_kst1, h1, s_hb1,
-                    s_hg1, s_ht1, hs1, hz1, s_hsb1, s_hsg1, s_hst1, pos1, s_pb1, ln1, ns1, N, GS, REP, QGP, KG, VG,
-                    WIN, DOT, QLOOP, KBITS1, HBITS1, RANK1, NPK1, KW1, KROWS1, NPH1, P1, PP1, BT1, KDOT1, HDOT1, LENP1)
+                    pl_ptr, pacc_ptr, s_acc, rk_ptr, k1, s_kb1, s_kh1, s_kt1, ks1, kz1, s_ksb1, s_ksh1, s_kst1, h1,
+                    s_hb1, s_hg1, s_ht1, hs1, hz1, s_hsb1, s_hsg1, s_hst1, pos1, s_pb1, ln1, ns1, N, GS, REP, QGP, KG,
+                    VG, WIN, DOT, QLOOP, KBITS1, HBITS1, RANK1, NPK1, KW1, KROWS1, NPH1, P1, PP1, BT1, KDOT1, HDOT1,
+                    LENP1)
         elif NREG > 2:
             if sp < S3:
                 _region(q_ptr, s_qb, s_qh, qk_scale, b, c, slot0 + sp, sp - S2, n_slots, H, next_pos, window, pm_ptr,
-                        pl_ptr, pacc_ptr, s_acc, k2, s_kb2, s_kh2, s_kt2, ks2, kz2, s_ksb2, s_ksh2, s_kst2, h2, s_hb2,
-                        s_hg2, s_ht2, hs2, hz2, s_hsb2, s_hsg2, s_hst2, pos2, s_pb2, ln2, ns2, N, GS, REP, QGP, KG, VG,
-                        WIN, DOT, QLOOP, KBITS2, HBITS2, RANK2, NPK2, KW2, KROWS2, NPH2, P2, PP2, BT2, KDOT2, HDOT2,
-                        LENP2)
+                        pl_ptr, pacc_ptr, s_acc, rk_ptr, k2, s_kb2, s_kh2, s_kt2, ks2, kz2, s_ksb2, s_ksh2, s_kst2, h2,
+                        s_hb2, s_hg2, s_ht2, hs2, hz2, s_hsb2, s_hsg2, s_hst2, pos2, s_pb2, ln2, ns2, N, GS, REP, QGP,
+                        KG, VG, WIN, DOT, QLOOP, KBITS2, HBITS2, RANK2, NPK2, KW2, KROWS2, NPH2, P2, PP2, BT2, KDOT2,
+                        HDOT2, LENP2)
             elif NREG > 3:
                 _region(q_ptr, s_qb, s_qh, qk_scale, b, c, slot0 + sp, sp - S3, n_slots, H, next_pos, window, pm_ptr,
-                        pl_ptr, pacc_ptr, s_acc, k3, s_kb3, s_kh3, s_kt3, ks3, kz3, s_ksb3, s_ksh3, s_kst3, h3, s_hb3,
-                        s_hg3, s_ht3, hs3, hz3, s_hsb3, s_hsg3, s_hst3, pos3, s_pb3, ln3, ns3, N, GS, REP, QGP, KG, VG,
-                        WIN, DOT, QLOOP, KBITS3, HBITS3, RANK3, NPK3, KW3, KROWS3, NPH3, P3, PP3, BT3, KDOT3, HDOT3,
-                        LENP3)
+                        pl_ptr, pacc_ptr, s_acc, rk_ptr, k3, s_kb3, s_kh3, s_kt3, ks3, kz3, s_ksb3, s_ksh3, s_kst3, h3,
+                        s_hb3, s_hg3, s_ht3, hs3, hz3, s_hsb3, s_hsg3, s_hst3, pos3, s_pb3, ln3, ns3, N, GS, REP, QGP,
+                        KG, VG, WIN, DOT, QLOOP, KBITS3, HBITS3, RANK3, NPK3, KW3, KROWS3, NPH3, P3, PP3, BT3, KDOT3,
+                        HDOT3, LENP3)
 
 
 @triton.jit
@@ -423,7 +425,6 @@ def _lat_planes(rank: int) -> tuple[int, int]:
 
 
 _SM_COUNT: dict[int, int] = {}
-_RANKS: dict[tuple, torch.Tensor] = {}
 
 
 def _num_sms(device: torch.device) -> int:
@@ -433,14 +434,6 @@ def _num_sms(device: torch.device) -> int:
     if i not in _SM_COUNT:
         _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
     return _SM_COUNT[i]
-
-
-def _slot_ranks(ranks: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Rank of every slot's region, on the device; built once per layout (so a graph replay finds it)."""
-    key = (ranks, str(device))
-    if key not in _RANKS:
-        _RANKS[key] = torch.tensor(ranks, dtype=torch.int32, device=device)
-    return _RANKS[key]
 
 
 def _c(t: torch.Tensor) -> torch.Tensor:
@@ -526,6 +519,7 @@ def latent_attention(
     pm = torch.empty(B, H, n_slots, device=dev, dtype=torch.float32)
     pl = torch.empty_like(pm)
     pacc = torch.empty(B, H, n_slots, RPAD, device=dev, dtype=torch.float32)
+    rk = torch.empty(n_slots, device=dev, dtype=torch.int32)  # rank of each slot's region, written by its programs
     npos, win = view.next_pos, view.window
     QGP = max(16, pow2(g * rep))
     slot0 = 0
@@ -542,18 +536,17 @@ def latent_attention(
                                   "HDOT", "LENP"), c_)}
         _attn_kernel[(total, G, B)](
             q, q.stride(0), q.stride(1), qk, npos, 0 if win is None else int(win),
-            pm, pl, pacc, pacc.stride(2), n_slots, H, slot0, *bounds,
+            pm, pl, pacc, pacc.stride(2), rk, n_slots, H, slot0, *bounds,
             *rt,
             N=n, GS=g, REP=rep, QGP=QGP, KG=KG, VG=VG, WIN=win is not None, NPP=isinstance(npos, torch.Tensor),
             NREG=len(part), DOT=dtype, QLOOP=q_in_loop, **ct,
             num_warps=num_warps, num_stages=num_stages,
         )
         slot0 += total
-    ranks = tuple(r.rank for r, ns in zip(regions, splits) for _ in range(ns)) or (0,)
     z = torch.empty(B, 1, H, R, device=dev, dtype=torch.float32)
     BR = min(RPAD, 64)
     _combine_kernel[(B * H, triton.cdiv(R, BR))](
-        pm, pl, pacc, pacc.stride(2), _slot_ranks(ranks, dev), z, n_slots if regions else 0, R, H,
+        pm, pl, pacc, pacc.stride(2), rk, z, n_slots if regions else 0, R, H,
         q, q.stride(0), q.stride(1), qk, k_new, k_new.stride(0), k_new.stride(1),
         h_new, h_new.stride(0), h_new.stride(1),
         N=n, REP=rep, GS=g, BS=64, BR=BR, num_warps=4,
