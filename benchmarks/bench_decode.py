@@ -1,31 +1,31 @@
-"""Decode attention of one layer on Llama-3.1-8B shapes: the TALE kernel against torch fp16.
+"""Decode attention of one layer on Llama-3.1-8B shapes: the TALE kernel against cuDNN/flash SDPA.
 
-Shapes: 32 query heads, 8 KV heads, head dim 128, hidden 4096, head groups g = 4 (R = 512,
-r0 = 256); the paper's schedule: 4 sinks, recent share p = 0.1 at 4 bits and full rank,
-the middle at 2 bits and rank r0, key and value groups of 32, a 16-bit residual under 32 tokens.
-Inputs are random (real weights cannot travel) with real shapes and region lengths.
+Shapes: 32 query heads, 8 KV heads, head dim 128, head groups g = 4 (R = 512, r0 = 256); the
+paper's schedule: 4 sinks, recent share p = 0.1 at 4 bits and full rank, the middle at 2 bits
+and rank r0, key and value groups of 32, a 16-bit residual under 32 tokens. bf16. Inputs are
+random (real weights cannot travel) with real shapes and region lengths, read through a
+LayerView (runtime/regions.py) as the runtime hands it to attention.
 
-Compared per context length and batch:
-- TALE: tale_kernels.latent_attention (one decode step; all regions plus the new token);
-- SDPA: torch fp16 decode attention over the full K/V, flash / memory-efficient / cuDNN
-  backends with GQA through enable_gqa=True (as transformers calls it); the fastest is reported.
-  A backend that refuses GQA is timed on K/V expanded to 32 heads beforehand (the expansion
-  itself not timed), marked "+exp";
-- Palu-style: values rebuilt per token from fp16 rank-r0 latents (h @ B_c), then SDPA;
-- per layer with the output projection: TALE + fused O^r ([B, H*R] @ [H*R, d]) or factored
-  (z -> B_{c,j} per head -> W_O) against SDPA + W_O.
-Times: median over replays of a CUDA graph of the call, L2 flushed (256 MB written) before each,
-CUDA events. Bandwidth: cache bytes read (packed codes, scales, zeros, sinks, residual: what
-TaleLayerCache.nbytes counts) over the time, against a device-to-device copy measured in the
-same run (bytes read + written over its time).
+First correctness against the torch reference (fresh random inputs, outputs poisoned with NaN
+through the allocator, bf16 rel. error <= 5e-3): batch 1/4/16, odd lengths, left padding,
+empty regions, sliding windows, capacities larger than lengths with NaN in the unused slots,
+lengths as device tensors, regions in shuffled order, a CUDA-graph replay, the real cache
+pipeline (prefill, decode steps with flushes and demotions), and the Triton quantize/requantize
+against the torch path. Then the table: per context and batch the whole call (one layer, one
+decode step), the 2-bit and the 4-bit level alone (a view holding just that region), and SDPA
+bf16 (flash / efficient / cuDNN with enable_gqa, the fastest) on the same shapes. Times are
+medians of CUDA-graph replays with L2 flushed (256 MB written) before each; bandwidth = bytes of
+the cache tensors read (packed codes, scales, zeros, sinks, residual) over the time, against a
+device-to-device copy measured in the same run (bytes read + written over its time).
 
-    python benchmarks/bench_decode.py --check --sweep --out docs/speed.md
+    python benchmarks/bench_decode.py --out docs/speed.md
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -39,41 +39,50 @@ import tale_kernels
 from tale_kernels import attention as kattn
 from tale_runtime import quant as rquant
 from tale_runtime.artifact import Level, Schedule, ceil_share
-from tale_runtime.cache import Store, TaleLayerCache
+from tale_runtime.cache import TaleLayerCache
 from tale_runtime.cache import latent_attention as ref_attention
 from tale_runtime.quant import QTensor
+from tale_runtime.regions import LayerView, Region
 
-H, K, N, D, GS = 32, 8, 128, 4096, 4
+H, K, N, GS = 32, 8, 128, 4
 G, R, R0, REP = K // GS, GS * N, GS * N // 2, H // K
-SINKS, P, KG, VG, LAYERS = 4, 0.1, 32, 32, 32
+SINKS, P, KG, VG = 4, 0.1, 32, 32
 SCHED = Schedule(sinks=SINKS, levels=[Level(2, 2, None), Level(4, 4, P)], ranks=[[R0, R]],
                  key_group=KG, value_group=VG, residual=KG)
 DEV = "cuda"
+DT = torch.bfloat16
+TOL = 5e-3
 FLUSH = None
 
 
 # -- timing ------------------------------------------------------------------------------
 
-def timeit(fn, graph: bool = True, budget_ms: float = 150.0) -> float:
+def graphed(fn):
+    """A CUDA graph of fn (warmed up on a side stream), returned as its replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        out = fn()
+    return gr, out
+
+
+def timeit(fn, graph: bool = True, budget_ms: float = 100.0) -> float:
     """Median microseconds of fn (a CUDA-graph replay of it when graph=True), L2 flushed before each."""
     fn()
     torch.cuda.synchronize()
     run = fn
     if graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        gr = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(gr):
-            fn()
+        gr, _ = graphed(fn)
         run = gr.replay
     t0 = time.perf_counter()
     run()
     torch.cuda.synchronize()
     est = max(time.perf_counter() - t0, 1e-5) * 1e3
-    reps = int(min(50, max(7, budget_ms / est)))
+    reps = int(min(40, max(7, budget_ms / est)))
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for a, b in ev:
         FLUSH.zero_()
@@ -94,48 +103,85 @@ def copy_bandwidth() -> float:
     return bw
 
 
-# -- caches --------------------------------------------------------------------------------
+# -- caches as views -----------------------------------------------------------------------
 
 def region_lengths(L: int) -> tuple[int, int, int, int]:
     """(sinks, level 0, level 1, residual) for a cache of L tokens, as the runtime lays them out."""
+    if L <= SINKS:
+        return L, 0, 0, 0
     n = L - SINKS
     res = n % KG
     l1 = min(-(-ceil_share(P, n) // KG) * KG, n - res)
     return SINKS, n - res - l1, l1, res
 
 
-def qrand(lead, L, C, bits, group, dim, dtype) -> QTensor:
-    data = torch.randint(0, 256, (*lead, L, C * bits // 8), dtype=torch.uint8, device=DEV)
-    sshape = (*lead, L // group, C) if dim == -2 else (*lead, L, C // group)
-    scale = (torch.rand(sshape, device=DEV) * 0.2 + 0.05).to(dtype)
-    zero = (torch.randn(sshape, device=DEV) * 0.2 - scale.float() * ((1 << bits) - 1) / 2).to(dtype)
+def qrand(lead, cap, used, C, bits, group, dim) -> QTensor:
+    """Random packed codes with scales/zeros; slots past `used` hold NaN scales (an unused buffer)."""
+    if bits == 16:
+        x = torch.randn(*lead, cap, C, device=DEV, dtype=DT)
+        x[..., used:, :] = float("nan")
+        return QTensor(x, None, None, 16, group, dim)
+    data = torch.randint(0, 256, (*lead, cap, C * bits // 8), dtype=torch.uint8, device=DEV)
+    sshape = (*lead, cap // group, C) if dim == -2 else (*lead, cap, C // group)
+    scale = (torch.rand(sshape, device=DEV) * 0.2 + 0.05).to(DT)
+    zero = (torch.randn(sshape, device=DEV) * 0.2 - scale.float() * ((1 << bits) - 1) / 2).to(DT)
+    used_rows = used // group if dim == -2 else used
+    scale[..., used_rows:, :] = float("nan")
     return QTensor(data, scale, zero, bits, group, dim)
 
 
-def synth_cache(B: int, L: int, dtype) -> TaleLayerCache:
-    s, l0, l1, res = region_lengths(L)
-    c = TaleLayerCache(SCHED, 0, K, N, G, R)
-    c.sink_cap = SINKS
-    c.sink_k = torch.randn(B, K, s, N, device=DEV, dtype=dtype)
-    c.sink_h = torch.randn(B, G, s, R, device=DEV, dtype=dtype)
-    c.levels = [
-        Store(qrand((B, K), l0, N, 2, KG, -2, dtype), qrand((B, G), l0, R0, 2, VG, -1, dtype), R0) if l0 else None,
-        Store(qrand((B, K), l1, N, 4, KG, -2, dtype), qrand((B, G), l1, R, 4, VG, -1, dtype), R) if l1 else None,
-    ]
-    if res:
-        c.res_k = torch.randn(B, K, res, N, device=DEV, dtype=dtype)
-        c.res_h = torch.randn(B, G, res, R, device=DEV, dtype=dtype)
-    c.valid = torch.ones(B, L, dtype=torch.bool, device=DEV)
-    return c
+def synth_view(B: int, L: int, pad=None, extra: int = 0, tensor_len: bool = False, window=None, only=None,
+               shuffle: bool = False) -> LayerView:
+    """A LayerView of a cache of L positions per row: sinks | 2-bit level | 4-bit level | residual.
+    `pad[b]` leading positions of row b are padding (pos -1); every region gets `extra` unused
+    slots (capacity > length, NaN inside, pos -1); `only` keeps one region ("2bit" / "4bit")."""
+    lens = region_lengths(L)
+    kinds = [(16, 16, R), (2, 2, R0), (4, 4, R), (16, 16, R)]
+    names = ["sinks", "2bit", "4bit", "res"]
+    regions, p0 = [], 0
+    for name, used, (kb, hb, rank) in zip(names, lens, kinds):
+        cap = used + extra
+        pos = torch.full((B, cap), -1, dtype=torch.int32, device=DEV)
+        pos[:, :used] = torch.arange(p0, p0 + used, device=DEV, dtype=torch.int32)
+        if pad is not None:
+            for b, pb in enumerate(pad):
+                pos[b][pos[b] < pb] = -1
+        p0 += used
+        if cap == 0 or (only and name != only):
+            continue
+        length = torch.tensor([used], dtype=torch.int32, device=DEV) if tensor_len else used
+        regions.append(Region(qrand((B, K), cap, used, N, kb, KG, -2), qrand((B, G), cap, used, rank, hb, VG, -1),
+                              rank, pos, length))
+    if shuffle:
+        random.shuffle(regions)
+    npos = torch.tensor(L, dtype=torch.int32, device=DEV) if tensor_len else L
+    return LayerView(regions, npos, window)
 
 
-def new_token(B: int, dtype):
-    return (torch.randn(B, H, 1, N, device=DEV, dtype=dtype), torch.randn(B, K, 1, N, device=DEV, dtype=dtype),
-            torch.randn(B, G, 1, R, device=DEV, dtype=dtype))
+def view_bytes(v: LayerView) -> int:
+    """Bytes of the used slots: packed codes, scales, zeros (and 16-bit tensors)."""
+    total = 0
+    for r in v.regions:
+        used = int(r.length) if not isinstance(r.length, int) else r.length
+        for t in (r.keys, r.lat):
+            frac = used / r.capacity
+            total += int(sum(x.numel() * x.element_size() for x in (t.data, t.scale, t.zero) if x is not None) * frac)
+    return total
+
+
+def new_token(B: int):
+    return (torch.randn(B, H, 1, N, device=DEV, dtype=DT), torch.randn(B, K, 1, N, device=DEV, dtype=DT),
+            torch.randn(B, G, 1, R, device=DEV, dtype=DT))
 
 
 def rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def poison() -> None:
+    """Fill the allocator's free blocks with NaN, so an output the kernel fails to write shows."""
+    x = torch.full((256 << 20,), float("nan"), device=DEV)
+    del x
 
 
 # -- correctness on real shapes ------------------------------------------------------------
@@ -143,46 +189,79 @@ def rel(a, b) -> float:
 def check(cfg: dict) -> bool:
     ok = True
     scale = N**-0.5
-    for dtype in (torch.float16, torch.bfloat16):
-        tol = 5e-3 if dtype == torch.float16 else 2e-2
-        # synthetic caches at real shapes, lengths around split and region boundaries
-        for B, L in ((1, 4099), (3, 20000), (2, 70001)):
-            c = synth_cache(B, L, dtype)
-            c.valid[-1, : L // 7] = False  # left padding of the last row
-            c.sink_cap = SINKS + L // 7 if B > 1 else SINKS
-            q, k, h = new_token(B, dtype)
-            e = rel(tale_kernels.latent_attention(q, k, h, c, scale, **cfg), ref_attention(q, k, h, c, scale))
-            ok &= e < tol
-            print(f"check synth {dtype} B={B} L={L} {c.lengths()}: rel err {e:.2e}")
-        # the real pipeline: prefill with padding, then decode steps (flush, demotion, Triton quantize)
+
+    def one(name, v, B):
+        nonlocal ok
+        q, k, h = new_token(B)
+        poison()
+        got = tale_kernels.latent_attention(q, k, h, v, scale, **cfg)
+        e = rel(got, ref_attention(q, k, h, v, scale))
+        good = e <= TOL and bool(torch.isfinite(got).all())
+        ok &= good
+        print(f"check {name}: rel err {e:.2e} {'ok' if good else 'FAIL'}", flush=True)
+        return q, k, h
+
+    assert kattn.supported(*new_token(1), synth_view(1, 1000))
+    for B, L in ((1, 4099), (4, 33333), (16, 20001)):
+        pad = [0] + [L // 7 * (i % 3) for i in range(1, B)]
+        one(f"B={B} L={L} padded rows", synth_view(B, L, pad=pad), B)
+        one(f"B={B} L={L} window {L // 3}", synth_view(B, L, pad=pad, window=L // 3), B)
+        one(f"B={B} L={L} capacity +96, device lengths, shuffled", synth_view(B, L, pad=pad, extra=96, tensor_len=True,
+                                                                           shuffle=True), B)
+    one("B=2 L=37 (no level 0: empty region)", synth_view(2, 37), 2)
+    one("B=1 L=1 (sinks only)", synth_view(1, 1), 1)
+    one("B=1 L=131077 window 4096", synth_view(1, 131077, window=4096), 1)
+    # a CUDA-graph replay: lengths, positions and next_pos on the device, changed between replays
+    # (the quantized levels lose their last 64 slots, then get them back)
+    v = synth_view(4, 20000, extra=256, tensor_len=True, window=5000)
+    q, k, h = new_token(4)
+    gr, out = graphed(lambda: tale_kernels.latent_attention(q, k, h, v, scale, **cfg))
+    saved = [(r.length.clone(), r.pos.clone()) for r in v.regions]
+    for shrink in (64, 0):
+        for r, (ln, pos) in zip(v.regions, saved):
+            if r.keys.bits != 16:
+                r.length.copy_(ln - shrink)
+                r.pos.copy_(pos)
+                r.pos[:, int(ln) - shrink:] = -1
+        v.next_pos.fill_(20000 + 3 * shrink)  # after every cached position, as in a real cache
+        for t in (q, k, h):
+            t.normal_()
+        gr.replay()
+        e = rel(out, ref_attention(q, k, h, v, scale))
+        ok &= e <= TOL
+        print(f"check graph replay, levels shrunk by {shrink}: rel err {e:.2e} {'ok' if e <= TOL else 'FAIL'}", flush=True)
+    # the real pipeline: prefill with padding, then decode steps (flush, demotion, Triton quantize)
+    for window in (None, 1000):
         B, L0 = 2, 3000
         c = TaleLayerCache(SCHED, 0, K, N, G, R)
+        c.window = window
         valid = torch.ones(B, L0, dtype=torch.bool, device=DEV)
         valid[1, :37] = False
-        c.append(torch.randn(B, K, L0, N, device=DEV, dtype=dtype) * 2, torch.randn(B, G, L0, R, device=DEV, dtype=dtype), valid)
+        c.append(torch.randn(B, K, L0, N, device=DEV, dtype=DT) * 2, torch.randn(B, G, L0, R, device=DEV, dtype=DT), valid)
         worst = 0.0
         for _ in range(40):
-            q, k, h = new_token(B, dtype)
+            q, k, h = new_token(B)
+            poison()
             worst = max(worst, rel(tale_kernels.latent_attention(q, k, h, c, scale, **cfg), ref_attention(q, k, h, c, scale)))
             c.append(k, h)
-        ok &= worst < tol
-        print(f"check pipeline {dtype} B={B} prompt={L0} +40 steps {c.lengths()}: worst rel err {worst:.2e}")
-        # quantize / requantize at real shapes vs the torch path on the CPU
-        for x, bits, group, dim, rank in (
-            (torch.randn(2, K, 4096, N, device=DEV, dtype=dtype), 2, KG, -2, None),
-            (torch.randn(2, G, 4096, R, device=DEV, dtype=dtype), 4, VG, -1, R0),
-        ):
-            a, b = tale_kernels.quantize(x, bits, group, dim), rquant.quantize(x.cpu(), bits, group, dim)
-            mis = (rquant.unpack(a.data.cpu(), bits) != rquant.unpack(b.data, bits)).float().mean().item()
-            s_ok = torch.equal(a.scale.cpu(), b.scale) and torch.equal(a.zero.cpu(), b.zero)
-            r2 = tale_kernels.requantize(a, 2, rank)
-            xd = rquant.dequantize(QTensor(a.data.cpu(), a.scale.cpu(), a.zero.cpu(), bits, group, dim))
-            w2 = rquant.quantize(xd if rank is None else xd[..., :rank].contiguous(), 2, group, dim)
-            mis2 = (rquant.unpack(r2.data.cpu(), 2) != rquant.unpack(w2.data, 2)).float().mean().item()
-            ok &= mis <= 1e-3 and mis2 <= 1e-3
-            print(f"check quantize {dtype} dim={dim} {bits}-bit: codes differing {mis:.1e}, scale/zero equal {s_ok}; "
-                  f"requantize ->2-bit rank {rank}: codes differing {mis2:.1e}")
-    print("CHECKS", "PASS" if ok else "FAIL")
+        ok &= worst <= TOL
+        print(f"check pipeline window={window} B={B} prompt={L0} +40 steps {c.lengths()}: worst rel err {worst:.2e}")
+    # quantize / requantize at real shapes vs the torch path on the CPU
+    for x, bits, group, dim, rank in (
+        (torch.randn(2, K, 4096, N, device=DEV, dtype=DT), 2, KG, -2, None),
+        (torch.randn(2, G, 4096, R, device=DEV, dtype=DT), 4, VG, -1, R0),
+    ):
+        a, b = tale_kernels.quantize(x, bits, group, dim), rquant.quantize(x.cpu(), bits, group, dim)
+        mis = (rquant.unpack(a.data.cpu(), bits) != rquant.unpack(b.data, bits)).float().mean().item()
+        s_ok = torch.equal(a.scale.cpu(), b.scale) and torch.equal(a.zero.cpu(), b.zero)
+        r2 = tale_kernels.requantize(a, 2, rank)
+        xd = rquant.dequantize(QTensor(a.data.cpu(), a.scale.cpu(), a.zero.cpu(), bits, group, dim))
+        w2 = rquant.quantize(xd if rank is None else xd[..., :rank].contiguous(), 2, group, dim)
+        mis2 = (rquant.unpack(r2.data.cpu(), 2) != rquant.unpack(w2.data, 2)).float().mean().item()
+        ok &= mis <= 1e-3 and mis2 <= 1e-3
+        print(f"check quantize dim={dim} {bits}-bit: codes differing {mis:.1e}, scale/zero equal {s_ok}; "
+              f"requantize ->2-bit rank {rank}: codes differing {mis2:.1e}")
+    print("CHECKS", "PASS" if ok else "FAIL", flush=True)
     return ok
 
 
@@ -192,144 +271,77 @@ BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIE
             "cudnn": SDPBackend.CUDNN_ATTENTION}
 
 
-def best_sdpa(q, kf, vf, fp16_bytes) -> tuple[float, str, callable]:
-    best = (float("inf"), "none", None)
+def best_sdpa(B: int, L: int) -> tuple[float, str]:
+    q = torch.randn(B, H, 1, N, device=DEV, dtype=DT)
+    kf = torch.randn(B, K, L + 1, N, device=DEV, dtype=DT)
+    vf = torch.randn(B, K, L + 1, N, device=DEV, dtype=DT)
+    best = (float("nan"), "none")
     for name, be in BACKENDS.items():
-        for gqa in (True, False):
-            if not gqa and fp16_bytes * REP > 40e9:
-                continue
-            kk, vv = (kf, vf) if gqa else (kf.repeat_interleave(REP, 1), vf.repeat_interleave(REP, 1))
-
-            def fn(kk=kk, vv=vv, be=be, gqa=gqa):
-                with sdpa_kernel([be]):
-                    return F.scaled_dot_product_attention(q, kk, vv, enable_gqa=gqa)
-
-            try:
-                t = timeit(fn)
-            except RuntimeError:
-                torch.cuda.synchronize()
-                continue
-            if t < best[0]:
-                best = (t, name + ("" if gqa else "+exp"), fn)
-            if gqa:
-                break  # GQA ran natively; no need for the expanded copy
+        def fn(be=be):
+            with sdpa_kernel([be]):
+                return F.scaled_dot_product_attention(q, kf, vf, enable_gqa=True)
+        try:
+            t = timeit(fn)
+        except RuntimeError:
+            torch.cuda.synchronize()
+            continue
+        if not t >= best[0]:
+            best = (t, name)
     return best
 
 
-def output_paths(B: int):
-    dt = torch.float16
-    o_fused = torch.randn(D, H * R, device=DEV, dtype=dt) / (H * R) ** 0.5
-    w_o = torch.randn(D, H * N, device=DEV, dtype=dt) / (H * N) ** 0.5
-    v_v = torch.randn(G, R, R, device=DEV, dtype=dt) / R**0.5
-    z = torch.randn(B, 1, H, R, device=DEV)
-    y = torch.randn(B, 1, H * N, device=DEV, dtype=dt)
-
-    def fused():
-        return F.linear(z.reshape(B, 1, -1).to(dt), o_fused)
-
-    def factored():
-        zz = z.view(B, 1, G, GS, REP, R).to(dt)
-        yy = torch.einsum("btcjir,crjn->btcjin", zz, v_v.view(G, R, GS, N)).reshape(B, 1, H * N)
-        return F.linear(yy, w_o)
-
-    return timeit(fused), timeit(factored), timeit(lambda: F.linear(y, w_o))
-
-
-def row(B: int, L: int, cfg: dict, copy_bw: float, out_cache: dict) -> dict:
-    dt = torch.float16
+def row(B: int, L: int, cfg: dict, copy_bw: float) -> dict:
     r = {"L": L, "B": B}
-    c = synth_cache(B, L, dt)
-    q, k, h = new_token(B, dt)
     scale = N**-0.5
-    r["tale_us"] = timeit(lambda: tale_kernels.latent_attention(q, k, h, c, scale, **cfg))
-    r["tale_eager_us"] = timeit(lambda: tale_kernels.latent_attention(q, k, h, c, scale, **cfg), graph=False)
-    r["bytes"] = c.nbytes()
-    r["gbs"] = r["bytes"] / (r["tale_us"] * 1e-6) / 1e9
-    r["pct_copy"] = 100 * r["gbs"] / copy_bw
-    r["tale_seq_gib"] = c.nbytes() / B * LAYERS / 2**30
-    fp16_bytes = 2 * B * K * (L + 1) * N * 2
-    r["fp16_seq_gib"] = fp16_bytes / B * LAYERS / 2**30
-    del c
+    q, k, h = new_token(B)
+    for key, only in (("all", None), ("2bit", "2bit"), ("4bit", "4bit")):
+        v = synth_view(B, L, only=only)
+        t = timeit(lambda: tale_kernels.latent_attention(q, k, h, v, scale, **cfg))
+        nb = view_bytes(v)
+        r[f"{key}_us"], r[f"{key}_bytes"] = t, nb
+        r[f"{key}_gbs"] = nb / (t * 1e-6) / 1e9
+        r[f"{key}_pct"] = 100 * r[f"{key}_gbs"] / copy_bw
+        del v
     torch.cuda.empty_cache()
     try:
-        kf = torch.randn(B, K, L + 1, N, device=DEV, dtype=dt)
-        vf = torch.randn(B, K, L + 1, N, device=DEV, dtype=dt)
-        r["sdpa_us"], r["sdpa_backend"], _ = best_sdpa(q, kf, vf, fp16_bytes)
-        del vf
-        torch.cuda.empty_cache()
-        lat = torch.randn(B, G, L + 1, R0, device=DEV, dtype=dt)
-        bc = torch.randn(G, R0, R, device=DEV, dtype=dt) / R0**0.5
-        be = BACKENDS[r["sdpa_backend"].split("+")[0]] if r["sdpa_backend"] != "none" else SDPBackend.FLASH_ATTENTION
-
-        def palu():
-            v = torch.einsum("bclr,crs->bcls", lat, bc).view(B, G, L + 1, GS, N).transpose(2, 3).reshape(B, K, L + 1, N)
-            with sdpa_kernel([be]):
-                return F.scaled_dot_product_attention(q, kf, v, enable_gqa=True)
-
-        r["palu_us"] = timeit(palu, graph=fp16_bytes < 8e9)
-        del kf, lat
+        r["sdpa_us"], r["sdpa_backend"] = best_sdpa(B, L)
     except torch.OutOfMemoryError:
-        r.setdefault("sdpa_us", float("nan"))
-        r.setdefault("sdpa_backend", "OOM")
-        r["palu_us"] = float("nan")
+        r["sdpa_us"], r["sdpa_backend"] = float("nan"), "OOM"
     torch.cuda.empty_cache()
-    if B not in out_cache:
-        out_cache[B] = output_paths(B)
-    r["fused_us"], r["factored_us"], r["wo_us"] = out_cache[B]
+    r["speedup"] = r["sdpa_us"] / r["all_us"]
     return r
 
 
-# (block_t, num_warps, num_stages). With 8 warps a 32-token tile leaves half of them repeating
-# the dequantization of the other half (the score dot's N dim is split 8 ways in steps of 8).
-CONFIGS = [(64, 4, 2), (64, 4, 3), (32, 4, 2), (128, 4, 2), (64, 8, 2), (128, 8, 2)]
-
-
-def sweep(default: dict) -> dict:
-    """Launch parameters at 128K / batch 1 (then split sizing at 4K), best by time; outputs cross-checked."""
-    dt = torch.float16
-    c = synth_cache(1, 131072, dt)
-    q, k, h = new_token(1, dt)
-    want = ref_attention(q, k, h, c, N**-0.5)
-    results = []
-    for bt, nw, ns in CONFIGS:
-        cfg = dict(default, block_t=bt, num_warps=nw, num_stages=ns)
+def sweep(cfg: dict) -> dict:
+    """Launch parameters at 128K batch 1, best by time."""
+    v = synth_view(1, 131072)
+    q, k, h = new_token(1)
+    want = ref_attention(q, k, h, v, N**-0.5)
+    res = []
+    for bt, nw, ns, w, ql in ((64, 4, 2, 2, False), (64, 4, 2, 2, True), (64, 4, 3, 2, False), (128, 8, 2, 2, False),
+                              (128, 8, 2, 2, True), (64, 4, 2, 3, False), (64, 4, 2, 1.5, False)):
+        c = dict(cfg, block_t=bt, num_warps=nw, num_stages=ns, waves=w, q_in_loop=ql)
         try:
-            e = rel(tale_kernels.latent_attention(q, k, h, c, N**-0.5, **cfg), want)
-            t = timeit(lambda: tale_kernels.latent_attention(q, k, h, c, N**-0.5, **cfg))
-        except Exception as ex:  # a config that does not compile (shared memory, registers)
-            print(f"sweep {cfg}: failed: {str(ex).splitlines()[0][:120]}")
+            e = rel(tale_kernels.latent_attention(q, k, h, v, N**-0.5, **c), want)
+            t = timeit(lambda: tale_kernels.latent_attention(q, k, h, v, N**-0.5, **c))
+        except Exception as ex:
+            print(f"sweep {c}: failed: {str(ex).splitlines()[0][:120]}")
             continue
-        print(f"sweep 128K B=1 {cfg}: {t:.1f} us, rel err {e:.1e}", flush=True)
-        if e < 5e-3:
-            results.append((t, cfg))
-    best = min(results, key=lambda x: x[0])[1]
-    for w in (1.0, 2.0, 4.0):
-        cfg = dict(best, waves=w)
-        t = timeit(lambda: tale_kernels.latent_attention(q, k, h, c, N**-0.5, **cfg))
-        print(f"sweep 128K B=1 {cfg}: {t:.1f} us", flush=True)
-        results.append((t, cfg))
-    best = min(results, key=lambda x: x[0])[1]
-    del c
-    c = synth_cache(1, 4096, dt)
-    short = []
-    for ms in (32, 64, 128, 256):
-        cfg = dict(best, min_split=ms)
-        t = timeit(lambda: tale_kernels.latent_attention(q, k, h, c, N**-0.5, **cfg))
-        print(f"sweep 4K B=1 {cfg}: {t:.1f} us", flush=True)
-        short.append((t, cfg))
-    best = min(short, key=lambda x: x[0])[1]
+        print(f"sweep 128K B=1 {c}: {t:.1f} us, rel err {e:.1e}", flush=True)
+        if e <= TOL:
+            res.append((t, c))
+    best = min(res, key=lambda x: x[0])[1]
     print("sweep best:", best)
     return best
 
 
 def kernel_resources() -> None:
-    """Registers, spills and shared memory of the compiled region kernels (when Triton exposes them)."""
     try:
-        for dev, entry in kattn._region_kernel.device_caches.items():
+        for _, entry in kattn._attn_kernel.device_caches.items():
             for key, kern in entry[0].items():
                 md = kern.metadata
                 print(f"compiled: regs {kern.n_regs} spills {kern.n_spills} shared {md.shared} warps {md.num_warps} "
-                      f"stages {md.num_stages} | {str(key)[:160]}")
+                      f"stages {md.num_stages}")
     except Exception as ex:
         print("compiled kernel info unavailable:", ex)
 
@@ -340,76 +352,55 @@ def fmt(x, p=1):
 
 def markdown(rows, copy_bw, cfg, cmd, env) -> str:
     out = [
-        "# Decode speed: TALE kernel vs torch fp16 (one layer, Llama-3.1-8B attention shapes)",
+        "## Decode attention kernel (one layer, one decode step)",
         "",
-        f"Measured on {env}. Command: `{cmd}`",
+        f"Measured on {env}. Command (from the repo root): `{cmd}`",
         "",
-        f"Shapes: H=32, K=8, head dim 128, d=4096, g=4 (R=512, r0=256); schedule: 4 sinks, p=0.1 at 4 bits full rank, "
-        f"middle 2 bits rank 256, key/value groups 32, 16-bit residual. Random inputs, real shapes. Kernel launch "
-        f"config: {cfg or 'the defaults of tale_kernels.latent_attention'}. Times are medians of CUDA-graph replays with L2 flushed before each (eager: no graph, "
-        f"Python launch overhead included). Device copy bandwidth measured in the same run: {copy_bw:.0f} GB/s "
-        f"(read + write). Bytes = TALE cache tensors of the layer (packed codes, scales, zeros, sinks, residual). "
-        f"Memory per sequence: all {LAYERS} layers.",
+        "Llama-3.1-8B attention shapes (H=32, K=8, head dim 128, g=4: R=512, r0=256), bf16, the paper schedule "
+        "(4 sinks, p=0.1 at 4 bits full rank, the middle at 2 bits rank 256, key/value groups 32, 16-bit residual), "
+        "random inputs of real shapes read through a LayerView. Kernel launch config: "
+        f"{cfg or 'the defaults of tale_kernels.latent_attention'}. Medians of CUDA-graph replays, L2 flushed before "
+        f"each. Copy bandwidth measured in the same run: {copy_bw:.0f} GB/s (read + write). GB/s = bytes of the cache "
+        "tensors (packed codes, scales, zeros, sinks, residual) over the time; the slot positions (4 bytes per slot "
+        "and row, read once per head group) are not counted. 2-bit / 4-bit: a view holding only that level "
+        "(plus the new token), timed alone, whole call. SDPA: torch bf16 flash / efficient / cuDNN with "
+        "enable_gqa=True over the full K/V, the fastest.",
         "",
-        "## Attention (one layer, one decode step)",
-        "",
-        "| context | batch | TALE us | TALE eager us | cache MB | GB/s | % copy BW | best SDPA us (backend) | Palu-style us "
-        "| speedup vs SDPA | vs Palu | TALE GiB/seq | fp16 GiB/seq |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| context | batch | TALE us | cache MB | GB/s | % of copy | 2-bit level: us, GB/s, % | "
+        "4-bit level: us, GB/s, % | SDPA bf16 us (backend) | TALE vs SDPA |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         out.append(
-            f"| {r['L'] // 1024}K | {r['B']} | {fmt(r['tale_us'])} | {fmt(r['tale_eager_us'])} | {r['bytes'] / 1e6:.1f} "
-            f"| {r['gbs']:.0f} | {r['pct_copy']:.0f}% | {fmt(r['sdpa_us'])} ({r['sdpa_backend']}) | {fmt(r['palu_us'])} "
-            f"| {fmt(r['sdpa_us'] / r['tale_us'], 2)}x | {fmt(r['palu_us'] / r['tale_us'], 2)}x "
-            f"| {r['tale_seq_gib']:.2f} | {r['fp16_seq_gib']:.2f} |"
+            f"| {r['L'] // 1024}K | {r['B']} | {fmt(r['all_us'])} | {r['all_bytes'] / 1e6:.1f} | {r['all_gbs']:.0f} "
+            f"| {r['all_pct']:.0f}% | {fmt(r['2bit_us'])}, {r['2bit_gbs']:.0f}, {r['2bit_pct']:.0f}% "
+            f"| {fmt(r['4bit_us'])}, {r['4bit_gbs']:.0f}, {r['4bit_pct']:.0f}% "
+            f"| {fmt(r['sdpa_us'])} ({r['sdpa_backend']}) | {fmt(r['speedup'], 2)}x |"
         )
-    out += [
-        "",
-        "## Per layer with the output projection",
-        "",
-        "TALE attention + fused O^r ([B, H*R] @ [H*R, d], 128 MiB of weights) or factored (z -> B_{c,j} -> W_O, "
-        "33 MiB), against best SDPA + W_O.",
-        "",
-        "| context | batch | TALE + fused us | TALE + factored us | SDPA + W_O us | speedup (best TALE path) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        tf, tc = r["tale_us"] + r["fused_us"], r["tale_us"] + r["factored_us"]
-        base = r["sdpa_us"] + r["wo_us"]
-        out.append(f"| {r['L'] // 1024}K | {r['B']} | {fmt(tf)} | {fmt(tc)} | {fmt(base)} | {fmt(base / min(tf, tc), 2)}x |")
     return "\n".join(out) + "\n"
 
 
 def main() -> int:
     global FLUSH
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--contexts", default="4096,16384,32768,65536,131072,262144,524288,1048576")
-    ap.add_argument("--batches", default="1,4,16")
-    ap.add_argument("--check", action="store_true", help="correctness against the torch reference first")
+    ap.add_argument("--contexts", default="32768,131072,524288")
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--no-check", action="store_true", help="skip the correctness checks")
     ap.add_argument("--sweep", action="store_true", help="pick launch parameters at 128K batch 1 first")
-    ap.add_argument("--profile", type=int, default=0, help="only run the kernel a few times at this context, batch 1 (for ncu)")
     ap.add_argument("--config", default=None, help="JSON launch parameters for latent_attention")
-    ap.add_argument("--save-config", default=None)
     ap.add_argument("--out", default=None, help="markdown file for the table")
     args = ap.parse_args()
     FLUSH = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
     torch.manual_seed(0)
+    random.seed(0)
     cfg = json.loads(args.config) if args.config else {}
     props = torch.cuda.get_device_properties(0)
     import triton
 
     env = f"{props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, triton {triton.__version__}"
-    print(env)
-    if args.profile:
-        c = synth_cache(1, args.profile, torch.float16)
-        q, k, h = new_token(1, torch.float16)
-        for _ in range(3):
-            tale_kernels.latent_attention(q, k, h, c, N**-0.5, **cfg)
-        torch.cuda.synchronize()
-        return 0
+    print(env, flush=True)
     ok = True
-    if args.check:
+    if not args.no_check:
         try:
             ok = check(cfg)
         except Exception:
@@ -420,19 +411,14 @@ def main() -> int:
             cfg = sweep(cfg)
         except Exception:
             traceback.print_exc()
-    kernel_resources()
-    if args.save_config:
-        with open(args.save_config, "w") as f:
-            json.dump(cfg, f)
     copy_bw = copy_bandwidth()
-    print(f"copy bandwidth {copy_bw:.0f} GB/s")
-    rows, outs = [], {}
+    print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
+    rows = []
+    md = ""
     for L in (int(x) for x in args.contexts.split(",")):
         for B in (int(x) for x in args.batches.split(",")):
-            if B * L > 16 * 1048576:
-                continue
             try:
-                r = row(B, L, cfg, copy_bw, outs)
+                r = row(B, L, cfg, copy_bw)
             except Exception:
                 traceback.print_exc()
                 torch.cuda.empty_cache()
@@ -443,6 +429,7 @@ def main() -> int:
             if args.out:  # rewritten after every row: a run cut short still leaves its table
                 with open(args.out, "w") as f:
                     f.write(md)
+    kernel_resources()
     print(md)
     return 0 if ok else 1
 

@@ -31,21 +31,13 @@ TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float3
 
 
 @triton.jit
-def unpack(byts, BITS: tl.constexpr, OUT: tl.constexpr):
-    """uint8 [M, NB] packed codes -> OUT [M, NB * 8 // BITS] in channel order.
+def to_float(c, BITS: tl.constexpr, OUT: tl.constexpr):
+    """int32 codes (< 2^BITS) -> OUT, exactly.
 
-    Element i of a byte sits at bit offset i * BITS (runtime/quant.py). Codes become floats
-    through the exponent trick (the code ORed into the mantissa of 2^23, 1024 or 128 for
-    float32, float16, bfloat16, then that power of two subtracted, exactly) instead of the
-    quarter-rate int->float conversion; 16-bit results let the dequantization run in 16-bit.
+    The exponent trick instead of the quarter-rate int->float conversion: the code ORed into
+    the mantissa of 1024 (float16), 128 (bfloat16, codes < 128) or 2^23 (float32), then that
+    power of two subtracted; 16-bit results let the dequantization run in 16-bit.
     """
-    b = byts.to(tl.int32)
-    if BITS == 8:
-        c = b
-    elif BITS == 4:
-        c = tl.interleave(b & 15, b >> 4)
-    else:  # 2 bits: interleave twice to get c0 c1 c2 c3 per byte
-        c = tl.interleave(tl.interleave(b & 3, (b >> 4) & 3), tl.interleave((b >> 2) & 3, b >> 6))
     if OUT == tl.float16:
         x = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
     elif OUT == tl.bfloat16 and BITS <= 4:  # 128 + c is exact in bfloat16 up to c = 127
@@ -53,3 +45,10 @@ def unpack(byts, BITS: tl.constexpr, OUT: tl.constexpr):
     else:
         x = ((c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0).to(OUT)
     return x
+
+
+@triton.jit
+def plane(byts, i: tl.constexpr, BITS: tl.constexpr, OUT: tl.constexpr):
+    """uint8 [M, nb] packed rows -> OUT [M, nb]: plane i, i.e. elements i*nb .. i*nb + nb - 1 of
+    each row (runtime/quant.py: element c in byte c % nb at bit (c // nb) * BITS)."""
+    return to_float((byts.to(tl.int32) >> (i * BITS)) & ((1 << BITS) - 1), BITS, OUT)

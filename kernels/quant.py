@@ -1,9 +1,10 @@
 """Triton quantize / dequantize / requantize for the layout of runtime/quant.py.
 
 Asymmetric min/max; keys (dim=-2) per channel over groups of tokens, latents (dim=-1) per token
-over groups of channels; codes packed along the last dim, element i of a byte at bit offset
-(i % per_byte) * bits; scale and zero in the source dtype. A program takes a tile of whole
-groups (keys: group tokens x all channels; latents: some tokens x all channels).
+over groups of channels; codes packed along the last dim in planes (element c of a row of nb
+bytes in byte c % nb at bit offset (c // nb) * bits); scale and zero in the source dtype.
+A program takes a tile of whole groups (keys: group tokens x all channels; latents: some
+tokens x all channels).
 
 `requantize` is the demotion step in one pass: read packed codes, dequantize (rounded to the
 source dtype, like the torch path), truncate to the first `rank` channels, requantize to
@@ -19,55 +20,34 @@ import triton.language as tl
 
 from tale_runtime.quant import QTensor
 
-from ._common import TL_DTYPE, is_pow2, pow2, runnable, unpack
+from ._common import TL_DTYPE, is_pow2, pow2, runnable
 
 
 @triton.jit
-def _load_x(x_ptr, xs_ptr, xz_ptr, xoff, soff_a, s_xt, s_st, t0, L, C,
+def _load_x(x_ptr, xs_ptr, xz_ptr, xoff, soff, s_xt, s_st, t0, L, ch, cm, NB_IN,
             IN_BITS: tl.constexpr, GROUP: tl.constexpr, KEYS: tl.constexpr,
-            BT: tl.constexpr, CP: tl.constexpr, SRC: tl.constexpr, ROUND: tl.constexpr):
-    """A [BT, CP] tile in float32: raw (IN_BITS 16) or dequantized (and rounded to SRC if ROUND)."""
+            BT: tl.constexpr, SRC: tl.constexpr, ROUND: tl.constexpr):
+    """Float32 [BT, W] tile of the channels `ch` [W] (mask `cm`): raw (IN_BITS 16) or dequantized
+    (rounded to SRC if ROUND). Packed codes and their scales are gathered per element: any
+    channel order in, whatever the input's plane layout (NB_IN bytes per row)."""
     t = t0 + tl.arange(0, BT)
-    tm = t < L
-    ch = tl.arange(0, CP)
+    m = (t < L)[:, None] & cm[None, :]
     if IN_BITS == 16:
-        x = tl.load(x_ptr + xoff + t[:, None] * s_xt + ch[None, :], mask=tm[:, None] & (ch < C)[None, :],
-                    other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + xoff + t[:, None] * s_xt + ch[None, :], mask=m, other=0.0).to(tl.float32)
     else:
-        x = _dequant(x_ptr, xs_ptr, xz_ptr, xoff, soff_a, s_xt, s_st, t0, L, C, IN_BITS, GROUP, KEYS, BT, CP, SRC, ROUND)
-    return x
-
-
-@triton.jit
-def _dequant(x_ptr, xs_ptr, xz_ptr, xoff, soff_a, s_xt, s_st, t0, L, C,
-             IN_BITS: tl.constexpr, GROUP: tl.constexpr, KEYS: tl.constexpr,
-             BT: tl.constexpr, CP: tl.constexpr, SRC: tl.constexpr, ROUND: tl.constexpr):
-    t = t0 + tl.arange(0, BT)
-    tm = t < L
-    ch = tl.arange(0, CP)
-    cb = tl.arange(0, CP * IN_BITS // 8)
-    byts = tl.load(x_ptr + xoff + t[:, None] * s_xt + cb[None, :],
-                   mask=tm[:, None] & (cb < C * IN_BITS // 8)[None, :], other=0)
-    codes = unpack(byts, IN_BITS, tl.float32)
-    if KEYS:
-        ROWS: tl.constexpr = BT // GROUP
-        r = t0 // GROUP + tl.arange(0, ROWS)
-        m = (r * GROUP < L)[:, None] & (ch < C)[None, :]
-        off = soff_a + r[:, None] * s_st + ch[None, :]
+        byte = ch % NB_IN
+        shift = (ch // NB_IN) * IN_BITS
+        b = tl.load(x_ptr + xoff + t[:, None] * s_xt + byte[None, :], mask=m, other=0).to(tl.int32)
+        code = ((b >> shift[None, :]) & ((1 << IN_BITS) - 1)).to(tl.float32)
+        if KEYS:  # per channel over token groups
+            off = soff + (t // GROUP)[:, None] * s_st + ch[None, :]
+        else:  # per token over channel groups
+            off = soff + t[:, None] * s_st + (ch // GROUP)[None, :]
         sc = tl.load(xs_ptr + off, mask=m, other=0.0).to(tl.float32)
         zr = tl.load(xz_ptr + off, mask=m, other=0.0).to(tl.float32)
-        x = tl.reshape(codes, (ROWS, GROUP, CP)) * sc[:, None, :] + zr[:, None, :]
-    else:
-        NG: tl.constexpr = CP // GROUP
-        gi = tl.arange(0, NG)
-        m = tm[:, None] & (gi < C // GROUP)[None, :]
-        off = soff_a + t[:, None] * s_st + gi[None, :]
-        sc = tl.load(xs_ptr + off, mask=m, other=0.0).to(tl.float32)
-        zr = tl.load(xz_ptr + off, mask=m, other=0.0).to(tl.float32)
-        x = tl.reshape(codes, (BT, NG, GROUP)) * sc[:, :, None] + zr[:, :, None]
-    x = tl.reshape(x, (BT, CP))
-    if ROUND:
-        x = x.to(SRC).to(tl.float32)
+        x = code * sc + zr
+        if ROUND:
+            x = x.to(SRC).to(tl.float32)
     return x
 
 
@@ -75,19 +55,27 @@ def _dequant(x_ptr, xs_ptr, xz_ptr, xoff, soff_a, s_xt, s_st, t0, L, C,
 def _quant_kernel(
     x_ptr, xs_ptr, xz_ptr, s_xa, s_xd, s_xt, s_sa, s_sd, s_st,
     o_ptr, os_ptr, oz_ptr, s_oa, s_od, s_ot, s_osa, s_osd, s_ost,
-    L, C,
+    L, NB, NB_IN,
     IN_BITS: tl.constexpr, OUT_BITS: tl.constexpr, GROUP: tl.constexpr, KEYS: tl.constexpr,
-    BT: tl.constexpr, CP: tl.constexpr, SRC: tl.constexpr,
+    BT: tl.constexpr, NBP: tl.constexpr, SRC: tl.constexpr,
 ):
+    """Quantize a tile of whole groups. Columns run in the output's plane order, padded:
+    column u = (plane u // NBP, byte u % NBP) holds channel (u // NBP) * NB + u % NBP, so the
+    packing is a reshape and a shifted sum; latent groups never straddle planes (NB % GROUP == 0)."""
     t0 = tl.program_id(0) * BT
     d = tl.program_id(1).to(tl.int64)
     a = tl.program_id(2).to(tl.int64)
-    x = _load_x(x_ptr, xs_ptr, xz_ptr, a * s_xa + d * s_xd, a * s_sa + d * s_sd, s_xt, s_st, t0, L, C,
-                IN_BITS, GROUP, KEYS, BT, CP, SRC, True)
+    PER: tl.constexpr = 8 // OUT_BITS
+    CP: tl.constexpr = PER * NBP
+    u = tl.arange(0, CP)
+    jj = u % NBP
+    ch = (u // NBP) * NB + jj
+    cm = jj < NB
+    x = _load_x(x_ptr, xs_ptr, xz_ptr, a * s_xa + d * s_xd, a * s_sa + d * s_sd, s_xt, s_st, t0, L, ch, cm, NB_IN,
+                IN_BITS, GROUP, KEYS, BT, SRC, True)
     QMAX: tl.constexpr = (1 << OUT_BITS) - 1
     t = t0 + tl.arange(0, BT)
     tm = t < L
-    ch = tl.arange(0, CP)
     if KEYS:  # per channel over GROUP tokens
         ROWS: tl.constexpr = BT // GROUP
         x3 = tl.reshape(x, (ROWS, GROUP, CP))
@@ -97,7 +85,7 @@ def _quant_kernel(
         v = tl.math.div_rn(x3 - mn[:, None, :], safe[:, None, :])
         r = t0 // GROUP + tl.arange(0, ROWS)
         soff = a * s_osa + d * s_osd + r[:, None] * s_ost + ch[None, :]
-        sm = (r * GROUP < L)[:, None] & (ch < C)[None, :]
+        sm = (r * GROUP < L)[:, None] & cm[None, :]
     else:  # per token over GROUP channels
         NG: tl.constexpr = CP // GROUP
         x3 = tl.reshape(x, (BT, NG, GROUP))
@@ -105,41 +93,41 @@ def _quant_kernel(
         scale = tl.math.div_rn(tl.max(x3, axis=2) - mn, QMAX * 1.0)
         safe = tl.where(scale > 0, scale, 1.0)
         v = tl.math.div_rn(x3 - mn[:, :, None], safe[:, :, None])
-        gi = tl.arange(0, NG)
-        soff = a * s_osa + d * s_osd + t[:, None] * s_ost + gi[None, :]
-        sm = tm[:, None] & (gi < C // GROUP)[None, :]
+        u0 = tl.arange(0, NG) * GROUP  # first column of each group slot
+        gch = (u0 // NBP) * NB + u0 % NBP
+        soff = a * s_osa + d * s_osd + t[:, None] * s_ost + (gch // GROUP)[None, :]
+        sm = tm[:, None] & (u0 % NBP < NB)[None, :]
     tl.store(os_ptr + soff, scale.to(SRC), mask=sm)
     tl.store(oz_ptr + soff, mn.to(SRC), mask=sm)
     # round half to even (as torch.round) by the 1.5 * 2^23 trick, after the clamp
     v = tl.minimum(tl.maximum(v, 0.0), QMAX * 1.0)
     v = (v + 12582912.0) - 12582912.0
     codes = tl.reshape(v, (BT, CP)).to(tl.int32)
-    PER: tl.constexpr = 8 // OUT_BITS
     if OUT_BITS == 8:
         packed = codes.to(tl.uint8)
     else:
         shifts = tl.arange(0, PER) * OUT_BITS
-        packed = tl.sum(tl.reshape(codes, (BT, CP // PER, PER)) << shifts[None, None, :], axis=2).to(tl.uint8)
-    cb = tl.arange(0, CP // PER)
+        packed = tl.sum(tl.reshape(codes, (BT, PER, NBP)) << shifts[None, :, None], axis=1).to(tl.uint8)
+    cb = tl.arange(0, NBP)
     tl.store(o_ptr + a * s_oa + d * s_od + t[:, None] * s_ot + cb[None, :], packed,
-             mask=tm[:, None] & (cb < C // PER)[None, :])
+             mask=tm[:, None] & (cb < NB)[None, :])
 
 
 @triton.jit
 def _dequant_kernel(
     x_ptr, xs_ptr, xz_ptr, s_xa, s_xd, s_xt, s_sa, s_sd, s_st,
     o_ptr, s_oa, s_od, s_ot,
-    L, C,
+    L, C, NB_IN,
     IN_BITS: tl.constexpr, GROUP: tl.constexpr, KEYS: tl.constexpr,
     BT: tl.constexpr, CP: tl.constexpr, SRC: tl.constexpr, OUT: tl.constexpr,
 ):
     t0 = tl.program_id(0) * BT
     d = tl.program_id(1).to(tl.int64)
     a = tl.program_id(2).to(tl.int64)
-    x = _load_x(x_ptr, xs_ptr, xz_ptr, a * s_xa + d * s_xd, a * s_sa + d * s_sd, s_xt, s_st, t0, L, C,
-                IN_BITS, GROUP, KEYS, BT, CP, SRC, False)
-    t = t0 + tl.arange(0, BT)
     ch = tl.arange(0, CP)
+    x = _load_x(x_ptr, xs_ptr, xz_ptr, a * s_xa + d * s_xd, a * s_sa + d * s_sd, s_xt, s_st, t0, L, ch, ch < C, NB_IN,
+                IN_BITS, GROUP, KEYS, BT, SRC, False)
+    t = t0 + tl.arange(0, BT)
     tl.store(o_ptr + a * s_oa + d * s_od + t[:, None] * s_ot + ch[None, :], x.to(OUT),
              mask=(t < L)[:, None] & (ch < C)[None, :])
 
@@ -171,11 +159,12 @@ def supports(shape: torch.Size, bits: int, group: int, dim: int, *tensors: torch
     if any(t.is_floating_point() and t.dtype not in TL_DTYPE for t in tensors):
         return False
     L, C = shape[-2], shape[-1]
-    if L == 0 or C * bits % 8 or pow2(C) > 8192:
+    if L == 0 or C * bits % 8 or (8 // bits) * pow2(C * bits // 8) > 8192:
         return False
     if _keys(dim, len(shape)):
         return L % group == 0 and group <= 1024
-    return dim % len(shape) == len(shape) - 1 and C % group == 0
+    # latent groups must not straddle the planes of the packed layout
+    return dim % len(shape) == len(shape) - 1 and (C * bits // 8) % group == 0
 
 
 def _launch_quant(src: QTensor | torch.Tensor, C: int, bits: int, group: int, keys: bool, dtype: torch.dtype) -> QTensor:
@@ -189,14 +178,14 @@ def _launch_quant(src: QTensor | torch.Tensor, C: int, bits: int, group: int, ke
     sshape = (A, D, L // group, C) if keys else (A, D, L, C // group)
     scale = torch.empty(sshape, device=dev, dtype=dtype)
     zero = torch.empty(sshape, device=dev, dtype=dtype)
-    CP = pow2(C)
-    BT = _tile(keys, group, CP)
+    NB, NBP = C * bits // 8, pow2(C * bits // 8)
+    BT = _tile(keys, group, (8 // bits) * NBP)
     _quant_kernel[(triton.cdiv(L, BT), D, A)](
         x, xs, xz, x.stride(0), x.stride(1), x.stride(2), xs.stride(0), xs.stride(1), xs.stride(2),
         out, scale, zero, out.stride(0), out.stride(1), out.stride(2),
         scale.stride(0), scale.stride(1), scale.stride(2),
-        L, C,
-        IN_BITS=16 if raw else src.bits, OUT_BITS=bits, GROUP=group, KEYS=keys, BT=BT, CP=CP, SRC=TL_DTYPE[dtype],
+        L, NB, 1 if raw else x.shape[-1],
+        IN_BITS=16 if raw else src.bits, OUT_BITS=bits, GROUP=group, KEYS=keys, BT=BT, NBP=NBP, SRC=TL_DTYPE[dtype],
         num_warps=4, **_no_fma(dev),
     )
     lead = (src if raw else src.data).shape[:-2]
@@ -235,7 +224,7 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     _dequant_kernel[(triton.cdiv(L, BT), D, A)](
         x, xs, xz, x.stride(0), x.stride(1), x.stride(2), xs.stride(0), xs.stride(1), xs.stride(2),
         out, out.stride(0), out.stride(1), out.stride(2),
-        L, C,
+        L, C, x.shape[-1],
         IN_BITS=q.bits, GROUP=q.group, KEYS=keys, BT=BT, CP=CP, SRC=TL_DTYPE[q.scale.dtype], OUT=TL_DTYPE[dtype],
         num_warps=4, **_no_fma(x.device),
     )

@@ -25,6 +25,7 @@ import torch
 
 from .artifact import Schedule, ceil_share
 from .quant import QTensor, cat, dequantize, quantize, requantize, split
+from .regions import LayerView, Region
 
 
 @dataclass
@@ -200,7 +201,7 @@ class TaleLayerCache:
         if n_res:
             self.res_k, self.res_h = k[..., start:, :].clone(), h[..., start:, :].clone()
 
-    # -- reading (torch reference) -------------------------------------------------------
+    # -- reading ---------------------------------------------------------------------------
 
     def regions(self, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Dequantized (keys [B,K,L,n], latents [B,G,L,r]) per region in position order."""
@@ -214,42 +215,71 @@ class TaleLayerCache:
             out.append((self.res_k.to(dtype), self.res_h.to(dtype)))
         return out
 
+    def view(self) -> LayerView:
+        """What decode attention reads (runtime/regions.py): every non-empty region, its slot
+        positions (cache index; -1 = padding) and lengths as ints."""
+        if self.valid is None:
+            return LayerView([], 0, self.window)
+        kappa = self.kappa
+        pos = torch.arange(kappa, device=self.valid.device, dtype=torch.int32).expand_as(self.valid)
+        pos = torch.where(self.valid, pos, -1)  # [B, kappa]
+        gk, gv = self.s.key_group, self.s.value_group
+        parts = [(QTensor(self.sink_k, None, None, 16, gk, -2), QTensor(self.sink_h, None, None, 16, gv, -1),
+                  self.R)] if self.sink_k is not None else []
+        parts += [(st.keys, st.lat, st.rank) for st in self.levels if st is not None and st.length]
+        if self.res_k is not None:
+            parts.append((QTensor(self.res_k, None, None, 16, gk, -2), QTensor(self.res_h, None, None, 16, gv, -1),
+                          self.R))
+        regions, p = [], 0
+        for keys, lat, rank in parts:
+            L = keys.shape[-2]
+            regions.append(Region(keys, lat, rank, pos[:, p : p + L], L))
+            p += L
+        return LayerView(regions, kappa, self.window)
+
 
 def latent_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
     h_new: torch.Tensor,
-    cache: TaleLayerCache,
+    cache: TaleLayerCache | LayerView,
     scaling: float,
 ) -> torch.Tensor:
     """Attention of T new queries over the cached (compressed) tokens plus the T new exact tokens
     (causal among themselves), summed in latent space. Returns z [B, T, H, R] with
     z_q = sum_t s_{q,t} pad_R(h_t[:r_t]) (DESIGN.md 4). Computed in float32.
 
-    q: [B, H, T, n]; k_new: [B, K, T, n]; h_new: [B, G, T, R].
+    q: [B, H, T, n]; k_new: [B, K, T, n]; h_new: [B, G, T, R]. The cache is read through its
+    LayerView (runtime/regions.py): masks come from the slot positions (padding -1; sliding
+    window: query position - slot position < window).
     """
     B, H, T, n = q.shape
     K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
     rep, g = H // K, K // G
     f32 = torch.float32
-    regions = cache.regions(f32) + [(k_new.to(f32), h_new.to(f32))]
-    keys = torch.cat([k for k, _ in regions], dim=-2)  # [B, K, L, n]
+    view = cache if isinstance(cache, LayerView) else cache.view()
+    # cached slots (any order), then the T new tokens; a slot with pos < 0 (padding, empty) is masked,
+    # and its latents are zeroed so that whatever an unused slot holds cannot leak in
+    regions = []
+    for r in view.regions:
+        ok = r.pos >= 0  # [B, cap]
+        h = dequantize(r.lat, f32).masked_fill(~ok[:, None, :, None], 0.0)
+        regions.append((dequantize(r.keys, f32), h, r.pos))
+    new_pos = torch.arange(T, device=q.device, dtype=torch.int32).expand(B, T) + view.next_pos
+    regions.append((k_new.to(f32), h_new.to(f32), new_pos))
+    keys = torch.cat([k for k, _, _ in regions], dim=-2)  # [B, K, L, n]
+    pos = torch.cat([p for _, _, p in regions], dim=-1)  # [B, L]
     qf = q.to(f32).view(B, K, rep, T, n)
     logits = torch.einsum("bkitn,bkln->bkitl", qf, keys) * scaling
-    past = cache.kappa
-    Ltot = keys.shape[-2]
-    mask = torch.ones(B, T, Ltot, dtype=torch.bool, device=q.device)
-    if past:
-        mask[:, :, :past] = cache.valid[:, None, :]
-    mask[:, :, past:] = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    if cache.window is not None:
-        back = torch.arange(past, past + T, device=q.device)[:, None] - torch.arange(Ltot, device=q.device)
-        mask &= back < cache.window
+    qpos = new_pos[:, :, None]  # [B, T, 1]
+    mask = (pos[:, None, :] >= 0) & (pos[:, None, :] <= qpos)  # real slots, causal among the new tokens
+    if view.window is not None:
+        mask &= qpos - pos[:, None, :] < view.window
     logits = logits.masked_fill(~mask[:, None, None], float("-inf"))
-    probs = logits.softmax(dim=-1).view(B, G, g * rep, T, Ltot)
+    probs = logits.softmax(dim=-1).view(B, G, g * rep, T, -1)
     z = torch.zeros(B, G, g * rep, T, R, dtype=f32, device=q.device)
     start = 0
-    for _, h in regions:
+    for _, h, _ in regions:
         L, r = h.shape[-2], h.shape[-1]
         z[..., :r] += torch.einsum("bcqtl,bclr->bcqtr", probs[..., start : start + L], h)
         start += L

@@ -5,8 +5,10 @@ Layout (the Triton kernels in tale_kernels use exactly this one):
   (keys: dim=-2, tokens; latents: dim=-1, channels). `scale` and `zero` (the group
   minimum) have that dim divided by `group`, in the source dtype.
 - Codes q = round((x - zero) / scale) in [0, 2^bits - 1] are packed along the LAST
-  dim into uint8: element i of a byte sits at bit offset (i % per_byte) * bits,
-  per_byte = 8 // bits. So packed has last dim = last_dim * bits / 8.
+  dim into uint8 in planes: with C elements and nb = C * bits / 8 bytes per row, element c
+  sits in byte c % nb at bit offset (c // nb) * bits. Plane i (bits i*b..) of the row's bytes
+  holds the contiguous elements i*nb .. i*nb + nb - 1, so a kernel gets a contiguous channel
+  block from one shift and mask of the loaded bytes (no interleaving; docs/kernels.md).
 - bits = 16 means "not quantized": the tensor is kept as it is.
 
 On CUDA, quantize / dequantize / requantize run tale_kernels' Triton kernels when Triton is
@@ -67,9 +69,9 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     *lead, last = codes.shape
     if last % per:
         raise ValueError(f"last dim {last} is not a multiple of {per} (needed to pack {bits}-bit codes)")
-    c = codes.to(torch.uint8).reshape(*lead, last // per, per)
-    shifts = torch.arange(per, device=codes.device, dtype=torch.uint8) * bits
-    return (c << shifts).sum(dim=-1, dtype=torch.uint8)
+    c = codes.to(torch.uint8).reshape(*lead, per, last // per)  # [..., plane, byte]
+    shifts = torch.arange(per, device=codes.device, dtype=torch.uint8)[:, None] * bits
+    return (c << shifts).sum(dim=-2, dtype=torch.uint8)
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -78,7 +80,7 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
         return packed
     per = 8 // bits
     shifts = torch.arange(per, device=packed.device, dtype=torch.uint8) * bits
-    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    codes = (packed.unsqueeze(-2) >> shifts[:, None]) & ((1 << bits) - 1)  # [..., plane, byte]
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)
 
 

@@ -33,13 +33,14 @@ from tale_runtime import quant as ref_quant  # noqa: E402
 from tale_runtime.artifact import Level, Schedule, uniform_ranks  # noqa: E402
 from tale_runtime.cache import TaleLayerCache  # noqa: E402
 from tale_runtime.cache import latent_attention as ref_attention  # noqa: E402
+from tale_runtime.regions import LayerView, Region  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 
 if not CUDA:
     from triton.runtime.interpreter import InterpretedFunction
 
-    if not isinstance(attention._region_kernel, InterpretedFunction):
+    if not isinstance(attention._attn_kernel, InterpretedFunction):
         # Triton's own library functions were built for the GPU when it was first imported
         pytest.skip("triton was imported without TRITON_INTERPRET=1 before this module; run it alone "
                     "or with TRITON_INTERPRET=1", allow_module_level=True)
@@ -81,8 +82,9 @@ def test_quantize_and_dequantize_match_torch(bits, dtype):
     # keys [B, K, L, n] per channel over token groups; latents [B, G, L, r] per token over channel groups.
     # The keys come transposed from [B, L, K, n] as in the model (non-contiguous).
     k = torch.randn(2, 40, 3, 64, device=DEVICE, dtype=dtype).transpose(1, 2) * 3
-    h = torch.randn(2, 2, 21, 96, device=DEVICE, dtype=dtype) + 1
-    for x, group, dim in ((k, 8, -2), (h, 32, -1)):
+    h = torch.randn(2, 2, 21, 128, device=DEVICE, dtype=dtype) + 1
+    for x, group, dim in ((k, 8, -2), (h, 16, -1)):
+        assert quant.supports(x.shape, bits, group, dim, x)
         q = quant.quantize(x, bits, group, dim)
         r = ref_quant.quantize(x.cpu(), bits, group, dim)
         same_quant(q, r, bits)
@@ -92,12 +94,26 @@ def test_quantize_and_dequantize_match_torch(bits, dtype):
             torch.testing.assert_close(quant.dequantize(rq, dt).cpu(), ref_quant.dequantize(r, dt), rtol=1e-6, atol=1e-6)
 
 
+def test_packed_layout_is_planar_and_shared():
+    """Element c of a row of nb bytes sits in byte c % nb at bit (c // nb) * bits, in the torch
+    pack and the Triton quantize alike; latent groups that would straddle planes go to torch."""
+    codes = torch.arange(16).remainder(4).reshape(1, 16)
+    packed = ref_quant.pack(codes, 2)  # nb = 4
+    assert packed.shape == (1, 4)
+    assert all(((packed[0, c % 4] >> (c // 4 * 2)) & 3).item() == codes[0, c].item() for c in range(16))
+    x = torch.randn(1, 1, 3, 64, device=DEVICE)
+    assert torch.equal(quant.quantize(x, 2, 16, -1).data.cpu(), ref_quant.quantize(x.cpu(), 2, 16, -1).data)
+    h = torch.randn(1, 1, 3, 96, device=DEVICE)
+    assert not quant.supports(h.shape, 2, 32, -1, h)  # 24 bytes per row: groups of 32 would straddle planes
+    assert ref_quant.quantize(h, 2, 32, -1).shape == h.shape  # the torch path still packs it
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_requantize_is_the_demotion_step(dtype):
     """4-bit full-rank latents -> first r0 channels at 2 bits; 4-bit keys -> 2-bit keys; one pass each."""
     k = torch.randn(1, 2, 64, 32, device=DEVICE, dtype=dtype)
     h = torch.randn(1, 2, 19, 128, device=DEVICE, dtype=dtype)
-    for x, group, dim, rank in ((k, 16, -2, None), (h, 16, -1, 48)):
+    for x, group, dim, rank in ((k, 16, -2, None), (h, 16, -1, 64)):
         r4 = ref_quant.quantize(x.cpu(), 4, group, dim)
         q4 = ref_quant.QTensor(r4.data.to(DEVICE), r4.scale.to(DEVICE), r4.zero.to(DEVICE), 4, group, dim)
         got = quant.requantize(q4, 2, rank)
@@ -137,6 +153,8 @@ CASES = {
     "rank8": (1, 4, 2, 1, 16, 29, None, dict(group=8)),
     "prompt-in-sinks": (1, 8, 4, 2, 32, 3, None, {}),
     "long-left-padding": (2, 8, 4, 2, 32, 340, [0, 300], {}),
+    "group32": (2, 8, 4, 2, 64, 203, [0, 11], dict(group=32, split_tokens=64)),
+    "query-planes-held": (2, 8, 4, 2, 64, 150, [0, 5], dict(q_in_loop=False)),
 }
 
 
@@ -159,6 +177,89 @@ def test_decode_attention_matches_reference(case, dtype):
         seen.add(tuple(c.lengths().values()))
         c.append(k, h)
     assert len(seen) > 1 or L0 < 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sliding_window_matches_reference(dtype):
+    """Sliding-window layers (Mistral, Qwen2): slots more than `window` positions back are masked."""
+    c = layer_cache(2, 8, 4, 2, 64, 150, dtype, pad=[0, 9])
+    G, R = 2, 128
+    for window in (40, 100, 7):
+        c.window = window
+        q, k, h = (torch.randn(2, 8, 1, 64, device=DEVICE, dtype=dtype),
+                   torch.randn(2, 4, 1, 64, device=DEVICE, dtype=dtype),
+                   torch.randn(2, G, 1, R, device=DEVICE, dtype=dtype))
+        z = tale_kernels.latent_attention(q, k, h, c, 0.125, split_tokens=32)
+        want = ref_attention(q, k, h, c, 0.125)
+        assert rel(z, want) < TOL[dtype]
+        c.window = None
+        assert rel(ref_attention(q, k, h, c, 0.125), want) > 0.05  # the window matters here
+        c.append(k, h)
+
+
+def _grow(t, extra: int, garbage: float):
+    """t with `extra` more slots (token dim -2) holding garbage: NaN values/scales, random codes."""
+    def cat(x, rows):
+        if x.dtype == torch.uint8:
+            tail = torch.randint(0, 256, (*x.shape[:-2], rows, x.shape[-1]), dtype=torch.uint8, device=x.device)
+        else:
+            tail = torch.full((*x.shape[:-2], rows, x.shape[-1]), garbage, dtype=x.dtype, device=x.device)
+        return torch.cat([x, tail], dim=-2)
+
+    if t.bits == 16:
+        return ref_quant.QTensor(cat(t.data, extra), None, None, 16, t.group, t.dim)
+    srows = extra // t.group if t.dim in (-2, t.data.dim() - 2) else extra
+    return ref_quant.QTensor(cat(t.data, extra), cat(t.scale, srows), cat(t.zero, srows), t.bits, t.group, t.dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_view_with_capacity_device_lengths_and_any_order(dtype):
+    """A static-cache-like view: capacities past the lengths with NaN in the unused slots (pos -1),
+    lengths and next_pos as device tensors, regions in reverse order, one region empty."""
+    c = layer_cache(2, 8, 4, 2, 64, 130, dtype, pad=[3, 0])
+    v = c.view()
+    regions = []
+    for r in v.regions:
+        extra = 32
+        pos = torch.cat([r.pos, torch.full((2, extra), -1, dtype=torch.int32, device=DEVICE)], dim=-1)
+        regions.append(Region(_grow(r.keys, extra, float("nan")), _grow(r.lat, extra, float("nan")), r.rank, pos,
+                              torch.tensor([r.length], dtype=torch.int32, device=DEVICE)))
+    empty = regions[1]
+    regions.append(Region(empty.keys, empty.lat, empty.rank, torch.full_like(empty.pos, -1),
+                          torch.zeros(1, dtype=torch.int32, device=DEVICE)))
+    view = LayerView(regions[::-1], torch.tensor(v.next_pos, dtype=torch.int32, device=DEVICE), None)
+    q, k, h = (torch.randn(2, 8, 1, 64, device=DEVICE, dtype=dtype),
+               torch.randn(2, 4, 1, 64, device=DEVICE, dtype=dtype),
+               torch.randn(2, 2, 1, 128, device=DEVICE, dtype=dtype))
+    assert attention.supported(q, k, h, view)
+    z = tale_kernels.latent_attention(q, k, h, view, 0.125, split_tokens=32)
+    want = ref_attention(q, k, h, c, 0.125)
+    assert torch.isfinite(z).all()
+    assert rel(ref_attention(q, k, h, view, 0.125), want) < 1e-5  # the oracle reads the view alike
+    assert rel(z, want) < TOL[dtype]
+
+
+def test_refuses_formats_it_does_not_read():
+    """Scales in another dtype (e.g. a future 8-bit/fp8 metadata format), or a QTensor subclass:
+    the kernel declines and the reference runs."""
+    c = layer_cache(1, 8, 4, 2, 64, 100, torch.float32)
+    q, k, h = (torch.randn(1, 8, 1, 64, device=DEVICE), torch.randn(1, 4, 1, 64, device=DEVICE),
+               torch.randn(1, 2, 1, 128, device=DEVICE))
+    assert attention.supported(q, k, h, c)
+    v = c.view()
+    lv = next(i for i, r in enumerate(v.regions) if r.lat.bits != 16)
+    r = v.regions[lv]
+    odd = ref_quant.QTensor(r.lat.data, r.lat.scale.half(), r.lat.zero.half(), r.lat.bits, r.lat.group, r.lat.dim)
+    v.regions[lv] = Region(r.keys, odd, r.rank, r.pos, r.length)
+    assert not attention.supported(q, k, h, v)
+    assert torch.equal(tale_kernels.latent_attention(q, k, h, v, 0.2), ref_attention(q, k, h, v, 0.2))
+
+    class Other(ref_quant.QTensor):
+        pass
+
+    v.regions[lv] = Region(r.keys, Other(r.lat.data, r.lat.scale, r.lat.zero, r.lat.bits, r.lat.group, r.lat.dim),
+                           r.rank, r.pos, r.length)
+    assert not attention.supported(q, k, h, v)
 
 
 @pytest.mark.parametrize("bits", [(8, 8), (16, 4), (4, 16)])
