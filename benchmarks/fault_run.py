@@ -698,6 +698,9 @@ def doc_only(args) -> None:
     order = order[:order.index("sigkill-after-2-layers") + 1] + ["resume-after-sigkill"] + \
         order[order.index("sigkill-after-2-layers") + 1:]
     done = [rows[i] for i in order if i in rows]
+    for r in done:  # rows of a re-run lived in another work dir
+        r["cmd"] = [a.replace(r["work"], str(work)) for a in r["cmd"]]
+        r["message"] = r["message"].replace(r["work"], str(work))
     missing = [c.id for c in cases() if c.id not in rows]
     rerun = sorted({i for i in seen if seen.count(i) > 1})
     summary = write_doc(done, work, args.out, [], 0.0, not_run=missing, rerun=rerun)
