@@ -301,7 +301,7 @@ def cases() -> list[Case]:
     add("manifest-files-list", g, run, "lists no files", setup=edit_manifest(lambda m: m.update(files=["x"])))
     add("manifest-entry-removed", g, run, "tokenizer.json is not in the manifest",
         setup=edit_manifest(lambda m: m["files"].pop("tokenizer.json")))
-    add("manifest-config-unlisted", g, run, "config.json is not in the manifest",
+    add("manifest-config-unlisted", g, run, "does not cover config.json",
         setup=edit_manifest(lambda m: m["files"].pop("config.json")))
     add("manifest-path-escape", g, run, "outside the artifact",
         setup=edit_manifest(lambda m: m["files"].update({"../../etc/passwd": "0" * 64})))
@@ -515,7 +515,9 @@ def run_case(case: Case, work: Path) -> dict:
         cmd = ["unshare", "-m", "--propagation", "private", *cmd]
     t = time.perf_counter()
     if case.signal_when:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(case.env))
+        # a background job inherits SIGINT ignored (and Python then keeps it so): give the case a terminal's default
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(case.env),
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.time() + 300
         while proc.poll() is None and not case.signal_when(w) and time.time() < deadline:
             time.sleep(0.02)
@@ -568,8 +570,8 @@ def judge(case: Case, p: subprocess.CompletedProcess, w: Path, seconds: float) -
     if case.check and (msg := case.check(w, p)):
         problems.append(msg)
     message = lines[-1] if lines else ""
-    if case.expect == "accept" and p.returncode == 0:
-        message = (p.stdout.strip().splitlines() or [""])[-1] if "dry run" in p.stdout else message
+    if case.expect == "accept" and p.returncode == 0:  # the line that shows it worked
+        message = next((ln for ln in (p.stdout + p.stderr).splitlines() if case.fragment in ln), message)
     if case.expect == "interrupt":
         out = " ".join(p.stdout.split())
         message = " / ".join(x for x in (message, out[out.find("interrupted"):] if "interrupted:" in out else "") if x)
@@ -591,7 +593,10 @@ def resume_after_kill(work: Path) -> dict:
 
 
 def paths(s: str, work: Path) -> str:
-    s = s.replace(str(PATHS["MODEL"]), "$MODEL").replace(str(PATHS["SIG"]), "$SLOW_MODEL")
+    import re
+
+    for key, name in (("MODEL", "$MODEL"), ("SIG", "$SLOW_MODEL")):  # whole path names only (not $W/sigterm-...)
+        s = re.sub(re.escape(str(PATHS[key])) + r"(?![\w.-])", name, s)
     return s.replace(str(work), "$W").replace(str(BIN) + "/", "")
 
 
@@ -607,7 +612,7 @@ def shorten(args: list[str], work: Path) -> str:
 
 
 def write_doc(rows: list[dict], work: Path, path: Path, skipped: list[str], wall: float,
-              not_run: list[str] = ()) -> dict:
+              not_run: list[str] = (), rerun: list[str] = ()) -> dict:
     def count(kind):
         return sum(any(p == kind or p.startswith(kind) for p in r["problems"]) for r in rows)
 
@@ -655,8 +660,14 @@ def write_doc(rows: list[dict], work: Path, path: Path, skipped: list[str], wall
         "about 15 s, `$TINY_OPTS` the small converter settings of the tests).",
         "",
     ]
+    out += ["Not in the table yet: the converter's own source checks of issue 12 (a TALE artifact given as MODEL, a",
+            "truncated source shard, a missing source tensor, `--seq-len` beyond the context), which the converter's",
+            "rewrite adds; `--pending` runs them (`PENDING` in the script).", ""]
     if skipped:
         out += [f"Skipped (need root for `unshare -m`): {', '.join(skipped)}.", ""]
+    if rerun:
+        out += [f"{len(rows) - len(rerun)} rows are from one full run; {len(rerun)} failed there and are from a re-run "
+                f"(`--rerun-failed`) after the fix of the harness or of the expected fragment: {', '.join(rerun)}.", ""]
     if not_run:
         out += [f"Not run this time ({len(not_run)}, the run was cut short): {', '.join(not_run)}.", ""]
     for group in dict.fromkeys(r["group"] for r in rows):
@@ -675,9 +686,10 @@ def count_multi(rows):
 
 
 def doc_only(args) -> None:
-    rows = {}
+    rows, seen = {}, []
     for line in args.rows.read_text().splitlines():
         r = json.loads(line)
+        seen.append(r["id"])
         rows[r["id"]] = r
     first = next(iter(rows.values()))
     work = Path(first["work"])
@@ -686,8 +698,12 @@ def doc_only(args) -> None:
     order = order[:order.index("sigkill-after-2-layers") + 1] + ["resume-after-sigkill"] + \
         order[order.index("sigkill-after-2-layers") + 1:]
     done = [rows[i] for i in order if i in rows]
+    for r in done:  # rows of a re-run lived in another work dir
+        r["cmd"] = [a.replace(r["work"], str(work)) for a in r["cmd"]]
+        r["message"] = r["message"].replace(r["work"], str(work))
     missing = [c.id for c in cases() if c.id not in rows]
-    summary = write_doc(done, work, args.out, [], 0.0, not_run=missing)
+    rerun = sorted({i for i in seen if seen.count(i) > 1})
+    summary = write_doc(done, work, args.out, [], 0.0, not_run=missing, rerun=rerun)
     print(", ".join(f"{k} {v}" for k, v in summary.items()), f"(not run: {len(missing)})")
 
 
