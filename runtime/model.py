@@ -19,10 +19,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .artifact import Schedule
-from .cache import Store, TaleLayerCache, latent_attention
+from .attention import latent_attention
+from .cache import Store, TaleLayerCache
+from .static_cache import StaticTaleCache
 
-# Decode attention backend: (q, k_new, h_new, layer_cache, scaling) -> z [B, T, H, R].
-# The runtime swaps in the Triton kernel on CUDA (tale_kernels), the torch reference elsewhere.
+# Decode attention backend: (q [B, H, T, n], k_new [B, K, T, n], h_new [B, G, T, R], view: regions.LayerView,
+# scaling) -> z [B, T, H, R] float32. The runtime swaps in the Triton kernel on CUDA (tale_kernels), the torch
+# reference (attention.py) elsewhere. It must not sync with the host: a static cache's step is a CUDA graph.
 AttentionFn = Callable[..., torch.Tensor]
 
 
@@ -104,6 +107,9 @@ class TaleCache(Cache):
 
     def baseline_nbytes(self) -> int:
         return sum(layer.baseline_nbytes() for layer in self.layers)
+
+
+TALE_CACHES = (TaleCache, StaticTaleCache)
 
 
 class TaleWeights(nn.Module):
@@ -194,7 +200,7 @@ class TaleAttention(nn.Module):
         h = self.latents(hidden_states)
 
         layer = None
-        if isinstance(past_key_values, TaleCache):
+        if isinstance(past_key_values, TALE_CACHES):
             layer = past_key_values.layers[self.layer_idx]
             layer.window = self.sliding_window
         elif past_key_values is not None:
@@ -219,7 +225,7 @@ class TaleAttention(nn.Module):
                 layer.append(k, h, _valid_from_mask(attention_mask, B, T, hidden_states.device))
             return out, weights
 
-        z = self.attention_fn(q, k, h, layer, self.scaling)
+        z = self.attention_fn(q, k, h, layer.view(), self.scaling)
         layer.append(k, h)
         return self.output(z), None
 
