@@ -40,6 +40,7 @@ from tale_runtime import new_cache, set_output_path, use_kernels
 from tale_runtime.artifact import Schedule, uniform_ranks
 from tale_runtime.attention import latent_attention as reference
 from tale_runtime.decode import CudaGraphDecoder
+from tale_runtime.load import tale_class
 from tale_runtime.model import TaleAttention
 
 GiB = 2**30
@@ -63,6 +64,7 @@ def build(quick: bool, device: str):
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+    model.__class__ = tale_class(type(model))  # what tale_runtime.load does: generate() knows TALE caches
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     g = 2 if quick else 4
@@ -204,6 +206,13 @@ def check(model, orig, tale, graphs: bool, n_steps: int):
             out[name] = (torch.cat(toks, 1), torch.stack(ls, 1))
             del cache, step
             free()
+        # model.generate: the static cache's decode steps replay a CUDA graph (load.TaleGenerationMixin)
+        kw = dict(attention_mask=mask, max_new_tokens=n_steps, do_sample=False)
+        want = model.generate(ids, past_key_values=new_cache(model), **kw)
+        got = model.generate(ids, past_key_values=new_cache(model, static=True), **kw)
+        row(kind="check-generate", tokens_equal=bool(torch.equal(got, want)),
+            first_difference=None if torch.equal(got, want) else int((got != want).any(0).nonzero()[0]) - ctx)
+        free()
     (td, ld), (ts, lst) = out["dynamic"], out["static"]
     same = (td == ts).all(0)
     first_diff = int((~same).nonzero()[0]) if not same.all() else None
@@ -395,6 +404,10 @@ def table(device: str, attention: str, floor_ms: dict) -> str:
             h = next((r for r in pre if r["kind"] == "hf-prefill" and r["ctx"] == ctx), {})
             lines.append(f"| {_ctx(ctx)} | {t.get('prefill_s', '-')} | {h.get('prefill_s', '-')} "
                          f"| {t.get('cache_alloc_gib', float('nan')):.2f} |")
+    for r in ROWS:
+        if r["kind"] == "check-generate":
+            lines += ["", f"model.generate with a StaticTaleCache (CUDA-graph steps through TaleGenerationMixin) vs a "
+                      f"TaleCache: tokens equal: {r['tokens_equal']} (first difference at step {r['first_difference']})."]
     chk = [r for r in ROWS if r["kind"] == "check"]
     for r in chk:
         lines += ["", f"Check (batch 2, left padding, {r['prompt']}-token prompt, {r['steps']} greedy steps, static "

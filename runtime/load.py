@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -214,9 +215,12 @@ def load(
 
 
 class TaleGenerationMixin:
-    """generate() for TALE models: without past_key_values it gets a fresh TaleCache instead of HF's
-    DynamicCache (TALE attention does not fill a DynamicCache: decoding would see no past at all), and a
-    StaticTaleCache made without max_length is sized for the call (prompt + max_new_tokens)."""
+    """generate() for TALE models, through transformers' own hooks:
+    - without past_key_values it gets a fresh TaleCache instead of HF's DynamicCache (TALE attention does
+      not fill a DynamicCache: decoding would see no past at all);
+    - a StaticTaleCache made without max_length is sized for the call (prompt + max_new_tokens);
+    - with a StaticTaleCache on CUDA, the decode steps that generate() would hand to torch.compile replay
+      a CUDA graph instead (runtime/decode.py; `disable_compile=True` keeps them eager)."""
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         cache = model_kwargs.get("past_key_values")
@@ -225,6 +229,35 @@ class TaleGenerationMixin:
         elif isinstance(cache, StaticTaleCache) and cache.max_length is None:
             cache.max_length = kwargs.get("max_cache_length", args[-1] if args else None)
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
+        cache = model_kwargs.get("past_key_values")
+        if isinstance(cache, StaticTaleCache):  # not through cache.is_compileable: HF would then build 4D masks
+            return self.device.type == "cuda" and not generation_config.disable_compile
+        return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+
+    def get_compiled_call(self, compile_config):
+        return functools.partial(_graphed_call, self, super().get_compiled_call(compile_config))
+
+
+def _graphed_call(model, compiled, input_ids=None, past_key_values=None, position_ids=None, **kwargs):
+    """A decode step of generate(): one token per row over a StaticTaleCache replays its CUDA graph;
+    other caches get transformers' compiled call."""
+    cache = past_key_values
+    if not isinstance(cache, StaticTaleCache):
+        return compiled(input_ids=input_ids, past_key_values=past_key_values, position_ids=position_ids, **kwargs)
+    if input_ids is None or input_ids.shape[1] != 1:
+        return model(input_ids=input_ids, past_key_values=past_key_values, position_ids=position_ids, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from .decode import CudaGraphDecoder
+
+    dec = getattr(cache, "decoder", None)
+    if dec is None or dec.model is not model:
+        dec = cache.decoder = CudaGraphDecoder(model, cache)
+    if position_ids is None:  # what the model itself would use: the cache position
+        position_ids = torch.full_like(input_ids, cache.get_seq_length())
+    return CausalLMOutputWithPast(logits=dec(input_ids, position_ids)[:, None], past_key_values=cache)
 
 
 _TALE_CLASSES: dict[type, type] = {}

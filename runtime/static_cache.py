@@ -358,10 +358,12 @@ class StaticTaleCache(Cache):
         self.capturing = False  # inside a CUDA graph capture: host bookkeeping is left to the caller
         self.book: Book | None = None
         self.caps: list[int] = []
+        self.decoder = None  # a CudaGraphDecoder of generate() (load.TaleGenerationMixin); dropped with the buffers
         super().__init__(layers=[StaticTaleLayer(self, i) for i in range(num_layers)])
 
     def reset(self) -> None:
         self.book = None
+        self.decoder = None
 
     # -- sizes ----------------------------------------------------------------------------
 
@@ -503,6 +505,7 @@ class StaticTaleCache(Cache):
         """Every batch row repeated `repeats` times (HF Cache API; new buffers: recapture graphs after)."""
         if self.book is None:
             return
+        self.decoder = None
         for layer in self.layers:
             for obj, names in [(layer, ("sink_k", "sink_h", "res_k", "res_h"))]:
                 for nm in names:
