@@ -127,6 +127,7 @@ def prefill(model, cache, ctx: int, B: int = 1):
     ids = torch.randint(1, model.config.vocab_size, (B, ctx), device=model.device,
                         generator=torch.Generator(model.device).manual_seed(ctx))
     sync()
+    peak_reset()
     t = time.perf_counter()
     logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     sync()
@@ -273,7 +274,7 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
     first, pre_s = prefill(model, cache, ctx)
     row_bytes = cache.capacity_nbytes()
     row(kind="tale-prefill", ctx=ctx, prefill_s=round(pre_s, 3), cache_alloc_gib=row_bytes / GiB,
-        cache_used_gib=cache.nbytes() / GiB)
+        cache_used_gib=cache.nbytes() / GiB, prefill_peak_gib=peak())
     state = {"step_bytes": 4 * ctx * 1024}  # per row and step transients, measured below (a guess before)
 
     def measure(c, first, pos0, B):
@@ -310,7 +311,7 @@ def hf_eager_rows(model, orig, ctx: int, batches: list, n: int, deadline: float,
     cache = DynamicCache(config=model.config)
     free()
     first, pre_s = prefill(model, cache, ctx)
-    row(kind="hf-prefill", ctx=ctx, prefill_s=round(pre_s, 3))
+    row(kind="hf-prefill", ctx=ctx, prefill_s=round(pre_s, 3), prefill_peak_gib=peak())
     c = model.config
     kv_row = 2 * (ctx + 4 * n) * c.num_key_value_heads * c.head_dim * 2 * c.num_hidden_layers
 
@@ -365,6 +366,22 @@ def hf_static_rows(model, orig, ctx: int, batches: list[int], n: int, deadline: 
         free()
 
 
+def largest(weight_bytes: int) -> None:
+    """Largest context at batch 1, estimated from the 128K (or longest) prefill: weights + per-token bytes
+    (cache and prefill transients, from the measured peak) within the GPU's memory."""
+    if not torch.cuda.is_available():
+        return
+    total = torch.cuda.get_device_properties(0).total_memory
+    for kind in ("tale-prefill", "hf-prefill"):
+        rs = [r for r in ROWS if r["kind"] == kind]
+        if not rs:
+            continue
+        r = max(rs, key=lambda r: r["ctx"])
+        per_tok = (r["prefill_peak_gib"] * GiB - weight_bytes) / r["ctx"]
+        row(kind="largest-context", who=kind.split("-")[0], per_token_kib=round(per_tok / 1024, 1),
+            est_tokens=int((total * 0.97 - weight_bytes) / per_tok), from_ctx=r["ctx"])
+
+
 # -- table -------------------------------------------------------------------------------------
 
 def table(device: str, attention: str, floor_ms: dict) -> str:
@@ -408,6 +425,10 @@ def table(device: str, attention: str, floor_ms: dict) -> str:
         if r["kind"] == "check-generate":
             lines += ["", f"model.generate with a StaticTaleCache (CUDA-graph steps through TaleGenerationMixin) vs a "
                       f"TaleCache: tokens equal: {r['tokens_equal']} (first difference at step {r['first_difference']})."]
+    for r in ROWS:
+        if r["kind"] == "largest-context":
+            lines += ["", f"Largest context at batch 1 ({r['who']}): about {r['est_tokens'] // 1024}K tokens, from the "
+                      f"peak of the {_ctx(r['from_ctx'])} prefill ({r['per_token_kib']} KiB per token beyond the weights)."]
     chk = [r for r in ROWS if r["kind"] == "check"]
     for r in chk:
         lines += ["", f"Check (batch 2, left padding, {r['prompt']}-token prompt, {r['steps']} greedy steps, static "
@@ -466,6 +487,7 @@ def main() -> None:
         traceback.print_exc()
 
     floor_ms = {}
+    hf_static_done = False
     for ctx in ctxs:
         batches = [1, 8, "max"] if ctx <= 32768 else [1, 8]
         if args.quick:
@@ -479,12 +501,15 @@ def main() -> None:
         if pf:
             floor_ms[ctx] = (weight_bytes + pf["cache_used_gib"] * GiB) / bw * 1e3
         try:
-            hf_eager_rows(model, orig, ctx, [1, 8, "max"] if ctx <= 32768 else [1, 8], n, dl, args.mem_frac)
+            hf_eager_rows(model, orig, ctx, batches if not args.quick else [1, 8, "max"], n, dl, args.mem_frac)
         except Exception as e:  # noqa: BLE001
             row(kind="hf-eager", ctx=ctx, batch=0, error=f"{type(e).__name__}: {e}")
             traceback.print_exc()
-        if not args.no_hf_static and not args.quick and ctx <= 32768:
-            hf_static_rows(model, orig, ctx, [1], n, dl)
+    if not args.no_hf_static and not args.quick:
+        hf_static_rows(model, orig, min(ctxs), [1], n, dl)
+        if time.perf_counter() - T0 < dl - 120:
+            hf_static_rows(model, orig, min(ctxs), [8], n, dl)
+    largest(weight_bytes)
     use(model, tale)
 
     dev_name = torch.cuda.get_device_name(0) if graphs else "CPU"

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -336,9 +336,9 @@ def use_kernels(model, enable: bool = True) -> bool:
             from tale_kernels import latent_attention as kernel_fn  # noqa: F401
         except Exception:  # Triton missing or no kernel for this setup: keep the reference
             kernel_fn = None
-        # the backend reads the cache through a regions.LayerView (its 4th parameter, `view`); an older
-        # kernel that reads TaleLayerCache fields is not used
-        if kernel_fn is not None and list(inspect.signature(kernel_fn).parameters)[3:4] != ["view"]:
+        # the backend is handed a regions.LayerView; a kernel module from before the view (it reads
+        # TaleLayerCache fields) is not used
+        if kernel_fn is not None and "LayerView" not in vars(sys.modules[kernel_fn.__module__]):
             kernel_fn = None
         fn = kernel_fn or latent_attention
     for layer in model.model.layers:
