@@ -32,10 +32,11 @@ def latent_attention(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, 
     regions = view.regions
     keys = torch.cat([dequantize(r.keys, f32) for r in regions] + [k_new.to(f32)], dim=-2)  # [B, K, Lc + T, n]
     Lc = keys.shape[-2] - T
+    # a slot counts if it is below the region's length and has a position (-1: empty or padding)
+    oks = [(r.pos >= 0) & (torch.arange(r.capacity, device=dev) < r.length) for r in regions]  # [B, cap] each
     if regions:
         pos = torch.cat([r.pos for r in regions], dim=-1).long()  # [B, Lc]
-        used = torch.cat([torch.arange(r.capacity, device=dev) < r.length for r in regions])  # [Lc]
-        old = ((pos >= 0) & used)[:, None, :].expand(B, T, Lc)  # [B, T, Lc]
+        old = torch.cat(oks, dim=-1)[:, None, :].expand(B, T, Lc)  # [B, T, Lc]
     else:
         pos = torch.zeros(B, 0, dtype=torch.long, device=dev)
         old = torch.zeros(B, T, 0, dtype=torch.bool, device=dev)
@@ -53,7 +54,9 @@ def latent_attention(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, 
     probs = logits.softmax(dim=-1).view(B, G, g * rep, T, Lc + T)
     z = torch.zeros(B, G, g * rep, T, R, dtype=f32, device=dev)
     start = 0
-    for h in [dequantize(r.lat, f32) for r in regions] + [h_new.to(f32)]:
+    # latents of unused slots are zeroed: whatever they hold (even NaN) must not leak in through p = 0
+    lats = [dequantize(r.lat, f32).masked_fill(~ok[:, None, :, None], 0.0) for r, ok in zip(regions, oks)]
+    for h in lats + [h_new.to(f32)]:
         L, r = h.shape[-2], h.shape[-1]
         z[..., :r] += torch.einsum("bcqtl,bclr->bcqtr", probs[..., start : start + L], h)
         start += L
