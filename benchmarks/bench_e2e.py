@@ -269,7 +269,7 @@ def _batches(model, base, first, pos0: int, batches: list, kind: str, ctx: int, 
 
 def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadline: float, frac: float):
     use(model, tale)
-    cache = new_cache(model, static=True, max_length=ctx + 4 * (n + 2) + 8)
+    cache = new_cache(model, static=True, max_length=ctx + 6 * (n + 2) + 8)
     free()
     first, pre_s = prefill(model, cache, ctx)
     row_bytes = cache.capacity_nbytes()
@@ -298,7 +298,17 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
             if best is None or ms < best["ms_per_token"]:
                 best = r
         row(**{**best, "kind": "tale-best"})
+        if B == 1 and kernel_fn is not None and ctx == 32768:  # what the kernel brings: the same step, torch reference
+            for t in tale:
+                t.attention_fn = reference
+            set_output_path(model, best["path"])
+            ms, toks = decode(tale_step(model, c, graphs), first, pos0, n)
+            measure.last = toks
+            row(kind="tale-reference", ctx=ctx, batch=B, path=best["path"], ms_per_token=round(ms, 2))
+            for t in tale:
+                t.attention_fn = kernel_fn
 
+    kernel_fn = tale[0].attention_fn if tale[0].attention_fn is not reference else None
     fixed = torch.cuda.memory_allocated() - row_bytes if torch.cuda.is_available() else 0
     _batches(model, cache, first, ctx, batches, "tale", ctx, deadline, lambda: row_bytes + state["step_bytes"],
              lambda: fixed, frac, measure)
@@ -429,6 +439,11 @@ def table(device: str, attention: str, floor_ms: dict) -> str:
         if r["kind"] == "largest-context":
             lines += ["", f"Largest context at batch 1 ({r['who']}): about {r['est_tokens'] // 1024}K tokens, from the "
                       f"peak of the {_ctx(r['from_ctx'])} prefill ({r['per_token_kib']} KiB per token beyond the weights)."]
+    for r in ROWS:
+        if r["kind"] == "tale-reference":
+            lines += ["", f"The same TALE step at {_ctx(r['ctx'])} batch {r['batch']} with the torch reference attention "
+                      f"(runtime/attention.py, the whole capacity dequantized per layer) instead of the kernel: "
+                      f"{r['ms_per_token']} ms/token."]
     chk = [r for r in ROWS if r["kind"] == "check"]
     for r in chk:
         lines += ["", f"Check (batch 2, left padding, {r['prompt']}-token prompt, {r['steps']} greedy steps, static "
@@ -463,8 +478,10 @@ def main() -> None:
     n = 4 if args.quick else args.steps
     dl = args.deadline
 
+    emb = model.model.embed_tokens.weight
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - sum(
-        t.tale.o_fused.numel() * t.tale.o_fused.element_size() for t in tale)  # factored path reads W_O, not O^r
+        t.tale.o_fused.numel() * t.tale.o_fused.element_size() for t in tale) - emb.numel() * emb.element_size()
+    # (the factored path reads W_O, not O^r; decode reads one embedding row)
     bw = 3.35e12  # H100 SXM HBM3 datasheet; replaced by a measured copy below on CUDA
     if graphs:
         x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
