@@ -286,6 +286,8 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
             peak_reset()
             step = tale_step(model, c, graphs)
             ms, toks = decode(step, first, pos0, n)
+            if getattr(step, "error", None):
+                row(kind="tale-graph-error", ctx=ctx, batch=B, error=step.error[:300])
             del step
             pk = peak()
             if torch.cuda.is_available():

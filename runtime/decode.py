@@ -12,6 +12,8 @@ the token on the host and runs that fixed-size work when the schedule says so.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .static_cache import StaticTaleCache
@@ -25,6 +27,7 @@ class CudaGraphDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.warm = False  # one plain step ran eagerly (on a side stream) before the capture
         self.ids = self.pos = self.logits = None
+        self.error: str | None = None  # why capturing failed; the steps then stay eager
 
     def _forward(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True,
@@ -39,7 +42,7 @@ class CudaGraphDecoder:
     def __call__(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """ids, position_ids: [B, 1] long on the model's device -> logits [B, V]."""
         plain = self._plain()
-        if not plain or not self.warm:  # eager; the first plain step warms up on a side stream
+        if not plain or not self.warm or self.error:  # eager; the first plain step warms up on a side stream
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
@@ -54,6 +57,10 @@ class CudaGraphDecoder:
             try:
                 with torch.cuda.graph(self.graph):
                     self.logits = self._forward(self.ids, self.pos)
+            except Exception as e:  # noqa: BLE001  (nothing of the step ran: the cache is unchanged)
+                self.graph, self.error = None, f"{type(e).__name__}: {e}"
+                warnings.warn(f"CUDA graph capture failed, decoding eagerly: {self.error}", stacklevel=2)
+                return self(ids, position_ids)
             finally:
                 self.cache.capturing = False
         self.ids.copy_(ids)
