@@ -205,6 +205,8 @@ def check(model, orig, tale, graphs: bool, n_steps: int):
                 pos += 1
                 toks.append(ids_)
             out[name] = (torch.cat(toks, 1), torch.stack(ls, 1))
+            if getattr(step, "error", None):
+                row(kind="tale-graph-error", where="check", error=step.error[:300])
             del cache, step
             free()
         # model.generate: the static cache's decode steps replay a CUDA graph (load.TaleGenerationMixin)
