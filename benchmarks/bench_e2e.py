@@ -51,7 +51,7 @@ def log(*a):
     print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
 
 
-def build(quick: bool, device: str):
+def build(quick: bool, device: str, layers: int | None = None, dtype: torch.dtype | None = None):
     """The random base model, and its TALE attention modules (sharing q/k/o projections)."""
     if quick:
         cfg = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
@@ -59,8 +59,10 @@ def build(quick: bool, device: str):
     else:
         cfg = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                    num_key_value_heads=8, head_dim=128, vocab_size=49152)
+    if layers:
+        cfg["num_hidden_layers"] = layers
     config = AutoConfig.for_model("llama", max_position_embeddings=1 << 20, rope_theta=500000.0, **cfg)
-    dtype = torch.float32 if quick else torch.bfloat16
+    dtype = dtype or (torch.float32 if quick else torch.bfloat16)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
@@ -180,49 +182,54 @@ def row(**kw):
     log(json.dumps(kw))
 
 
-def check(model, orig, tale, graphs: bool, n_steps: int):
-    """Static (graph) vs dynamic (eager) greedy tokens, batch 2 with left padding, through flushes and demotions."""
+def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
+    """Teacher-forced logits of the same decode steps (batch 2, left padding, through flushes and demotions)
+    in four ways: dynamic cache eager with the kernel, static eager, static CUDA graph, and dynamic eager with
+    the torch reference. Static graph vs static eager isolates the graph machinery, static vs dynamic the
+    storage, kernel vs reference the accepted noise of the dtype. Then greedy tokens of model.generate with
+    a static cache (CUDA-graph steps) against a dynamic one."""
     use(model, tale)
-    ctx = 200 if graphs is False else 1000
-    ids = torch.randint(1, model.config.vocab_size, (2, ctx), device=model.device,
-                        generator=torch.Generator(model.device).manual_seed(1))
+    ctx, V, dev = 1000 if graphs else 200, model.config.vocab_size, model.device
+    gen = torch.Generator(dev).manual_seed(1)
+    ids = torch.randint(1, V, (2, ctx), device=dev, generator=gen)
+    feed = torch.randint(1, V, (2, n_steps), device=dev, generator=gen)
     mask = torch.ones_like(ids)
     ids[1, :37], mask[1, :37] = 0, 0
+    kernel = tale[0].attention_fn is not reference
     out = {}
     with torch.inference_mode():
-        for name in ("dynamic", "static"):
-            cache = new_cache(model, static=name == "static", max_length=ctx + n_steps + 2)
-            logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
-                           logits_to_keep=1).logits[:, -1]
-            first = logits.argmax(-1, keepdim=True)
-            pos0 = mask.sum(-1, keepdim=True)  # positions of the next token, per row
-            step = tale_step(model, cache, graphs) if name == "static" else tale_step(model, cache, False)
-            ids_, pos, toks, ls = first, pos0.clone(), [first], []
-            for _ in range(n_steps):
-                lg = step(ids_, pos)
-                ls.append(lg.float().clone())
-                ids_ = lg.argmax(-1, keepdim=True)
+        for name, static, graphed, kern in [("dyn-kernel", False, False, True), ("static-eager", True, False, True),
+                                             ("static-graph", True, graphs, True), ("dyn-ref", False, False, False)]:
+            use_kernels(model, kern and kernel)
+            cache = new_cache(model, static=static, max_length=ctx + n_steps + 2)
+            model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            pos = mask.sum(-1, keepdim=True)  # positions of the next token, per row
+            step = tale_step(model, cache, graphed)
+            ls = []
+            for t in range(n_steps):
+                ls.append(step(feed[:, t : t + 1], pos).float().clone())
                 pos += 1
-                toks.append(ids_)
-            out[name] = (torch.cat(toks, 1), torch.stack(ls, 1))
+            out[name] = torch.stack(ls, 1)
             if getattr(step, "error", None):
                 row(kind="tale-graph-error", where="check", error=step.error[:300])
             del cache, step
             free()
-        # model.generate: the static cache's decode steps replay a CUDA graph (load.TaleGenerationMixin)
-        kw = dict(attention_mask=mask, max_new_tokens=n_steps, do_sample=False)
-        want = model.generate(ids, past_key_values=new_cache(model), **kw)
-        got = model.generate(ids, past_key_values=new_cache(model, static=True), **kw)
-        row(kind="check-generate", tokens_equal=bool(torch.equal(got, want)),
-            first_difference=None if torch.equal(got, want) else int((got != want).any(0).nonzero()[0]) - ctx)
-        free()
-    (td, ld), (ts, lst) = out["dynamic"], out["static"]
-    same = (td == ts).all(0)
-    first_diff = int((~same).nonzero()[0]) if not same.all() else None
-    k = first_diff if first_diff is not None else n_steps
-    rel = ((ld[:, :k] - lst[:, :k]).norm() / ld[:, :k].norm()).item() if k else float("nan")
-    row(kind="check", prompt=ctx, steps=n_steps, tokens_equal=bool(same.all()), first_difference=first_diff,
-        logits_rel_diff_before_it=rel)
+        use_kernels(model, kernel)
+
+        def rel(a, b):
+            return float((out[a] - out[b]).norm() / out[b].norm())
+
+        row(kind="check", label=label, prompt=ctx, steps=n_steps, graph_vs_eager=rel("static-graph", "static-eager"),
+            static_vs_dynamic=rel("static-eager", "dyn-kernel"), kernel_vs_reference=rel("dyn-kernel", "dyn-ref"),
+            argmax_agree=float((out["static-graph"].argmax(-1) == out["dyn-kernel"].argmax(-1)).float().mean()))
+        if generate:  # model.generate: the static cache's decode steps replay a CUDA graph (TaleGenerationMixin)
+            kw = dict(attention_mask=mask, max_new_tokens=n_steps, do_sample=False)
+            want = model.generate(ids, past_key_values=new_cache(model), **kw)
+            got = model.generate(ids, past_key_values=new_cache(model, static=True), **kw)
+            same = (got == want).all(0)[ctx:]
+            row(kind="check-generate", label=label, tokens_equal=bool(same.all()),
+                first_difference=None if same.all() else int((~same).nonzero()[0]))
+            free()
 
 
 def _max_batch(per_row: float, fixed: float, frac: float) -> int:
@@ -437,8 +444,9 @@ def table(device: str, attention: str, floor_ms: dict) -> str:
                          f"| {t.get('cache_alloc_gib', float('nan')):.2f} |")
     for r in ROWS:
         if r["kind"] == "check-generate":
-            lines += ["", f"model.generate with a StaticTaleCache (CUDA-graph steps through TaleGenerationMixin) vs a "
-                      f"TaleCache: tokens equal: {r['tokens_equal']} (first difference at step {r['first_difference']})."]
+            lines += ["", f"model.generate ({r['label']}) with a StaticTaleCache (CUDA-graph steps through "
+                      f"TaleGenerationMixin) vs a TaleCache, greedy: tokens equal: {r['tokens_equal']} (first "
+                      f"difference at step {r['first_difference']})."]
     for r in ROWS:
         if r["kind"] == "largest-context":
             lines += ["", f"Largest context at batch 1 ({r['who']}): about {r['est_tokens'] // 1024}K tokens, from the "
@@ -448,11 +456,18 @@ def table(device: str, attention: str, floor_ms: dict) -> str:
             lines += ["", f"The same TALE step at {_ctx(r['ctx'])} batch {r['batch']} with the torch reference attention "
                       f"(runtime/attention.py, the whole capacity dequantized per layer) instead of the kernel: "
                       f"{r['ms_per_token']} ms/token."]
-    chk = [r for r in ROWS if r["kind"] == "check"]
-    for r in chk:
-        lines += ["", f"Check (batch 2, left padding, {r['prompt']}-token prompt, {r['steps']} greedy steps, static "
-                  f"CUDA-graph vs dynamic eager): tokens equal: {r['tokens_equal']}, first difference at step "
-                  f"{r['first_difference']}, logits rel. diff. before it {r['logits_rel_diff_before_it']:.2e}."]
+    chk = [r for r in ROWS if r["kind"] == "check" and "label" in r]
+    if chk:
+        lines += ["", "Checks (batch 2, left padding, teacher-forced decode steps through flushes and demotions; "
+                  "relative L2 difference of the logits):", "",
+                  "| model | prompt | steps | static graph vs static eager | static vs dynamic cache | kernel vs torch "
+                  "reference (dynamic) | argmax agreement static graph / dynamic |", "|---|---|---|---|---|---|---|"]
+        for r in chk:
+            lines.append(f"| {r['label']} | {r['prompt']} | {r['steps']} | {r['graph_vs_eager']:.2e} | "
+                         f"{r['static_vs_dynamic']:.2e} | {r['kernel_vs_reference']:.2e} | {r['argmax_agree']:.3f} |")
+    for r in ROWS:
+        if r["kind"] == "tale-graph-error":
+            lines += ["", f"CUDA graph capture failed ({r.get('where', r.get('ctx'))}): {r['error']}"]
     return "\n".join(lines)
 
 
@@ -464,6 +479,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--mem-frac", type=float, default=0.92)
     ap.add_argument("--no-hf-static", action="store_true")
+    ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--out", default=None, help="append the table to this markdown file")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -471,6 +487,17 @@ def main() -> None:
     device = "cpu" if args.quick else "cuda"
     graphs = device == "cuda"
     torch.backends.cuda.matmul.allow_tf32 = True
+    if not args.no_check:  # float32, 4 layers of the same shapes: the static path must agree to rounding
+        small, _, st = build(args.quick, device, layers=4 if not args.quick else None, dtype=torch.float32)
+        use(small, st)
+        use_kernels(small, graphs)
+        try:
+            check(small, st, graphs, n_steps=40, label=f"float32, {len(st)} layers", generate=False)
+        except Exception as e:  # noqa: BLE001
+            row(kind="check-error", error=f"{type(e).__name__}: {e}")
+            traceback.print_exc()
+        del small, st
+        free()
     model, orig, tale = build(args.quick, device)
     use(model, tale)
     kernel = use_kernels(model) if graphs else False
@@ -501,11 +528,12 @@ def main() -> None:
         free()
     log(f"copy bandwidth {bw / 1e9:.0f} GB/s; weights read per token {weight_bytes / GiB:.2f} GiB")
 
-    try:
-        check(model, orig, tale, graphs, n_steps=80 if not args.quick else 40)
-    except Exception as e:  # noqa: BLE001
-        row(kind="check", error=f"{type(e).__name__}: {e}")
-        traceback.print_exc()
+    if not args.no_check:
+        try:
+            check(model, tale, graphs, n_steps=40, label=f"{str(model.dtype)[6:]}, {len(tale)} layers", generate=True)
+        except Exception as e:  # noqa: BLE001
+            row(kind="check-error", error=f"{type(e).__name__}: {e}")
+            traceback.print_exc()
 
     floor_ms = {}
     hf_static_done = False
