@@ -140,3 +140,21 @@ def test_batch_repeat_interleave_repeats_rows():
     assert v.regions[0].keys.data.shape[0] == 6
     after = contents(v, 4)
     assert before.keys() == after.keys() and all(torch.equal(before[p][3], after[p][3]) for p in before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_cuda_graph_steps_equal_eager_steps():
+    """generate() replays CUDA-graph decode steps over a static cache (TaleGenerationMixin): the same tokens
+    and logits as eager steps over the same cache type."""
+    from tale_runtime.load import tale_class
+
+    tm = talify(tiny_model("llama"), 2).cuda()
+    tm.__class__ = tale_class(type(tm))
+    ids = torch.randint(1, 320, (2, 30), generator=torch.Generator().manual_seed(5)).cuda()
+    kw = dict(max_new_tokens=40, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    eager = tm.generate(ids, past_key_values=new_cache(tm, static=True), disable_compile=True, **kw)
+    cache = new_cache(tm, static=True)
+    graphed = tm.generate(ids, past_key_values=cache, **kw)
+    assert cache.decoder is not None and cache.decoder.graph is not None and cache.decoder.error is None
+    assert torch.equal(graphed.sequences, eager.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(graphed.logits, eager.logits))
