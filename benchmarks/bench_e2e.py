@@ -161,14 +161,13 @@ def tale_step(model, cache, graphs: bool):
     if graphs:
         return CudaGraphDecoder(model, cache)
 
-    def step(ids, pos):
-        return model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-    return step
+    return hf_step(model, cache)
 
 
 def hf_step(model, cache):
     def step(ids, pos):
-        return model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        out = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
     return step
 
 
@@ -409,7 +408,8 @@ def table(device: str, attention: str, floor_ms: dict) -> str:
     lines = [
         f"Measured on {device}, torch {torch.__version__}. TALE decode attention: {attention}.",
         "",
-        "| context | batch | TALE static ms/tok | TALE path | TALE tok/s | TALE peak GiB | HF eager ms/tok | HF eager tok/s "
+        "| context | batch | TALE static ms/tok | TALE path | TALE tok/s | TALE peak GiB | HF eager ms/tok "
+        "| HF eager tok/s "
         "| HF eager peak GiB | HF static+compile ms/tok | HF static tok/s | byte floor ms/tok (B=1) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -428,15 +428,16 @@ def table(device: str, attention: str, floor_ms: dict) -> str:
         return r.get("error", r.get("skipped", "-"))[:40]
 
     for ctx, b in keys:
-        t, he, hs = get("tale-best", ctx, b) or get("tale", ctx, b), get("hf-eager", ctx, b), get("hf-static-compile", ctx, b)
+        t = get("tale-best", ctx, b) or get("tale", ctx, b)
+        he, hs = get("hf-eager", ctx, b), get("hf-static-compile", ctx, b)
         fl = f"{floor_ms[ctx]:.1f}" if b == 1 and ctx in floor_ms else ""
         lines.append(f"| {_ctx(ctx)} | {b} | {cell(t, 'ms_per_token')} | {cell(t, 'path')} | {cell(t, 'tokens_per_s')} "
                      f"| {cell(t, 'peak_gib')} | {cell(he, 'ms_per_token')} | {cell(he, 'tokens_per_s')} "
                      f"| {cell(he, 'peak_gib')} | {cell(hs, 'ms_per_token')} | {cell(hs, 'tokens_per_s')} | {fl} |")
     pre = [r for r in ROWS if r["kind"] in ("tale-prefill", "hf-prefill")]
     if pre:
-        lines += ["", "Prefill (batch 1, no mask, SDPA is_causal):", "", "| context | TALE s | HF s | TALE cache allocated GiB |",
-                  "|---|---|---|---|"]
+        lines += ["", "Prefill (batch 1, no mask, SDPA is_causal):", "",
+                  "| context | TALE s | HF s | TALE cache allocated GiB |", "|---|---|---|---|"]
         for ctx in sorted({r["ctx"] for r in pre}):
             t = next((r for r in pre if r["kind"] == "tale-prefill" and r["ctx"] == ctx), {})
             h = next((r for r in pre if r["kind"] == "hf-prefill" and r["ctx"] == ctx), {})
@@ -450,11 +451,13 @@ def table(device: str, attention: str, floor_ms: dict) -> str:
     for r in ROWS:
         if r["kind"] == "largest-context":
             lines += ["", f"Largest context at batch 1 ({r['who']}): about {r['est_tokens'] // 1024}K tokens, from the "
-                      f"peak of the {_ctx(r['from_ctx'])} prefill ({r['per_token_kib']} KiB per token beyond the weights)."]
+                      f"peak of the {_ctx(r['from_ctx'])} prefill ({r['per_token_kib']} KiB per token beyond the "
+                      "weights)."]
     for r in ROWS:
         if r["kind"] == "tale-reference":
-            lines += ["", f"The same TALE step at {_ctx(r['ctx'])} batch {r['batch']} with the torch reference attention "
-                      f"(runtime/attention.py, the whole capacity dequantized per layer) instead of the kernel: "
+            lines += ["", f"The same TALE step at {_ctx(r['ctx'])} batch {r['batch']} with the torch reference "
+                      "attention (runtime/attention.py, the whole capacity dequantized per layer) instead of the "
+                      f"kernel: "
                       f"{r['ms_per_token']} ms/token."]
     chk = [r for r in ROWS if r["kind"] == "check" and "label" in r]
     if chk:

@@ -152,7 +152,7 @@ def generate(
     ids = ids.to(device)
     if cache is None:
         static = device.type == "cuda" if static is None else static
-        cache = new_cache(model, static=static, max_length=ids.shape[1] + max_new_tokens) if static else new_cache(model)
+        cache = new_cache(model, static=static, max_length=ids.shape[1] + max_new_tokens if static else None)
     graphed = isinstance(cache, StaticTaleCache) and device.type == "cuda"
     stop = eos_ids(model, tokenizer) if eos_token_id is None else set(torch.as_tensor(eos_token_id).reshape(-1).tolist())
     gen = None

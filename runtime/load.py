@@ -224,7 +224,8 @@ class TaleGenerationMixin:
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         cache = model_kwargs.get("past_key_values")
-        if cache is None and generation_config.use_cache is not False and generation_config.cache_implementation is None:
+        default = generation_config.use_cache is not False and generation_config.cache_implementation is None
+        if cache is None and default:
             model_kwargs["past_key_values"] = new_cache(self)
         elif isinstance(cache, StaticTaleCache) and cache.max_length is None:
             cache.max_length = kwargs.get("max_cache_length", args[-1] if args else None)

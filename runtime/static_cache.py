@@ -157,8 +157,8 @@ def _empty_q(lead: tuple, tokens: int, channels: int, bits: int, group: int, dim
         return QTensor(torch.zeros(*lead, tokens, channels, dtype=dtype, device=device), None, None, 16, group, dim)
     data = torch.zeros(*lead, tokens, channels * bits // 8, dtype=torch.uint8, device=device)
     sshape = (*lead, tokens // group, channels) if dim == -2 else (*lead, tokens, channels // group)
-    return QTensor(data, torch.zeros(sshape, dtype=dtype, device=device), torch.zeros(sshape, dtype=dtype, device=device),
-                   bits, group, dim)
+    scale, zero = (torch.zeros(sshape, dtype=dtype, device=device) for _ in range(2))
+    return QTensor(data, scale, zero, bits, group, dim)
 
 
 class StaticTaleLayer(CacheLayerMixin):
@@ -225,7 +225,8 @@ class StaticTaleLayer(CacheLayerMixin):
         kw = dict(dtype=dtype, device=device)
         self.sink_k = torch.zeros(B, K, S, n, **kw)
         self.sink_h = torch.zeros(B, G, S, R, **kw)
-        self.keys = [_empty_q((B, K), C, n, lv.key_bits, s.key_group, -2, dtype, device) for lv, C in zip(s.levels, caps)]
+        self.keys = [_empty_q((B, K), C, n, lv.key_bits, s.key_group, -2, dtype, device)
+                     for lv, C in zip(s.levels, caps)]
         self.lat = [_empty_q((B, G), C, r, lv.bits, s.value_group, -1, dtype, device)
                     for lv, C, r in zip(s.levels, caps, self.ranks)]
         self.res_k = torch.zeros(B, K, s.residual, n, **kw)
