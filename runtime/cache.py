@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .artifact import Schedule, ceil_share
-from .quant import QTensor, cat, dequantize, quantize, requantize, split
+from .artifact import Schedule
+from .placement import demotions, fill_counts, flush_count
+from .quant import QTensor, cat, quantize, requantize, split
 from .regions import LayerView, Region
 
 
@@ -42,6 +43,15 @@ class Store:
 
     def nbytes(self) -> int:
         return self.keys.nbytes() + self.lat.nbytes()
+
+
+def quant_level(s: Schedule, level: int, rank: int, k: torch.Tensor, h: torch.Tensor) -> tuple[QTensor, QTensor]:
+    """Exact tokens (k [B, K, T, n], h [B, G, T, R]) quantized at a level: keys per channel over token
+    groups, latents truncated to `rank` and quantized per token over channel groups."""
+    lv = s.levels[level]
+    keys = quantize(k, lv.key_bits, s.key_group, dim=-2)
+    lat = quantize(h[..., :rank].contiguous(), lv.bits, s.value_group, dim=-1)
+    return keys, lat
 
 
 class TaleLayerCache:
@@ -87,10 +97,8 @@ class TaleLayerCache:
     # -- quantization of a span of exact tokens into level i --------------------------
 
     def _quant(self, k: torch.Tensor, h: torch.Tensor, level: int) -> Store:
-        lv, r = self.s.levels[level], self.ranks[level]
-        keys = quantize(k, lv.key_bits, self.s.key_group, dim=-2)
-        lat = quantize(h[..., :r].contiguous(), lv.bits, self.s.value_group, dim=-1)
-        return Store(keys, lat, r)
+        r = self.ranks[level]
+        return Store(*quant_level(self.s, level, r, k, h), r)
 
     def _push(self, level: int, st: Store, front: bool = False) -> None:
         cur = self.levels[level]
@@ -100,24 +108,12 @@ class TaleLayerCache:
             a, b = (st, cur) if front else (cur, st)
             self.levels[level] = Store(cat([a.keys, b.keys]), cat([a.lat, b.lat]), cur.rank)
 
-    def _targets(self) -> list[int]:
-        """Tokens each level >= 1 should hold (level 0 takes the rest)."""
-        N = self.kappa - (self.sink_cap or 0)
-        return [0] + [ceil_share(lv.share, N) for lv in self.s.levels[1:]]
-
     def _demote(self) -> None:
-        """Move the oldest whole key groups of over-full levels one level down."""
-        gk, L = self.s.key_group, len(self.levels) - 1
-        targets = self._targets()
-        for i in range(L, 0, -1):
+        """Move the oldest whole key groups of over-full levels one level down (placement.demotions)."""
+        counts = [0 if st is None else st.length for st in self.levels]
+        n_res = 0 if self.res_k is None else self.res_k.shape[-2]
+        for i, n_move in demotions(self.s, counts, n_res, self.kappa - (self.sink_cap or 0)):
             st = self.levels[i]
-            if st is None:
-                continue
-            extra = self.res_k.shape[-2] if (i == L and self.res_k is not None) else 0
-            excess = st.length + extra - targets[i]
-            n_move = min(excess // gk, st.length // gk) * gk
-            if n_move <= 0:
-                continue
             k_old, k_keep = split(st.keys, n_move)
             h_old, h_keep = split(st.lat, n_move)
             self.levels[i] = Store(k_keep, h_keep, st.rank)
@@ -166,11 +162,9 @@ class TaleLayerCache:
 
     def _flush(self) -> None:
         """Quantize whole groups of a full residual into the last level."""
-        cap, gk = self.s.residual, self.s.key_group
-        n = self.res_k.shape[-2]
-        if n < cap:
+        q = flush_count(self.s, self.res_k.shape[-2])
+        if q == 0:
             return
-        q = n // gk * gk
         L = len(self.levels) - 1
         self._push(L, self._quant(self.res_k[..., :q, :], self.res_h[..., :q, :], L))
         self.res_k, self.res_h = self.res_k[..., q:, :].clone(), self.res_h[..., q:, :].clone()
@@ -180,19 +174,7 @@ class TaleLayerCache:
     def _fill(self, k: torch.Tensor, h: torch.Tensor) -> None:
         """Place a run of exact non-sink tokens (prefill) straight into their final levels,
         so the middle is quantized once from exact values, not requantized."""
-        gk = self.s.key_group
-        N = k.shape[-2]
-        n_res = N if N < self.s.residual else N % gk  # as if decoded one by one: flush at `residual`
-        q_total = N - n_res
-        targets = self._targets()
-        counts = [0] * len(self.levels)
-        left = q_total
-        for i in range(len(self.levels) - 1, 0, -1):
-            need = targets[i] - (n_res if i == len(self.levels) - 1 else 0)
-            c = min(left, max(0, -(-need // gk) * gk))
-            counts[i] = c
-            left -= c
-        counts[0] = left
+        counts, n_res = fill_counts(self.s, k.shape[-2])
         start = 0
         for i, c in enumerate(counts):
             if c:
@@ -201,86 +183,32 @@ class TaleLayerCache:
         if n_res:
             self.res_k, self.res_h = k[..., start:, :].clone(), h[..., start:, :].clone()
 
-    # -- reading ---------------------------------------------------------------------------
-
-    def regions(self, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Dequantized (keys [B,K,L,n], latents [B,G,L,r]) per region in position order."""
-        out = []
-        if self.sink_k is not None:
-            out.append((self.sink_k.to(dtype), self.sink_h.to(dtype)))
-        for st in self.levels:
-            if st is not None and st.length:
-                out.append((dequantize(st.keys, dtype), dequantize(st.lat, dtype)))
-        if self.res_k is not None:
-            out.append((self.res_k.to(dtype), self.res_h.to(dtype)))
-        return out
+    # -- reading ------------------------------------------------------------------------
 
     def view(self) -> LayerView:
-        """What decode attention reads (runtime/regions.py): every non-empty region, its slot
-        positions (cache index; -1 = padding) and lengths as ints."""
+        """The cached tokens as regions in position order (sinks, levels, residual) for decode attention."""
         if self.valid is None:
             return LayerView([], 0, self.window)
-        kappa = self.kappa
-        pos = torch.arange(kappa, device=self.valid.device, dtype=torch.int32).expand_as(self.valid)
-        pos = torch.where(self.valid, pos, -1)  # [B, kappa]
-        gk, gv = self.s.key_group, self.s.value_group
-        parts = [(QTensor(self.sink_k, None, None, 16, gk, -2), QTensor(self.sink_h, None, None, 16, gv, -1),
-                  self.R)] if self.sink_k is not None else []
+        B, kappa = self.valid.shape
+        pos = torch.arange(kappa, dtype=torch.int32, device=self.valid.device).expand(B, kappa)
+        pos = pos.masked_fill(~self.valid, -1)  # [B, kappa]
+        parts = []
+        if self.sink_k is not None:
+            parts.append((_raw(self.sink_k), _raw(self.sink_h), self.R))
         parts += [(st.keys, st.lat, st.rank) for st in self.levels if st is not None and st.length]
         if self.res_k is not None:
-            parts.append((QTensor(self.res_k, None, None, 16, gk, -2), QTensor(self.res_h, None, None, 16, gv, -1),
-                          self.R))
-        regions, p = [], 0
+            parts.append((_raw(self.res_k), _raw(self.res_h), self.R))
+        regions, start = [], 0
         for keys, lat, rank in parts:
             L = keys.shape[-2]
-            regions.append(Region(keys, lat, rank, pos[:, p : p + L], L))
-            p += L
+            regions.append(Region(keys, lat, rank, pos[:, start : start + L], L))
+            start += L
         return LayerView(regions, kappa, self.window)
 
 
-def latent_attention(
-    q: torch.Tensor,
-    k_new: torch.Tensor,
-    h_new: torch.Tensor,
-    cache: TaleLayerCache | LayerView,
-    scaling: float,
-) -> torch.Tensor:
-    """Attention of T new queries over the cached (compressed) tokens plus the T new exact tokens
-    (causal among themselves), summed in latent space. Returns z [B, T, H, R] with
-    z_q = sum_t s_{q,t} pad_R(h_t[:r_t]) (DESIGN.md 4). Computed in float32.
+def _raw(t: torch.Tensor) -> QTensor:
+    """An exact (16-bit) tensor as a region's QTensor."""
+    return QTensor(t, None, None, 16, 1, -2)
 
-    q: [B, H, T, n]; k_new: [B, K, T, n]; h_new: [B, G, T, R]. The cache is read through its
-    LayerView (runtime/regions.py): masks come from the slot positions (padding -1; sliding
-    window: query position - slot position < window).
-    """
-    B, H, T, n = q.shape
-    K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
-    rep, g = H // K, K // G
-    f32 = torch.float32
-    view = cache if isinstance(cache, LayerView) else cache.view()
-    # cached slots (any order), then the T new tokens; a slot with pos < 0 (padding, empty) is masked,
-    # and its latents are zeroed so that whatever an unused slot holds cannot leak in
-    regions = []
-    for r in view.regions:
-        ok = r.pos >= 0  # [B, cap]
-        h = dequantize(r.lat, f32).masked_fill(~ok[:, None, :, None], 0.0)
-        regions.append((dequantize(r.keys, f32), h, r.pos))
-    new_pos = torch.arange(T, device=q.device, dtype=torch.int32).expand(B, T) + view.next_pos
-    regions.append((k_new.to(f32), h_new.to(f32), new_pos))
-    keys = torch.cat([k for k, _, _ in regions], dim=-2)  # [B, K, L, n]
-    pos = torch.cat([p for _, _, p in regions], dim=-1)  # [B, L]
-    qf = q.to(f32).view(B, K, rep, T, n)
-    logits = torch.einsum("bkitn,bkln->bkitl", qf, keys) * scaling
-    qpos = new_pos[:, :, None]  # [B, T, 1]
-    mask = (pos[:, None, :] >= 0) & (pos[:, None, :] <= qpos)  # real slots, causal among the new tokens
-    if view.window is not None:
-        mask &= qpos - pos[:, None, :] < view.window
-    logits = logits.masked_fill(~mask[:, None, None], float("-inf"))
-    probs = logits.softmax(dim=-1).view(B, G, g * rep, T, -1)
-    z = torch.zeros(B, G, g * rep, T, R, dtype=f32, device=q.device)
-    start = 0
-    for _, h, _ in regions:
-        L, r = h.shape[-2], h.shape[-1]
-        z[..., :r] += torch.einsum("bcqtl,bclr->bcqtr", probs[..., start : start + L], h)
-        start += L
-    return z.permute(0, 3, 1, 2, 4).reshape(B, T, H, R)
+
+from .attention import latent_attention  # noqa: E402,F401  (the torch reference; kept importable from here)

@@ -88,6 +88,8 @@ def run(
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:1, ..."),
     dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32"),
     output_path: str = typer.Option("fused", "--output-path", help="fused (O^r) or factored (B then W_O)"),
+    dynamic: bool = typer.Option(
+        False, "--dynamic", help="growing cache, eager steps (default on CUDA: static cache, CUDA-graph decode)"),
     sinks: Optional[str] = typer.Option(None, "--sinks", metavar="N", help="exact sink tokens (alpha)"),
     recent: Optional[str] = typer.Option(
         None, "--recent", metavar="P[,P..]", help="share p of each level above the middle, oldest first"),
@@ -137,7 +139,7 @@ def run(
         sys.stdout.flush()
 
     _, stats = generate(m, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                        seed=seed, tokenizer=tok, on_text=emit)
+                        seed=seed, tokenizer=tok, on_text=emit, static=False if dynamic else None)
     sys.stdout.write("\n")
     sys.stdout.flush()
     err.print(stats.line(), style="dim", markup=False)

@@ -1,5 +1,7 @@
-"""A plain decode loop over a TaleCache: greedy or sampled, streaming text, with cache statistics.
+"""A plain decode loop over a TALE cache: greedy or sampled, streaming text, with cache statistics.
 
+On CUDA it uses the static cache and replays each decode step as a CUDA graph (runtime/decode.py);
+elsewhere, or with static=False, the dynamic cache and eager steps.
 For batches, beam search or logits processors use `model.generate(..., past_key_values=new_cache(model))`.
 """
 
@@ -12,8 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from .artifact import nominal_ratio
+from .decode import CudaGraphDecoder
 from .load import new_cache
 from .model import TaleCache
+from .static_cache import StaticTaleCache
 
 
 @dataclass
@@ -129,11 +133,15 @@ def generate(
     seed: int | None = None,
     tokenizer=None,
     on_text: Callable[[str], None] | None = None,
-    cache: TaleCache | None = None,
+    cache: TaleCache | StaticTaleCache | None = None,
     eos_token_id: int | list[int] | None = None,
+    static: bool | None = None,
 ) -> tuple[list[int], GenStats]:
-    """Generate from one prompt into `cache` (default: a fresh TaleCache); stop at EOS or after
-    max_new_tokens. Greedy at temperature 0, else sampling (nucleus if top_p < 1) seeded by `seed`.
+    """Generate from one prompt into `cache`; stop at EOS or after max_new_tokens. Greedy at temperature 0,
+    else sampling (nucleus if top_p < 1) seeded by `seed`.
+
+    Without `cache`: a StaticTaleCache for prompt + max_new_tokens tokens when `static` (default: on CUDA),
+    whose decode steps replay one CUDA graph, else a TaleCache. Both give the same tokens.
 
     `on_text` receives the decoded text as it grows (needs `tokenizer`). Returns the new token
     ids (EOS included if reached) and the statistics.
@@ -143,7 +151,10 @@ def generate(
         raise ValueError("empty prompt")
     device = next(model.parameters()).device
     ids = ids.to(device)
-    cache = cache if cache is not None else new_cache(model)
+    if cache is None:
+        static = device.type == "cuda" if static is None else static
+        cache = new_cache(model, static=static, max_length=ids.shape[1] + max_new_tokens if static else None)
+    graphed = isinstance(cache, StaticTaleCache) and device.type == "cuda"
     stop = eos_ids(model, tokenizer) if eos_token_id is None else set(torch.as_tensor(eos_token_id).reshape(-1).tolist())
     gen = None
     if temperature > 0 and seed is not None:
@@ -155,6 +166,8 @@ def generate(
     logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     _sync(device)
     prefill_s = time.perf_counter() - t0
+    decoder = CudaGraphDecoder(model, cache) if graphed else None
+    pos = torch.full((1, 1), ids.shape[1], dtype=torch.long, device=device)
     t1 = time.perf_counter()
     while len(out) < max_new_tokens:
         tok = _next_token(logits[0, -1].float(), temperature, top_p, gen)
@@ -164,7 +177,11 @@ def generate(
         if tok in stop or len(out) == max_new_tokens:
             break
         step = torch.tensor([[tok]], device=device)
-        logits = model(input_ids=step, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        if decoder is not None:
+            logits = decoder(step, pos)[:, None]
+            pos += 1
+        else:
+            logits = model(input_ids=step, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     _sync(device)
     decode_s = time.perf_counter() - t1 if len(out) > 1 else 0.0
     if stream is not None and (text := stream.flush()):

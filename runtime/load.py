@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 
 from .artifact import ArtifactError, Level, Schedule, read_manifest, schedule_of, verify_files
 from .model import TaleAttention, TaleCache
+from .static_cache import StaticTaleCache
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 
@@ -209,7 +211,7 @@ def load(
     model.tale_manifest = manifest
     model.tale_schedule = sched
     model.tale_path = root
-    _default_to_tale_cache(model)
+    model.__class__ = tale_class(type(model))
     if device.type == "cuda":
         use_kernels(model)
 
@@ -219,18 +221,63 @@ def load(
     return model, tok
 
 
-def _default_to_tale_cache(model) -> None:
-    """model.generate without past_key_values gets a fresh TaleCache, not HF's DynamicCache
-    (TALE attention does not fill a DynamicCache: decoding would see no past at all)."""
-    hf_generate = model.generate
+class TaleGenerationMixin:
+    """generate() for TALE models, through transformers' own hooks:
+    - without past_key_values it gets a fresh TaleCache instead of HF's DynamicCache (TALE attention does
+      not fill a DynamicCache: decoding would see no past at all);
+    - a StaticTaleCache made without max_length is sized for the call (prompt + max_new_tokens);
+    - with a StaticTaleCache on CUDA, the decode steps that generate() would hand to torch.compile replay
+      a CUDA graph instead (runtime/decode.py; `disable_compile=True` keeps them eager)."""
 
-    @functools.wraps(hf_generate)
-    def generate(*args, past_key_values=None, **kwargs):
-        if past_key_values is None:
-            past_key_values = new_cache(model)
-        return hf_generate(*args, past_key_values=past_key_values, **kwargs)
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        cache = model_kwargs.get("past_key_values")
+        default = generation_config.use_cache is not False and generation_config.cache_implementation is None
+        if cache is None and default:
+            model_kwargs["past_key_values"] = new_cache(self)
+        elif isinstance(cache, StaticTaleCache) and cache.max_length is None:
+            cache.max_length = kwargs.get("max_cache_length", args[-1] if args else None)
+        return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
-    model.generate = generate
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
+        cache = model_kwargs.get("past_key_values")
+        if isinstance(cache, StaticTaleCache):  # not through cache.is_compileable: HF would then build 4D masks
+            return self.device.type == "cuda" and not generation_config.disable_compile
+        return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+
+    def get_compiled_call(self, compile_config):
+        return functools.partial(_graphed_call, self, super().get_compiled_call(compile_config))
+
+
+def _graphed_call(model, compiled, input_ids=None, past_key_values=None, position_ids=None, **kwargs):
+    """A decode step of generate(): one token per row over a StaticTaleCache replays its CUDA graph;
+    other caches get transformers' compiled call."""
+    cache = past_key_values
+    if not isinstance(cache, StaticTaleCache):
+        return compiled(input_ids=input_ids, past_key_values=past_key_values, position_ids=position_ids, **kwargs)
+    if input_ids is None or input_ids.shape[1] != 1:
+        return model(input_ids=input_ids, past_key_values=past_key_values, position_ids=position_ids, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from .decode import CudaGraphDecoder
+
+    dec = getattr(cache, "decoder", None)
+    if dec is None or dec.model is not model:
+        dec = cache.decoder = CudaGraphDecoder(model, cache)
+    if position_ids is None:  # what the model itself would use: the cache position
+        position_ids = torch.full_like(input_ids, cache.get_seq_length())
+    return CausalLMOutputWithPast(logits=dec(input_ids, position_ids)[:, None], past_key_values=cache)
+
+
+_TALE_CLASSES: dict[type, type] = {}
+
+
+def tale_class(cls: type) -> type:
+    """The model class with TaleGenerationMixin in front (one subclass per HF class, like HF's own auto classes)."""
+    if issubclass(cls, TaleGenerationMixin):
+        return cls
+    if cls not in _TALE_CLASSES:
+        _TALE_CLASSES[cls] = type(f"Tale{cls.__name__}", (TaleGenerationMixin, cls), {"__module__": __name__})
+    return _TALE_CLASSES[cls]
 
 
 def _model_type(root: Path) -> str | None:
@@ -277,18 +324,19 @@ def _read_tensors(root: Path, device: torch.device, dtype: torch.dtype,
     return state
 
 
-def new_cache(model, schedule: Schedule | None = None) -> TaleCache:
-    """A fresh TaleCache for `model` (pass as past_key_values to forward/generate)."""
+def new_cache(model, schedule: Schedule | None = None, *, static: bool = False,
+              max_length: int | None = None) -> TaleCache | StaticTaleCache:
+    """A fresh TALE cache for `model` (pass as past_key_values to forward/generate).
+
+    static=False: TaleCache, tensors grow as tokens come. static=True: StaticTaleCache, buffers for
+    `max_length` tokens per row allocated at the prefill (model.generate fills in prompt + max_new_tokens
+    when max_length is None); its decode step can be captured as a CUDA graph (runtime/decode.py).
+    """
     arch = model.tale_manifest["architecture"]
     cfg = model.config
-    return TaleCache(
-        schedule or model.tale_schedule,
-        cfg.num_hidden_layers,
-        cfg.num_key_value_heads,
-        int(arch["head_dim"]),
-        int(arch["num_groups"]),
-        int(arch["latent_rank"]),
-    )
+    args = (schedule or model.tale_schedule, cfg.num_hidden_layers, cfg.num_key_value_heads, int(arch["head_dim"]),
+            int(arch["num_groups"]), int(arch["latent_rank"]))
+    return StaticTaleCache(*args, max_length=max_length) if static else TaleCache(*args)
 
 
 def set_output_path(model, path: str) -> None:
@@ -300,13 +348,17 @@ def set_output_path(model, path: str) -> None:
 
 def use_kernels(model, enable: bool = True) -> bool:
     """Route decode attention through the Triton kernel (CUDA) or back to the torch reference."""
-    from .cache import latent_attention
+    from .attention import latent_attention
 
     fn = latent_attention
     if enable:
         try:
             from tale_kernels import latent_attention as kernel_fn  # noqa: F401
         except Exception:  # Triton missing or no kernel for this setup: keep the reference
+            kernel_fn = None
+        # the backend is handed a regions.LayerView; a kernel module from before the view (it reads
+        # TaleLayerCache fields) is not used
+        if kernel_fn is not None and "LayerView" not in vars(sys.modules[kernel_fn.__module__]):
             kernel_fn = None
         fn = kernel_fn or latent_attention
     for layer in model.model.layers:

@@ -20,10 +20,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .artifact import Schedule
-from .cache import Store, TaleLayerCache, latent_attention
+from .attention import latent_attention
+from .cache import Store, TaleLayerCache
+from .static_cache import StaticTaleCache
 
-# Decode attention backend: (q, k_new, h_new, layer_cache, scaling) -> z [B, T, H, R].
-# The runtime swaps in the Triton kernel on CUDA (tale_kernels), the torch reference elsewhere.
+# Decode attention backend: (q [B, H, T, n], k_new [B, K, T, n], h_new [B, G, T, R], view: regions.LayerView,
+# scaling) -> z [B, T, H, R] float32. The runtime swaps in the Triton kernel on CUDA (tale_kernels), the torch
+# reference (attention.py) elsewhere. It must not sync with the host: a static cache's step is a CUDA graph.
 AttentionFn = Callable[..., torch.Tensor]
 
 
@@ -105,6 +108,9 @@ class TaleCache(Cache):
 
     def baseline_nbytes(self) -> int:
         return sum(layer.baseline_nbytes() for layer in self.layers)
+
+
+TALE_CACHES = (TaleCache, StaticTaleCache)
 
 
 class TaleWeights(nn.Module):
@@ -193,7 +199,7 @@ class TaleAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         layer = None
-        if isinstance(past_key_values, TaleCache):
+        if isinstance(past_key_values, TALE_CACHES):
             layer = past_key_values.layers[self.layer_idx]
             layer.window = self.sliding_window
         elif past_key_values is not None:
@@ -220,7 +226,7 @@ class TaleAttention(nn.Module):
             return out, weights
 
         h = self.latents(hidden_states)
-        z = self.attention_fn(q, k, h, layer, self.scaling)
+        z = self.attention_fn(q, k, h, layer.view(), self.scaling)
         layer.append(k, h)
         return self.output(z), None
 

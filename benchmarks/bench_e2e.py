@@ -1,0 +1,579 @@
+"""End-to-end decode of an 8B-shaped model: TALE static cache + CUDA graphs against transformers.
+
+Model: a random Llama with Llama-3.1-8B shapes (32 layers, hidden 4096, MLP 14336, 32 query heads,
+8 KV heads, head dim 128) and vocab 49152, bf16. Its TALE weights are built directly from the random
+factors (plain SVD of each group's W_V, no calibration: the values do not change the timing), head
+groups of 4 (R = 512), the paper's schedule (4 sinks, p = 0.1 at 4 bits full rank, middle at 2 bits
+rank 256, key/value groups 32, 16-bit residual of 32).
+
+Rows (per context and batch), each measured in this run:
+- TALE static: StaticTaleCache + one CUDA graph per decode step (runtime/decode.py), flushes and
+  demotions eager between replays; fused and factored output both timed, the faster reported;
+  the decode attention is whatever `use_kernels` installs (the Triton kernel when it reads region
+  views, else the torch reference: the `attention` column says which);
+- HF eager: the same model with its own attention (SDPA), DynamicCache, eager decode;
+- HF static+compile: `generate` with transformers' StaticCache and its automatic torch.compile of
+  the decode step (the best a transformers user gets today).
+Every prefill runs without an attention mask (SDPA is_causal: no full-size mask). Batches > 1 are
+filled by repeating the prefilled rows (`Cache.batch_repeat_interleave`): decode time does not depend
+on the values. ms/token = wall time of N decode steps (greedy, argmax on the device, no host sync per
+step; flush/demotion work included) / N. Peak = torch.cuda.max_memory_allocated during the decode.
+
+    python benchmarks/bench_e2e.py --out docs/speed.md          # one device call, ~8 minutes on an H100
+    python benchmarks/bench_e2e.py --quick                      # tiny model, CPU: checks the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import sys
+import time
+import traceback
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from tale_runtime import new_cache, set_output_path, use_kernels
+from tale_runtime.artifact import Schedule, uniform_ranks
+from tale_runtime.attention import latent_attention as reference
+from tale_runtime.decode import CudaGraphDecoder
+from tale_runtime.load import tale_class
+from tale_runtime.model import TaleAttention
+
+GiB = 2**30
+T0 = time.perf_counter()
+
+
+def log(*a):
+    print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
+
+
+def build(quick: bool, device: str, layers: int | None = None, dtype: torch.dtype | None = None):
+    """The random base model, and its TALE attention modules (sharing q/k/o projections)."""
+    if quick:
+        cfg = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                   num_key_value_heads=4, head_dim=32, vocab_size=512)
+    else:
+        cfg = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                   num_key_value_heads=8, head_dim=128, vocab_size=49152)
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    config = AutoConfig.for_model("llama", max_position_embeddings=1 << 20, rope_theta=500000.0, **cfg)
+    dtype = dtype or (torch.float32 if quick else torch.bfloat16)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+    model.__class__ = tale_class(type(model))  # what tale_runtime.load does: generate() knows TALE caches
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    g = 2 if quick else 4
+    n, Kh, H = config.head_dim, config.num_key_value_heads, config.num_attention_heads
+    G, R, rep = Kh // g, g * n, H // Kh
+    orig, tale = [], []
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            o = layer.self_attn
+            att = TaleAttention(o, config, i, g)
+            W = o.v_proj.weight.float().T  # [d, K*n]
+            Wo = o.o_proj.weight.float().T  # [H*n, d]
+            A, B = [], []
+            for c in range(G):
+                U, S, Vh = torch.linalg.svd(W[:, c * R : (c + 1) * R], full_matrices=False)
+                A.append(U * S.sqrt())
+                B.append(S.sqrt()[:, None] * Vh)
+            Of = [B[(q // rep) // g][:, ((q // rep) % g) * n : ((q // rep) % g + 1) * n] @ Wo[q * n : (q + 1) * n]
+                  for q in range(H)]
+            att.tale.u_v.data = torch.stack(A).to(dtype)
+            att.tale.v_v.data = torch.stack(B).to(dtype)
+            att.tale.o_fused.data = torch.cat(Of).T.contiguous().to(dtype)
+            orig.append(o)
+            tale.append(att)
+    L = config.num_hidden_layers
+    vg = 8 if quick else 32
+    model.tale_schedule = Schedule(ranks=uniform_ranks(R, L, 0.5, value_group=vg), key_group=vg, value_group=vg,
+                                   residual=vg)
+    model.tale_manifest = {"architecture": {"head_dim": n, "num_groups": G, "latent_rank": R, "group_size": g}}
+    return model, orig, tale
+
+
+def use(model, modules):
+    for layer, m in zip(model.model.layers, modules):
+        layer.self_attn = m
+
+
+def free():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def peak_reset():
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak() -> float:
+    return torch.cuda.max_memory_allocated() / GiB if torch.cuda.is_available() else float("nan")
+
+
+@torch.inference_mode()
+def prefill(model, cache, ctx: int, B: int = 1):
+    ids = torch.randint(1, model.config.vocab_size, (B, ctx), device=model.device,
+                        generator=torch.Generator(model.device).manual_seed(ctx))
+    sync()
+    peak_reset()
+    t = time.perf_counter()
+    logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    sync()
+    return logits.argmax(-1, keepdim=True), time.perf_counter() - t
+
+
+@torch.inference_mode()
+def decode(step, first: torch.Tensor, pos0: int, n: int) -> tuple[float, torch.Tensor]:
+    """ms/token of n greedy steps through step(ids, position_ids) -> logits [B, V]; returns the tokens."""
+    B = first.shape[0]
+    ids = first.clone()
+    pos = torch.full((B, 1), pos0, dtype=torch.long, device=first.device)
+    toks = []
+    for i in range(2):  # warm-up (the graph decoder captures here)
+        ids = step(ids, pos).argmax(-1, keepdim=True)
+        pos += 1
+        toks.append(ids)
+    sync()
+    t = time.perf_counter()
+    for i in range(n):
+        ids = step(ids, pos).argmax(-1, keepdim=True)
+        pos += 1
+        toks.append(ids)
+    sync()
+    return (time.perf_counter() - t) * 1e3 / n, torch.cat(toks, 1)
+
+
+def tale_step(model, cache, graphs: bool):
+    if graphs:
+        return CudaGraphDecoder(model, cache)
+
+    return hf_step(model, cache)
+
+
+def hf_step(model, cache):
+    def step(ids, pos):
+        out = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
+    return step
+
+
+# -- the rows --------------------------------------------------------------------------------
+
+ROWS: list[dict] = []
+
+
+def row(**kw):
+    ROWS.append(kw)
+    log(json.dumps(kw))
+
+
+def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
+    """Teacher-forced logits of the same decode steps (batch 2, left padding, through flushes and demotions)
+    in four ways: dynamic cache eager with the kernel, static eager, static CUDA graph, and dynamic eager with
+    the torch reference. Static graph vs static eager isolates the graph machinery, static vs dynamic the
+    storage, kernel vs reference the accepted noise of the dtype. Then greedy tokens of model.generate with
+    a static cache (CUDA-graph steps) against a dynamic one."""
+    use(model, tale)
+    ctx, V, dev = 1000 if graphs else 200, model.config.vocab_size, model.device
+    gen = torch.Generator(dev).manual_seed(1)
+    ids = torch.randint(1, V, (2, ctx), device=dev, generator=gen)
+    feed = torch.randint(1, V, (2, n_steps), device=dev, generator=gen)
+    mask = torch.ones_like(ids)
+    ids[1, :37], mask[1, :37] = 0, 0
+    kernel = tale[0].attention_fn is not reference
+    out = {}
+    with torch.inference_mode():
+        for name, static, graphed, kern in [("dyn-kernel", False, False, True), ("static-eager", True, False, True),
+                                             ("static-graph", True, graphs, True), ("dyn-ref", False, False, False)]:
+            use_kernels(model, kern and kernel)
+            cache = new_cache(model, static=static, max_length=ctx + n_steps + 2)
+            model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            pos = mask.sum(-1, keepdim=True)  # positions of the next token, per row
+            step = tale_step(model, cache, graphed)
+            ls = []
+            for t in range(n_steps):
+                ls.append(step(feed[:, t : t + 1], pos).float().clone())
+                pos += 1
+            out[name] = torch.stack(ls, 1)
+            if getattr(step, "error", None):
+                row(kind="tale-graph-error", where="check", error=step.error[:300])
+            del cache, step
+            free()
+        use_kernels(model, kernel)
+
+        def rel(a, b):
+            return float((out[a] - out[b]).norm() / out[b].norm())
+
+        row(kind="check", label=label, prompt=ctx, steps=n_steps, graph_vs_eager=rel("static-graph", "static-eager"),
+            static_vs_dynamic=rel("static-eager", "dyn-kernel"), kernel_vs_reference=rel("dyn-kernel", "dyn-ref"),
+            argmax_agree=float((out["static-graph"].argmax(-1) == out["dyn-kernel"].argmax(-1)).float().mean()))
+        if generate:  # model.generate: the static cache's decode steps replay a CUDA graph (TaleGenerationMixin)
+            kw = dict(attention_mask=mask, max_new_tokens=n_steps, do_sample=False)
+            want = model.generate(ids, past_key_values=new_cache(model), **kw)
+            got = model.generate(ids, past_key_values=new_cache(model, static=True), **kw)
+            same = (got == want).all(0)[ctx:]
+            row(kind="check-generate", label=label, tokens_equal=bool(same.all()),
+                first_difference=None if same.all() else int((~same).nonzero()[0]))
+            free()
+
+
+def _max_batch(per_row: float, fixed: float, frac: float) -> int:
+    if not torch.cuda.is_available():
+        return 4  # --quick
+    total = torch.cuda.get_device_properties(0).total_memory
+    return max(1, int((total * frac - fixed) // per_row))
+
+
+def _ctx(ctx: int) -> str:
+    return f"{ctx // 1024}K" if ctx % 1024 == 0 else str(ctx)
+
+
+def _batches(model, base, first, pos0: int, batches: list, kind: str, ctx: int, deadline: float, per_row, fixed,
+             frac: float, measure):
+    """Batch 1 on `base`, then each larger batch on a copy of it with its rows repeated. `measure(cache, first,
+    pos0)` -> dict or raises OOM; 'max' = the largest batch the memory model (per_row, fixed bytes) allows,
+    lowered by a quarter after an out-of-memory error."""
+    for target in batches:
+        if time.perf_counter() - T0 > deadline:
+            row(kind=kind, ctx=ctx, batch=target, skipped="time budget")
+            continue
+        tries = 3 if target == "max" else 1
+        B = _max_batch(per_row(), fixed(), frac) if target == "max" else target
+        while tries:
+            tries -= 1
+            cache = base
+            try:
+                if B != 1:
+                    cache = copy.deepcopy(base)
+                    cache.batch_repeat_interleave(B)
+                measure(cache, first.repeat_interleave(B, 0), pos0, B)
+                break
+            except torch.cuda.OutOfMemoryError as e:
+                row(kind=kind, ctx=ctx, batch=B, error=f"OOM: {str(e).splitlines()[0][:100]}")
+                del e
+                B = B * 3 // 4
+            finally:
+                if cache is not base:
+                    del cache
+                free()
+        if B == 1:
+            pos0 = base.get_seq_length()
+            first = measure.last[:, -1:]
+
+
+def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadline: float, frac: float):
+    use(model, tale)
+    cache = new_cache(model, static=True, max_length=ctx + 6 * (n + 2) + 8)
+    free()
+    first, pre_s = prefill(model, cache, ctx)
+    row_bytes = cache.capacity_nbytes()
+    row(kind="tale-prefill", ctx=ctx, prefill_s=round(pre_s, 3), cache_alloc_gib=row_bytes / GiB,
+        cache_used_gib=cache.nbytes() / GiB, prefill_peak_gib=peak())
+    state = {"step_bytes": 4 * ctx * 1024}  # per row and step transients, measured below (a guess before)
+
+    def measure(c, first, pos0, B):
+        best = None
+        for path in ("factored", "fused"):
+            set_output_path(model, path)
+            free()
+            base_mem = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+            peak_reset()
+            step = tale_step(model, c, graphs)
+            ms, toks = decode(step, first, pos0, n)
+            if getattr(step, "error", None):
+                row(kind="tale-graph-error", ctx=ctx, batch=B, error=step.error[:300])
+            del step
+            pk = peak()
+            if torch.cuda.is_available():
+                state["step_bytes"] = max(state["step_bytes"] if B > 1 else 0, (pk * GiB - base_mem) / B)
+            measure.last = toks
+            first, pos0 = toks[:, -1:], pos0 + n + 2
+            r = dict(kind="tale", ctx=ctx, batch=B, path=path, ms_per_token=round(ms, 2),
+                     tokens_per_s=round(B * 1e3 / ms, 1), peak_gib=round(pk, 2))
+            row(**r)
+            if best is None or ms < best["ms_per_token"]:
+                best = r
+        row(**{**best, "kind": "tale-best"})
+        if B == 1 and kernel_fn is not None and ctx == 32768:  # what the kernel brings: the same step, torch reference
+            for t in tale:
+                t.attention_fn = reference
+            set_output_path(model, best["path"])
+            ms, toks = decode(tale_step(model, c, graphs), first, pos0, n)
+            measure.last = toks
+            row(kind="tale-reference", ctx=ctx, batch=B, path=best["path"], ms_per_token=round(ms, 2))
+            for t in tale:
+                t.attention_fn = kernel_fn
+
+    kernel_fn = tale[0].attention_fn if tale[0].attention_fn is not reference else None
+    fixed = torch.cuda.memory_allocated() - row_bytes if torch.cuda.is_available() else 0
+    _batches(model, cache, first, ctx, batches, "tale", ctx, deadline, lambda: row_bytes + state["step_bytes"],
+             lambda: fixed, frac, measure)
+    del cache
+    free()
+
+
+def hf_eager_rows(model, orig, ctx: int, batches: list, n: int, deadline: float, frac: float):
+    use(model, orig)
+    cache = DynamicCache(config=model.config)
+    free()
+    first, pre_s = prefill(model, cache, ctx)
+    row(kind="hf-prefill", ctx=ctx, prefill_s=round(pre_s, 3), prefill_peak_gib=peak())
+    c = model.config
+    kv_row = 2 * (ctx + 4 * n) * c.num_key_value_heads * c.head_dim * 2 * c.num_hidden_layers
+
+    def measure(cache, first, pos0, B):
+        total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 1 << 60
+        if B * kv_row > total:
+            raise torch.cuda.OutOfMemoryError(f"16-bit KV alone is {B * kv_row / GiB:.0f} GiB")
+        peak_reset()
+        ms, toks = decode(hf_step(model, cache), first, pos0, n)
+        measure.last = toks
+        row(kind="hf-eager", ctx=ctx, batch=B, ms_per_token=round(ms, 2), tokens_per_s=round(B * 1e3 / ms, 1),
+            peak_gib=round(peak(), 2))
+
+    fixed = torch.cuda.memory_allocated() - kv_row if torch.cuda.is_available() else 0
+    # DynamicCache.update concatenates: one layer's K/V exists twice for a moment
+    _batches(model, cache, first, ctx, batches, "hf-eager", ctx, deadline, lambda: kv_row * 1.05,
+             lambda: fixed + 2 * GiB, frac, measure)
+    del cache
+    free()
+
+
+def hf_static_rows(model, orig, ctx: int, batches: list[int], n: int, deadline: float):
+    """generate() with transformers' StaticCache (auto torch.compile of the decode step); ms/token from the
+    difference of two calls (their prefills cancel), after a warm-up call that compiles."""
+    from transformers import StaticCache
+
+    use(model, orig)
+    for B in batches:
+        if time.perf_counter() - T0 > deadline:
+            row(kind="hf-static-compile", ctx=ctx, batch=B, skipped="time budget")
+            continue
+        ids = torch.randint(1, model.config.vocab_size, (B, ctx), device=model.device)
+        cache = StaticCache(config=model.config, max_cache_len=ctx + n + 16)
+        kw = dict(past_key_values=cache, do_sample=False, attention_mask=torch.ones_like(ids))
+        try:
+            times = {}
+            for m in (4, 4, n + 4):  # compile + capture, then two timed calls
+                cache.reset()
+                sync()
+                t = time.perf_counter()
+                peak_reset()
+                model.generate(ids, max_new_tokens=m, min_new_tokens=m, **kw)
+                sync()
+                times[m] = time.perf_counter() - t
+            ms = (times[n + 4] - times[4]) * 1e3 / n
+            row(kind="hf-static-compile", ctx=ctx, batch=B, ms_per_token=round(ms, 2),
+                tokens_per_s=round(B * 1e3 / ms, 1), peak_gib=round(peak(), 2), prefill_s=round(times[4], 2))
+        except Exception as e:  # noqa: BLE001  (OOM, compile failure: record and go on)
+            row(kind="hf-static-compile", ctx=ctx, batch=B, error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            del e
+        del cache
+        free()
+
+
+def largest(weight_bytes: int) -> None:
+    """Largest context at batch 1, estimated from the 128K (or longest) prefill: weights + per-token bytes
+    (cache and prefill transients, from the measured peak) within the GPU's memory."""
+    if not torch.cuda.is_available():
+        return
+    total = torch.cuda.get_device_properties(0).total_memory
+    for kind in ("tale-prefill", "hf-prefill"):
+        rs = [r for r in ROWS if r["kind"] == kind]
+        if not rs:
+            continue
+        r = max(rs, key=lambda r: r["ctx"])
+        per_tok = (r["prefill_peak_gib"] * GiB - weight_bytes) / r["ctx"]
+        row(kind="largest-context", who=kind.split("-")[0], per_token_kib=round(per_tok / 1024, 1),
+            est_tokens=int((total * 0.97 - weight_bytes) / per_tok), from_ctx=r["ctx"])
+
+
+# -- table -------------------------------------------------------------------------------------
+
+def table(device: str, attention: str, floor_ms: dict) -> str:
+    lines = [
+        f"Measured on {device}, torch {torch.__version__}. TALE decode attention: {attention}.",
+        "",
+        "| context | batch | TALE static ms/tok | TALE path | TALE tok/s | TALE peak GiB | HF eager ms/tok "
+        "| HF eager tok/s "
+        "| HF eager peak GiB | HF static+compile ms/tok | HF static tok/s | byte floor ms/tok (B=1) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    keys = sorted({(r["ctx"], r["batch"]) for r in ROWS if r["kind"] in ("tale-best", "hf-eager", "hf-static-compile",
+                                                                         "tale") and "batch" in r},
+                  key=lambda x: (x[0], x[1] if isinstance(x[1], int) else 1 << 30))
+
+    def get(kind, ctx, b):
+        return next((r for r in ROWS if r["kind"] == kind and r.get("ctx") == ctx and r.get("batch") == b), None)
+
+    def cell(r, k):
+        if r is None:
+            return "-"
+        if k in r:
+            return str(r[k])
+        return r.get("error", r.get("skipped", "-"))[:40]
+
+    for ctx, b in keys:
+        t = get("tale-best", ctx, b) or get("tale", ctx, b)
+        he, hs = get("hf-eager", ctx, b), get("hf-static-compile", ctx, b)
+        fl = f"{floor_ms[ctx]:.1f}" if b == 1 and ctx in floor_ms else ""
+        lines.append(f"| {_ctx(ctx)} | {b} | {cell(t, 'ms_per_token')} | {cell(t, 'path')} | {cell(t, 'tokens_per_s')} "
+                     f"| {cell(t, 'peak_gib')} | {cell(he, 'ms_per_token')} | {cell(he, 'tokens_per_s')} "
+                     f"| {cell(he, 'peak_gib')} | {cell(hs, 'ms_per_token')} | {cell(hs, 'tokens_per_s')} | {fl} |")
+    pre = [r for r in ROWS if r["kind"] in ("tale-prefill", "hf-prefill")]
+    if pre:
+        lines += ["", "Prefill (batch 1, no mask, SDPA is_causal):", "",
+                  "| context | TALE s | HF s | TALE cache allocated GiB |", "|---|---|---|---|"]
+        for ctx in sorted({r["ctx"] for r in pre}):
+            t = next((r for r in pre if r["kind"] == "tale-prefill" and r["ctx"] == ctx), {})
+            h = next((r for r in pre if r["kind"] == "hf-prefill" and r["ctx"] == ctx), {})
+            lines.append(f"| {_ctx(ctx)} | {t.get('prefill_s', '-')} | {h.get('prefill_s', '-')} "
+                         f"| {t.get('cache_alloc_gib', float('nan')):.2f} |")
+    for r in ROWS:
+        if r["kind"] == "check-generate":
+            lines += ["", f"model.generate ({r['label']}) with a StaticTaleCache (CUDA-graph steps through "
+                      f"TaleGenerationMixin) vs a TaleCache, greedy: tokens equal: {r['tokens_equal']} (first "
+                      f"difference at step {r['first_difference']})."]
+    for r in ROWS:
+        if r["kind"] == "largest-context":
+            lines += ["", f"Largest context at batch 1 ({r['who']}): about {r['est_tokens'] // 1024}K tokens, from the "
+                      f"peak of the {_ctx(r['from_ctx'])} prefill ({r['per_token_kib']} KiB per token beyond the "
+                      "weights)."]
+    for r in ROWS:
+        if r["kind"] == "tale-reference":
+            lines += ["", f"The same TALE step at {_ctx(r['ctx'])} batch {r['batch']} with the torch reference "
+                      "attention (runtime/attention.py, the whole capacity dequantized per layer) instead of the "
+                      f"kernel: "
+                      f"{r['ms_per_token']} ms/token."]
+    chk = [r for r in ROWS if r["kind"] == "check" and "label" in r]
+    if chk:
+        lines += ["", "Checks (batch 2, left padding, teacher-forced decode steps through flushes and demotions; "
+                  "relative L2 difference of the logits):", "",
+                  "| model | prompt | steps | static graph vs static eager | static vs dynamic cache | kernel vs torch "
+                  "reference (dynamic) | argmax agreement static graph / dynamic |", "|---|---|---|---|---|---|---|"]
+        for r in chk:
+            lines.append(f"| {r['label']} | {r['prompt']} | {r['steps']} | {r['graph_vs_eager']:.2e} | "
+                         f"{r['static_vs_dynamic']:.2e} | {r['kernel_vs_reference']:.2e} | {r['argmax_agree']:.3f} |")
+    for r in ROWS:
+        if r["kind"] == "tale-graph-error":
+            lines += ["", f"CUDA graph capture failed ({r.get('where', r.get('ctx'))}): {r['error']}"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny model on the CPU: the script's logic only")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--deadline", type=float, default=480.0, help="seconds; later rows are skipped")
+    ap.add_argument("--contexts", default="32768,131072")
+    ap.add_argument("--mem-frac", type=float, default=0.92)
+    ap.add_argument("--no-hf-static", action="store_true")
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--out", default=None, help="append the table to this markdown file")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    device = "cpu" if args.quick else "cuda"
+    graphs = device == "cuda"
+    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 check must be float32 (the run below is bf16)
+    if not args.no_check:  # float32, 4 layers of the same shapes: the static path must agree to rounding
+        small, _, st = build(args.quick, device, layers=4 if not args.quick else None, dtype=torch.float32)
+        use(small, st)
+        use_kernels(small, graphs)
+        try:
+            check(small, st, graphs, n_steps=40, label=f"float32, {len(st)} layers", generate=False)
+        except Exception as e:  # noqa: BLE001
+            row(kind="check-error", error=f"{type(e).__name__}: {e}")
+            traceback.print_exc()
+        del small, st
+        free()
+    model, orig, tale = build(args.quick, device)
+    use(model, tale)
+    kernel = use_kernels(model) if graphs else False
+    attention = "Triton kernel (tale_kernels)" if kernel else "torch reference (runtime/attention.py)"
+    log("model built;", attention)
+    ctxs = [int(c) for c in args.contexts.split(",")]
+    if args.quick:
+        ctxs = [128, 512]
+    n = 4 if args.quick else args.steps
+    dl = args.deadline
+
+    emb = model.model.embed_tokens.weight
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - sum(
+        t.tale.o_fused.numel() * t.tale.o_fused.element_size() for t in tale) - emb.numel() * emb.element_size()
+    # (the factored path reads W_O, not O^r; decode reads one embedding row)
+    bw = 3.35e12  # H100 SXM HBM3 datasheet; replaced by a measured copy below on CUDA
+    if graphs:
+        x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+        y = torch.empty_like(x)
+        y.copy_(x)
+        sync()
+        t = time.perf_counter()
+        for _ in range(10):
+            y.copy_(x)
+        sync()
+        bw = 2 * 10 * x.numel() / (time.perf_counter() - t)
+        del x, y
+        free()
+    log(f"copy bandwidth {bw / 1e9:.0f} GB/s; weights read per token {weight_bytes / GiB:.2f} GiB")
+
+    if not args.no_check:
+        try:
+            check(model, tale, graphs, n_steps=40, label=f"{str(model.dtype)[6:]}, {len(tale)} layers", generate=True)
+        except Exception as e:  # noqa: BLE001
+            row(kind="check-error", error=f"{type(e).__name__}: {e}")
+            traceback.print_exc()
+
+    floor_ms = {}
+    hf_static_done = False
+    for ctx in ctxs:
+        batches = [1, 8, "max"] if ctx <= 32768 else [1, 8]
+        if args.quick:
+            batches = [1, 2, "max"]
+        try:
+            tale_rows(model, tale, ctx, batches, n, graphs, dl, args.mem_frac)
+        except Exception as e:  # noqa: BLE001
+            row(kind="tale", ctx=ctx, batch=0, error=f"{type(e).__name__}: {e}")
+            traceback.print_exc()
+        pf = next((r for r in ROWS if r["kind"] == "tale-prefill" and r["ctx"] == ctx), None)
+        if pf:
+            floor_ms[ctx] = (weight_bytes + pf["cache_used_gib"] * GiB) / bw * 1e3
+        try:
+            hf_eager_rows(model, orig, ctx, batches if not args.quick else [1, 8, "max"], n, dl, args.mem_frac)
+        except Exception as e:  # noqa: BLE001
+            row(kind="hf-eager", ctx=ctx, batch=0, error=f"{type(e).__name__}: {e}")
+            traceback.print_exc()
+    if not args.no_hf_static and not args.quick:
+        hf_static_rows(model, orig, min(ctxs), [1], n, dl)
+        if time.perf_counter() - T0 < dl - 120:
+            hf_static_rows(model, orig, min(ctxs), [8], n, dl)
+    largest(weight_bytes)
+    use(model, tale)
+
+    dev_name = torch.cuda.get_device_name(0) if graphs else "CPU"
+    md = table(dev_name, attention, floor_ms)
+    print(md)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(ROWS, f, indent=1)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n" + md + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Decode attention over a cache's region view, summed in latent space (DESIGN.md 4): the torch reference.
+
+Every backend has this signature, `(q, k_new, h_new, view, scaling) -> z [B, T, H, R]`, and reads the
+cache only through `regions.LayerView`, so it works on the dynamic cache (cache.py) and on the static
+one (static_cache.py, fixed capacities, lengths on the device: no host sync, capturable in a CUDA graph).
+The Triton kernel (tale_kernels) is the CUDA backend; TaleAttention.attention_fn picks one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .quant import dequantize
+from .regions import LayerView
+
+
+def latent_attention(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, view, scaling: float) -> torch.Tensor:
+    """Attention of T new queries over the cached (compressed) tokens plus the T new exact tokens
+    (causal among themselves), summed in latent space. Returns z [B, T, H, R] with
+    z_q = sum_t s_{q,t} pad_R(h_t[:r_t]) (DESIGN.md 4). Computed in float32.
+
+    q: [B, H, T, n]; k_new: [B, K, T, n]; h_new: [B, G, T, R]; view: a LayerView (or a layer cache with
+    .view()). Every region is read over its whole capacity and masked (slot >= length or pos < 0), so
+    shapes do not depend on how full the cache is.
+    """
+    if not isinstance(view, LayerView):
+        view = view.view()
+    B, H, T, n = q.shape
+    K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
+    rep, g = H // K, K // G
+    f32, dev = torch.float32, q.device
+    regions = view.regions
+    keys = torch.cat([dequantize(r.keys, f32) for r in regions] + [k_new.to(f32)], dim=-2)  # [B, K, Lc + T, n]
+    Lc = keys.shape[-2] - T
+    # a slot counts if it is below the region's length and has a position (-1: empty or padding)
+    oks = [(r.pos >= 0) & (torch.arange(r.capacity, device=dev) < r.length) for r in regions]  # [B, cap] each
+    if regions:
+        pos = torch.cat([r.pos for r in regions], dim=-1).long()  # [B, Lc]
+        old = torch.cat(oks, dim=-1)[:, None, :].expand(B, T, Lc)  # [B, T, Lc]
+    else:
+        pos = torch.zeros(B, 0, dtype=torch.long, device=dev)
+        old = torch.zeros(B, T, 0, dtype=torch.bool, device=dev)
+    t = torch.arange(T, device=dev)
+    new = (t[:, None] >= t[None, :]).expand(B, T, T)  # causal among the new tokens
+    if view.window is not None:
+        back = (view.next_pos + t)[None, :, None] - pos[:, None, :]  # [B, T, Lc]
+        old = old & (back < view.window)
+        new = new & ((t[:, None] - t[None, :]) < view.window)
+    mask = torch.cat([old, new], dim=-1)  # [B, T, Lc + T]
+
+    qf = q.to(f32).view(B, K, rep, T, n)
+    logits = torch.einsum("bkitn,bkln->bkitl", qf, keys) * scaling
+    logits = logits.masked_fill(~mask[:, None, None], float("-inf"))
+    probs = logits.softmax(dim=-1).view(B, G, g * rep, T, Lc + T)
+    z = torch.zeros(B, G, g * rep, T, R, dtype=f32, device=dev)
+    start = 0
+    # latents of unused slots are zeroed: whatever they hold (even NaN) must not leak in through p = 0
+    lats = [dequantize(r.lat, f32).masked_fill(~ok[:, None, :, None], 0.0) for r, ok in zip(regions, oks)]
+    for h in lats + [h_new.to(f32)]:
+        L, r = h.shape[-2], h.shape[-1]
+        z[..., :r] += torch.einsum("bcqtl,bclr->bcqtr", probs[..., start : start + L], h)
+        start += L
+    return z.permute(0, 3, 1, 2, 4).reshape(B, T, H, R)

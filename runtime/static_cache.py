@@ -1,0 +1,520 @@
+"""The static TALE cache: preallocated fixed-capacity buffers, lengths on the device (DESIGN.md 4, storage).
+
+Same tokens, levels and quantization as the dynamic cache (cache.py: both follow placement.py), but
+every region lives in a buffer allocated once, at the prefill, for `max_length` tokens, so a decode
+step of the whole model has fixed shapes and can be captured as a CUDA graph (runtime/decode.py).
+
+Per layer (B batch rows, K KV heads, n head dim, G groups, R = g*n latent width, r_i rank of level i):
+
+    sinks     keys [B, K, S, n], latents [B, G, S, R]          16-bit, S = max left padding + alpha
+    level i   keys QTensor [B, K, C_i, n*kb/8] (+ scale/zero [B, K, C_i/key_group, n]),
+              latents QTensor [B, G, C_i, r_i*b/8] (+ scale/zero [B, G, C_i, r_i/value_group])
+              a ring of C_i slots (whole key groups): tokens enter at the write counter w_i and
+              leave (demoted) from the read counter r_i; level 0 never wraps
+    residual  keys [B, K, residual, n], latents [B, G, residual, R]   16-bit, the newest tokens
+
+Shared by all layers (every layer holds the same positions):
+
+    pos[j]    [B, cap_j] int32  cache position of each slot of region j; -1 = empty or padding
+    lens      [2 + levels] int32 slots in use per region (a prefix of the capacity: the high-water mark)
+    next_pos  int64 scalar       position of the next token (kappa)
+    res_slot  [1] int64          residual slot of the next decode token
+
+Counts are integer arithmetic on the host (placement.py): the host knows, without reading the device,
+when the residual fills (every `residual` steps) and when a level demotes a key group. A decode step
+that only writes the new token into the residual (slot and positions from the device tensors) is
+what a CUDA graph captures; the flush and the demotions are fixed-size work (whole key groups) that
+runs after the step, outside the graph, every few steps.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .artifact import Schedule
+from .cache import quant_level
+from .placement import demotions, fill_counts, flush_count
+from .quant import QTensor, cat, requantize
+from .regions import LayerView, Region
+
+
+@dataclass
+class Book:
+    """Host bookkeeping of a static cache (the same for every layer and batch row)."""
+
+    sink_cap: int
+    residual_cap: int
+    kappa: int = 0
+    sink_len: int = 0
+    res_len: int = 0
+    w: list[int] = field(default_factory=list)  # tokens ever written into level i
+    r: list[int] = field(default_factory=list)  # tokens ever demoted out of level i
+
+    def counts(self) -> list[int]:
+        return [a - b for a, b in zip(self.w, self.r)]
+
+    def beyond_sinks(self) -> bool:
+        return self.res_len > 0 or any(self.w)
+
+    def add(self, s: Schedule, T: int) -> tuple[int, list[int] | None, int]:
+        """Take T new tokens: (tokens into the sinks, per-level counts of a direct fill or None,
+        tokens into the residual)."""
+        take = min(T, self.sink_cap - self.sink_len)
+        rest = T - take
+        fill = None
+        self.kappa += T
+        self.sink_len += take
+        if rest and not self.beyond_sinks():
+            fill, n_res = fill_counts(s, rest)
+            self.w = [a + c for a, c in zip(self.w, fill)]
+        else:
+            n_res = rest
+        if self.res_len + n_res > self.residual_cap:
+            raise ValueError(f"static cache: {n_res} new tokens do not fit in the residual after the prefill "
+                             f"(feed them one at a time, or use the dynamic cache)")
+        self.res_len += n_res
+        return take, fill, n_res
+
+    def maintain(self, s: Schedule) -> tuple[int, list[tuple[int, int, int, int]]]:
+        """Flush and demote as placement.py says: (residual tokens flushed, [(level i, tokens, read
+        counter of i, write counter of i - 1)])."""
+        L = len(self.w) - 1
+        q = flush_count(s, self.res_len)
+        self.w[L] += q
+        self.res_len -= q
+        moves = []
+        for i, m in demotions(s, self.counts(), self.res_len, self.kappa - self.sink_cap):
+            moves.append((i, m, self.r[i], self.w[i - 1]))
+            self.r[i] += m
+            self.w[i - 1] += m
+        return q, moves
+
+
+def capacities(s: Schedule, book: Book, max_length: int) -> list[int]:
+    """Ring slots per level: the most tokens each level holds from `book` until `max_length` tokens,
+    decoding one at a time (counted right after a flush, before demotions empty the top level)."""
+    b = copy.deepcopy(book)
+    caps = b.counts()
+    while True:
+        _, moves = b.maintain(s)
+        run = b.counts()
+        for i, m, _, _ in moves:  # back to right after the flush, then replay the moves
+            run[i] += m
+            run[i - 1] -= m
+        caps = [max(a, x) for a, x in zip(caps, run)]
+        for i, m, _, _ in moves:
+            run[i] -= m
+            run[i - 1] += m
+            caps[i - 1] = max(caps[i - 1], run[i - 1])
+        if b.kappa >= max_length:
+            break
+        b.add(s, 1)
+    gk = s.key_group
+    return [max(gk, -(-c // gk) * gk) for c in caps]
+
+
+def _spans(start: int, m: int, cap: int) -> list[tuple[int, int, int]]:
+    """Token indices [start, start + m) of a ring of `cap` slots as (slot, offset in the run, length)."""
+    out, off = [], 0
+    while off < m:
+        slot = (start + off) % cap
+        n = min(m - off, cap - slot)
+        out.append((slot, off, n))
+        off += n
+    return out
+
+
+def _rows(q: QTensor, a: int, b: int) -> list[torch.Tensor]:
+    """Slices of q's data, scale, zero for tokens [a, b) along dim -2 (buffers are [B, X, tokens, ...])."""
+    g = q.group if q.dim in (-2, q.data.dim() - 2) else 1  # keys: one scale row per token group
+    out = [q.data[..., a:b, :]]
+    if q.scale is not None:
+        out += [q.scale[..., a // g : b // g, :], q.zero[..., a // g : b // g, :]]
+    return out
+
+
+def _put(dst: QTensor, src: QTensor, slot: int, off: int, n: int) -> None:
+    for d, s_ in zip(_rows(dst, slot, slot + n), _rows(src, off, off + n)):
+        d.copy_(s_)
+
+
+def _take(src: QTensor, slot: int, n: int) -> QTensor:
+    data, *sz = _rows(src, slot, slot + n)
+    return QTensor(data, *(sz or [None, None]), src.bits, src.group, src.dim)
+
+
+def _raw(t: torch.Tensor) -> QTensor:
+    return QTensor(t, None, None, 16, 1, -2)
+
+
+def _empty_q(lead: tuple, tokens: int, channels: int, bits: int, group: int, dim: int, dtype, device) -> QTensor:
+    """A zeroed QTensor buffer [*lead, tokens, channels] at `bits` (dim: -2 keys, -1 latents)."""
+    if bits == 16:
+        return QTensor(torch.zeros(*lead, tokens, channels, dtype=dtype, device=device), None, None, 16, group, dim)
+    data = torch.zeros(*lead, tokens, channels * bits // 8, dtype=torch.uint8, device=device)
+    sshape = (*lead, tokens // group, channels) if dim == -2 else (*lead, tokens, channels // group)
+    scale, zero = (torch.zeros(sshape, dtype=dtype, device=device) for _ in range(2))
+    return QTensor(data, scale, zero, bits, group, dim)
+
+
+class StaticTaleLayer(CacheLayerMixin):
+    """One decoder layer's buffers of a StaticTaleCache (the bookkeeping lives in the cache)."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, cache: "StaticTaleCache", layer_idx: int):
+        super().__init__()
+        self.cache, self.layer_idx = cache, layer_idx
+        self.ranks = cache.schedule.ranks[layer_idx]
+        self.window: int | None = None
+        self._view: LayerView | None = None
+
+    # -- HF cache layer interface ------------------------------------------------------
+
+    @property
+    def kappa(self) -> int:
+        return self.cache.book.kappa if self.cache.book else 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, *args, **kwargs):
+        raise RuntimeError("StaticTaleCache is filled by TaleAttention; it does not take full key/value states")
+
+    def get_seq_length(self) -> int:
+        return self.kappa
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.kappa + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.cache.max_length or -1
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: pick batch rows of every buffer, in place (captured graphs stay valid)."""
+        if self.cache.book is None:
+            return
+        for t in self._tensors():
+            t.copy_(t.index_select(0, beam_idx.to(t.device)))
+        if self.layer_idx == 0:
+            for p in self.cache.pos:
+                p.copy_(p.index_select(0, beam_idx.to(p.device)))
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.cache.book is not None
+
+    @is_initialized.setter
+    def is_initialized(self, value) -> None:
+        pass
+
+    # -- buffers ---------------------------------------------------------------------------
+
+    def allocate(self, B: int, dtype: torch.dtype, device: torch.device) -> None:
+        c, s = self.cache, self.cache.schedule
+        K, n, G, R = c.K, c.n, c.G, c.R
+        S, caps = c.book.sink_cap, c.caps
+        kw = dict(dtype=dtype, device=device)
+        self.sink_k = torch.zeros(B, K, S, n, **kw)
+        self.sink_h = torch.zeros(B, G, S, R, **kw)
+        self.keys = [_empty_q((B, K), C, n, lv.key_bits, s.key_group, -2, dtype, device)
+                     for lv, C in zip(s.levels, caps)]
+        self.lat = [_empty_q((B, G), C, r, lv.bits, s.value_group, -1, dtype, device)
+                    for lv, C, r in zip(s.levels, caps, self.ranks)]
+        self.res_k = torch.zeros(B, K, s.residual, n, **kw)
+        self.res_h = torch.zeros(B, G, s.residual, R, **kw)
+        self._view = None
+
+    def _tensors(self) -> list[torch.Tensor]:
+        out = [self.sink_k, self.sink_h, self.res_k, self.res_h]
+        for q in self.keys + self.lat:
+            out += [t for t in (q.data, q.scale, q.zero) if t is not None]
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes of the slots holding tokens (packed codes, scales, zero points, sinks, residual)."""
+        b = self.cache.book
+        if b is None:
+            return 0
+        B = self.sink_k.shape[0]
+        per_tok = lambda t: t.element_size() * t[0].numel() // t.shape[-2]  # noqa: E731  (one token, all rows)
+        total = b.sink_len * (per_tok(self.sink_k) + per_tok(self.sink_h))
+        total += b.res_len * (per_tok(self.res_k) + per_tok(self.res_h))
+        for q, cnt in zip(self.keys + self.lat, b.counts() * 2):
+            for t in (q.data, q.scale, q.zero):
+                if t is not None:
+                    rows = cnt * t.shape[-2] // q.data.shape[-2]  # token groups for key scales
+                    total += rows * t.element_size() * t[0].numel() // t.shape[-2]
+        return total * B
+
+    def capacity_nbytes(self) -> int:
+        """Bytes allocated for this layer."""
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def view(self) -> LayerView:
+        """Every region over its whole capacity; lengths and positions are the cache's device tensors."""
+        if self._view is None:
+            c = self.cache
+            regions = [Region(_raw(self.sink_k), _raw(self.sink_h), c.R, c.pos[0], c.lens[0])]
+            for i, (k, h) in enumerate(zip(self.keys, self.lat)):
+                regions.append(Region(k, h, self.ranks[i], c.pos[1 + i], c.lens[1 + i]))
+            regions.append(Region(_raw(self.res_k), _raw(self.res_h), c.R, c.pos[-1], c.lens[-1]))
+            self._view = LayerView(regions, c.next_pos, self.window)
+        self._view.window = self.window
+        return self._view
+
+    # -- writes (host-planned spans; every layer does the same ones) -------------------------
+
+    def append(self, k: torch.Tensor, h: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Cache T new exact tokens: k [B, K, T, n] (post-RoPE), h [B, G, T, R]; `valid` [B, T] marks real
+        tokens (read at the prefill only)."""
+        self.cache._append(self, k, h, valid)
+
+    def _write_new(self, op, k: torch.Tensor, h: torch.Tensor) -> None:
+        c = self.cache
+        if op.decode:  # one token into the residual slot the device holds: capturable
+            self.res_k.index_copy_(2, c.res_slot, k)
+            self.res_h.index_copy_(2, c.res_slot, h)
+            return
+        a = op.sink_start
+        self.sink_k[:, :, a : a + op.take] = k[:, :, : op.take]
+        self.sink_h[:, :, a : a + op.take] = h[:, :, : op.take]
+        t = op.take
+        if op.fill is not None:
+            for i, cnt in enumerate(op.fill):
+                if cnt:
+                    keys, lat = quant_level(c.schedule, i, self.ranks[i], k[:, :, t : t + cnt], h[:, :, t : t + cnt])
+                    _put(self.keys[i], keys, op.fill_start[i], 0, cnt)
+                    _put(self.lat[i], lat, op.fill_start[i], 0, cnt)
+                t += cnt
+        if op.n_res:
+            a = op.res_start
+            self.res_k[:, :, a : a + op.n_res] = k[:, :, t:]
+            self.res_h[:, :, a : a + op.n_res] = h[:, :, t:]
+
+    def _flush(self, q: int, w: int) -> None:
+        """Quantize the first q residual tokens into the top level at its write counter w."""
+        c = self.cache
+        L = len(self.keys) - 1
+        keys, lat = quant_level(c.schedule, L, self.ranks[L], self.res_k[:, :, :q], self.res_h[:, :, :q])
+        for slot, off, n in _spans(w, q, c.caps[L]):
+            _put(self.keys[L], keys, slot, off, n)
+            _put(self.lat[L], lat, slot, off, n)
+        left = c.book.res_len  # tokens after the flushed ones (chunks only)
+        if left:
+            self.res_k[:, :, :left] = self.res_k[:, :, q : q + left].clone()
+            self.res_h[:, :, :left] = self.res_h[:, :, q : q + left].clone()
+
+    def _demote(self, i: int, m: int, r: int, w: int) -> None:
+        """Move m tokens from level i (read counter r) to level i - 1 (write counter w): dequantize,
+        truncate to the lower rank, requantize at the lower bits."""
+        c, s = self.cache, self.cache.schedule
+        spans = _spans(r, m, c.caps[i])
+        kq = cat([_take(self.keys[i], slot, n) for slot, _, n in spans])
+        hq = cat([_take(self.lat[i], slot, n) for slot, _, n in spans])
+        lv = s.levels[i - 1]
+        keys, lat = requantize(kq, lv.key_bits), requantize(hq, lv.bits, self.ranks[i - 1])
+        for slot, off, n in _spans(w, m, c.caps[i - 1]):
+            _put(self.keys[i - 1], keys, slot, off, n)
+            _put(self.lat[i - 1], lat, slot, off, n)
+
+
+@dataclass
+class _Op:
+    """What one forward writes for its T new tokens (the same for every layer)."""
+
+    decode: bool  # one token into the residual at the device slot
+    take: int = 0  # tokens into the sinks, at sink_start
+    sink_start: int = 0
+    fill: list[int] | None = None  # a direct fill: tokens per level, at fill_start
+    fill_start: list[int] | None = None
+    n_res: int = 0  # tokens into the residual, at res_start
+    res_start: int = 0
+
+
+class StaticTaleCache(Cache):
+    """The TALE cache in preallocated buffers for `max_length` tokens per row (allocated at the prefill).
+
+    Pass as `past_key_values` to forward/generate like TaleCache; `runtime/decode.py` captures its decode
+    step as a CUDA graph. The prefill must be the first call; later calls take one token each (or short
+    chunks that fit in the residual).
+    """
+
+    is_compileable = False
+
+    def __init__(self, schedule: Schedule, num_layers: int, num_kv_heads: int, head_dim: int, num_groups: int,
+                 latent_rank: int, max_length: int | None = None):
+        self.schedule = schedule
+        self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank
+        self.max_length = max_length
+        self.num_layers = num_layers
+        self.capturing = False  # inside a CUDA graph capture: host bookkeeping is left to the caller
+        self.book: Book | None = None
+        self.caps: list[int] = []
+        self.decoder = None  # a CudaGraphDecoder of generate() (load.TaleGenerationMixin); dropped with the buffers
+        super().__init__(layers=[StaticTaleLayer(self, i) for i in range(num_layers)])
+
+    def reset(self) -> None:
+        self.book = None
+        self.decoder = None
+
+    # -- sizes ----------------------------------------------------------------------------
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def capacity_nbytes(self) -> int:
+        """Bytes allocated (all layers, buffers and shared positions)."""
+        if self.book is None:
+            return 0
+        pos = sum(p.numel() * p.element_size() for p in self.pos)
+        return sum(layer.capacity_nbytes() for layer in self.layers) + pos
+
+    def baseline_nbytes(self) -> int:
+        if self.book is None:
+            return 0
+        B = self.pos[0].shape[0]
+        return 2 * B * self.K * self.book.kappa * self.n * 2 * self.num_layers
+
+    # -- filling ----------------------------------------------------------------------------
+
+    def _allocate(self, k: torch.Tensor, valid: torch.Tensor | None) -> None:
+        B, T, dev = k.shape[0], k.shape[-2], k.device
+        if valid is None:
+            valid = torch.ones(B, T, dtype=torch.bool, device=dev)
+        pad = int((~valid).int().cumprod(dim=-1).sum(dim=-1).max())  # leading padding (the prefill's one sync)
+        max_length = self.max_length or T
+        if max_length < T:
+            raise ValueError(f"static cache: the prompt ({T} tokens) is longer than max_length ({max_length})")
+        s = self.schedule
+        book = Book(sink_cap=pad + s.sinks, residual_cap=s.residual, w=[0] * len(s.levels), r=[0] * len(s.levels))
+        probe = copy.deepcopy(book)
+        probe.add(s, T)
+        self.caps = capacities(s, probe, max_length)
+        self.book = book
+        for layer in self.layers:
+            layer.allocate(B, k.dtype, dev)
+        i32 = dict(dtype=torch.int32, device=dev)
+        caps = [book.sink_cap, *self.caps, s.residual]
+        self.pos = [torch.full((B, c), -1, **i32) for c in caps]
+        self.lens = torch.zeros(len(caps), **i32)
+        self.next_pos = torch.zeros((), dtype=torch.int64, device=dev)
+        self.res_slot = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._valid0 = valid
+
+    def _append(self, layer: StaticTaleLayer, k: torch.Tensor, h: torch.Tensor, valid) -> None:
+        if layer.layer_idx == 0:
+            if self.book is None:
+                self._allocate(k, valid)
+            self._op = self._plan(k.shape[-2])
+        layer._write_new(self._op, k, h)
+        if layer.layer_idx == self.num_layers - 1:
+            self._commit(self._op, k.shape[-2])
+
+    def _plan(self, T: int) -> _Op:
+        b = self.book
+        if T == 1 and b.sink_len == b.sink_cap and b.res_len < b.residual_cap:
+            return _Op(decode=True)
+        if self.capturing:
+            raise RuntimeError("static cache: only a plain decode step (one token into the residual) can be captured")
+        take, fill, n_res = copy.deepcopy(b).add(self.schedule, T)  # _commit advances the real bookkeeping
+        return _Op(False, take, b.sink_len, fill, list(b.w) if fill else None, n_res, b.res_len)
+
+    def _commit(self, op: _Op, T: int) -> None:
+        """After the last layer wrote the new tokens: positions, counters, then flush and demotions."""
+        b = self.book
+        if op.decode:
+            B = self.pos[-1].shape[0]
+            self.pos[-1].index_copy_(1, self.res_slot, self.next_pos.view(1, 1).expand(B, 1).to(torch.int32))
+            self.next_pos += 1
+            self.res_slot += 1
+            self.lens[-1:] += 1
+            if not self.capturing:
+                self.advance()
+            return
+        p0, B = b.kappa, self.pos[0].shape[0]
+        pos = torch.arange(p0, p0 + T, dtype=torch.int32, device=self.pos[0].device).expand(B, T)
+        if p0 == 0:  # the prefill: padding gets -1 (it only ever sits in the sinks)
+            pos = pos.masked_fill(~self._valid0, -1)
+        self.pos[0][:, op.sink_start : op.sink_start + op.take] = pos[:, : op.take]
+        t = op.take
+        for i, cnt in enumerate(op.fill or []):
+            if cnt:
+                self.pos[1 + i][:, op.fill_start[i] : op.fill_start[i] + cnt] = pos[:, t : t + cnt]
+            t += cnt
+        if op.n_res:
+            self.pos[-1][:, op.res_start : op.res_start + op.n_res] = pos[:, t:]
+        b.add(self.schedule, T)
+        self._maintain()
+        self._sync_device()
+
+    def advance(self) -> None:
+        """Host side of a decode step (after a captured step's replay): count the token, then flush and
+        demote when the schedule says so."""
+        b = self.book
+        b.kappa += 1
+        b.res_len += 1
+        if self._maintain():
+            self._sync_device()
+
+    def _maintain(self) -> bool:
+        b = self.book
+        L = len(b.w) - 1
+        res_before, wL = b.res_len, b.w[L]
+        q, moves = b.maintain(self.schedule)
+        if q:
+            for layer in self.layers:
+                layer._flush(q, wL)
+            rp = self.pos[-1]
+            for slot, off, n in _spans(wL, q, self.caps[L]):
+                self.pos[1 + L][:, slot : slot + n] = rp[:, off : off + n]
+            left = res_before - q
+            if left:
+                rp[:, :left] = rp[:, q : q + left].clone()
+            rp[:, left:res_before] = -1
+        for i, m, r, w in moves:
+            for layer in self.layers:
+                layer._demote(i, m, r, w)
+            src, dst = self.pos[1 + i], self.pos[i]
+            moved = torch.cat([src[:, slot : slot + n] for slot, _, n in _spans(r, m, self.caps[i])], dim=1)
+            for slot, off, n in _spans(w, m, self.caps[i - 1]):
+                dst[:, slot : slot + n] = moved[:, off : off + n]
+            for slot, _, n in _spans(r, m, self.caps[i]):
+                src[:, slot : slot + n] = -1
+        return bool(q or moves)
+
+    def _sync_device(self) -> None:
+        """Device lengths and counters from the host bookkeeping (fills: no host sync)."""
+        b = self.book
+        lens = [b.sink_len, *(min(w, c) for w, c in zip(b.w, self.caps)), b.res_len]
+        for j, v in enumerate(lens):
+            self.lens[j].fill_(v)
+        self.next_pos.fill_(b.kappa)
+        self.res_slot.fill_(b.res_len)
+
+    # -- HF API ---------------------------------------------------------------------------
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Every batch row repeated `repeats` times (HF Cache API; new buffers: recapture graphs after)."""
+        if self.book is None:
+            return
+        self.decoder = None
+        for layer in self.layers:
+            for obj, names in [(layer, ("sink_k", "sink_h", "res_k", "res_h"))]:
+                for nm in names:
+                    setattr(obj, nm, getattr(obj, nm).repeat_interleave(repeats, dim=0))
+            for q in layer.keys + layer.lat:
+                q.data = q.data.repeat_interleave(repeats, dim=0)
+                if q.scale is not None:
+                    q.scale = q.scale.repeat_interleave(repeats, dim=0)
+                    q.zero = q.zero.repeat_interleave(repeats, dim=0)
+            layer._view = None
+        self.pos = [p.repeat_interleave(repeats, dim=0) for p in self.pos]

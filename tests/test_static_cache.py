@@ -1,0 +1,160 @@
+"""The static cache (runtime/static_cache.py) holds exactly what the dynamic cache holds, step by step,
+and gives the same tokens end to end (tiny random models, float32, CPU)."""
+
+import pytest
+import torch
+
+from tale_helpers import talify, tiny_model
+from tale_runtime import new_cache
+from tale_runtime.artifact import Level, Schedule
+from tale_runtime.attention import latent_attention
+from tale_runtime.generate import generate
+from tale_runtime.model import TaleCache
+from tale_runtime.quant import dequantize
+from tale_runtime.static_cache import StaticTaleCache
+
+K, n, G, R = 2, 16, 1, 32
+
+SCHEDULES = {
+    "paper": Schedule(ranks=[[16, 32]], key_group=8, value_group=8, residual=8),
+    "three-levels": Schedule(sinks=2, levels=[Level(2, 2, None), Level(4, 4, 0.2), Level(8, 8, 0.1)],
+                             ranks=[[8, 16, 32]], key_group=8, value_group=8, residual=16),
+    "exact": Schedule(levels=[Level(16, 16, None), Level(16, 16, 0.1)], ranks=[[32, 32]], key_group=8,
+                      value_group=8, residual=8),
+}
+
+
+def contents(view, b: int) -> dict[int, tuple]:
+    """Row b of a layer view: cache position -> (key bits, latent bits, rank, key [n], latent [R])."""
+    out = {}
+    for r in view.regions:
+        keys, lat = dequantize(r.keys, torch.float32), dequantize(r.lat, torch.float32)
+        used = torch.arange(r.capacity) < r.length
+        for slot in torch.nonzero(used & (r.pos[b] >= 0)).flatten().tolist():
+            p = int(r.pos[b, slot])
+            assert p not in out, f"position {p} cached twice"
+            h = torch.zeros(R)
+            h[: lat.shape[-1]] = lat[b, 0, slot]
+            out[p] = (r.keys.bits, r.lat.bits, r.rank, keys[b, :, slot], h)
+    return out
+
+
+def assert_same(dyn: TaleCache, sta: StaticTaleCache, B: int) -> None:
+    dv, sv = dyn.layers[0].view(), sta.layers[0].view()
+    assert int(sv.next_pos) == dv.next_pos
+    for b in range(B):
+        d, s = contents(dv, b), contents(sv, b)
+        assert d.keys() == s.keys()
+        for p in d:
+            assert d[p][:3] == s[p][:3], f"row {b} position {p}: level differs"
+            assert torch.equal(d[p][3], s[p][3]) and torch.equal(d[p][4], s[p][4]), f"row {b} position {p}"
+    assert sta.nbytes() == dyn.nbytes()
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("prompt,pad", [(40, 0), (3, 0), (70, 5)])
+def test_holds_the_dynamic_caches_tokens_at_every_step(name, prompt, pad):
+    """Same k, h into both caches: the same positions at the same level with bit-identical codes, through
+    flushes, demotions and ring wrap-arounds (200 decode steps), with and without left padding."""
+    s, B, steps = SCHEDULES[name], 2, 200
+    gen = torch.Generator().manual_seed(0)
+    dyn = TaleCache(s, 1, K, n, G, R)
+    sta = StaticTaleCache(s, 1, K, n, G, R, max_length=prompt + steps)
+    k, h = torch.randn(B, K, prompt, n, generator=gen), torch.randn(B, G, prompt, R, generator=gen)
+    valid = torch.ones(B, prompt, dtype=torch.bool)
+    valid[1, :pad] = False
+    for c in (dyn, sta):
+        c.layers[0].append(k, h, valid)
+    assert_same(dyn, sta, B)
+    for t in range(steps):
+        k, h = torch.randn(B, K, 1, n, generator=gen), torch.randn(B, G, 1, R, generator=gen)
+        for c in (dyn, sta):
+            c.layers[0].append(k, h)
+        if t % 7 == 0 or t == steps - 1:
+            assert_same(dyn, sta, B)
+    # the rings are far smaller than max_length: the recent level holds about p * N tokens
+    assert sta.caps[-1] < (prompt + steps) // 2
+
+
+def test_attention_over_both_views_agrees():
+    s = SCHEDULES["three-levels"]
+    gen = torch.Generator().manual_seed(1)
+    dyn, sta = TaleCache(s, 1, K, n, G, R), StaticTaleCache(s, 1, K, n, G, R, max_length=160)
+    k, h = torch.randn(1, K, 150, n, generator=gen), torch.randn(1, G, 150, R, generator=gen)
+    for c in (dyn, sta):
+        c.layers[0].append(k, h)
+    q, kn, hn = torch.randn(1, 4, 1, n), torch.randn(1, K, 1, n), torch.randn(1, G, 1, R)
+    for window in (None, 40):
+        dyn.layers[0].window = sta.layers[0].window = window
+        want = latent_attention(q, kn, hn, dyn.layers[0].view(), 0.25)
+        got = latent_attention(q, kn, hn, sta.layers[0].view(), 0.25)
+        assert (got - want).abs().max() < 1e-6
+
+
+def test_chunk_too_long_for_the_residual_is_refused():
+    s = SCHEDULES["paper"]
+    sta = StaticTaleCache(s, 1, K, n, G, R, max_length=100)
+    sta.layers[0].append(torch.randn(1, K, 40, n), torch.randn(1, G, 40, R))
+    with pytest.raises(ValueError, match="do not fit in the residual"):
+        sta.layers[0].append(torch.randn(1, K, 20, n), torch.randn(1, G, 20, R))
+
+
+@pytest.mark.parametrize("arch,g", [("llama", 2), ("qwen2", 4), ("mistral", 2)])
+def test_generate_gives_the_dynamic_paths_tokens(arch, g):
+    """model.generate, batch 2 with left padding, greedy and beam search; Mistral with a sliding window."""
+    base = tiny_model(arch)
+    if arch == "mistral":
+        base.config.sliding_window = 24
+    tm = talify(base, g)
+    from tale_runtime.load import tale_class
+
+    tm.__class__ = tale_class(type(tm))
+    ids = torch.randint(1, 320, (2, 30), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    ids[1, :7], mask[1, :7] = 0, 0
+    kw = dict(attention_mask=mask, max_new_tokens=50, do_sample=False, pad_token_id=0)
+    want = tm.generate(ids, **kw)  # TaleGenerationMixin: a fresh dynamic TaleCache
+    cache = new_cache(tm, static=True)
+    assert torch.equal(tm.generate(ids, past_key_values=cache, **kw), want)
+    assert cache.max_length == 30 + 50 - 1  # sized for the call by TaleGenerationMixin (the last token is never cached)
+    want = tm.generate(ids, num_beams=3, **kw)
+    assert torch.equal(tm.generate(ids, past_key_values=new_cache(tm, static=True), num_beams=3, **kw), want)
+
+
+def test_decode_loop_static_equals_dynamic():
+    tm = talify(tiny_model("llama"), 2)
+    ids = torch.randint(1, 320, (30,), generator=torch.Generator().manual_seed(4))
+    a, sa = generate(tm, ids, max_new_tokens=40, static=False, eos_token_id=[])
+    b, sb = generate(tm, ids, max_new_tokens=40, static=True, eos_token_id=[])
+    assert a == b and sa.cache_bytes == sb.cache_bytes and sa.baseline_bytes == sb.baseline_bytes
+
+
+def test_batch_repeat_interleave_repeats_rows():
+    s = SCHEDULES["paper"]
+    sta = StaticTaleCache(s, 1, K, n, G, R, max_length=100)
+    k, h = torch.randn(2, K, 50, n), torch.randn(2, G, 50, R)
+    sta.layers[0].append(k, h)
+    before = contents(sta.layers[0].view(), 1)
+    sta.batch_repeat_interleave(3)
+    v = sta.layers[0].view()
+    assert v.regions[0].keys.data.shape[0] == 6
+    after = contents(v, 4)
+    assert before.keys() == after.keys() and all(torch.equal(before[p][3], after[p][3]) for p in before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_cuda_graph_steps_equal_eager_steps():
+    """generate() replays CUDA-graph decode steps over a static cache (TaleGenerationMixin): the same tokens
+    and logits as eager steps over the same cache type."""
+    from tale_runtime.load import tale_class
+
+    tm = talify(tiny_model("llama"), 2).cuda()
+    tm.__class__ = tale_class(type(tm))
+    ids = torch.randint(1, 320, (2, 30), generator=torch.Generator().manual_seed(5)).cuda()
+    kw = dict(max_new_tokens=40, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    eager = tm.generate(ids, past_key_values=new_cache(tm, static=True), disable_compile=True, **kw)
+    cache = new_cache(tm, static=True)
+    graphed = tm.generate(ids, past_key_values=cache, **kw)
+    assert cache.decoder is not None and cache.decoder.graph is not None and cache.decoder.error is None
+    assert torch.equal(graphed.sequences, eager.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(graphed.logits, eager.logits))
