@@ -38,8 +38,9 @@ def test_energy_rank_on_a_synthetic_spectrum():
 def test_singular_values_from_factors():
     torch.manual_seed(0)
     G, R = 2, 12
-    S = torch.rand(G, R).sort(descending=True).values + 0.1
-    V = torch.linalg.qr(torch.randn(G, R, R)).Q
+    # float64 inputs: the check is exact to float64 rounding, not to float32's (which failed at 1.9e-7)
+    S = torch.rand(G, R, dtype=torch.float64).sort(descending=True).values + 0.1
+    V = torch.linalg.qr(torch.randn(G, R, R, dtype=torch.float64)).Q
     B = S.sqrt()[..., None] * V.transpose(-1, -2)  # B_c = S^1/2 V^T
     torch.testing.assert_close(policy.singular_values(B), S.double())
 
