@@ -16,7 +16,13 @@ TEST_FILES = {
     "botchan": "test_botchan.txt",  # Natsume, Botchan, tr. Morri (1919): narrative prose, public domain
     "eb1911": "test_eb1911.txt",  # Encyclopaedia Britannica 11th ed. (1911), "Shakespeare, William": expository prose
 }
-DEMO_DOC = "demo_document.txt"  # the long-context demo: held-out prose with one planted fact
+# `make demo`: a question the base model answers with a clear margin, and a ~2K-token document
+# (DEV prose with one planted fact in its middle) asked about that fact at the end
+DEMO_PROMPT = "What is the chemical symbol for gold?"
+DEMO_ANSWER = "Au"
+DEMO_LONG_PROMPT = "demo_long_prompt.txt"
+DEMO_FACT = ""  # set below, with the file
+DEMO_LONG_ANSWER = ""
 DOC_SEPARATOR = "<|doc|>"
 
 def calib_paths() -> list[Path]:
