@@ -21,8 +21,8 @@ TEST_FILES = {
 DEMO_PROMPT = "What is the chemical symbol for gold?"
 DEMO_ANSWER = "Au"
 DEMO_LONG_PROMPT = "demo_long_prompt.txt"
-DEMO_FACT = ""  # set below, with the file
-DEMO_LONG_ANSWER = ""
+DEMO_FACT = "The code that opens the archive of the printing museum in Mainz is 4817."
+DEMO_LONG_ANSWER = "4817"
 DOC_SEPARATOR = "<|doc|>"
 
 def calib_paths() -> list[Path]:

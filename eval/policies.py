@@ -207,10 +207,7 @@ TALE_SWEEP = (
     {"key_bits": [4, 4]},
     {"r0": 1.0},
     {"r0": 0.25},
-    {"r0": 0.25, "key_bits": [4, 4]},
-    {"bits": [4, 4], "r0": 1.0},
     {"key_group": 64, "value_group": 64, "residual": 64, "r0": 0.34},
-    {"key_group": 64, "value_group": 64, "residual": 64, "r0": 0.34, "key_bits": [4, 4]},
 )
 
 
@@ -238,7 +235,7 @@ class Kivi(Policy):
 
     @classmethod
     def sweep(cls, ctx: int) -> list["Policy"]:
-        return [cls(4, 32, 32), cls(4, 128, 128), cls(2, 32, 32), cls(2, 128, 128)]
+        return [cls(4, 32, 32), cls(2, 32, 32), cls(2, 128, 128)]
 
 
 @dataclass
@@ -292,7 +289,7 @@ class Quanto(HFQuantized):
 
     @classmethod
     def sweep(cls, ctx: int) -> list["Policy"]:
-        return [cls(4, 64, 128), cls(4, 32, 32), cls(2, 64, 128)]
+        return [cls(4, 64, 128), cls(2, 64, 128)]
 
 
 @dataclass
@@ -308,7 +305,7 @@ class HQQ(HFQuantized):
 
     @classmethod
     def sweep(cls, ctx: int) -> list["Policy"]:
-        return [cls(8, 64, 128), cls(4, 64, 128), cls(3, 64, 128), cls(2, 64, 128)]
+        return [cls(4, 64, 128), cls(2, 64, 128)]
 
 
 @dataclass
@@ -343,7 +340,7 @@ class Streaming(Policy):
 
     @classmethod
     def sweep(cls, ctx: int) -> list["Policy"]:
-        return [cls(window=1 / r) for r in (3, 5, 8, 12)]
+        return [cls(window=1 / r) for r in (3, 6, 12)]
 
 
 @dataclass
@@ -387,7 +384,7 @@ class Palu(Policy):
 
     @classmethod
     def sweep(cls, ctx: int) -> list["Policy"]:
-        return [cls(192, 4), cls(192, 2), cls(96, 2), cls(32, 2)]
+        return [cls(192, 4), cls(192, 2), cls(64, 2)]
 
 
 REGISTRY: dict[str, type[Policy]] = {c.family: c for c in (Full, Tale, Kivi, Quanto, HQQ, Streaming, Palu)}
