@@ -250,9 +250,10 @@ def _calib_batches(tok, count: int = 4, length: int = 256, batch: int = 2) -> li
 
 def _table(rows: list[dict], config: dict) -> None:
     texts = config["texts"]
-    t = Table(title=f"{config['model'] or config['artifact']}: decode-mode ppl, {config['windows']} x {config['ctx']} tokens "
-                    f"of {', '.join(texts)} (prefill {config['prefill']}, chunk {config['chunk']}), {config['dtype']}")
-    cols = ["policy"] + [c for tx in texts for c in (f"ppl {tx}", "delta")] + ["compr.", "nominal", "pass-key", "pk compr."]
+    t = Table(title=f"{config['model'] or config['artifact']}: decode-mode ppl, {config['windows']} x {config['ctx']} "
+                    f"tokens of {', '.join(texts)} (prefill {config['prefill']}, chunk {config['chunk']}), {config['dtype']}")
+    cols = ["policy", *[c for tx in texts for c in (f"ppl {tx}", "delta")], "compr.", "nominal", "pass-key",
+            "pk compr."]
     for col in cols:
         t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for r in rows:

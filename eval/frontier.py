@@ -73,12 +73,13 @@ def markdown(rows: list[dict], config: dict) -> str:
         pk = "passkey" in r
         cells = [r["family"], r["setting"].replace("|", "/"), f"{r['ratio']:.2f}x"]
         cells += [f"{r['delta_pct'][t]:+.2f}%" for t in texts]
-        cells += [f"{r['passkey']:.0%}" if pk else "", f"{r['passkey_ratio']:.2f}x" if pk else "", f"{r['seconds']:.0f}"]
+        cells += [f"{r['passkey']:.0%}" if pk else "", f"{r['passkey_ratio']:.2f}x" if pk else ""]
+        cells.append(f"{r['seconds']:.0f}")
         lines.append("| " + " | ".join(cells) + " |")
     ref = ", ".join(f"{t} {config['ref_ppl'][t]:.3f}" for t in texts)
     lines.append("")
-    lines.append(f"ratio: 16-bit K+V bytes / bytes the cache holds at the end of the perplexity run; ppl Δ: decode-mode "
-                 f"perplexity vs the full 16-bit cache ({ref}); {config['windows']} x {config['ctx']} tokens per text, "
+    lines.append(f"ratio: 16-bit K+V bytes / bytes the cache holds at the end of the perplexity run; ppl Δ: "
+                 f"decode-mode perplexity vs the full 16-bit cache ({ref}); {config['windows']} x {config['ctx']} tokens per text, "
                  f"prefill {config['prefill']}, chunk {config['chunk']}, {config['dtype']}; pass-key: "
                  f"{config['passkey_samples']} samples, exact match, pk ratio measured on those runs.")
     return "\n".join(lines) + "\n"
@@ -118,7 +119,8 @@ def plot(rows: list[dict], config: dict, path: Path) -> None:
         ax.set_xlim(1, max(12.5, max(r["ratio"] for r in rows) + 0.5))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{config['model'] or config['artifact']}, {config['dtype']}: quality vs measured KV-cache compression")
+    model = config["model"] or config["artifact"]
+    fig.suptitle(f"{model}, {config['dtype']}: quality vs measured KV-cache compression")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

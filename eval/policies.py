@@ -224,7 +224,9 @@ class Kivi(Policy):
 
     @property
     def name(self) -> str:
-        return f"kivi{self.bits}" if (self.group, self.residual) == (32, 32) else f"kivi{self.bits}/g{self.group}r{self.residual}"
+        if (self.group, self.residual) == (32, 32):
+            return f"kivi{self.bits}"
+        return f"kivi{self.bits}/g{self.group}r{self.residual}"
 
     def build(self, model, pattern):
         d = Dims.of(model)
