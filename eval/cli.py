@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -20,14 +20,17 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tale_calib import calib_paths, documents
+from tale_calib import TEST_FILES, calib_paths, documents
 from tale_convert import policy as rank_policy
 from tale_runtime import ArtifactError, console, load
 from tale_runtime.console import fail
 from tale_runtime.load import override_schedule
 
+from . import frontier as frontier_mod
 from . import passkey, perplexity, policies
 from .attention import prepare
+from .frontier import FAMILIES
+from .measure import add_deltas, measure
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   help="Evaluate TALE against full, KIVI, StreamingLLM and Palu caches on one artifact.")
@@ -45,15 +48,22 @@ class Preset:
     depths: tuple[float, ...]  # pass-key needle depths
     policies: tuple[str, ...]
     rank_policies: tuple[str, ...]
+    texts: tuple[str, ...]  # held-out texts (tale_calib.text_path)
 
 
+TEST_TEXTS = tuple(TEST_FILES)
 PRESETS = {
     # a few minutes on 2 CPU cores
     "ci": Preset(512, 2, 64, 4, ("1k",), (0.1, 0.3, 0.5, 0.7, 0.9),
-                 ("full", "tale", "kivi2", "kivi4", "streaming", "palu"), ()),
+                 ("full", "tale", "kivi2", "kivi4", "quanto4", "hqq4", "streaming", "palu"), (), ("dev",)),
     # the numbers of docs/quality.md
-    "full": Preset(1024, 5, 128, 4, tuple(passkey.LENGTHS), passkey.DEPTHS, policies.BASELINES,
-                   ("energy", "fisher", "progressive")),
+    "full": Preset(1024, 5, 128, 4, tuple(passkey.LENGTHS), passkey.DEPTHS, policies.NAMED,
+                   ("energy", "fisher", "progressive"), TEST_TEXTS),
+}
+# --frontier: many points, each cheaper (ci: about 1-2 min on one thread; full: docs/quality.md)
+FRONTIER_PRESETS = {
+    "ci": Preset(256, 1, 32, 8, ("1k",), (0.5,), (), (), ("botchan",)),
+    "full": Preset(1024, 1, 128, 8, ("1k",), (0.3, 0.5, 0.7), (), (), TEST_TEXTS),
 }
 
 
@@ -65,10 +75,18 @@ def _csv(s: str | None) -> tuple[str, ...] | None:
 def run(
     artifact: str = typer.Argument(..., help="TALE artifact directory (tale-convert output) or Hub id"),
     preset: str = typer.Option("ci", help="ci (minutes on a laptop CPU) or full (the docs/quality.md numbers)"),
-    policy_names: Optional[str] = typer.Option(None, "--policies", help=f"comma list of {', '.join(policies.BASELINES)}"),
+    policy_names: Optional[str] = typer.Option(None, "--policies", help=f"comma list of {', '.join(policies.NAMED)}"),
     rank_policies: Optional[str] = typer.Option(None, help="extra TALE rows with these rank policies: "
                                                 "uniform, energy, fisher, progressive ('' for none)"),
     energy: float = typer.Option(0.9, help="energy policy: whitened spectral energy kept per layer at level 0"),
+    text: Optional[str] = typer.Option(None, help="held-out texts, comma list of dev (tune on it), "
+                                       f"{', '.join(TEST_TEXTS)} (report on them)"),
+    frontier: bool = typer.Option(False, "--frontier", help="sweep every policy over its knob(s): a markdown table "
+                                  "and a PNG plot of quality vs measured compression"),
+    families: Optional[str] = typer.Option(None, help=f"--frontier: comma list of {', '.join(FAMILIES)}"),
+    tale_variants: Optional[str] = typer.Option(None, help="--frontier: TALE points, ';'-separated overrides, e.g. "
+                                                "'-; key_bits=4/4; r0=0.25,key_group=64,value_group=64,residual=64'"),
+    frontier_out: Path = typer.Option(Path("docs/frontier"), help="--frontier: writes PATH.md and PATH.png"),
     ctx: Optional[int] = typer.Option(None, help="tokens per held-out window"),
     windows: Optional[int] = typer.Option(None, help="held-out windows"),
     prefill: Optional[int] = typer.Option(None, help="exact prefix tokens per window"),
@@ -85,12 +103,15 @@ def run(
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write the results to this JSON file"),
 ) -> None:
-    if preset not in PRESETS:
-        fail(f"unknown --preset {preset!r}: use {' or '.join(PRESETS)}")
-    p = PRESETS[preset]
+    table = FRONTIER_PRESETS if frontier else PRESETS
+    if preset not in table:
+        fail(f"unknown --preset {preset!r}: use {' or '.join(table)}")
+    p = table[preset]
     names = _csv(policy_names) or p.policies
     ranks = p.rank_policies if rank_policies is None else _csv(rank_policies)
     lengths = p.lengths if passkey_lengths is None else _csv(passkey_lengths)
+    texts = _csv(text) or p.texts
+    fams = _csv(families) or FAMILIES
     try:
         depths = p.depths if passkey_depths is None else tuple(float(x) for x in _csv(passkey_depths))
         bits_l = None if bits is None else [int(x) for x in _csv(bits)]
@@ -101,10 +122,29 @@ def run(
                     ("--threads", threads)):
         if v is not None and v < 1:  # 0 would silently mean the preset's value
             fail(f"{name} must be >= 1, got {v}")
+    try:
+        variants = None if tale_variants is None else frontier_mod.parse_variants(tale_variants)
+    except ValueError as e:
+        fail(str(e))
     ctx, windows, prefill, chunk = ctx or p.ctx, windows or p.windows, prefill or p.prefill, chunk or p.chunk
-    for n in names:
-        if n not in policies.BASELINES:
-            fail(f"unknown policy {n!r}: use {', '.join(policies.BASELINES)}")
+    pols: list[policies.Policy] = []
+    if frontier:
+        for f in fams:
+            if f not in FAMILIES:
+                fail(f"unknown family {f!r}: use {', '.join(FAMILIES)}")
+        pols = [policies.Full()] + frontier_mod.points(list(fams), preset, ctx, variants)
+    else:
+        for n in names:
+            try:
+                pols.append(policies.named(n))
+            except ValueError as e:
+                fail(str(e))
+    for pol in pols:
+        if why := pol.missing():
+            fail(why)
+    for n in texts:
+        if n != "dev" and n not in TEST_FILES:
+            fail(f"unknown --text {n!r}: use dev, {', '.join(TEST_TEXTS)}")
     for n in ranks:
         if n not in rank_policy.POLICIES:
             fail(f"unknown rank policy {n!r}: use {', '.join(rank_policy.POLICIES)}")
@@ -123,6 +163,8 @@ def run(
     device = str(console.device(device))
     if json_out is not None:  # checked now, not after the whole evaluation ran
         console.writable_file(json_out, "--json")
+    if frontier:
+        console.writable_dir(frontier_out.parent, "--frontier-out")
     if threads:
         torch.set_num_threads(threads)
 
@@ -137,43 +179,49 @@ def run(
                 s, int(model.tale_manifest["architecture"]["latent_rank"]), len(s.ranks), sinks=sinks, recent=recent,
                 ranks=None if r0 is None else [r0] + [1.0] * (len(s.levels) - 1), bits=bits_l, key_bits=key_bits_l)
         ppl_pattern = perplexity.pattern(ctx, prefill, chunk)
-        ids = perplexity.heldout_windows(tok, ctx, windows)
+        ids = {t: perplexity.heldout_windows(tok, ctx, windows, t) for t in texts}
+        for pol in pols:  # invalid TALE variants fail here, before any run
+            if isinstance(pol, policies.Tale):
+                pol.resolve(model)
     except (ArtifactError, ValueError) as e:
         fail(str(e))
     prepare(model)
     sched = model.tale_schedule
     log = err_console.print
-    rank_schedules = _rank_schedules(model, tok, sched, ranks, energy, log)
-    pols = policies.build(model, list(names), sched, ppl_pattern, rank_schedules)
+    pols = [replace(pol, match_pattern=ppl_pattern) if isinstance(pol, policies.Palu) else pol for pol in pols]
+    for name, rs in _rank_schedules(model, tok, sched, ranks, energy, log).items():
+        pols.append(policies.Tale(schedule=rs, tag=name))
 
     rows = []
     for pol in pols:
-        t = time.perf_counter()
-        cache = pol.new_cache(ppl_pattern)
-        nll, count = perplexity.decode_nll(model, ids, cache, prefill, chunk)
-        row = {"policy": pol.name, "detail": pol.detail, "ppl": math.exp(nll / count),
-               "ratio": cache.baseline_nbytes() / cache.nbytes(), "nominal": pol.nominal, "ranks": pol.ranks,
-               "tokens": count}
-        if samples:
-            task = passkey.run(model, tok, samples, pol)
-            row.update(passkey=task["accuracy"], passkey_ratio=task["ratio"], passkey_answers=task["answers"])
-        row["seconds"] = time.perf_counter() - t
+        row = measure(model, tok, pol, ids, prefill, chunk, samples)
         rows.append(row)
-        log(f"{pol.name}: ppl {row['ppl']:.3f}, {row['ratio']:.2f}x"
-            + (f", pass-key {row['passkey']:.0%}" if samples else "") + f" ({row['seconds']:.0f} s)")
-    ref = next((r["ppl"] for r in rows if r["policy"] == "full"), None)
+        log(f"{row['policy']} ({row['setting']}): ppl " + ", ".join(f"{v:.3f}" for v in row["ppl"].values())
+            + f", {row['ratio']:.2f}x" + (f", pass-key {row['passkey']:.0%}" if samples else "")
+            + f" ({row['seconds']:.0f} s)")
+    full = next((r for r in rows if r["policy"] == "full"), None)
     delta_vs = "full"
-    if ref is None:  # no full-cache row: the plain forward pass scores the same targets
-        nll, count = perplexity.forward_nll(model, ids, prefill)
-        ref, delta_vs = math.exp(nll / count), "forward"
-    for r in rows:
-        r["delta"] = r["ppl"] - ref
+    if full is not None:
+        ref = dict(full["ppl"])
+    else:  # no full-cache row: the plain forward pass scores the same targets
+        ref = {}
+        for t, x in ids.items():
+            nll, count = perplexity.forward_nll(model, x, prefill)
+            ref[t] = math.exp(nll / count)
+        delta_vs = "forward"
+    add_deltas(rows, ref)
 
     config = {"artifact": str(artifact), "model": model.tale_manifest.get("base", {}).get("id"), "preset": preset,
-              "ctx": ctx, "windows": windows, "prefill": prefill, "chunk": chunk, "dtype": dtype,
-              "passkey_samples": len(samples), "delta_vs": delta_vs, "energy": energy, "schedule": sched.to_dict(),
-              "seconds": time.perf_counter() - t0}
+              "frontier": frontier, "texts": list(texts), "ctx": ctx, "windows": windows, "prefill": prefill,
+              "chunk": chunk, "dtype": dtype, "passkey_samples": len(samples), "delta_vs": delta_vs, "ref_ppl": ref,
+              "energy": energy, "schedule": sched.to_dict(), "seconds": time.perf_counter() - t0}
     _table(rows, config)
+    if frontier:
+        frontier_out.parent.mkdir(parents=True, exist_ok=True)
+        md, png = frontier_out.with_suffix(".md"), frontier_out.with_suffix(".png")
+        md.write_text(frontier_mod.markdown(rows, config))
+        frontier_mod.plot(rows, config, png)
+        log(f"wrote {md} and {png}")
     if json_out:
         json_out.write_text(json.dumps({"config": config, "results": rows}, indent=2) + "\n")
         log(f"wrote {json_out}")
@@ -212,14 +260,18 @@ def _calib_batches(tok, count: int = 4, length: int = 256, batch: int = 2) -> li
 
 
 def _table(rows: list[dict], config: dict) -> None:
-    t = Table(title=f"{config['model'] or config['artifact']}: decode-mode ppl, {config['windows']} x {config['ctx']} held-out "
-                    f"tokens (prefill {config['prefill']}, chunk {config['chunk']}), {config['dtype']}")
-    for col in ("policy", "ppl", "delta", "compr.", "nominal", "pass-key", "pk compr."):
+    texts = config["texts"]
+    t = Table(title=f"{config['model'] or config['artifact']}: decode-mode ppl, {config['windows']} x {config['ctx']} "
+                    f"tokens of {', '.join(texts)} (prefill {config['prefill']}, chunk {config['chunk']}), {config['dtype']}")
+    cols = ["policy", *[c for tx in texts for c in (f"ppl {tx}", "delta")], "compr.", "nominal", "pass-key",
+            "pk compr."]
+    for col in cols:
         t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for r in rows:
         task = "passkey" in r
-        t.add_row(r["policy"], f"{r['ppl']:.3f}", f"{r['delta']:+.3f}", f"{r['ratio']:.2f}x",
-                  f"{r['nominal']:.2f}x" if r["nominal"] else "",
+        name = r["policy"] if not config["frontier"] or r["family"] == "full" else f"{r['family']}: {r['setting']}"
+        t.add_row(name, *[c for tx in texts for c in (f"{r['ppl'][tx]:.3f}", f"{r['delta_pct'][tx]:+.2f}%")],
+                  f"{r['ratio']:.2f}x", f"{r['nominal']:.2f}x" if r["nominal"] else "",
                   f"{r['passkey']:.0%}" if task else "", f"{r['passkey_ratio']:.2f}x" if task else "")
     out_console.print(t)
     for r in rows:

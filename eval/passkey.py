@@ -18,7 +18,7 @@ import torch
 import tale_calib
 from tale_calib import documents, heldout_path
 
-from .policies import Policy
+from .policies import Dims, Policy
 
 TASKS = Path(tale_calib.__file__).parent / "tasks" / "passkey.jsonl"
 LENGTHS = {"1k": 4000, "2k": 8000}  # haystack characters (~1K and ~2K SmolLM2 tokens)
@@ -68,9 +68,11 @@ def first_number(text: str) -> str | None:
 def run(model, tokenizer, samples: list[dict], policy: Policy, max_new_tokens: int = 8) -> dict:
     """Greedy answers through the policy's cache; accuracy and the measured ratio at the end."""
     correct, cache_bytes, base_bytes, answers = 0, 0, 0, []
+    d = Dims.of(model)
     for s in samples:
         ids = tokenizer(s["prompt"], return_tensors="pt").input_ids.to(model.device)
-        cache = policy.new_cache([ids.shape[1]] + [1] * (max_new_tokens - 1))
+        pattern = [ids.shape[1]] + [1] * (max_new_tokens - 1)
+        cache = policy.build(model, pattern)
         logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
         out = []
         for i in range(max_new_tokens):
@@ -81,8 +83,8 @@ def run(model, tokenizer, samples: list[dict], policy: Policy, max_new_tokens: i
         text = tokenizer.decode(out, skip_special_tokens=True)
         ok = first_number(text) == s["answer"]
         correct += ok
-        cache_bytes += cache.nbytes()
-        base_bytes += cache.baseline_nbytes()
+        cache_bytes += policy.nbytes(cache)
+        base_bytes += d.baseline_nbytes(1, sum(pattern))
         answers.append({"id": s["id"], "tokens": ids.shape[1], "output": text, "correct": ok})
     return {"accuracy": correct / len(samples), "correct": correct, "samples": len(samples),
             "ratio": base_bytes / cache_bytes, "answers": answers}

@@ -11,16 +11,17 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
-from tale_calib import documents, heldout_path
+from tale_calib import documents, text_path
 
 
-def heldout_windows(tokenizer, length: int, count: int) -> torch.Tensor:
-    """The first `count` non-overlapping windows of `length` tokens of the held-out corpus: [count, length]."""
-    text = "\n\n".join(documents(heldout_path()))
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
+def heldout_windows(tokenizer, length: int, count: int, text: str = "dev") -> torch.Tensor:
+    """The first `count` non-overlapping windows of `length` tokens of a held-out text
+    (tale_calib.text_path: "dev" or a test text): [count, length]."""
+    body = "\n\n".join(documents(text_path(text)))
+    ids = torch.tensor(tokenizer(body, add_special_tokens=False).input_ids)
     have = len(ids) // length
     if have < count:
-        raise ValueError(f"the held-out corpus has {len(ids)} tokens: {have} windows of {length}, not {count}")
+        raise ValueError(f"the held-out text {text!r} has {len(ids)} tokens: {have} windows of {length}, not {count}")
     return ids[: count * length].view(count, length)
 
 

@@ -1,16 +1,26 @@
-"""The cache policies compared by tale-eval, on one prepared model (attention.prepare).
+"""The cache policies compared by tale-eval: one registry of dataclasses.
 
-Each policy makes a fresh cache for a run. A run is described by its call pattern: the number
-of tokens of each forward call (the prefill, then decode steps or chunks). Cache bytes depend on
-the pattern, not on the tokens, so budgets are matched by filling caches with zeros (dry runs):
-StreamingLLM's window and Palu's ranks are sized so that their bytes match TALE's at the end of
-the same pattern.
+A policy is one setting of one method. Each one says
+- `family` (registry key) and `knobs` (the fields --frontier sweeps),
+- `build(model, pattern)`: a fresh cache for one run, given the run's call pattern (the tokens
+  of each forward call; a budget-matched policy sizes itself from it),
+- `nbytes(cache)`: the bytes of the tensors the cache really holds (codes, scales, zero points,
+  sinks, 16-bit residual),
+- `exact()`: the setting of the same method that must reproduce the full cache, where one exists,
+- `sweep(ctx)`: the frontier points (classmethod).
+
+External backends (transformers' QuantizedCache with optimum-quanto or HQQ) name the pip extra
+that installs them; `missing()` says why one cannot run here.
+
+Cache bytes depend on the call pattern, not on the tokens, so budgets are matched by filling
+caches with zeros (dry runs): StreamingLLM's window and Palu's ranks can be sized to TALE's bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+import importlib.util
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import torch
 from transformers.cache_utils import Cache
@@ -18,20 +28,9 @@ from transformers.cache_utils import Cache
 from tale_convert.policy import budget_ranks
 from tale_runtime import Schedule, new_cache
 from tale_runtime.artifact import nominal_ratio
+from tale_runtime.load import override_schedule
 
 from . import caches
-
-BASELINES = ("full", "tale-exact", "tale", "kivi2", "kivi4", "streaming", "palu")
-PALU_BITS = 3  # Palu's latent bits (simulated quantization, bytes counted as packed 3-bit)
-
-
-@dataclass
-class Policy:
-    name: str
-    detail: str
-    new_cache: Callable[[list[int]], Cache]  # the run's call pattern -> a fresh cache
-    nominal: float | None = None  # TALE's nominal ratio (no sinks, scales, zero points, residual)
-    ranks: list[int] | None = None  # per-layer level-0 (TALE) or value (Palu) ranks
 
 
 @dataclass
@@ -50,11 +49,359 @@ class Dims:
         return cls(model.config.num_hidden_layers, model.config.num_key_value_heads, int(arch["head_dim"]),
                    int(arch["num_groups"]), int(arch["group_size"]), int(arch["latent_rank"]), model.dtype)
 
+    def baseline_nbytes(self, batch: int, tokens: int) -> int:
+        """16-bit K+V bytes of `tokens` positions of `batch` rows: the reference of every ratio."""
+        return self.layers * 2 * batch * self.K * tokens * self.n * 2
 
-def exact_schedule(s: Schedule, R: int) -> Schedule:
+
+@dataclass
+class Policy:
+    family: ClassVar[str] = ""
+    knobs: ClassVar[tuple[str, ...]] = ()
+    extra: ClassVar[str | None] = None  # the pip extra that installs an external backend
+    modules: ClassVar[tuple[str, ...]] = ()  # modules the backend imports
+
+    @classmethod
+    def missing(cls) -> str | None:
+        """Why this policy cannot run here (a backend not installed), or None."""
+        gone = [m for m in cls.modules if not _importable(m)]
+        if gone:
+            return f"{cls.family} needs {', '.join(gone)}: pip install 'tale-kv[{cls.extra}]'"
+        return None
+
+    @property
+    def name(self) -> str:
+        return self.family
+
+    def label(self) -> str:
+        """The setting, short (for tables and plots)."""
+        return ", ".join(f"{k} {getattr(self, k)}" for k in self.knobs)
+
+    def detail(self, model) -> str:
+        return self.label()
+
+    def build(self, model, pattern: list[int]) -> Cache:
+        raise NotImplementedError
+
+    def nbytes(self, cache: Cache) -> int:
+        return cache.nbytes()
+
+    def exact(self) -> "Policy | None":
+        return None
+
+    def nominal(self, model) -> float | None:
+        return None
+
+    def ranks(self, model, pattern: list[int] | None = None) -> list[int] | None:
+        """Per-layer level-0 (TALE) or value (Palu) ranks, for the JSON."""
+        return None
+
+    @classmethod
+    def sweep(cls, ctx: int) -> list["Policy"]:
+        return [cls()]
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a missing parent package
+        return False
+
+
+@dataclass
+class Full(Policy):
+    family: ClassVar[str] = "full"
+
+    def label(self) -> str:
+        return "16-bit K+V"
+
+    def build(self, model, pattern):
+        return caches.full_cache(model.config.num_hidden_layers)
+
+    def exact(self):
+        return self
+
+
+@dataclass
+class Tale(Policy):
+    """TALE: the artifact's schedule with `overrides` (tale_runtime.load.override_schedule keywords;
+    `r0` is a fraction of R for level 0, the levels above at full rank). `schedule` replaces the
+    artifact's outright (rank-policy rows, the exact setting)."""
+
+    family: ClassVar[str] = "tale"
+    knobs: ClassVar[tuple[str, ...]] = ("overrides",)
+    overrides: dict = field(default_factory=dict)
+    schedule: Schedule | None = None
+    tag: str = ""  # row name suffix, e.g. 'exact' or a rank policy
+
+    @property
+    def name(self) -> str:
+        return f"tale/{self.tag}" if self.tag else "tale"
+
+    def label(self) -> str:
+        if self.tag:
+            return self.tag
+        return " ".join(f"{k}={'/'.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
+                        for k, v in self.overrides.items()) or "artifact schedule"
+
+    def resolve(self, model) -> Schedule:
+        if self.schedule is not None:
+            return self.schedule
+        s = model.tale_schedule
+        if not self.overrides:
+            return s
+        kw = dict(self.overrides)
+        r0 = kw.pop("r0", None)
+        d = Dims.of(model)
+        n_levels = len(kw.get("bits") or []) or len(s.levels)
+        return override_schedule(s, d.R, d.layers, ranks=None if r0 is None else [r0] + [1.0] * (n_levels - 1), **kw)
+
+    def detail(self, model) -> str:
+        s, d = self.resolve(model), Dims.of(model)
+        r0 = [rs[0] for rs in s.ranks]
+        bits = "/".join(str(lv.bits) for lv in s.levels)
+        key_bits = "/".join(str(lv.key_bits) for lv in s.levels)
+        rr = f"{min(r0)}-{max(r0)}" if min(r0) != max(r0) else f"{r0[0]}"
+        return (f"{s.policy} r0 {rr}/{d.R}, bits {bits}" + (f", key bits {key_bits}" if key_bits != bits else "")
+                + f", sinks {s.sinks}, groups {s.key_group}/{s.value_group}, residual {s.residual}")
+
+    def build(self, model, pattern):
+        return new_cache(model, self.resolve(model))
+
+    def exact(self):
+        return ExactTale(base=self)
+
+    def nominal(self, model) -> float:
+        d = Dims.of(model)
+        return nominal_ratio(self.resolve(model), d.n, d.g)
+
+    def ranks(self, model, pattern: list[int] | None = None) -> list[int]:
+        return [rs[0] for rs in self.resolve(model).ranks]
+
+    @classmethod
+    def sweep(cls, ctx: int) -> list["Policy"]:
+        return [cls(dict(o)) for o in TALE_SWEEP]
+
+
+@dataclass
+class ExactTale(Tale):
     """TALE with nothing compressed (16-bit, full rank): must equal the full cache."""
-    levels = [replace(lv, bits=16, key_bits=16) for lv in s.levels]
-    return replace(s, levels=levels, ranks=[[R] * len(levels) for _ in s.ranks], policy="exact")
+
+    base: Tale | None = None
+    tag: str = "exact"
+
+    @property
+    def name(self) -> str:
+        return "tale-exact"
+
+    def resolve(self, model) -> Schedule:
+        s = (self.base or Tale()).resolve(model)
+        R = Dims.of(model).R
+        return replace(s, levels=[replace(lv, bits=16, key_bits=16) for lv in s.levels],
+                       ranks=[[R] * len(s.levels) for _ in s.ranks], policy="exact")
+
+
+# TALE frontier points: override_schedule keywords on the artifact's schedule (docs/quality.md)
+TALE_SWEEP = (
+    {},
+    {"key_bits": [4, 4]},
+    {"r0": 1.0},
+    {"r0": 0.25},
+    {"key_group": 64, "value_group": 64, "residual": 64, "r0": 0.34},
+)
+
+
+@dataclass
+class Kivi(Policy):
+    """KIVI: keys per channel over `group` tokens, values per token over `group` channels (at most
+    the head dim), `bits` bits, 16-bit residual of `residual` tokens; on the runtime's region store."""
+
+    family: ClassVar[str] = "kivi"
+    knobs: ClassVar[tuple[str, ...]] = ("bits", "group", "residual")
+    bits: int = 2
+    group: int = 32
+    residual: int = 32
+
+    @property
+    def name(self) -> str:
+        if (self.group, self.residual) == (32, 32):
+            return f"kivi{self.bits}"
+        return f"kivi{self.bits}/g{self.group}r{self.residual}"
+
+    def build(self, model, pattern):
+        d = Dims.of(model)
+        return caches.kivi_cache(d.layers, d.K, d.n, self.bits, self.group, min(self.group, d.n), self.residual)
+
+    def exact(self):
+        return replace(self, bits=16)
+
+    @classmethod
+    def sweep(cls, ctx: int) -> list["Policy"]:
+        return [cls(4, 32, 32), cls(2, 32, 32), cls(2, 128, 128)]
+
+
+@dataclass
+class HFQuantized(Policy):
+    """transformers' QuantizedCache with an external backend (real third-party code): the layer's
+    own defaults for the axes (0, 0), `bits`, `group` (q_group_size), `residual` (residual_length).
+    Bytes: the quantized tensors it holds (packed codes, scales, zero points or shifts) + its
+    16-bit residual."""
+
+    knobs: ClassVar[tuple[str, ...]] = ("bits", "group", "residual")
+    extra: ClassVar[str | None] = "eval"
+    backend: ClassVar[str] = ""
+    bits: int = 4
+    group: int = 64
+    residual: int = 128
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}{self.bits}/g{self.group}r{self.residual}"
+
+    def build(self, model, pattern):
+        from transformers.cache_utils import QuantizedCache
+
+        return QuantizedCache(self.backend, model.config, nbits=self.bits, q_group_size=self.group,
+                              residual_length=self.residual)
+
+    def nbytes(self, cache) -> int:
+        total = 0
+        for layer in cache.layers:
+            total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values) if t is not None)
+            for q in (getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)):
+                if q is not None:
+                    total += sum(t.numel() * t.element_size() for t in self.quantized_tensors(q))
+        return total
+
+    @staticmethod
+    def quantized_tensors(q) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+@dataclass
+class Quanto(HFQuantized):
+    family: ClassVar[str] = "quanto"
+    backend: ClassVar[str] = "quanto"
+    modules: ClassVar[tuple[str, ...]] = ("optimum.quanto",)
+
+    @staticmethod
+    def quantized_tensors(q) -> list[torch.Tensor]:
+        # WeightQBitsTensor: _data (a PackedTensor of uint8 codes), _scale, _shift
+        return [q._data._data, q._scale, q._shift]
+
+    @classmethod
+    def sweep(cls, ctx: int) -> list["Policy"]:
+        return [cls(4, 64, 128), cls(2, 64, 128)]
+
+
+@dataclass
+class HQQ(HFQuantized):
+    family: ClassVar[str] = "hqq"
+    backend: ClassVar[str] = "hqq"
+    modules: ClassVar[tuple[str, ...]] = ("hqq",)
+
+    @staticmethod
+    def quantized_tensors(q) -> list[torch.Tensor]:
+        codes, meta = q  # packed uint8 codes and their metadata dict
+        return [codes, meta["scale"], meta["zero"]]
+
+    @classmethod
+    def sweep(cls, ctx: int) -> list["Policy"]:
+        return [cls(4, 64, 128), cls(2, 64, 128)]
+
+
+@dataclass
+class Streaming(Policy):
+    """StreamingLLM: `sinks` first tokens + the `window` most recent ones, the rest evicted. `window`:
+    tokens (int), a share of the run's tokens (float, so every run length gets the same ratio), or
+    None: TALE's bytes for the same run (`match`, the artifact's schedule by default)."""
+
+    family: ClassVar[str] = "streaming"
+    knobs: ClassVar[tuple[str, ...]] = ("window",)
+    sinks: int = 4
+    window: int | float | None = None
+    match: Tale | None = None
+
+    def label(self) -> str:
+        if self.window is None:
+            return "window: TALE's bytes"
+        return f"window {self.window:.3g} of the tokens" if isinstance(self.window, float) else f"window {self.window}"
+
+    def build(self, model, pattern):
+        d = Dims.of(model)
+        if self.window is None:
+            w = sink_window(d, self.sinks, tale_bytes(model, (self.match or Tale()).resolve(model), pattern))
+        elif isinstance(self.window, float):
+            w = max(1, round(self.window * sum(pattern)) - self.sinks)
+        else:
+            w = self.window
+        return caches.sink_cache(d.layers, self.sinks, w)
+
+    def exact(self):
+        return replace(self, window=1 << 30)
+
+    @classmethod
+    def sweep(cls, ctx: int) -> list["Policy"]:
+        return [cls(window=1 / r) for r in (3, 6, 12)]
+
+
+@dataclass
+class Palu(Policy):
+    """Palu-style eager low rank: values (x A_r) B_r with the artifact's whitened factors, also in
+    the prefill; the cache holds keys at `key_bits` (KIVI) and the rank-r latents at `latent_bits`
+    per token over channel groups, on the runtime's region store. `rank`: one for every layer, or
+    None: per-layer ranks whose bytes match TALE's (`match`) at `match_pattern`. Palu's own
+    low-rank keys are not reproduced (they need a key whitening the artifact does not carry)."""
+
+    family: ClassVar[str] = "palu"
+    knobs: ClassVar[tuple[str, ...]] = ("rank", "key_bits")
+    rank: int | None = None
+    key_bits: int = 2
+    latent_bits: int = 4
+    match: Tale | None = None
+    match_pattern: list[int] | None = None
+
+    def label(self) -> str:
+        r = "TALE's bytes" if self.rank is None else "R" if self.rank >= 1 << 30 else self.rank
+        return f"rank {r}, keys {self.key_bits}-bit, latents {self.latent_bits}-bit"
+
+    def ranks(self, model, pattern: list[int] | None = None) -> list[int] | None:
+        """Per-layer value ranks (at most R); budget-matched ones at `match_pattern` (else `pattern`)."""
+        d = Dims.of(model)
+        if self.rank is not None:
+            return [min(self.rank, d.R)] * d.layers
+        pattern = self.match_pattern or pattern
+        if pattern is None:
+            return None
+        target = tale_bytes(model, (self.match or Tale()).resolve(model), pattern)
+        return palu_ranks(d, model.tale_schedule, self, target, pattern)
+
+    def build(self, model, pattern):
+        d, s = Dims.of(model), model.tale_schedule
+        return caches.palu_cache(self.ranks(model, pattern), d.K, d.n, d.G, self.key_bits, self.latent_bits,
+                                 s.key_group, s.value_group, s.residual)
+
+    def exact(self):
+        return replace(self, rank=1 << 30, key_bits=16, latent_bits=16)  # full rank R, 16-bit
+
+    @classmethod
+    def sweep(cls, ctx: int) -> list["Policy"]:
+        return [cls(192, 4), cls(192, 2), cls(64, 2)]
+
+
+REGISTRY: dict[str, type[Policy]] = {c.family: c for c in (Full, Tale, Kivi, Quanto, HQQ, Streaming, Palu)}
+# the named rows of the side-by-side table (tale-eval without --frontier)
+NAMED = ("full", "tale-exact", "tale", "kivi2", "kivi4", "quanto4", "hqq4", "streaming", "palu")
+
+
+def named(name: str) -> Policy:
+    """A policy by its row name (NAMED); raises ValueError for an unknown one."""
+    fixed = {"full": Full(), "tale": Tale(), "tale-exact": ExactTale(), "kivi2": Kivi(2), "kivi4": Kivi(4),
+             "quanto2": Quanto(2), "quanto4": Quanto(4), "hqq2": HQQ(2), "hqq4": HQQ(4), "streaming": Streaming(),
+             "palu": Palu()}
+    if name not in fixed:
+        raise ValueError(f"unknown policy {name!r}: use {', '.join(NAMED)}")
+    return fixed[name]
 
 
 def tale_bytes(model, schedule: Schedule, pattern: list[int]) -> int:
@@ -69,18 +416,19 @@ def tale_bytes(model, schedule: Schedule, pattern: list[int]) -> int:
     return cache.nbytes()
 
 
-def palu_layer_bytes(d: Dims, s: Schedule, rank: int, pattern: list[int]) -> int:
-    layer = caches.palu_cache([rank], s.levels[0].key_bits, PALU_BITS, s.key_group, s.value_group, s.residual).layers[0]
+def palu_layer_bytes(d: Dims, s: Schedule, p: Palu, rank: int, pattern: list[int]) -> int:
+    layer = caches.palu_cache([rank], d.K, d.n, d.G, p.key_bits, p.latent_bits, s.key_group, s.value_group,
+                              s.residual).layers[0]
     for T in pattern:
         layer.update(torch.zeros(1, d.K, T, d.n, dtype=d.dtype), torch.zeros(1, d.G, T, rank, dtype=d.dtype))
     return layer.nbytes()
 
 
-def palu_ranks(d: Dims, s: Schedule, target: int, pattern: list[int]) -> list[int]:
+def palu_ranks(d: Dims, s: Schedule, p: Palu, target: int, pattern: list[int]) -> list[int]:
     """Per-layer ranks (multiples of value_group) whose Palu cache bytes come closest to `target`.
     Bytes are affine in the rank; the total rank is spread evenly over the layers."""
     vg = s.value_group
-    lo, hi = palu_layer_bytes(d, s, vg, pattern), palu_layer_bytes(d, s, d.R, pattern)
+    lo, hi = palu_layer_bytes(d, s, p, vg, pattern), palu_layer_bytes(d, s, p, d.R, pattern)
     per_rank = (hi - lo) / (d.R - vg)
     mean = vg + (target / d.layers - lo) / per_rank
     units = min(max(round(mean * d.layers / vg), d.layers), d.layers * (d.R // vg))
@@ -91,51 +439,3 @@ def sink_window(d: Dims, sinks: int, target: int) -> int:
     """Recent-window tokens such that sinks + window 16-bit tokens fit in `target` bytes."""
     per_token = d.layers * 2 * d.K * d.n * torch.finfo(d.dtype).bits // 8
     return max(1, target // per_token - sinks)
-
-
-def tale_policy(model, name: str, schedule: Schedule) -> Policy:
-    d = Dims.of(model)
-    r0 = [rs[0] for rs in schedule.ranks]
-    bits = "/".join(str(lv.bits) for lv in schedule.levels)
-    key_bits = "/".join(str(lv.key_bits) for lv in schedule.levels)
-    detail = (f"{schedule.policy} r0 {min(r0)}-{max(r0)}" if min(r0) != max(r0) else f"{schedule.policy} r0 {r0[0]}") \
-        + f"/{d.R}, bits {bits}" + (f", key bits {key_bits}" if key_bits != bits else "") + f", sinks {schedule.sinks}"
-    return Policy(name, detail, lambda pattern: new_cache(model, schedule), nominal_ratio(schedule, d.n, d.g), r0)
-
-
-def build(model, names: list[str], schedule: Schedule, match_pattern: list[int],
-          rank_schedules: dict[str, Schedule] | None = None) -> list[Policy]:
-    """Policies by name (BASELINES), in order, plus one TALE row per rank schedule ('tale/<policy>').
-
-    StreamingLLM and Palu match TALE's bytes (`schedule`): Palu's ranks once, at `match_pattern`;
-    StreamingLLM's window per run (a window is a token count, so it must follow the run's length)."""
-    d = Dims.of(model)
-    s = schedule
-    out = []
-    for name in names:
-        if name == "full":
-            out.append(Policy(name, "16-bit K+V", lambda p: caches.full_cache(d.layers)))
-        elif name == "tale":
-            out.append(tale_policy(model, name, s))
-        elif name == "tale-exact":
-            out.append(tale_policy(model, name, exact_schedule(s, d.R)))
-        elif name in ("kivi2", "kivi4"):
-            b = int(name[-1])
-            out.append(Policy(name, f"{b}-bit K+V, groups {s.key_group}/{s.value_group}, residual {s.residual}",
-                              lambda p, b=b: caches.kivi_cache(d.layers, b, s.key_group, s.value_group, s.residual)))
-        elif name == "streaming":
-            def sink(pattern):
-                return caches.sink_cache(d.layers, s.sinks, sink_window(d, s.sinks, tale_bytes(model, s, pattern)))
-            out.append(Policy(name, f"sinks {s.sinks} + recent window, bytes = TALE's", sink))
-        elif name == "palu":
-            ranks = palu_ranks(d, s, tale_bytes(model, s, match_pattern), match_pattern)
-            rr = f"{min(ranks)}-{max(ranks)}" if min(ranks) != max(ranks) else f"{ranks[0]}"
-            kb = s.levels[0].key_bits
-            out.append(Policy(name, f"eager rank {rr}/{d.R} @ {PALU_BITS}-bit, keys {kb}-bit",
-                              lambda p: caches.palu_cache(ranks, kb, PALU_BITS, s.key_group, s.value_group, s.residual),
-                              ranks=ranks))
-        else:
-            raise ValueError(f"unknown policy {name!r}: use {', '.join(BASELINES)}")
-    for pol, sched in (rank_schedules or {}).items():
-        out.append(tale_policy(model, f"tale/{pol}", sched))
-    return out
