@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.cache import TaleLayerCache
+from tale_runtime.quant import dequantize
 
 
 class FullLayer(DynamicLayer):
@@ -88,7 +89,9 @@ class RegionLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states, value_states, *args, **kwargs):
-        past = self.store.regions(key_states.dtype)
+        dt = key_states.dtype
+        past = [] if self.store.valid is None else [
+            (dequantize(r.keys, dt), dequantize(r.lat, dt)) for r in self.store.view().regions]  # position order
         self.store.append(key_states, value_states)
         if not past:
             return key_states, value_states

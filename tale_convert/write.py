@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from tale_runtime import console
 from tale_runtime.artifact import MANIFEST, write_json
 
 from . import ConvertError
@@ -146,7 +147,9 @@ class ShardWriter:
         if self.error is not None:
             e = self.error
             if isinstance(e, OSError):
-                raise ConvertError(f"cannot write the artifact in {self.root}: {e.strerror or e}") from None
+                # full disk, no permission: the console's one message for these; anything else names the artifact
+                why = console.environment_error(e) or f"cannot write the artifact in {self.root}: {e.strerror or e}"
+                raise ConvertError(why) from None
             raise e
 
     def _run(self) -> None:

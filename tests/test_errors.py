@@ -244,7 +244,7 @@ def test_disk_full_is_one_line_and_leaves_nothing(ctx, monkeypatch):
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device", str(ctx.out))
 
-    monkeypatch.setattr(write, "save_file", full)
+    monkeypatch.setattr(write.ShardWriter, "_open", full)  # the background writer's first shard
     r = run_case("convert", [ctx.model, "--out", ctx.out])
     assert r.exit_code == 2 and r.stderr.startswith("error: no space left on the device"), r.output
     assert r.stderr.count("\n") == 1
