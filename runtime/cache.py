@@ -48,6 +48,10 @@ class TaleLayerCache:
         self.s = schedule
         self.ranks = schedule.ranks[layer_idx]
         self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank
+        if any(lv.key_axis == "token" for lv in schedule.levels) and head_dim % schedule.key_channel_group:
+            raise ValueError(f"key_channel_group {schedule.key_channel_group} does not divide the head dim {head_dim}")
+        if schedule.rotate == "hadamard" and head_dim & (head_dim - 1):
+            raise ValueError(f"a Hadamard rotation needs a power-of-two head dim, got {head_dim}")
         self.sink_cap: int | None = None  # set at the first append
         self.sink_k = self.sink_h = None
         self.levels: list[Store | None] = [None] * len(schedule.levels)
@@ -85,10 +89,16 @@ class TaleLayerCache:
 
     # -- quantization of a span of exact tokens into level i --------------------------
 
+    def _key_layout(self, level: int) -> dict:
+        """Quantization group, dim and scale format of a level's keys."""
+        if self.s.levels[level].key_axis == "token":
+            return dict(group=self.s.key_channel_group, dim=-1, meta=self.s.key_meta)
+        return dict(group=self.s.key_group, dim=-2, meta=self.s.key_meta)
+
     def _quant(self, k: torch.Tensor, h: torch.Tensor, level: int) -> Store:
         lv, r = self.s.levels[level], self.ranks[level]
-        keys = quantize(k, lv.key_bits, self.s.key_group, dim=-2)
-        lat = quantize(h[..., :r].contiguous(), lv.bits, self.s.value_group, dim=-1)
+        keys = quantize(k, lv.key_bits, **self._key_layout(level))
+        lat = quantize(h[..., :r].contiguous(), lv.bits, self.s.value_group, dim=-1, meta=self.s.value_meta)
         return Store(keys, lat, r)
 
     def _push(self, level: int, st: Store, front: bool = False) -> None:
@@ -106,9 +116,10 @@ class TaleLayerCache:
 
     def _demote(self) -> None:
         """Move the oldest whole key groups of over-full levels one level down."""
-        gk, L = self.s.key_group, len(self.levels) - 1
+        L = len(self.levels) - 1
         targets = self._targets()
         for i in range(L, 0, -1):
+            gk = max(self.s.unit(i), self.s.unit(i - 1))  # whole groups of both levels
             st = self.levels[i]
             if st is None:
                 continue
@@ -121,7 +132,8 @@ class TaleLayerCache:
             h_old, h_keep = split(st.lat, n_move)
             self.levels[i] = Store(k_keep, h_keep, st.rank)
             lv, r = self.s.levels[i - 1], self.ranks[i - 1]
-            self._push(i - 1, Store(requantize(k_old, lv.key_bits), requantize(h_old, lv.bits, r), r))
+            keys = requantize(k_old, lv.key_bits, **self._key_layout(i - 1))
+            self._push(i - 1, Store(keys, requantize(h_old, lv.bits, r, meta=self.s.value_meta), r))
 
     # -- filling -----------------------------------------------------------------------
 
@@ -165,12 +177,12 @@ class TaleLayerCache:
 
     def _flush(self) -> None:
         """Quantize whole groups of a full residual into the last level."""
-        cap, gk = self.s.residual, self.s.key_group
+        L = len(self.levels) - 1
+        cap, gk = self.s.residual, self.s.unit(L)
         n = self.res_k.shape[-2]
         if n < cap:
             return
         q = n // gk * gk
-        L = len(self.levels) - 1
         self._push(L, self._quant(self.res_k[..., :q, :], self.res_h[..., :q, :], L))
         self.res_k, self.res_h = self.res_k[..., q:, :].clone(), self.res_h[..., q:, :].clone()
         if self.res_k.shape[-2] == 0:
@@ -179,19 +191,24 @@ class TaleLayerCache:
     def _fill(self, k: torch.Tensor, h: torch.Tensor) -> None:
         """Place a run of exact non-sink tokens (prefill) straight into their final levels,
         so the middle is quantized once from exact values, not requantized."""
-        gk = self.s.key_group
+        s, L = self.s, len(self.levels) - 1
         N = k.shape[-2]
-        n_res = N if N < self.s.residual else N % gk  # as if decoded one by one: flush at `residual`
+        n_res = N if N < s.residual else N % s.unit(L)  # as if decoded one by one: flush at `residual`
         q_total = N - n_res
         targets = self._targets()
         counts = [0] * len(self.levels)
         left = q_total
-        for i in range(len(self.levels) - 1, 0, -1):
-            need = targets[i] - (n_res if i == len(self.levels) - 1 else 0)
+        for i in range(L, 0, -1):
+            gk = max(s.unit(i), s.unit(i - 1))
+            need = targets[i] - (n_res if i == L else 0)
             c = min(left, max(0, -(-need // gk) * gk))
             counts[i] = c
             left -= c
         counts[0] = left
+        for i in range(L):  # per-channel levels come first: carry what does not fill their groups upward
+            extra = counts[i] % s.unit(i)
+            counts[i] -= extra
+            counts[i + 1] += extra
         start = 0
         for i, c in enumerate(counts):
             if c:
