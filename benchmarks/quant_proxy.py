@@ -56,13 +56,13 @@ def fq(x: torch.Tensor, bits: int, group: int, dim: int, meta: str) -> tuple[tor
 
 
 def attn_out(q, k, h, o_fused, scaling, g, sink, start):
-    H, T, n = q.shape
+    H, T, n = q.shape  # queries are positions 1 .. T of the T + 1 keys
     K = k.shape[0]
     rep = H // K
     logits = torch.einsum("kitn,kln->kitl", q.view(K, rep, T, n), k) * scaling
-    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    mask = torch.ones(T, T + 1, dtype=torch.bool).tril(diagonal=1)
     logits = logits.masked_fill(~mask, float("-inf"))[..., start:, :]
-    p = logits.softmax(-1).reshape(K // g, g * rep, T - start, T)
+    p = logits.softmax(-1).reshape(K // g, g * rep, T - start, T + 1)
     z = torch.einsum("cqtl,clr->tcqr", p, h).reshape(T - start, -1)  # [T', H*R]
     return z @ o_fused.float().T
 
@@ -80,12 +80,41 @@ def run_format(layers, model, fmt: dict, sink=4, start=128):
         T = k.shape[1]
         m = (T - sink) // 32 * 32
         sl = slice(sink, sink + m)
-        if fmt["kaxis"] == "channel":
+        if fmt["kaxis"] == "band":  # per-channel keys, bits per channel by importance E[q_c^2] * range_c^2
+            kq = k[:, sl].clone()
+            tot = 0.0
+            for kh in range(k.shape[0]):
+                rep = q.shape[0] // k.shape[0]
+                qi = q[kh * rep:(kh + 1) * rep].pow(2).mean((0, 1))  # [n]
+                kg = k[kh, sl].view(-1, 32, k.shape[-1])
+                rng = (kg.amax(1) - kg.amin(1)).pow(2).mean(0)
+                w = qi * rng
+                b = torch.full((k.shape[-1],), fmt["bmin"])
+                budget = int(fmt["kbits"] * k.shape[-1]) - int(b.sum())
+                for _ in range(budget):  # greedy: the bit that removes the most error
+                    gain = w / (2.0 ** b - 1).pow(2) - w / (2.0 ** (b + 1) - 1).pow(2)
+                    gain[b >= fmt["bmax"]] = -1
+                    b[gain.argmax()] += 1
+                for bits in b.unique().tolist():
+                    ch = (b == bits).nonzero().flatten()
+                    xs = k[kh:kh + 1, sl][..., ch]
+                    pad = (-len(ch)) % 8
+                    xs = torch.nn.functional.pad(xs, (0, pad))
+                    xq, _ = fq(xs.contiguous(), int(bits), 32, -2, fmt.get("kmeta", "16"))
+                    kq[kh:kh + 1, :, ch] = xq[..., :len(ch)]
+                    tot += (bits + {"16": 32, "8/16": 24, "8/8": 16}[fmt.get("kmeta", "16")] / 32) * len(ch)
+            kbits = tot / (k.shape[0] * k.shape[-1])
+        elif fmt["kaxis"] == "channel":
             kq, kbits = fq(k[:, sl], fmt["kbits"], 32, -2, fmt.get("kmeta", "16"))
         else:
             kq, kbits = fq(k[:, sl], fmt["kbits"], fmt.get("kcg", 64), -1, fmt.get("kmeta", "16"))
         kk[:, sl] = kq
-        hq, vbits = fq(h[:, sl, :r].contiguous(), fmt["vbits"], 32, -1, fmt.get("vmeta", "16"))
+        d = torch.ones(r)
+        if "balance" in fmt:  # latents h = x A S^(a-1/2) (B = S^(1-a) V^T): channel variances s_i^(2a)
+            sv = attn.tale.v_v.float().pow(2).sum(-1)[0, :r]  # whitened singular values s_i
+            d = sv.pow(fmt["balance"] - 0.5)
+        hq, vbits = fq((h[:, sl, :r] * d).contiguous(), fmt["vbits"], 32, -1, fmt.get("vmeta", "16"))
+        hq = hq / d
         hh[:, sl] = 0
         hh[:, sl, :r] = hq
         ref = attn_out(q, k, h, attn.tale.o_fused, attn.scaling, g, sink, start)
@@ -104,26 +133,31 @@ def main():
     ap.add_argument("--window", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from eval.perplexity import heldout_windows
+    from tale_eval.perplexity import heldout_windows
 
     model, tok = load(args.artifact, device="cpu", dtype=torch.bfloat16)
     ids = heldout_windows(tok, args.ctx, args.window + 1)[args.window:]
-    layers = capture(model, ids)
+    import os
+    cached = f"/tmp/quant_proxy_{args.window}_{args.ctx}.pt"
+    if os.path.exists(cached):
+        layers = torch.load(cached)
+    else:
+        layers = capture(model, ids)
+        torch.save(layers, cached)
     fmts = {
-        "k2c v2 r96": dict(kaxis="channel", kbits=2, vbits=2, rank=96),
-        "k4c v4": dict(kaxis="channel", kbits=4, vbits=4),
-        "k3c v2 r96": dict(kaxis="channel", kbits=3, vbits=2, rank=96),
-        "k2c rot v2 r96": dict(kaxis="channel", kbits=2, vbits=2, rank=96, rotate=1),
-        "k2t v2 r96": dict(kaxis="token", kbits=2, vbits=2, rank=96),
-        "k2t rot v2 r96": dict(kaxis="token", kbits=2, vbits=2, rank=96, rotate=1),
-        "k3t rot v2 r96": dict(kaxis="token", kbits=3, vbits=2, rank=96, rotate=1),
-        "k3t rot g32 v2 r96": dict(kaxis="token", kbits=3, kcg=32, vbits=2, rank=96, rotate=1),
-        "k4t rot v4": dict(kaxis="token", kbits=4, vbits=4, rotate=1),
-        "k2c v2 r96 8/16": dict(kaxis="channel", kbits=2, vbits=2, rank=96, kmeta="8/16", vmeta="8/8"),
-        "k16 v2 r96": dict(kaxis="channel", kbits=16, vbits=2, rank=96),
-        "k16 v3 r96": dict(kaxis="channel", kbits=16, vbits=3, rank=96),
-        "k16 v2 r64": dict(kaxis="channel", kbits=16, vbits=2, rank=64),
         "k2c v16": dict(kaxis="channel", kbits=2, vbits=16),
+        "k3c v16": dict(kaxis="channel", kbits=3, vbits=16),
+        "band 2.0 [1,4] v16": dict(kaxis="band", kbits=2.0, bmin=1, bmax=4, vbits=16),
+        "band 2.5 [1,4] v16": dict(kaxis="band", kbits=2.5, bmin=1, bmax=4, vbits=16),
+        "band 2.5 [2,4] v16": dict(kaxis="band", kbits=2.5, bmin=2, bmax=4, vbits=16),
+        "band 3.0 [2,4] v16": dict(kaxis="band", kbits=3.0, bmin=2, bmax=4, vbits=16),
+        "band 2.0 [1,4] 8/16 v16": dict(kaxis="band", kbits=2.0, bmin=1, bmax=4, vbits=16, kmeta="8/16"),
+        "k16 v2 r96": dict(kaxis="channel", kbits=16, vbits=2, rank=96),
+        "k16 v4 r64": dict(kaxis="channel", kbits=16, vbits=4, rank=64),
+        "k16 v3 r64": dict(kaxis="channel", kbits=16, vbits=3, rank=64),
+        "k16 v2 r128": dict(kaxis="channel", kbits=16, vbits=2, rank=128),
+        "k16 v4 r32": dict(kaxis="channel", kbits=16, vbits=4, rank=32),
+        "k16 v2 r192": dict(kaxis="channel", kbits=16, vbits=2),
     }
     print(f"{'format':24s} {'mean err':>8s} {'max err':>8s} {'key b/num':>9s} {'lat b/num(R)':>12s}  per layer")
     for name, f in fmts.items():

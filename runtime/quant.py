@@ -61,7 +61,7 @@ class QTensor:
 
 
 META = ("16", "8/16", "8/8")
-BITS = (2, 3, 4, 8)
+BITS = (1, 2, 3, 4, 8)
 FP8 = torch.float8_e4m3fn
 _FP8_TABLE: torch.Tensor | None = None
 

@@ -42,13 +42,17 @@ def run(
     device: str = typer.Option(D.device, help="where layers run: auto, cpu, cuda, cuda:1, ..."),
     dtype: str = typer.Option(D.dtype, help="stored tensor dtype: bf16, fp16, fp32 or auto (the checkpoint's)"),
     sinks: int = typer.Option(D.sinks, help="sink tokens kept at 16 bits (alpha)"),
-    recent: str = typer.Option("0.1", help="share p of non-sink tokens at full rank (one per level above 0)"),
-    r0: float = typer.Option(D.r0, help="level-0 rank as a fraction of the latent rank R"),
-    bits: str = typer.Option("2,4", help="value bits per level, oldest first (b0,b1)"),
-    key_bits: Optional[str] = typer.Option(None, help="key bits per level (default: --bits)"),
+    preset: str = typer.Option(D.preset, help="schedule preset: tale (best measured per byte) or paper (the paper's)"),
+    target_ratio: Optional[float] = typer.Option(None, help="choose level-0 ranks per layer to meet this measured "
+                                                 "compression ratio at 1K tokens (least whitened energy lost)"),
+    recent: Optional[str] = typer.Option(None, help="share p of non-sink tokens at full rank (one per level above 0; "
+                                         "default: the preset's)"),
+    r0: Optional[float] = typer.Option(None, help="level-0 rank as a fraction of the latent rank R (default: the preset's)"),
+    bits: Optional[str] = typer.Option(None, help="value bits per level, oldest first, e.g. 2,4 (default: the preset's)"),
+    key_bits: Optional[str] = typer.Option(None, help="key bits per level (default: the preset's, or --bits)"),
     key_group: int = typer.Option(D.key_group, help="tokens per key quantization group"),
     value_group: int = typer.Option(D.value_group, help="channels per latent quantization group"),
-    residual: int = typer.Option(D.residual, help="16-bit residual tokens (multiple of --key-group)"),
+    residual: Optional[int] = typer.Option(None, help="16-bit residual tokens (default: the preset's)"),
     policy: str = typer.Option(D.policy, help="level-0 rank per layer: uniform, energy, fisher or progressive"),
     energy: float = typer.Option(D.energy, help="--policy energy: whitened spectral energy kept per layer at level 0"),
     overwrite: bool = typer.Option(False, help="replace an existing artifact at --out"),
@@ -58,7 +62,8 @@ def run(
     try:
         opts = Options(
             group=group, calib=calib or None, samples=samples, seq_len=seq_len, seed=seed, device=device, dtype=dtype,
-            sinks=sinks, recent=_numbers(recent, float, "--recent"), r0=r0, bits=_numbers(bits, int, "--bits"),
+            sinks=sinks, recent=_numbers(recent, float, "--recent") if recent else None, r0=r0,
+            bits=_numbers(bits, int, "--bits") if bits else None, preset=preset, target_ratio=target_ratio,
             key_bits=_numbers(key_bits, int, "--key-bits") if key_bits else None, key_group=key_group,
             value_group=value_group, residual=residual, shard_size=shard_size, overwrite=overwrite, resume=resume,
             policy=policy, energy=energy,
