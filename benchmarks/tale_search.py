@@ -31,6 +31,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", default=None, help="comma list of variant names")
     ap.add_argument("--no-passkey", action="store_true")
+    ap.add_argument("--no-ppl", action="store_true")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--windows", type=int, default=5)
     args = ap.parse_args()
@@ -53,10 +54,11 @@ def main():
             sched.validate(R, len(base.ranks))
         pol = policies.tale_policy(model, name, sched) if name != "full" else policies.build(model, ["full"], base, [])[0]
         t = time.perf_counter()
-        cache = pol.new_cache(None)
-        nll, count = perplexity.decode_nll(model, ids, cache, 128, 4)
-        row = {"name": name, "kw": kw | ({"ranks0": ranks0} if ranks0 else {}), "ppl": math.exp(nll / count),
-               "ratio": cache.baseline_nbytes() / cache.nbytes()}
+        row = {"name": name, "kw": kw | ({"ranks0": ranks0} if ranks0 else {})}
+        if not args.no_ppl:
+            cache = pol.new_cache(None)
+            nll, count = perplexity.decode_nll(model, ids, cache, 128, 4)
+            row.update(ppl=math.exp(nll / count), ratio=cache.baseline_nbytes() / cache.nbytes())
         if samples:
             task = passkey.run(model, tok, samples, pol)
             row.update(passkey=task["accuracy"], passkey_ratio=task["ratio"])

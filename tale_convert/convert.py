@@ -76,7 +76,8 @@ class Options:
         levels = [Level(b, kb, sh, key_axis=a) for b, kb, sh, a in zip(bits, key_bits, (None, *recent), axes)]
         ranks = uniform_ranks(R, num_layers, r0, self.value_group, len(levels))
         n = R // self.group
-        residual = self.residual or p["residual"] or self.key_group  # preset None: one key group (KIVI)
+        # the preset's residual fits its own levels; per-channel newest keys need at least one key group (KIVI)
+        residual = self.residual or (p["residual"] if axes[-1] == "token" else None) or self.key_group
         schedule = Schedule(self.sinks, levels, ranks, self.key_group, self.value_group, residual,
                             key_meta=p["key_meta"], value_meta=p["value_meta"], key_channel_group=n)
         try:
