@@ -27,8 +27,8 @@ PRESETS = {
     "paper": dict(bits=(2, 4), key_bits=(2, 4), recent=(0.1,), r0=0.5, key_axis=("channel", "channel"),
                   residual=None, key_meta="16", value_meta="16"),
     # the best measured per byte on SmolLM2 (docs/quality.md, "Making TALE win per byte")
-    "tale": dict(bits=(2, 4), key_bits=(3, 4), recent=(0.1,), r0=1 / 3, key_axis=("channel", "token"),
-                 residual=1, key_meta="8/16", value_meta="8/8"),
+    "tale": dict(bits=(2, 4), key_bits=(3, 4), recent=(0.1,), r0=0.34, key_axis=("channel", "channel"),
+                 residual=None, key_meta="8/16", value_meta="8/8"),  # r0 0.34: R/3 rounded down to a group (64 of 192)
 }
 
 
