@@ -98,6 +98,13 @@ def run(
     r0: Optional[float] = typer.Option(None, help="TALE: override the level-0 rank (fraction of R, all layers)"),
     bits: Optional[str] = typer.Option(None, help="TALE: override the bits per level, oldest first, e.g. 2,4"),
     key_bits: Optional[str] = typer.Option(None, help="TALE: override the key bits per level, e.g. 4,4"),
+    key_axis: Optional[str] = typer.Option(None, help="TALE: keys per 'channel' (KIVI) or per 'token', per level, "
+                                           "e.g. channel,token"),
+    key_meta: Optional[str] = typer.Option(None, help="TALE: key scale/zero storage: 16, 8/16 or 8/8"),
+    value_meta: Optional[str] = typer.Option(None, help="TALE: latent scale/zero storage: 16, 8/16 or 8/8"),
+    key_channel_group: Optional[int] = typer.Option(None, help="TALE: channels per key group at per-token levels"),
+    rotate: Optional[str] = typer.Option(None, help="TALE: rotate q and k after RoPE: none or hadamard"),
+    residual: Optional[int] = typer.Option(None, help="TALE: 16-bit residual tokens"),
     dtype: str = typer.Option("bf16", help="compute dtype: bf16 or fp32 (bytes are measured in it)"),
     device: Optional[str] = typer.Option(None, help="cpu, cuda, ... (default: cuda if available)"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
@@ -173,11 +180,15 @@ def run(
         model, tok = load(artifact, device=device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
         if tok is None:
             fail(f"{artifact}: the artifact has no tokenizer")
-        if any(x is not None for x in (sinks, recent, r0, bits_l, key_bits_l)):
+        formats = dict(key_axis=_csv(key_axis) and list(_csv(key_axis)), key_meta=key_meta, value_meta=value_meta,
+                       key_channel_group=key_channel_group, rotate=rotate, residual=residual)
+        formats = {k: v for k, v in formats.items() if v is not None}
+        if formats or any(x is not None for x in (sinks, recent, r0, bits_l, key_bits_l)):
             s = model.tale_schedule
             model.tale_schedule = override_schedule(
                 s, int(model.tale_manifest["architecture"]["latent_rank"]), len(s.ranks), sinks=sinks, recent=recent,
-                ranks=None if r0 is None else [r0] + [1.0] * (len(s.levels) - 1), bits=bits_l, key_bits=key_bits_l)
+                ranks=None if r0 is None else [r0] + [1.0] * (len(s.levels) - 1), bits=bits_l, key_bits=key_bits_l,
+                **formats)
         ppl_pattern = perplexity.pattern(ctx, prefill, chunk)
         ids = {t: perplexity.heldout_windows(tok, ctx, windows, t) for t in texts}
         for pol in pols:  # invalid TALE variants fail here, before any run

@@ -34,6 +34,9 @@ class Level:
     bits: int  # latent (value) bits
     key_bits: int  # key bits
     share: float | None  # fraction of non-sink tokens kept at this level (None for level 0: the rest)
+    # "channel": keys per channel over key_group tokens (KIVI); "token": per token over key_channel_group
+    # channels (no token groups, so no 16-bit residual is needed; pairs with rotate="hadamard", QuaRot-style)
+    key_axis: str = "channel"
 
 
 @dataclass
@@ -49,6 +52,19 @@ class Schedule:
     value_group: int = 32  # channels per latent quantization group (latents: per token over channel groups)
     residual: int = 32  # the 16-bit tail: once it holds `residual` tokens they are quantized (a multiple of key_group)
     policy: str = "uniform"
+    key_meta: str = "16"  # key scale/zero storage (tale_runtime.quant.META): "16", "8/16" or "8/8"
+    value_meta: str = "16"  # latent scale/zero storage
+    key_channel_group: int = 64  # channels per key group at levels with key_axis "token"
+    rotate: str = "none"  # "hadamard": q and k are rotated by a normalized Hadamard matrix after RoPE (q.k unchanged)
+
+    def unit(self, level: int) -> int:
+        """Tokens a level's key groups span: stores of that level hold multiples of it."""
+        return self.key_group if self.levels[level].key_axis == "channel" else 1
+
+    def plain_layout(self) -> bool:
+        """The cache layout tale_kernels reads: 2/4/8/16 bits, per-channel keys, 16-bit scales and zeros."""
+        return (self.key_meta == self.value_meta == "16"
+                and all(lv.key_axis == "channel" and {lv.bits, lv.key_bits} <= {2, 4, 8, 16} for lv in self.levels))
 
     def validate(self, R: int, num_layers: int | None = None) -> None:
         if self.sinks < 0:
@@ -62,12 +78,25 @@ class Schedule:
             raise ArtifactError(f"level shares must lie in [0, 1] and sum to <= 1, got {shares}")
         for lv in self.levels:
             for b in (lv.bits, lv.key_bits):
-                if b not in (2, 4, 8, 16):
-                    raise ArtifactError(f"bits must be one of 2, 4, 8, 16; got {b}")
+                if b not in (2, 3, 4, 8, 16):
+                    raise ArtifactError(f"bits must be one of 2, 3, 4, 8, 16; got {b}")
+            if lv.key_axis not in ("channel", "token"):
+                raise ArtifactError(f"key_axis must be 'channel' or 'token', got {lv.key_axis!r}")
+        axes = [lv.key_axis for lv in self.levels]
+        if "token" in axes and "channel" in axes[axes.index("token"):]:
+            raise ArtifactError("levels with per-token keys must be the newest ones (per-channel levels first)")
+        for name in ("key_meta", "value_meta"):
+            if getattr(self, name) not in ("16", "8/16", "8/8"):
+                raise ArtifactError(f"{name} must be '16', '8/16' or '8/8', got {getattr(self, name)!r}")
+        if self.rotate not in ("none", "hadamard"):
+            raise ArtifactError(f"rotate must be 'none' or 'hadamard', got {self.rotate!r}")
+        if self.key_channel_group < 1 or self.key_channel_group % 8:
+            raise ArtifactError(f"key_channel_group must be a positive multiple of 8, got {self.key_channel_group}")
         if self.key_group < 1 or self.value_group < 1:
             raise ArtifactError("key_group and value_group must be >= 1")
-        if self.residual < self.key_group or self.residual % self.key_group:
-            raise ArtifactError(f"residual ({self.residual}) must be a positive multiple of key_group ({self.key_group})")
+        u = self.unit(len(self.levels) - 1)
+        if self.residual < u or self.residual % u:
+            raise ArtifactError(f"residual ({self.residual}) must be a positive multiple of key_group ({u})")
         if num_layers is not None and len(self.ranks) != num_layers:
             raise ArtifactError(f"ranks has {len(self.ranks)} layers, model has {num_layers}")
         for li, rs in enumerate(self.ranks):
@@ -78,13 +107,21 @@ class Schedule:
             for r, lv in zip(rs, self.levels):
                 if lv.bits < 16 and r % self.value_group:
                     raise ArtifactError(f"layer {li}: rank {r} is not a multiple of value_group {self.value_group}")
+                if lv.bits == 3 and r % 8:
+                    raise ArtifactError(f"layer {li}: 3-bit latents need ranks that are multiples of 8, got {r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> Schedule:
+        """Missing fields take their defaults (older manifests); unknown ones are refused."""
         d = dict(d)
+        known = set(cls.__dataclass_fields__)
+        level_known = set(Level.__dataclass_fields__)
+        unknown = sorted(set(d) - known) + sorted({k for lv in d.get("levels", []) for k in lv} - level_known)
+        if unknown:
+            raise ArtifactError(f"schedule field {unknown[0]!r} is unknown to this reader (tale-kv); upgrade tale-kv")
         d["levels"] = [Level(**lv) for lv in d["levels"]]
         return cls(**d)
 

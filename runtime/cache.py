@@ -49,9 +49,16 @@ def quant_level(s: Schedule, level: int, rank: int, k: torch.Tensor, h: torch.Te
     """Exact tokens (k [B, K, T, n], h [B, G, T, R]) quantized at a level: keys per channel over token
     groups, latents truncated to `rank` and quantized per token over channel groups."""
     lv = s.levels[level]
-    keys = quantize(k, lv.key_bits, s.key_group, dim=-2)
-    lat = quantize(h[..., :rank].contiguous(), lv.bits, s.value_group, dim=-1)
+    keys = quantize(k, lv.key_bits, **key_layout(s, level))
+    lat = quantize(h[..., :rank].contiguous(), lv.bits, s.value_group, dim=-1, meta=s.value_meta)
     return keys, lat
+
+
+def key_layout(s: Schedule, level: int) -> dict:
+    """Quantization group, dim and scale format of a level's keys (per channel over token groups, or per token)."""
+    if s.levels[level].key_axis == "token":
+        return dict(group=s.key_channel_group, dim=-1, meta=s.key_meta)
+    return dict(group=s.key_group, dim=-2, meta=s.key_meta)
 
 
 class TaleLayerCache:
@@ -59,6 +66,10 @@ class TaleLayerCache:
         self.s = schedule
         self.ranks = schedule.ranks[layer_idx]
         self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank
+        if any(lv.key_axis == "token" for lv in schedule.levels) and head_dim % schedule.key_channel_group:
+            raise ValueError(f"key_channel_group {schedule.key_channel_group} does not divide the head dim {head_dim}")
+        if schedule.rotate == "hadamard" and head_dim & (head_dim - 1):
+            raise ValueError(f"a Hadamard rotation needs a power-of-two head dim, got {head_dim}")
         self.sink_cap: int | None = None  # set at the first append
         self.sink_k = self.sink_h = None
         self.levels: list[Store | None] = [None] * len(schedule.levels)
@@ -118,7 +129,8 @@ class TaleLayerCache:
             h_old, h_keep = split(st.lat, n_move)
             self.levels[i] = Store(k_keep, h_keep, st.rank)
             lv, r = self.s.levels[i - 1], self.ranks[i - 1]
-            self._push(i - 1, Store(requantize(k_old, lv.key_bits), requantize(h_old, lv.bits, r), r))
+            keys = requantize(k_old, lv.key_bits, **key_layout(self.s, i - 1))
+            self._push(i - 1, Store(keys, requantize(h_old, lv.bits, r, meta=self.s.value_meta), r))
 
     # -- filling -----------------------------------------------------------------------
 

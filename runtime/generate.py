@@ -152,7 +152,8 @@ def generate(
     device = next(model.parameters()).device
     ids = ids.to(device)
     if cache is None:
-        static = device.type == "cuda" if static is None else static
+        if static is None:  # the static cache and its CUDA graphs read the plain layout only
+            static = device.type == "cuda" and model.tale_schedule.plain_layout()
         cache = new_cache(model, static=static, max_length=ids.shape[1] + max_new_tokens if static else None)
     graphed = isinstance(cache, StaticTaleCache) and device.type == "cuda"
     stop = eos_ids(model, tokenizer) if eos_token_id is None else set(torch.as_tensor(eos_token_id).reshape(-1).tolist())

@@ -66,6 +66,11 @@ def override_schedule(
     key_group: int | None = None,
     value_group: int | None = None,
     residual: int | None = None,
+    key_axis: str | list[str] | None = None,
+    key_meta: str | None = None,
+    value_meta: str | None = None,
+    key_channel_group: int | None = None,
+    rotate: str | None = None,
 ) -> Schedule:
     """`base` (the artifact's schedule) with some knobs replaced; raises ValueError if the result is invalid.
 
@@ -73,6 +78,8 @@ def override_schedule(
     ranks: one per level or one for all, a fraction of R (float, rounded down to value_group) or a rank
       (int); the same for every layer.
     bits: one per level or one for all, for latents and keys; key_bits then replaces the key bits only.
+    key_axis: "channel" or "token" per level (or one for all); key_meta, value_meta, key_channel_group,
+      rotate: see Schedule.
     Changing the number of levels needs `bits`; without `ranks`, level 0 keeps its ranks, the others get R.
     """
     n_old = len(base.levels)
@@ -90,6 +97,9 @@ def override_schedule(
     if key_bits is not None:
         for lv, b in zip(levels, _per_level("key_bits", key_bits, n)):
             lv.key_bits = int(b)
+    if key_axis is not None:
+        for lv, a in zip(levels, _per_level("key_axis", key_axis, n)):
+            lv.key_axis = a
 
     vg = base.value_group if value_group is None else value_group
     if ranks is not None:
@@ -108,6 +118,10 @@ def override_schedule(
         value_group=vg,
         residual=base.residual if residual is None else residual,
         policy=base.policy if ranks is None else "uniform",
+        key_meta=base.key_meta if key_meta is None else key_meta,
+        value_meta=base.value_meta if value_meta is None else value_meta,
+        key_channel_group=base.key_channel_group if key_channel_group is None else key_channel_group,
+        rotate=base.rotate if rotate is None else rotate,
     )
     try:
         sched.validate(R, num_layers)

@@ -35,6 +35,20 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+_HADAMARD: dict = {}
+
+
+def hadamard(n: int, device, dtype) -> torch.Tensor:
+    """Normalized Sylvester-Hadamard matrix [n, n] (n a power of two): orthogonal and symmetric."""
+    key = (n, str(device), dtype)
+    if key not in _HADAMARD:
+        H = torch.ones(1, 1, dtype=torch.float64)
+        while H.shape[0] < n:
+            H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)], 0)
+        _HADAMARD[key] = (H / n**0.5).to(device=device, dtype=dtype)
+    return _HADAMARD[key]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
@@ -212,6 +226,12 @@ class TaleAttention(nn.Module):
                 )
             seen.add(self.layer_idx)
 
+        if layer is not None and layer.s.rotate == "hadamard":  # q Q . k Q = q . k: only the cached keys change
+            Q = hadamard(self.head_dim, k.device, torch.float32)
+            k_c = (k.float() @ Q).to(k.dtype)
+        else:
+            Q, k_c = None, k
+
         if layer is None or layer.kappa == 0:
             # exact prefill: the base model's own v_proj and attention function, bit for bit
             v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
@@ -222,12 +242,14 @@ class TaleAttention(nn.Module):
             out = self.o_proj(out.reshape(B, T, -1).contiguous())
             if layer is not None:  # h = x A only fills the cache
                 valid = _valid_from_mask(attention_mask, B, T, hidden_states.device)
-                layer.append(k, self.latents(hidden_states), valid)
+                layer.append(k_c, self.latents(hidden_states), valid)
             return out, weights
 
         h = self.latents(hidden_states)
-        z = self.attention_fn(q, k, h, layer.view(), self.scaling)
-        layer.append(k, h)
+        if Q is not None:
+            q = (q.float() @ Q).to(q.dtype)
+        z = self.attention_fn(q, k_c, h, layer.view(), self.scaling)
+        layer.append(k_c, h)
         return self.output(z), None
 
 

@@ -9,7 +9,15 @@ Layout (the Triton kernels in tale_kernels use exactly this one):
   sits in byte c % nb at bit offset (c // nb) * bits. Plane i (bits i*b..) of the row's bytes
   holds the contiguous elements i*nb .. i*nb + nb - 1, so a kernel gets a contiguous channel
   block from one shift and mask of the loaded bytes (no interleaving; docs/kernels.md).
+- bits = 3 packs 8 codes into 3 bytes (code i of a 24-bit word at bit 3*i, little-endian), so the
+  packed last dim is last_dim * 3 / 8 too (last_dim a multiple of 8). The kernels do not read it.
 - bits = 16 means "not quantized": the tensor is kept as it is.
+- meta: how scale and zero are stored ("scale/zero"). "16": both in the source dtype (KIVI; 32
+  bits per group, i.e. 1 bit per number at groups of 32). "8/16": the scale as float8_e4m3fn
+  (rounded up so the group's range stays covered), the zero in the source dtype. "8/8": both fp8;
+  the zero is rounded down and the scale computed from the stored zero, so codes never clip. fp8
+  values are stored times `bias`, a power of two per tensor that puts its largest scale/zero near
+  e4m3's top (448/4), so e4m3's 3 mantissa bits serve every magnitude; cat re-biases exactly. (The zero, a group minimum, needs 16 bits where groups sit far from 0: per-channel keys.)
 
 On CUDA, quantize / dequantize / requantize run tale_kernels' Triton kernels when Triton is
 installed (same layout and results, up to rare one-step differences on rounding ties).
@@ -17,6 +25,7 @@ installed (same layout and results, up to rare one-step differences on rounding 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +39,8 @@ class QTensor:
     bits: int
     group: int
     dim: int  # -1 or -2: the dim quantization groups run along
+    meta: str = "16"  # scale/zero storage, see META
+    bias: float = 1.0  # fp8 formats: scale (and fp8 zero) are stored times this power of two
 
     @property
     def shape(self) -> torch.Size:
@@ -38,12 +49,23 @@ class QTensor:
         *lead, last = self.data.shape
         return torch.Size([*lead, last * 8 // self.bits])
 
+    @property
+    def plain(self) -> bool:
+        """The layout tale_kernels reads: 2/4/8 bits (or 16), scale and zero in the source dtype."""
+        return self.bits in (2, 4, 8, 16) and self.meta == "16"
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.zero) if t is not None)
+        fp8_bias = 4 if self.meta != "16" else 0  # one float32 per tensor
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.zero) if t is not None) + fp8_bias
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize(self, dtype)
 
+
+META = ("16", "8/16", "8/8")
+BITS = (1, 2, 3, 4, 8)
+FP8 = torch.float8_e4m3fn
+_FP8_TABLE: torch.Tensor | None = None
 
 _KERNELS = None
 
@@ -65,6 +87,8 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer codes (any int dtype, values < 2^bits) along the last dim into uint8."""
     if bits == 8:
         return codes.to(torch.uint8)
+    if bits == 3:
+        return _pack3(codes)
     per = 8 // bits
     *lead, last = codes.shape
     if last % per:
@@ -78,10 +102,41 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of pack: uint8 [..., m] -> uint8 codes [..., m * 8 / bits]."""
     if bits == 8:
         return packed
+    if bits == 3:
+        return _unpack3(packed)
     per = 8 // bits
     shifts = torch.arange(per, device=packed.device, dtype=torch.uint8) * bits
     codes = (packed.unsqueeze(-2) >> shifts[:, None]) & ((1 << bits) - 1)  # [..., plane, byte]
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)
+
+
+def _pack3(codes: torch.Tensor) -> torch.Tensor:
+    *lead, last = codes.shape
+    if last % 8:
+        raise ValueError(f"last dim {last} is not a multiple of 8 (needed to pack 3-bit codes)")
+    c = codes.to(torch.int32).reshape(*lead, last // 8, 8)
+    word = (c << (torch.arange(8, device=codes.device, dtype=torch.int32) * 3)).sum(dim=-1)  # 24 bits
+    b = (word.unsqueeze(-1) >> torch.tensor([0, 8, 16], device=codes.device, dtype=torch.int32)) & 255
+    return b.to(torch.uint8).reshape(*lead, last // 8 * 3)
+
+
+def _unpack3(packed: torch.Tensor) -> torch.Tensor:
+    *lead, m = packed.shape
+    b = packed.to(torch.int32).reshape(*lead, m // 3, 3)
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+    codes = (word.unsqueeze(-1) >> (torch.arange(8, device=packed.device, dtype=torch.int32) * 3)) & 7
+    return codes.to(torch.uint8).reshape(*lead, m // 3 * 8)
+
+
+def _fp8_round(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """x (float32) -> the nearest float8_e4m3fn at or above (up) / at or below x, saturating at +-448."""
+    global _FP8_TABLE
+    if _FP8_TABLE is None:
+        v = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+        _FP8_TABLE = v[torch.isfinite(v)].unique()  # sorted, one zero
+    t = _FP8_TABLE.to(x.device)
+    i = torch.searchsorted(t, x.contiguous(), right=not up) - (0 if up else 1)
+    return t[i.clamp(0, len(t) - 1)].to(FP8)
 
 
 def _grouped(x: torch.Tensor, group: int, dim: int) -> torch.Tensor:
@@ -93,50 +148,65 @@ def _grouped(x: torch.Tensor, group: int, dim: int) -> torch.Tensor:
     return x.reshape(*x.shape[:dim], size // group, group, *x.shape[dim + 1 :]), dim + 1
 
 
-def quantize(x: torch.Tensor, bits: int, group: int, dim: int) -> QTensor:
+def quantize(x: torch.Tensor, bits: int, group: int, dim: int, meta: str = "16") -> QTensor:
     if bits == 16:
         return QTensor(x, None, None, 16, group, dim)
-    if bits not in (2, 4, 8):
+    if bits not in BITS:
         raise ValueError(f"unsupported bit width {bits}")
+    if meta not in META:
+        raise ValueError(f"unsupported scale/zero format {meta!r}: use one of {', '.join(META)}")
     k = _kernels(x)
-    if k and k.supports(x.shape, bits, group, dim, x):
+    if meta == "16" and bits != 3 and k and k.supports(x.shape, bits, group, dim, x):
         return k.quantize(x, bits, group, dim)
     xg, rd = _grouped(x.float(), group, dim)
     mn = xg.amin(dim=rd, keepdim=True)
     mx = xg.amax(dim=rd, keepdim=True)
     qmax = (1 << bits) - 1
-    scale = (mx - mn) / qmax
+    if meta == "16":
+        scale_s, zero = ((mx - mn) / qmax).to(x.dtype), mn.to(x.dtype)
+        scale = (mx - mn) / qmax
+        bias = 1.0
+    else:
+        top = torch.maximum((mx - mn).amax() / qmax, mn.abs().amax() if meta == "8/8" else mn.new_zeros(()))
+        bias = 2.0 ** math.floor(math.log2(112.0 / top.item())) if top > 0 else 1.0
+        zero = mn.to(x.dtype) if meta == "8/16" else _fp8_round(mn * bias, up=False)
+        mn = zero.float() / (1.0 if meta == "8/16" else bias)  # codes against the stored zero and scale: none clip
+        scale_s = _fp8_round((mx - mn).clamp_min(0) / qmax * bias, up=True)
+        scale = scale_s.float() / bias
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = ((xg - mn) / safe).round_().clamp_(0, qmax).reshape(x.shape)
-    return QTensor(
-        pack(codes, bits), scale.squeeze(rd).to(x.dtype), mn.squeeze(rd).to(x.dtype), bits, group, dim
-    )
+    return QTensor(pack(codes, bits), scale_s.squeeze(rd), zero.squeeze(rd), bits, group, dim, meta, bias)
 
 
 def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     if q.bits == 16:
         return q.data if dtype is None else q.data.to(dtype)
     k = _kernels(q.data)
-    if k and k.supports(q.shape, q.bits, q.group, q.dim, q.data, q.scale):
+    if q.plain and k and k.supports(q.shape, q.bits, q.group, q.dim, q.data, q.scale):
         return k.dequantize(q, dtype)
-    dtype = dtype or q.scale.dtype
+    dtype = dtype or (q.zero.dtype if q.zero.dtype != FP8 else torch.float32)
+    scale = q.scale.float() / q.bias
+    zero = q.zero.float() / (q.bias if q.zero.dtype == FP8 else 1.0)
     codes = unpack(q.data, q.bits).float()
     cg, rd = _grouped(codes, q.group, q.dim)
-    x = cg * q.scale.float().unsqueeze(rd) + q.zero.float().unsqueeze(rd)
+    x = cg * scale.unsqueeze(rd) + zero.unsqueeze(rd)
     return x.reshape(codes.shape).to(dtype)
 
 
-def requantize(q: QTensor, bits: int, rank: int | None = None) -> QTensor:
-    """Demotion: dequantize (to the source dtype), keep the first `rank` channels, quantize to `bits`.
-    One pass on CUDA."""
+def requantize(q: QTensor, bits: int, rank: int | None = None, *, group: int | None = None, dim: int | None = None,
+               meta: str | None = None) -> QTensor:
+    """Demotion: dequantize, keep the first `rank` channels, quantize to `bits` (by default with q's
+    group, dim and meta; a level may use another layout). One pass on CUDA for the plain layout."""
+    group, dim, meta = group or q.group, q.dim if dim is None else dim, meta or q.meta
     k = _kernels(q.data)
     shape = q.shape if rank is None else torch.Size([*q.shape[:-1], rank])
-    if k and q.bits != 16 and k.supports(shape, bits, q.group, q.dim, q.data, q.scale):
+    same = group == q.group and dim == q.dim and meta == "16" and bits != 3
+    if same and q.plain and k and k.supports(shape, bits, q.group, q.dim, q.data, q.scale):
         return k.requantize(q, bits, rank)
     x = dequantize(q)
     if rank is not None:
         x = x[..., :rank].contiguous()
-    return quantize(x, bits, q.group, q.dim)
+    return quantize(x, bits, group, dim, meta)
 
 
 def cat(parts: list[QTensor]) -> QTensor:
@@ -144,6 +214,8 @@ def cat(parts: list[QTensor]) -> QTensor:
     a = parts[0]
     if a.bits == 16:
         return QTensor(torch.cat([p.data for p in parts], dim=-2), None, None, 16, a.group, a.dim)
+    bias = min(p.bias for p in parts)
+    parts = [_rebias(p, bias) for p in parts]
     # keys (dim=-2) carry one scale row per token group, latents (dim=-1) one per token: both cat on -2
     return QTensor(
         torch.cat([p.data for p in parts], dim=-2),
@@ -152,7 +224,20 @@ def cat(parts: list[QTensor]) -> QTensor:
         a.bits,
         a.group,
         a.dim,
+        a.meta,
+        bias,
     )
+
+
+def _rebias(q: QTensor, bias: float) -> QTensor:
+    """q's fp8 scale (and fp8 zero) stored times `bias` instead (a smaller power of two: exact unless a
+    value falls below e4m3's subnormals, where scales round up and zeros down, as in quantize)."""
+    if q.bias == bias:
+        return q
+    f = bias / q.bias
+    scale = _fp8_round(q.scale.float() * f, up=True)
+    zero = _fp8_round(q.zero.float() * f, up=False) if q.zero.dtype == FP8 else q.zero
+    return QTensor(q.data, scale, zero, q.bits, q.group, q.dim, q.meta, bias)
 
 
 def split(q: QTensor, n_tokens: int) -> tuple[QTensor, QTensor]:
@@ -167,6 +252,6 @@ def split(q: QTensor, n_tokens: int) -> tuple[QTensor, QTensor]:
         srow = n_tokens // q.group
 
     def part(sl_d, sl_s):
-        return QTensor(q.data[..., sl_d, :], q.scale[..., sl_s, :], q.zero[..., sl_s, :], q.bits, q.group, q.dim)
+        return QTensor(q.data[..., sl_d, :], q.scale[..., sl_s, :], q.zero[..., sl_s, :], q.bits, q.group, q.dim, q.meta, q.bias)
 
     return part(slice(0, n_tokens), slice(0, srow)), part(slice(n_tokens, None), slice(srow, None))

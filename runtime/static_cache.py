@@ -352,6 +352,9 @@ class StaticTaleCache(Cache):
 
     def __init__(self, schedule: Schedule, num_layers: int, num_kv_heads: int, head_dim: int, num_groups: int,
                  latent_rank: int, max_length: int | None = None):
+        if not schedule.plain_layout():  # its buffers hold 2/4/8/16-bit codes with 16-bit scales, per-channel keys
+            raise ValueError("the static cache holds the plain layout (2/4/8/16-bit codes, per-channel keys, 16-bit "
+                             "scales and zeros); this schedule uses another: use new_cache(model) (dynamic)")
         self.schedule = schedule
         self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank
         self.max_length = max_length

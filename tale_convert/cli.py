@@ -13,6 +13,7 @@ from rich.table import Table
 from tale_runtime import console
 
 from . import ConvertError
+from . import policy as rank_policy
 from .calibrate import load_documents
 from .convert import Options, convert
 
@@ -42,13 +43,17 @@ def run(
     device: str = typer.Option(D.device, help="where layers run: auto, cpu, cuda, cuda:1, ..."),
     dtype: str = typer.Option(D.dtype, help="stored tensor dtype: bf16, fp16, fp32 or auto (the checkpoint's)"),
     sinks: int = typer.Option(D.sinks, help="sink tokens kept at 16 bits (alpha)"),
-    recent: str = typer.Option("0.1", help="share p of non-sink tokens at full rank (one per level above 0)"),
-    r0: float = typer.Option(D.r0, help="level-0 rank as a fraction of the latent rank R"),
-    bits: str = typer.Option("2,4", help="value bits per level, oldest first (b0,b1)"),
-    key_bits: Optional[str] = typer.Option(None, help="key bits per level (default: --bits)"),
+    preset: str = typer.Option(D.preset, help="schedule preset: paper (default; the GPU fast path reads it) or tale (best measured per byte on SmolLM2: 3-bit keys, fp8 scales; torch path)"),
+    target_ratio: Optional[float] = typer.Option(None, help="choose level-0 ranks per layer to meet this measured "
+                                                 "compression ratio at 1K tokens (least whitened energy lost)"),
+    recent: Optional[str] = typer.Option(None, help="share p of non-sink tokens at full rank (one per level above 0; "
+                                         "default: the preset's)"),
+    r0: Optional[float] = typer.Option(None, help="level-0 rank as a fraction of the latent rank R (default: the preset's)"),
+    bits: Optional[str] = typer.Option(None, help="value bits per level, oldest first, e.g. 2,4 (default: the preset's)"),
+    key_bits: Optional[str] = typer.Option(None, help="key bits per level (default: the preset's, or --bits)"),
     key_group: int = typer.Option(D.key_group, help="tokens per key quantization group"),
     value_group: int = typer.Option(D.value_group, help="channels per latent quantization group"),
-    residual: int = typer.Option(D.residual, help="16-bit residual tokens (multiple of --key-group)"),
+    residual: Optional[int] = typer.Option(None, help="16-bit residual tokens (default: the preset's)"),
     policy: str = typer.Option(D.policy, help="level-0 rank per layer: uniform, energy, fisher or progressive"),
     energy: float = typer.Option(D.energy, help="--policy energy: whitened spectral energy kept per layer at level 0"),
     overwrite: bool = typer.Option(False, help="replace an existing artifact at --out"),
@@ -57,7 +62,8 @@ def run(
 ) -> None:
     opts = Options(
         group=group, calib=calib or None, samples=samples, seq_len=seq_len, seed=seed, device=device, dtype=dtype,
-        sinks=sinks, recent=_numbers(recent, float, "--recent"), r0=r0, bits=_numbers(bits, int, "--bits"),
+        sinks=sinks, recent=_numbers(recent, float, "--recent") if recent else None, r0=r0,
+        bits=_numbers(bits, int, "--bits") if bits else None, preset=preset, target_ratio=target_ratio,
         key_bits=_numbers(key_bits, int, "--key-bits") if key_bits else None, key_group=key_group,
         value_group=value_group, residual=residual, shard_size=shard_size, overwrite=overwrite, resume=resume,
         policy=policy, energy=energy,
@@ -83,8 +89,12 @@ def check_inputs(out: Path, opts: Options) -> None:
     for name, v, least in (("--samples", opts.samples, 1), ("--seq-len", opts.seq_len, 2), ("--sinks", opts.sinks, 0),
                            ("--key-group", opts.key_group, 1), ("--value-group", opts.value_group, 1),
                            ("--residual", opts.residual, 1), ("--group", opts.group, 1)):
-        if v < least:
+        if v is not None and v < least:  # None: the preset's
             raise ConvertError(f"{name} must be >= {least}, got {v}")
+    if opts.preset not in rank_policy.PRESETS:
+        raise ConvertError(f"unknown --preset {opts.preset!r}: use one of {', '.join(rank_policy.PRESETS)}")
+    if opts.target_ratio is not None and opts.target_ratio <= 1:
+        raise ConvertError(f"--target-ratio must be > 1 (a compression ratio), got {opts.target_ratio:g}")
     for f in opts.calib or []:
         if f.is_file() and f.suffix.lower() != ".parquet":
             console.read_text(f, "--calib")  # empty, binary, not UTF-8: one line naming the file

@@ -38,13 +38,18 @@ class Options:
     device: str = "auto"
     dtype: str = "bf16"  # of the stored tensors; "auto": the checkpoint's
     sinks: int = 4
-    recent: tuple[float, ...] = (0.1,)  # share of each level above 0
-    r0: float = 0.5  # level-0 rank as a fraction of R
-    bits: tuple[int, ...] = (2, 4)  # value bits per level
-    key_bits: tuple[int, ...] | None = None  # default: = bits
+    # None: from the preset (tale_convert.policy.PRESETS); explicit values override it
+    recent: tuple[float, ...] | None = None  # share of each level above 0
+    r0: float | None = None  # level-0 rank as a fraction of R
+    bits: tuple[int, ...] | None = None  # value bits per level
+    key_bits: tuple[int, ...] | None = None  # default: the preset's, or = bits when bits are given
     key_group: int = 32
     value_group: int = 32
-    residual: int = 32
+    residual: int | None = None
+    # "paper": the paper's schedule, the plain layout that the GPU fast path (Triton kernel, static cache, CUDA
+    # graphs) reads; "tale": the best measured per byte on SmolLM2 (3-bit keys, fp8 scales: torch path only)
+    preset: str = "paper"
+    target_ratio: float | None = None  # level-0 ranks per layer chosen to meet this measured ratio (1K tokens)
     shard_size: str | int = "2GB"
     overwrite: bool = False
     resume: bool = False
@@ -56,16 +61,26 @@ class Options:
             raise ConvertError(f"unknown --policy {self.policy!r}: use one of {', '.join(rank_policy.POLICIES)}")
         if not 0 < self.energy <= 1:
             raise ConvertError(f"--energy must be a fraction in (0, 1], got {self.energy}")
-        key_bits = self.key_bits or self.bits
-        if len(key_bits) != len(self.bits) or len(self.recent) != len(self.bits) - 1:
-            n = len(self.bits)
+        if self.preset not in rank_policy.PRESETS:
+            raise ConvertError(f"unknown --preset {self.preset!r}: use one of {', '.join(rank_policy.PRESETS)}")
+        p = rank_policy.PRESETS[self.preset]
+        bits = self.bits or p["bits"]
+        key_bits = self.key_bits or (self.bits if self.bits else p["key_bits"])
+        recent = self.recent or p["recent"]
+        r0 = self.r0 or p["r0"]
+        if len(key_bits) != len(bits) or len(recent) != len(bits) - 1:
+            n = len(bits)
             raise ConvertError(f"{n} levels (--bits) need {n} --key-bits and {n - 1} --recent shares")
-        if not 0 < self.r0 <= 1:
-            raise ConvertError(f"--r0 must be a fraction of R in (0, 1], got {self.r0}")
-        shares = (None, *self.recent)
-        levels = [Level(b, kb, p) for b, kb, p in zip(self.bits, key_bits, shares)]
-        ranks = uniform_ranks(R, num_layers, self.r0, self.value_group, len(levels))
-        schedule = Schedule(self.sinks, levels, ranks, self.key_group, self.value_group, self.residual)
+        if not 0 < r0 <= 1:
+            raise ConvertError(f"--r0 must be a fraction of R in (0, 1], got {r0}")
+        axes = p["key_axis"] if len(p["key_axis"]) == len(bits) else ["channel"] * len(bits)
+        levels = [Level(b, kb, sh, key_axis=a) for b, kb, sh, a in zip(bits, key_bits, (None, *recent), axes)]
+        ranks = uniform_ranks(R, num_layers, r0, self.value_group, len(levels))
+        n = R // self.group
+        # the preset's residual fits its own levels; per-channel newest keys need at least one key group (KIVI)
+        residual = self.residual or (p["residual"] if axes[-1] == "token" else None) or self.key_group
+        schedule = Schedule(self.sinks, levels, ranks, self.key_group, self.value_group, residual,
+                            key_meta=p["key_meta"], value_meta=p["value_meta"], key_channel_group=n)
         try:
             schedule.validate(R, num_layers)
         except ArtifactError as e:
@@ -154,6 +169,8 @@ def convert(model: str | None, out: str | Path, opts: Options,
         layers = _stream(ckpt, skeleton, tokens, device, arch, schedule, partial, writer, dtype, on_layer)
         if opts.policy != "uniform":
             schedule, layers = _rank_policy(opts, schedule, layers, src, tokens, arch, partial, log)
+        if opts.target_ratio:
+            schedule, layers = _target_ratio(opts, schedule, layers, arch, partial, log)
         files = writer.close()
         write.copy_model_files(tmp, config, tokenizer, source.generation_config(src, config), dtype)
         manifest = _manifest(src, base_files, arch, schedule, layers, calib_info, opts, dtype, files)
@@ -354,6 +371,21 @@ def _rank_policy(opts, schedule, layers, src, tokens, arch, partial, log) -> tup
     schedule = rank_policy.apply(schedule, opts.policy, ranks0)
     layers = [replace(lr, energy=[energy_kept(S, r) for r in rs]) for lr, S, rs in zip(layers, spectra, schedule.ranks)]
     return schedule, layers
+
+
+def _target_ratio(opts, schedule, layers, arch, partial, log) -> tuple[Schedule, list[LayerReport]]:
+    """Level-0 ranks per layer meeting --target-ratio (measured at 1K tokens) with the least whitened energy lost."""
+    spectra = [partial.load_layer(i)[0].S for i in range(arch.L)]
+    fitted = rank_policy.fit_ranks(schedule, opts.target_ratio, (arch.K, arch.n, arch.G, arch.R), spectra)
+    if fitted is None:
+        best = rank_policy.measured_ratio(rank_policy.apply(schedule, "budget", [schedule.value_group] * arch.L),
+                                          arch.K, arch.n, arch.G, arch.R)
+        raise ConvertError(f"--target-ratio {opts.target_ratio:g} is out of reach of this schedule "
+                           f"(at most {best:.2f}x at 1K tokens); lower the bits or the recent share")
+    r0 = [rs[0] for rs in fitted.ranks]
+    log(f"target ratio {opts.target_ratio:g}x: level-0 ranks {min(r0)}..{max(r0)} (mean {sum(r0) / len(r0):.0f})")
+    layers = [replace(lr, energy=[energy_kept(S, r) for r in rs]) for lr, S, rs in zip(layers, spectra, fitted.ranks)]
+    return fitted, layers
 
 
 def _fixed_mmap_threshold(threshold: int = 1 << 20) -> None:

@@ -21,6 +21,16 @@ from tale_runtime.artifact import Schedule
 
 POLICIES = ("uniform", "energy", "fisher", "progressive")
 
+# tale-convert --preset: the schedule knobs (per level, oldest first). residual None = one key group.
+PRESETS = {
+    # the paper's: alpha 4, p 0.1, r0 = R/2, 2-bit middle, 4-bit recent, KIVI layout with 16-bit scales/zeros
+    "paper": dict(bits=(2, 4), key_bits=(2, 4), recent=(0.1,), r0=0.5, key_axis=("channel", "channel"),
+                  residual=None, key_meta="16", value_meta="16"),
+    # the best measured per byte on SmolLM2 (docs/quality.md, "Making TALE win per byte")
+    "tale": dict(bits=(2, 4), key_bits=(3, 4), recent=(0.1,), r0=0.34, key_axis=("channel", "channel"),
+                 residual=None, key_meta="8/16", value_meta="8/8"),  # r0 0.34: R/3 rounded down to a group (64 of 192)
+}
+
 
 def singular_values(v_v: torch.Tensor) -> torch.Tensor:
     """Whitened singular values [G, R] from an artifact's right factors B_c = S^(1/2) V^T ([G, R, R]):
@@ -128,3 +138,72 @@ def apply(schedule: Schedule, policy: str, ranks0: list[int]) -> Schedule:
             row.append(max(x, row[-1]))
         ranks.append(row)
     return replace(schedule, ranks=ranks, policy=policy)
+
+
+# -- schedules under a byte budget (tale-convert --target-ratio) ----------------------------------------
+
+REFERENCE = (1024, 128, 4)  # tokens, prefill, decode chunk: the context the ratio is measured at (tale-eval full)
+
+
+def layer_bytes(schedule: Schedule, ranks: list[int], K: int, n: int, G: int, R: int,
+                reference: tuple[int, int, int] = REFERENCE, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
+    """(bytes held, 16-bit K+V bytes) of one batch-1 cache layer with level ranks `ranks` after `reference` =
+    (tokens, prefill, chunk): a dry run with zeros (bytes depend on the call pattern only)."""
+    from tale_runtime.cache import TaleLayerCache
+
+    tokens, prefill, chunk = reference
+    rest = tokens - 1 - prefill
+    pattern = [prefill] + [chunk] * (rest // chunk) + ([rest % chunk] if rest % chunk else [])
+    c = TaleLayerCache(replace(schedule, ranks=[list(ranks)]), 0, K, n, G, R)
+    for T in pattern:
+        c.append(torch.zeros(1, K, T, n, dtype=dtype), torch.zeros(1, G, T, R, dtype=dtype))
+    return c.nbytes(), c.baseline_nbytes()
+
+
+def measured_ratio(schedule: Schedule, K: int, n: int, G: int, R: int, reference: tuple[int, int, int] = REFERENCE,
+                   memo: dict | None = None) -> float:
+    """16-bit K+V bytes over the bytes a batch-1 TaleCache of `schedule` holds after `reference` (all layers)."""
+    memo = {} if memo is None else memo
+    held = base = 0
+    for rs in schedule.ranks:
+        if tuple(rs) not in memo:
+            memo[tuple(rs)] = layer_bytes(schedule, rs, K, n, G, R, reference)
+        held, base = held + memo[tuple(rs)][0], base + memo[tuple(rs)][1]
+    return base / held
+
+
+def fit_ranks(schedule: Schedule, target: float, dims: tuple[int, int, int, int], spectra: list[torch.Tensor],
+              min_rank: int | None = None) -> Schedule | None:
+    """`schedule` with per-layer level-0 ranks that meet `target` (measured_ratio >= target) while losing the
+    least whitened spectral energy: start from the largest uniform rank that meets it, then give one more
+    quantization group of rank at a time to the layer whose next group keeps the most energy (as a fraction
+    of the layer's), while the target still holds. None if even `min_rank` everywhere misses the target."""
+    K, n, G, R = dims
+    vg = schedule.value_group
+    min_rank = min_rank or vg
+    L = len(schedule.ranks)
+    memo: dict = {}
+
+    def ratio(r0s):
+        return measured_ratio(apply(schedule, schedule.policy, list(r0s)), K, n, G, R, memo=memo)
+
+    top = [rs[-1] for rs in schedule.ranks]
+    r0 = next((r for r in range(max(top) // vg * vg, min_rank - 1, -vg) if ratio([min(r, t) for t in top]) >= target),
+              None)
+    if r0 is None:
+        return None
+    ranks = [min(r0, t) for t in top]
+    e = [S.double().pow(2).sum(0) for S in spectra]  # per layer: energy per rank index (groups pooled)
+
+    def gain(i):
+        return (e[i][ranks[i] : ranks[i] + vg].sum() / e[i].sum()).item()
+
+    while True:
+        for i in sorted((i for i in range(L) if ranks[i] + vg <= top[i]), key=lambda i: -gain(i)):
+            trial = ranks[:]
+            trial[i] += vg
+            if ratio(trial) >= target:
+                ranks = trial
+                break
+        else:
+            return apply(schedule, "budget", ranks)

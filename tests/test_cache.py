@@ -148,18 +148,28 @@ def manual_nbytes(c: TaleLayerCache) -> int:
 def analytic_nbytes(lengths: dict, s: Schedule, ranks: list[int], B: int, K: int, n: int, G: int, R: int,
                     elem: int = 2) -> int:
     """Bytes of a layer from its region lengths alone: exact tokens at `elem` bytes, packed codes,
-    and one scale + one zero (`elem` bytes each) per key group per channel and per latent group per token."""
+    and one scale + one zero per key group (per channel over tokens, or per token over channels) and per
+    latent group per token: `elem` bytes each, 1 for fp8 (`8/..` formats, plus one 4-byte bias per tensor)."""
+
+    def meta(fmt: str, groups: int) -> int:
+        if fmt == "16":
+            return 2 * groups * elem
+        return groups * (1 + (elem if fmt == "8/16" else 1)) + 4
+
     total = B * (lengths["sinks"] + lengths["residual"]) * (K * n + G * R) * elem
     for i, lv in enumerate(s.levels):
         L, r = lengths[f"level{i}"], ranks[i]
+        if L == 0:
+            continue
         if lv.key_bits == 16:
             total += B * K * L * n * elem
         else:
-            total += B * K * L * n * lv.key_bits // 8 + 2 * B * K * (L // s.key_group) * n * elem
+            kgroups = B * K * (L // s.key_group) * n if lv.key_axis == "channel" else B * K * L * (n // s.key_channel_group)
+            total += B * K * L * n * lv.key_bits // 8 + meta(s.key_meta, kgroups)
         if lv.bits == 16:
             total += B * G * L * r * elem
         else:
-            total += B * G * L * r * lv.bits // 8 + 2 * B * G * L * (r // s.value_group) * elem
+            total += B * G * L * r * lv.bits // 8 + meta(s.value_meta, B * G * L * (r // s.value_group))
     return total
 
 
@@ -203,3 +213,17 @@ def test_smollm2_measured_ratio_at_2k(smollm2_artifact):
     # per token-head, each level adds 16+16 bits per key group (channel) and per latent group (token):
     # about 1 bit per cached value at groups of 32, so the 2-bit middle costs ~3 bits: ~0.7x nominal
     assert 0.6 * nominal < ratio < nominal
+
+
+def test_nbytes_of_the_new_formats():
+    """3-bit codes, fp8 scales/zeros and per-token keys: bytes from region lengths equal what the cache holds."""
+    sched = Schedule(levels=[Level(2, 3, None), Level(4, 4, 0.2, key_axis="token"), Level(8, 8, 0.05, key_axis="token")],
+                     ranks=[[8, 16, 32]], sinks=3, key_group=8, value_group=8, residual=1, key_channel_group=8,
+                     key_meta="8/16", value_meta="8/8")
+    k, h = tokens(2, 150, seed=7)
+    c = TaleLayerCache(sched, 0, K, n, G, R)
+    c.append(k[..., :100, :].bfloat16(), h[..., :100, :].bfloat16())
+    for t in range(100, 150):
+        c.append(k[..., t : t + 1, :].bfloat16(), h[..., t : t + 1, :].bfloat16())
+    assert all(c.lengths()[f"level{i}"] for i in range(3))
+    assert c.nbytes() == analytic_nbytes(c.lengths(), sched, sched.ranks[0], 2, K, n, G, R, 2)

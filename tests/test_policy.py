@@ -122,7 +122,7 @@ def test_convert_with_policy(name, tiny_model_dir, tmp_path):
     s = schedule_of(m)
     R, L = m["architecture"]["latent_rank"], m["architecture"]["num_layers"]
     s.validate(R, L)
-    r0 = uniform_ranks(R, L, 0.5, s.value_group)[0][0]
+    r0 = uniform_ranks(R, L, policy.PRESETS[Options().preset]["r0"], s.value_group)[0][0]
     ranks0 = [rs[0] for rs in s.ranks]
     assert s.policy == name
     model, _ = load(tmp_path / name, dtype=torch.float32)
@@ -140,3 +140,64 @@ def test_convert_rejects_bad_policy_before_work(tiny_model_dir, tmp_path):
         convert(str(tiny_model_dir("llama")), tmp_path / "x", Options(group=2, policy="magic", **TINY_OPTS))
     with pytest.raises(ConvertError, match="--energy"):
         convert(str(tiny_model_dir("llama")), tmp_path / "x", Options(group=2, policy="energy", energy=1.5, **TINY_OPTS))
+
+
+def test_measured_ratio_is_what_a_cache_holds():
+    from tale_runtime.artifact import Level
+    from tale_runtime.cache import TaleLayerCache
+
+    K, n, G, R = 2, 16, 1, 32
+    s = Schedule(levels=[Level(2, 3, None), Level(4, 4, 0.1, key_axis="token")], ranks=[[16, 32], [8, 32]],
+                 key_group=8, value_group=8, residual=1, key_channel_group=16, key_meta="8/16", value_meta="8/8")
+    ref = (300, 40, 4)
+    held = base = 0
+    for rs in s.ranks:
+        c = TaleLayerCache(s, 0, K, n, G, R)
+        c.ranks = rs
+        for T in [40] + [4] * 64 + [3]:
+            c.append(torch.randn(1, K, T, n, dtype=torch.bfloat16), torch.randn(1, G, T, R, dtype=torch.bfloat16))
+        held, base = held + c.nbytes(), base + c.baseline_nbytes()
+    assert policy.measured_ratio(s, K, n, G, R, ref) == pytest.approx(base / held, rel=1e-12)
+
+
+def test_fit_ranks_meets_the_target_and_spends_the_budget_on_energy():
+    from tale_runtime.artifact import Level
+
+    K, n, G, R, L = 2, 16, 1, 32, 4
+    s = Schedule(levels=[Level(2, 2, None), Level(4, 4, 0.1)], ranks=uniform_ranks(R, L, 0.5, 8),
+                 key_group=8, value_group=8, residual=8)
+    # layer 2's spectrum is flat (rank matters), the others fall off fast
+    spectra = [torch.tensor([[2.0 ** -i for i in range(R)]]) for _ in range(L)]
+    spectra[2] = torch.ones(1, R)
+    hi = policy.measured_ratio(policy.apply(s, "x", [8] * L), K, n, G, R)
+    target = policy.measured_ratio(policy.apply(s, "x", [16, 16, 24, 16]), K, n, G, R)  # uniform 16 + one group
+    fit = policy.fit_ranks(s, target, (K, n, G, R), spectra)
+    ranks0 = [rs[0] for rs in fit.ranks]
+    assert policy.measured_ratio(fit, K, n, G, R) >= target
+    check(ranks0, R, 8)
+    assert ranks0 == [16, 16, 24, 16]  # the extra group goes to the flat spectrum
+    for i in range(L):  # maximal: one more group anywhere misses the target
+        more = ranks0[:]
+        if more[i] + 8 <= R:
+            more[i] += 8
+            assert policy.measured_ratio(policy.apply(s, "x", more), K, n, G, R) < target
+    assert policy.fit_ranks(s, hi * 1.5, (K, n, G, R), spectra) is None
+
+
+def test_presets_and_target_ratio_end_to_end(tiny_model_dir, tmp_path):
+    src = tiny_model_dir("llama")
+    paper = Options(group=TINY_GROUP["llama"], preset="paper", **TINY_OPTS)
+    s = paper.schedule(32, 3)
+    assert [(lv.bits, lv.key_bits, lv.share, lv.key_axis) for lv in s.levels] == [(2, 2, None, "channel"),
+                                                                                 (4, 4, 0.1, "channel")]
+    assert s.plain_layout() and s.ranks[0] == [16, 32]
+    opts = Options(group=TINY_GROUP["llama"], target_ratio=4.0, **TINY_OPTS)
+    convert(str(src), tmp_path / "t", opts)
+    m = read_manifest(tmp_path / "t")
+    st = schedule_of(m)
+    a = m["architecture"]
+    assert st.policy == "budget"
+    assert policy.measured_ratio(st, a["num_kv_heads"], a["head_dim"], a["num_groups"], a["latent_rank"]) >= 4.0
+    with pytest.raises(ConvertError, match="out of reach"):
+        convert(str(src), tmp_path / "u", Options(group=TINY_GROUP["llama"], target_ratio=40.0, **TINY_OPTS))
+    assert not (tmp_path / "u").exists()

@@ -345,7 +345,7 @@ def test_schedule_overrides():
     assert override_schedule(base, 64, 3, ranks=0.3).ranks == [[16, 16]] * 3  # rounded down to value groups
     assert base.levels[1].share == 0.1  # the base is not modified
     for bad, msg in [
-        (dict(bits=3), "bits must be one of"),
+        (dict(bits=5), "bits must be one of"),
         (dict(recent=[0.1, 0.1]), "need bits for each level"),
         (dict(bits=[2, 4, 8]), "bits has 3 values for 2 levels"),
         (dict(ranks=[1.5, 1.0]), r"rank fraction 1.5 must lie in \(0, 1\]"),

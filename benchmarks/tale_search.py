@@ -1,0 +1,72 @@
+"""Evaluate several TALE schedules on one loaded model with tale-eval's own functions (decode-mode ppl on
+the dev text calib/corpus_heldout.txt, measured ratio, pass-key), one JSON line per variant.
+
+    python benchmarks/tale_search.py out/smollm2-tale VARIANTS.json --out rows.jsonl --threads 1
+
+VARIANTS.json: {"name": {override_schedule kwargs}, ...}; "ranks0": [per-layer level-0 ranks] sets ranks per
+layer. The full preset's windows (5 x 1024, prefill 128, chunk 4) and all 18 pass-key samples by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from tale_eval import passkey, perplexity, policies
+from tale_eval.attention import prepare
+from tale_runtime import load
+from tale_runtime.load import override_schedule
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("artifact")
+    ap.add_argument("variants")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", default=None, help="comma list of variant names")
+    ap.add_argument("--no-passkey", action="store_true")
+    ap.add_argument("--no-ppl", action="store_true")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--windows", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    variants = json.loads(Path(args.variants).read_text())
+    if args.only:
+        variants = {k: variants[k] for k in args.only.split(",")}
+    model, tok = load(args.artifact, device="cpu", dtype=torch.bfloat16)
+    prepare(model)
+    R = int(model.tale_manifest["architecture"]["latent_rank"])
+    base = model.tale_schedule
+    ids = perplexity.heldout_windows(tok, args.ctx, args.windows)
+    samples = [] if args.no_passkey else passkey.load_samples()
+    for name, kw in variants.items():
+        kw = dict(kw)
+        ranks0 = kw.pop("ranks0", None)
+        sched = override_schedule(base, R, len(base.ranks), **kw)
+        if ranks0:
+            sched.ranks = [[r0] + rs[1:] for r0, rs in zip(ranks0, sched.ranks)]
+            sched.validate(R, len(base.ranks))
+        pol = policies.tale_policy(model, name, sched) if name != "full" else policies.build(model, ["full"], base, [])[0]
+        t = time.perf_counter()
+        row = {"name": name, "kw": kw | ({"ranks0": ranks0} if ranks0 else {})}
+        if not args.no_ppl:
+            cache = pol.new_cache(None)
+            nll, count = perplexity.decode_nll(model, ids, cache, 128, 4)
+            row.update(ppl=math.exp(nll / count), ratio=cache.baseline_nbytes() / cache.nbytes())
+        if samples:
+            task = passkey.run(model, tok, samples, pol)
+            row.update(passkey=task["accuracy"], passkey_ratio=task["ratio"])
+        row["seconds"] = time.perf_counter() - t
+        print(json.dumps(row), flush=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
