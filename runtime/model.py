@@ -226,7 +226,7 @@ class TaleAttention(nn.Module):
                 )
             seen.add(self.layer_idx)
 
-        if layer is not None and layer.s.rotate == "hadamard":  # q Q . k Q = q . k: only the cached keys change
+        if layer is not None and past_key_values.schedule.rotate == "hadamard":  # q Q . k Q = q . k: only the cached keys change
             Q = hadamard(self.head_dim, k.device, torch.float32)
             k_c = (k.float() @ Q).to(k.dtype)
         else:

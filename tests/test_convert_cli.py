@@ -68,7 +68,7 @@ def test_bad_input(case, llama, tiny_model_dir, tmp_path, capsys, monkeypatch):
         "calib-missing": ([llama, "--group", "2", "--calib", tmp_path / "nope.txt"], "calibration file not found"),
         "calib-no-text": ([llama, "--group", "2", "--calib", nojson], "no 'text' field"),
         "bad-bits": ([llama, "--group", "2", "--bits", "2,x"], "--bits '2,x'"),
-        "bits-value": ([llama, "--group", "2", "--bits", "3,4"], "bits must be one of"),
+        "bits-value": ([llama, "--group", "2", "--bits", "5,4"], "bits must be one of"),
         "bad-dtype": ([llama, "--group", "2", "--dtype", "int8"], "unknown --dtype"),
         "bad-shard-size": ([llama, "--group", "2", "--shard-size", "lots"], "bad size"),
         "recent-count": ([llama, "--group", "2", "--recent", "0.1,0.2"], "2 levels"),
