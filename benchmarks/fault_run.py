@@ -1,7 +1,7 @@
 """Fault run: bad inputs and faults through the installed console scripts, one subprocess each, and the
 table of what they answered (docs/errors.md).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_run.py [--out docs/errors.md] [--only SUBSTR] [--pending]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_run.py [--out docs/errors.md] [--only SUBSTR]
 
 Every case states what must happen: `refuse` (exit 2, stderr exactly one line `error: ...` with the given
 fragment), `accept` (exit 0: things that used to fail and must work) or `interrupt` (a signal mid-conversion:
@@ -11,8 +11,8 @@ multi-line refusals, wrong exit codes, failed checks. Tiny random models only (C
 the full-disk and read-only cases mount a small tmpfs in a private mount namespace (`unshare -m`, needs
 root), and are skipped with a note otherwise.
 
-PENDING holds the converter's source checks (issue 12, owned by the converter's rewrite): run them with
---pending once they are in; they are not in the table until then.
+The converter's source checks (issue 12: a TALE artifact as MODEL, a truncated shard, a missing tensor, --seq-len
+beyond the context) are in `source_cases()`, run with the rest.
 """
 
 from __future__ import annotations
@@ -245,9 +245,9 @@ def cases() -> list[Case]:
     add("run-key-group-0", g, [*run, "--key-group", "0"], "--key-group must be >= 1")
     add("run-residual-0", g, [*run, "--residual", "0"], "--residual must be >= 1")
     add("run-sinks-negative", g, [*run, "--sinks", "-1"], "--sinks must be >= 0")
-    add("run-bits-3", g, [*run, "--bits", "3"], "bits must be one of 2, 4, 8, 16")
+    add("run-bits-5", g, [*run, "--bits", "5"], "bits must be one of 2, 3, 4, 8, 16")
     add("run-bits-not-number", g, [*run, "--bits", "2,x"], "--bits: 'x' is not a whole number")
-    add("run-key-bits-5", g, [*run, "--key-bits", "5"], "bits must be one of 2, 4, 8, 16")
+    add("run-key-bits-5", g, [*run, "--key-bits", "5"], "bits must be one of 2, 3, 4, 8, 16")
     add("run-ranks-1.5", g, [*run, "--ranks", "1.5"], "rank fraction 1.5 must lie in (0, 1]")
     add("run-ranks-0", g, [*run, "--ranks", "0"], "ranks")
     add("run-recent-over-1", g, [*run, "--recent", "2"], "level shares must lie in [0, 1]")
@@ -311,8 +311,8 @@ def cases() -> list[Case]:
     add("manifest-format-3.0", g, run, "upgrade tale-kv", setup=edit_manifest(lambda m: m.update(format_version="3.0")))
     add("manifest-not-tale", g, run, "not a TALE manifest", setup=edit_manifest(lambda m: m.update(format="gguf")))
     add("manifest-no-architecture", g, run, "lacks 'architecture'", setup=edit_manifest(lambda m: m.pop("architecture")))
-    add("manifest-schedule-bits-3", g, run, "bits must be one of",
-        setup=edit_manifest(lambda m: m["schedule"]["levels"][0].update(bits=3)))
+    add("manifest-schedule-bits-5", g, run, "bits must be one of",
+        setup=edit_manifest(lambda m: m["schedule"]["levels"][0].update(bits=5)))
     add("eval-edited-config", g, [*ev], "checksum mismatch for config.json",
         setup=edit_json("config.json", rms_norm_eps=0.5))
     add("push-edited-config", g, ["tale-push", "{ART}", "alice/x", "--dry-run"], "checksum mismatch for config.json",
@@ -360,7 +360,7 @@ def cases() -> list[Case]:
     add("convert-samples-0", g, [*cv, *out, "--samples", "0"], "--samples must be >= 1", check=chk)
     add("convert-seq-len-1", g, [*cv, *out, "--seq-len", "1"], "--seq-len must be >= 2", check=chk)
     add("convert-value-group-0", g, [*cv, *out, "--value-group", "0"], "--value-group must be >= 1", check=chk)
-    add("convert-bits-3", g, [*cv, *out, "--bits", "3,4"], "bits must be one of", check=chk)
+    add("convert-bits-5", g, [*cv, *out, "--bits", "5,4"], "bits must be one of", check=chk)
     add("convert-bits-not-number", g, [*cv, *out, "--bits", "2,x"], "--bits '2,x'", check=chk)
     add("convert-recent-count", g, [*cv, *out, "--recent", "0.1,0.2"], "2 levels", check=chk)
     add("convert-dtype-int8", g, [*cv, *out, "--dtype", "int8"], "unknown --dtype", check=chk)
@@ -434,18 +434,18 @@ def cases() -> list[Case]:
     return C
 
 
-# Converter source checks that issue 12 assigns to the converter's rewrite: run with --pending once merged.
-def pending() -> list[Case]:
+# The converter's source checks of issue 12.
+def source_cases() -> list[Case]:
     cv = ["tale-convert"]
     chk = nothing_at("out")
     return [
-        Case("convert-tale-artifact-as-model", "tale-convert source (pending)", [*cv, "{ART}", *TINY_ARGS, "--out",
+        Case("convert-tale-artifact-as-model", "tale-convert source", [*cv, "{ART}", *TINY_ARGS, "--out",
              "{W}/out"], fragment="TALE artifact", check=chk),
-        Case("convert-truncated-source-shard", "tale-convert source (pending)", [*cv, "{W}/m", *TINY_ARGS, "--out",
+        Case("convert-truncated-source-shard", "tale-convert source", [*cv, "{W}/m", *TINY_ARGS, "--out",
              "{W}/out"], fragment="model.safetensors", check=chk, setup=lambda w: _broken_model(w, "truncate")),
-        Case("convert-missing-source-tensor", "tale-convert source (pending)", [*cv, "{W}/m", *TINY_ARGS, "--out",
+        Case("convert-missing-source-tensor", "tale-convert source", [*cv, "{W}/m", *TINY_ARGS, "--out",
              "{W}/out"], fragment="missing", check=chk, setup=lambda w: _broken_model(w, "drop")),
-        Case("convert-seq-len-beyond-context", "tale-convert source (pending)", [*cv, "{MODEL}", *TINY_ARGS,
+        Case("convert-seq-len-beyond-context", "tale-convert source", [*cv, "{MODEL}", *TINY_ARGS,
              "--seq-len", "4096", "--out", "{W}/out"], fragment="context", check=chk),
     ]
 
@@ -660,9 +660,6 @@ def write_doc(rows: list[dict], work: Path, path: Path, skipped: list[str], wall
         "about 15 s, `$TINY_OPTS` the small converter settings of the tests).",
         "",
     ]
-    out += ["Not in the table yet: the converter's own source checks of issue 12 (a TALE artifact given as MODEL, a",
-            "truncated source shard, a missing source tensor, `--seq-len` beyond the context), which the converter's",
-            "rewrite adds; `--pending` runs them (`PENDING` in the script).", ""]
     if skipped:
         out += [f"Skipped (need root for `unshare -m`): {', '.join(skipped)}.", ""]
     if rerun:
@@ -694,14 +691,14 @@ def doc_only(args) -> None:
     first = next(iter(rows.values()))
     work = Path(first["work"])
     PATHS.update(MODEL=work / "model", SIG=work / "sig", ART=work / "art")
-    order = [c.id for c in cases() + pending()]
+    order = [c.id for c in cases() + source_cases()]
     order = order[:order.index("sigkill-after-2-layers") + 1] + ["resume-after-sigkill"] + \
         order[order.index("sigkill-after-2-layers") + 1:]
     done = [rows[i] for i in order if i in rows]
     for r in done:  # rows of a re-run lived in another work dir
         r["cmd"] = [a.replace(r["work"], str(work)) for a in r["cmd"]]
         r["message"] = r["message"].replace(r["work"], str(work))
-    missing = [c.id for c in cases() if c.id not in rows]
+    missing = [c.id for c in cases() + source_cases() if c.id not in rows]
     rerun = sorted({i for i in seen if seen.count(i) > 1})
     summary = write_doc(done, work, args.out, [], 0.0, not_run=missing, rerun=rerun)
     print(", ".join(f"{k} {v}" for k, v in summary.items()), f"(not run: {len(missing)})")
@@ -711,7 +708,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "errors.md")
     ap.add_argument("--only", default=None, help="run the cases whose id contains this (no doc written)")
-    ap.add_argument("--pending", action="store_true", help="also the converter's source checks (PENDING)")
     ap.add_argument("--rows", type=Path, default=Path(tempfile.gettempdir()) / "tale-fault-rows.jsonl",
                     help="every row is appended here as it is measured")
     ap.add_argument("--rerun-failed", action="store_true",
@@ -725,7 +721,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="tale-fault-"))
     try:
         build(work)
-        todo = cases() + (pending() if args.pending else [])
+        todo = cases() + source_cases()
         if args.only:
             todo = [c for c in todo if args.only in c.id]
         root = os.geteuid() == 0 and shutil.which("unshare")

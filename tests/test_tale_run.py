@@ -73,7 +73,7 @@ def bump_major(path):
     (["--prompt", "hi"], break_manifest, "corrupt manifest"),
     (["--prompt", "hi"], break_checksum, "checksum mismatch"),
     (["--prompt", "hi"], bump_major, "format version '9.0' is not supported"),
-    (["--prompt", "hi", "--bits", "3"], None, "bits must be one of 2, 4, 8, 16; got 3"),
+    (["--prompt", "hi", "--bits", "5"], None, "bits must be one of 2, 3, 4, 8, 16; got 5"),
     (["--prompt", "hi", "--ranks", "0.5,x"], None, "--ranks: 'x' is not a number"),
     (["--prompt", "hi", "--sinks", "many"], None, "--sinks: 'many' is not a whole number"),
     (["--prompt", "hi", "--recent", "0.05,0.1"], None, "3 levels (from recent) need bits for each level"),
