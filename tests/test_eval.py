@@ -378,13 +378,13 @@ def test_cli_schedule_flags_at_exact_settings_give_the_forward_ppl(tiny_artifact
     (["--preset", "huge"], "unknown --preset"),
     (["--passkey-depths", "0.55"], "no pass-key samples"),
     (["--ctx", "100000"], "held-out text 'dev' has"),
-    (["--key-bits", "3,4"], "bits must be one of"),
+    (["--key-bits", "5,4"], "bits must be one of"),
     (["--energy", "0"], "--energy must be"),
     (["--text", "dev,moby"], "unknown --text 'moby'"),
     (["--frontier", "--families", "tale,magic"], "unknown family 'magic'"),
     (["--frontier", "--tale-variants", "r1=2"], "bad TALE variant 'r1=2'"),
     (["--frontier", "--tale-variants", "bits=x/4"], "is not a number"),
-    (["--frontier", "--families", "tale", "--tale-variants", "bits=3/4"], "bits must be one of"),
+    (["--frontier", "--families", "tale", "--tale-variants", "bits=5/4"], "bits must be one of"),
 ])
 def test_cli_errors_are_one_line(args, msg, tiny_artifact, capsys):
     with pytest.raises(SystemExit) as e:

@@ -191,7 +191,7 @@ def test_presets_and_target_ratio_end_to_end(tiny_model_dir, tmp_path):
     assert [(lv.bits, lv.key_bits, lv.share, lv.key_axis) for lv in s.levels] == [(2, 2, None, "channel"),
                                                                                  (4, 4, 0.1, "channel")]
     assert s.plain_layout() and s.ranks[0] == [16, 32]
-    opts = Options(group=TINY_GROUP["llama"], target_ratio=4.0, **TINY_OPTS)
+    opts = Options(group=TINY_GROUP["llama"], preset="tale", target_ratio=4.0, **TINY_OPTS)
     convert(str(src), tmp_path / "t", opts)
     m = read_manifest(tmp_path / "t")
     st = schedule_of(m)

@@ -325,7 +325,7 @@ def test_load_errors_are_clear(tiny_artifact, tmp_path, breakage, message):
         mf.write_text(json.dumps(m))
     elif breakage == "schedule":
         m = json.loads(mf.read_text())
-        m["schedule"]["levels"][0]["bits"] = 3
+        m["schedule"]["levels"][0]["bits"] = 5
         mf.write_text(json.dumps(m))
     with pytest.raises(ArtifactError, match=message) as e:
         load(path, device="cpu")
