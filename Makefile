@@ -41,7 +41,10 @@ run: setup
 run-long: setup
 	$(BIN)/tale-run $(OUT) --prompt-file $(LONG_PROMPT) --max-new-tokens 24
 
+# lint and format check first (seconds), then the tests
 test: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q -rs
 
 eval: setup

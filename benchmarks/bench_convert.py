@@ -30,12 +30,27 @@ from pathlib import Path
 
 import torch
 
-LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                num_hidden_layers=32, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0)
+LLAMA_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    num_hidden_layers=32,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+)
 LLAMA_70B = dict(LLAMA_8B, hidden_size=8192, intermediate_size=28672, num_attention_heads=64)
 # --smoke: the same script on the CPU with small shapes (a check of the script, not a measurement)
-SMOKE_8B = dict(LLAMA_8B, hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4,
-                num_hidden_layers=4, vocab_size=512)
+SMOKE_8B = dict(
+    LLAMA_8B,
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_hidden_layers=4,
+    vocab_size=512,
+)
 SMOKE_70B = dict(SMOKE_8B, hidden_size=512, num_attention_heads=8)
 GIB = 2**30
 DEVICE = "cuda"
@@ -100,9 +115,22 @@ def first_layers(src: Path, dst: Path, layers: int) -> Path:
 
 def convert_once(src: Path, out: Path, args) -> dict:
     """One conversion in a fresh process (its own peak RSS); returns the report as a dict."""
-    cmd = [sys.executable, __file__, *(["--smoke"] if DEVICE == "cpu" else []), "--one", str(src), str(out),
-           "--group", str(args.group), "--device", DEVICE,
-           "--samples", str(args.samples), "--seq-len", str(args.seq_len)]
+    cmd = [
+        sys.executable,
+        __file__,
+        *(["--smoke"] if DEVICE == "cpu" else []),
+        "--one",
+        str(src),
+        str(out),
+        "--group",
+        str(args.group),
+        "--device",
+        DEVICE,
+        "--samples",
+        str(args.samples),
+        "--seq-len",
+        str(args.seq_len),
+    ]
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t
@@ -118,10 +146,18 @@ def one(src: str, out: str, group: int, samples: int, seq_len: int) -> None:
 
     rep = convert(src, out, Options(group=group, device=DEVICE, samples=samples, seq_len=seq_len, overwrite=True))
     size = sum(f.stat().st_size for f in Path(out).iterdir())
-    print(json.dumps({"seconds": rep.seconds, "layers": [lr.seconds for lr in rep.layers], "peak_rss": rep.peak_rss,
-                      "peak_device": rep.peak_device or 0,
-                      "reserved": torch.cuda.max_memory_reserved() if DEVICE == "cuda" else 0,
-                      "artifact_bytes": size}))
+    print(
+        json.dumps(
+            {
+                "seconds": rep.seconds,
+                "layers": [lr.seconds for lr in rep.layers],
+                "peak_rss": rep.peak_rss,
+                "peak_device": rep.peak_device or 0,
+                "reserved": torch.cuda.max_memory_reserved() if DEVICE == "cuda" else 0,
+                "artifact_bytes": size,
+            }
+        )
+    )
 
 
 @torch.no_grad()
@@ -149,13 +185,25 @@ def check(src: Path, art: Path) -> list[str]:
     Wo = get(src, p + "o_proj.weight", src_idx).T
     A, B, Of = get(art, p + U_V, idx), get(art, p + V_V, idx), get(art, p + O_FUSED, idx)
     assert torch.equal(get(art, p + "v_proj.weight", idx).T, W), "v_proj.weight is kept unchanged"
-    errs = [float((A[c] @ B[c] - W[:, c * R:(c + 1) * R]).norm() / W[:, c * R:(c + 1) * R].norm())
-            for c in range(K // g)]
+    errs = [
+        float((A[c] @ B[c] - W[:, c * R : (c + 1) * R]).norm() / W[:, c * R : (c + 1) * R].norm())
+        for c in range(K // g)
+    ]
     rep = H // K
-    oerr = max(float((Of.T[q * R:(q + 1) * R] - B[(q // rep) // g, :, ((q // rep) % g) * n:((q // rep) % g + 1) * n]
-                      @ Wo[q * n:(q + 1) * n]).norm() / Of.T[q * R:(q + 1) * R].norm()) for q in range(H))
-    lines = [f"layer 0: max_c ||A_c B_c - W_c|| / ||W_c|| = {max(errs):.2e} (bf16 factors), "
-             f"max_q O^r block rel. error = {oerr:.2e}"]
+    oerr = max(
+        float(
+            (
+                Of.T[q * R : (q + 1) * R]
+                - B[(q // rep) // g, :, ((q // rep) % g) * n : ((q // rep) % g + 1) * n] @ Wo[q * n : (q + 1) * n]
+            ).norm()
+            / Of.T[q * R : (q + 1) * R].norm()
+        )
+        for q in range(H)
+    )
+    lines = [
+        f"layer 0: max_c ||A_c B_c - W_c|| / ||W_c|| = {max(errs):.2e} (bf16 factors), "
+        f"max_q O^r block rel. error = {oerr:.2e}"
+    ]
     assert max(errs) < 2e-2 and oerr < 2e-2, lines
     base = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, attn_implementation="sdpa").to(DEVICE).eval()
     ids = torch.randint(0, 256, (1, 512), generator=torch.Generator().manual_seed(0)).to(DEVICE)
@@ -216,23 +264,35 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     dev = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
-    lines = [f"device: {dev}; torch {torch.__version__}; local disk {disk_speed(work)}; "
-             f"calibration {args.samples} x {args.seq_len} tokens; --group {args.group}; bf16 in and out"]
+    lines = [
+        f"device: {dev}; torch {torch.__version__}; local disk {disk_speed(work)}; "
+        f"calibration {args.samples} x {args.seq_len} tokens; --group {args.group}; bf16 in and out"
+    ]
     print(lines[0], flush=True)
     rows = []
 
     def row(name, L, rep):
         per = sorted(rep["layers"])[len(rep["layers"]) // 2]
-        r = dict(name=name, L=L, total=rep["seconds"], wall=rep["wall"], per_layer=per, rss=rep["peak_rss"] / GIB,
-                 gpu=rep["peak_device"] / GIB, reserved=rep["reserved"] / GIB, size=rep["artifact_bytes"] / 1e9)
+        r = dict(
+            name=name,
+            L=L,
+            total=rep["seconds"],
+            wall=rep["wall"],
+            per_layer=per,
+            rss=rep["peak_rss"] / GIB,
+            gpu=rep["peak_device"] / GIB,
+            reserved=rep["reserved"] / GIB,
+            size=rep["artifact_bytes"] / 1e9,
+        )
         rows.append(r)
         print(json.dumps(r), flush=True)
 
     if not args.skip_8b:
         t = time.perf_counter()
         src = write_random_llama(work / "llama8b", LLAMA_8B)
-        print(f"8B checkpoint written in {time.perf_counter() - t:.1f} s; page cache dropped: {drop_caches()}",
-              flush=True)
+        print(
+            f"8B checkpoint written in {time.perf_counter() - t:.1f} s; page cache dropped: {drop_caches()}", flush=True
+        )
         row("8B shapes (Llama-3.1-8B)", LLAMA_8B["num_hidden_layers"], convert_once(src, work / "llama8b-tale", args))
         shutil.rmtree(work / "llama8b-tale")
         shutil.rmtree(src)
@@ -256,13 +316,20 @@ def main() -> None:
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
         t80 = my + slope * (80 - mx)
-        lines.append(f"70B extrapolated to 80 layers: {t80:.0f} s = {t80 / 60:.1f} "
-                     f"min (fit: {my - slope * mx:.1f} s + {slope:.2f} s per layer)")
-    table = ["| model | layers | total (s) | wall incl. start-up (s) | median s / layer | host peak RSS (GiB) "
-             "| GPU peak allocated (GiB) | GPU reserved (GiB) | artifact (GB) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    table += [f"| {r['name']} | {r['L']} | {r['total']:.1f} | {r['wall']:.1f} | {r['per_layer']:.2f} | {r['rss']:.2f} "
-              f"| {r['gpu']:.2f} | {r['reserved']:.2f} | {r['size']:.1f} |" for r in rows]
+        lines.append(
+            f"70B extrapolated to 80 layers: {t80:.0f} s = {t80 / 60:.1f} "
+            f"min (fit: {my - slope * mx:.1f} s + {slope:.2f} s per layer)"
+        )
+    table = [
+        "| model | layers | total (s) | wall incl. start-up (s) | median s / layer | host peak RSS (GiB) "
+        "| GPU peak allocated (GiB) | GPU reserved (GiB) | artifact (GB) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    table += [
+        f"| {r['name']} | {r['L']} | {r['total']:.1f} | {r['wall']:.1f} | {r['per_layer']:.2f} | {r['rss']:.2f} "
+        f"| {r['gpu']:.2f} | {r['reserved']:.2f} | {r['size']:.1f} |"
+        for r in rows
+    ]
     text = "\n".join(["\n".join(f"- {ln}" for ln in lines), "", *table, ""])
     print(text, flush=True)
     if args.report:

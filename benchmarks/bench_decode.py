@@ -47,8 +47,9 @@ from tale_runtime.regions import LayerView, Region
 H, K, N, GS = 32, 8, 128, 4
 G, R, R0, REP = K // GS, GS * N, GS * N // 2, H // K
 SINKS, P, KG, VG = 4, 0.1, 32, 32
-SCHED = Schedule(sinks=SINKS, levels=[Level(2, 2, None), Level(4, 4, P)], ranks=[[R0, R]],
-                 key_group=KG, value_group=VG, residual=KG)
+SCHED = Schedule(
+    sinks=SINKS, levels=[Level(2, 2, None), Level(4, 4, P)], ranks=[[R0, R]], key_group=KG, value_group=VG, residual=KG
+)
 DEV = "cuda"
 DT = torch.bfloat16
 TOL = 5e-3
@@ -56,6 +57,7 @@ FLUSH = None
 
 
 # -- timing ------------------------------------------------------------------------------
+
 
 def graphed(fn):
     """A CUDA graph of fn (warmed up on a side stream), returned as its replay."""
@@ -97,13 +99,14 @@ def copy_bandwidth() -> float:
     """GB/s of a 4 GiB device-to-device copy, read + written bytes."""
     x = torch.randn(1 << 30, device=DEV)
     y = torch.empty_like(x)
-    t = timeit(lambda: y.copy_(x), graph=False, budget_ms=200)
+    t = timeit(lambda x=x, y=y: y.copy_(x), graph=False, budget_ms=200)
     bw = 2 * x.numel() * 4 / (t * 1e-6) / 1e9
     del x, y
     return bw
 
 
 # -- caches as views -----------------------------------------------------------------------
+
 
 def region_lengths(L: int) -> tuple[int, int, int, int]:
     """(sinks, level 0, level 1, residual) for a cache of L tokens, as the runtime lays them out."""
@@ -130,8 +133,9 @@ def qrand(lead, cap, used, C, bits, group, dim) -> QTensor:
     return QTensor(data, scale, zero, bits, group, dim)
 
 
-def synth_view(B: int, L: int, pad=None, extra: int = 0, tensor_len: bool = False, window=None, only=None,
-               shuffle: bool = False) -> LayerView:
+def synth_view(
+    B: int, L: int, pad=None, extra: int = 0, tensor_len: bool = False, window=None, only=None, shuffle: bool = False
+) -> LayerView:
     """A LayerView of a cache of L positions per row: sinks | 2-bit level | 4-bit level | residual.
     `pad[b]` leading positions of row b are padding (pos -1); every region gets `extra` unused
     slots (capacity > length, NaN inside, pos -1); `only` keeps one region ("2bit" / "4bit")."""
@@ -150,8 +154,11 @@ def synth_view(B: int, L: int, pad=None, extra: int = 0, tensor_len: bool = Fals
         if cap == 0 or (only and name != only):
             continue
         length = torch.tensor([used], dtype=torch.int32, device=DEV) if tensor_len else used
-        regions.append(Region(qrand((B, K), cap, used, N, kb, KG, -2), qrand((B, G), cap, used, rank, hb, VG, -1),
-                              rank, pos, length))
+        regions.append(
+            Region(
+                qrand((B, K), cap, used, N, kb, KG, -2), qrand((B, G), cap, used, rank, hb, VG, -1), rank, pos, length
+            )
+        )
     if shuffle:
         random.shuffle(regions)
     npos = torch.tensor(L, dtype=torch.int32, device=DEV) if tensor_len else L
@@ -170,8 +177,11 @@ def view_bytes(v: LayerView) -> int:
 
 
 def new_token(B: int):
-    return (torch.randn(B, H, 1, N, device=DEV, dtype=DT), torch.randn(B, K, 1, N, device=DEV, dtype=DT),
-            torch.randn(B, G, 1, R, device=DEV, dtype=DT))
+    return (
+        torch.randn(B, H, 1, N, device=DEV, dtype=DT),
+        torch.randn(B, K, 1, N, device=DEV, dtype=DT),
+        torch.randn(B, G, 1, R, device=DEV, dtype=DT),
+    )
 
 
 def rel(a, b) -> float:
@@ -185,6 +195,7 @@ def poison() -> None:
 
 
 # -- correctness on real shapes ------------------------------------------------------------
+
 
 def check(cfg: dict) -> bool:
     ok = True
@@ -206,8 +217,11 @@ def check(cfg: dict) -> bool:
         pad = [0] + [L // 7 * (i % 3) for i in range(1, B)]
         one(f"B={B} L={L} padded rows", synth_view(B, L, pad=pad), B)
         one(f"B={B} L={L} window {L // 3}", synth_view(B, L, pad=pad, window=L // 3), B)
-        one(f"B={B} L={L} capacity +96, device lengths, shuffled", synth_view(B, L, pad=pad, extra=96, tensor_len=True,
-                                                                           shuffle=True), B)
+        one(
+            f"B={B} L={L} capacity +96, device lengths, shuffled",
+            synth_view(B, L, pad=pad, extra=96, tensor_len=True, shuffle=True),
+            B,
+        )
     one("B=2 L=37 (no level 0: empty region)", synth_view(2, 37), 2)
     one("B=1 L=1 (sinks only)", synth_view(1, 1), 1)
     one("B=1 L=131077 window 4096", synth_view(1, 131077, window=4096), 1)
@@ -222,14 +236,16 @@ def check(cfg: dict) -> bool:
             if r.keys.bits != 16:
                 r.length.copy_(ln - shrink)
                 r.pos.copy_(pos)
-                r.pos[:, int(ln) - shrink:] = -1
+                r.pos[:, int(ln) - shrink :] = -1
         v.next_pos.fill_(20000 + 3 * shrink)  # after every cached position, as in a real cache
         for t in (q, k, h):
             t.normal_()
         gr.replay()
         e = rel(out, ref_attention(q, k, h, v, scale))
         ok &= e <= TOL
-        print(f"check graph replay, levels shrunk by {shrink}: rel err {e:.2e} {'ok' if e <= TOL else 'FAIL'}", flush=True)
+        print(
+            f"check graph replay, levels shrunk by {shrink}: rel err {e:.2e} {'ok' if e <= TOL else 'FAIL'}", flush=True
+        )
     # the real pipeline: prefill with padding, then decode steps (flush, demotion, Triton quantize)
     for window in (None, 1000):
         B, L0 = 2, 3000
@@ -237,12 +253,16 @@ def check(cfg: dict) -> bool:
         c.window = window
         valid = torch.ones(B, L0, dtype=torch.bool, device=DEV)
         valid[1, :37] = False
-        c.append(torch.randn(B, K, L0, N, device=DEV, dtype=DT) * 2, torch.randn(B, G, L0, R, device=DEV, dtype=DT), valid)
+        c.append(
+            torch.randn(B, K, L0, N, device=DEV, dtype=DT) * 2, torch.randn(B, G, L0, R, device=DEV, dtype=DT), valid
+        )
         worst = 0.0
         for _ in range(40):
             q, k, h = new_token(B)
             poison()
-            worst = max(worst, rel(tale_kernels.latent_attention(q, k, h, c, scale, **cfg), ref_attention(q, k, h, c, scale)))
+            worst = max(
+                worst, rel(tale_kernels.latent_attention(q, k, h, c, scale, **cfg), ref_attention(q, k, h, c, scale))
+            )
             c.append(k, h)
         ok &= worst <= TOL
         print(f"check pipeline window={window} B={B} prompt={L0} +40 steps {c.lengths()}: worst rel err {worst:.2e}")
@@ -259,16 +279,21 @@ def check(cfg: dict) -> bool:
         w2 = rquant.quantize(xd if rank is None else xd[..., :rank].contiguous(), 2, group, dim)
         mis2 = (rquant.unpack(r2.data.cpu(), 2) != rquant.unpack(w2.data, 2)).float().mean().item()
         ok &= mis <= 1e-3 and mis2 <= 1e-3
-        print(f"check quantize dim={dim} {bits}-bit: codes differing {mis:.1e}, scale/zero equal {s_ok}; "
-              f"requantize ->2-bit rank {rank}: codes differing {mis2:.1e}")
+        print(
+            f"check quantize dim={dim} {bits}-bit: codes differing {mis:.1e}, scale/zero equal {s_ok}; "
+            f"requantize ->2-bit rank {rank}: codes differing {mis2:.1e}"
+        )
     print("CHECKS", "PASS" if ok else "FAIL", flush=True)
     return ok
 
 
 # -- the comparison ------------------------------------------------------------------------
 
-BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-            "cudnn": SDPBackend.CUDNN_ATTENTION}
+BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+}
 
 
 def best_sdpa(B: int, L: int) -> tuple[float, str]:
@@ -277,9 +302,11 @@ def best_sdpa(B: int, L: int) -> tuple[float, str]:
     vf = torch.randn(B, K, L + 1, N, device=DEV, dtype=DT)
     best = (float("nan"), "none")
     for name, be in BACKENDS.items():
+
         def fn(be=be):
             with sdpa_kernel([be]):
                 return F.scaled_dot_product_attention(q, kf, vf, enable_gqa=True)
+
         try:
             t = timeit(fn)
         except RuntimeError:
@@ -296,7 +323,7 @@ def row(B: int, L: int, cfg: dict, copy_bw: float) -> dict:
     q, k, h = new_token(B)
     for key, only in (("all", None), ("2bit", "2bit"), ("4bit", "4bit")):
         v = synth_view(B, L, only=only)
-        t = timeit(lambda: tale_kernels.latent_attention(q, k, h, v, scale, **cfg))
+        t = timeit(lambda v=v: tale_kernels.latent_attention(q, k, h, v, scale, **cfg))
         nb = view_bytes(v)
         r[f"{key}_us"], r[f"{key}_bytes"] = t, nb
         r[f"{key}_gbs"] = nb / (t * 1e-6) / 1e9
@@ -318,12 +345,19 @@ def sweep(cfg: dict) -> dict:
     q, k, h = new_token(1)
     want = ref_attention(q, k, h, v, N**-0.5)
     res = []
-    for bt, nw, ns, w, ql in ((64, 4, 2, 2, False), (64, 4, 2, 2, True), (64, 4, 3, 2, False), (128, 8, 2, 2, False),
-                              (128, 8, 2, 2, True), (64, 4, 2, 3, False), (64, 4, 2, 1.5, False)):
+    for bt, nw, ns, w, ql in (
+        (64, 4, 2, 2, False),
+        (64, 4, 2, 2, True),
+        (64, 4, 3, 2, False),
+        (128, 8, 2, 2, False),
+        (128, 8, 2, 2, True),
+        (64, 4, 2, 3, False),
+        (64, 4, 2, 1.5, False),
+    ):
         c = dict(cfg, block_t=bt, num_warps=nw, num_stages=ns, waves=w, q_in_loop=ql)
         try:
             e = rel(tale_kernels.latent_attention(q, k, h, v, N**-0.5, **c), want)
-            t = timeit(lambda: tale_kernels.latent_attention(q, k, h, v, N**-0.5, **c))
+            t = timeit(lambda c=c: tale_kernels.latent_attention(q, k, h, v, N**-0.5, **c))
         except Exception as ex:
             print(f"sweep {c}: failed: {str(ex).splitlines()[0][:120]}")
             continue
@@ -338,10 +372,12 @@ def sweep(cfg: dict) -> dict:
 def kernel_resources() -> None:
     try:
         for _, entry in kattn._attn_kernel.device_caches.items():
-            for key, kern in entry[0].items():
+            for kern in entry[0].values():
                 md = kern.metadata
-                print(f"compiled: regs {kern.n_regs} spills {kern.n_spills} shared {md.shared} warps {md.num_warps} "
-                      f"stages {md.num_stages}")
+                print(
+                    f"compiled: regs {kern.n_regs} spills {kern.n_spills} shared {md.shared} warps {md.num_warps} "
+                    f"stages {md.num_stages}"
+                )
     except Exception as ex:
         print("compiled kernel info unavailable:", ex)
 

@@ -54,11 +54,25 @@ def log(*a):
 def build(quick: bool, device: str, layers: int | None = None, dtype: torch.dtype | None = None):
     """The random base model, and its TALE attention modules (sharing q/k/o projections)."""
     if quick:
-        cfg = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-                   num_key_value_heads=4, head_dim=32, vocab_size=512)
+        cfg = dict(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=32,
+            vocab_size=512,
+        )
     else:
-        cfg = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                   num_key_value_heads=8, head_dim=128, vocab_size=49152)
+        cfg = dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=49152,
+        )
     if layers:
         cfg["num_hidden_layers"] = layers
     config = AutoConfig.for_model("llama", max_position_embeddings=1 << 20, rope_theta=500000.0, **cfg)
@@ -84,8 +98,10 @@ def build(quick: bool, device: str, layers: int | None = None, dtype: torch.dtyp
                 U, S, Vh = torch.linalg.svd(W[:, c * R : (c + 1) * R], full_matrices=False)
                 A.append(U * S.sqrt())
                 B.append(S.sqrt()[:, None] * Vh)
-            Of = [B[(q // rep) // g][:, ((q // rep) % g) * n : ((q // rep) % g + 1) * n] @ Wo[q * n : (q + 1) * n]
-                  for q in range(H)]
+            Of = [
+                B[(q // rep) // g][:, ((q // rep) % g) * n : ((q // rep) % g + 1) * n] @ Wo[q * n : (q + 1) * n]
+                for q in range(H)
+            ]
             att.tale.u_v.data = torch.stack(A).to(dtype)
             att.tale.v_v.data = torch.stack(B).to(dtype)
             att.tale.o_fused.data = torch.cat(Of).T.contiguous().to(dtype)
@@ -93,8 +109,9 @@ def build(quick: bool, device: str, layers: int | None = None, dtype: torch.dtyp
             tale.append(att)
     L = config.num_hidden_layers
     vg = 8 if quick else 32
-    model.tale_schedule = Schedule(ranks=uniform_ranks(R, L, 0.5, value_group=vg), key_group=vg, value_group=vg,
-                                   residual=vg)
+    model.tale_schedule = Schedule(
+        ranks=uniform_ranks(R, L, 0.5, value_group=vg), key_group=vg, value_group=vg, residual=vg
+    )
     model.tale_manifest = {"architecture": {"head_dim": n, "num_groups": G, "latent_rank": R, "group_size": g}}
     return model, orig, tale
 
@@ -126,8 +143,13 @@ def peak() -> float:
 
 @torch.inference_mode()
 def prefill(model, cache, ctx: int, B: int = 1):
-    ids = torch.randint(1, model.config.vocab_size, (B, ctx), device=model.device,
-                        generator=torch.Generator(model.device).manual_seed(ctx))
+    ids = torch.randint(
+        1,
+        model.config.vocab_size,
+        (B, ctx),
+        device=model.device,
+        generator=torch.Generator(model.device).manual_seed(ctx),
+    )
     sync()
     peak_reset()
     t = time.perf_counter()
@@ -143,13 +165,13 @@ def decode(step, first: torch.Tensor, pos0: int, n: int) -> tuple[float, torch.T
     ids = first.clone()
     pos = torch.full((B, 1), pos0, dtype=torch.long, device=first.device)
     toks = []
-    for i in range(2):  # warm-up (the graph decoder captures here)
+    for _ in range(2):  # warm-up (the graph decoder captures here)
         ids = step(ids, pos).argmax(-1, keepdim=True)
         pos += 1
         toks.append(ids)
     sync()
     t = time.perf_counter()
-    for i in range(n):
+    for _ in range(n):
         ids = step(ids, pos).argmax(-1, keepdim=True)
         pos += 1
         toks.append(ids)
@@ -168,6 +190,7 @@ def hf_step(model, cache):
     def step(ids, pos):
         out = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
+
     return step
 
 
@@ -197,8 +220,12 @@ def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
     kernel = tale[0].attention_fn is not reference
     out = {}
     with torch.inference_mode():
-        for name, static, graphed, kern in [("dyn-kernel", False, False, True), ("static-eager", True, False, True),
-                                             ("static-graph", True, graphs, True), ("dyn-ref", False, False, False)]:
+        for name, static, graphed, kern in [
+            ("dyn-kernel", False, False, True),
+            ("static-eager", True, False, True),
+            ("static-graph", True, graphs, True),
+            ("dyn-ref", False, False, False),
+        ]:
             use_kernels(model, kern and kernel)
             cache = new_cache(model, static=static, max_length=ctx + n_steps + 2)
             model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -218,16 +245,27 @@ def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
         def rel(a, b):
             return float((out[a] - out[b]).norm() / out[b].norm())
 
-        row(kind="check", label=label, prompt=ctx, steps=n_steps, graph_vs_eager=rel("static-graph", "static-eager"),
-            static_vs_dynamic=rel("static-eager", "dyn-kernel"), kernel_vs_reference=rel("dyn-kernel", "dyn-ref"),
-            argmax_agree=float((out["static-graph"].argmax(-1) == out["dyn-kernel"].argmax(-1)).float().mean()))
+        row(
+            kind="check",
+            label=label,
+            prompt=ctx,
+            steps=n_steps,
+            graph_vs_eager=rel("static-graph", "static-eager"),
+            static_vs_dynamic=rel("static-eager", "dyn-kernel"),
+            kernel_vs_reference=rel("dyn-kernel", "dyn-ref"),
+            argmax_agree=float((out["static-graph"].argmax(-1) == out["dyn-kernel"].argmax(-1)).float().mean()),
+        )
         if generate:  # model.generate: the static cache's decode steps replay a CUDA graph (TaleGenerationMixin)
             kw = dict(attention_mask=mask, max_new_tokens=n_steps, do_sample=False)
             want = model.generate(ids, past_key_values=new_cache(model), **kw)
             got = model.generate(ids, past_key_values=new_cache(model, static=True), **kw)
             same = (got == want).all(0)[ctx:]
-            row(kind="check-generate", label=label, tokens_equal=bool(same.all()),
-                first_difference=None if same.all() else int((~same).nonzero()[0]))
+            row(
+                kind="check-generate",
+                label=label,
+                tokens_equal=bool(same.all()),
+                first_difference=None if same.all() else int((~same).nonzero()[0]),
+            )
             free()
 
 
@@ -242,8 +280,20 @@ def _ctx(ctx: int) -> str:
     return f"{ctx // 1024}K" if ctx % 1024 == 0 else str(ctx)
 
 
-def _batches(model, base, first, pos0: int, batches: list, kind: str, ctx: int, deadline: float, per_row, fixed,
-             frac: float, measure):
+def _batches(
+    model,
+    base,
+    first,
+    pos0: int,
+    batches: list,
+    kind: str,
+    ctx: int,
+    deadline: float,
+    per_row,
+    fixed,
+    frac: float,
+    measure,
+):
     """Batch 1 on `base`, then each larger batch on a copy of it with its rows repeated. `measure(cache, first,
     pos0)` -> dict or raises OOM; 'max' = the largest batch the memory model (per_row, fixed bytes) allows,
     lowered by a quarter after an out-of-memory error."""
@@ -281,8 +331,14 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
     free()
     first, pre_s = prefill(model, cache, ctx)
     row_bytes = cache.capacity_nbytes()
-    row(kind="tale-prefill", ctx=ctx, prefill_s=round(pre_s, 3), cache_alloc_gib=row_bytes / GiB,
-        cache_used_gib=cache.nbytes() / GiB, prefill_peak_gib=peak())
+    row(
+        kind="tale-prefill",
+        ctx=ctx,
+        prefill_s=round(pre_s, 3),
+        cache_alloc_gib=row_bytes / GiB,
+        cache_used_gib=cache.nbytes() / GiB,
+        prefill_peak_gib=peak(),
+    )
     state = {"step_bytes": 4 * ctx * 1024}  # per row and step transients, measured below (a guess before)
 
     def measure(c, first, pos0, B):
@@ -302,8 +358,15 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
                 state["step_bytes"] = max(state["step_bytes"] if B > 1 else 0, (pk * GiB - base_mem) / B)
             measure.last = toks
             first, pos0 = toks[:, -1:], pos0 + n + 2
-            r = dict(kind="tale", ctx=ctx, batch=B, path=path, ms_per_token=round(ms, 2),
-                     tokens_per_s=round(B * 1e3 / ms, 1), peak_gib=round(pk, 2))
+            r = dict(
+                kind="tale",
+                ctx=ctx,
+                batch=B,
+                path=path,
+                ms_per_token=round(ms, 2),
+                tokens_per_s=round(B * 1e3 / ms, 1),
+                peak_gib=round(pk, 2),
+            )
             row(**r)
             if best is None or ms < best["ms_per_token"]:
                 best = r
@@ -320,8 +383,20 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
 
     kernel_fn = tale[0].attention_fn if tale[0].attention_fn is not reference else None
     fixed = torch.cuda.memory_allocated() - row_bytes if torch.cuda.is_available() else 0
-    _batches(model, cache, first, ctx, batches, "tale", ctx, deadline, lambda: row_bytes + state["step_bytes"],
-             lambda: fixed, frac, measure)
+    _batches(
+        model,
+        cache,
+        first,
+        ctx,
+        batches,
+        "tale",
+        ctx,
+        deadline,
+        lambda: row_bytes + state["step_bytes"],
+        lambda: fixed,
+        frac,
+        measure,
+    )
     del cache
     free()
 
@@ -342,13 +417,31 @@ def hf_eager_rows(model, orig, ctx: int, batches: list, n: int, deadline: float,
         peak_reset()
         ms, toks = decode(hf_step(model, cache), first, pos0, n)
         measure.last = toks
-        row(kind="hf-eager", ctx=ctx, batch=B, ms_per_token=round(ms, 2), tokens_per_s=round(B * 1e3 / ms, 1),
-            peak_gib=round(peak(), 2))
+        row(
+            kind="hf-eager",
+            ctx=ctx,
+            batch=B,
+            ms_per_token=round(ms, 2),
+            tokens_per_s=round(B * 1e3 / ms, 1),
+            peak_gib=round(peak(), 2),
+        )
 
     fixed = torch.cuda.memory_allocated() - kv_row if torch.cuda.is_available() else 0
     # DynamicCache.update concatenates: one layer's K/V exists twice for a moment
-    _batches(model, cache, first, ctx, batches, "hf-eager", ctx, deadline, lambda: kv_row * 1.05,
-             lambda: fixed + 2 * GiB, frac, measure)
+    _batches(
+        model,
+        cache,
+        first,
+        ctx,
+        batches,
+        "hf-eager",
+        ctx,
+        deadline,
+        lambda: kv_row * 1.05,
+        lambda: fixed + 2 * GiB,
+        frac,
+        measure,
+    )
     del cache
     free()
 
@@ -377,8 +470,15 @@ def hf_static_rows(model, orig, ctx: int, batches: list[int], n: int, deadline: 
                 sync()
                 times[m] = time.perf_counter() - t
             ms = (times[n + 4] - times[4]) * 1e3 / n
-            row(kind="hf-static-compile", ctx=ctx, batch=B, ms_per_token=round(ms, 2),
-                tokens_per_s=round(B * 1e3 / ms, 1), peak_gib=round(peak(), 2), prefill_s=round(times[4], 2))
+            row(
+                kind="hf-static-compile",
+                ctx=ctx,
+                batch=B,
+                ms_per_token=round(ms, 2),
+                tokens_per_s=round(B * 1e3 / ms, 1),
+                peak_gib=round(peak(), 2),
+                prefill_s=round(times[4], 2),
+            )
         except Exception as e:  # noqa: BLE001  (OOM, compile failure: record and go on)
             row(kind="hf-static-compile", ctx=ctx, batch=B, error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
             del e
@@ -398,11 +498,17 @@ def largest(weight_bytes: int) -> None:
             continue
         r = max(rs, key=lambda r: r["ctx"])
         per_tok = (r["prefill_peak_gib"] * GiB - weight_bytes) / r["ctx"]
-        row(kind="largest-context", who=kind.split("-")[0], per_token_kib=round(per_tok / 1024, 1),
-            est_tokens=int((total * 0.97 - weight_bytes) / per_tok), from_ctx=r["ctx"])
+        row(
+            kind="largest-context",
+            who=kind.split("-")[0],
+            per_token_kib=round(per_tok / 1024, 1),
+            est_tokens=int((total * 0.97 - weight_bytes) / per_tok),
+            from_ctx=r["ctx"],
+        )
 
 
 # -- table -------------------------------------------------------------------------------------
+
 
 def table(device: str, attention: str, floor_ms: dict) -> str:
     lines = [
@@ -413,9 +519,14 @@ def table(device: str, attention: str, floor_ms: dict) -> str:
         "| HF eager peak GiB | HF static+compile ms/tok | HF static tok/s | byte floor ms/tok (B=1) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    keys = sorted({(r["ctx"], r["batch"]) for r in ROWS if r["kind"] in ("tale-best", "hf-eager", "hf-static-compile",
-                                                                         "tale") and "batch" in r},
-                  key=lambda x: (x[0], x[1] if isinstance(x[1], int) else 1 << 30))
+    keys = sorted(
+        {
+            (r["ctx"], r["batch"])
+            for r in ROWS
+            if r["kind"] in ("tale-best", "hf-eager", "hf-static-compile", "tale") and "batch" in r
+        },
+        key=lambda x: (x[0], x[1] if isinstance(x[1], int) else 1 << 30),
+    )
 
     def get(kind, ctx, b):
         return next((r for r in ROWS if r["kind"] == kind and r.get("ctx") == ctx and r.get("batch") == b), None)
@@ -431,43 +542,68 @@ def table(device: str, attention: str, floor_ms: dict) -> str:
         t = get("tale-best", ctx, b) or get("tale", ctx, b)
         he, hs = get("hf-eager", ctx, b), get("hf-static-compile", ctx, b)
         fl = f"{floor_ms[ctx]:.1f}" if b == 1 and ctx in floor_ms else ""
-        lines.append(f"| {_ctx(ctx)} | {b} | {cell(t, 'ms_per_token')} | {cell(t, 'path')} | {cell(t, 'tokens_per_s')} "
-                     f"| {cell(t, 'peak_gib')} | {cell(he, 'ms_per_token')} | {cell(he, 'tokens_per_s')} "
-                     f"| {cell(he, 'peak_gib')} | {cell(hs, 'ms_per_token')} | {cell(hs, 'tokens_per_s')} | {fl} |")
+        lines.append(
+            f"| {_ctx(ctx)} | {b} | {cell(t, 'ms_per_token')} | {cell(t, 'path')} | {cell(t, 'tokens_per_s')} "
+            f"| {cell(t, 'peak_gib')} | {cell(he, 'ms_per_token')} | {cell(he, 'tokens_per_s')} "
+            f"| {cell(he, 'peak_gib')} | {cell(hs, 'ms_per_token')} | {cell(hs, 'tokens_per_s')} | {fl} |"
+        )
     pre = [r for r in ROWS if r["kind"] in ("tale-prefill", "hf-prefill")]
     if pre:
-        lines += ["", "Prefill (batch 1, no mask, SDPA is_causal):", "",
-                  "| context | TALE s | HF s | TALE cache allocated GiB |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "Prefill (batch 1, no mask, SDPA is_causal):",
+            "",
+            "| context | TALE s | HF s | TALE cache allocated GiB |",
+            "|---|---|---|---|",
+        ]
         for ctx in sorted({r["ctx"] for r in pre}):
             t = next((r for r in pre if r["kind"] == "tale-prefill" and r["ctx"] == ctx), {})
             h = next((r for r in pre if r["kind"] == "hf-prefill" and r["ctx"] == ctx), {})
-            lines.append(f"| {_ctx(ctx)} | {t.get('prefill_s', '-')} | {h.get('prefill_s', '-')} "
-                         f"| {t.get('cache_alloc_gib', float('nan')):.2f} |")
+            lines.append(
+                f"| {_ctx(ctx)} | {t.get('prefill_s', '-')} | {h.get('prefill_s', '-')} "
+                f"| {t.get('cache_alloc_gib', float('nan')):.2f} |"
+            )
     for r in ROWS:
         if r["kind"] == "check-generate":
-            lines += ["", f"model.generate ({r['label']}) with a StaticTaleCache (CUDA-graph steps through "
-                      f"TaleGenerationMixin) vs a TaleCache, greedy: tokens equal: {r['tokens_equal']} (first "
-                      f"difference at step {r['first_difference']})."]
+            lines += [
+                "",
+                f"model.generate ({r['label']}) with a StaticTaleCache (CUDA-graph steps through "
+                f"TaleGenerationMixin) vs a TaleCache, greedy: tokens equal: {r['tokens_equal']} (first "
+                f"difference at step {r['first_difference']}).",
+            ]
     for r in ROWS:
         if r["kind"] == "largest-context":
-            lines += ["", f"Largest context at batch 1 ({r['who']}): about {r['est_tokens'] // 1024}K tokens, from the "
-                      f"peak of the {_ctx(r['from_ctx'])} prefill ({r['per_token_kib']} KiB per token beyond the "
-                      "weights)."]
+            lines += [
+                "",
+                f"Largest context at batch 1 ({r['who']}): about {r['est_tokens'] // 1024}K tokens, from the "
+                f"peak of the {_ctx(r['from_ctx'])} prefill ({r['per_token_kib']} KiB per token beyond the "
+                "weights).",
+            ]
     for r in ROWS:
         if r["kind"] == "tale-reference":
-            lines += ["", f"The same TALE step at {_ctx(r['ctx'])} batch {r['batch']} with the torch reference "
-                      "attention (runtime/attention.py, the whole capacity dequantized per layer) instead of the "
-                      f"kernel: "
-                      f"{r['ms_per_token']} ms/token."]
+            lines += [
+                "",
+                f"The same TALE step at {_ctx(r['ctx'])} batch {r['batch']} with the torch reference "
+                "attention (runtime/attention.py, the whole capacity dequantized per layer) instead of the "
+                f"kernel: "
+                f"{r['ms_per_token']} ms/token.",
+            ]
     chk = [r for r in ROWS if r["kind"] == "check" and "label" in r]
     if chk:
-        lines += ["", "Checks (batch 2, left padding, teacher-forced decode steps through flushes and demotions; "
-                  "relative L2 difference of the logits):", "",
-                  "| model | prompt | steps | static graph vs static eager | static vs dynamic cache | kernel vs torch "
-                  "reference (dynamic) | argmax agreement static graph / dynamic |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Checks (batch 2, left padding, teacher-forced decode steps through flushes and demotions; "
+            "relative L2 difference of the logits):",
+            "",
+            "| model | prompt | steps | static graph vs static eager | static vs dynamic cache | kernel vs torch "
+            "reference (dynamic) | argmax agreement static graph / dynamic |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in chk:
-            lines.append(f"| {r['label']} | {r['prompt']} | {r['steps']} | {r['graph_vs_eager']:.2e} | "
-                         f"{r['static_vs_dynamic']:.2e} | {r['kernel_vs_reference']:.2e} | {r['argmax_agree']:.3f} |")
+            lines.append(
+                f"| {r['label']} | {r['prompt']} | {r['steps']} | {r['graph_vs_eager']:.2e} | "
+                f"{r['static_vs_dynamic']:.2e} | {r['kernel_vs_reference']:.2e} | {r['argmax_agree']:.3f} |"
+            )
     for r in ROWS:
         if r["kind"] == "tale-graph-error":
             lines += ["", f"CUDA graph capture failed ({r.get('where', r.get('ctx'))}): {r['error']}"]
@@ -513,8 +649,11 @@ def main() -> None:
     dl = args.deadline
 
     emb = model.model.embed_tokens.weight
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - sum(
-        t.tale.o_fused.numel() * t.tale.o_fused.element_size() for t in tale) - emb.numel() * emb.element_size()
+    weight_bytes = (
+        sum(p.numel() * p.element_size() for p in model.parameters())
+        - sum(t.tale.o_fused.numel() * t.tale.o_fused.element_size() for t in tale)
+        - emb.numel() * emb.element_size()
+    )
     # (the factored path reads W_O, not O^r; decode reads one embedding row)
     bw = 3.35e12  # H100 SXM HBM3 datasheet; replaced by a measured copy below on CUDA
     if graphs:
@@ -539,7 +678,6 @@ def main() -> None:
             traceback.print_exc()
 
     floor_ms = {}
-    hf_static_done = False
     for ctx in ctxs:
         batches = [1, 8, "max"] if ctx <= 32768 else [1, 8]
         if args.quick:

@@ -32,11 +32,39 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-TINY_ARGS = ["--group", "2", "--samples", "8", "--seq-len", "64", "--dtype", "fp32", "--key-group", "8",
-             "--value-group", "8", "--residual", "8"]
+TINY_ARGS = [
+    "--group",
+    "2",
+    "--samples",
+    "8",
+    "--seq-len",
+    "64",
+    "--dtype",
+    "fp32",
+    "--key-group",
+    "8",
+    "--value-group",
+    "8",
+    "--residual",
+    "8",
+]
 # the slow model of the signal cases: about 1 s per layer on one CPU thread
-SIG_ARGS = ["--group", "2", "--samples", "32", "--seq-len", "256", "--dtype", "fp32", "--key-group", "8",
-            "--value-group", "8", "--residual", "8"]
+SIG_ARGS = [
+    "--group",
+    "2",
+    "--samples",
+    "32",
+    "--seq-len",
+    "256",
+    "--dtype",
+    "fp32",
+    "--key-group",
+    "8",
+    "--value-group",
+    "8",
+    "--residual",
+    "8",
+]
 
 
 @dataclass
@@ -66,6 +94,7 @@ def edit_json(name: str, **kv):
         d = json.loads(p.read_text())
         d.update(kv)
         p.write_text(json.dumps(d, indent=2))
+
     return f
 
 
@@ -75,16 +104,19 @@ def edit_manifest(fn):
         m = json.loads(p.read_text())
         fn(m)
         p.write_text(json.dumps(m, indent=2))
+
     return f
 
 
 def rehash(*names):
     """Update the manifest's checksums of `names` (an attacker who edits the index and the manifest)."""
+
     def f(m, w):
         from tale_runtime.artifact import sha256_file
 
         for n in names:
             m["files"][n] = sha256_file(art(w) / n)
+
     return f
 
 
@@ -97,6 +129,7 @@ def write(name: str, data: bytes | str, where: str = "w"):
         p = (art(w) if where == "art" else w) / name
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(data if isinstance(data, bytes) else data.encode())
+
     return f
 
 
@@ -106,6 +139,7 @@ def flip(name: str):
         b = bytearray(p.read_bytes())
         b[len(b) // 2] ^= 1
         p.write_bytes(bytes(b))
+
     return f
 
 
@@ -113,6 +147,7 @@ def truncate(name: str):
     def f(w):
         p = art(w) / name
         p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
     return f
 
 
@@ -124,6 +159,7 @@ def index_points_at(shard: str):
         idx["weight_map"]["lm_head.weight"] = shard
         (a / "model.safetensors.index.json").write_text(json.dumps(idx))
         edit_manifest(lambda m: rehash("model.safetensors.index.json")(m, w))(w)
+
     return f
 
 
@@ -131,6 +167,7 @@ def steps(*fns):
     def f(w):
         for fn in fns:
             fn(w)
+
     return f
 
 
@@ -140,6 +177,7 @@ def nothing_at(rel: str):
         out = w / rel
         left = [x.name for x in out.parent.glob(out.name + "*")] if out.parent.exists() else []
         return f"left behind: {left}" if left else None
+
     return f
 
 
@@ -172,6 +210,7 @@ def tmp_state(expect_kept: bool):
                 return "finished layers were not kept for --resume"
             return None
         return f"temp dir left with no finished layers: {[t.name for t in tmps]}" if tmps else None
+
     return f
 
 
@@ -197,8 +236,24 @@ def cases() -> list[Case]:
 
     cv = ["tale-convert", "{MODEL}", *TINY_ARGS]
     run = ["tale-run", "{ART}", "--prompt", "hi", "--max-new-tokens", "2", "--dtype", "fp32"]
-    ev = ["tale-eval", "{ART}", "--dtype", "fp32", "--threads", "1", "--ctx", "32", "--windows", "1", "--prefill", "8",
-          "--passkey-lengths", "", "--policies", "full"]
+    ev = [
+        "tale-eval",
+        "{ART}",
+        "--dtype",
+        "fp32",
+        "--threads",
+        "1",
+        "--ctx",
+        "32",
+        "--windows",
+        "1",
+        "--prefill",
+        "8",
+        "--passkey-lengths",
+        "",
+        "--policies",
+        "full",
+    ]
 
     # usage errors: one line, exit 2, for all four
     g = "usage"
@@ -222,14 +277,34 @@ def cases() -> list[Case]:
 
     # tale-run: prompts, devices, schedule options
     g = "tale-run input"
-    add("run-binary-prompt-file", g, [*run[:2], "--prompt-file", "{W}/p.bin"], "binary file",
-        setup=write("p.bin", b"\x00\x01\xffELF"))
-    add("run-latin1-prompt-file", g, [*run[:2], "--prompt-file", "{W}/p.txt"], "not UTF-8",
-        setup=write("p.txt", b"caf\xe9 au lait"))
-    add("run-empty-prompt-file", g, [*run[:2], "--prompt-file", "{W}/p.txt"], "the file is empty",
-        setup=write("p.txt", ""))
-    add("run-blank-prompt-file", g, [*run[:2], "--prompt-file", "{W}/p.txt"], "the file is empty",
-        setup=write("p.txt", " \n\t\n"))
+    add(
+        "run-binary-prompt-file",
+        g,
+        [*run[:2], "--prompt-file", "{W}/p.bin"],
+        "binary file",
+        setup=write("p.bin", b"\x00\x01\xffELF"),
+    )
+    add(
+        "run-latin1-prompt-file",
+        g,
+        [*run[:2], "--prompt-file", "{W}/p.txt"],
+        "not UTF-8",
+        setup=write("p.txt", b"caf\xe9 au lait"),
+    )
+    add(
+        "run-empty-prompt-file",
+        g,
+        [*run[:2], "--prompt-file", "{W}/p.txt"],
+        "the file is empty",
+        setup=write("p.txt", ""),
+    )
+    add(
+        "run-blank-prompt-file",
+        g,
+        [*run[:2], "--prompt-file", "{W}/p.txt"],
+        "the file is empty",
+        setup=write("p.txt", " \n\t\n"),
+    )
     add("run-prompt-file-is-dir", g, [*run[:2], "--prompt-file", "{W}"], "not a file")
     add("run-prompt-file-missing", g, [*run[:2], "--prompt-file", "{W}/nope.txt"], "no such file")
     add("run-empty-prompt", g, ["tale-run", "{ART}", "--prompt", ""], "--prompt is empty")
@@ -257,8 +332,13 @@ def cases() -> list[Case]:
     add("run-output-path", g, [*run, "--output-path", "both"], "--output-path must be fused or factored")
     add("run-missing-artifact", g, ["tale-run", "{W}/none", "--prompt", "hi"], "no such artifact directory")
     add("run-plain-dir", g, ["tale-run", "{W}", "--prompt", "hi"], "not a TALE artifact")
-    add("run-file-as-artifact", g, ["tale-run", "{W}/f.txt", "--prompt", "hi"], "not a directory",
-        setup=write("f.txt", "x"))
+    add(
+        "run-file-as-artifact",
+        g,
+        ["tale-run", "{W}/f.txt", "--prompt", "hi"],
+        "not a directory",
+        setup=write("f.txt", "x"),
+    )
     add("run-base-model-as-artifact", g, ["tale-run", "{MODEL}", "--prompt", "hi"], "not a TALE artifact")
     add("run-hub-id-offline", g, ["tale-run", "nobody-xyz/none", "--prompt", "hi"], "nobody-xyz/none")
     add("run-top-p-0-sampling", g, [*run, "--temperature", "1", "--top-p", "0"], "generated 2 tok", expect="accept")
@@ -267,93 +347,255 @@ def cases() -> list[Case]:
     g = "artifact integrity"
     add("deleted-tokenizer-json", g, run, "tokenizer.json is missing", setup=delete("tokenizer.json"))
     add("deleted-config-json", g, run, "config.json is missing", setup=delete("config.json"))
-    add("deleted-generation-config", g, run, "generation_config.json is missing",
-        setup=delete("generation_config.json"))
+    add(
+        "deleted-generation-config", g, run, "generation_config.json is missing", setup=delete("generation_config.json")
+    )
     add("deleted-chat-template", g, run, "is missing", setup=delete("tokenizer_config.json"))
-    add("deleted-index", g, run, "model.safetensors.index.json is missing",
-        setup=delete("model.safetensors.index.json"))
-    add("deleted-shard", g, run, "model-00001-of-00001.safetensors is missing",
-        setup=delete("model-00001-of-00001.safetensors"))
+    add(
+        "deleted-index", g, run, "model.safetensors.index.json is missing", setup=delete("model.safetensors.index.json")
+    )
+    add(
+        "deleted-shard",
+        g,
+        run,
+        "model-00001-of-00001.safetensors is missing",
+        setup=delete("model-00001-of-00001.safetensors"),
+    )
     add("deleted-readme", g, run, "README.md is missing", setup=delete("README.md"))
     add("deleted-manifest", g, run, "no tale_config.json", setup=delete("tale_config.json"))
-    add("flipped-byte-in-shard", g, run, "checksum mismatch for model-00001-of-00001.safetensors",
-        setup=flip("model-00001-of-00001.safetensors"))
-    add("truncated-shard", g, run, "checksum mismatch for model-00001-of-00001.safetensors",
-        setup=truncate("model-00001-of-00001.safetensors"))
-    add("edited-rope-theta", g, run, "checksum mismatch for config.json", setup=edit_json("config.json", rope_theta=1.0))
-    add("edited-max-positions", g, run, "checksum mismatch for config.json",
-        setup=edit_json("config.json", max_position_embeddings=100000))
-    add("edited-generation-config", g, run, "checksum mismatch for generation_config.json",
-        setup=edit_json("generation_config.json", eos_token_id=7))
-    add("edited-tokenizer-config", g, run, "checksum mismatch for tokenizer_config.json",
-        setup=edit_json("tokenizer_config.json", model_max_length=8))
+    add(
+        "flipped-byte-in-shard",
+        g,
+        run,
+        "checksum mismatch for model-00001-of-00001.safetensors",
+        setup=flip("model-00001-of-00001.safetensors"),
+    )
+    add(
+        "truncated-shard",
+        g,
+        run,
+        "checksum mismatch for model-00001-of-00001.safetensors",
+        setup=truncate("model-00001-of-00001.safetensors"),
+    )
+    add(
+        "edited-rope-theta", g, run, "checksum mismatch for config.json", setup=edit_json("config.json", rope_theta=1.0)
+    )
+    add(
+        "edited-max-positions",
+        g,
+        run,
+        "checksum mismatch for config.json",
+        setup=edit_json("config.json", max_position_embeddings=100000),
+    )
+    add(
+        "edited-generation-config",
+        g,
+        run,
+        "checksum mismatch for generation_config.json",
+        setup=edit_json("generation_config.json", eos_token_id=7),
+    )
+    add(
+        "edited-tokenizer-config",
+        g,
+        run,
+        "checksum mismatch for tokenizer_config.json",
+        setup=edit_json("tokenizer_config.json", model_max_length=8),
+    )
     add("edited-readme", g, run, "checksum mismatch for README.md", setup=write("README.md", "# mine\n", "art"))
     add("stray-file", g, run, "notes.txt is not in the manifest", setup=write("notes.txt", "x", "art"))
-    add("stray-shard-in-subdir", g, run, "extra/x.safetensors is not in the manifest",
-        setup=write("extra/x.safetensors", "x", "art"))
-    add("index-names-extra-shard", g, run, "model-00002-of-00002.safetensors is not in the manifest",
-        setup=index_points_at("model-00002-of-00002.safetensors"))
-    add("index-names-hidden-shard", g, run, "which the manifest does not list",
-        setup=index_points_at(".shadow.safetensors"))
-    add("index-edited-not-rehashed", g, run, "checksum mismatch for model.safetensors.index.json",
-        setup=edit_json("model.safetensors.index.json", metadata={"total_size": 1}))
+    add(
+        "stray-shard-in-subdir",
+        g,
+        run,
+        "extra/x.safetensors is not in the manifest",
+        setup=write("extra/x.safetensors", "x", "art"),
+    )
+    add(
+        "index-names-extra-shard",
+        g,
+        run,
+        "model-00002-of-00002.safetensors is not in the manifest",
+        setup=index_points_at("model-00002-of-00002.safetensors"),
+    )
+    add(
+        "index-names-hidden-shard",
+        g,
+        run,
+        "which the manifest does not list",
+        setup=index_points_at(".shadow.safetensors"),
+    )
+    add(
+        "index-edited-not-rehashed",
+        g,
+        run,
+        "checksum mismatch for model.safetensors.index.json",
+        setup=edit_json("model.safetensors.index.json", metadata={"total_size": 1}),
+    )
     add("manifest-files-empty", g, run, "lists no files", setup=edit_manifest(lambda m: m.update(files={})))
     add("manifest-files-list", g, run, "lists no files", setup=edit_manifest(lambda m: m.update(files=["x"])))
-    add("manifest-entry-removed", g, run, "tokenizer.json is not in the manifest",
-        setup=edit_manifest(lambda m: m["files"].pop("tokenizer.json")))
-    add("manifest-config-unlisted", g, run, "does not cover config.json",
-        setup=edit_manifest(lambda m: m["files"].pop("config.json")))
-    add("manifest-path-escape", g, run, "outside the artifact",
-        setup=edit_manifest(lambda m: m["files"].update({"../../etc/passwd": "0" * 64})))
+    add(
+        "manifest-entry-removed",
+        g,
+        run,
+        "tokenizer.json is not in the manifest",
+        setup=edit_manifest(lambda m: m["files"].pop("tokenizer.json")),
+    )
+    add(
+        "manifest-config-unlisted",
+        g,
+        run,
+        "does not cover config.json",
+        setup=edit_manifest(lambda m: m["files"].pop("config.json")),
+    )
+    add(
+        "manifest-path-escape",
+        g,
+        run,
+        "outside the artifact",
+        setup=edit_manifest(lambda m: m["files"].update({"../../etc/passwd": "0" * 64})),
+    )
     add("manifest-not-json", g, run, "corrupt manifest", setup=write("tale_config.json", "{oops", "art"))
-    add("manifest-format-1.0", g, run, "re-convert the model with tale-convert",
-        setup=edit_manifest(lambda m: m.update(format_version="1.0")))
+    add(
+        "manifest-format-1.0",
+        g,
+        run,
+        "re-convert the model with tale-convert",
+        setup=edit_manifest(lambda m: m.update(format_version="1.0")),
+    )
     add("manifest-format-3.0", g, run, "upgrade tale-kv", setup=edit_manifest(lambda m: m.update(format_version="3.0")))
     add("manifest-not-tale", g, run, "not a TALE manifest", setup=edit_manifest(lambda m: m.update(format="gguf")))
-    add("manifest-no-architecture", g, run, "lacks 'architecture'", setup=edit_manifest(lambda m: m.pop("architecture")))
-    add("manifest-schedule-bits-5", g, run, "bits must be one of",
-        setup=edit_manifest(lambda m: m["schedule"]["levels"][0].update(bits=5)))
-    add("eval-edited-config", g, [*ev], "checksum mismatch for config.json",
-        setup=edit_json("config.json", rms_norm_eps=0.5))
-    add("push-edited-config", g, ["tale-push", "{ART}", "alice/x", "--dry-run"], "checksum mismatch for config.json",
-        setup=edit_json("config.json", rope_theta=1.0))
+    add(
+        "manifest-no-architecture", g, run, "lacks 'architecture'", setup=edit_manifest(lambda m: m.pop("architecture"))
+    )
+    add(
+        "manifest-schedule-bits-5",
+        g,
+        run,
+        "bits must be one of",
+        setup=edit_manifest(lambda m: m["schedule"]["levels"][0].update(bits=5)),
+    )
+    add(
+        "eval-edited-config",
+        g,
+        [*ev],
+        "checksum mismatch for config.json",
+        setup=edit_json("config.json", rms_norm_eps=0.5),
+    )
+    add(
+        "push-edited-config",
+        g,
+        ["tale-push", "{ART}", "alice/x", "--dry-run"],
+        "checksum mismatch for config.json",
+        setup=edit_json("config.json", rope_theta=1.0),
+    )
 
     # tale-convert: source, options, calibration files, the place to write
     g = "tale-convert input"
     out = ["--out", "{W}/out"]
     chk = nothing_at("out")
     add("convert-missing-model", g, ["tale-convert", "{W}/nope", *TINY_ARGS, *out], "model not found", check=chk)
-    add("convert-model-is-file", g, ["tale-convert", "{W}/f.txt", *TINY_ARGS, *out], "not a model directory",
-        setup=write("f.txt", "x"), check=chk)
-    add("convert-dir-without-config", g, ["tale-convert", "{W}/d", *TINY_ARGS, *out], "no config.json",
-        setup=write("d/x.txt", "x"), check=chk)
-    add("convert-unsupported-arch", g, ["tale-convert", "{W}/gpt2", *TINY_ARGS, *out], "unsupported architecture",
-        setup=write("gpt2/config.json", json.dumps({"model_type": "gpt2"})), check=chk)
+    add(
+        "convert-model-is-file",
+        g,
+        ["tale-convert", "{W}/f.txt", *TINY_ARGS, *out],
+        "not a model directory",
+        setup=write("f.txt", "x"),
+        check=chk,
+    )
+    add(
+        "convert-dir-without-config",
+        g,
+        ["tale-convert", "{W}/d", *TINY_ARGS, *out],
+        "no config.json",
+        setup=write("d/x.txt", "x"),
+        check=chk,
+    )
+    add(
+        "convert-unsupported-arch",
+        g,
+        ["tale-convert", "{W}/gpt2", *TINY_ARGS, *out],
+        "unsupported architecture",
+        setup=write("gpt2/config.json", json.dumps({"model_type": "gpt2"})),
+        check=chk,
+    )
     add("convert-hub-offline", g, ["tale-convert", "nobody-xyz/none", *TINY_ARGS, *out], "nobody-xyz/none", check=chk)
     add("convert-group-3", g, [*cv, *out, "--group", "3"], "must divide the number of KV heads", check=chk)
     add("convert-group-0", g, [*cv, *out, "--group", "0"], "--group must be >= 1", check=chk)
-    add("convert-empty-calib", g, [*cv, *out, "--calib", "{W}/e.txt"], "the file is empty",
-        setup=write("e.txt", ""), check=chk)
-    add("convert-binary-calib", g, [*cv, *out, "--calib", "{W}/b.txt"], "binary file",
-        setup=write("b.txt", bytes(range(256)) * 4), check=chk)
-    add("convert-latin1-calib", g, [*cv, *out, "--calib", "{W}/l.txt"], "not UTF-8",
-        setup=write("l.txt", b"caf\xe9 " * 100), check=chk)
-    add("convert-malformed-jsonl", g, [*cv, *out, "--calib", "{W}/m.jsonl"], "line 2: not JSON",
-        setup=write("m.jsonl", '{"text": "fine"}\n{"text": "broken\n'), check=chk)
-    add("convert-jsonl-no-text", g, [*cv, *out, "--calib", "{W}/n.jsonl"], "no 'text' field",
-        setup=write("n.jsonl", '{"body": "x"}\n'), check=chk)
-    add("convert-json-not-records", g, [*cv, *out, "--calib", "{W}/n.json"], "no 'text' field",
-        setup=write("n.json", "[1, 2, 3]"), check=chk)
-    add("convert-calib-csv", g, [*cv, *out, "--calib", "{W}/c.csv"], "unsupported type",
-        setup=write("c.csv", "text\nhello\n"), check=chk)
+    add(
+        "convert-empty-calib",
+        g,
+        [*cv, *out, "--calib", "{W}/e.txt"],
+        "the file is empty",
+        setup=write("e.txt", ""),
+        check=chk,
+    )
+    add(
+        "convert-binary-calib",
+        g,
+        [*cv, *out, "--calib", "{W}/b.txt"],
+        "binary file",
+        setup=write("b.txt", bytes(range(256)) * 4),
+        check=chk,
+    )
+    add(
+        "convert-latin1-calib",
+        g,
+        [*cv, *out, "--calib", "{W}/l.txt"],
+        "not UTF-8",
+        setup=write("l.txt", b"caf\xe9 " * 100),
+        check=chk,
+    )
+    add(
+        "convert-malformed-jsonl",
+        g,
+        [*cv, *out, "--calib", "{W}/m.jsonl"],
+        "line 2: not JSON",
+        setup=write("m.jsonl", '{"text": "fine"}\n{"text": "broken\n'),
+        check=chk,
+    )
+    add(
+        "convert-jsonl-no-text",
+        g,
+        [*cv, *out, "--calib", "{W}/n.jsonl"],
+        "no 'text' field",
+        setup=write("n.jsonl", '{"body": "x"}\n'),
+        check=chk,
+    )
+    add(
+        "convert-json-not-records",
+        g,
+        [*cv, *out, "--calib", "{W}/n.json"],
+        "no 'text' field",
+        setup=write("n.json", "[1, 2, 3]"),
+        check=chk,
+    )
+    add(
+        "convert-calib-csv",
+        g,
+        [*cv, *out, "--calib", "{W}/c.csv"],
+        "unsupported type",
+        setup=write("c.csv", "text\nhello\n"),
+        check=chk,
+    )
     add("convert-calib-missing", g, [*cv, *out, "--calib", "{W}/none.txt"], "calibration file not found", check=chk)
-    add("convert-calib-too-short", g, [*cv, *out, "--calib", "{W}/s.txt"], "calibration text too short",
-        setup=write("s.txt", "Too little text."), check=chk)
+    add(
+        "convert-calib-too-short",
+        g,
+        [*cv, *out, "--calib", "{W}/s.txt"],
+        "calibration text too short",
+        setup=write("s.txt", "Too little text."),
+        check=chk,
+    )
     add("convert-out-under-file", g, [*cv, "--out", "{W}/f/sub"], "is not a directory", setup=write("f", "x"))
     add("convert-out-is-file", g, [*cv, "--out", "{W}/f"], "exists and is not a directory", setup=write("f", "x"))
     add("convert-out-exists", g, [*cv, "--out", "{W}/o"], "exists (pass --overwrite", setup=write("o/keep.txt", "x"))
-    add("convert-overwrite-non-artifact", g, [*cv, "--out", "{W}/o", "--overwrite"], "not a TALE artifact",
-        setup=write("o/keep.txt", "x"))
+    add(
+        "convert-overwrite-non-artifact",
+        g,
+        [*cv, "--out", "{W}/o", "--overwrite"],
+        "not a TALE artifact",
+        setup=write("o/keep.txt", "x"),
+    )
     add("convert-out-in-proc", g, [*cv, "--out", "/proc/tale-out"], "/proc is not writable")
     add("convert-device-mps", g, [*cv, *out, "--device", "mps"], "--device mps: not supported", check=chk)
     add("convert-device-cuda", g, [*cv, *out, "--device", "cuda"], "CUDA is not available", check=chk)
@@ -368,26 +610,83 @@ def cases() -> list[Case]:
     add("convert-policy", g, [*cv, *out, "--policy", "magic"], "unknown --policy", check=chk)
     add("convert-energy-0", g, [*cv, *out, "--energy", "0"], "--energy must be", check=chk)
     add("convert-r0-0", g, [*cv, *out, "--r0", "0"], "--r0 must be", check=chk)
-    add("convert-read-only-fs", g, ["sh", "-c", "mount -t tmpfs -o ro,size=1m tmpfs {W}/ro && exec \"$@\"", "sh",
-                                    *cv, "--out", "{W}/ro/tale"], "is not writable (Read-only file system)", root_only=True,
-        setup=lambda w: (w / "ro").mkdir())
-    add("convert-full-disk", g, ["sh", "-c", "mount -t tmpfs -o size=256k tmpfs {W}/small && \"$@\"; rc=$?; "
-                                 "ls -A {W}/small > {W}/left.txt; exit $rc", "sh", *cv, "--out", "{W}/small/tale"],
-        "no space left on the device", root_only=True, setup=lambda w: (w / "small").mkdir(), check=left_file_empty)
+    add(
+        "convert-read-only-fs",
+        g,
+        ["sh", "-c", 'mount -t tmpfs -o ro,size=1m tmpfs {W}/ro && exec "$@"', "sh", *cv, "--out", "{W}/ro/tale"],
+        "is not writable (Read-only file system)",
+        root_only=True,
+        setup=lambda w: (w / "ro").mkdir(),
+    )
+    add(
+        "convert-full-disk",
+        g,
+        [
+            "sh",
+            "-c",
+            'mount -t tmpfs -o size=256k tmpfs {W}/small && "$@"; rc=$?; ls -A {W}/small > {W}/left.txt; exit $rc',
+            "sh",
+            *cv,
+            "--out",
+            "{W}/small/tale",
+        ],
+        "no space left on the device",
+        root_only=True,
+        setup=lambda w: (w / "small").mkdir(),
+        check=left_file_empty,
+    )
 
     # signals during a conversion (the slow model): SIGTERM like Ctrl-C, SIGKILL then --resume
     g = "signals"
     sig = ["tale-convert", "{SIG}", *SIG_ARGS, "--out", "{W}/out"]
-    add("sigterm-before-any-layer", g, sig, "interrupted (SIGTERM)", expect="interrupt", signal_when=tmp_exists,
-        check=tmp_state(False))
-    add("sigterm-after-2-layers", g, sig, "rerun with --resume", expect="interrupt",
-        signal_when=lambda w: partial_layers(w) >= 2, check=tmp_state(True))
-    add("sigint-after-2-layers", g, sig, "rerun with --resume", expect="interrupt", sig=signal.SIGINT,
-        signal_when=lambda w: partial_layers(w) >= 2, check=tmp_state(True))
-    add("sighup-before-any-layer", g, sig, "interrupted (SIGHUP)", expect="interrupt", sig=signal.SIGHUP,
-        signal_when=tmp_exists, check=tmp_state(False))
-    add("sigkill-after-2-layers", g, sig, "", expect="interrupt", sig=signal.SIGKILL,
-        signal_when=lambda w: partial_layers(w) >= 2, check=tmp_state(True))
+    add(
+        "sigterm-before-any-layer",
+        g,
+        sig,
+        "interrupted (SIGTERM)",
+        expect="interrupt",
+        signal_when=tmp_exists,
+        check=tmp_state(False),
+    )
+    add(
+        "sigterm-after-2-layers",
+        g,
+        sig,
+        "rerun with --resume",
+        expect="interrupt",
+        signal_when=lambda w: partial_layers(w) >= 2,
+        check=tmp_state(True),
+    )
+    add(
+        "sigint-after-2-layers",
+        g,
+        sig,
+        "rerun with --resume",
+        expect="interrupt",
+        sig=signal.SIGINT,
+        signal_when=lambda w: partial_layers(w) >= 2,
+        check=tmp_state(True),
+    )
+    add(
+        "sighup-before-any-layer",
+        g,
+        sig,
+        "interrupted (SIGHUP)",
+        expect="interrupt",
+        sig=signal.SIGHUP,
+        signal_when=tmp_exists,
+        check=tmp_state(False),
+    )
+    add(
+        "sigkill-after-2-layers",
+        g,
+        sig,
+        "",
+        expect="interrupt",
+        sig=signal.SIGKILL,
+        signal_when=lambda w: partial_layers(w) >= 2,
+        check=tmp_state(True),
+    )
 
     # tale-eval: checked before the evaluation runs
     g = "tale-eval input"
@@ -415,22 +714,59 @@ def cases() -> list[Case]:
     add("push-repo-id-three-parts", g, ["tale-push", "{ART}", "a/b/c"], "invalid repo id")
     add("push-missing-dir", g, ["tale-push", "{W}/none", "alice/x"], "not a directory")
     add("push-plain-dir", g, ["tale-push", "{W}", "alice/x"], "not a TALE artifact")
-    add("push-corrupt-shard", g, ["tale-push", "{ART}", "alice/x"], "checksum mismatch",
-        setup=flip("model-00001-of-00001.safetensors"))
-    add("push-stray-file", g, ["tale-push", "{ART}", "alice/x"], "notes.txt is not in the manifest",
-        setup=write("notes.txt", "x", "art"))
-    add("push-quality-bad-json", g, ["tale-push", "{ART}", "alice/x", "--dry-run", "--quality", "{W}/q.json"],
-        "--quality", setup=write("q.json", "{1"))
-    add("push-quality-missing", g, ["tale-push", "{ART}", "alice/x", "--dry-run", "--quality", "{W}/none.json"],
-        "--quality")
-    add("push-no-token", g, ["tale-push", "{ART}", "alice/x"], "no Hugging Face token", setup=save_readme,
-        check=readme_unchanged)
-    add("push-hub-unreachable", g, ["tale-push", "{ART}", "alice/x", "--token", "hf_fake"], "run the same command again",
+    add(
+        "push-corrupt-shard",
+        g,
+        ["tale-push", "{ART}", "alice/x"],
+        "checksum mismatch",
+        setup=flip("model-00001-of-00001.safetensors"),
+    )
+    add(
+        "push-stray-file",
+        g,
+        ["tale-push", "{ART}", "alice/x"],
+        "notes.txt is not in the manifest",
+        setup=write("notes.txt", "x", "art"),
+    )
+    add(
+        "push-quality-bad-json",
+        g,
+        ["tale-push", "{ART}", "alice/x", "--dry-run", "--quality", "{W}/q.json"],
+        "--quality",
+        setup=write("q.json", "{1"),
+    )
+    add(
+        "push-quality-missing",
+        g,
+        ["tale-push", "{ART}", "alice/x", "--dry-run", "--quality", "{W}/none.json"],
+        "--quality",
+    )
+    add(
+        "push-no-token",
+        g,
+        ["tale-push", "{ART}", "alice/x"],
+        "no Hugging Face token",
+        setup=save_readme,
+        check=readme_unchanged,
+    )
+    add(
+        "push-hub-unreachable",
+        g,
+        ["tale-push", "{ART}", "alice/x", "--token", "hf_fake"],
+        "run the same command again",
         env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_DOWNLOAD_TIMEOUT": "2", "HF_HUB_ETAG_TIMEOUT": "2"},
-        setup=save_readme, check=readme_unchanged)
-    add("push-dry-run-edited-card", g, ["tale-push", "{ART}", "alice/x", "--dry-run"], "nothing was sent",
-        expect="accept", setup=steps(write("README.md", "# my own notes\n", "art"), save_readme),
-        check=readme_unchanged)
+        setup=save_readme,
+        check=readme_unchanged,
+    )
+    add(
+        "push-dry-run-edited-card",
+        g,
+        ["tale-push", "{ART}", "alice/x", "--dry-run"],
+        "nothing was sent",
+        expect="accept",
+        setup=steps(write("README.md", "# my own notes\n", "art"), save_readme),
+        check=readme_unchanged,
+    )
     return C
 
 
@@ -439,14 +775,36 @@ def source_cases() -> list[Case]:
     cv = ["tale-convert"]
     chk = nothing_at("out")
     return [
-        Case("convert-tale-artifact-as-model", "tale-convert source", [*cv, "{ART}", *TINY_ARGS, "--out",
-             "{W}/out"], fragment="TALE artifact", check=chk),
-        Case("convert-truncated-source-shard", "tale-convert source", [*cv, "{W}/m", *TINY_ARGS, "--out",
-             "{W}/out"], fragment="model.safetensors", check=chk, setup=lambda w: _broken_model(w, "truncate")),
-        Case("convert-missing-source-tensor", "tale-convert source", [*cv, "{W}/m", *TINY_ARGS, "--out",
-             "{W}/out"], fragment="missing", check=chk, setup=lambda w: _broken_model(w, "drop")),
-        Case("convert-seq-len-beyond-context", "tale-convert source", [*cv, "{MODEL}", *TINY_ARGS,
-             "--seq-len", "4096", "--out", "{W}/out"], fragment="context", check=chk),
+        Case(
+            "convert-tale-artifact-as-model",
+            "tale-convert source",
+            [*cv, "{ART}", *TINY_ARGS, "--out", "{W}/out"],
+            fragment="TALE artifact",
+            check=chk,
+        ),
+        Case(
+            "convert-truncated-source-shard",
+            "tale-convert source",
+            [*cv, "{W}/m", *TINY_ARGS, "--out", "{W}/out"],
+            fragment="model.safetensors",
+            check=chk,
+            setup=lambda w: _broken_model(w, "truncate"),
+        ),
+        Case(
+            "convert-missing-source-tensor",
+            "tale-convert source",
+            [*cv, "{W}/m", *TINY_ARGS, "--out", "{W}/out"],
+            fragment="missing",
+            check=chk,
+            setup=lambda w: _broken_model(w, "drop"),
+        ),
+        Case(
+            "convert-seq-len-beyond-context",
+            "tale-convert source",
+            [*cv, "{MODEL}", *TINY_ARGS, "--seq-len", "4096", "--out", "{W}/out"],
+            fragment="context",
+            check=chk,
+        ),
     ]
 
 
@@ -476,12 +834,23 @@ def build(work: Path) -> None:
     logging.disable_progress_bar()
     tok = tiny_tokenizer()
     PATHS["MODEL"] = save_tiny(work / "model", "llama", tok)
-    TINY["sig"] = dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=16,
-                       num_attention_heads=8, num_key_value_heads=4, head_dim=32)
+    TINY["sig"] = dict(
+        model_type="llama",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=16,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+    )
     PATHS["SIG"] = save_tiny(work / "sig", "sig", tok)
     PATHS["ART"] = work / "art"
-    p = subprocess.run([str(BIN / "tale-convert"), str(PATHS["MODEL"]), *TINY_ARGS, "--out", str(PATHS["ART"])],
-                       capture_output=True, text=True, env=_env({}))
+    p = subprocess.run(
+        [str(BIN / "tale-convert"), str(PATHS["MODEL"]), *TINY_ARGS, "--out", str(PATHS["ART"])],
+        capture_output=True,
+        text=True,
+        env=_env({}),
+    )
     if p.returncode:
         sys.exit(f"fault run: could not build the tiny artifact: {p.stderr}")
 
@@ -489,8 +858,15 @@ def build(work: Path) -> None:
 def _env(extra: dict) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TALE_DEBUG"))}
     home = Path(tempfile.gettempdir()) / "tale-fault-hf"
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_HOME=str(home), HF_HUB_DISABLE_TELEMETRY="1",
-               PATH=f"{BIN}:{env.get('PATH', '')}", COLUMNS="200", NO_COLOR="1")
+    env.update(
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        HF_HOME=str(home),
+        HF_HUB_DISABLE_TELEMETRY="1",
+        PATH=f"{BIN}:{env.get('PATH', '')}",
+        COLUMNS="200",
+        NO_COLOR="1",
+    )
     env.update(extra)
     if "HF_ENDPOINT" in extra:
         env.pop("HF_HUB_OFFLINE")
@@ -516,8 +892,14 @@ def run_case(case: Case, work: Path) -> dict:
     t = time.perf_counter()
     if case.signal_when:
         # a background job inherits SIGINT ignored (and Python then keeps it so): give the case a terminal's default
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(case.env),
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(case.env),
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         deadline = time.time() + 300
         while proc.poll() is None and not case.signal_when(w) and time.time() < deadline:
             time.sleep(0.02)
@@ -574,9 +956,17 @@ def judge(case: Case, p: subprocess.CompletedProcess, w: Path, seconds: float) -
         message = next((ln for ln in (p.stdout + p.stderr).splitlines() if case.fragment in ln), message)
     if case.expect == "interrupt":
         out = " ".join(p.stdout.split())
-        message = " / ".join(x for x in (message, out[out.find("interrupted"):] if "interrupted:" in out else "") if x)
-    return {"id": case.id, "group": case.group, "cmd": p.args, "code": p.returncode, "message": message,
-            "expect": case.expect, "problems": problems, "seconds": seconds}
+        message = " / ".join(x for x in (message, out[out.find("interrupted") :] if "interrupted:" in out else "") if x)
+    return {
+        "id": case.id,
+        "group": case.group,
+        "cmd": p.args,
+        "code": p.returncode,
+        "message": message,
+        "expect": case.expect,
+        "problems": problems,
+        "seconds": seconds,
+    }
 
 
 def resume_after_kill(work: Path) -> dict:
@@ -585,9 +975,19 @@ def resume_after_kill(work: Path) -> dict:
     cmd = [str(BIN / "tale-convert"), str(PATHS["SIG"]), *SIG_ARGS, "--out", str(w / "out"), "--resume"]
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env=_env({}))
-    r = judge(Case("resume-after-sigkill", "signals", [], expect="accept", fragment="(reused)",
-                   check=lambda w, p: None if (w / "out" / "tale_config.json").is_file() else "no artifact"),
-              p, w, time.perf_counter() - t)
+    r = judge(
+        Case(
+            "resume-after-sigkill",
+            "signals",
+            [],
+            expect="accept",
+            fragment="(reused)",
+            check=lambda w, p: None if (w / "out" / "tale_config.json").is_file() else "no artifact",
+        ),
+        p,
+        w,
+        time.perf_counter() - t,
+    )
     r["message"] = f"{p.stdout.count('(reused)')} layers reused; " + (p.stdout.strip().splitlines() or [""])[-1]
     return r
 
@@ -611,14 +1011,27 @@ def shorten(args: list[str], work: Path) -> str:
     return s
 
 
-def write_doc(rows: list[dict], work: Path, path: Path, skipped: list[str], wall: float,
-              not_run: list[str] = (), rerun: list[str] = ()) -> dict:
+def write_doc(
+    rows: list[dict],
+    work: Path,
+    path: Path,
+    skipped: list[str],
+    wall: float,
+    not_run: list[str] = (),
+    rerun: list[str] = (),
+) -> dict:
     def count(kind):
         return sum(any(p == kind or p.startswith(kind) for p in r["problems"]) for r in rows)
 
-    summary = {"cases": len(rows), "tracebacks": count("traceback"), "internal errors": count("internal error"),
-               "silent accepts": count("silent accept"), "multi-line refusals": count_multi(rows),
-               "wrong exit codes": count("exit"), "failed checks": sum(bool(r["problems"]) for r in rows)}
+    summary = {
+        "cases": len(rows),
+        "tracebacks": count("traceback"),
+        "internal errors": count("internal error"),
+        "silent accepts": count("silent accept"),
+        "multi-line refusals": count_multi(rows),
+        "wrong exit codes": count("exit"),
+        "failed checks": sum(bool(r["problems"]) for r in rows),
+    }
     line = ", ".join(f"{k} {v}" for k, v in summary.items())
     esc = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
     out = [
@@ -663,8 +1076,11 @@ def write_doc(rows: list[dict], work: Path, path: Path, skipped: list[str], wall
     if skipped:
         out += [f"Skipped (need root for `unshare -m`): {', '.join(skipped)}.", ""]
     if rerun:
-        out += [f"{len(rows) - len(rerun)} rows are from one full run; {len(rerun)} failed there and are from a re-run "
-                f"(`--rerun-failed`) after the fix of the harness or of the expected fragment: {', '.join(rerun)}.", ""]
+        out += [
+            f"{len(rows) - len(rerun)} rows are from one full run; {len(rerun)} failed there and are from a re-run "
+            f"(`--rerun-failed`) after the fix of the harness or of the expected fragment: {', '.join(rerun)}.",
+            "",
+        ]
     if not_run:
         out += [f"Not run this time ({len(not_run)}, the run was cut short): {', '.join(not_run)}.", ""]
     for group in dict.fromkeys(r["group"] for r in rows):
@@ -672,7 +1088,9 @@ def write_doc(rows: list[dict], work: Path, path: Path, skipped: list[str], wall
         for r in (r for r in rows if r["group"] == group):
             code = r["code"] if r["code"] >= 0 else f"{r['code']} ({signal.Signals(-r['code']).name})"
             verdict = "; ".join(r["problems"]) or "ok"
-            out.append(f"| {r['id']} | `{esc(shorten(r['cmd'], work))}` | {code} | {esc(paths(r['message'], work))} | {verdict} |")
+            out.append(
+                f"| {r['id']} | `{esc(shorten(r['cmd'], work))}` | {code} | {esc(paths(r['message'], work))} | {verdict} |"
+            )
         out.append("")
     path.write_text("\n".join(out))
     return summary
@@ -692,8 +1110,11 @@ def doc_only(args) -> None:
     work = Path(first["work"])
     PATHS.update(MODEL=work / "model", SIG=work / "sig", ART=work / "art")
     order = [c.id for c in cases() + source_cases()]
-    order = order[:order.index("sigkill-after-2-layers") + 1] + ["resume-after-sigkill"] + \
-        order[order.index("sigkill-after-2-layers") + 1:]
+    order = (
+        order[: order.index("sigkill-after-2-layers") + 1]
+        + ["resume-after-sigkill"]
+        + order[order.index("sigkill-after-2-layers") + 1 :]
+    )
     done = [rows[i] for i in order if i in rows]
     for r in done:  # rows of a re-run lived in another work dir
         r["cmd"] = [a.replace(r["work"], str(work)) for a in r["cmd"]]
@@ -708,12 +1129,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "errors.md")
     ap.add_argument("--only", default=None, help="run the cases whose id contains this (no doc written)")
-    ap.add_argument("--rows", type=Path, default=Path(tempfile.gettempdir()) / "tale-fault-rows.jsonl",
-                    help="every row is appended here as it is measured")
-    ap.add_argument("--rerun-failed", action="store_true",
-                    help="keep the passing rows of --rows, run only the failed or missing cases, rewrite the doc")
-    ap.add_argument("--doc-only", action="store_true",
-                    help="write the doc from the rows recorded in --rows (of the last run), running nothing")
+    ap.add_argument(
+        "--rows",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "tale-fault-rows.jsonl",
+        help="every row is appended here as it is measured",
+    )
+    ap.add_argument(
+        "--rerun-failed",
+        action="store_true",
+        help="keep the passing rows of --rows, run only the failed or missing cases, rewrite the doc",
+    )
+    ap.add_argument(
+        "--doc-only",
+        action="store_true",
+        help="write the doc from the rows recorded in --rows (of the last run), running nothing",
+    )
     args = ap.parse_args()
     if args.doc_only:
         return doc_only(args)
@@ -752,8 +1183,11 @@ def main() -> None:
                 rows.append(r)
                 with open(args.rows, "a") as f:
                     f.write(json.dumps({**r, "work": str(work), "bin": str(BIN)}) + "\n")
-                print(f"{r['id']:40s} exit {r['code']:4d} {r['seconds']:5.1f}s {'; '.join(r['problems']) or 'ok'}"
-                      f"  | {paths(r['message'], work)[:110]}", flush=True)
+                print(
+                    f"{r['id']:40s} exit {r['code']:4d} {r['seconds']:5.1f}s {'; '.join(r['problems']) or 'ok'}"
+                    f"  | {paths(r['message'], work)[:110]}",
+                    flush=True,
+                )
         if args.only:
             return
         reused = sum(r in kept.values() for r in rows)

@@ -12,7 +12,6 @@ minutes per tale-eval run; use it to rank formats, then confirm the winners with
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 
@@ -29,13 +28,20 @@ def capture(model, ids: torch.Tensor) -> list[tuple]:
     def grab(q, k, h, layer, scaling):
         got.append((q[0].float(), k[0].float(), h[0].float()))
         from tale_runtime.cache import latent_attention
+
         return latent_attention(q, k, h, layer, scaling)
 
     for layer in model.model.layers:
         layer.self_attn.attention_fn = grab
     sched = model.tale_schedule
-    exact = Schedule(sinks=1, levels=[Level(16, 16, None)], ranks=[[sched.ranks[0][-1]]] * len(sched.ranks),
-                     key_group=1, value_group=1, residual=1)
+    exact = Schedule(
+        sinks=1,
+        levels=[Level(16, 16, None)],
+        ranks=[[sched.ranks[0][-1]]] * len(sched.ranks),
+        key_group=1,
+        value_group=1,
+        residual=1,
+    )
     cache = new_cache(model, exact)
     with torch.inference_mode():
         model(ids[:, :1], past_key_values=cache)
@@ -85,23 +91,23 @@ def run_format(layers, model, fmt: dict, sink=4, start=128):
             tot = 0.0
             for kh in range(k.shape[0]):
                 rep = q.shape[0] // k.shape[0]
-                qi = q[kh * rep:(kh + 1) * rep].pow(2).mean((0, 1))  # [n]
+                qi = q[kh * rep : (kh + 1) * rep].pow(2).mean((0, 1))  # [n]
                 kg = k[kh, sl].view(-1, 32, k.shape[-1])
                 rng = (kg.amax(1) - kg.amin(1)).pow(2).mean(0)
                 w = qi * rng
                 b = torch.full((k.shape[-1],), fmt["bmin"])
                 budget = int(fmt["kbits"] * k.shape[-1]) - int(b.sum())
                 for _ in range(budget):  # greedy: the bit that removes the most error
-                    gain = w / (2.0 ** b - 1).pow(2) - w / (2.0 ** (b + 1) - 1).pow(2)
+                    gain = w / (2.0**b - 1).pow(2) - w / (2.0 ** (b + 1) - 1).pow(2)
                     gain[b >= fmt["bmax"]] = -1
                     b[gain.argmax()] += 1
                 for bits in b.unique().tolist():
                     ch = (b == bits).nonzero().flatten()
-                    xs = k[kh:kh + 1, sl][..., ch]
+                    xs = k[kh : kh + 1, sl][..., ch]
                     pad = (-len(ch)) % 8
                     xs = torch.nn.functional.pad(xs, (0, pad))
                     xq, _ = fq(xs.contiguous(), int(bits), 32, -2, fmt.get("kmeta", "16"))
-                    kq[kh:kh + 1, :, ch] = xq[..., :len(ch)]
+                    kq[kh : kh + 1, :, ch] = xq[..., : len(ch)]
                     tot += (bits + {"16": 32, "8/16": 24, "8/8": 16}[fmt.get("kmeta", "16")] / 32) * len(ch)
             kbits = tot / (k.shape[0] * k.shape[-1])
         elif fmt["kaxis"] == "channel":
@@ -136,8 +142,9 @@ def main():
     from tale_eval.perplexity import heldout_windows
 
     model, tok = load(args.artifact, device="cpu", dtype=torch.bfloat16)
-    ids = heldout_windows(tok, args.ctx, args.window + 1)[args.window:]
+    ids = heldout_windows(tok, args.ctx, args.window + 1)[args.window :]
     import os
+
     cached = f"/tmp/quant_proxy_{args.window}_{args.ctx}.pt"
     if os.path.exists(cached):
         layers = torch.load(cached)
@@ -162,8 +169,10 @@ def main():
     print(f"{'format':24s} {'mean err':>8s} {'max err':>8s} {'key b/num':>9s} {'lat b/num(R)':>12s}  per layer")
     for name, f in fmts.items():
         errs, kb, vb = run_format(layers, model, f)
-        print(f"{name:24s} {sum(errs) / len(errs):8.4f} {max(errs):8.4f} {kb:9.2f} {vb:12.2f}  "
-              + " ".join(f"{e:.2f}" for e in errs))
+        print(
+            f"{name:24s} {sum(errs) / len(errs):8.4f} {max(errs):8.4f} {kb:9.2f} {vb:12.2f}  "
+            + " ".join(f"{e:.2f}" for e in errs)
+        )
 
 
 if __name__ == "__main__":

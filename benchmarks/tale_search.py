@@ -52,7 +52,9 @@ def main():
         if ranks0:
             sched.ranks = [[r0] + rs[1:] for r0, rs in zip(ranks0, sched.ranks)]
             sched.validate(R, len(base.ranks))
-        pol = policies.tale_policy(model, name, sched) if name != "full" else policies.build(model, ["full"], base, [])[0]
+        pol = (
+            policies.tale_policy(model, name, sched) if name != "full" else policies.build(model, ["full"], base, [])[0]
+        )
         t = time.perf_counter()
         row = {"name": name, "kw": kw | ({"ranks0": ranks0} if ranks0 else {})}
         if not args.no_ppl:

@@ -1,5 +1,7 @@
 """Bundled offline calibration/evaluation corpus (CC0-1.0), written for the TALE toolkit."""
+
 from pathlib import Path
+
 ROOT = Path(__file__).resolve().parent
 CALIB_FILES = (
     "corpus_encyclopedic.txt",
@@ -25,11 +27,14 @@ DEMO_FACT = "The code that opens the archive of the printing museum in Mainz is 
 DEMO_LONG_ANSWER = "4817"
 DOC_SEPARATOR = "<|doc|>"
 
+
 def calib_paths() -> list[Path]:
     return [ROOT / f for f in CALIB_FILES]
 
+
 def heldout_path() -> Path:
     return ROOT / HELDOUT_FILE
+
 
 def text_path(name: str) -> Path:
     """An evaluation text by name: "dev" (corpus_heldout.txt) or one of TEST_FILES."""
@@ -38,6 +43,7 @@ def text_path(name: str) -> Path:
     if name not in TEST_FILES:
         raise ValueError(f"unknown text {name!r}: use dev, {', '.join(TEST_FILES)}")
     return ROOT / TEST_FILES[name]
+
 
 def documents(path: Path) -> list[str]:
     text = Path(path).read_text(encoding="utf-8")

@@ -63,11 +63,19 @@ class SinkLayer(FullLayer):
         return held + query_length, self.seen - held
 
 
-def region_schedule(key_bits: int, value_bits: int, rank: int, key_group: int, value_group: int,
-                    residual: int) -> Schedule:
+def region_schedule(
+    key_bits: int, value_bits: int, rank: int, key_group: int, value_group: int, residual: int
+) -> Schedule:
     """One level, no sinks: KIVI's layout in the runtime's terms (rank = the value/latent width)."""
-    return Schedule(sinks=0, levels=[Level(bits=value_bits, key_bits=key_bits, share=None)], ranks=[[rank]],
-                    key_group=key_group, value_group=value_group, residual=residual, policy="kivi")
+    return Schedule(
+        sinks=0,
+        levels=[Level(bits=value_bits, key_bits=key_bits, share=None)],
+        ranks=[[rank]],
+        key_group=key_group,
+        value_group=value_group,
+        residual=residual,
+        policy="kivi",
+    )
 
 
 class RegionLayer(CacheLayerMixin):
@@ -90,13 +98,18 @@ class RegionLayer(CacheLayerMixin):
 
     def update(self, key_states, value_states, *args, **kwargs):
         dt = key_states.dtype
-        past = [] if self.store.valid is None else [
-            (dequantize(r.keys, dt), dequantize(r.lat, dt)) for r in self.store.view().regions]  # position order
+        past = (
+            []
+            if self.store.valid is None
+            else [(dequantize(r.keys, dt), dequantize(r.lat, dt)) for r in self.store.view().regions]
+        )  # position order
         self.store.append(key_states, value_states)
         if not past:
             return key_states, value_states
-        return (torch.cat([k for k, _ in past] + [key_states], dim=-2),
-                torch.cat([v for _, v in past] + [value_states], dim=-2))
+        return (
+            torch.cat([k for k, _ in past] + [key_states], dim=-2),
+            torch.cat([v for _, v in past] + [value_states], dim=-2),
+        )
 
     def get_seq_length(self) -> int:
         return self.store.kappa
@@ -139,8 +152,9 @@ def full_cache(num_layers: int) -> CountedCache:
     return CountedCache(layers=[FullLayer() for _ in range(num_layers)])
 
 
-def kivi_cache(num_layers: int, K: int, n: int, bits: int, key_group: int, value_group: int,
-               residual: int) -> CountedCache:
+def kivi_cache(
+    num_layers: int, K: int, n: int, bits: int, key_group: int, value_group: int, residual: int
+) -> CountedCache:
     s = region_schedule(bits, bits, n, key_group, value_group, residual)
     return CountedCache(layers=[RegionLayer(s, K, n, K, n) for _ in range(num_layers)])
 
@@ -149,8 +163,19 @@ def sink_cache(num_layers: int, sinks: int, window: int) -> CountedCache:
     return CountedCache(layers=[SinkLayer(sinks, window) for _ in range(num_layers)])
 
 
-def palu_cache(ranks: list[int], K: int, n: int, G: int, key_bits: int, latent_bits: int, key_group: int,
-               value_group: int, residual: int) -> PaluCache:
-    layers = [RegionLayer(region_schedule(key_bits, latent_bits, r, key_group, value_group, residual), K, n, G, r)
-              for r in ranks]
+def palu_cache(
+    ranks: list[int],
+    K: int,
+    n: int,
+    G: int,
+    key_bits: int,
+    latent_bits: int,
+    key_group: int,
+    value_group: int,
+    residual: int,
+) -> PaluCache:
+    layers = [
+        RegionLayer(region_schedule(key_bits, latent_bits, r, key_group, value_group, residual), K, n, G, r)
+        for r in ranks
+    ]
     return PaluCache(layers, ranks)

@@ -32,8 +32,11 @@ from .attention import prepare
 from .frontier import FAMILIES
 from .measure import add_deltas, measure
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
-                  help="Evaluate TALE against full, KIVI, StreamingLLM and Palu caches on one artifact.")
+app = typer.Typer(
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="Evaluate TALE against full, KIVI, StreamingLLM and Palu caches on one artifact.",
+)
 out_console = Console()
 err_console = Console(stderr=True)
 
@@ -54,11 +57,29 @@ class Preset:
 TEST_TEXTS = tuple(TEST_FILES)
 PRESETS = {
     # a few minutes on 2 CPU cores
-    "ci": Preset(512, 2, 64, 4, ("1k",), (0.1, 0.3, 0.5, 0.7, 0.9),
-                 ("full", "tale", "kivi2", "kivi4", "quanto4", "hqq4", "streaming", "palu"), (), ("dev",)),
+    "ci": Preset(
+        512,
+        2,
+        64,
+        4,
+        ("1k",),
+        (0.1, 0.3, 0.5, 0.7, 0.9),
+        ("full", "tale", "kivi2", "kivi4", "quanto4", "hqq4", "streaming", "palu"),
+        (),
+        ("dev",),
+    ),
     # the numbers of docs/quality.md
-    "full": Preset(1024, 5, 128, 4, tuple(passkey.LENGTHS), passkey.DEPTHS, policies.NAMED,
-                   ("energy", "fisher", "progressive"), TEST_TEXTS),
+    "full": Preset(
+        1024,
+        5,
+        128,
+        4,
+        tuple(passkey.LENGTHS),
+        passkey.DEPTHS,
+        policies.NAMED,
+        ("energy", "fisher", "progressive"),
+        TEST_TEXTS,
+    ),
 }
 # --frontier: many points, each cheaper (ci: about 1-2 min on one thread; full: docs/quality.md)
 FRONTIER_PRESETS = {
@@ -76,16 +97,24 @@ def run(
     artifact: str = typer.Argument(..., help="TALE artifact directory (tale-convert output) or Hub id"),
     preset: str = typer.Option("ci", help="ci (minutes on a laptop CPU) or full (the docs/quality.md numbers)"),
     policy_names: Optional[str] = typer.Option(None, "--policies", help=f"comma list of {', '.join(policies.NAMED)}"),
-    rank_policies: Optional[str] = typer.Option(None, help="extra TALE rows with these rank policies: "
-                                                "uniform, energy, fisher, progressive ('' for none)"),
+    rank_policies: Optional[str] = typer.Option(
+        None, help="extra TALE rows with these rank policies: uniform, energy, fisher, progressive ('' for none)"
+    ),
     energy: float = typer.Option(0.9, help="energy policy: whitened spectral energy kept per layer at level 0"),
-    text: Optional[str] = typer.Option(None, help="held-out texts, comma list of dev (tune on it), "
-                                       f"{', '.join(TEST_TEXTS)} (report on them)"),
-    frontier: bool = typer.Option(False, "--frontier", help="sweep every policy over its knob(s): a markdown table "
-                                  "and a PNG plot of quality vs measured compression"),
+    text: Optional[str] = typer.Option(
+        None, help=f"held-out texts, comma list of dev (tune on it), {', '.join(TEST_TEXTS)} (report on them)"
+    ),
+    frontier: bool = typer.Option(
+        False,
+        "--frontier",
+        help="sweep every policy over its knob(s): a markdown table and a PNG plot of quality vs measured compression",
+    ),
     families: Optional[str] = typer.Option(None, help=f"--frontier: comma list of {', '.join(FAMILIES)}"),
-    tale_variants: Optional[str] = typer.Option(None, help="--frontier: TALE points, ';'-separated overrides, e.g. "
-                                                "'-; key_bits=4/4; r0=0.25,key_group=64,value_group=64,residual=64'"),
+    tale_variants: Optional[str] = typer.Option(
+        None,
+        help="--frontier: TALE points, ';'-separated overrides, e.g. "
+        "'-; key_bits=4/4; r0=0.25,key_group=64,value_group=64,residual=64'",
+    ),
     frontier_out: Path = typer.Option(Path("docs/frontier"), help="--frontier: writes PATH.md and PATH.png"),
     ctx: Optional[int] = typer.Option(None, help="tokens per held-out window"),
     windows: Optional[int] = typer.Option(None, help="held-out windows"),
@@ -98,8 +127,9 @@ def run(
     r0: Optional[float] = typer.Option(None, help="TALE: override the level-0 rank (fraction of R, all layers)"),
     bits: Optional[str] = typer.Option(None, help="TALE: override the bits per level, oldest first, e.g. 2,4"),
     key_bits: Optional[str] = typer.Option(None, help="TALE: override the key bits per level, e.g. 4,4"),
-    key_axis: Optional[str] = typer.Option(None, help="TALE: keys per 'channel' (KIVI) or per 'token', per level, "
-                                           "e.g. channel,token"),
+    key_axis: Optional[str] = typer.Option(
+        None, help="TALE: keys per 'channel' (KIVI) or per 'token', per level, e.g. channel,token"
+    ),
     key_meta: Optional[str] = typer.Option(None, help="TALE: key scale/zero storage: 16, 8/16 or 8/8"),
     value_meta: Optional[str] = typer.Option(None, help="TALE: latent scale/zero storage: 16, 8/16 or 8/8"),
     key_channel_group: Optional[int] = typer.Option(None, help="TALE: channels per key group at per-token levels"),
@@ -125,8 +155,13 @@ def run(
         key_bits_l = None if key_bits is None else [int(x) for x in _csv(key_bits)]
     except ValueError:
         fail("--passkey-depths, --bits and --key-bits take comma-separated numbers, e.g. 0.1,0.5 or 2,4")
-    for name, v in (("--ctx", ctx), ("--windows", windows), ("--prefill", prefill), ("--chunk", chunk),
-                    ("--threads", threads)):
+    for name, v in (
+        ("--ctx", ctx),
+        ("--windows", windows),
+        ("--prefill", prefill),
+        ("--chunk", chunk),
+        ("--threads", threads),
+    ):
         if v is not None and v < 1:  # 0 would silently mean the preset's value
             fail(f"{name} must be >= 1, got {v}")
     try:
@@ -180,15 +215,28 @@ def run(
         model, tok = load(artifact, device=device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
         if tok is None:
             fail(f"{artifact}: the artifact has no tokenizer")
-        formats = dict(key_axis=_csv(key_axis) and list(_csv(key_axis)), key_meta=key_meta, value_meta=value_meta,
-                       key_channel_group=key_channel_group, rotate=rotate, residual=residual)
+        formats = dict(
+            key_axis=_csv(key_axis) and list(_csv(key_axis)),
+            key_meta=key_meta,
+            value_meta=value_meta,
+            key_channel_group=key_channel_group,
+            rotate=rotate,
+            residual=residual,
+        )
         formats = {k: v for k, v in formats.items() if v is not None}
         if formats or any(x is not None for x in (sinks, recent, r0, bits_l, key_bits_l)):
             s = model.tale_schedule
             model.tale_schedule = override_schedule(
-                s, int(model.tale_manifest["architecture"]["latent_rank"]), len(s.ranks), sinks=sinks, recent=recent,
-                ranks=None if r0 is None else [r0] + [1.0] * (len(s.levels) - 1), bits=bits_l, key_bits=key_bits_l,
-                **formats)
+                s,
+                int(model.tale_manifest["architecture"]["latent_rank"]),
+                len(s.ranks),
+                sinks=sinks,
+                recent=recent,
+                ranks=None if r0 is None else [r0] + [1.0] * (len(s.levels) - 1),
+                bits=bits_l,
+                key_bits=key_bits_l,
+                **formats,
+            )
         ppl_pattern = perplexity.pattern(ctx, prefill, chunk)
         ids = {t: perplexity.heldout_windows(tok, ctx, windows, t) for t in texts}
         for pol in pols:  # invalid TALE variants fail here, before any run
@@ -207,9 +255,13 @@ def run(
     for pol in pols:
         row = measure(model, tok, pol, ids, prefill, chunk, samples)
         rows.append(row)
-        log(f"{row['policy']} ({row['setting']}): ppl " + ", ".join(f"{v:.3f}" for v in row["ppl"].values())
-            + f", {row['ratio']:.2f}x" + (f", pass-key {row['passkey']:.0%}" if samples else "")
-            + f" ({row['seconds']:.0f} s)")
+        log(
+            f"{row['policy']} ({row['setting']}): ppl "
+            + ", ".join(f"{v:.3f}" for v in row["ppl"].values())
+            + f", {row['ratio']:.2f}x"
+            + (f", pass-key {row['passkey']:.0%}" if samples else "")
+            + f" ({row['seconds']:.0f} s)"
+        )
     full = next((r for r in rows if r["policy"] == "full"), None)
     delta_vs = "full"
     if full is not None:
@@ -222,10 +274,24 @@ def run(
         delta_vs = "forward"
     add_deltas(rows, ref)
 
-    config = {"artifact": str(artifact), "model": model.tale_manifest.get("base", {}).get("id"), "preset": preset,
-              "frontier": frontier, "texts": list(texts), "ctx": ctx, "windows": windows, "prefill": prefill,
-              "chunk": chunk, "dtype": dtype, "passkey_samples": len(samples), "delta_vs": delta_vs, "ref_ppl": ref,
-              "energy": energy, "schedule": sched.to_dict(), "seconds": time.perf_counter() - t0}
+    config = {
+        "artifact": str(artifact),
+        "model": model.tale_manifest.get("base", {}).get("id"),
+        "preset": preset,
+        "frontier": frontier,
+        "texts": list(texts),
+        "ctx": ctx,
+        "windows": windows,
+        "prefill": prefill,
+        "chunk": chunk,
+        "dtype": dtype,
+        "passkey_samples": len(samples),
+        "delta_vs": delta_vs,
+        "ref_ppl": ref,
+        "energy": energy,
+        "schedule": sched.to_dict(),
+        "seconds": time.perf_counter() - t0,
+    }
     _table(rows, config)
     if frontier:
         frontier_out.parent.mkdir(parents=True, exist_ok=True)
@@ -251,7 +317,9 @@ def _rank_schedules(model, tok, sched, names, energy, log) -> dict:
         elif name == "fisher":
             log("fisher: gradients of the calibration loss w.r.t. v_proj ...")
             kw["fisher"] = rank_policy.fisher_scores(model, _calib_batches(tok))
-        out[name] = rank_policy.apply(sched, name, rank_policy.level0_ranks(name, d.R, d.layers, sched.value_group, r0, **kw))
+        out[name] = rank_policy.apply(
+            sched, name, rank_policy.level0_ranks(name, d.R, d.layers, sched.value_group, r0, **kw)
+        )
     return out
 
 
@@ -272,24 +340,39 @@ def _calib_batches(tok, count: int = 4, length: int = 256, batch: int = 2) -> li
 
 def _table(rows: list[dict], config: dict) -> None:
     texts = config["texts"]
-    t = Table(title=f"{config['model'] or config['artifact']}: decode-mode ppl, {config['windows']} x {config['ctx']} "
-                    f"tokens of {', '.join(texts)} (prefill {config['prefill']}, chunk {config['chunk']}), {config['dtype']}")
-    cols = ["policy", *[c for tx in texts for c in (f"ppl {tx}", "delta")], "compr.", "nominal", "pass-key",
-            "pk compr."]
+    t = Table(
+        title=f"{config['model'] or config['artifact']}: decode-mode ppl, {config['windows']} x {config['ctx']} "
+        f"tokens of {', '.join(texts)} (prefill {config['prefill']}, chunk {config['chunk']}), {config['dtype']}"
+    )
+    cols = [
+        "policy",
+        *[c for tx in texts for c in (f"ppl {tx}", "delta")],
+        "compr.",
+        "nominal",
+        "pass-key",
+        "pk compr.",
+    ]
     for col in cols:
         t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for r in rows:
         task = "passkey" in r
         name = r["policy"] if not config["frontier"] or r["family"] == "full" else f"{r['family']}: {r['setting']}"
-        t.add_row(name, *[c for tx in texts for c in (f"{r['ppl'][tx]:.3f}", f"{r['delta_pct'][tx]:+.2f}%")],
-                  f"{r['ratio']:.2f}x", f"{r['nominal']:.2f}x" if r["nominal"] else "",
-                  f"{r['passkey']:.0%}" if task else "", f"{r['passkey_ratio']:.2f}x" if task else "")
+        t.add_row(
+            name,
+            *[c for tx in texts for c in (f"{r['ppl'][tx]:.3f}", f"{r['delta_pct'][tx]:+.2f}%")],
+            f"{r['ratio']:.2f}x",
+            f"{r['nominal']:.2f}x" if r["nominal"] else "",
+            f"{r['passkey']:.0%}" if task else "",
+            f"{r['passkey_ratio']:.2f}x" if task else "",
+        )
     out_console.print(t)
     for r in rows:
         out_console.print(f"  {r['policy']}: {r['detail']}")
-    out_console.print(f"compr.: 16-bit K+V bytes of the same tokens / bytes held by the cache (codes, scales, zero points, "
-                      f"sinks, residual), measured at the end of the run; pass-key: {config['passkey_samples']} samples, "
-                      f"exact match; {config['seconds']:.0f} s")
+    out_console.print(
+        f"compr.: 16-bit K+V bytes of the same tokens / bytes held by the cache (codes, scales, zero points, "
+        f"sinks, residual), measured at the end of the run; pass-key: {config['passkey_samples']} samples, "
+        f"exact match; {config['seconds']:.0f} s"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

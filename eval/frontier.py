@@ -50,8 +50,10 @@ def parse_variants(text: str) -> list[dict]:
             for kv in part.split(","):
                 k, sep, val = (x.strip() for x in kv.partition("="))
                 if not sep or k not in ints | lists | floats:
-                    raise ValueError(f"bad TALE variant {kv.strip()!r}: use key=value with key one of "
-                                     f"{', '.join(sorted(ints | lists | floats))}")
+                    raise ValueError(
+                        f"bad TALE variant {kv.strip()!r}: use key=value with key one of "
+                        f"{', '.join(sorted(ints | lists | floats))}"
+                    )
                 try:
                     if k in lists:
                         v[k] = [int(x) for x in val.split("/")]
@@ -78,10 +80,12 @@ def markdown(rows: list[dict], config: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     ref = ", ".join(f"{t} {config['ref_ppl'][t]:.3f}" for t in texts)
     lines.append("")
-    lines.append(f"ratio: 16-bit K+V bytes / bytes the cache holds at the end of the perplexity run; ppl Δ: "
-                 f"decode-mode perplexity vs the full 16-bit cache ({ref}); {config['windows']} x {config['ctx']} tokens per text, "
-                 f"prefill {config['prefill']}, chunk {config['chunk']}, {config['dtype']}; pass-key: "
-                 f"{config['passkey_samples']} samples, exact match, pk ratio measured on those runs.")
+    lines.append(
+        f"ratio: 16-bit K+V bytes / bytes the cache holds at the end of the perplexity run; ppl Δ: "
+        f"decode-mode perplexity vs the full 16-bit cache ({ref}); {config['windows']} x {config['ctx']} tokens per text, "
+        f"prefill {config['prefill']}, chunk {config['chunk']}, {config['dtype']}; pass-key: "
+        f"{config['passkey_samples']} samples, exact match, pk ratio measured on those runs."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -99,13 +103,27 @@ def plot(rows: list[dict], config: dict, path: Path) -> None:
         rs = sorted((r for r in rows if r["family"] == f), key=lambda r: r["ratio"])
         color = None
         for i, t in enumerate(texts):
-            (line,) = a.plot([r["ratio"] for r in rs], [r["delta_pct"][t] for r in rs], styles[i % 3],
-                             marker=markers.get(f, "o"), color=color, label=f if i == 0 else None, ms=5)
+            (line,) = a.plot(
+                [r["ratio"] for r in rs],
+                [r["delta_pct"][t] for r in rs],
+                styles[i % 3],
+                marker=markers.get(f, "o"),
+                color=color,
+                label=f if i == 0 else None,
+                ms=5,
+            )
             color = line.get_color()
         pk = sorted((r for r in rs if "passkey" in r), key=lambda r: r["passkey_ratio"])
         if pk:
-            b.plot([r["passkey_ratio"] for r in pk], [100 * r["passkey"] for r in pk], "-", marker=markers.get(f, "o"),
-                   color=color, label=f, ms=5)
+            b.plot(
+                [r["passkey_ratio"] for r in pk],
+                [100 * r["passkey"] for r in pk],
+                "-",
+                marker=markers.get(f, "o"),
+                color=color,
+                label=f,
+                ms=5,
+            )
     a.set_xlabel("measured compression (x)")
     a.set_ylabel("decode ppl vs full cache (%)")
     a.set_yscale("symlog", linthresh=5)

@@ -12,14 +12,21 @@ from . import passkey, perplexity
 from .policies import Dims, Policy
 
 
-def measure(model, tok, pol: Policy, texts: dict[str, torch.Tensor], prefill: int, chunk: int,
-            samples: list[dict]) -> dict:
+def measure(
+    model, tok, pol: Policy, texts: dict[str, torch.Tensor], prefill: int, chunk: int, samples: list[dict]
+) -> dict:
     """texts: name -> [windows, ctx] token ids (one batch each, same shape). The ratio is the one of
     the first text's run (cache bytes depend on the call pattern only, the same for every text)."""
     t0 = time.perf_counter()
     d = Dims.of(model)
-    row = {"policy": pol.name, "family": pol.family, "setting": pol.label(), "detail": pol.detail(model),
-           "nominal": pol.nominal(model), "ppl": {}}
+    row = {
+        "policy": pol.name,
+        "family": pol.family,
+        "setting": pol.label(),
+        "detail": pol.detail(model),
+        "nominal": pol.nominal(model),
+        "ppl": {},
+    }
     pattern = None
     for name, ids in texts.items():
         pattern = perplexity.pattern(ids.shape[1], prefill, chunk)

@@ -47,16 +47,28 @@ def make_samples(seed: int = 0) -> list[dict]:
             hay = haystack(docs, rng.randrange(len(docs)), chars)
             cut = hay.rfind(". ", 0, int(depth * len(hay))) + 1  # after a sentence
             prompt = HEAD + hay[:cut] + NEEDLE.format(key=key) + hay[cut:].lstrip() + QUESTION
-            out.append({"id": f"{length}-d{round(depth * 100):02d}", "length": length, "depth": depth,
-                        "prompt": prompt, "answer": key})
+            out.append(
+                {
+                    "id": f"{length}-d{round(depth * 100):02d}",
+                    "length": length,
+                    "depth": depth,
+                    "prompt": prompt,
+                    "answer": key,
+                }
+            )
     return out
 
 
-def load_samples(path: Path = TASKS, lengths: tuple[str, ...] | None = None,
-                 depths: tuple[float, ...] | None = None) -> list[dict]:
+def load_samples(
+    path: Path = TASKS, lengths: tuple[str, ...] | None = None, depths: tuple[float, ...] | None = None
+) -> list[dict]:
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [r for r in rows if (lengths is None or r["length"] in lengths)
-            and (depths is None or any(abs(r["depth"] - d) < 1e-9 for d in depths))]
+    return [
+        r
+        for r in rows
+        if (lengths is None or r["length"] in lengths)
+        and (depths is None or any(abs(r["depth"] - d) < 1e-9 for d in depths))
+    ]
 
 
 def first_number(text: str) -> str | None:
@@ -86,8 +98,13 @@ def run(model, tokenizer, samples: list[dict], policy: Policy, max_new_tokens: i
         cache_bytes += policy.nbytes(cache)
         base_bytes += d.baseline_nbytes(1, sum(pattern))
         answers.append({"id": s["id"], "tokens": ids.shape[1], "output": text, "correct": ok})
-    return {"accuracy": correct / len(samples), "correct": correct, "samples": len(samples),
-            "ratio": base_bytes / cache_bytes, "answers": answers}
+    return {
+        "accuracy": correct / len(samples),
+        "correct": correct,
+        "samples": len(samples),
+        "ratio": base_bytes / cache_bytes,
+        "answers": answers,
+    }
 
 
 if __name__ == "__main__":

@@ -28,7 +28,9 @@ def heldout_windows(tokenizer, length: int, count: int, text: str = "dev") -> to
 def pattern(length: int, prefill: int, chunk: int) -> list[int]:
     """Tokens per forward call: the prefill, then chunks up to the second-to-last token."""
     if not 0 < prefill < length - 1 or chunk < 1:
-        raise ValueError(f"need 0 < prefill < length - 1 and chunk >= 1 (length {length}, prefill {prefill}, chunk {chunk})")
+        raise ValueError(
+            f"need 0 < prefill < length - 1 and chunk >= 1 (length {length}, prefill {prefill}, chunk {chunk})"
+        )
     rest = length - 1 - prefill
     return [prefill] + [chunk] * (rest // chunk) + ([rest % chunk] if rest % chunk else [])
 

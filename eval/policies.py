@@ -44,10 +44,17 @@ class Dims:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, model) -> "Dims":
+    def of(cls, model) -> Dims:
         arch = model.tale_manifest["architecture"]
-        return cls(model.config.num_hidden_layers, model.config.num_key_value_heads, int(arch["head_dim"]),
-                   int(arch["num_groups"]), int(arch["group_size"]), int(arch["latent_rank"]), model.dtype)
+        return cls(
+            model.config.num_hidden_layers,
+            model.config.num_key_value_heads,
+            int(arch["head_dim"]),
+            int(arch["num_groups"]),
+            int(arch["group_size"]),
+            int(arch["latent_rank"]),
+            model.dtype,
+        )
 
     def baseline_nbytes(self, batch: int, tokens: int) -> int:
         """16-bit K+V bytes of `tokens` positions of `batch` rows: the reference of every ratio."""
@@ -86,7 +93,7 @@ class Policy:
     def nbytes(self, cache: Cache) -> int:
         return cache.nbytes()
 
-    def exact(self) -> "Policy | None":
+    def exact(self) -> Policy | None:
         return None
 
     def nominal(self, model) -> float | None:
@@ -97,7 +104,7 @@ class Policy:
         return None
 
     @classmethod
-    def sweep(cls, ctx: int) -> list["Policy"]:
+    def sweep(cls, ctx: int) -> list[Policy]:
         return [cls()]
 
 
@@ -141,8 +148,12 @@ class Tale(Policy):
     def label(self) -> str:
         if self.tag:
             return self.tag
-        return " ".join(f"{k}={'/'.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
-                        for k, v in self.overrides.items()) or "artifact schedule"
+        return (
+            " ".join(
+                f"{k}={'/'.join(map(str, v)) if isinstance(v, (list, tuple)) else v}" for k, v in self.overrides.items()
+            )
+            or "artifact schedule"
+        )
 
     def resolve(self, model) -> Schedule:
         if self.schedule is not None:
@@ -162,8 +173,11 @@ class Tale(Policy):
         bits = "/".join(str(lv.bits) for lv in s.levels)
         key_bits = "/".join(str(lv.key_bits) for lv in s.levels)
         rr = f"{min(r0)}-{max(r0)}" if min(r0) != max(r0) else f"{r0[0]}"
-        return (f"{s.policy} r0 {rr}/{d.R}, bits {bits}" + (f", key bits {key_bits}" if key_bits != bits else "")
-                + f", sinks {s.sinks}, groups {s.key_group}/{s.value_group}, residual {s.residual}")
+        return (
+            f"{s.policy} r0 {rr}/{d.R}, bits {bits}"
+            + (f", key bits {key_bits}" if key_bits != bits else "")
+            + f", sinks {s.sinks}, groups {s.key_group}/{s.value_group}, residual {s.residual}"
+        )
 
     def build(self, model, pattern):
         return new_cache(model, self.resolve(model))
@@ -179,7 +193,7 @@ class Tale(Policy):
         return [rs[0] for rs in self.resolve(model).ranks]
 
     @classmethod
-    def sweep(cls, ctx: int) -> list["Policy"]:
+    def sweep(cls, ctx: int) -> list[Policy]:
         return [cls(dict(o)) for o in TALE_SWEEP]
 
 
@@ -197,8 +211,12 @@ class ExactTale(Tale):
     def resolve(self, model) -> Schedule:
         s = (self.base or Tale()).resolve(model)
         R = Dims.of(model).R
-        return replace(s, levels=[replace(lv, bits=16, key_bits=16) for lv in s.levels],
-                       ranks=[[R] * len(s.levels) for _ in s.ranks], policy="exact")
+        return replace(
+            s,
+            levels=[replace(lv, bits=16, key_bits=16) for lv in s.levels],
+            ranks=[[R] * len(s.levels) for _ in s.ranks],
+            policy="exact",
+        )
 
 
 # TALE frontier points: override_schedule keywords on the artifact's schedule (docs/quality.md)
@@ -236,7 +254,7 @@ class Kivi(Policy):
         return replace(self, bits=16)
 
     @classmethod
-    def sweep(cls, ctx: int) -> list["Policy"]:
+    def sweep(cls, ctx: int) -> list[Policy]:
         return [cls(4, 32, 32), cls(2, 32, 32), cls(2, 128, 128)]
 
 
@@ -261,8 +279,9 @@ class HFQuantized(Policy):
     def build(self, model, pattern):
         from transformers.cache_utils import QuantizedCache
 
-        return QuantizedCache(self.backend, model.config, nbits=self.bits, q_group_size=self.group,
-                              residual_length=self.residual)
+        return QuantizedCache(
+            self.backend, model.config, nbits=self.bits, q_group_size=self.group, residual_length=self.residual
+        )
 
     def nbytes(self, cache) -> int:
         total = 0
@@ -290,7 +309,7 @@ class Quanto(HFQuantized):
         return [q._data._data, q._scale, q._shift]
 
     @classmethod
-    def sweep(cls, ctx: int) -> list["Policy"]:
+    def sweep(cls, ctx: int) -> list[Policy]:
         return [cls(4, 64, 128), cls(2, 64, 128)]
 
 
@@ -306,7 +325,7 @@ class HQQ(HFQuantized):
         return [codes, meta["scale"], meta["zero"]]
 
     @classmethod
-    def sweep(cls, ctx: int) -> list["Policy"]:
+    def sweep(cls, ctx: int) -> list[Policy]:
         return [cls(4, 64, 128), cls(2, 64, 128)]
 
 
@@ -341,7 +360,7 @@ class Streaming(Policy):
         return replace(self, window=1 << 30)
 
     @classmethod
-    def sweep(cls, ctx: int) -> list["Policy"]:
+    def sweep(cls, ctx: int) -> list[Policy]:
         return [cls(window=1 / r) for r in (3, 6, 12)]
 
 
@@ -378,14 +397,23 @@ class Palu(Policy):
 
     def build(self, model, pattern):
         d, s = Dims.of(model), model.tale_schedule
-        return caches.palu_cache(self.ranks(model, pattern), d.K, d.n, d.G, self.key_bits, self.latent_bits,
-                                 s.key_group, s.value_group, s.residual)
+        return caches.palu_cache(
+            self.ranks(model, pattern),
+            d.K,
+            d.n,
+            d.G,
+            self.key_bits,
+            self.latent_bits,
+            s.key_group,
+            s.value_group,
+            s.residual,
+        )
 
     def exact(self):
         return replace(self, rank=1 << 30, key_bits=16, latent_bits=16)  # full rank R, 16-bit
 
     @classmethod
-    def sweep(cls, ctx: int) -> list["Policy"]:
+    def sweep(cls, ctx: int) -> list[Policy]:
         return [cls(192, 4), cls(192, 2), cls(64, 2)]
 
 
@@ -396,9 +424,19 @@ NAMED = ("full", "tale-exact", "tale", "kivi2", "kivi4", "quanto4", "hqq4", "str
 
 def named(name: str) -> Policy:
     """A policy by its row name (NAMED); raises ValueError for an unknown one."""
-    fixed = {"full": Full(), "tale": Tale(), "tale-exact": ExactTale(), "kivi2": Kivi(2), "kivi4": Kivi(4),
-             "quanto2": Quanto(2), "quanto4": Quanto(4), "hqq2": HQQ(2), "hqq4": HQQ(4), "streaming": Streaming(),
-             "palu": Palu()}
+    fixed = {
+        "full": Full(),
+        "tale": Tale(),
+        "tale-exact": ExactTale(),
+        "kivi2": Kivi(2),
+        "kivi4": Kivi(4),
+        "quanto2": Quanto(2),
+        "quanto4": Quanto(4),
+        "hqq2": HQQ(2),
+        "hqq4": HQQ(4),
+        "streaming": Streaming(),
+        "palu": Palu(),
+    }
     if name not in fixed:
         raise ValueError(f"unknown policy {name!r}: use {', '.join(NAMED)}")
     return fixed[name]
@@ -417,8 +455,9 @@ def tale_bytes(model, schedule: Schedule, pattern: list[int]) -> int:
 
 
 def palu_layer_bytes(d: Dims, s: Schedule, p: Palu, rank: int, pattern: list[int]) -> int:
-    layer = caches.palu_cache([rank], d.K, d.n, d.G, p.key_bits, p.latent_bits, s.key_group, s.value_group,
-                              s.residual).layers[0]
+    layer = caches.palu_cache(
+        [rank], d.K, d.n, d.G, p.key_bits, p.latent_bits, s.key_group, s.value_group, s.residual
+    ).layers[0]
     for T in pattern:
         layer.update(torch.zeros(1, d.K, T, d.n, dtype=d.dtype), torch.zeros(1, d.G, T, rank, dtype=d.dtype))
     return layer.nbytes()

@@ -67,20 +67,40 @@ def _split4(x, NP: tl.constexpr, M: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, i: tl.constexpr,
-               HBITS: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, VG: tl.constexpr,
-               BT: tl.constexpr, DOT: tl.constexpr):
+def _lat_plane(
+    h_ptr,
+    hb,
+    hoff,
+    hs_ptr,
+    hz_ptr,
+    soff,
+    ok,
+    tm,
+    i: tl.constexpr,
+    HBITS: tl.constexpr,
+    P: tl.constexpr,
+    PP: tl.constexpr,
+    VG: tl.constexpr,
+    BT: tl.constexpr,
+    DOT: tl.constexpr,
+):
     """Latent channels i*P .. i*P + P - 1 of a tile, dequantized: [BT, PP] in DOT. Rows that are
     not real slots come out zero (scales masked), whatever the buffer holds there."""
     jp = tl.arange(0, PP)
     if HBITS < 8:
         x = plane(hb, i, HBITS, DOT)
     elif HBITS == 8:
-        x = to_float(tl.load(h_ptr + hoff[:, None] + (i * P + jp)[None, :], mask=tm[:, None] & (jp < P)[None, :],
-                             other=0).to(tl.int32), 8, DOT)
+        x = to_float(
+            tl.load(h_ptr + hoff[:, None] + (i * P + jp)[None, :], mask=tm[:, None] & (jp < P)[None, :], other=0).to(
+                tl.int32
+            ),
+            8,
+            DOT,
+        )
     else:
-        x = tl.load(h_ptr + hoff[:, None] + (i * P + jp)[None, :], mask=ok[:, None] & (jp < P)[None, :],
-                    other=0.0).to(DOT)
+        x = tl.load(h_ptr + hoff[:, None] + (i * P + jp)[None, :], mask=ok[:, None] & (jp < P)[None, :], other=0.0).to(
+            DOT
+        )
     if HBITS < 16:
         if P >= VG:  # whole groups in the plane
             gi = tl.arange(0, PP // VG)
@@ -98,16 +118,67 @@ def _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, i: tl.constexpr,
 
 @triton.jit
 def _region(
-    q_ptr, s_qb, s_qh, qk_scale, b, c, slot, spl, n_slots, H, next_pos, window,
-    pm_ptr, pl_ptr, pacc_ptr, s_acc, rk_ptr,
-    k_ptr, s_kb, s_kh, s_kt, ks_ptr, kz_ptr, s_ksb, s_ksh, s_kst,
-    h_ptr, s_hb, s_hg, s_ht, hs_ptr, hz_ptr, s_hsb, s_hsg, s_hst,
-    p_ptr, s_pb, len_arg, nsplit,
-    N: tl.constexpr, GS: tl.constexpr, REP: tl.constexpr, QGP: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr,
-    WIN: tl.constexpr, DOT: tl.constexpr, QLOOP: tl.constexpr,
-    KBITS: tl.constexpr, HBITS: tl.constexpr, RANK: tl.constexpr, NPK: tl.constexpr, KW: tl.constexpr,
-    KROWS: tl.constexpr, NPH: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, BT: tl.constexpr,
-    KDOT: tl.constexpr, HDOT: tl.constexpr, LENP: tl.constexpr,
+    q_ptr,
+    s_qb,
+    s_qh,
+    qk_scale,
+    b,
+    c,
+    slot,
+    spl,
+    n_slots,
+    H,
+    next_pos,
+    window,
+    pm_ptr,
+    pl_ptr,
+    pacc_ptr,
+    s_acc,
+    rk_ptr,
+    k_ptr,
+    s_kb,
+    s_kh,
+    s_kt,
+    ks_ptr,
+    kz_ptr,
+    s_ksb,
+    s_ksh,
+    s_kst,
+    h_ptr,
+    s_hb,
+    s_hg,
+    s_ht,
+    hs_ptr,
+    hz_ptr,
+    s_hsb,
+    s_hsg,
+    s_hst,
+    p_ptr,
+    s_pb,
+    len_arg,
+    nsplit,
+    N: tl.constexpr,
+    GS: tl.constexpr,
+    REP: tl.constexpr,
+    QGP: tl.constexpr,
+    KG: tl.constexpr,
+    VG: tl.constexpr,
+    WIN: tl.constexpr,
+    DOT: tl.constexpr,
+    QLOOP: tl.constexpr,
+    KBITS: tl.constexpr,
+    HBITS: tl.constexpr,
+    RANK: tl.constexpr,
+    NPK: tl.constexpr,
+    KW: tl.constexpr,
+    KROWS: tl.constexpr,
+    NPH: tl.constexpr,
+    P: tl.constexpr,
+    PP: tl.constexpr,
+    BT: tl.constexpr,
+    KDOT: tl.constexpr,
+    HDOT: tl.constexpr,
+    LENP: tl.constexpr,
 ):
     """One split of one region: partial (max, sum, acc[:RANK]) of the group's query heads."""
     QG: tl.constexpr = GS * REP
@@ -173,8 +244,11 @@ def _region(
             if KBITS < 8:
                 kc = plane(kb, i, KBITS, DOT)
             elif KBITS == 8:
-                kc = to_float(tl.load(k_ptr + koff[None, :] + i * PK + t[:, None] * s_kt, mask=kmask,
-                                      other=0).to(tl.int32), 8, DOT)
+                kc = to_float(
+                    tl.load(k_ptr + koff[None, :] + i * PK + t[:, None] * s_kt, mask=kmask, other=0).to(tl.int32),
+                    8,
+                    DOT,
+                )
             else:
                 kc = tl.load(k_ptr + koff[None, :] + i * PK + t[:, None] * s_kt, mask=kmask, other=0.0).to(DOT)
             if KBITS < 16:  # per channel over key groups: KROWS scale rows per tile
@@ -183,8 +257,7 @@ def _region(
                 so = ksoff[None, :] + i * PK + r[:, None] * s_kst
                 ks = tl.load(ks_ptr + so, mask=sm, other=0.0).to(DOT)
                 kz = tl.load(kz_ptr + so, mask=sm, other=0.0).to(DOT)
-                kc = tl.reshape(tl.reshape(kc, (KROWS, BT // KROWS, KW)) * ks[:, None, :] + kz[:, None, :],
-                                (BT, KW))
+                kc = tl.reshape(tl.reshape(kc, (KROWS, BT // KROWS, KW)) * ks[:, None, :] + kz[:, None, :], (BT, KW))
             if QLOOP:
                 qi = tl.load(q_ptr + qoff + i * PK, mask=qm2, other=0.0).to(DOT)
             elif i == 0:
@@ -214,16 +287,32 @@ def _region(
         hb = pv  # stands in when the latents are not packed
         if HBITS < 8:
             hb = tl.load(h_ptr + hoff[:, None] + jp[None, :], mask=tm[:, None] & (jp < P)[None, :], other=0)
-        acc0 = _dot(pd, _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 0, HBITS, P, PP, VG, BT, DOT),
-                    acc0 * alpha[:, None], HDOT)
+        acc0 = _dot(
+            pd,
+            _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 0, HBITS, P, PP, VG, BT, DOT),
+            acc0 * alpha[:, None],
+            HDOT,
+        )
         if NPH > 1:
-            acc1 = _dot(pd, _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1, HBITS, P, PP, VG, BT, DOT),
-                        acc1 * alpha[:, None], HDOT)
+            acc1 = _dot(
+                pd,
+                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1, HBITS, P, PP, VG, BT, DOT),
+                acc1 * alpha[:, None],
+                HDOT,
+            )
         if NPH > 2:
-            acc2 = _dot(pd, _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 2, HBITS, P, PP, VG, BT, DOT),
-                        acc2 * alpha[:, None], HDOT)
-            acc3 = _dot(pd, _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 3, HBITS, P, PP, VG, BT, DOT),
-                        acc3 * alpha[:, None], HDOT)
+            acc2 = _dot(
+                pd,
+                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 2, HBITS, P, PP, VG, BT, DOT),
+                acc2 * alpha[:, None],
+                HDOT,
+            )
+            acc3 = _dot(
+                pd,
+                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 3, HBITS, P, PP, VG, BT, DOT),
+                acc3 * alpha[:, None],
+                HDOT,
+            )
 
     # -- the partial of this split: channels past RANK are never written (the combine skips them)
     prow = (b * H + head) * n_slots + slot
@@ -242,30 +331,174 @@ def _region(
 
 @triton.jit
 def _attn_kernel(
-    q_ptr, s_qb, s_qh, qk_scale, np_arg, window,
-    pm_ptr, pl_ptr, pacc_ptr, s_acc, rk_ptr, n_slots, H, slot0, S1, S2, S3,
-    k0, s_kb0, s_kh0, s_kt0, ks0, kz0, s_ksb0, s_ksh0, s_kst0, h0, s_hb0, s_hg0, s_ht0, hs0, hz0, s_hsb0, s_hsg0,
-    s_hst0, pos0, s_pb0, ln0, ns0,
-    k1, s_kb1, s_kh1, s_kt1, ks1, kz1, s_ksb1, s_ksh1, s_kst1, h1, s_hb1, s_hg1, s_ht1, hs1, hz1, s_hsb1, s_hsg1,
-    s_hst1, pos1, s_pb1, ln1, ns1,
-    k2, s_kb2, s_kh2, s_kt2, ks2, kz2, s_ksb2, s_ksh2, s_kst2, h2, s_hb2, s_hg2, s_ht2, hs2, hz2, s_hsb2, s_hsg2,
-    s_hst2, pos2, s_pb2, ln2, ns2,
-    k3, s_kb3, s_kh3, s_kt3, ks3, kz3, s_ksb3, s_ksh3, s_kst3, h3, s_hb3, s_hg3, s_ht3, hs3, hz3, s_hsb3, s_hsg3,
-    s_hst3, pos3, s_pb3, ln3, ns3,
-    KBITS0: tl.constexpr, HBITS0: tl.constexpr, RANK0: tl.constexpr, NPK0: tl.constexpr, KW0: tl.constexpr, KROWS0:
-    tl.constexpr, NPH0: tl.constexpr, P0: tl.constexpr, PP0: tl.constexpr, BT0: tl.constexpr, KDOT0: tl.constexpr,
-    HDOT0: tl.constexpr, LENP0: tl.constexpr,
-    KBITS1: tl.constexpr, HBITS1: tl.constexpr, RANK1: tl.constexpr, NPK1: tl.constexpr, KW1: tl.constexpr, KROWS1:
-    tl.constexpr, NPH1: tl.constexpr, P1: tl.constexpr, PP1: tl.constexpr, BT1: tl.constexpr, KDOT1: tl.constexpr,
-    HDOT1: tl.constexpr, LENP1: tl.constexpr,
-    KBITS2: tl.constexpr, HBITS2: tl.constexpr, RANK2: tl.constexpr, NPK2: tl.constexpr, KW2: tl.constexpr, KROWS2:
-    tl.constexpr, NPH2: tl.constexpr, P2: tl.constexpr, PP2: tl.constexpr, BT2: tl.constexpr, KDOT2: tl.constexpr,
-    HDOT2: tl.constexpr, LENP2: tl.constexpr,
-    KBITS3: tl.constexpr, HBITS3: tl.constexpr, RANK3: tl.constexpr, NPK3: tl.constexpr, KW3: tl.constexpr, KROWS3:
-    tl.constexpr, NPH3: tl.constexpr, P3: tl.constexpr, PP3: tl.constexpr, BT3: tl.constexpr, KDOT3: tl.constexpr,
-    HDOT3: tl.constexpr, LENP3: tl.constexpr,
-    N: tl.constexpr, GS: tl.constexpr, REP: tl.constexpr, QGP: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr,
-    WIN: tl.constexpr, NPP: tl.constexpr, NREG: tl.constexpr, DOT: tl.constexpr, QLOOP: tl.constexpr,
+    q_ptr,
+    s_qb,
+    s_qh,
+    qk_scale,
+    np_arg,
+    window,
+    pm_ptr,
+    pl_ptr,
+    pacc_ptr,
+    s_acc,
+    rk_ptr,
+    n_slots,
+    H,
+    slot0,
+    S1,
+    S2,
+    S3,
+    k0,
+    s_kb0,
+    s_kh0,
+    s_kt0,
+    ks0,
+    kz0,
+    s_ksb0,
+    s_ksh0,
+    s_kst0,
+    h0,
+    s_hb0,
+    s_hg0,
+    s_ht0,
+    hs0,
+    hz0,
+    s_hsb0,
+    s_hsg0,
+    s_hst0,
+    pos0,
+    s_pb0,
+    ln0,
+    ns0,
+    k1,
+    s_kb1,
+    s_kh1,
+    s_kt1,
+    ks1,
+    kz1,
+    s_ksb1,
+    s_ksh1,
+    s_kst1,
+    h1,
+    s_hb1,
+    s_hg1,
+    s_ht1,
+    hs1,
+    hz1,
+    s_hsb1,
+    s_hsg1,
+    s_hst1,
+    pos1,
+    s_pb1,
+    ln1,
+    ns1,
+    k2,
+    s_kb2,
+    s_kh2,
+    s_kt2,
+    ks2,
+    kz2,
+    s_ksb2,
+    s_ksh2,
+    s_kst2,
+    h2,
+    s_hb2,
+    s_hg2,
+    s_ht2,
+    hs2,
+    hz2,
+    s_hsb2,
+    s_hsg2,
+    s_hst2,
+    pos2,
+    s_pb2,
+    ln2,
+    ns2,
+    k3,
+    s_kb3,
+    s_kh3,
+    s_kt3,
+    ks3,
+    kz3,
+    s_ksb3,
+    s_ksh3,
+    s_kst3,
+    h3,
+    s_hb3,
+    s_hg3,
+    s_ht3,
+    hs3,
+    hz3,
+    s_hsb3,
+    s_hsg3,
+    s_hst3,
+    pos3,
+    s_pb3,
+    ln3,
+    ns3,
+    KBITS0: tl.constexpr,
+    HBITS0: tl.constexpr,
+    RANK0: tl.constexpr,
+    NPK0: tl.constexpr,
+    KW0: tl.constexpr,
+    KROWS0: tl.constexpr,
+    NPH0: tl.constexpr,
+    P0: tl.constexpr,
+    PP0: tl.constexpr,
+    BT0: tl.constexpr,
+    KDOT0: tl.constexpr,
+    HDOT0: tl.constexpr,
+    LENP0: tl.constexpr,
+    KBITS1: tl.constexpr,
+    HBITS1: tl.constexpr,
+    RANK1: tl.constexpr,
+    NPK1: tl.constexpr,
+    KW1: tl.constexpr,
+    KROWS1: tl.constexpr,
+    NPH1: tl.constexpr,
+    P1: tl.constexpr,
+    PP1: tl.constexpr,
+    BT1: tl.constexpr,
+    KDOT1: tl.constexpr,
+    HDOT1: tl.constexpr,
+    LENP1: tl.constexpr,
+    KBITS2: tl.constexpr,
+    HBITS2: tl.constexpr,
+    RANK2: tl.constexpr,
+    NPK2: tl.constexpr,
+    KW2: tl.constexpr,
+    KROWS2: tl.constexpr,
+    NPH2: tl.constexpr,
+    P2: tl.constexpr,
+    PP2: tl.constexpr,
+    BT2: tl.constexpr,
+    KDOT2: tl.constexpr,
+    HDOT2: tl.constexpr,
+    LENP2: tl.constexpr,
+    KBITS3: tl.constexpr,
+    HBITS3: tl.constexpr,
+    RANK3: tl.constexpr,
+    NPK3: tl.constexpr,
+    KW3: tl.constexpr,
+    KROWS3: tl.constexpr,
+    NPH3: tl.constexpr,
+    P3: tl.constexpr,
+    PP3: tl.constexpr,
+    BT3: tl.constexpr,
+    KDOT3: tl.constexpr,
+    HDOT3: tl.constexpr,
+    LENP3: tl.constexpr,
+    N: tl.constexpr,
+    GS: tl.constexpr,
+    REP: tl.constexpr,
+    QGP: tl.constexpr,
+    KG: tl.constexpr,
+    VG: tl.constexpr,
+    WIN: tl.constexpr,
+    NPP: tl.constexpr,
+    NREG: tl.constexpr,
+    DOT: tl.constexpr,
+    QLOOP: tl.constexpr,
 ):
     """Program (split sp, head group c, batch row b): sp < S1 is region 0's split sp, and so on."""
     sp = tl.program_id(0)
@@ -277,37 +510,291 @@ def _attn_kernel(
     else:
         next_pos = np_arg
     if sp < S1:
-        _region(q_ptr, s_qb, s_qh, qk_scale, b, c, slot0 + sp, sp - S0, n_slots, H, next_pos, window, pm_ptr, pl_ptr,
-                pacc_ptr, s_acc, rk_ptr, k0, s_kb0, s_kh0, s_kt0, ks0, kz0, s_ksb0, s_ksh0, s_kst0, h0, s_hb0, s_hg0,
-                s_ht0, hs0, hz0, s_hsb0, s_hsg0, s_hst0, pos0, s_pb0, ln0, ns0, N, GS, REP, QGP, KG, VG, WIN, DOT,
-                QLOOP, KBITS0, HBITS0, RANK0, NPK0, KW0, KROWS0, NPH0, P0, PP0, BT0, KDOT0, HDOT0, LENP0)
+        _region(
+            q_ptr,
+            s_qb,
+            s_qh,
+            qk_scale,
+            b,
+            c,
+            slot0 + sp,
+            sp - S0,
+            n_slots,
+            H,
+            next_pos,
+            window,
+            pm_ptr,
+            pl_ptr,
+            pacc_ptr,
+            s_acc,
+            rk_ptr,
+            k0,
+            s_kb0,
+            s_kh0,
+            s_kt0,
+            ks0,
+            kz0,
+            s_ksb0,
+            s_ksh0,
+            s_kst0,
+            h0,
+            s_hb0,
+            s_hg0,
+            s_ht0,
+            hs0,
+            hz0,
+            s_hsb0,
+            s_hsg0,
+            s_hst0,
+            pos0,
+            s_pb0,
+            ln0,
+            ns0,
+            N,
+            GS,
+            REP,
+            QGP,
+            KG,
+            VG,
+            WIN,
+            DOT,
+            QLOOP,
+            KBITS0,
+            HBITS0,
+            RANK0,
+            NPK0,
+            KW0,
+            KROWS0,
+            NPH0,
+            P0,
+            PP0,
+            BT0,
+            KDOT0,
+            HDOT0,
+            LENP0,
+        )
     elif NREG > 1:
         if sp < S2:
-            _region(q_ptr, s_qb, s_qh, qk_scale, b, c, slot0 + sp, sp - S1, n_slots, H, next_pos, window, pm_ptr,
-                    pl_ptr, pacc_ptr, s_acc, rk_ptr, k1, s_kb1, s_kh1, s_kt1, ks1, kz1, s_ksb1, s_ksh1, s_kst1, h1,
-                    s_hb1, s_hg1, s_ht1, hs1, hz1, s_hsb1, s_hsg1, s_hst1, pos1, s_pb1, ln1, ns1, N, GS, REP, QGP, KG,
-                    VG, WIN, DOT, QLOOP, KBITS1, HBITS1, RANK1, NPK1, KW1, KROWS1, NPH1, P1, PP1, BT1, KDOT1, HDOT1,
-                    LENP1)
+            _region(
+                q_ptr,
+                s_qb,
+                s_qh,
+                qk_scale,
+                b,
+                c,
+                slot0 + sp,
+                sp - S1,
+                n_slots,
+                H,
+                next_pos,
+                window,
+                pm_ptr,
+                pl_ptr,
+                pacc_ptr,
+                s_acc,
+                rk_ptr,
+                k1,
+                s_kb1,
+                s_kh1,
+                s_kt1,
+                ks1,
+                kz1,
+                s_ksb1,
+                s_ksh1,
+                s_kst1,
+                h1,
+                s_hb1,
+                s_hg1,
+                s_ht1,
+                hs1,
+                hz1,
+                s_hsb1,
+                s_hsg1,
+                s_hst1,
+                pos1,
+                s_pb1,
+                ln1,
+                ns1,
+                N,
+                GS,
+                REP,
+                QGP,
+                KG,
+                VG,
+                WIN,
+                DOT,
+                QLOOP,
+                KBITS1,
+                HBITS1,
+                RANK1,
+                NPK1,
+                KW1,
+                KROWS1,
+                NPH1,
+                P1,
+                PP1,
+                BT1,
+                KDOT1,
+                HDOT1,
+                LENP1,
+            )
         elif NREG > 2:
             if sp < S3:
-                _region(q_ptr, s_qb, s_qh, qk_scale, b, c, slot0 + sp, sp - S2, n_slots, H, next_pos, window, pm_ptr,
-                        pl_ptr, pacc_ptr, s_acc, rk_ptr, k2, s_kb2, s_kh2, s_kt2, ks2, kz2, s_ksb2, s_ksh2, s_kst2, h2,
-                        s_hb2, s_hg2, s_ht2, hs2, hz2, s_hsb2, s_hsg2, s_hst2, pos2, s_pb2, ln2, ns2, N, GS, REP, QGP,
-                        KG, VG, WIN, DOT, QLOOP, KBITS2, HBITS2, RANK2, NPK2, KW2, KROWS2, NPH2, P2, PP2, BT2, KDOT2,
-                        HDOT2, LENP2)
+                _region(
+                    q_ptr,
+                    s_qb,
+                    s_qh,
+                    qk_scale,
+                    b,
+                    c,
+                    slot0 + sp,
+                    sp - S2,
+                    n_slots,
+                    H,
+                    next_pos,
+                    window,
+                    pm_ptr,
+                    pl_ptr,
+                    pacc_ptr,
+                    s_acc,
+                    rk_ptr,
+                    k2,
+                    s_kb2,
+                    s_kh2,
+                    s_kt2,
+                    ks2,
+                    kz2,
+                    s_ksb2,
+                    s_ksh2,
+                    s_kst2,
+                    h2,
+                    s_hb2,
+                    s_hg2,
+                    s_ht2,
+                    hs2,
+                    hz2,
+                    s_hsb2,
+                    s_hsg2,
+                    s_hst2,
+                    pos2,
+                    s_pb2,
+                    ln2,
+                    ns2,
+                    N,
+                    GS,
+                    REP,
+                    QGP,
+                    KG,
+                    VG,
+                    WIN,
+                    DOT,
+                    QLOOP,
+                    KBITS2,
+                    HBITS2,
+                    RANK2,
+                    NPK2,
+                    KW2,
+                    KROWS2,
+                    NPH2,
+                    P2,
+                    PP2,
+                    BT2,
+                    KDOT2,
+                    HDOT2,
+                    LENP2,
+                )
             elif NREG > 3:
-                _region(q_ptr, s_qb, s_qh, qk_scale, b, c, slot0 + sp, sp - S3, n_slots, H, next_pos, window, pm_ptr,
-                        pl_ptr, pacc_ptr, s_acc, rk_ptr, k3, s_kb3, s_kh3, s_kt3, ks3, kz3, s_ksb3, s_ksh3, s_kst3, h3,
-                        s_hb3, s_hg3, s_ht3, hs3, hz3, s_hsb3, s_hsg3, s_hst3, pos3, s_pb3, ln3, ns3, N, GS, REP, QGP,
-                        KG, VG, WIN, DOT, QLOOP, KBITS3, HBITS3, RANK3, NPK3, KW3, KROWS3, NPH3, P3, PP3, BT3, KDOT3,
-                        HDOT3, LENP3)
+                _region(
+                    q_ptr,
+                    s_qb,
+                    s_qh,
+                    qk_scale,
+                    b,
+                    c,
+                    slot0 + sp,
+                    sp - S3,
+                    n_slots,
+                    H,
+                    next_pos,
+                    window,
+                    pm_ptr,
+                    pl_ptr,
+                    pacc_ptr,
+                    s_acc,
+                    rk_ptr,
+                    k3,
+                    s_kb3,
+                    s_kh3,
+                    s_kt3,
+                    ks3,
+                    kz3,
+                    s_ksb3,
+                    s_ksh3,
+                    s_kst3,
+                    h3,
+                    s_hb3,
+                    s_hg3,
+                    s_ht3,
+                    hs3,
+                    hz3,
+                    s_hsb3,
+                    s_hsg3,
+                    s_hst3,
+                    pos3,
+                    s_pb3,
+                    ln3,
+                    ns3,
+                    N,
+                    GS,
+                    REP,
+                    QGP,
+                    KG,
+                    VG,
+                    WIN,
+                    DOT,
+                    QLOOP,
+                    KBITS3,
+                    HBITS3,
+                    RANK3,
+                    NPK3,
+                    KW3,
+                    KROWS3,
+                    NPH3,
+                    P3,
+                    PP3,
+                    BT3,
+                    KDOT3,
+                    HDOT3,
+                    LENP3,
+                )
 
 
 @triton.jit
 def _combine_kernel(
-    pm_ptr, pl_ptr, pacc_ptr, s_acc, rk_ptr, z_ptr, n_slots, R, H,
-    q_ptr, s_qb, s_qh, qk_scale, kn_ptr, s_knb, s_knh, hn_ptr, s_hnb, s_hng,
-    N: tl.constexpr, REP: tl.constexpr, GS: tl.constexpr, BS: tl.constexpr, BR: tl.constexpr,
+    pm_ptr,
+    pl_ptr,
+    pacc_ptr,
+    s_acc,
+    rk_ptr,
+    z_ptr,
+    n_slots,
+    R,
+    H,
+    q_ptr,
+    s_qb,
+    s_qh,
+    qk_scale,
+    kn_ptr,
+    s_knb,
+    s_knh,
+    hn_ptr,
+    s_hnb,
+    s_hng,
+    N: tl.constexpr,
+    REP: tl.constexpr,
+    GS: tl.constexpr,
+    BS: tl.constexpr,
+    BR: tl.constexpr,
 ):
     """z for one (batch row, query head, column block): the new token merged with every slot."""
     row = tl.program_id(0).to(tl.int64)  # b * H + query head
@@ -353,8 +840,11 @@ def _plain_qtensor(t: QTensor) -> bool:
     for f in dataclasses.fields(t):
         if f.name in _QFIELDS:
             continue
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+        default = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else (f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+        )
         if default is dataclasses.MISSING or getattr(t, f.name) != default:
             return False
     return True
@@ -454,15 +944,37 @@ def _region_args(r: Region, n: int, g: int, KG: int, block_t: int, ns: int) -> t
     PP = max(16, pow2(P))
     ln = r.length
     lenp = isinstance(ln, torch.Tensor)
-    rt = [kt, kt.stride(0), kt.stride(1), kt.stride(2), ks, kz, ks.stride(0), ks.stride(1), ks.stride(2),
-          ht, ht.stride(0), ht.stride(1), ht.stride(2), hs, hz, hs.stride(0), hs.stride(1), hs.stride(2),
-          r.pos, r.pos.stride(0), ln, ns]
+    rt = [
+        kt,
+        kt.stride(0),
+        kt.stride(1),
+        kt.stride(2),
+        ks,
+        kz,
+        ks.stride(0),
+        ks.stride(1),
+        ks.stride(2),
+        ht,
+        ht.stride(0),
+        ht.stride(1),
+        ht.stride(2),
+        hs,
+        hz,
+        hs.stride(0),
+        hs.stride(1),
+        hs.stride(2),
+        r.pos,
+        r.pos.stride(0),
+        ln,
+        ns,
+    ]
     ct = [kb, hb, r.rank, NPK, KW, max(1, BT // KG), NPH, P, PP, BT, KW >= 32, PP >= 32, lenp]
     return rt, ct
 
 
-def _splits(view: LayerView, B: int, G: int, n: int, K: int, sms: int, waves: float, min_split: int,
-            split_tokens: int | None) -> list[int]:
+def _splits(
+    view: LayerView, B: int, G: int, n: int, K: int, sms: int, waves: float, min_split: int, split_tokens: int | None
+) -> list[int]:
     """Splits per region, from capacities only (graph-safe): about `waves` programs per SM in all,
     shared by the regions in proportion to their bytes, at least `min_split` slots each."""
     caps = [r.capacity for r in view.regions]
@@ -524,31 +1036,80 @@ def latent_attention(
     QGP = max(16, pow2(g * rep))
     slot0 = 0
     for i0 in range(0, len(regions), NREG):
-        part = list(zip(regions[i0:i0 + NREG], splits[i0:i0 + NREG]))
+        part = list(zip(regions[i0 : i0 + NREG], splits[i0 : i0 + NREG]))
         args = [_region_args(r, n, g, KG, BT, ns) for r, ns in part]
         total = sum(ns for _, ns in part)
         bounds = [sum(ns for _, ns in part[:j]) if j < len(part) else total for j in range(1, NREG)]  # S1..S3
         while len(args) < NREG:
             args.append(args[0])
         rt = [a for r_, _ in args for a in r_]
-        ct = {f"{name}{j}": v for j, (_, c_) in enumerate(args)
-              for name, v in zip(("KBITS", "HBITS", "RANK", "NPK", "KW", "KROWS", "NPH", "P", "PP", "BT", "KDOT",
-                                  "HDOT", "LENP"), c_)}
+        ct = {
+            f"{name}{j}": v
+            for j, (_, c_) in enumerate(args)
+            for name, v in zip(
+                ("KBITS", "HBITS", "RANK", "NPK", "KW", "KROWS", "NPH", "P", "PP", "BT", "KDOT", "HDOT", "LENP"), c_
+            )
+        }
         _attn_kernel[(total, G, B)](
-            q, q.stride(0), q.stride(1), qk, npos, 0 if win is None else int(win),
-            pm, pl, pacc, pacc.stride(2), rk, n_slots, H, slot0, *bounds,
+            q,
+            q.stride(0),
+            q.stride(1),
+            qk,
+            npos,
+            0 if win is None else int(win),
+            pm,
+            pl,
+            pacc,
+            pacc.stride(2),
+            rk,
+            n_slots,
+            H,
+            slot0,
+            *bounds,
             *rt,
-            N=n, GS=g, REP=rep, QGP=QGP, KG=KG, VG=VG, WIN=win is not None, NPP=isinstance(npos, torch.Tensor),
-            NREG=len(part), DOT=dtype, QLOOP=q_in_loop, **ct,
-            num_warps=num_warps, num_stages=num_stages,
+            N=n,
+            GS=g,
+            REP=rep,
+            QGP=QGP,
+            KG=KG,
+            VG=VG,
+            WIN=win is not None,
+            NPP=isinstance(npos, torch.Tensor),
+            NREG=len(part),
+            DOT=dtype,
+            QLOOP=q_in_loop,
+            **ct,
+            num_warps=num_warps,
+            num_stages=num_stages,
         )
         slot0 += total
     z = torch.empty(B, 1, H, R, device=dev, dtype=torch.float32)
     BR = min(RPAD, 64)
     _combine_kernel[(B * H, triton.cdiv(R, BR))](
-        pm, pl, pacc, pacc.stride(2), rk, z, n_slots if regions else 0, R, H,
-        q, q.stride(0), q.stride(1), qk, k_new, k_new.stride(0), k_new.stride(1),
-        h_new, h_new.stride(0), h_new.stride(1),
-        N=n, REP=rep, GS=g, BS=64, BR=BR, num_warps=4,
+        pm,
+        pl,
+        pacc,
+        pacc.stride(2),
+        rk,
+        z,
+        n_slots if regions else 0,
+        R,
+        H,
+        q,
+        q.stride(0),
+        q.stride(1),
+        qk,
+        k_new,
+        k_new.stride(0),
+        k_new.stride(1),
+        h_new,
+        h_new.stride(0),
+        h_new.stride(1),
+        N=n,
+        REP=rep,
+        GS=g,
+        BS=64,
+        BR=BR,
+        num_warps=4,
     )
     return z

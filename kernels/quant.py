@@ -24,9 +24,26 @@ from ._common import TL_DTYPE, is_pow2, pow2, runnable
 
 
 @triton.jit
-def _load_x(x_ptr, xs_ptr, xz_ptr, xoff, soff, s_xt, s_st, t0, L, ch, cm, NB_IN,
-            IN_BITS: tl.constexpr, GROUP: tl.constexpr, KEYS: tl.constexpr,
-            BT: tl.constexpr, SRC: tl.constexpr, ROUND: tl.constexpr):
+def _load_x(
+    x_ptr,
+    xs_ptr,
+    xz_ptr,
+    xoff,
+    soff,
+    s_xt,
+    s_st,
+    t0,
+    L,
+    ch,
+    cm,
+    NB_IN,
+    IN_BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    KEYS: tl.constexpr,
+    BT: tl.constexpr,
+    SRC: tl.constexpr,
+    ROUND: tl.constexpr,
+):
     """Float32 [BT, W] tile of the channels `ch` [W] (mask `cm`): raw (IN_BITS 16) or dequantized
     (rounded to SRC if ROUND). Packed codes and their scales are gathered per element: any
     channel order in, whatever the input's plane layout (NB_IN bytes per row)."""
@@ -53,11 +70,34 @@ def _load_x(x_ptr, xs_ptr, xz_ptr, xoff, soff, s_xt, s_st, t0, L, ch, cm, NB_IN,
 
 @triton.jit
 def _quant_kernel(
-    x_ptr, xs_ptr, xz_ptr, s_xa, s_xd, s_xt, s_sa, s_sd, s_st,
-    o_ptr, os_ptr, oz_ptr, s_oa, s_od, s_ot, s_osa, s_osd, s_ost,
-    L, NB, NB_IN,
-    IN_BITS: tl.constexpr, OUT_BITS: tl.constexpr, GROUP: tl.constexpr, KEYS: tl.constexpr,
-    BT: tl.constexpr, NBP: tl.constexpr, SRC: tl.constexpr,
+    x_ptr,
+    xs_ptr,
+    xz_ptr,
+    s_xa,
+    s_xd,
+    s_xt,
+    s_sa,
+    s_sd,
+    s_st,
+    o_ptr,
+    os_ptr,
+    oz_ptr,
+    s_oa,
+    s_od,
+    s_ot,
+    s_osa,
+    s_osd,
+    s_ost,
+    L,
+    NB,
+    NB_IN,
+    IN_BITS: tl.constexpr,
+    OUT_BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    KEYS: tl.constexpr,
+    BT: tl.constexpr,
+    NBP: tl.constexpr,
+    SRC: tl.constexpr,
 ):
     """Quantize a tile of whole groups. Columns run in the output's plane order, padded:
     column u = (plane u // NBP, byte u % NBP) holds channel (u // NBP) * NB + u % NBP, so the
@@ -71,8 +111,26 @@ def _quant_kernel(
     jj = u % NBP
     ch = (u // NBP) * NB + jj
     cm = jj < NB
-    x = _load_x(x_ptr, xs_ptr, xz_ptr, a * s_xa + d * s_xd, a * s_sa + d * s_sd, s_xt, s_st, t0, L, ch, cm, NB_IN,
-                IN_BITS, GROUP, KEYS, BT, SRC, True)
+    x = _load_x(
+        x_ptr,
+        xs_ptr,
+        xz_ptr,
+        a * s_xa + d * s_xd,
+        a * s_sa + d * s_sd,
+        s_xt,
+        s_st,
+        t0,
+        L,
+        ch,
+        cm,
+        NB_IN,
+        IN_BITS,
+        GROUP,
+        KEYS,
+        BT,
+        SRC,
+        True,
+    )
     QMAX: tl.constexpr = (1 << OUT_BITS) - 1
     t = t0 + tl.arange(0, BT)
     tm = t < L
@@ -109,27 +167,67 @@ def _quant_kernel(
         shifts = tl.arange(0, PER) * OUT_BITS
         packed = tl.sum(tl.reshape(codes, (BT, PER, NBP)) << shifts[None, :, None], axis=1).to(tl.uint8)
     cb = tl.arange(0, NBP)
-    tl.store(o_ptr + a * s_oa + d * s_od + t[:, None] * s_ot + cb[None, :], packed,
-             mask=tm[:, None] & (cb < NB)[None, :])
+    tl.store(
+        o_ptr + a * s_oa + d * s_od + t[:, None] * s_ot + cb[None, :], packed, mask=tm[:, None] & (cb < NB)[None, :]
+    )
 
 
 @triton.jit
 def _dequant_kernel(
-    x_ptr, xs_ptr, xz_ptr, s_xa, s_xd, s_xt, s_sa, s_sd, s_st,
-    o_ptr, s_oa, s_od, s_ot,
-    L, C, NB_IN,
-    IN_BITS: tl.constexpr, GROUP: tl.constexpr, KEYS: tl.constexpr,
-    BT: tl.constexpr, CP: tl.constexpr, SRC: tl.constexpr, OUT: tl.constexpr,
+    x_ptr,
+    xs_ptr,
+    xz_ptr,
+    s_xa,
+    s_xd,
+    s_xt,
+    s_sa,
+    s_sd,
+    s_st,
+    o_ptr,
+    s_oa,
+    s_od,
+    s_ot,
+    L,
+    C,
+    NB_IN,
+    IN_BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    KEYS: tl.constexpr,
+    BT: tl.constexpr,
+    CP: tl.constexpr,
+    SRC: tl.constexpr,
+    OUT: tl.constexpr,
 ):
     t0 = tl.program_id(0) * BT
     d = tl.program_id(1).to(tl.int64)
     a = tl.program_id(2).to(tl.int64)
     ch = tl.arange(0, CP)
-    x = _load_x(x_ptr, xs_ptr, xz_ptr, a * s_xa + d * s_xd, a * s_sa + d * s_sd, s_xt, s_st, t0, L, ch, ch < C, NB_IN,
-                IN_BITS, GROUP, KEYS, BT, SRC, False)
+    x = _load_x(
+        x_ptr,
+        xs_ptr,
+        xz_ptr,
+        a * s_xa + d * s_xd,
+        a * s_sa + d * s_sd,
+        s_xt,
+        s_st,
+        t0,
+        L,
+        ch,
+        ch < C,
+        NB_IN,
+        IN_BITS,
+        GROUP,
+        KEYS,
+        BT,
+        SRC,
+        False,
+    )
     t = t0 + tl.arange(0, BT)
-    tl.store(o_ptr + a * s_oa + d * s_od + t[:, None] * s_ot + ch[None, :], x.to(OUT),
-             mask=(t < L)[:, None] & (ch < C)[None, :])
+    tl.store(
+        o_ptr + a * s_oa + d * s_od + t[:, None] * s_ot + ch[None, :],
+        x.to(OUT),
+        mask=(t < L)[:, None] & (ch < C)[None, :],
+    )
 
 
 def _as4d(t: torch.Tensor) -> torch.Tensor:
@@ -167,7 +265,9 @@ def supports(shape: torch.Size, bits: int, group: int, dim: int, *tensors: torch
     return dim % len(shape) == len(shape) - 1 and (C * bits // 8) % group == 0
 
 
-def _launch_quant(src: QTensor | torch.Tensor, C: int, bits: int, group: int, keys: bool, dtype: torch.dtype) -> QTensor:
+def _launch_quant(
+    src: QTensor | torch.Tensor, C: int, bits: int, group: int, keys: bool, dtype: torch.dtype
+) -> QTensor:
     raw = isinstance(src, torch.Tensor)
     x = _as4d(src if raw else src.data)
     xs = x if raw else _as4d(src.scale)
@@ -181,16 +281,46 @@ def _launch_quant(src: QTensor | torch.Tensor, C: int, bits: int, group: int, ke
     NB, NBP = C * bits // 8, pow2(C * bits // 8)
     BT = _tile(keys, group, (8 // bits) * NBP)
     _quant_kernel[(triton.cdiv(L, BT), D, A)](
-        x, xs, xz, x.stride(0), x.stride(1), x.stride(2), xs.stride(0), xs.stride(1), xs.stride(2),
-        out, scale, zero, out.stride(0), out.stride(1), out.stride(2),
-        scale.stride(0), scale.stride(1), scale.stride(2),
-        L, NB, 1 if raw else x.shape[-1],
-        IN_BITS=16 if raw else src.bits, OUT_BITS=bits, GROUP=group, KEYS=keys, BT=BT, NBP=NBP, SRC=TL_DTYPE[dtype],
-        num_warps=4, **_no_fma(dev),
+        x,
+        xs,
+        xz,
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        xs.stride(0),
+        xs.stride(1),
+        xs.stride(2),
+        out,
+        scale,
+        zero,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        scale.stride(0),
+        scale.stride(1),
+        scale.stride(2),
+        L,
+        NB,
+        1 if raw else x.shape[-1],
+        IN_BITS=16 if raw else src.bits,
+        OUT_BITS=bits,
+        GROUP=group,
+        KEYS=keys,
+        BT=BT,
+        NBP=NBP,
+        SRC=TL_DTYPE[dtype],
+        num_warps=4,
+        **_no_fma(dev),
     )
     lead = (src if raw else src.data).shape[:-2]
-    return QTensor(out.view(*lead, L, -1), scale.view(*lead, *sshape[-2:]), zero.view(*lead, *sshape[-2:]),
-                   bits, group, -2 if keys else -1)
+    return QTensor(
+        out.view(*lead, L, -1),
+        scale.view(*lead, *sshape[-2:]),
+        zero.view(*lead, *sshape[-2:]),
+        bits,
+        group,
+        -2 if keys else -1,
+    )
 
 
 def _no_fma(dev: torch.device) -> dict:
@@ -222,10 +352,30 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     CP = pow2(C)
     BT = _tile(keys, q.group, CP)
     _dequant_kernel[(triton.cdiv(L, BT), D, A)](
-        x, xs, xz, x.stride(0), x.stride(1), x.stride(2), xs.stride(0), xs.stride(1), xs.stride(2),
-        out, out.stride(0), out.stride(1), out.stride(2),
-        L, C, x.shape[-1],
-        IN_BITS=q.bits, GROUP=q.group, KEYS=keys, BT=BT, CP=CP, SRC=TL_DTYPE[q.scale.dtype], OUT=TL_DTYPE[dtype],
-        num_warps=4, **_no_fma(x.device),
+        x,
+        xs,
+        xz,
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        xs.stride(0),
+        xs.stride(1),
+        xs.stride(2),
+        out,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        L,
+        C,
+        x.shape[-1],
+        IN_BITS=q.bits,
+        GROUP=q.group,
+        KEYS=keys,
+        BT=BT,
+        CP=CP,
+        SRC=TL_DTYPE[q.scale.dtype],
+        OUT=TL_DTYPE[dtype],
+        num_warps=4,
+        **_no_fma(x.device),
     )
     return out.view(*q.data.shape[:-1], C)

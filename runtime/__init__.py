@@ -8,6 +8,17 @@ from .static_cache import StaticTaleCache
 
 __version__ = "0.1.0"
 __all__ = [
-    "ArtifactError", "Level", "Schedule", "StaticTaleCache", "TaleAttention", "TaleCache", "TaleLayerCache",
-    "latent_attention", "load", "new_cache", "resolve", "set_output_path", "use_kernels",
+    "ArtifactError",
+    "Level",
+    "Schedule",
+    "StaticTaleCache",
+    "TaleAttention",
+    "TaleCache",
+    "TaleLayerCache",
+    "latent_attention",
+    "load",
+    "new_cache",
+    "resolve",
+    "set_output_path",
+    "use_kernels",
 ]

@@ -63,8 +63,9 @@ class Schedule:
 
     def plain_layout(self) -> bool:
         """The cache layout tale_kernels reads: 2/4/8/16 bits, per-channel keys, 16-bit scales and zeros."""
-        return (self.key_meta == self.value_meta == "16"
-                and all(lv.key_axis == "channel" and {lv.bits, lv.key_bits} <= {2, 4, 8, 16} for lv in self.levels))
+        return self.key_meta == self.value_meta == "16" and all(
+            lv.key_axis == "channel" and {lv.bits, lv.key_bits} <= {2, 4, 8, 16} for lv in self.levels
+        )
 
     def validate(self, R: int, num_layers: int | None = None) -> None:
         if self.sinks < 0:
@@ -83,7 +84,7 @@ class Schedule:
             if lv.key_axis not in ("channel", "token"):
                 raise ArtifactError(f"key_axis must be 'channel' or 'token', got {lv.key_axis!r}")
         axes = [lv.key_axis for lv in self.levels]
-        if "token" in axes and "channel" in axes[axes.index("token"):]:
+        if "token" in axes and "channel" in axes[axes.index("token") :]:
             raise ArtifactError("levels with per-token keys must be the newest ones (per-channel levels first)")
         for name in ("key_meta", "value_meta"):
             if getattr(self, name) not in ("16", "8/16", "8/8"):
@@ -130,7 +131,9 @@ class Schedule:
         return [rest] + [lv.share for lv in self.levels[1:]]
 
 
-def uniform_ranks(R: int, num_layers: int, r0_frac: float = 0.5, value_group: int = 32, n_levels: int = 2) -> list[list[int]]:
+def uniform_ranks(
+    R: int, num_layers: int, r0_frac: float = 0.5, value_group: int = 32, n_levels: int = 2
+) -> list[list[int]]:
     """Paper default: level 0 keeps r0 = r0_frac * R (rounded down to a quantization group), others full R."""
     r0 = max(value_group, int(R * r0_frac) // value_group * value_group)
     return [[min(r0, R)] + [R] * (n_levels - 1) for _ in range(num_layers)]
@@ -146,7 +149,9 @@ def nominal_ratio(schedule: Schedule, head_dim: int, group: int) -> float:
     layers = schedule.ranks or [[group * n] * len(schedule.levels)]
     per_layer = []
     for rs in layers:
-        bits = sum(s * (lv.key_bits * n + lv.bits * r / group) for s, lv, r in zip(schedule.shares(), schedule.levels, rs))
+        bits = sum(
+            s * (lv.key_bits * n + lv.bits * r / group) for s, lv, r in zip(schedule.shares(), schedule.levels, rs)
+        )
         per_layer.append(bits)
     return 32 * n / (sum(per_layer) / len(per_layer))
 
@@ -177,8 +182,10 @@ def read_manifest(path: str | Path) -> dict:
     major = ver.split(".")[0]
     ours = FORMAT_VERSION.split(".")[0]
     if major.isdigit() and int(major) < int(ours):
-        raise ArtifactError(f"{root}: an artifact of format {ver}, from an older tale-kv; this one reads "
-                            f"{FORMAT_VERSION}: re-convert the model with tale-convert")
+        raise ArtifactError(
+            f"{root}: an artifact of format {ver}, from an older tale-kv; this one reads "
+            f"{FORMAT_VERSION}: re-convert the model with tale-convert"
+        )
     if major != ours:
         raise ArtifactError(
             f"{mf}: format version {ver!r} is not supported by this reader ({FORMAT_VERSION}); upgrade tale-kv"
@@ -226,8 +233,9 @@ def verify_files(path: str | Path, manifest: dict | None = None, skip: tuple[str
         raise ArtifactError(f"{root}: the manifest does not cover config.json (corrupt or edited {MANIFEST})")
     unlisted = sorted(set(artifact_files(root)) - set(files) - set(skip))
     if unlisted:
-        raise ArtifactError(f"{root}: {unlisted[0]} is not in the manifest (not part of the artifact: remove it, "
-                            "or re-convert)")
+        raise ArtifactError(
+            f"{root}: {unlisted[0]} is not in the manifest (not part of the artifact: remove it, or re-convert)"
+        )
     for name, digest in files.items():
         if name in skip:
             continue

@@ -62,7 +62,9 @@ def key_layout(s: Schedule, level: int) -> dict:
 
 
 class TaleLayerCache:
-    def __init__(self, schedule: Schedule, layer_idx: int, num_kv_heads: int, head_dim: int, num_groups: int, latent_rank: int):
+    def __init__(
+        self, schedule: Schedule, layer_idx: int, num_kv_heads: int, head_dim: int, num_groups: int, latent_rank: int
+    ):
         self.s = schedule
         self.ranks = schedule.ranks[layer_idx]
         self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank

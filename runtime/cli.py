@@ -11,8 +11,14 @@ from rich.console import Console
 
 from . import console
 
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-          "fp32": "float32", "float32": "float32"}
+DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+}
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__)
 err = Console(stderr=True, soft_wrap=True, highlight=False)
@@ -70,7 +76,9 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
 
 def encode(tok, prompt: str, raw: bool) -> list[int]:
     if not raw and tok.chat_template:
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
         return tok(text, add_special_tokens=False)["input_ids"]
     return tok(prompt)["input_ids"]
 
@@ -89,17 +97,21 @@ def run(
     dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32"),
     output_path: str = typer.Option("fused", "--output-path", help="fused (O^r) or factored (B then W_O)"),
     dynamic: bool = typer.Option(
-        False, "--dynamic", help="growing cache, eager steps (default on CUDA: static cache, CUDA-graph decode)"),
+        False, "--dynamic", help="growing cache, eager steps (default on CUDA: static cache, CUDA-graph decode)"
+    ),
     sinks: Optional[str] = typer.Option(None, "--sinks", metavar="N", help="exact sink tokens (alpha)"),
     recent: Optional[str] = typer.Option(
-        None, "--recent", metavar="P[,P..]", help="share p of each level above the middle, oldest first"),
+        None, "--recent", metavar="P[,P..]", help="share p of each level above the middle, oldest first"
+    ),
     ranks: Optional[str] = typer.Option(
-        None, "--ranks", metavar="R,R..", help="rank per level: fraction of full rank (0.5) or absolute (96)"),
+        None, "--ranks", metavar="R,R..", help="rank per level: fraction of full rank (0.5) or absolute (96)"
+    ),
     bits: Optional[str] = typer.Option(None, "--bits", metavar="B,B..", help="bits per level (latents and keys)"),
     key_bits: Optional[str] = typer.Option(None, "--key-bits", metavar="B,B..", help="key bits per level"),
     key_group: Optional[str] = typer.Option(None, "--key-group", metavar="N", help="tokens per key quantization group"),
     value_group: Optional[str] = typer.Option(
-        None, "--value-group", metavar="N", help="channels per latent quantization group"),
+        None, "--value-group", metavar="N", help="channels per latent quantization group"
+    ),
     residual: Optional[str] = typer.Option(None, "--residual", metavar="N", help="16-bit recent tail length"),
 ) -> None:
     """Generate from a TALE artifact, streaming the text; a stats line follows on stderr."""
@@ -138,8 +150,17 @@ def run(
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    _, stats = generate(m, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                        seed=seed, tokenizer=tok, on_text=emit, static=False if dynamic else None)
+    _, stats = generate(
+        m,
+        ids,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        tokenizer=tok,
+        on_text=emit,
+        static=False if dynamic else None,
+    )
     sys.stdout.write("\n")
     sys.stdout.flush()
     err.print(stats.line(), style="dim", markup=False)

@@ -90,8 +90,7 @@ def _quiet_libraries() -> None:
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
-def run_app(app: typer.Typer, argv: list[str] | None = None,
-            user_errors: tuple[type[BaseException], ...] = ()) -> None:
+def run_app(app: typer.Typer, argv: list[str] | None = None, user_errors: tuple[type[BaseException], ...] = ()) -> None:
     """Run a typer app as a console script under the contract above.
 
     user_errors: exception types that mean bad input (one line, exit 2), besides UserError and
@@ -128,8 +127,10 @@ def run_app(app: typer.Typer, argv: list[str] | None = None,
             print(f"error: {env}", file=sys.stderr)
             code = EXIT_USER
         else:
-            print(f"error: internal error: {type(e).__name__}: {one_line(e)} (set TALE_DEBUG=1 for the traceback)",
-                  file=sys.stderr)
+            print(
+                f"error: internal error: {type(e).__name__}: {one_line(e)} (set TALE_DEBUG=1 for the traceback)",
+                file=sys.stderr,
+            )
             code = EXIT_BUG
     sys.exit(code or 0)
 

@@ -30,8 +30,9 @@ class CudaGraphDecoder:
         self.error: str | None = None  # why capturing failed; the steps then stay eager
 
     def _forward(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=1)
+        out = self.model(
+            input_ids=ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1
+        )
         return out.logits[:, -1]
 
     def _plain(self) -> bool:

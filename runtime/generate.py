@@ -156,7 +156,9 @@ def generate(
             static = device.type == "cuda" and model.tale_schedule.plain_layout()
         cache = new_cache(model, static=static, max_length=ids.shape[1] + max_new_tokens if static else None)
     graphed = isinstance(cache, StaticTaleCache) and device.type == "cuda"
-    stop = eos_ids(model, tokenizer) if eos_token_id is None else set(torch.as_tensor(eos_token_id).reshape(-1).tolist())
+    stop = (
+        eos_ids(model, tokenizer) if eos_token_id is None else set(torch.as_tensor(eos_token_id).reshape(-1).tolist())
+    )
     gen = None
     if temperature > 0 and seed is not None:
         gen = torch.Generator(device=device).manual_seed(seed)

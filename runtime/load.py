@@ -44,7 +44,9 @@ def resolve(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
             f"{s}: no such local directory, and no such repo on the Hub (or no access; log in or pass a token)"
         ) from None
     except LocalEntryNotFoundError:
-        raise ArtifactError(f"{s}: not in the local cache and the Hub is unreachable (HF_HUB_OFFLINE set or no network)") from None
+        raise ArtifactError(
+            f"{s}: not in the local cache and the Hub is unreachable (HF_HUB_OFFLINE set or no network)"
+        ) from None
     except HfHubHTTPError as e:
         raise ArtifactError(f"{s}: download failed: {str(e).splitlines()[0]}") from None
 
@@ -204,8 +206,10 @@ def load(
     tied = getattr(config, "tie_word_embeddings", False)
     missing = expected - set(state) - ({"lm_head.weight"} if tied else set())
     if missing and all(m.endswith(".v_proj.weight") for m in missing):  # the exact prefill needs them
-        raise ArtifactError(f"{root}: artifact lacks the original v_proj.weight (written by an older tale-convert): "
-                            "convert the model again")
+        raise ArtifactError(
+            f"{root}: artifact lacks the original v_proj.weight (written by an older tale-convert): "
+            "convert the model again"
+        )
     if missing:
         raise ArtifactError(f"{root}: artifact lacks {len(missing)} tensors, e.g. {sorted(missing)[0]}")
     unexpected = set(state) - expected
@@ -304,8 +308,9 @@ def _model_type(root: Path) -> str | None:
         raise ArtifactError(f"{f}: corrupt config.json") from None
 
 
-def _read_tensors(root: Path, device: torch.device, dtype: torch.dtype,
-                  verified: set[str] | None = None) -> dict[str, torch.Tensor]:
+def _read_tensors(
+    root: Path, device: torch.device, dtype: torch.dtype, verified: set[str] | None = None
+) -> dict[str, torch.Tensor]:
     """The tensors of the shards named by the index. verified: the files verify_files checked; a shard
     outside it (an index edited to point at another file) is refused, never read. None: no checking."""
     index = root / "model.safetensors.index.json"
@@ -338,8 +343,9 @@ def _read_tensors(root: Path, device: torch.device, dtype: torch.dtype,
     return state
 
 
-def new_cache(model, schedule: Schedule | None = None, *, static: bool = False,
-              max_length: int | None = None) -> TaleCache | StaticTaleCache:
+def new_cache(
+    model, schedule: Schedule | None = None, *, static: bool = False, max_length: int | None = None
+) -> TaleCache | StaticTaleCache:
     """A fresh TALE cache for `model` (pass as past_key_values to forward/generate).
 
     static=False: TaleCache, tensors grow as tokens come. static=True: StaticTaleCache, buffers for
@@ -348,8 +354,14 @@ def new_cache(model, schedule: Schedule | None = None, *, static: bool = False,
     """
     arch = model.tale_manifest["architecture"]
     cfg = model.config
-    args = (schedule or model.tale_schedule, cfg.num_hidden_layers, cfg.num_key_value_heads, int(arch["head_dim"]),
-            int(arch["num_groups"]), int(arch["latent_rank"]))
+    args = (
+        schedule or model.tale_schedule,
+        cfg.num_hidden_layers,
+        cfg.num_key_value_heads,
+        int(arch["head_dim"]),
+        int(arch["num_groups"]),
+        int(arch["latent_rank"]),
+    )
     return StaticTaleCache(*args, max_length=max_length) if static else TaleCache(*args)
 
 

@@ -90,10 +90,13 @@ class TaleLayer(TaleLayerCache, CacheLayerMixin):
             return None if t is None else t.index_select(0, beam_idx.to(t.device))
 
         self.sink_k, self.sink_h, self.res_k, self.res_h, self.valid = map(
-            pick, (self.sink_k, self.sink_h, self.res_k, self.res_h, self.valid))
+            pick, (self.sink_k, self.sink_h, self.res_k, self.res_h, self.valid)
+        )
         for i, st in enumerate(self.levels):
             if st is not None:
-                keys, lat = (replace(q, data=pick(q.data), scale=pick(q.scale), zero=pick(q.zero)) for q in (st.keys, st.lat))
+                keys, lat = (
+                    replace(q, data=pick(q.data), scale=pick(q.scale), zero=pick(q.zero)) for q in (st.keys, st.lat)
+                )
                 self.levels[i] = Store(keys, lat, st.rank)
 
     @property
@@ -108,7 +111,9 @@ class TaleLayer(TaleLayerCache, CacheLayerMixin):
 class TaleCache(Cache):
     """The TALE cache for a whole model: one TaleLayer per decoder layer."""
 
-    def __init__(self, schedule: Schedule, num_layers: int, num_kv_heads: int, head_dim: int, num_groups: int, latent_rank: int):
+    def __init__(
+        self, schedule: Schedule, num_layers: int, num_kv_heads: int, head_dim: int, num_groups: int, latent_rank: int
+    ):
         layers = []
         for i in range(num_layers):
             layer = TaleLayer(schedule, i, num_kv_heads, head_dim, num_groups, latent_rank)
@@ -153,7 +158,9 @@ class TaleAttention(nn.Module):
         self.attention_dropout = 0.0
         self.num_key_value_groups = self.H // self.K
         # Qwen2 marks sliding layers on the module, Mistral only in the config
-        self.sliding_window = orig.sliding_window if hasattr(orig, "sliding_window") else getattr(config, "sliding_window", None)
+        self.sliding_window = (
+            orig.sliding_window if hasattr(orig, "sliding_window") else getattr(config, "sliding_window", None)
+        )
         self.q_proj, self.k_proj, self.o_proj = orig.q_proj, orig.k_proj, orig.o_proj
         w = orig.q_proj.weight
         self.tale = TaleWeights(self.G, config.hidden_size, self.R, self.H, dtype=w.dtype, device=w.device)
@@ -226,7 +233,9 @@ class TaleAttention(nn.Module):
                 )
             seen.add(self.layer_idx)
 
-        if layer is not None and past_key_values.schedule.rotate == "hadamard":  # q Q . k Q = q . k: only the cached keys change
+        if (
+            layer is not None and past_key_values.schedule.rotate == "hadamard"
+        ):  # q Q . k Q = q . k: only the cached keys change
             Q = hadamard(self.head_dim, k.device, torch.float32)
             k_c = (k.float() @ Q).to(k.dtype)
         else:

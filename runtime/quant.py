@@ -193,8 +193,15 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return x.reshape(codes.shape).to(dtype)
 
 
-def requantize(q: QTensor, bits: int, rank: int | None = None, *, group: int | None = None, dim: int | None = None,
-               meta: str | None = None) -> QTensor:
+def requantize(
+    q: QTensor,
+    bits: int,
+    rank: int | None = None,
+    *,
+    group: int | None = None,
+    dim: int | None = None,
+    meta: str | None = None,
+) -> QTensor:
     """Demotion: dequantize, keep the first `rank` channels, quantize to `bits` (by default with q's
     group, dim and meta; a level may use another layout). One pass on CUDA for the plain layout."""
     group, dim, meta = group or q.group, q.dim if dim is None else dim, meta or q.meta
@@ -243,8 +250,10 @@ def _rebias(q: QTensor, bias: float) -> QTensor:
 def split(q: QTensor, n_tokens: int) -> tuple[QTensor, QTensor]:
     """Split off the first n_tokens along the token dim (-2). For keys n_tokens must align to groups."""
     if q.bits == 16:
-        return (QTensor(q.data[..., :n_tokens, :], None, None, 16, q.group, q.dim),
-                QTensor(q.data[..., n_tokens:, :], None, None, 16, q.group, q.dim))
+        return (
+            QTensor(q.data[..., :n_tokens, :], None, None, 16, q.group, q.dim),
+            QTensor(q.data[..., n_tokens:, :], None, None, 16, q.group, q.dim),
+        )
     srow = n_tokens
     if q.dim in (-2, q.data.dim() - 2):
         if n_tokens % q.group:
@@ -252,6 +261,8 @@ def split(q: QTensor, n_tokens: int) -> tuple[QTensor, QTensor]:
         srow = n_tokens // q.group
 
     def part(sl_d, sl_s):
-        return QTensor(q.data[..., sl_d, :], q.scale[..., sl_s, :], q.zero[..., sl_s, :], q.bits, q.group, q.dim, q.meta, q.bias)
+        return QTensor(
+            q.data[..., sl_d, :], q.scale[..., sl_s, :], q.zero[..., sl_s, :], q.bits, q.group, q.dim, q.meta, q.bias
+        )
 
     return part(slice(0, n_tokens), slice(0, srow)), part(slice(n_tokens, None), slice(srow, None))

@@ -74,8 +74,10 @@ class Book:
         else:
             n_res = rest
         if self.res_len + n_res > self.residual_cap:
-            raise ValueError(f"static cache: {n_res} new tokens do not fit in the residual after the prefill "
-                             f"(feed them one at a time, or use the dynamic cache)")
+            raise ValueError(
+                f"static cache: {n_res} new tokens do not fit in the residual after the prefill "
+                f"(feed them one at a time, or use the dynamic cache)"
+            )
         self.res_len += n_res
         return take, fill, n_res
 
@@ -167,7 +169,7 @@ class StaticTaleLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, cache: "StaticTaleCache", layer_idx: int):
+    def __init__(self, cache: StaticTaleCache, layer_idx: int):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
         self.ranks = cache.schedule.ranks[layer_idx]
@@ -225,10 +227,13 @@ class StaticTaleLayer(CacheLayerMixin):
         kw = dict(dtype=dtype, device=device)
         self.sink_k = torch.zeros(B, K, S, n, **kw)
         self.sink_h = torch.zeros(B, G, S, R, **kw)
-        self.keys = [_empty_q((B, K), C, n, lv.key_bits, s.key_group, -2, dtype, device)
-                     for lv, C in zip(s.levels, caps)]
-        self.lat = [_empty_q((B, G), C, r, lv.bits, s.value_group, -1, dtype, device)
-                    for lv, C, r in zip(s.levels, caps, self.ranks)]
+        self.keys = [
+            _empty_q((B, K), C, n, lv.key_bits, s.key_group, -2, dtype, device) for lv, C in zip(s.levels, caps)
+        ]
+        self.lat = [
+            _empty_q((B, G), C, r, lv.bits, s.value_group, -1, dtype, device)
+            for lv, C, r in zip(s.levels, caps, self.ranks)
+        ]
         self.res_k = torch.zeros(B, K, s.residual, n, **kw)
         self.res_h = torch.zeros(B, G, s.residual, R, **kw)
         self._view = None
@@ -350,11 +355,21 @@ class StaticTaleCache(Cache):
 
     is_compileable = False
 
-    def __init__(self, schedule: Schedule, num_layers: int, num_kv_heads: int, head_dim: int, num_groups: int,
-                 latent_rank: int, max_length: int | None = None):
+    def __init__(
+        self,
+        schedule: Schedule,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_groups: int,
+        latent_rank: int,
+        max_length: int | None = None,
+    ):
         if not schedule.plain_layout():  # its buffers hold 2/4/8/16-bit codes with 16-bit scales, per-channel keys
-            raise ValueError("the static cache holds the plain layout (2/4/8/16-bit codes, per-channel keys, 16-bit "
-                             "scales and zeros); this schedule uses another: use new_cache(model) (dynamic)")
+            raise ValueError(
+                "the static cache holds the plain layout (2/4/8/16-bit codes, per-channel keys, 16-bit "
+                "scales and zeros); this schedule uses another: use new_cache(model) (dynamic)"
+            )
         self.schedule = schedule
         self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank
         self.max_length = max_length

@@ -75,8 +75,9 @@ def _parquet(f: Path) -> list[str]:
     try:
         import datasets
     except ImportError:
-        raise ConvertError(f"calibration file {f}: reading .parquet needs the `datasets` package: "
-                           "pip install 'tale-kv[convert]'") from None
+        raise ConvertError(
+            f"calibration file {f}: reading .parquet needs the `datasets` package: pip install 'tale-kv[convert]'"
+        ) from None
     try:
         ds = datasets.load_dataset("parquet", data_files=[str(f)], split="train")
     except Exception as e:  # datasets raises many types for unreadable input; all mean a bad --calib file
@@ -121,8 +122,12 @@ def v_proj_input(layer, hidden: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def embed(weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Calibration hidden states entering layer 0, float32 on weight's device: [samples, seq_len, d]."""
-    hidden = torch.cat([torch.nn.functional.embedding(t.to(weight.device), weight).float()
-                        for t in tokens.split(_batch(tokens.shape[1]))])
+    hidden = torch.cat(
+        [
+            torch.nn.functional.embedding(t.to(weight.device), weight).float()
+            for t in tokens.split(_batch(tokens.shape[1]))
+        ]
+    )
     check_finite(hidden, "in the embeddings")
     return hidden
 

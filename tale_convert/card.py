@@ -15,8 +15,17 @@ from tale_runtime.artifact import Schedule, nominal_ratio
 MARKER = "<!-- tale-kv: generated card, tale-push rewrites it. Delete this line to keep your own edits. -->"
 TAGS = ["tale", "kv-cache-compression", "text-generation"]
 # Base-model tags that would be false for a TALE artifact (other formats, other serving stacks).
-DROP_TAGS = {"gguf", "onnx", "mlx", "transformers.js", "autotrain_compatible", "endpoints_compatible",
-             "text-generation-inference", "region:us", "region:eu"}
+DROP_TAGS = {
+    "gguf",
+    "onnx",
+    "mlx",
+    "transformers.js",
+    "autotrain_compatible",
+    "endpoints_compatible",
+    "text-generation-inference",
+    "region:us",
+    "region:eu",
+}
 PLACEHOLDER_ID = "OWNER/NAME"
 
 
@@ -43,8 +52,9 @@ def card_data(text: str | None) -> ModelCardData:
         return ModelCardData()
 
 
-def render_card(manifest: dict, base_card: str | None = None, quality: dict | None = None,
-                *, repo_id: str | None = None) -> str:
+def render_card(
+    manifest: dict, base_card: str | None = None, quality: dict | None = None, *, repo_id: str | None = None
+) -> str:
     """README.md for an artifact.
 
     base_card: the base model's README (or a previous TALE card): its license, tags and
@@ -132,8 +142,11 @@ def _schedule(m: dict) -> str:
         f"Level policy: {s.policy}.",
     ]
     if ratio is not None:
-        lines += ["", f"Nominal K+V cache compression versus 16 bits: **{ratio:.2f}x** "
-                      "(ignoring sinks, scales, zero points and the residual)."]
+        lines += [
+            "",
+            f"Nominal K+V cache compression versus 16 bits: **{ratio:.2f}x** "
+            "(ignoring sinks, scales, zero points and the residual).",
+        ]
     return "\n".join(lines)
 
 
@@ -189,16 +202,20 @@ def _provenance(m: dict) -> str:
         lines.append(f"- base weights: {base['origin']}")
     cal = _dict(m.get("calibration"))
     if cal.get("samples") and cal.get("seq_len"):
-        lines.append(f"- calibration: {cal['samples']} x {cal['seq_len']} tokens from {cal.get('source', '?')}"
-                     f" (seed {cal.get('seed', '?')})")
+        lines.append(
+            f"- calibration: {cal['samples']} x {cal['seq_len']} tokens from {cal.get('source', '?')}"
+            f" (seed {cal.get('seed', '?')})"
+        )
     svd = _dict(m.get("svd"))
     if svd.get("method"):
         lines.append(f"- factorization: {svd['method']}")
     energy = m.get("energy_kept")
     if isinstance(energy, list) and energy and all(isinstance(e, list) and e for e in energy):
         mean = [sum(e[i] for e in energy) / len(energy) for i in range(len(energy[0]))]
-        lines.append("- whitened value energy kept at each level's rank (mean over layers): "
-                     + ", ".join(f"{x:.1%}" for x in mean))
+        lines.append(
+            "- whitened value energy kept at each level's rank (mean over layers): "
+            + ", ".join(f"{x:.1%}" for x in mean)
+        )
     if not lines:
         return ""
     return "\n".join(["## Conversion", "", *lines, "", "The full record is in `tale_config.json`."])

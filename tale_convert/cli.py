@@ -17,8 +17,9 @@ from . import policy as rank_policy
 from .calibrate import load_documents
 from .convert import Options, convert
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
-                  help="Convert a Llama-family checkpoint into a TALE artifact.")
+app = typer.Typer(
+    add_completion=False, pretty_exceptions_enable=False, help="Convert a Llama-family checkpoint into a TALE artifact."
+)
 out_console = Console()
 D = Options()
 
@@ -35,21 +36,33 @@ def run(
     model: str = typer.Argument("smollm2", help="`smollm2` (the default), a checkpoint dir, or a Hub id owner/name"),
     out: Path = typer.Option(..., "--out", "-o", help="artifact directory to write"),
     group: int = typer.Option(D.group, help="KV heads per latent group g (must divide the KV heads)"),
-    calib: Optional[list[Path]] = typer.Option(None, help="calibration .txt/.json/.jsonl/.parquet file (repeatable); "
-                                                          "default: the bundled CC0 corpus"),
+    calib: Optional[list[Path]] = typer.Option(
+        None, help="calibration .txt/.json/.jsonl/.parquet file (repeatable); default: the bundled CC0 corpus"
+    ),
     samples: int = typer.Option(D.samples, help="calibration sequences"),
     seq_len: int = typer.Option(D.seq_len, help="tokens per calibration sequence"),
     seed: int = typer.Option(D.seed, help="seed for sampling the calibration sequences"),
     device: str = typer.Option(D.device, help="where layers run: auto, cpu, cuda, cuda:1, ..."),
     dtype: str = typer.Option(D.dtype, help="stored tensor dtype: bf16, fp16, fp32 or auto (the checkpoint's)"),
     sinks: int = typer.Option(D.sinks, help="sink tokens kept at 16 bits (alpha)"),
-    preset: str = typer.Option(D.preset, help="schedule preset: paper (default; the GPU fast path reads it) or tale (best measured per byte on SmolLM2: 3-bit keys, fp8 scales; torch path)"),
-    target_ratio: Optional[float] = typer.Option(None, help="choose level-0 ranks per layer to meet this measured "
-                                                 "compression ratio at 1K tokens (least whitened energy lost)"),
-    recent: Optional[str] = typer.Option(None, help="share p of non-sink tokens at full rank (one per level above 0; "
-                                         "default: the preset's)"),
-    r0: Optional[float] = typer.Option(None, help="level-0 rank as a fraction of the latent rank R (default: the preset's)"),
-    bits: Optional[str] = typer.Option(None, help="value bits per level, oldest first, e.g. 2,4 (default: the preset's)"),
+    preset: str = typer.Option(
+        D.preset,
+        help="schedule preset: paper (default; the GPU fast path reads it) or tale (best measured per byte on SmolLM2: 3-bit keys, fp8 scales; torch path)",
+    ),
+    target_ratio: Optional[float] = typer.Option(
+        None,
+        help="choose level-0 ranks per layer to meet this measured "
+        "compression ratio at 1K tokens (least whitened energy lost)",
+    ),
+    recent: Optional[str] = typer.Option(
+        None, help="share p of non-sink tokens at full rank (one per level above 0; default: the preset's)"
+    ),
+    r0: Optional[float] = typer.Option(
+        None, help="level-0 rank as a fraction of the latent rank R (default: the preset's)"
+    ),
+    bits: Optional[str] = typer.Option(
+        None, help="value bits per level, oldest first, e.g. 2,4 (default: the preset's)"
+    ),
     key_bits: Optional[str] = typer.Option(None, help="key bits per level (default: the preset's, or --bits)"),
     key_group: int = typer.Option(D.key_group, help="tokens per key quantization group"),
     value_group: int = typer.Option(D.value_group, help="channels per latent quantization group"),
@@ -61,18 +74,40 @@ def run(
     shard_size: str = typer.Option(str(D.shard_size), help="max safetensors shard size, e.g. 2GB"),
 ) -> None:
     opts = Options(
-        group=group, calib=calib or None, samples=samples, seq_len=seq_len, seed=seed, device=device, dtype=dtype,
-        sinks=sinks, recent=_numbers(recent, float, "--recent") if recent else None, r0=r0,
-        bits=_numbers(bits, int, "--bits") if bits else None, preset=preset, target_ratio=target_ratio,
-        key_bits=_numbers(key_bits, int, "--key-bits") if key_bits else None, key_group=key_group,
-        value_group=value_group, residual=residual, shard_size=shard_size, overwrite=overwrite, resume=resume,
-        policy=policy, energy=energy,
+        group=group,
+        calib=calib or None,
+        samples=samples,
+        seq_len=seq_len,
+        seed=seed,
+        device=device,
+        dtype=dtype,
+        sinks=sinks,
+        recent=_numbers(recent, float, "--recent") if recent else None,
+        r0=r0,
+        bits=_numbers(bits, int, "--bits") if bits else None,
+        preset=preset,
+        target_ratio=target_ratio,
+        key_bits=_numbers(key_bits, int, "--key-bits") if key_bits else None,
+        key_group=key_group,
+        value_group=value_group,
+        residual=residual,
+        shard_size=shard_size,
+        overwrite=overwrite,
+        resume=resume,
+        policy=policy,
+        energy=energy,
     )
     check_inputs(out, opts)
     _quiet_libraries()
     # stdout: progress and report; stderr: only the error line
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=out_console, transient=True) as progress:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=out_console,
+        transient=True,
+    ) as progress:
         task = progress.add_task("calibrating + factorizing layers", total=None)
 
         def on_layer(lr, total):
@@ -86,9 +121,15 @@ def check_inputs(out: Path, opts: Options) -> None:
     """What can be checked before minutes of work: the place to write, the device, the calibration files."""
     console.writable_dir(out, "--out")
     console.device(opts.device)
-    for name, v, least in (("--samples", opts.samples, 1), ("--seq-len", opts.seq_len, 2), ("--sinks", opts.sinks, 0),
-                           ("--key-group", opts.key_group, 1), ("--value-group", opts.value_group, 1),
-                           ("--residual", opts.residual, 1), ("--group", opts.group, 1)):
+    for name, v, least in (
+        ("--samples", opts.samples, 1),
+        ("--seq-len", opts.seq_len, 2),
+        ("--sinks", opts.sinks, 0),
+        ("--key-group", opts.key_group, 1),
+        ("--value-group", opts.value_group, 1),
+        ("--residual", opts.residual, 1),
+        ("--group", opts.group, 1),
+    ):
         if v is not None and v < least:  # None: the preset's
             raise ConvertError(f"{name} must be >= {least}, got {v}")
     if opts.preset not in rank_policy.PRESETS:
@@ -127,8 +168,10 @@ def _summary(report) -> None:
         t.add_row(str(lr.index), f"{lr.energy[0]:.4f}", f"{lr.eps:g}", seconds)
     out_console.print(t)
     dev = f", device peak {report.peak_device / 2**30:.2f} GiB" if report.peak_device is not None else ""
-    out_console.print(f"wrote {report.out}\nnominal ratio {report.nominal_ratio:.2f}x, total {report.seconds:.1f} s, "
-                      f"peak RSS {report.peak_rss / 2**30:.2f} GiB{dev}")
+    out_console.print(
+        f"wrote {report.out}\nnominal ratio {report.nominal_ratio:.2f}x, total {report.seconds:.1f} s, "
+        f"peak RSS {report.peak_rss / 2**30:.2f} GiB{dev}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

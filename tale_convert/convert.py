@@ -14,18 +14,37 @@ from pathlib import Path
 
 import torch
 
-from tale_runtime.artifact import (FORMAT, FORMAT_VERSION, MANIFEST, O_FUSED, TOOL_NAME, U_V, V_V, ArtifactError, Level,
-                                   Schedule, hash_files, nominal_ratio, uniform_ranks, write_json)
+from tale_runtime.artifact import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    O_FUSED,
+    TOOL_NAME,
+    U_V,
+    V_V,
+    ArtifactError,
+    Level,
+    Schedule,
+    hash_files,
+    nominal_ratio,
+    uniform_ranks,
+    write_json,
+)
 
-from . import ConvertError, __version__
-from . import calibrate, resume, source, write
+from . import ConvertError, __version__, calibrate, resume, source, write
 from . import policy as rank_policy
 from .card import render_card
 from .fuse import fuse
 from .whiten import energy_kept, whiten
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-          "fp32": torch.float32, "float32": torch.float32}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
 
 
 @dataclass
@@ -79,8 +98,17 @@ class Options:
         n = R // self.group
         # the preset's residual fits its own levels; per-channel newest keys need at least one key group (KIVI)
         residual = self.residual or (p["residual"] if axes[-1] == "token" else None) or self.key_group
-        schedule = Schedule(self.sinks, levels, ranks, self.key_group, self.value_group, residual,
-                            key_meta=p["key_meta"], value_meta=p["value_meta"], key_channel_group=n)
+        schedule = Schedule(
+            self.sinks,
+            levels,
+            ranks,
+            self.key_group,
+            self.value_group,
+            residual,
+            key_meta=p["key_meta"],
+            value_meta=p["value_meta"],
+            key_channel_group=n,
+        )
         try:
             schedule.validate(R, num_layers)
         except ArtifactError as e:
@@ -107,9 +135,13 @@ class Report:
     peak_device: int | None = None  # bytes, CUDA only
 
 
-def convert(model: str | None, out: str | Path, opts: Options,
-            on_layer: Callable[[LayerReport, int], None] | None = None,
-            log: Callable[[str], None] = lambda s: None) -> Report:
+def convert(
+    model: str | None,
+    out: str | Path,
+    opts: Options,
+    on_layer: Callable[[LayerReport, int], None] | None = None,
+    log: Callable[[str], None] = lambda s: None,
+) -> Report:
     """Convert MODEL into a TALE artifact at `out`. Raises ConvertError on bad input.
 
     Streams: each decoder layer's weights are read from the source shards, run on the device and
@@ -144,8 +176,12 @@ def convert(model: str | None, out: str | Path, opts: Options,
     log(f"calibration: {opts.samples} x {opts.seq_len} tokens from {calib_info['source']}")
     base_files = src.file_hashes()
     # Everything the factors depend on; a partial run is reused only if this matches exactly.
-    settings = {"tool": __version__, "model": base_files, "group": arch.g,
-                "tokens": hashlib.sha256(tokens.numpy().tobytes()).hexdigest()}
+    settings = {
+        "tool": __version__,
+        "model": base_files,
+        "group": arch.g,
+        "tokens": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(),
+    }
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
@@ -164,8 +200,14 @@ def convert(model: str | None, out: str | Path, opts: Options,
         plan = hashlib.sha256(repr((shard_size, layout)).encode()).hexdigest()
         # the writer may lag one layer behind (it writes layer i while layer i+1 runs), not more
         layer_bytes = max(sum(e.nbytes for e in entries if e.name.startswith(_layer_prefix(i))) for i in range(arch.L))
-        writer = write.ShardWriter(tmp, entries, shard_size, partial.shards(plan),
-                                   on_shard=lambda f, h: partial.save_shard(plan, f, h), pending_bytes=layer_bytes)
+        writer = write.ShardWriter(
+            tmp,
+            entries,
+            shard_size,
+            partial.shards(plan),
+            on_shard=lambda f, h: partial.save_shard(plan, f, h),
+            pending_bytes=layer_bytes,
+        )
         layers = _stream(ckpt, skeleton, tokens, device, arch, schedule, partial, writer, dtype, on_layer)
         if opts.policy != "uniform":
             schedule, layers = _rank_policy(opts, schedule, layers, src, tokens, arch, partial, log)
@@ -193,9 +235,14 @@ def convert(model: str | None, out: str | Path, opts: Options,
             writer.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return Report(out, layers, manifest["nominal_ratio"], time.perf_counter() - t0,
-                  resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                  torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
+    return Report(
+        out,
+        layers,
+        manifest["nominal_ratio"],
+        time.perf_counter() - t0,
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    )
 
 
 def _manifest(src, base_files, arch, schedule, layers, calib_info, opts, dtype, files) -> dict:
@@ -203,14 +250,24 @@ def _manifest(src, base_files, arch, schedule, layers, calib_info, opts, dtype, 
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "tool": {"name": TOOL_NAME, "version": __version__},
-        "base": {"id": src.id, "revision": src.revision, "license": src.license, "origin": src.origin,
-                 "files": base_files},
+        "base": {
+            "id": src.id,
+            "revision": src.revision,
+            "license": src.license,
+            "origin": src.origin,
+            "files": base_files,
+        },
         "dtype": str(dtype).removeprefix("torch."),
         "architecture": arch.to_manifest(),
         "schedule": schedule.to_dict(),
         "svd": {"method": "svd-llm-whitened", "compute_dtype": "float64", "whitening_eps": [lr.eps for lr in layers]},
-        "calibration": {**calib_info, "samples": opts.samples, "seq_len": opts.seq_len, "seed": opts.seed,
-                        "tokens": opts.samples * opts.seq_len},
+        "calibration": {
+            **calib_info,
+            "samples": opts.samples,
+            "seq_len": opts.seq_len,
+            "seed": opts.seed,
+            "tokens": opts.samples * opts.seq_len,
+        },
         "energy_kept": [lr.energy for lr in layers],
         "nominal_ratio": round(nominal_ratio(schedule, arch.n, arch.g), 4),
         "files": files,
@@ -248,8 +305,11 @@ def _plan(ckpt, arch, dtype) -> list[write.Entry]:
         entries.append(write.Entry(name, dtype, shape))
         if name.endswith(".self_attn.v_proj.weight"):
             prefix = name.removesuffix("v_proj.weight")
-            entries += [write.Entry(prefix + U_V, dtype, (G, d, R)), write.Entry(prefix + V_V, dtype, (G, R, R)),
-                        write.Entry(prefix + O_FUSED, dtype, (d, H * R))]
+            entries += [
+                write.Entry(prefix + U_V, dtype, (G, d, R)),
+                write.Entry(prefix + V_V, dtype, (G, R, R)),
+                write.Entry(prefix + O_FUSED, dtype, (d, H * R)),
+            ]
     return entries
 
 
@@ -366,8 +426,16 @@ def _rank_policy(opts, schedule, layers, src, tokens, arch, partial, log) -> tup
     if opts.policy == "fisher":
         log("fisher: gradients of the calibration loss w.r.t. v_proj (8 sequences, on the CPU, the whole model)")
         fisher = rank_policy.fisher_scores(source.load_model(src), list(tokens[:8].split(2)))
-    ranks0 = rank_policy.level0_ranks(opts.policy, arch.R, arch.L, schedule.value_group, schedule.ranks[0][0],
-                                      spectra=spectra, energy=opts.energy, fisher=fisher)
+    ranks0 = rank_policy.level0_ranks(
+        opts.policy,
+        arch.R,
+        arch.L,
+        schedule.value_group,
+        schedule.ranks[0][0],
+        spectra=spectra,
+        energy=opts.energy,
+        fisher=fisher,
+    )
     schedule = rank_policy.apply(schedule, opts.policy, ranks0)
     layers = [replace(lr, energy=[energy_kept(S, r) for r in rs]) for lr, S, rs in zip(layers, spectra, schedule.ranks)]
     return schedule, layers
@@ -378,10 +446,13 @@ def _target_ratio(opts, schedule, layers, arch, partial, log) -> tuple[Schedule,
     spectra = [partial.load_layer(i)[0].S for i in range(arch.L)]
     fitted = rank_policy.fit_ranks(schedule, opts.target_ratio, (arch.K, arch.n, arch.G, arch.R), spectra)
     if fitted is None:
-        best = rank_policy.measured_ratio(rank_policy.apply(schedule, "budget", [schedule.value_group] * arch.L),
-                                          arch.K, arch.n, arch.G, arch.R)
-        raise ConvertError(f"--target-ratio {opts.target_ratio:g} is out of reach of this schedule "
-                           f"(at most {best:.2f}x at 1K tokens); lower the bits or the recent share")
+        best = rank_policy.measured_ratio(
+            rank_policy.apply(schedule, "budget", [schedule.value_group] * arch.L), arch.K, arch.n, arch.G, arch.R
+        )
+        raise ConvertError(
+            f"--target-ratio {opts.target_ratio:g} is out of reach of this schedule "
+            f"(at most {best:.2f}x at 1K tokens); lower the bits or the recent share"
+        )
     r0 = [rs[0] for rs in fitted.ranks]
     log(f"target ratio {opts.target_ratio:g}x: level-0 ranks {min(r0)}..{max(r0)} (mean {sum(r0) / len(r0):.0f})")
     layers = [replace(lr, energy=[energy_kept(S, r) for r in rs]) for lr, S, rs in zip(layers, spectra, fitted.ranks)]

@@ -24,11 +24,27 @@ POLICIES = ("uniform", "energy", "fisher", "progressive")
 # tale-convert --preset: the schedule knobs (per level, oldest first). residual None = one key group.
 PRESETS = {
     # the paper's: alpha 4, p 0.1, r0 = R/2, 2-bit middle, 4-bit recent, KIVI layout with 16-bit scales/zeros
-    "paper": dict(bits=(2, 4), key_bits=(2, 4), recent=(0.1,), r0=0.5, key_axis=("channel", "channel"),
-                  residual=None, key_meta="16", value_meta="16"),
+    "paper": dict(
+        bits=(2, 4),
+        key_bits=(2, 4),
+        recent=(0.1,),
+        r0=0.5,
+        key_axis=("channel", "channel"),
+        residual=None,
+        key_meta="16",
+        value_meta="16",
+    ),
     # the best measured per byte on SmolLM2 (docs/quality.md, "Making TALE win per byte")
-    "tale": dict(bits=(2, 4), key_bits=(3, 4), recent=(0.1,), r0=0.34, key_axis=("channel", "channel"),
-                 residual=None, key_meta="8/16", value_meta="8/8"),  # r0 0.34: R/3 rounded down to a group (64 of 192)
+    "tale": dict(
+        bits=(2, 4),
+        key_bits=(3, 4),
+        recent=(0.1,),
+        r0=0.34,
+        key_axis=("channel", "channel"),
+        residual=None,
+        key_meta="8/16",
+        value_meta="8/8",
+    ),  # r0 0.34: R/3 rounded down to a group (64 of 192)
 }
 
 
@@ -107,9 +123,17 @@ def fisher_scores(model, batches: list[torch.Tensor]) -> list[float]:
     return scores.tolist()
 
 
-def level0_ranks(policy: str, R: int, num_layers: int, value_group: int, r0: int, *,
-                 spectra: list[torch.Tensor] | None = None, energy: float | None = None,
-                 fisher: list[float] | None = None) -> list[int]:
+def level0_ranks(
+    policy: str,
+    R: int,
+    num_layers: int,
+    value_group: int,
+    r0: int,
+    *,
+    spectra: list[torch.Tensor] | None = None,
+    energy: float | None = None,
+    fisher: list[float] | None = None,
+) -> list[int]:
     """Level-0 rank per layer. r0: the uniform rank (the budget of fisher and progressive).
     spectra (energy): per layer whitened singular values [G, R]; fisher: per layer Fisher scores."""
     if policy == "uniform":
@@ -145,8 +169,16 @@ def apply(schedule: Schedule, policy: str, ranks0: list[int]) -> Schedule:
 REFERENCE = (1024, 128, 4)  # tokens, prefill, decode chunk: the context the ratio is measured at (tale-eval full)
 
 
-def layer_bytes(schedule: Schedule, ranks: list[int], K: int, n: int, G: int, R: int,
-                reference: tuple[int, int, int] = REFERENCE, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
+def layer_bytes(
+    schedule: Schedule,
+    ranks: list[int],
+    K: int,
+    n: int,
+    G: int,
+    R: int,
+    reference: tuple[int, int, int] = REFERENCE,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[int, int]:
     """(bytes held, 16-bit K+V bytes) of one batch-1 cache layer with level ranks `ranks` after `reference` =
     (tokens, prefill, chunk): a dry run with zeros (bytes depend on the call pattern only)."""
     from tale_runtime.cache import TaleLayerCache
@@ -160,8 +192,15 @@ def layer_bytes(schedule: Schedule, ranks: list[int], K: int, n: int, G: int, R:
     return c.nbytes(), c.baseline_nbytes()
 
 
-def measured_ratio(schedule: Schedule, K: int, n: int, G: int, R: int, reference: tuple[int, int, int] = REFERENCE,
-                   memo: dict | None = None) -> float:
+def measured_ratio(
+    schedule: Schedule,
+    K: int,
+    n: int,
+    G: int,
+    R: int,
+    reference: tuple[int, int, int] = REFERENCE,
+    memo: dict | None = None,
+) -> float:
     """16-bit K+V bytes over the bytes a batch-1 TaleCache of `schedule` holds after `reference` (all layers)."""
     memo = {} if memo is None else memo
     held = base = 0
@@ -172,8 +211,13 @@ def measured_ratio(schedule: Schedule, K: int, n: int, G: int, R: int, reference
     return base / held
 
 
-def fit_ranks(schedule: Schedule, target: float, dims: tuple[int, int, int, int], spectra: list[torch.Tensor],
-              min_rank: int | None = None) -> Schedule | None:
+def fit_ranks(
+    schedule: Schedule,
+    target: float,
+    dims: tuple[int, int, int, int],
+    spectra: list[torch.Tensor],
+    min_rank: int | None = None,
+) -> Schedule | None:
     """`schedule` with per-layer level-0 ranks that meet `target` (measured_ratio >= target) while losing the
     least whitened spectral energy: start from the largest uniform rank that meets it, then give one more
     quantization group of rank at a time to the layer whose next group keeps the most energy (as a fraction
@@ -188,8 +232,9 @@ def fit_ranks(schedule: Schedule, target: float, dims: tuple[int, int, int, int]
         return measured_ratio(apply(schedule, schedule.policy, list(r0s)), K, n, G, R, memo=memo)
 
     top = [rs[-1] for rs in schedule.ranks]
-    r0 = next((r for r in range(max(top) // vg * vg, min_rank - 1, -vg) if ratio([min(r, t) for t in top]) >= target),
-              None)
+    r0 = next(
+        (r for r in range(max(top) // vg * vg, min_rank - 1, -vg) if ratio([min(r, t) for t in top]) >= target), None
+    )
     if r0 is None:
         return None
     ranks = [min(r0, t) for t in top]

@@ -36,7 +36,9 @@ LARGE_BYTES = 4 * 2**30
 IGNORE = [".*", "*/.*"]  # hidden files and folders (editor, OS, tool state)
 INDEX = "model.safetensors.index.json"
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help="Publish a TALE artifact to the Hugging Face Hub.")
+app = typer.Typer(
+    add_completion=False, pretty_exceptions_enable=False, help="Publish a TALE artifact to the Hugging Face Hub."
+)
 out = Console()
 
 
@@ -137,8 +139,11 @@ def upload(api: HfApi, p: Plan, revision: str, private: bool, message: str, larg
     if revision != "main":
         api.create_branch(p.repo_id, repo_type="model", branch=revision, exist_ok=True)
     names = [n for n, _ in p.files]
-    batches = [(p.tensors, f"{message} (tensors)"), ([n for n in names if n not in p.tensors], message)] if large \
+    batches = (
+        [(p.tensors, f"{message} (tensors)"), ([n for n in names if n not in p.tensors], message)]
+        if large
         else [(names, message)]
+    )
     info = None
     for batch, msg in batches:
         ops = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=p.content(n)) for n in batch]
@@ -157,7 +162,9 @@ def hub_error(e: HfHubHTTPError, repo_id: str, revision: str) -> str:
     if status == 401:
         return f"the Hub rejected the token (401 Unauthorized{said}); log in again (`hf auth login`) or pass --token"
     if status == 403:
-        return f"no write access to {repo_id} (403 Forbidden{said}); use a token with write permission on that namespace"
+        return (
+            f"no write access to {repo_id} (403 Forbidden{said}); use a token with write permission on that namespace"
+        )
     return f"the Hub refused the push ({status}{said})"
 
 
@@ -165,19 +172,28 @@ def hub_error(e: HfHubHTTPError, repo_id: str, revision: str) -> str:
 def push(
     artifact: Path = typer.Argument(..., metavar="ARTIFACT", help="TALE artifact directory (tale-convert output)."),
     repo_id: str = typer.Argument(..., metavar="REPO_ID", help="Hub repo id, owner/name. Created if missing."),
-    revision: str = typer.Option("main", "--revision", "--branch",
-                                 help="Branch to push to; created from main if missing."),
+    revision: str = typer.Option(
+        "main", "--revision", "--branch", help="Branch to push to; created from main if missing."
+    ),
     commit_message: str | None = typer.Option(None, "--commit-message", "-m", help="Commit message."),
-    private: bool = typer.Option(False, "--private",
-                                 help="Create the repo private (an existing repo keeps its visibility)."),
-    token: str | None = typer.Option(None, "--token",
-                                     help="Hub token with write access. Default: HF_TOKEN, then the cached login."),
-    dry_run: bool = typer.Option(False, "--dry-run",
-                                 help="List the files and print the card; no network, nothing written."),
-    large: bool | None = typer.Option(None, "--large/--single-commit", show_default=False,
-                                      help=f"Tensors first, manifest last (default: from {decimal(LARGE_BYTES)})."),
-    quality: Path | None = typer.Option(None, "--quality",
-                                        help="JSON object of measured figures for the card (e.g. from tale-eval)."),
+    private: bool = typer.Option(
+        False, "--private", help="Create the repo private (an existing repo keeps its visibility)."
+    ),
+    token: str | None = typer.Option(
+        None, "--token", help="Hub token with write access. Default: HF_TOKEN, then the cached login."
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="List the files and print the card; no network, nothing written."
+    ),
+    large: bool | None = typer.Option(
+        None,
+        "--large/--single-commit",
+        show_default=False,
+        help=f"Tensors first, manifest last (default: from {decimal(LARGE_BYTES)}).",
+    ),
+    quality: Path | None = typer.Option(
+        None, "--quality", help="JSON object of measured figures for the card (e.g. from tale-eval)."
+    ),
 ) -> None:
     """Check ARTIFACT, render its model card (README.md) and upload both to REPO_ID; local files are not changed."""
     p = plan(artifact, repo_id, quality)
@@ -195,8 +211,10 @@ def push(
     except HfHubHTTPError as e:
         raise PushError(hub_error(e, repo_id, revision)) from None
     except (httpx2.TransportError, OSError) as e:  # OSError: also what hf_xet raises
-        raise PushError(f"upload to {repo_id} failed ({type(e).__name__}: {console.one_line(e)}); each Hub commit "
-                        "is atomic, so no commit is half-written: run the same command again to finish") from None
+        raise PushError(
+            f"upload to {repo_id} failed ({type(e).__name__}: {console.one_line(e)}); each Hub commit "
+            "is atomic, so no commit is half-written: run the same command again to finish"
+        ) from None
     out.print(f"pushed {artifact} -> {url}", highlight=False)
     if revision == "main":
         out.print(f'run it: tale-run {repo_id} --prompt "Hello"', highlight=False)

@@ -63,8 +63,10 @@ class Partial:
         _atomic_write(self.root / "shards.json", lambda p: p.write_text(json.dumps({"plan": plan, "done": done})))
 
     def save_hidden(self, layer: int, hidden: torch.Tensor) -> None:
-        _atomic_write(self.root / "hidden.safetensors",
-                      lambda p: save_file({"hidden": hidden.cpu()}, p, metadata={"layer": str(layer)}))
+        _atomic_write(
+            self.root / "hidden.safetensors",
+            lambda p: save_file({"hidden": hidden.cpu()}, p, metadata={"layer": str(layer)}),
+        )
 
     def load_hidden(self) -> tuple[int, torch.Tensor] | None:
         """(k, hidden states entering layer k), or None if never checkpointed."""

@@ -187,8 +187,12 @@ def check_layout(model, arch: Arch) -> None:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or len(layers) != arch.L or not hasattr(model.model, "rotary_emb"):
         raise ConvertError("unsupported model layout: expected model.model.layers and model.model.rotary_emb")
-    want = {"q_proj": (arch.H * arch.n, arch.d), "k_proj": (arch.K * arch.n, arch.d),
-            "v_proj": (arch.K * arch.n, arch.d), "o_proj": (arch.d, arch.H * arch.n)}
+    want = {
+        "q_proj": (arch.H * arch.n, arch.d),
+        "k_proj": (arch.K * arch.n, arch.d),
+        "v_proj": (arch.K * arch.n, arch.d),
+        "o_proj": (arch.d, arch.H * arch.n),
+    }
     for i, layer in enumerate(layers):
         attn = getattr(layer, "self_attn", None)
         if attn is None or not isinstance(getattr(layer, "input_layernorm", None), torch.nn.Module):
@@ -278,8 +282,10 @@ def open_checkpoint(src: Source, config, expected: dict[str, tuple[int, ...]]) -
         if not shards:
             bins = sorted(f.name for f in root.iterdir() if f.name.endswith((".bin", ".pt", ".pth")))
             what = f"only {bins[0]}" if bins else "no weight files"
-            raise ConvertError(f"{src.id}: no *.safetensors weights ({what}); tale-convert streams safetensors "
-                               "checkpoints only (save the model with save_pretrained(safe_serialization=True))")
+            raise ConvertError(
+                f"{src.id}: no *.safetensors weights ({what}); tale-convert streams safetensors "
+                "checkpoints only (save the model with save_pretrained(safe_serialization=True))"
+            )
     files: dict[str, Path] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, torch.dtype] = {}
@@ -294,8 +300,9 @@ def open_checkpoint(src: Source, config, expected: dict[str, tuple[int, ...]]) -
                     files[k], shapes[k] = f, tuple(sl.get_shape())
                     dtypes[k] = _DTYPES.get(sl.get_dtype(), torch.uint8)
         except (SafetensorError, OSError) as e:
-            raise ConvertError(f"{src.id}: shard {name} is unreadable, truncated or partially downloaded ({e})"
-                               ) from None
+            raise ConvertError(
+                f"{src.id}: shard {name} is unreadable, truncated or partially downloaded ({e})"
+            ) from None
     if weight_map is not None:
         wrong = [k for k, v in weight_map.items() if files.get(k) != root / v]
         if wrong:
@@ -305,8 +312,10 @@ def open_checkpoint(src: Source, config, expected: dict[str, tuple[int, ...]]) -
     tale = [k for k in files if ".tale." in k]
     no_v = not any(k.endswith(".v_proj.weight") for k in files) and any(k.endswith("q_proj.weight") for k in files)
     if tale or no_v:
-        raise ConvertError(f"{src.id} looks like a TALE artifact ({tale[0] if tale else 'no v_proj.weight'}): "
-                           "convert the original checkpoint")
+        raise ConvertError(
+            f"{src.id} looks like a TALE artifact ({tale[0] if tale else 'no v_proj.weight'}): "
+            "convert the original checkpoint"
+        )
     tied = getattr(config, "tie_word_embeddings", False)
     if tied and "lm_head.weight" not in expected:
         files.pop("lm_head.weight", None)  # stored although tied: transformers ignores it too
@@ -321,8 +330,9 @@ def open_checkpoint(src: Source, config, expected: dict[str, tuple[int, ...]]) -
         if shapes[k] != tuple(shape):
             raise ConvertError(f"{src.id}: tensor {k} has shape {list(shapes[k])}, config.json implies {list(shape)}")
     order = list(expected)  # state_dict order: the artifact is written in it
-    return Checkpoint({k: files[k] for k in order}, {k: shapes[k] for k in order},
-                      _load_dtype(config, dtypes, expected))
+    return Checkpoint(
+        {k: files[k] for k in order}, {k: shapes[k] for k in order}, _load_dtype(config, dtypes, expected)
+    )
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

@@ -31,8 +31,9 @@ def cholesky(C: torch.Tensor) -> tuple[torch.Tensor, float]:
             return L, eps
         eps = EPS0 if eps == 0 else eps * 10
         if eps > EPS_MAX:
-            raise ConvertError("the activation covariance is not positive definite even with jitter "
-                               "(degenerate calibration data?)")
+            raise ConvertError(
+                "the activation covariance is not positive definite even with jitter (degenerate calibration data?)"
+            )
 
 
 def whiten(C: torch.Tensor, W: torch.Tensor, g: int, n: int) -> Factors:

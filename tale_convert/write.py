@@ -77,8 +77,15 @@ class ShardWriter:
     A shard is written to `<name>.part` and renamed when complete; `done` (file -> sha256) names
     complete shards of an interrupted run with the same plan, which are kept, not rewritten."""
 
-    def __init__(self, root: Path, entries: list[Entry], shard_size: int, done: dict[str, str] | None = None,
-                 on_shard: Callable[[str, str], None] | None = None, pending_bytes: int = 1 << 30):
+    def __init__(
+        self,
+        root: Path,
+        entries: list[Entry],
+        shard_size: int,
+        done: dict[str, str] | None = None,
+        on_shard: Callable[[str, str], None] | None = None,
+        pending_bytes: int = 1 << 30,
+    ):
         self.root, self.on_shard = root, on_shard
         self.pending_bytes = pending_bytes  # handed over but not yet written, at most (a bigger tensor may wait alone)
         self.shards = plan_shards(entries, shard_size)
@@ -112,8 +119,9 @@ class ShardWriter:
                 self._left = self._entry.nbytes
         e = self._entry
         if e is None or e.name != name or t.dtype != e.dtype:
-            raise RuntimeError(f"artifact writer: got {name} {t.dtype}, expected {e.name if e else 'nothing'} "
-                               f"{e.dtype if e else ''}")
+            raise RuntimeError(
+                f"artifact writer: got {name} {t.dtype}, expected {e.name if e else 'nothing'} {e.dtype if e else ''}"
+            )
         data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         if data.numel() > self._left:
             raise RuntimeError(f"artifact writer: {name} is larger than its planned shape {list(e.shape)}")
@@ -133,8 +141,13 @@ class ShardWriter:
         self._thread.join()
         self._raise()
         entries = [e for shard in self.shards for e in shard]
-        write_json(self.root / INDEX, {"metadata": {"total_size": sum(e.nbytes for e in entries)},
-                                       "weight_map": {e.name: self.files[self.shard_of[e.name]] for e in entries}})
+        write_json(
+            self.root / INDEX,
+            {
+                "metadata": {"total_size": sum(e.nbytes for e in entries)},
+                "weight_map": {e.name: self.files[self.shard_of[e.name]] for e in entries},
+            },
+        )
         return {f: self.hashes[f] for f in self.files}
 
     def abort(self) -> None:
@@ -194,8 +207,11 @@ class ShardWriter:
         header: dict = {"__metadata__": {"format": "pt"}}
         offset = 0
         for e in self.shards[k]:
-            header[e.name] = {"dtype": _ST_DTYPES[e.dtype], "shape": list(e.shape),
-                              "data_offsets": [offset, offset + e.nbytes]}
+            header[e.name] = {
+                "dtype": _ST_DTYPES[e.dtype],
+                "shape": list(e.shape),
+                "data_offsets": [offset, offset + e.nbytes],
+            }
             offset += e.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it

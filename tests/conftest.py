@@ -29,14 +29,44 @@ if not torch.cuda.is_available():
 # Tiny configs: GQA with several groups (llama), one group (mistral, sliding window config),
 # value bias and rep=3 (qwen2), MHA with tied embeddings (mha).
 TINY = {
-    "llama": dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                  num_attention_heads=8, num_key_value_heads=4, head_dim=16),
-    "mistral": dict(model_type="mistral", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                    num_attention_heads=8, num_key_value_heads=2, head_dim=32, sliding_window=256),
-    "qwen2": dict(model_type="qwen2", hidden_size=96, intermediate_size=192, num_hidden_layers=2,
-                  num_attention_heads=6, num_key_value_heads=2, head_dim=16),
-    "mha": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=4, head_dim=32, tie_word_embeddings=True),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        sliding_window=256,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+    ),
+    "mha": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        tie_word_embeddings=True,
+    ),
 }
 TINY_GROUP = {"llama": 2, "mistral": 2, "qwen2": 1, "mha": 2}
 TINY_VOCAB = 512
@@ -55,12 +85,18 @@ def tiny_tokenizer():
     t = Tokenizer(models.BPE())
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=[EOS], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[EOS],
+        show_progress=False,
+    )
     t.train_from_iterator([d for p in calib_paths() for d in documents(p)], trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=t, eos_token=EOS)
-    tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
-                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     return tok
 
 
@@ -69,8 +105,14 @@ def save_tiny(path: Path, arch: str, tokenizer, seed: int = 0, edit=None) -> Pat
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = dict(TINY[arch])
-    config = AutoConfig.for_model(cfg.pop("model_type"), vocab_size=TINY_VOCAB, max_position_embeddings=512,
-                                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id, **cfg)
+    config = AutoConfig.for_model(
+        cfg.pop("model_type"),
+        vocab_size=TINY_VOCAB,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        **cfg,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if arch == "qwen2":  # the value bias must survive conversion: make it non-trivial

@@ -102,7 +102,7 @@ def _handler(hub: FakeHub):
             url = urlsplit(self.path)
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             hub.requests.append((method, url.path))
-            for m, name, pattern in ROUTES:
+            for m, name, pattern in ROUTES:  # noqa: B007 (name: the route found, used after the loop)
                 match = re.fullmatch(pattern, url.path)
                 if m == method and match:
                     break
@@ -174,9 +174,15 @@ def _handler(hub: FakeHub):
             self._writer(repo.split("/")[0])
             r = self._repo(repo)
             tree = r.trees[self._commit_of(r, rev)]
-            files = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False,
-                      "oid": git_sha1(tree[f["path"]]) if f["path"] in tree else None}
-                     for f in json.loads(body)["files"]]
+            files = [
+                {
+                    "path": f["path"],
+                    "uploadMode": "regular",
+                    "shouldIgnore": False,
+                    "oid": git_sha1(tree[f["path"]]) if f["path"] in tree else None,
+                }
+                for f in json.loads(body)["files"]
+            ]
             return 200, {"files": files, "commitOid": r.branches.get(rev)}, {}
 
         def _commit(self, body, query, repo, rev):
@@ -206,8 +212,11 @@ def _handler(hub: FakeHub):
         def _tree(self, body, query, repo, rev):
             r = self._repo(repo)
             tree = r.trees[self._commit_of(r, rev)]
-            return 200, [{"type": "file", "path": p, "size": len(c), "oid": git_sha1(c)}
-                         for p, c in sorted(tree.items())], {}
+            return (
+                200,
+                [{"type": "file", "path": p, "size": len(c), "oid": git_sha1(c)} for p, c in sorted(tree.items())],
+                {},
+            )
 
         def _resolve(self, body, query, repo, rev, path):
             r = self._repo(repo)
@@ -241,5 +250,7 @@ def convert_tiny(base: Path, out: Path) -> Path:
     """A real tale-convert artifact (about 2 MB) of a tiny checkpoint (conftest's tiny_model_dir)."""
     from tale_convert.convert import Options, convert
 
-    convert(str(base), out, Options(group=2, samples=4, seq_len=64, dtype="fp32", key_group=8, value_group=8, residual=8))
+    convert(
+        str(base), out, Options(group=2, samples=4, seq_len=64, dtype="fp32", key_group=8, value_group=8, residual=8)
+    )
     return out

@@ -11,15 +11,51 @@ from tale_runtime.artifact import Level, Schedule, uniform_ranks
 from tale_runtime.model import TaleAttention
 
 TINY = dict(
-    llama=dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-               num_attention_heads=8, num_key_value_heads=4, head_dim=16, vocab_size=320, max_position_embeddings=512),
-    mistral=dict(model_type="mistral", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=320, max_position_embeddings=512,
-                 sliding_window=None),
-    qwen2=dict(model_type="qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-               num_attention_heads=8, num_key_value_heads=4, head_dim=16, vocab_size=320, max_position_embeddings=512),
-    mha=dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=4, head_dim=32, vocab_size=320, max_position_embeddings=512),
+    llama=dict(
+        model_type="llama",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        vocab_size=320,
+        max_position_embeddings=512,
+    ),
+    mistral=dict(
+        model_type="mistral",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=320,
+        max_position_embeddings=512,
+        sliding_window=None,
+    ),
+    qwen2=dict(
+        model_type="qwen2",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        vocab_size=320,
+        max_position_embeddings=512,
+    ),
+    mha=dict(
+        model_type="llama",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        vocab_size=320,
+        max_position_embeddings=512,
+    ),
 )
 
 
@@ -50,14 +86,14 @@ def talify(model, group: int, schedule: Schedule | None = None):
         Wo = orig.o_proj.weight.detach().double().T  # [H*n, d]
         A, B, Of = [], [], []
         for c in range(G):
-            U, S, Vh = torch.linalg.svd(W[:, c * R:(c + 1) * R], full_matrices=False)
+            U, S, Vh = torch.linalg.svd(W[:, c * R : (c + 1) * R], full_matrices=False)
             A.append(U * S.sqrt())
             B.append(S.sqrt()[:, None] * Vh)
         rep = cfg.num_attention_heads // K
         for q in range(cfg.num_attention_heads):
             m = q // rep
             c, j = m // group, m % group
-            Of.append(B[c][:, j * n:(j + 1) * n] @ Wo[q * n:(q + 1) * n])
+            Of.append(B[c][:, j * n : (j + 1) * n] @ Wo[q * n : (q + 1) * n])
         dt = orig.q_proj.weight.dtype
         att.tale.u_v.data = torch.stack(A).to(dt)
         att.tale.v_v.data = torch.stack(B).to(dt)
@@ -72,8 +108,14 @@ def talify(model, group: int, schedule: Schedule | None = None):
 
 def exact_schedule(R: int, layers: int, sinks: int = 4) -> Schedule:
     """No compression: r0 = R, all bits 16."""
-    return Schedule(sinks=sinks, levels=[Level(16, 16, None), Level(16, 16, 0.1)], ranks=[[R, R]] * layers,
-                    key_group=8, value_group=8, residual=8)
+    return Schedule(
+        sinks=sinks,
+        levels=[Level(16, 16, None), Level(16, 16, 0.1)],
+        ranks=[[R, R]] * layers,
+        key_group=8,
+        value_group=8,
+        residual=8,
+    )
 
 
 def byte_tokenizer():
@@ -85,12 +127,18 @@ def byte_tokenizer():
     t = Tokenizer(models.BPE())
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=257, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<eos>"], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=257,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<eos>"],
+        show_progress=False,
+    )
     t.train_from_iterator(["x"], trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>")
-    tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
-                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     return tok
 
 
@@ -112,12 +160,17 @@ def save_artifact(tm, path, tokenizer=None):
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     arch = dict(tm.tale_manifest["architecture"], model_type=tm.config.model_type)
-    write_json(path / MANIFEST, {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "architecture": arch,
-        "schedule": tm.tale_schedule.to_dict(),
-        "nominal_ratio": nominal_ratio(tm.tale_schedule, arch["head_dim"], arch["group_size"]),
-        "files": hash_files(path),  # every file, as the converter writes it
-    })
+    write_json(
+        path / MANIFEST,
+        {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "architecture": arch,
+            "schedule": tm.tale_schedule.to_dict(),
+            "nominal_ratio": nominal_ratio(tm.tale_schedule, arch["head_dim"], arch["group_size"]),
+            "files": hash_files(path),  # every file, as the converter writes it
+        },
+    )
     return path
 
 

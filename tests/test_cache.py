@@ -19,8 +19,14 @@ def two_levels(**kw) -> Schedule:
 
 
 def three_levels() -> Schedule:
-    return Schedule(sinks=3, levels=[Level(2, 2, None), Level(4, 4, 0.2), Level(8, 8, 0.1)],
-                    ranks=[[8, 16, 32]], key_group=8, value_group=8, residual=8)
+    return Schedule(
+        sinks=3,
+        levels=[Level(2, 2, None), Level(4, 4, 0.2), Level(8, 8, 0.1)],
+        ranks=[[8, 16, 32]],
+        key_group=8,
+        value_group=8,
+        residual=8,
+    )
 
 
 def tokens(B: int, T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +60,7 @@ def expected_levels(c: TaleLayerCache, s: Schedule, k: torch.Tensor, h: torch.Te
     ln = c.lengths()
     start = ln["sinks"]
     out = []
-    for i, lv in enumerate(s.levels):
+    for i in range(len(s.levels)):
         span = slice(start, start + ln[f"level{i}"])
         kk, hh = k[..., span, :], h[..., span, :]
         chain = range(len(s.levels) - 1, i - 1, -1) if path == "decode" else [i]
@@ -145,8 +151,9 @@ def manual_nbytes(c: TaleLayerCache) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
-def analytic_nbytes(lengths: dict, s: Schedule, ranks: list[int], B: int, K: int, n: int, G: int, R: int,
-                    elem: int = 2) -> int:
+def analytic_nbytes(
+    lengths: dict, s: Schedule, ranks: list[int], B: int, K: int, n: int, G: int, R: int, elem: int = 2
+) -> int:
     """Bytes of a layer from its region lengths alone: exact tokens at `elem` bytes, packed codes,
     and one scale + one zero per key group (per channel over tokens, or per token over channels) and per
     latent group per token: `elem` bytes each, 1 for fp8 (`8/..` formats, plus one 4-byte bias per tensor)."""
@@ -164,7 +171,9 @@ def analytic_nbytes(lengths: dict, s: Schedule, ranks: list[int], B: int, K: int
         if lv.key_bits == 16:
             total += B * K * L * n * elem
         else:
-            kgroups = B * K * (L // s.key_group) * n if lv.key_axis == "channel" else B * K * L * (n // s.key_channel_group)
+            kgroups = (
+                B * K * (L // s.key_group) * n if lv.key_axis == "channel" else B * K * L * (n // s.key_channel_group)
+            )
             total += B * K * L * n * lv.key_bits // 8 + meta(s.key_meta, kgroups)
         if lv.bits == 16:
             total += B * G * L * r * elem
@@ -194,7 +203,7 @@ def test_smollm2_measured_ratio_at_2k(smollm2_artifact):
     from tale_runtime import load, new_cache
 
     model, tok = load(smollm2_artifact, device="cpu")
-    ids = torch.tensor([tok(heldout_path().read_text())["input_ids"][:2048 + 4]])
+    ids = torch.tensor([tok(heldout_path().read_text())["input_ids"][: 2048 + 4]])
     cache = new_cache(model)
     with torch.no_grad():
         model(ids[:, :2048], past_key_values=cache, logits_to_keep=1)
@@ -217,9 +226,17 @@ def test_smollm2_measured_ratio_at_2k(smollm2_artifact):
 
 def test_nbytes_of_the_new_formats():
     """3-bit codes, fp8 scales/zeros and per-token keys: bytes from region lengths equal what the cache holds."""
-    sched = Schedule(levels=[Level(2, 3, None), Level(4, 4, 0.2, key_axis="token"), Level(8, 8, 0.05, key_axis="token")],
-                     ranks=[[8, 16, 32]], sinks=3, key_group=8, value_group=8, residual=1, key_channel_group=8,
-                     key_meta="8/16", value_meta="8/8")
+    sched = Schedule(
+        levels=[Level(2, 3, None), Level(4, 4, 0.2, key_axis="token"), Level(8, 8, 0.05, key_axis="token")],
+        ranks=[[8, 16, 32]],
+        sinks=3,
+        key_group=8,
+        value_group=8,
+        residual=1,
+        key_channel_group=8,
+        key_meta="8/16",
+        value_meta="8/8",
+    )
     k, h = tokens(2, 150, seed=7)
     c = TaleLayerCache(sched, 0, K, n, G, R)
     c.append(k[..., :100, :].bfloat16(), h[..., :100, :].bfloat16())

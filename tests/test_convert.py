@@ -13,10 +13,10 @@ from conftest import TINY, TINY_GROUP, TINY_OPTS
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tale_convert import ConvertError, calibrate, convert as convert_mod, resume, source
+from tale_convert import ConvertError, calibrate, resume, source
+from tale_convert import convert as convert_mod
 from tale_convert.convert import Options, convert
-from tale_runtime.artifact import (O_FUSED, U_V, V_V, ArtifactError, Schedule, nominal_ratio, read_manifest,
-                                   verify_files)
+from tale_runtime.artifact import O_FUSED, U_V, V_V, ArtifactError, Schedule, nominal_ratio, read_manifest, verify_files
 
 
 def tiny_opts(arch: str, **kw) -> Options:
@@ -65,18 +65,19 @@ def test_factors_reproduce_base_weights(arch, artifacts, tiny_model_dir):
         assert A.shape == (G, d, R) and B.shape == (G, R, R) and Of.shape == (d, H * R)
         W = base[p + "v_proj.weight"].T.double()  # [d, K*n]
         for c in range(G):
-            assert rel(A[c].double() @ B[c].double(), W[:, c * R:(c + 1) * R]) < 1e-5
+            assert rel(A[c].double() @ B[c].double(), W[:, c * R : (c + 1) * R]) < 1e-5
         Wo = base[p + "o_proj.weight"].T.double()  # [H*n, d]
         for q in range(H):
             c, j = divmod(q // rep, g)
-            want = B[c, :, j * n:(j + 1) * n].double() @ Wo[q * n:(q + 1) * n]
-            assert rel(Of.T[q * R:(q + 1) * R].double(), want) < 1e-5
+            want = B[c, :, j * n : (j + 1) * n].double() @ Wo[q * n : (q + 1) * n]
+            assert rel(Of.T[q * R : (q + 1) * R].double(), want) < 1e-5
     untouched = dict(base)
     assert set(untouched) <= set(art)
     for k, v in untouched.items():
         assert torch.equal(art[k], v), k
-    assert set(art) - set(untouched) == {f"model.layers.{i}.self_attn.{t}" for i in range(cfg["num_hidden_layers"])
-                                         for t in (U_V, V_V, O_FUSED)}
+    assert set(art) - set(untouched) == {
+        f"model.layers.{i}.self_attn.{t}" for i in range(cfg["num_hidden_layers"]) for t in (U_V, V_V, O_FUSED)
+    }
     if arch == "qwen2":
         assert "model.layers.0.self_attn.v_proj.bias" in art
     if arch == "mha":  # tied embeddings are stored once
@@ -91,8 +92,13 @@ def test_manifest_index_and_model_files(arch, artifacts, tiny_model_dir, tmp_pat
     cfg, g = TINY[arch], TINY_GROUP[arch]
     a = m["architecture"]
     assert (a["model_type"], a["hidden_size"], a["num_heads"], a["num_kv_heads"], a["head_dim"], a["num_layers"]) == (
-        cfg["model_type"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
-        cfg["num_hidden_layers"])
+        cfg["model_type"],
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+        cfg["num_hidden_layers"],
+    )
     R = g * cfg["head_dim"]
     assert (a["group_size"], a["num_groups"], a["latent_rank"]) == (g, cfg["num_key_value_heads"] // g, R)
     assert a["layers"] == [{"g": g, "G": a["num_groups"], "R": R}] * cfg["num_hidden_layers"]
@@ -220,8 +226,9 @@ def test_calib_files_and_sharding(tiny_model_dir, tmp_path):
     convert(str(tiny_model_dir("mistral")), one, tiny_opts("mistral", calib=[txt, jl]))
     many = tmp_path / "many"
     # dtype auto: fp32 as saved, so the same tensors as `one`
-    convert(str(tiny_model_dir("mistral")), many,
-            tiny_opts("mistral", calib=[txt, jl], shard_size="100KB", dtype="auto"))
+    convert(
+        str(tiny_model_dir("mistral")), many, tiny_opts("mistral", calib=[txt, jl], shard_size="100KB", dtype="auto")
+    )
     m1, _, t1 = read_artifact(one)
     m2, index, t2 = read_artifact(many)
     assert m1["calibration"]["source"] == "files" and set(m1["calibration"]["files"]) == {"a.txt", "b.jsonl"}

@@ -42,11 +42,25 @@ def test_converts_and_reports(llama, tmp_path, capsys):
     assert (tmp_path / "new" / "tale" / "tale_config.json").is_file()  # parents are created
 
 
-@pytest.mark.parametrize("case", [
-    "missing-path", "hub-offline", "unsupported-arch", "group-divides", "rank-exceeds-hidden", "calib-too-short",
-    "calib-missing", "calib-no-text", "bad-bits", "bits-value", "bad-dtype", "bad-shard-size",
-    "recent-count", "sliding-window",
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing-path",
+        "hub-offline",
+        "unsupported-arch",
+        "group-divides",
+        "rank-exceeds-hidden",
+        "calib-too-short",
+        "calib-missing",
+        "calib-no-text",
+        "bad-bits",
+        "bits-value",
+        "bad-dtype",
+        "bad-shard-size",
+        "recent-count",
+        "sliding-window",
+    ],
+)
 def test_bad_input(case, llama, tiny_model_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "tale"
     short = tmp_path / "short.txt"
@@ -80,8 +94,12 @@ def test_bad_input(case, llama, tiny_model_dir, tmp_path, capsys, monkeypatch):
 def test_calib_wrong_type(llama, tmp_path, capsys):
     csv = tmp_path / "data.csv"
     csv.write_text("text\nhello\n")
-    assert_bad([llama, "--group", "2", "--calib", csv, "--out", tmp_path / "tale", *TINY_ARGS], capsys, tmp_path,
-               "unsupported type")
+    assert_bad(
+        [llama, "--group", "2", "--calib", csv, "--out", tmp_path / "tale", *TINY_ARGS],
+        capsys,
+        tmp_path,
+        "unsupported type",
+    )
 
 
 def test_existing_output(llama, tmp_path, capsys):
@@ -90,8 +108,9 @@ def test_existing_output(llama, tmp_path, capsys):
     (out / "keep.txt").write_text("mine")
     assert_bad([llama, "--group", "2", "--out", out, *TINY_ARGS], capsys, tmp_path, "exists (pass --overwrite")
     # --overwrite only ever replaces a TALE artifact
-    assert_bad([llama, "--group", "2", "--out", out, "--overwrite", *TINY_ARGS], capsys, tmp_path,
-               "not a TALE artifact")
+    assert_bad(
+        [llama, "--group", "2", "--out", out, "--overwrite", *TINY_ARGS], capsys, tmp_path, "not a TALE artifact"
+    )
     assert (out / "keep.txt").read_text() == "mine"
 
 
@@ -100,8 +119,12 @@ def test_non_finite_activations(tiny_tok, tmp_path, capsys):
         model.model.layers[0].mlp.down_proj.weight.data.fill_(float("inf"))
 
     bad = save_tiny(tmp_path / "bad", "llama", tiny_tok, edit=blow_up)
-    assert_bad([bad, "--group", "2", "--out", tmp_path / "tale", *TINY_ARGS], capsys, tmp_path,
-               "non-finite activations after layer 0")
+    assert_bad(
+        [bad, "--group", "2", "--out", tmp_path / "tale", *TINY_ARGS],
+        capsys,
+        tmp_path,
+        "non-finite activations after layer 0",
+    )
 
 
 def test_usage_errors_are_one_line(tmp_path, capsys):

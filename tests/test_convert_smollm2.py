@@ -72,7 +72,7 @@ def test_factors_reproduce_base_weights(art, base):
         Wo = base[p + "o_proj.weight"].T.double()
         for q in range(H):
             j = (q // (H // K)) % g
-            assert rel(Of.T[q * R:(q + 1) * R], B[:, j * n:(j + 1) * n] @ Wo[q * n:(q + 1) * n]) < 1e-2
+            assert rel(Of.T[q * R : (q + 1) * R], B[:, j * n : (j + 1) * n] @ Wo[q * n : (q + 1) * n]) < 1e-2
 
 
 def test_whitening_beats_plain_svd_on_heldout_text(art, base, smollm2_path, smollm2_artifact):
@@ -86,8 +86,10 @@ def test_whitening_beats_plain_svd_on_heldout_text(art, base, smollm2_path, smol
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
     ids = tok("\n\n".join(documents(heldout_path())), return_tensors="pt").input_ids[:, :1024]
     X = {}
-    hooks = [layer.self_attn.v_proj.register_forward_pre_hook(lambda mod, a, i=i: X.__setitem__(i, a[0][0].double()))
-             for i, layer in enumerate(model.model.layers)]
+    hooks = [
+        layer.self_attn.v_proj.register_forward_pre_hook(lambda mod, a, i=i: X.__setitem__(i, a[0][0].double()))
+        for i, layer in enumerate(model.model.layers)
+    ]
     with torch.no_grad():
         model(ids)
     for h in hooks:

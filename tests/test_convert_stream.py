@@ -13,7 +13,8 @@ from conftest import TINY, TINY_GROUP, TINY_OPTS, save_tiny
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tale_convert import ConvertError, calibrate, convert as convert_mod, resume, source, write
+from tale_convert import ConvertError, calibrate, resume, source, write
+from tale_convert import convert as convert_mod
 from tale_convert.convert import Options, convert
 from tale_convert.fuse import fuse
 from tale_convert.whiten import whiten
@@ -121,8 +122,9 @@ def test_resume_across_shards_keeps_complete_shards_and_gives_identical_bytes(ti
     monkeypatch.setattr(convert_mod, "whiten", real_whiten)
     rewritten = []
     real_open = write.ShardWriter._open
-    monkeypatch.setattr(write.ShardWriter, "_open",
-                        lambda self, k: rewritten.append(self.files[k]) or real_open(self, k))
+    monkeypatch.setattr(
+        write.ShardWriter, "_open", lambda self, k: rewritten.append(self.files[k]) or real_open(self, k)
+    )
     convert(model, out, tiny_opts("llama", shard_size="200KB", resume=True))
     assert not set(rewritten) & set(kept)
     assert read_manifest(out)["files"] == read_manifest(fresh)["files"]
@@ -151,6 +153,7 @@ def test_interrupted_resume_keeps_its_layers(tiny_model_dir, tmp_path, monkeypat
             if len(n) == at:
                 raise KeyboardInterrupt
             return real_whiten(*a, **kw)
+
         return w
 
     out = tmp_path / "tale"
@@ -222,6 +225,7 @@ def test_shard_writer_files_read_back(tmp_path):
 
 # -- source validation: one line, exit 2, nothing written --------------------------------------
 
+
 def _bad_sources(tmp_path, tiny_tok, tiny_model_dir):
     good = tiny_model_dir("llama")
 
@@ -240,9 +244,16 @@ def _bad_sources(tmp_path, tiny_tok, tiny_model_dir):
     (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
     sharded = copy("sharded")
     (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
-    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-        "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
-        "lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    (sharded / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "weight_map": {
+                    "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                    "lm_head.weight": "model-00002-of-00002.safetensors",
+                }
+            }
+        )
+    )
     tale_dir = tmp_path / "src" / "tale"
     convert(str(good), tale_dir, tiny_opts("llama"))
     old_tale = edit_tensors("old-tale", lambda t: [t.pop(k) for k in list(t) if k.endswith("v_proj.weight")])
@@ -251,27 +262,50 @@ def _bad_sources(tmp_path, tiny_tok, tiny_model_dir):
     return {
         "truncated": (truncated, "truncated or partially downloaded"),
         "missing-shard": (sharded, "shard model-00002-of-00002.safetensors is missing"),
-        "missing-tensor": (edit_tensors("missing", lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
-                           "missing, e.g. model.layers.1.mlp.up_proj.weight"),
-        "unexpected-tensor": (edit_tensors("extra", lambda t: t.update({"model.layers.9.foo": torch.zeros(2)})),
-                              "does not know, e.g. model.layers.9.foo"),
-        "wrong-shape": (edit_tensors("shape", lambda t: t.update(
-            {"model.layers.0.mlp.up_proj.weight": torch.zeros(7, TINY["llama"]["hidden_size"])})),
-            "model.layers.0.mlp.up_proj.weight has shape [7, 128]"),
+        "missing-tensor": (
+            edit_tensors("missing", lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
+            "missing, e.g. model.layers.1.mlp.up_proj.weight",
+        ),
+        "unexpected-tensor": (
+            edit_tensors("extra", lambda t: t.update({"model.layers.9.foo": torch.zeros(2)})),
+            "does not know, e.g. model.layers.9.foo",
+        ),
+        "wrong-shape": (
+            edit_tensors(
+                "shape",
+                lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(7, TINY["llama"]["hidden_size"])}),
+            ),
+            "model.layers.0.mlp.up_proj.weight has shape [7, 128]",
+        ),
         "tale-artifact": (tale_dir, "already a TALE artifact"),
         "old-tale-artifact": (old_tale, "looks like a TALE artifact"),
         "bin-only": (binonly, "no *.safetensors weights"),
     }
 
 
-@pytest.mark.parametrize("case", ["truncated", "missing-shard", "missing-tensor", "unexpected-tensor", "wrong-shape",
-                                  "tale-artifact", "old-tale-artifact", "bin-only", "seq-len"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "truncated",
+        "missing-shard",
+        "missing-tensor",
+        "unexpected-tensor",
+        "wrong-shape",
+        "tale-artifact",
+        "old-tale-artifact",
+        "bin-only",
+        "seq-len",
+    ],
+)
 def test_bad_sources_are_one_line_errors(case, tmp_path, tiny_tok, tiny_model_dir, capsys):
     from test_convert_cli import TINY_ARGS, run
 
     if case == "seq-len":
-        src, match, extra = tiny_model_dir("llama"), "exceeds the model's context (max_position_embeddings 512)", \
-            ["--seq-len", "600"]
+        src, match, extra = (
+            tiny_model_dir("llama"),
+            "exceeds the model's context (max_position_embeddings 512)",
+            ["--seq-len", "600"],
+        )
     else:
         (src, match), extra = _bad_sources(tmp_path, tiny_tok, tiny_model_dir)[case], []
     work = tmp_path / "work"

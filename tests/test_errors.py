@@ -67,19 +67,31 @@ def edit_json(ctx, name, fn):
 def extra_shard(ctx):
     """An index naming a second shard that is not in the manifest (the old bypass: loaded unverified)."""
     shutil.copy(ctx.art / "model-00001-of-00001.safetensors", ctx.art / "model-00002-of-00002.safetensors")
-    edit_json(ctx, "model.safetensors.index.json",
-              lambda d: d["weight_map"].update({"lm_head.weight": "model-00002-of-00002.safetensors"}))
-    edit_manifest(ctx, lambda m: m["files"].__setitem__("model.safetensors.index.json",
-                                                       hash_files(ctx.art)["model.safetensors.index.json"]))
+    edit_json(
+        ctx,
+        "model.safetensors.index.json",
+        lambda d: d["weight_map"].update({"lm_head.weight": "model-00002-of-00002.safetensors"}),
+    )
+    edit_manifest(
+        ctx,
+        lambda m: m["files"].__setitem__(
+            "model.safetensors.index.json", hash_files(ctx.art)["model.safetensors.index.json"]
+        ),
+    )
 
 
 def index_to_unlisted(ctx):
     """The same with the extra shard hidden from the listing: the loader must still not read it."""
     shutil.copy(ctx.art / "model-00001-of-00001.safetensors", ctx.art / ".shadow.safetensors")
-    edit_json(ctx, "model.safetensors.index.json",
-              lambda d: d["weight_map"].update({"lm_head.weight": ".shadow.safetensors"}))
-    edit_manifest(ctx, lambda m: m["files"].__setitem__("model.safetensors.index.json",
-                                                       hash_files(ctx.art)["model.safetensors.index.json"]))
+    edit_json(
+        ctx, "model.safetensors.index.json", lambda d: d["weight_map"].update({"lm_head.weight": ".shadow.safetensors"})
+    )
+    edit_manifest(
+        ctx,
+        lambda m: m["files"].__setitem__(
+            "model.safetensors.index.json", hash_files(ctx.art)["model.safetensors.index.json"]
+        ),
+    )
 
 
 def flip_byte(path: Path):
@@ -93,100 +105,220 @@ CASES = {
     # --- usage errors: one line instead of click's box
     "convert-unknown-option": ("convert", None, lambda c: [c.model, "--out", c.out, "--bogus"], "No such option"),
     "convert-missing-out": ("convert", None, lambda c: [c.model], "Missing option '--out'"),
-    "convert-not-an-int": ("convert", None, lambda c: [c.model, "--out", c.out, "--samples", "many"],
-                           "Invalid value for '--samples'"),
+    "convert-not-an-int": (
+        "convert",
+        None,
+        lambda c: [c.model, "--out", c.out, "--samples", "many"],
+        "Invalid value for '--samples'",
+    ),
     "run-missing-arg": ("run", None, lambda c: [], "Missing argument"),
-    "run-not-a-float": ("run", None, lambda c: [c.art, "-p", "hi", "--temperature", "hot"],
-                        "Invalid value for '--temperature'"),
+    "run-not-a-float": (
+        "run",
+        None,
+        lambda c: [c.art, "-p", "hi", "--temperature", "hot"],
+        "Invalid value for '--temperature'",
+    ),
     "run-top-p-range": ("run", None, lambda c: [c.art, "-p", "hi", "--top-p", "2"], "--top-p"),
     "push-missing-repo": ("push", None, lambda c: [c.art], "Missing argument 'REPO_ID'"),
     "eval-unknown-option": ("eval", None, lambda c: [c.art, "--nope"], "No such option"),
     # --- tale-run: bad prompts and options
-    "run-binary-prompt": ("run", None, lambda c: [c.art, "--prompt-file", c.file("p.bin", b"\x00\xff\x10abc")],
-                          "binary file"),
-    "run-not-utf8-prompt": ("run", None, lambda c: [c.art, "--prompt-file", c.file("p.txt", b"caf\xe9")],
-                            "not UTF-8"),
+    "run-binary-prompt": (
+        "run",
+        None,
+        lambda c: [c.art, "--prompt-file", c.file("p.bin", b"\x00\xff\x10abc")],
+        "binary file",
+    ),
+    "run-not-utf8-prompt": ("run", None, lambda c: [c.art, "--prompt-file", c.file("p.txt", b"caf\xe9")], "not UTF-8"),
     "run-empty-prompt-file": ("run", None, lambda c: [c.art, "--prompt-file", c.file("p.txt", " \n")], "empty"),
     "run-prompt-file-is-dir": ("run", None, lambda c: [c.art, "--prompt-file", c.tmp], "not a file"),
     "run-device-mps": ("run", None, lambda c: [c.art, "-p", "hi", "--device", "mps"], "--device mps: not supported"),
     "run-device-unknown": ("run", None, lambda c: [c.art, "-p", "hi", "--device", "gpu0"], "unknown device"),
-    "run-value-group-0": ("run", None, lambda c: [c.art, "-p", "hi", "--value-group", "0"],
-                          "--value-group must be >= 1"),
-    "run-value-group-0-ranks": ("run", None, lambda c: [c.art, "-p", "hi", "--value-group", "0", "--ranks", "0.5"],
-                                "--value-group must be >= 1"),
+    "run-value-group-0": (
+        "run",
+        None,
+        lambda c: [c.art, "-p", "hi", "--value-group", "0"],
+        "--value-group must be >= 1",
+    ),
+    "run-value-group-0-ranks": (
+        "run",
+        None,
+        lambda c: [c.art, "-p", "hi", "--value-group", "0", "--ranks", "0.5"],
+        "--value-group must be >= 1",
+    ),
     "run-key-group-0": ("run", None, lambda c: [c.art, "-p", "hi", "--key-group", "0"], "--key-group must be >= 1"),
     "run-sinks-negative": ("run", None, lambda c: [c.art, "-p", "hi", "--sinks", "-1"], "--sinks must be >= 0"),
     # --- artifact integrity: every file hashed, only verified files read
-    "run-deleted-tokenizer": ("run", lambda c: (c.art / "tokenizer.json").unlink(), lambda c: [c.art, "-p", "hi"],
-                              "tokenizer.json is missing"),
-    "run-edited-rope-theta": ("run", lambda c: edit_json(c, "config.json", lambda d: d.update(rope_theta=1.0)),
-                              lambda c: [c.art, "-p", "hi"], "checksum mismatch for config.json"),
-    "run-edited-chat-template": ("run", lambda c: edit_json(c, "tokenizer_config.json",
-                                                            lambda d: d.update(model_max_length=7)),
-                                 lambda c: [c.art, "-p", "hi"], "checksum mismatch for tokenizer_config.json"),
-    "run-edited-generation-config": ("run", lambda c: edit_json(c, "generation_config.json",
-                                                                lambda d: d.update(eos_token_id=3)),
-                                     lambda c: [c.art, "-p", "hi"], "checksum mismatch for generation_config.json"),
-    "run-edited-readme": ("run", lambda c: (c.art / "README.md").write_text("# mine\n"),
-                          lambda c: [c.art, "-p", "hi"], "checksum mismatch for README.md"),
-    "run-corrupt-shard": ("run", lambda c: flip_byte(c.art / "model-00001-of-00001.safetensors"),
-                          lambda c: [c.art, "-p", "hi"], "checksum mismatch for model-00001-of-00001.safetensors"),
-    "run-index-extra-shard": ("run", extra_shard, lambda c: [c.art, "-p", "hi"],
-                              "model-00002-of-00002.safetensors is not in the manifest"),
-    "run-index-hidden-shard": ("run", index_to_unlisted, lambda c: [c.art, "-p", "hi"],
-                               "which the manifest does not list"),
-    "run-empty-files": ("run", lambda c: edit_manifest(c, lambda m: m.update(files={})),
-                        lambda c: [c.art, "-p", "hi"], "lists no files"),
-    "run-unlisted-file": ("run", lambda c: edit_manifest(c, lambda m: m["files"].pop("tokenizer.json")),
-                          lambda c: [c.art, "-p", "hi"], "tokenizer.json is not in the manifest"),
-    "run-stray-file": ("run", lambda c: (c.art / "notes.txt").write_text("x"), lambda c: [c.art, "-p", "hi"],
-                       "notes.txt is not in the manifest"),
-    "run-path-escape": ("run", lambda c: edit_manifest(c, lambda m: m["files"].update({"../x": "0" * 64})),
-                        lambda c: [c.art, "-p", "hi"], "outside the artifact"),
-    "run-old-format": ("run", lambda c: edit_manifest(c, lambda m: m.update(format_version="1.0")),
-                       lambda c: [c.art, "-p", "hi"], "re-convert the model with tale-convert"),
-    "run-future-format": ("run", lambda c: edit_manifest(c, lambda m: m.update(format_version="3.0")),
-                          lambda c: [c.art, "-p", "hi"], "upgrade tale-kv"),
-    "eval-edited-config": ("eval", lambda c: edit_json(c, "config.json", lambda d: d.update(rms_norm_eps=0.5)),
-                           lambda c: [c.art, "--dtype", "fp32"], "checksum mismatch for config.json"),
+    "run-deleted-tokenizer": (
+        "run",
+        lambda c: (c.art / "tokenizer.json").unlink(),
+        lambda c: [c.art, "-p", "hi"],
+        "tokenizer.json is missing",
+    ),
+    "run-edited-rope-theta": (
+        "run",
+        lambda c: edit_json(c, "config.json", lambda d: d.update(rope_theta=1.0)),
+        lambda c: [c.art, "-p", "hi"],
+        "checksum mismatch for config.json",
+    ),
+    "run-edited-chat-template": (
+        "run",
+        lambda c: edit_json(c, "tokenizer_config.json", lambda d: d.update(model_max_length=7)),
+        lambda c: [c.art, "-p", "hi"],
+        "checksum mismatch for tokenizer_config.json",
+    ),
+    "run-edited-generation-config": (
+        "run",
+        lambda c: edit_json(c, "generation_config.json", lambda d: d.update(eos_token_id=3)),
+        lambda c: [c.art, "-p", "hi"],
+        "checksum mismatch for generation_config.json",
+    ),
+    "run-edited-readme": (
+        "run",
+        lambda c: (c.art / "README.md").write_text("# mine\n"),
+        lambda c: [c.art, "-p", "hi"],
+        "checksum mismatch for README.md",
+    ),
+    "run-corrupt-shard": (
+        "run",
+        lambda c: flip_byte(c.art / "model-00001-of-00001.safetensors"),
+        lambda c: [c.art, "-p", "hi"],
+        "checksum mismatch for model-00001-of-00001.safetensors",
+    ),
+    "run-index-extra-shard": (
+        "run",
+        extra_shard,
+        lambda c: [c.art, "-p", "hi"],
+        "model-00002-of-00002.safetensors is not in the manifest",
+    ),
+    "run-index-hidden-shard": (
+        "run",
+        index_to_unlisted,
+        lambda c: [c.art, "-p", "hi"],
+        "which the manifest does not list",
+    ),
+    "run-empty-files": (
+        "run",
+        lambda c: edit_manifest(c, lambda m: m.update(files={})),
+        lambda c: [c.art, "-p", "hi"],
+        "lists no files",
+    ),
+    "run-unlisted-file": (
+        "run",
+        lambda c: edit_manifest(c, lambda m: m["files"].pop("tokenizer.json")),
+        lambda c: [c.art, "-p", "hi"],
+        "tokenizer.json is not in the manifest",
+    ),
+    "run-stray-file": (
+        "run",
+        lambda c: (c.art / "notes.txt").write_text("x"),
+        lambda c: [c.art, "-p", "hi"],
+        "notes.txt is not in the manifest",
+    ),
+    "run-path-escape": (
+        "run",
+        lambda c: edit_manifest(c, lambda m: m["files"].update({"../x": "0" * 64})),
+        lambda c: [c.art, "-p", "hi"],
+        "outside the artifact",
+    ),
+    "run-old-format": (
+        "run",
+        lambda c: edit_manifest(c, lambda m: m.update(format_version="1.0")),
+        lambda c: [c.art, "-p", "hi"],
+        "re-convert the model with tale-convert",
+    ),
+    "run-future-format": (
+        "run",
+        lambda c: edit_manifest(c, lambda m: m.update(format_version="3.0")),
+        lambda c: [c.art, "-p", "hi"],
+        "upgrade tale-kv",
+    ),
+    "eval-edited-config": (
+        "eval",
+        lambda c: edit_json(c, "config.json", lambda d: d.update(rms_norm_eps=0.5)),
+        lambda c: [c.art, "--dtype", "fp32"],
+        "checksum mismatch for config.json",
+    ),
     # --- tale-convert: validation before work
-    "convert-empty-calib": ("convert", None, lambda c: [c.model, "--out", c.out, "--calib", c.file("e.txt", "")],
-                            "the file is empty"),
-    "convert-binary-calib": ("convert", None,
-                             lambda c: [c.model, "--out", c.out, "--calib", c.file("b.txt", bytes(range(256)))],
-                             "binary file"),
-    "convert-malformed-jsonl": ("convert", None,
-                                lambda c: [c.model, "--out", c.out, "--calib",
-                                           c.file("m.jsonl", '{"text": "a"}\n{"text": \n')],
-                                "line 2: not JSON"),
-    "convert-jsonl-no-text": ("convert", None,
-                              lambda c: [c.model, "--out", c.out, "--calib", c.file("n.jsonl", '{"body": "a"}\n')],
-                              "no 'text' field"),
-    "convert-out-under-file": ("convert", None, lambda c: [c.model, "--out", c.file("f", "x") / "sub"],
-                               "is not a directory"),
-    "convert-out-is-file": ("convert", None, lambda c: [c.model, "--out", c.file("f2", "x")],
-                            "exists and is not a directory"),
-    "convert-device-mps": ("convert", None, lambda c: [c.model, "--out", c.out, "--device", "mps"],
-                           "--device mps: not supported"),
-    "convert-samples-0": ("convert", None, lambda c: [c.model, "--out", c.out, "--samples", "0"],
-                          "--samples must be >= 1"),
-    "convert-value-group-0": ("convert", None, lambda c: [c.model, "--out", c.out, "--value-group", "0"],
-                              "--value-group must be >= 1"),
+    "convert-empty-calib": (
+        "convert",
+        None,
+        lambda c: [c.model, "--out", c.out, "--calib", c.file("e.txt", "")],
+        "the file is empty",
+    ),
+    "convert-binary-calib": (
+        "convert",
+        None,
+        lambda c: [c.model, "--out", c.out, "--calib", c.file("b.txt", bytes(range(256)))],
+        "binary file",
+    ),
+    "convert-malformed-jsonl": (
+        "convert",
+        None,
+        lambda c: [c.model, "--out", c.out, "--calib", c.file("m.jsonl", '{"text": "a"}\n{"text": \n')],
+        "line 2: not JSON",
+    ),
+    "convert-jsonl-no-text": (
+        "convert",
+        None,
+        lambda c: [c.model, "--out", c.out, "--calib", c.file("n.jsonl", '{"body": "a"}\n')],
+        "no 'text' field",
+    ),
+    "convert-out-under-file": (
+        "convert",
+        None,
+        lambda c: [c.model, "--out", c.file("f", "x") / "sub"],
+        "is not a directory",
+    ),
+    "convert-out-is-file": (
+        "convert",
+        None,
+        lambda c: [c.model, "--out", c.file("f2", "x")],
+        "exists and is not a directory",
+    ),
+    "convert-device-mps": (
+        "convert",
+        None,
+        lambda c: [c.model, "--out", c.out, "--device", "mps"],
+        "--device mps: not supported",
+    ),
+    "convert-samples-0": (
+        "convert",
+        None,
+        lambda c: [c.model, "--out", c.out, "--samples", "0"],
+        "--samples must be >= 1",
+    ),
+    "convert-value-group-0": (
+        "convert",
+        None,
+        lambda c: [c.model, "--out", c.out, "--value-group", "0"],
+        "--value-group must be >= 1",
+    ),
     # --- tale-eval: validation before work
     "eval-json-missing-dir": ("eval", None, lambda c: [c.art, "--json", c.tmp / "no" / "r.json"], "does not exist"),
     "eval-json-is-dir": ("eval", None, lambda c: [c.art, "--json", c.tmp], "is a directory"),
     "eval-device-mps": ("eval", None, lambda c: [c.art, "--device", "mps"], "--device mps: not supported"),
     "eval-ctx-0": ("eval", None, lambda c: [c.art, "--ctx", "0"], "--ctx must be >= 1"),
-    "eval-prefill-ge-ctx": ("eval", None, lambda c: [c.art, "--ctx", "32", "--prefill", "32"],
-                            "must be smaller than --ctx"),
+    "eval-prefill-ge-ctx": (
+        "eval",
+        None,
+        lambda c: [c.art, "--ctx", "32", "--prefill", "32"],
+        "must be smaller than --ctx",
+    ),
     # --- tale-push: checked locally, nothing printed before the error
     "push-bad-repo-id": ("push", None, lambda c: [c.art, "no-owner"], "use 'owner/name'"),
-    "push-corrupt": ("push", lambda c: flip_byte(c.art / "config.json"), lambda c: [c.art, "alice/x", "--dry-run"],
-                     "checksum mismatch for config.json"),
-    "push-stray-file": ("push", lambda c: (c.art / "notes.txt").write_text("x"), lambda c: [c.art, "alice/x"],
-                        "notes.txt is not in the manifest"),
-    "push-bad-quality": ("push", None, lambda c: [c.art, "alice/x", "--quality", c.file("q.json", "[1")],
-                         "--quality"),
+    "push-corrupt": (
+        "push",
+        lambda c: flip_byte(c.art / "config.json"),
+        lambda c: [c.art, "alice/x", "--dry-run"],
+        "checksum mismatch for config.json",
+    ),
+    "push-stray-file": (
+        "push",
+        lambda c: (c.art / "notes.txt").write_text("x"),
+        lambda c: [c.art, "alice/x"],
+        "notes.txt is not in the manifest",
+    ),
+    "push-bad-quality": ("push", None, lambda c: [c.art, "alice/x", "--quality", c.file("q.json", "[1")], "--quality"),
 }
 
 
@@ -224,16 +356,25 @@ def test_nucleus_keeps_the_top_token(built):
     logits = torch.tensor([0.0, 3.0, 1.0])
     gen = torch.Generator().manual_seed(0)
     assert all(_next_token(logits, 1.0, 0.0, gen) == 1 for _ in range(20))
-    r = invoke(run_cli.main, [built, "-p", "hi", "--temperature", "1", "--top-p", "0", "--max-new-tokens", "3",
-                              "--dtype", "fp32"])
+    r = invoke(
+        run_cli.main,
+        [built, "-p", "hi", "--temperature", "1", "--top-p", "0", "--max-new-tokens", "3", "--dtype", "fp32"],
+    )
     assert r.exit_code == 0, r.output
     assert "generated 3 tok" in r.stderr
 
 
 def test_unmodified_artifact_verifies_every_file(built):
     names = verify_files(built)
-    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md",
-            "model.safetensors.index.json", "model-00001-of-00001.safetensors"} <= names
+    assert {
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "README.md",
+        "model.safetensors.index.json",
+        "model-00001-of-00001.safetensors",
+    } <= names
     assert MANIFEST not in names and all(not n.startswith(".") for n in names)
     assert names == set(hash_files(built))
 
@@ -315,8 +456,11 @@ def test_internal_error_is_one_line_exit_1_and_tale_debug_shows_it(ctx, monkeypa
     monkeypatch.setattr(cli, "convert", bug)
     monkeypatch.delenv("TALE_DEBUG", raising=False)
     r = run_case("convert", [ctx.model, "--out", ctx.out])
-    assert r.exit_code == 1 and r.stderr == "error: internal error: RuntimeError: a bug over two lines " \
-                                           "(set TALE_DEBUG=1 for the traceback)\n"
+    assert (
+        r.exit_code == 1
+        and r.stderr
+        == "error: internal error: RuntimeError: a bug over two lines (set TALE_DEBUG=1 for the traceback)\n"
+    )
     monkeypatch.setenv("TALE_DEBUG", "1")
     with pytest.raises(RuntimeError, match="a bug"):
         MAINS["convert"]([*TINY_ARGS, str(ctx.model), "--out", str(ctx.out)])

@@ -311,9 +311,35 @@ def test_cli_on_a_tiny_artifact(tiny_artifact, tmp_path, capsys):
     out = tmp_path / "r.json"
     names = [n for n in policies.NAMED if policies.named(n).missing() is None]
     with pytest.raises(SystemExit) as e:
-        main([str(tiny_artifact), "--ctx", "64", "--windows", "2", "--prefill", "16", "--chunk", "4", "--dtype", "fp32",
-              "--passkey-lengths", "1k", "--passkey-depths", "0.5", "--rank-policies", "energy,fisher,progressive",
-              "--energy", "0.5", "--policies", ",".join(names), "--text", "dev,botchan", "--json", str(out)])
+        main(
+            [
+                str(tiny_artifact),
+                "--ctx",
+                "64",
+                "--windows",
+                "2",
+                "--prefill",
+                "16",
+                "--chunk",
+                "4",
+                "--dtype",
+                "fp32",
+                "--passkey-lengths",
+                "1k",
+                "--passkey-depths",
+                "0.5",
+                "--rank-policies",
+                "energy,fisher,progressive",
+                "--energy",
+                "0.5",
+                "--policies",
+                ",".join(names),
+                "--text",
+                "dev,botchan",
+                "--json",
+                str(out),
+            ]
+        )
     assert e.value.code == 0
     res = json.loads(out.read_text())
     rows = {r["policy"]: r for r in res["results"]}
@@ -333,10 +359,28 @@ def test_cli_frontier_writes_a_table_and_a_plot(tiny_artifact, tmp_path):
     out = tmp_path / "r.json"
     fams = [f for f in FAMILIES if policies.REGISTRY[f].missing() is None and f not in ("quanto", "hqq")]
     with pytest.raises(SystemExit) as e:  # quanto/hqq groups of 64 do not fit the tiny head dim (16)
-        main([str(tiny_artifact), "--frontier", "--families", ",".join(fams), "--ctx", "64", "--prefill", "16",
-              "--chunk", "4", "--dtype", "fp32",
-              "--tale-variants", "-; key_bits=4/4,r0=0.5; bits=16/16,r0=1.0,key_bits=16/16",
-              "--frontier-out", str(prefix), "--json", str(out)])
+        main(
+            [
+                str(tiny_artifact),
+                "--frontier",
+                "--families",
+                ",".join(fams),
+                "--ctx",
+                "64",
+                "--prefill",
+                "16",
+                "--chunk",
+                "4",
+                "--dtype",
+                "fp32",
+                "--tale-variants",
+                "-; key_bits=4/4,r0=0.5; bits=16/16,r0=1.0,key_bits=16/16",
+                "--frontier-out",
+                str(prefix),
+                "--json",
+                str(out),
+            ]
+        )
     assert e.value.code == 0
     rows = json.loads(out.read_text())["results"]
     assert [r["family"] for r in rows][:4] == ["full", "tale", "tale", "tale"]
@@ -361,9 +405,33 @@ def test_cli_refuses_a_missing_backend_naming_the_extra(tiny_artifact, monkeypat
 def test_cli_schedule_flags_at_exact_settings_give_the_forward_ppl(tiny_artifact, tmp_path):
     out = tmp_path / "r.json"
     with pytest.raises(SystemExit) as e:
-        main([str(tiny_artifact), "--ctx", "64", "--windows", "2", "--prefill", "16", "--dtype", "fp32",
-              "--passkey-lengths", "", "--policies", "tale", "--r0", "1.0", "--bits", "16,16", "--key-bits", "16,16",
-              "--sinks", "2", "--json", str(out)])
+        main(
+            [
+                str(tiny_artifact),
+                "--ctx",
+                "64",
+                "--windows",
+                "2",
+                "--prefill",
+                "16",
+                "--dtype",
+                "fp32",
+                "--passkey-lengths",
+                "",
+                "--policies",
+                "tale",
+                "--r0",
+                "1.0",
+                "--bits",
+                "16,16",
+                "--key-bits",
+                "16,16",
+                "--sinks",
+                "2",
+                "--json",
+                str(out),
+            ]
+        )
     assert e.value.code == 0
     res = json.loads(out.read_text())
     (row,) = res["results"]
@@ -372,20 +440,23 @@ def test_cli_schedule_flags_at_exact_settings_give_the_forward_ppl(tiny_artifact
     assert row["detail"].startswith("uniform r0 32/32, bits 16/16, sinks 2") and res["config"]["schedule"]["sinks"] == 2
 
 
-@pytest.mark.parametrize("args, msg", [
-    (["--policies", "full,magic"], "unknown policy 'magic'"),
-    (["--rank-policies", "magic"], "unknown rank policy"),
-    (["--preset", "huge"], "unknown --preset"),
-    (["--passkey-depths", "0.55"], "no pass-key samples"),
-    (["--ctx", "100000"], "held-out text 'dev' has"),
-    (["--key-bits", "5,4"], "bits must be one of"),
-    (["--energy", "0"], "--energy must be"),
-    (["--text", "dev,moby"], "unknown --text 'moby'"),
-    (["--frontier", "--families", "tale,magic"], "unknown family 'magic'"),
-    (["--frontier", "--tale-variants", "r1=2"], "bad TALE variant 'r1=2'"),
-    (["--frontier", "--tale-variants", "bits=x/4"], "is not a number"),
-    (["--frontier", "--families", "tale", "--tale-variants", "bits=5/4"], "bits must be one of"),
-])
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["--policies", "full,magic"], "unknown policy 'magic'"),
+        (["--rank-policies", "magic"], "unknown rank policy"),
+        (["--preset", "huge"], "unknown --preset"),
+        (["--passkey-depths", "0.55"], "no pass-key samples"),
+        (["--ctx", "100000"], "held-out text 'dev' has"),
+        (["--key-bits", "5,4"], "bits must be one of"),
+        (["--energy", "0"], "--energy must be"),
+        (["--text", "dev,moby"], "unknown --text 'moby'"),
+        (["--frontier", "--families", "tale,magic"], "unknown family 'magic'"),
+        (["--frontier", "--tale-variants", "r1=2"], "bad TALE variant 'r1=2'"),
+        (["--frontier", "--tale-variants", "bits=x/4"], "is not a number"),
+        (["--frontier", "--families", "tale", "--tale-variants", "bits=5/4"], "bits must be one of"),
+    ],
+)
 def test_cli_errors_are_one_line(args, msg, tiny_artifact, capsys):
     with pytest.raises(SystemExit) as e:
         main([str(tiny_artifact), "--dtype", "fp32", *args])
@@ -400,9 +471,27 @@ def test_eval_smollm2(smollm2_artifact, tmp_path):
     threads = torch.get_num_threads()
     try:  # one thread: on a busy 2-core machine two threads are several times slower, not faster
         with pytest.raises(SystemExit) as e:
-            main([str(smollm2_artifact), "--preset", "ci", "--ctx", "256", "--windows", "1", "--prefill", "32",
-                  "--passkey-depths", "0.5", "--policies", "full,tale-exact,tale,kivi2,streaming,palu",
-                  "--threads", "1", "--json", str(out)])
+            main(
+                [
+                    str(smollm2_artifact),
+                    "--preset",
+                    "ci",
+                    "--ctx",
+                    "256",
+                    "--windows",
+                    "1",
+                    "--prefill",
+                    "32",
+                    "--passkey-depths",
+                    "0.5",
+                    "--policies",
+                    "full,tale-exact,tale,kivi2,streaming,palu",
+                    "--threads",
+                    "1",
+                    "--json",
+                    str(out),
+                ]
+            )
     finally:
         torch.set_num_threads(threads)
     assert e.value.code == 0

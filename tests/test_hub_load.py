@@ -10,9 +10,9 @@ import sys
 
 import pytest
 import torch
+from hub_helpers import FakeHub, convert_tiny, patch_hub
 from typer.testing import CliRunner
 
-from hub_helpers import FakeHub, convert_tiny, patch_hub
 from tale_convert import push
 from tale_runtime import ArtifactError, load, new_cache, resolve
 
@@ -44,7 +44,7 @@ def greedy(model, tok, n=6):
     """The Python usage of the model card, greedy."""
     inputs = tok(PROMPT, return_tensors="pt").to(model.device)
     out = model.generate(**inputs, past_key_values=new_cache(model), max_new_tokens=n, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def test_load_by_repo_id_round_trip(art, hub, tmp_path):

@@ -28,6 +28,7 @@ else:
     os.environ["TRITON_INTERPRET"] = _PREV
 
 from tale_helpers import talify, tiny_model  # noqa: E402
+
 from tale_runtime import new_cache, use_kernels  # noqa: E402
 from tale_runtime import quant as ref_quant  # noqa: E402
 from tale_runtime.artifact import Level, Schedule, uniform_ranks  # noqa: E402
@@ -42,8 +43,11 @@ if not CUDA:
 
     if not isinstance(attention._attn_kernel, InterpretedFunction):
         # Triton's own library functions were built for the GPU when it was first imported
-        pytest.skip("triton was imported without TRITON_INTERPRET=1 before this module; run it alone "
-                    "or with TRITON_INTERPRET=1", allow_module_level=True)
+        pytest.skip(
+            "triton was imported without TRITON_INTERPRET=1 before this module; run it alone "
+            "or with TRITON_INTERPRET=1",
+            allow_module_level=True,
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +95,9 @@ def test_quantize_and_dequantize_match_torch(bits, dtype):
         # dequantize the reference codes both ways
         rq = ref_quant.QTensor(r.data.to(DEVICE), r.scale.to(DEVICE), r.zero.to(DEVICE), bits, group, dim)
         for dt in (None, torch.float32):
-            torch.testing.assert_close(quant.dequantize(rq, dt).cpu(), ref_quant.dequantize(r, dt), rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(
+                quant.dequantize(rq, dt).cpu(), ref_quant.dequantize(r, dt), rtol=1e-6, atol=1e-6
+            )
 
 
 def test_packed_layout_is_planar_and_shared():
@@ -125,16 +131,20 @@ def test_requantize_is_the_demotion_step(dtype):
 
 def layer_cache(B, H, K, g, n, L0, dtype, sched=None, pad=None, r0=0.5, group=16):
     G, R = K // g, g * n
-    s = sched or Schedule(ranks=uniform_ranks(R, 1, r0, value_group=group), key_group=group,
-                          value_group=group, residual=group)
+    s = sched or Schedule(
+        ranks=uniform_ranks(R, 1, r0, value_group=group), key_group=group, value_group=group, residual=group
+    )
     c = TaleLayerCache(s, 0, K, n, G, R)
     valid = None
     if pad:
         valid = torch.ones(B, L0, dtype=torch.bool, device=DEVICE)
         for i, p in enumerate(pad):
             valid[i, :p] = False
-    c.append(torch.randn(B, K, L0, n, device=DEVICE, dtype=dtype) * 2,
-             torch.randn(B, G, L0, R, device=DEVICE, dtype=dtype), valid)
+    c.append(
+        torch.randn(B, K, L0, n, device=DEVICE, dtype=dtype) * 2,
+        torch.randn(B, G, L0, R, device=DEVICE, dtype=dtype),
+        valid,
+    )
     return c
 
 
@@ -186,9 +196,11 @@ def test_sliding_window_matches_reference(dtype):
     G, R = 2, 128
     for window in (40, 100, 7):
         c.window = window
-        q, k, h = (torch.randn(2, 8, 1, 64, device=DEVICE, dtype=dtype),
-                   torch.randn(2, 4, 1, 64, device=DEVICE, dtype=dtype),
-                   torch.randn(2, G, 1, R, device=DEVICE, dtype=dtype))
+        q, k, h = (
+            torch.randn(2, 8, 1, 64, device=DEVICE, dtype=dtype),
+            torch.randn(2, 4, 1, 64, device=DEVICE, dtype=dtype),
+            torch.randn(2, G, 1, R, device=DEVICE, dtype=dtype),
+        )
         z = tale_kernels.latent_attention(q, k, h, c, 0.125, split_tokens=32)
         want = ref_attention(q, k, h, c, 0.125)
         assert rel(z, want) < TOL[dtype]
@@ -199,6 +211,7 @@ def test_sliding_window_matches_reference(dtype):
 
 def _grow(t, extra: int, garbage: float):
     """t with `extra` more slots (token dim -2) holding garbage: NaN values/scales, random codes."""
+
     def cat(x, rows):
         if x.dtype == torch.uint8:
             tail = torch.randint(0, 256, (*x.shape[:-2], rows, x.shape[-1]), dtype=torch.uint8, device=x.device)
@@ -222,15 +235,31 @@ def test_view_with_capacity_device_lengths_and_any_order(dtype):
     for r in v.regions:
         extra = 32
         pos = torch.cat([r.pos, torch.full((2, extra), -1, dtype=torch.int32, device=DEVICE)], dim=-1)
-        regions.append(Region(_grow(r.keys, extra, float("nan")), _grow(r.lat, extra, float("nan")), r.rank, pos,
-                              torch.tensor([r.length], dtype=torch.int32, device=DEVICE)))
+        regions.append(
+            Region(
+                _grow(r.keys, extra, float("nan")),
+                _grow(r.lat, extra, float("nan")),
+                r.rank,
+                pos,
+                torch.tensor([r.length], dtype=torch.int32, device=DEVICE),
+            )
+        )
     empty = regions[1]
-    regions.append(Region(empty.keys, empty.lat, empty.rank, torch.full_like(empty.pos, -1),
-                          torch.zeros(1, dtype=torch.int32, device=DEVICE)))
+    regions.append(
+        Region(
+            empty.keys,
+            empty.lat,
+            empty.rank,
+            torch.full_like(empty.pos, -1),
+            torch.zeros(1, dtype=torch.int32, device=DEVICE),
+        )
+    )
     view = LayerView(regions[::-1], torch.tensor(v.next_pos, dtype=torch.int32, device=DEVICE), None)
-    q, k, h = (torch.randn(2, 8, 1, 64, device=DEVICE, dtype=dtype),
-               torch.randn(2, 4, 1, 64, device=DEVICE, dtype=dtype),
-               torch.randn(2, 2, 1, 128, device=DEVICE, dtype=dtype))
+    q, k, h = (
+        torch.randn(2, 8, 1, 64, device=DEVICE, dtype=dtype),
+        torch.randn(2, 4, 1, 64, device=DEVICE, dtype=dtype),
+        torch.randn(2, 2, 1, 128, device=DEVICE, dtype=dtype),
+    )
     assert attention.supported(q, k, h, view)
     z = tale_kernels.latent_attention(q, k, h, view, 0.125, split_tokens=32)
     want = ref_attention(q, k, h, c, 0.125)
@@ -243,8 +272,11 @@ def test_refuses_formats_it_does_not_read():
     """Scales in another dtype (e.g. a future 8-bit/fp8 metadata format), or a QTensor subclass:
     the kernel declines and the reference runs."""
     c = layer_cache(1, 8, 4, 2, 64, 100, torch.float32)
-    q, k, h = (torch.randn(1, 8, 1, 64, device=DEVICE), torch.randn(1, 4, 1, 64, device=DEVICE),
-               torch.randn(1, 2, 1, 128, device=DEVICE))
+    q, k, h = (
+        torch.randn(1, 8, 1, 64, device=DEVICE),
+        torch.randn(1, 4, 1, 64, device=DEVICE),
+        torch.randn(1, 2, 1, 128, device=DEVICE),
+    )
     assert attention.supported(q, k, h, c)
     v = c.view()
     lv = next(i for i, r in enumerate(v.regions) if r.lat.bits != 16)
@@ -257,26 +289,36 @@ def test_refuses_formats_it_does_not_read():
     class Other(ref_quant.QTensor):
         pass
 
-    v.regions[lv] = Region(r.keys, Other(r.lat.data, r.lat.scale, r.lat.zero, r.lat.bits, r.lat.group, r.lat.dim),
-                           r.rank, r.pos, r.length)
+    v.regions[lv] = Region(
+        r.keys, Other(r.lat.data, r.lat.scale, r.lat.zero, r.lat.bits, r.lat.group, r.lat.dim), r.rank, r.pos, r.length
+    )
     assert not attention.supported(q, k, h, v)
 
 
 @pytest.mark.parametrize("bits", [(8, 8), (16, 4), (4, 16)])
 def test_other_bit_widths_and_exact_levels(bits):
     kb, vb = bits
-    s = Schedule(levels=[Level(vb, kb, None), Level(16, 16, 0.25)], ranks=[[32, 64]], key_group=16,
-                 value_group=16, residual=16)
+    s = Schedule(
+        levels=[Level(vb, kb, None), Level(16, 16, 0.25)], ranks=[[32, 64]], key_group=16, value_group=16, residual=16
+    )
     c = layer_cache(1, 8, 4, 2, 32, 90, torch.float32, sched=s)
-    args = (torch.randn(1, 8, 1, 32, device=DEVICE), torch.randn(1, 4, 1, 32, device=DEVICE),
-            torch.randn(1, 2, 1, 64, device=DEVICE), c, 0.2)
+    args = (
+        torch.randn(1, 8, 1, 32, device=DEVICE),
+        torch.randn(1, 4, 1, 32, device=DEVICE),
+        torch.randn(1, 2, 1, 64, device=DEVICE),
+        c,
+        0.2,
+    )
     assert rel(tale_kernels.latent_attention(*args), ref_attention(*args)) < TOL[torch.float32]
 
 
 def test_falls_back_to_the_reference(monkeypatch):
     c = layer_cache(1, 8, 4, 2, 16, 40, torch.float32)
-    q, k, h = (torch.randn(1, 8, 2, 16, device=DEVICE), torch.randn(1, 4, 2, 16, device=DEVICE),
-               torch.randn(1, 2, 2, 32, device=DEVICE))
+    q, k, h = (
+        torch.randn(1, 8, 2, 16, device=DEVICE),
+        torch.randn(1, 4, 2, 16, device=DEVICE),
+        torch.randn(1, 2, 2, 32, device=DEVICE),
+    )
     assert not attention.supported(q, k, h, c)  # a chunk of two tokens
     assert torch.equal(tale_kernels.latent_attention(q, k, h, c, 0.25), ref_attention(q, k, h, c, 0.25))
     q, k, h = q[:, :, :1], k[:, :, :1], h[:, :, :1]
@@ -314,6 +356,7 @@ def test_generation_with_kernels_matches_reference(arch, g):
 @pytest.mark.skipif(not CUDA, reason="load() installs the kernel on CUDA only")
 def test_load_on_cuda_installs_the_kernel(tmp_path):
     from tale_helpers import save_artifact
+
     from tale_runtime import load
 
     save_artifact(talify(tiny_model("llama"), 2), tmp_path / "art")

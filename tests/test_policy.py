@@ -81,8 +81,13 @@ def test_apply_gives_a_valid_schedule():
     assert out.policy == "fisher" and [rs[0] for rs in out.ranks] == ranks0
     assert all(rs[1] == R for rs in out.ranks) and s.policy == "uniform"  # the input is not modified
     # a 3-level schedule stays non-decreasing when level 0 outgrows level 1
-    s3 = Schedule(levels=[*s.levels[:1], *s.levels[1:], s.levels[1]], ranks=[[16, 24, R]] * L, value_group=vg,
-                  key_group=8, residual=8)
+    s3 = Schedule(
+        levels=[*s.levels[:1], *s.levels[1:], s.levels[1]],
+        ranks=[[16, 24, R]] * L,
+        value_group=vg,
+        key_group=8,
+        residual=8,
+    )
     s3.levels[1].share = 0.05
     assert policy.apply(s3, "energy", [8, 32, 64, 16]).ranks == [[8, 24, R], [32, 32, R], [64, 64, R], [16, 24, R]]
 
@@ -139,7 +144,9 @@ def test_convert_rejects_bad_policy_before_work(tiny_model_dir, tmp_path):
     with pytest.raises(ConvertError, match="unknown --policy"):
         convert(str(tiny_model_dir("llama")), tmp_path / "x", Options(group=2, policy="magic", **TINY_OPTS))
     with pytest.raises(ConvertError, match="--energy"):
-        convert(str(tiny_model_dir("llama")), tmp_path / "x", Options(group=2, policy="energy", energy=1.5, **TINY_OPTS))
+        convert(
+            str(tiny_model_dir("llama")), tmp_path / "x", Options(group=2, policy="energy", energy=1.5, **TINY_OPTS)
+        )
 
 
 def test_measured_ratio_is_what_a_cache_holds():
@@ -147,8 +154,16 @@ def test_measured_ratio_is_what_a_cache_holds():
     from tale_runtime.cache import TaleLayerCache
 
     K, n, G, R = 2, 16, 1, 32
-    s = Schedule(levels=[Level(2, 3, None), Level(4, 4, 0.1, key_axis="token")], ranks=[[16, 32], [8, 32]],
-                 key_group=8, value_group=8, residual=1, key_channel_group=16, key_meta="8/16", value_meta="8/8")
+    s = Schedule(
+        levels=[Level(2, 3, None), Level(4, 4, 0.1, key_axis="token")],
+        ranks=[[16, 32], [8, 32]],
+        key_group=8,
+        value_group=8,
+        residual=1,
+        key_channel_group=16,
+        key_meta="8/16",
+        value_meta="8/8",
+    )
     ref = (300, 40, 4)
     held = base = 0
     for rs in s.ranks:
@@ -164,10 +179,15 @@ def test_fit_ranks_meets_the_target_and_spends_the_budget_on_energy():
     from tale_runtime.artifact import Level
 
     K, n, G, R, L = 2, 16, 1, 32, 4
-    s = Schedule(levels=[Level(2, 2, None), Level(4, 4, 0.1)], ranks=uniform_ranks(R, L, 0.5, 8),
-                 key_group=8, value_group=8, residual=8)
+    s = Schedule(
+        levels=[Level(2, 2, None), Level(4, 4, 0.1)],
+        ranks=uniform_ranks(R, L, 0.5, 8),
+        key_group=8,
+        value_group=8,
+        residual=8,
+    )
     # layer 2's spectrum is flat (rank matters), the others fall off fast
-    spectra = [torch.tensor([[2.0 ** -i for i in range(R)]]) for _ in range(L)]
+    spectra = [torch.tensor([[2.0**-i for i in range(R)]]) for _ in range(L)]
     spectra[2] = torch.ones(1, R)
     hi = policy.measured_ratio(policy.apply(s, "x", [8] * L), K, n, G, R)
     target = policy.measured_ratio(policy.apply(s, "x", [16, 16, 24, 16]), K, n, G, R)  # uniform 16 + one group
@@ -188,8 +208,10 @@ def test_presets_and_target_ratio_end_to_end(tiny_model_dir, tmp_path):
     src = tiny_model_dir("llama")
     paper = Options(group=TINY_GROUP["llama"], preset="paper", **TINY_OPTS)
     s = paper.schedule(32, 3)
-    assert [(lv.bits, lv.key_bits, lv.share, lv.key_axis) for lv in s.levels] == [(2, 2, None, "channel"),
-                                                                                 (4, 4, 0.1, "channel")]
+    assert [(lv.bits, lv.key_bits, lv.share, lv.key_axis) for lv in s.levels] == [
+        (2, 2, None, "channel"),
+        (4, 4, 0.1, "channel"),
+    ]
     assert s.plain_layout() and s.ranks[0] == [16, 32]
     opts = Options(group=TINY_GROUP["llama"], preset="tale", target_ratio=4.0, **TINY_OPTS)
     convert(str(src), tmp_path / "t", opts)

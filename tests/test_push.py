@@ -105,8 +105,15 @@ def test_push_uploads_artifact_and_card(art, hub, uploads):
     m_local, m_remote = json.loads(before[MANIFEST]), json.loads(remote[MANIFEST])
     assert m_remote["files"]["README.md"] == hashlib.sha256(remote["README.md"]).hexdigest()
     assert {**m_remote, "files": {**m_remote["files"], "README.md": m_local["files"]["README.md"]}} == m_local
-    assert uploads == [dict(repo_id=REPO, files=sorted(set(before) | {"README.md"}), repo_type="model",
-                            revision="main", commit_message="Upload TALE artifact of a local model with tale-push")]
+    assert uploads == [
+        dict(
+            repo_id=REPO,
+            files=sorted(set(before) | {"README.md"}),
+            repo_type="model",
+            revision="main",
+            commit_message="Upload TALE artifact of a local model with tale-push",
+        )
+    ]
     assert not hub.repos[REPO].private
     card = ModelCard(remote["README.md"].decode())
     assert card.data.library_name == "tale-kv" and MARKER in card.text
@@ -205,8 +212,11 @@ def test_card_front_matter(art):
     card = render_card(m, base_card=base, quality={"ppl": {"tale": 12.25}}, repo_id=REPO)
     front = yaml.safe_load(card.split("---\n")[1])
     assert front == {
-        "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "language": ["en"], "library_name": "tale-kv",
-        "license": "apache-2.0", "pipeline_tag": "text-generation",
+        "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "language": ["en"],
+        "library_name": "tale-kv",
+        "license": "apache-2.0",
+        "pipeline_tag": "text-generation",
         "tags": ["tale", "kv-cache-compression", "text-generation", "llama", "safetensors", "chat"],
     }
     assert ModelCard(card).data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -252,8 +262,10 @@ def test_no_write_permission(art, hub, repo, token):
     assert repo not in hub.repos
 
 
-@pytest.mark.parametrize("repo,text", [("alice/bad..name", "invalid repo id"), ("a/b/c", "invalid repo id"),
-                                       ("tiny-tale", "use 'owner/name'")])
+@pytest.mark.parametrize(
+    "repo,text",
+    [("alice/bad..name", "invalid repo id"), ("a/b/c", "invalid repo id"), ("tiny-tale", "use 'owner/name'")],
+)
 def test_malformed_repo_id(art, hub, repo, text):
     assert_error(tale_push(art, repo), text)
     assert hub.requests == []

@@ -3,8 +3,8 @@ of q and k (tale_runtime.quant, cache, model), and how schedules carrying them a
 
 import pytest
 import torch
-
 from tale_helpers import talify, tiny_model
+
 from tale_runtime import new_cache
 from tale_runtime.artifact import ArtifactError, Level, Schedule, uniform_ranks
 from tale_runtime.cache import TaleLayerCache
@@ -70,8 +70,10 @@ K, n, G, R = 2, 16, 1, 32
 
 def mixed(**kw) -> Schedule:
     """Middle: 2-bit per-channel keys, fp8 scales; recent: 4-bit per-token keys, so no residual is needed."""
-    kw = dict(sinks=3, key_group=8, value_group=8, residual=1, key_channel_group=8, key_meta="8/16",
-              value_meta="8/8") | kw
+    kw = (
+        dict(sinks=3, key_group=8, value_group=8, residual=1, key_channel_group=8, key_meta="8/16", value_meta="8/8")
+        | kw
+    )
     return Schedule(levels=[Level(2, 3, None), Level(4, 4, 0.2, key_axis="token")], ranks=[[8, 32]], **kw)
 
 
@@ -99,8 +101,13 @@ def test_mixed_key_axes_keep_the_region_invariants():
 
 
 def test_token_axis_levels_must_be_newest_and_formats_are_checked():
-    bad = Schedule(levels=[Level(2, 2, None, key_axis="token"), Level(4, 4, 0.1)], ranks=[[16, 32]],
-                   key_group=8, value_group=8, residual=8)
+    bad = Schedule(
+        levels=[Level(2, 2, None, key_axis="token"), Level(4, 4, 0.1)],
+        ranks=[[16, 32]],
+        key_group=8,
+        value_group=8,
+        residual=8,
+    )
     with pytest.raises(ArtifactError, match="newest"):
         bad.validate(R, 1)
     with pytest.raises(ArtifactError, match="key_meta"):
@@ -111,8 +118,15 @@ def test_token_axis_levels_must_be_newest_and_formats_are_checked():
 
 
 def test_schedule_from_older_and_newer_manifests():
-    old = {"sinks": 4, "levels": [{"bits": 2, "key_bits": 2, "share": None}, {"bits": 4, "key_bits": 4, "share": 0.1}],
-           "ranks": [[96, 192]], "key_group": 32, "value_group": 32, "residual": 32, "policy": "uniform"}
+    old = {
+        "sinks": 4,
+        "levels": [{"bits": 2, "key_bits": 2, "share": None}, {"bits": 4, "key_bits": 4, "share": 0.1}],
+        "ranks": [[96, 192]],
+        "key_group": 32,
+        "value_group": 32,
+        "residual": 32,
+        "policy": "uniform",
+    }
     s = Schedule.from_dict(old)  # fields added since take their defaults: the plain layout
     assert s.plain_layout() and s.rotate == "none" and s.levels[1].key_axis == "channel"
     assert Schedule.from_dict(mixed().to_dict()) == mixed()
@@ -128,9 +142,16 @@ def test_hadamard_is_orthogonal():
 def test_rotation_leaves_exact_decoding_unchanged_and_the_prefill_bit_identical():
     base = tiny_model("llama")
     L, Rr = base.config.num_hidden_layers, 2 * base.config.head_dim
-    exact = Schedule(sinks=2, levels=[Level(16, 16, None), Level(16, 16, 0.1, key_axis="token")],
-                     ranks=[[Rr, Rr]] * L, key_group=8, value_group=8, residual=1, rotate="hadamard",
-                     key_channel_group=16)
+    exact = Schedule(
+        sinks=2,
+        levels=[Level(16, 16, None), Level(16, 16, 0.1, key_axis="token")],
+        ranks=[[Rr, Rr]] * L,
+        key_group=8,
+        value_group=8,
+        residual=1,
+        rotate="hadamard",
+        key_channel_group=16,
+    )
     tm = talify(base, 2, exact)
     ids = torch.randint(1, 320, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -138,17 +159,28 @@ def test_rotation_leaves_exact_decoding_unchanged_and_the_prefill_bit_identical(
         cache = new_cache(tm)
         pre = tm(ids[:, :12], past_key_values=cache).logits
         out = [tm(ids[:, t : t + 1], past_key_values=cache).logits for t in range(12, 40)]
-    assert torch.equal(pre, talify(base, 2, exact_plain(exact))(ids[:, :12], past_key_values=new_cache(
-        talify(base, 2, exact_plain(exact)))).logits)
+    assert torch.equal(
+        pre,
+        talify(base, 2, exact_plain(exact))(
+            ids[:, :12], past_key_values=new_cache(talify(base, 2, exact_plain(exact)))
+        ).logits,
+    )
     got = torch.cat(out, 1)
     assert ((got - ref[:, 12:]).norm() / ref[:, 12:].norm()).item() < 1e-4
     # the cached keys are the rotated ones
     k0 = cache.layers[0].levels[0]
     assert k0 is not None
     # a lossy rotated schedule does compress (the test can tell)
-    lossy = Schedule(sinks=2, levels=[Level(2, 2, None), Level(4, 4, 0.1, key_axis="token")],
-                     ranks=uniform_ranks(Rr, L, 0.5, 8), key_group=8, value_group=8, residual=1,
-                     rotate="hadamard", key_channel_group=16)
+    lossy = Schedule(
+        sinks=2,
+        levels=[Level(2, 2, None), Level(4, 4, 0.1, key_axis="token")],
+        ranks=uniform_ranks(Rr, L, 0.5, 8),
+        key_group=8,
+        value_group=8,
+        residual=1,
+        rotate="hadamard",
+        key_channel_group=16,
+    )
     tm.tale_schedule = lossy
     with torch.no_grad():
         cache = new_cache(tm)
@@ -171,4 +203,6 @@ def test_cat_rebiases_fp8_parts_exactly(meta):
     assert a.bias < b.bias
     c = cat([a, b])
     assert c.bias == a.bias
-    assert torch.equal(dequantize(c)[..., :8, :], dequantize(a)) and torch.equal(dequantize(c)[..., 8:, :], dequantize(b))
+    assert torch.equal(dequantize(c)[..., :8, :], dequantize(a)) and torch.equal(
+        dequantize(c)[..., 8:, :], dequantize(b)
+    )

@@ -8,10 +8,10 @@ import math
 
 import pytest
 import torch
-
 from tale_helpers import byte_tokenizer, exact_schedule, save_artifact, talify, tiny_model
+
 from tale_runtime import ArtifactError, load, new_cache, set_output_path
-from tale_runtime.artifact import Level, Schedule, hash_files, nominal_ratio, uniform_ranks
+from tale_runtime.artifact import Schedule, hash_files, nominal_ratio, uniform_ranks
 from tale_runtime.generate import TextStream, generate
 from tale_runtime.load import override_schedule
 
@@ -119,8 +119,15 @@ def left_pad(rows: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torc
 
 @torch.no_grad()
 def hf_greedy(model, ids, mask=None, cache=None, n=24):
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, pad_token_id=0)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        past_key_values=cache,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        pad_token_id=0,
+    )
     return out[:, ids.shape[1] :]
 
 
@@ -154,8 +161,16 @@ def test_hf_generate_sampling_is_seeded_and_exact():
 
     def sample(model, cache, seed):
         torch.manual_seed(seed)
-        return model.generate(ids, past_key_values=cache, max_new_tokens=30, min_new_tokens=30, do_sample=True,
-                              temperature=1.0, top_k=0, pad_token_id=0)
+        return model.generate(
+            ids,
+            past_key_values=cache,
+            max_new_tokens=30,
+            min_new_tokens=30,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            pad_token_id=0,
+        )
 
     assert torch.equal(sample(tm, new_cache(tm), 7), sample(base, None, 7))
     lossy = talify(base, 4)
@@ -231,8 +246,9 @@ def test_generate_loop_streams_its_text():
     tm = talify(tiny_model("llama"), 2)
     tok = byte_tokenizer()
     pieces = []
-    out, _ = generate(tm, tok("bonjour")["input_ids"], max_new_tokens=60, tokenizer=tok, on_text=pieces.append,
-                      eos_token_id=-1)
+    out, _ = generate(
+        tm, tok("bonjour")["input_ids"], max_new_tokens=60, tokenizer=tok, on_text=pieces.append, eos_token_id=-1
+    )
     assert "".join(pieces) == tok.decode(out, skip_special_tokens=True)
 
 
@@ -291,16 +307,19 @@ def edit_json(path, **changes):
     path.write_text(json.dumps(d))
 
 
-@pytest.mark.parametrize("breakage,message", [
-    ("missing", "no such artifact directory"),
-    ("no_manifest", "not a TALE artifact"),
-    ("bad_json", "corrupt manifest"),
-    ("major", "format version '9.0' is not supported"),
-    ("checksum", "checksum mismatch for model.safetensors"),
-    ("shard", "model.safetensors is missing"),
-    ("model_type", "model_type 'gpt2' is not supported"),
-    ("schedule", "bits must be one of"),
-])
+@pytest.mark.parametrize(
+    "breakage,message",
+    [
+        ("missing", "no such artifact directory"),
+        ("no_manifest", "not a TALE artifact"),
+        ("bad_json", "corrupt manifest"),
+        ("major", "format version '9.0' is not supported"),
+        ("checksum", "checksum mismatch for model.safetensors"),
+        ("shard", "model.safetensors is missing"),
+        ("model_type", "model_type 'gpt2' is not supported"),
+        ("schedule", "bits must be one of"),
+    ],
+)
 def test_load_errors_are_clear(tiny_artifact, tmp_path, breakage, message):
     path = copy_artifact(tiny_artifact[1], tmp_path / "a")
     mf = path / "tale_config.json"
@@ -381,8 +400,9 @@ def test_smollm2_answers_paris(smollm2_artifact):
     from tale_runtime.cli import encode
 
     model, tok = load(smollm2_artifact, device="cpu")  # paper defaults, bf16
-    out, stats = generate(model, encode(tok, "What is the capital of France?", raw=False), max_new_tokens=24,
-                          tokenizer=tok)
+    out, stats = generate(
+        model, encode(tok, "What is the capital of France?", raw=False), max_new_tokens=24, tokenizer=tok
+    )
     text = tok.decode(out, skip_special_tokens=True)
     print(f"\nanswer: {text!r}\n{stats.line()}")
     assert "Paris" in text

@@ -3,8 +3,8 @@ and gives the same tokens end to end (tiny random models, float32, CPU)."""
 
 import pytest
 import torch
-
 from tale_helpers import talify, tiny_model
+
 from tale_runtime import new_cache
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.attention import latent_attention
@@ -17,10 +17,17 @@ K, n, G, R = 2, 16, 1, 32
 
 SCHEDULES = {
     "paper": Schedule(ranks=[[16, 32]], key_group=8, value_group=8, residual=8),
-    "three-levels": Schedule(sinks=2, levels=[Level(2, 2, None), Level(4, 4, 0.2), Level(8, 8, 0.1)],
-                             ranks=[[8, 16, 32]], key_group=8, value_group=8, residual=16),
-    "exact": Schedule(levels=[Level(16, 16, None), Level(16, 16, 0.1)], ranks=[[32, 32]], key_group=8,
-                      value_group=8, residual=8),
+    "three-levels": Schedule(
+        sinks=2,
+        levels=[Level(2, 2, None), Level(4, 4, 0.2), Level(8, 8, 0.1)],
+        ranks=[[8, 16, 32]],
+        key_group=8,
+        value_group=8,
+        residual=16,
+    ),
+    "exact": Schedule(
+        levels=[Level(16, 16, None), Level(16, 16, 0.1)], ranks=[[32, 32]], key_group=8, value_group=8, residual=8
+    ),
 }
 
 
