@@ -457,9 +457,9 @@ def test_cli_schedule_flags_at_exact_settings_give_the_forward_ppl(tiny_artifact
         (["--frontier", "--families", "tale", "--tale-variants", "bits=5/4"], "bits must be one of"),
     ],
 )
-def test_cli_errors_are_one_line(args, msg, tiny_artifact, capsys):
-    with pytest.raises(SystemExit) as e:
-        main([str(tiny_artifact), "--dtype", "fp32", *args])
+def test_cli_errors_are_one_line(args, msg, tiny_artifact, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:  # a case that wrongly ran writes its frontier under tmp_path, not docs/
+        main([str(tiny_artifact), "--dtype", "fp32", "--frontier-out", str(tmp_path / "frontier"), *args])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and msg in err and "\n" not in err
