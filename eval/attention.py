@@ -1,15 +1,14 @@
 """One model for every cache policy: a TALE model whose attention layers also run as the base model's.
 
 EvalAttention wraps a runtime TaleAttention. With a TaleCache it is TALE, untouched. With any other
-cache (or none) it is the base model's attention: v = x W_V with W_V = A B rebuilt from the
-artifact's factors (exact up to float rounding), exact attention through the model's attention
+cache (or none) it is the base model's attention: v = x W_V with the original v_proj the artifact
+keeps (the runtime's exact prefill uses it too), exact attention through the model's attention
 function, and the cache stores what its policy stores. With a PaluCache the values are eager low
 rank: v = (x A_r) B_r also in the forward pass, and the cache holds the rank-r latents.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -22,13 +21,7 @@ class EvalAttention(nn.Module):
     def __init__(self, tale: TaleAttention):
         super().__init__()
         self.tale = tale
-        A, B = tale.tale.u_v.float(), tale.tale.v_v.float()  # [G, d, R], [G, R, R]
-        W = torch.einsum("cdr,crs->dcs", A, B).flatten(1)  # [d, K*n]: group c holds heads c*g .. c*g+g-1
-        bias = tale.v_proj.bias
-        self.v_proj = nn.Linear(W.shape[0], W.shape[1], bias=bias is not None, dtype=A.dtype, device=A.device)
-        self.v_proj.weight = nn.Parameter(W.T.contiguous().to(tale.q_proj.weight.dtype), requires_grad=False)
-        if bias is not None:
-            self.v_proj.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.v_proj = tale.v_proj  # the original W_V, where tale_convert.policy's Fisher scores look for it
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         t = self.tale
