@@ -369,6 +369,41 @@ def sweep(cfg: dict) -> dict:
     return best
 
 
+def compare(cfgs: list[dict], contexts: list[int], batches: str, copy_bw: float) -> None:
+    """Each launch config at each context and batch (same inputs), then SDPA once: one line each."""
+    scale = N**-0.5
+    for L in contexts:
+        for B in (int(x) for x in batches.split(",")):
+            q, k, h = new_token(B)
+            views = {
+                key: synth_view(B, L, only=only) for key, only in (("all", None), ("2bit", "2bit"), ("4bit", "4bit"))
+            }
+            want = ref_attention(q, k, h, views["all"], scale)
+            for c in cfgs:
+                try:
+                    e = rel(tale_kernels.latent_attention(q, k, h, views["all"], scale, **c), want)
+                    ts = {
+                        key: timeit(
+                            lambda v=v, c=c, q=q, k=k, h=h: tale_kernels.latent_attention(q, k, h, v, scale, **c)
+                        )
+                        for key, v in views.items()
+                    }
+                except Exception as ex:
+                    print(f"compare {L // 1024}K B={B} {c}: failed: {str(ex).splitlines()[0][:160]}", flush=True)
+                    continue
+                pct = {key: 100 * view_bytes(views[key]) / (ts[key] * 1e-6) / 1e9 / copy_bw for key in ts}
+                print(
+                    f"compare {L // 1024}K B={B} {json.dumps(c)}: all {ts['all']:.1f} us ({pct['all']:.0f}%), "
+                    f"2-bit {ts['2bit']:.1f} us ({pct['2bit']:.0f}%), 4-bit {ts['4bit']:.1f} us ({pct['4bit']:.0f}%), "
+                    f"rel err {e:.1e}",
+                    flush=True,
+                )
+            del views
+            torch.cuda.empty_cache()
+            t, be = best_sdpa(B, L)
+            print(f"compare {L // 1024}K B={B} SDPA {t:.1f} us ({be})", flush=True)
+
+
 def kernel_resources() -> None:
     try:
         for _, entry in kattn._attn_kernel.device_caches.items():
@@ -425,6 +460,9 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="pick launch parameters at 128K batch 1 first")
     ap.add_argument("--config", default=None, help="JSON launch parameters for latent_attention")
     ap.add_argument("--out", default=None, help="markdown file for the table")
+    ap.add_argument(
+        "--compare", default=None, help="JSON list of launch configs: time each (whole call, 2-bit, 4-bit), no table"
+    )
     args = ap.parse_args()
     FLUSH = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
     torch.manual_seed(0)
@@ -449,6 +487,10 @@ def main() -> int:
             traceback.print_exc()
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
+    if args.compare:
+        compare(json.loads(args.compare), [int(x) for x in args.contexts.split(",")], args.batches, copy_bw)
+        kernel_resources()
+        return 0 if ok else 1
     rows = []
     md = ""
     for L in (int(x) for x in args.contexts.split(",")):

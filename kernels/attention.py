@@ -30,7 +30,7 @@ from tale_runtime.cache import latent_attention as reference
 from tale_runtime.quant import QTensor
 from tale_runtime.regions import LayerView, Region
 
-from ._common import TL_DTYPE, is_pow2, plane, pow2, runnable, to_float
+from ._common import TL_DTYPE, interpreting, is_pow2, plane, plane_asm, pow2, runnable, to_float
 
 LOG2E = 1.4426950408889634
 
@@ -83,11 +83,25 @@ def _lat_plane(
     VG: tl.constexpr,
     BT: tl.constexpr,
     DOT: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """Latent channels i*P .. i*P + P - 1 of a tile, dequantized: [BT, PP] in DOT. Rows that are
     not real slots come out zero (scales masked), whatever the buffer holds there."""
     jp = tl.arange(0, PP)
-    if HBITS < 8:
+    if HBITS < 8 and ASM:  # unpack and scale in one PTX block, 4 codes per register
+        if P >= VG:
+            gi = tl.arange(0, PP // VG)
+            gm = ok[:, None] & (gi < P // VG)[None, :]
+            so = soff[:, None] + ((i * P) // VG + gi)[None, :]
+            hs = tl.load(hs_ptr + so, mask=gm, other=0.0).to(DOT)
+            hz = tl.load(hz_ptr + so, mask=gm, other=0.0).to(DOT)
+            x3 = plane_asm(tl.reshape(hb, (BT, PP // VG, VG)), hs[:, :, None], hz[:, :, None], i, HBITS, DOT)
+            x = tl.reshape(x3, (BT, PP))
+        else:
+            hs = tl.load(hs_ptr + soff + (i * P) // VG, mask=ok, other=0.0).to(DOT)
+            hz = tl.load(hz_ptr + soff + (i * P) // VG, mask=ok, other=0.0).to(DOT)
+            x = plane_asm(hb, hs[:, None], hz[:, None], i, HBITS, DOT)
+    elif HBITS < 8:
         x = plane(hb, i, HBITS, DOT)
     elif HBITS == 8:
         x = to_float(
@@ -101,7 +115,7 @@ def _lat_plane(
         x = tl.load(h_ptr + hoff[:, None] + (i * P + jp)[None, :], mask=ok[:, None] & (jp < P)[None, :], other=0.0).to(
             DOT
         )
-    if HBITS < 16:
+    if HBITS < 16 and not (HBITS < 8 and ASM):
         if P >= VG:  # whole groups in the plane
             gi = tl.arange(0, PP // VG)
             gm = ok[:, None] & (gi < P // VG)[None, :]
@@ -166,6 +180,7 @@ def _region(
     WIN: tl.constexpr,
     DOT: tl.constexpr,
     QLOOP: tl.constexpr,
+    ASM: tl.constexpr,
     KBITS: tl.constexpr,
     HBITS: tl.constexpr,
     RANK: tl.constexpr,
@@ -241,7 +256,15 @@ def _region(
             kb = tl.load(k_ptr + koff[None, :] + t[:, None] * s_kt, mask=kmask, other=0)
         logits = tl.zeros([QGP, BT], tl.float32)
         for i in tl.static_range(NPK):
-            if KBITS < 8:
+            if KBITS < 8 and ASM:  # unpack and scale in one PTX block, 4 codes per register
+                r = t0 // KG + tl.arange(0, KROWS)
+                sm = (r * KG < L)[:, None] & um[None, :]
+                so = ksoff[None, :] + i * PK + r[:, None] * s_kst
+                ks = tl.load(ks_ptr + so, mask=sm, other=0.0).to(DOT)
+                kz = tl.load(kz_ptr + so, mask=sm, other=0.0).to(DOT)
+                kc = plane_asm(tl.reshape(kb, (KROWS, BT // KROWS, KW)), ks[:, None, :], kz[:, None, :], i, KBITS, DOT)
+                kc = tl.reshape(kc, (BT, KW))
+            elif KBITS < 8:
                 kc = plane(kb, i, KBITS, DOT)
             elif KBITS == 8:
                 kc = to_float(
@@ -251,7 +274,7 @@ def _region(
                 )
             else:
                 kc = tl.load(k_ptr + koff[None, :] + i * PK + t[:, None] * s_kt, mask=kmask, other=0.0).to(DOT)
-            if KBITS < 16:  # per channel over key groups: KROWS scale rows per tile
+            if KBITS < 16 and not (KBITS < 8 and ASM):  # per channel over key groups: KROWS scale rows per tile
                 r = t0 // KG + tl.arange(0, KROWS)
                 sm = (r * KG < L)[:, None] & um[None, :]
                 so = ksoff[None, :] + i * PK + r[:, None] * s_kst
@@ -289,27 +312,27 @@ def _region(
             hb = tl.load(h_ptr + hoff[:, None] + jp[None, :], mask=tm[:, None] & (jp < P)[None, :], other=0)
         acc0 = _dot(
             pd,
-            _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 0, HBITS, P, PP, VG, BT, DOT),
+            _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 0, HBITS, P, PP, VG, BT, DOT, ASM),
             acc0 * alpha[:, None],
             HDOT,
         )
         if NPH > 1:
             acc1 = _dot(
                 pd,
-                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1, HBITS, P, PP, VG, BT, DOT),
+                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1, HBITS, P, PP, VG, BT, DOT, ASM),
                 acc1 * alpha[:, None],
                 HDOT,
             )
         if NPH > 2:
             acc2 = _dot(
                 pd,
-                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 2, HBITS, P, PP, VG, BT, DOT),
+                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 2, HBITS, P, PP, VG, BT, DOT, ASM),
                 acc2 * alpha[:, None],
                 HDOT,
             )
             acc3 = _dot(
                 pd,
-                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 3, HBITS, P, PP, VG, BT, DOT),
+                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 3, HBITS, P, PP, VG, BT, DOT, ASM),
                 acc3 * alpha[:, None],
                 HDOT,
             )
@@ -499,6 +522,7 @@ def _attn_kernel(
     NREG: tl.constexpr,
     DOT: tl.constexpr,
     QLOOP: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """Program (split sp, head group c, batch row b): sp < S1 is region 0's split sp, and so on."""
     sp = tl.program_id(0)
@@ -559,6 +583,7 @@ def _attn_kernel(
             WIN,
             DOT,
             QLOOP,
+            ASM,
             KBITS0,
             HBITS0,
             RANK0,
@@ -624,6 +649,7 @@ def _attn_kernel(
                 WIN,
                 DOT,
                 QLOOP,
+                ASM,
                 KBITS1,
                 HBITS1,
                 RANK1,
@@ -689,6 +715,7 @@ def _attn_kernel(
                     WIN,
                     DOT,
                     QLOOP,
+                    ASM,
                     KBITS2,
                     HBITS2,
                     RANK2,
@@ -753,6 +780,7 @@ def _attn_kernel(
                     WIN,
                     DOT,
                     QLOOP,
+                    ASM,
                     KBITS3,
                     HBITS3,
                     RANK3,
@@ -1003,6 +1031,7 @@ def latent_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     q_in_loop: bool = True,
+    asm: bool = True,
 ) -> torch.Tensor:
     """Drop-in for tale_runtime.cache.latent_attention: z [B, T, H, R] (float32).
 
@@ -1010,6 +1039,8 @@ def latent_attention(
     anything else (prefill chunks, CPU tensors unless TRITON_INTERPRET=1, formats the kernel
     does not read) runs the torch reference. `split_tokens` fixes the slots per split (tests);
     otherwise the regions share about `waves` programs per SM, at least `min_split` slots each.
+    `asm` unpacks 2/4-bit codes of 16-bit caches with inline PTX (compiled GPU runs only; the
+    interpreter and float32 caches take the plain Triton path, as does asm=False).
     """
     view = _view(cache)
     if not supported(q, k_new, h_new, view):
@@ -1078,6 +1109,7 @@ def latent_attention(
             NREG=len(part),
             DOT=dtype,
             QLOOP=q_in_loop,
+            ASM=asm and not interpreting() and q.dtype in (torch.float16, torch.bfloat16),
             **ct,
             num_warps=num_warps,
             num_stages=num_stages,

@@ -114,6 +114,46 @@ def test_packed_layout_is_planar_and_shared():
     assert ref_quant.quantize(h, 2, 32, -1).shape == h.shape  # the torch path still packs it
 
 
+if CUDA:
+    import triton.language as tl
+
+    from tale_kernels._common import plane, plane_asm
+
+    @triton.jit
+    def _unpack_both(b_ptr, s_ptr, z_ptr, plain_ptr, asm_ptr, I: tl.constexpr, BITS: tl.constexpr, M: tl.constexpr):
+        r = tl.arange(0, M)[:, None] * M + tl.arange(0, M)[None, :]
+        byts = tl.load(b_ptr + r)
+        out = plain_ptr.dtype.element_ty
+        tl.store(plain_ptr + r, plane(byts, I, BITS, out))
+        tl.store(asm_ptr + r, plane_asm(byts, tl.load(s_ptr + r), tl.load(z_ptr + r), I, BITS, out))
+
+
+@pytest.mark.skipif(not CUDA, reason="inline PTX runs compiled only")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bits", [2, 4])
+def test_ptx_unpack_matches_plain_path(bits, dtype):
+    """The inline-PTX unpack (4 codes per register, exponent trick on 16-bit pairs) gives, for
+    every plane of random bytes, the plain path's codes bit for bit, and code * scale + zero
+    rounded once (what fma.rn computes) bit for bit."""
+    M = 64
+    byts = torch.randint(0, 256, (M, M), dtype=torch.uint8, device=DEVICE)
+    codes = ref_quant.unpack(byts.cpu(), bits).double()  # [M, M * 8 / bits]: plane i = columns i*M ..
+    sign = torch.where(torch.rand(M, M) < 0.5, -1.0, 1.0)
+    s = (torch.rand(M, M) * 0.2 + 0.05).to(dtype)
+    z = ((torch.rand(M, M) * 0.5 + 0.25) * sign).to(dtype)
+    for i in range(8 // bits):
+        plain, got = torch.empty(M, M, dtype=dtype, device=DEVICE), torch.empty(M, M, dtype=dtype, device=DEVICE)
+        one, zero = torch.ones(M, M, dtype=dtype, device=DEVICE), torch.zeros(M, M, dtype=dtype, device=DEVICE)
+        _unpack_both[(1,)](byts, one, zero, plain, got, I=i, BITS=bits, M=M)
+        c = codes[:, i * M : (i + 1) * M]
+        assert torch.equal(plain.cpu().double(), c) and torch.equal(got.cpu().double(), c)
+        _unpack_both[(1,)](byts, s.to(DEVICE), z.to(DEVICE), plain, got, I=i, BITS=bits, M=M)
+        exact = c * s.double() + z.double()
+        assert torch.equal(exact.float().double(), exact)  # exact in float32: one rounding to 16 bits below
+        want = exact.float().to(dtype)
+        assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16)), f"plane {i}"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_requantize_is_the_demotion_step(dtype):
     """4-bit full-rank latents -> first r0 channels at 2 bits; 4-bit keys -> 2-bit keys; one pass each."""
