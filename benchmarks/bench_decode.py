@@ -339,33 +339,45 @@ def row(B: int, L: int, cfg: dict, copy_bw: float) -> dict:
     return r
 
 
+# candidates of --sweep (earlier sweeps of block_t / warps / stages / waves: docs/kernels.md)
+SWEEP = (
+    {},
+    {"asm": False},
+    {"asm": [2]},
+    {"asm": [2], "num_stages": 1},
+    {"asm": [2], "maxnreg": 168, "num_stages": 1, "waves": 3},
+    {"asm": True, "maxnreg": 168, "num_stages": 1, "waves": 3},
+    {"asm": [2], "maxnreg": 128, "num_stages": 1, "waves": 4},
+)
+
+
+def last_compiled() -> str:
+    try:
+        kern = list(next(iter(kattn._attn_kernel.device_caches.values()))[0].values())[-1]
+        return f"regs {kern.n_regs} spills {kern.n_spills} shared {kern.metadata.shared}"
+    except Exception as ex:
+        return f"resources unavailable ({ex})"
+
+
 def sweep(cfg: dict) -> dict:
-    """Launch parameters at 128K batch 1, best by time."""
+    """Launch parameters at 128K batch 1 (the SWEEP candidates over cfg), best by time among the correct."""
     v = synth_view(1, 131072)
     q, k, h = new_token(1)
     want = ref_attention(q, k, h, v, N**-0.5)
     res = []
-    for bt, nw, ns, w, ql in (
-        (64, 4, 2, 2, False),
-        (64, 4, 2, 2, True),
-        (64, 4, 3, 2, False),
-        (128, 8, 2, 2, False),
-        (128, 8, 2, 2, True),
-        (64, 4, 2, 3, False),
-        (64, 4, 2, 1.5, False),
-    ):
-        c = dict(cfg, block_t=bt, num_warps=nw, num_stages=ns, waves=w, q_in_loop=ql)
+    for cand in SWEEP:
+        c = dict(cfg, **cand)
         try:
             e = rel(tale_kernels.latent_attention(q, k, h, v, N**-0.5, **c), want)
             t = timeit(lambda c=c: tale_kernels.latent_attention(q, k, h, v, N**-0.5, **c))
         except Exception as ex:
             print(f"sweep {c}: failed: {str(ex).splitlines()[0][:120]}")
             continue
-        print(f"sweep 128K B=1 {c}: {t:.1f} us, rel err {e:.1e}", flush=True)
+        print(f"sweep 128K B=1 {json.dumps(c)}: {t:.1f} us, rel err {e:.1e}; {last_compiled()}", flush=True)
         if e <= TOL:
             res.append((t, c))
     best = min(res, key=lambda x: x[0])[1]
-    print("sweep best:", best)
+    print("sweep best:", json.dumps(best), flush=True)
     return best
 
 
@@ -457,7 +469,7 @@ def main() -> int:
     ap.add_argument("--contexts", default="32768,131072,524288")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness checks")
-    ap.add_argument("--sweep", action="store_true", help="pick launch parameters at 128K batch 1 first")
+    ap.add_argument("--sweep", action="store_true", help="pick launch parameters (SWEEP) at 128K batch 1 first")
     ap.add_argument("--config", default=None, help="JSON launch parameters for latent_attention")
     ap.add_argument("--out", default=None, help="markdown file for the table")
     ap.add_argument(
@@ -474,17 +486,17 @@ def main() -> int:
     env = f"{props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, triton {triton.__version__}"
     print(env, flush=True)
     ok = True
+    if args.sweep:  # first, so that the checks run on the chosen parameters
+        try:
+            cfg = sweep(cfg)
+        except Exception:
+            traceback.print_exc()
     if not args.no_check:
         try:
             ok = check(cfg)
         except Exception:
             traceback.print_exc()
             ok = False
-    if args.sweep:
-        try:
-            cfg = sweep(cfg)
-        except Exception:
-            traceback.print_exc()
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
     if args.compare:

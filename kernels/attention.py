@@ -180,7 +180,6 @@ def _region(
     WIN: tl.constexpr,
     DOT: tl.constexpr,
     QLOOP: tl.constexpr,
-    ASM: tl.constexpr,
     KBITS: tl.constexpr,
     HBITS: tl.constexpr,
     RANK: tl.constexpr,
@@ -194,6 +193,8 @@ def _region(
     KDOT: tl.constexpr,
     HDOT: tl.constexpr,
     LENP: tl.constexpr,
+    KASM: tl.constexpr,
+    HASM: tl.constexpr,
 ):
     """One split of one region: partial (max, sum, acc[:RANK]) of the group's query heads."""
     QG: tl.constexpr = GS * REP
@@ -256,7 +257,7 @@ def _region(
             kb = tl.load(k_ptr + koff[None, :] + t[:, None] * s_kt, mask=kmask, other=0)
         logits = tl.zeros([QGP, BT], tl.float32)
         for i in tl.static_range(NPK):
-            if KBITS < 8 and ASM:  # unpack and scale in one PTX block, 4 codes per register
+            if KBITS < 8 and KASM:  # unpack and scale in one PTX block, 4 codes per register
                 r = t0 // KG + tl.arange(0, KROWS)
                 sm = (r * KG < L)[:, None] & um[None, :]
                 so = ksoff[None, :] + i * PK + r[:, None] * s_kst
@@ -274,7 +275,7 @@ def _region(
                 )
             else:
                 kc = tl.load(k_ptr + koff[None, :] + i * PK + t[:, None] * s_kt, mask=kmask, other=0.0).to(DOT)
-            if KBITS < 16 and not (KBITS < 8 and ASM):  # per channel over key groups: KROWS scale rows per tile
+            if KBITS < 16 and not (KBITS < 8 and KASM):  # per channel over key groups: KROWS scale rows per tile
                 r = t0 // KG + tl.arange(0, KROWS)
                 sm = (r * KG < L)[:, None] & um[None, :]
                 so = ksoff[None, :] + i * PK + r[:, None] * s_kst
@@ -312,27 +313,27 @@ def _region(
             hb = tl.load(h_ptr + hoff[:, None] + jp[None, :], mask=tm[:, None] & (jp < P)[None, :], other=0)
         acc0 = _dot(
             pd,
-            _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 0, HBITS, P, PP, VG, BT, DOT, ASM),
+            _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 0, HBITS, P, PP, VG, BT, DOT, HASM),
             acc0 * alpha[:, None],
             HDOT,
         )
         if NPH > 1:
             acc1 = _dot(
                 pd,
-                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1, HBITS, P, PP, VG, BT, DOT, ASM),
+                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1, HBITS, P, PP, VG, BT, DOT, HASM),
                 acc1 * alpha[:, None],
                 HDOT,
             )
         if NPH > 2:
             acc2 = _dot(
                 pd,
-                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 2, HBITS, P, PP, VG, BT, DOT, ASM),
+                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 2, HBITS, P, PP, VG, BT, DOT, HASM),
                 acc2 * alpha[:, None],
                 HDOT,
             )
             acc3 = _dot(
                 pd,
-                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 3, HBITS, P, PP, VG, BT, DOT, ASM),
+                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 3, HBITS, P, PP, VG, BT, DOT, HASM),
                 acc3 * alpha[:, None],
                 HDOT,
             )
@@ -472,6 +473,8 @@ def _attn_kernel(
     KDOT0: tl.constexpr,
     HDOT0: tl.constexpr,
     LENP0: tl.constexpr,
+    KASM0: tl.constexpr,
+    HASM0: tl.constexpr,
     KBITS1: tl.constexpr,
     HBITS1: tl.constexpr,
     RANK1: tl.constexpr,
@@ -485,6 +488,8 @@ def _attn_kernel(
     KDOT1: tl.constexpr,
     HDOT1: tl.constexpr,
     LENP1: tl.constexpr,
+    KASM1: tl.constexpr,
+    HASM1: tl.constexpr,
     KBITS2: tl.constexpr,
     HBITS2: tl.constexpr,
     RANK2: tl.constexpr,
@@ -498,6 +503,8 @@ def _attn_kernel(
     KDOT2: tl.constexpr,
     HDOT2: tl.constexpr,
     LENP2: tl.constexpr,
+    KASM2: tl.constexpr,
+    HASM2: tl.constexpr,
     KBITS3: tl.constexpr,
     HBITS3: tl.constexpr,
     RANK3: tl.constexpr,
@@ -511,6 +518,8 @@ def _attn_kernel(
     KDOT3: tl.constexpr,
     HDOT3: tl.constexpr,
     LENP3: tl.constexpr,
+    KASM3: tl.constexpr,
+    HASM3: tl.constexpr,
     N: tl.constexpr,
     GS: tl.constexpr,
     REP: tl.constexpr,
@@ -522,7 +531,6 @@ def _attn_kernel(
     NREG: tl.constexpr,
     DOT: tl.constexpr,
     QLOOP: tl.constexpr,
-    ASM: tl.constexpr,
 ):
     """Program (split sp, head group c, batch row b): sp < S1 is region 0's split sp, and so on."""
     sp = tl.program_id(0)
@@ -583,7 +591,6 @@ def _attn_kernel(
             WIN,
             DOT,
             QLOOP,
-            ASM,
             KBITS0,
             HBITS0,
             RANK0,
@@ -597,6 +604,8 @@ def _attn_kernel(
             KDOT0,
             HDOT0,
             LENP0,
+            KASM0,
+            HASM0,
         )
     elif NREG > 1:
         if sp < S2:
@@ -649,7 +658,6 @@ def _attn_kernel(
                 WIN,
                 DOT,
                 QLOOP,
-                ASM,
                 KBITS1,
                 HBITS1,
                 RANK1,
@@ -663,6 +671,8 @@ def _attn_kernel(
                 KDOT1,
                 HDOT1,
                 LENP1,
+                KASM1,
+                HASM1,
             )
         elif NREG > 2:
             if sp < S3:
@@ -715,7 +725,6 @@ def _attn_kernel(
                     WIN,
                     DOT,
                     QLOOP,
-                    ASM,
                     KBITS2,
                     HBITS2,
                     RANK2,
@@ -729,6 +738,8 @@ def _attn_kernel(
                     KDOT2,
                     HDOT2,
                     LENP2,
+                    KASM2,
+                    HASM2,
                 )
             elif NREG > 3:
                 _region(
@@ -780,7 +791,6 @@ def _attn_kernel(
                     WIN,
                     DOT,
                     QLOOP,
-                    ASM,
                     KBITS3,
                     HBITS3,
                     RANK3,
@@ -794,6 +804,8 @@ def _attn_kernel(
                     KDOT3,
                     HDOT3,
                     LENP3,
+                    KASM3,
+                    HASM3,
                 )
 
 
@@ -958,7 +970,7 @@ def _c(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _region_args(r: Region, n: int, g: int, KG: int, block_t: int, ns: int) -> tuple[list, list]:
+def _region_args(r: Region, n: int, g: int, KG: int, block_t: int, ns: int, asm: tuple[int, ...]) -> tuple[list, list]:
     kq, hq = r.keys, r.lat
     kt, ht = _c(kq.data), _c(hq.data)
     ks, kz = (_c(kq.scale), _c(kq.zero)) if kq.bits != 16 else (kt, kt)  # never read at 16 bits
@@ -996,7 +1008,7 @@ def _region_args(r: Region, n: int, g: int, KG: int, block_t: int, ns: int) -> t
         ln,
         ns,
     ]
-    ct = [kb, hb, r.rank, NPK, KW, max(1, BT // KG), NPH, P, PP, BT, KW >= 32, PP >= 32, lenp]
+    ct = [kb, hb, r.rank, NPK, KW, max(1, BT // KG), NPH, P, PP, BT, KW >= 32, PP >= 32, lenp, kb in asm, hb in asm]
     return rt, ct
 
 
@@ -1031,7 +1043,8 @@ def latent_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     q_in_loop: bool = True,
-    asm: bool = True,
+    asm: bool | tuple[int, ...] = True,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Drop-in for tale_runtime.cache.latent_attention: z [B, T, H, R] (float32).
 
@@ -1039,8 +1052,10 @@ def latent_attention(
     anything else (prefill chunks, CPU tensors unless TRITON_INTERPRET=1, formats the kernel
     does not read) runs the torch reference. `split_tokens` fixes the slots per split (tests);
     otherwise the regions share about `waves` programs per SM, at least `min_split` slots each.
-    `asm` unpacks 2/4-bit codes of 16-bit caches with inline PTX (compiled GPU runs only; the
-    interpreter and float32 caches take the plain Triton path, as does asm=False).
+    `asm` unpacks 2/4-bit codes of 16-bit caches with inline PTX (True: both widths; or a tuple of
+    the widths that use it). Compiled GPU runs only: the interpreter and float32 caches take the
+    plain Triton path, as does asm=False. `maxnreg` caps the registers per thread (more programs
+    per SM, at the price of spills).
     """
     view = _view(cache)
     if not supported(q, k_new, h_new, view):
@@ -1053,6 +1068,9 @@ def latent_attention(
     q, k_new, h_new = _c(q), _c(k_new), _c(h_new)
     qk = scaling * LOG2E
     regions = view.regions
+    asm_bits = (2, 4) if asm is True else tuple(asm or ())
+    if interpreting() or q.dtype == torch.float32:
+        asm_bits = ()
     KG = next((r.keys.group for r in regions if r.keys.bits != 16), 1)
     VG = next((r.lat.group for r in regions if r.lat.bits != 16), 1)
     BT = max(32, block_t)  # 16-token tiles gave wrong results compiled (Triton 3.6, H200); not understood
@@ -1068,7 +1086,7 @@ def latent_attention(
     slot0 = 0
     for i0 in range(0, len(regions), NREG):
         part = list(zip(regions[i0 : i0 + NREG], splits[i0 : i0 + NREG]))
-        args = [_region_args(r, n, g, KG, BT, ns) for r, ns in part]
+        args = [_region_args(r, n, g, KG, BT, ns, asm_bits) for r, ns in part]
         total = sum(ns for _, ns in part)
         bounds = [sum(ns for _, ns in part[:j]) if j < len(part) else total for j in range(1, NREG)]  # S1..S3
         while len(args) < NREG:
@@ -1078,7 +1096,24 @@ def latent_attention(
             f"{name}{j}": v
             for j, (_, c_) in enumerate(args)
             for name, v in zip(
-                ("KBITS", "HBITS", "RANK", "NPK", "KW", "KROWS", "NPH", "P", "PP", "BT", "KDOT", "HDOT", "LENP"), c_
+                (
+                    "KBITS",
+                    "HBITS",
+                    "RANK",
+                    "NPK",
+                    "KW",
+                    "KROWS",
+                    "NPH",
+                    "P",
+                    "PP",
+                    "BT",
+                    "KDOT",
+                    "HDOT",
+                    "LENP",
+                    "KASM",
+                    "HASM",
+                ),
+                c_,
             )
         }
         _attn_kernel[(total, G, B)](
@@ -1109,10 +1144,10 @@ def latent_attention(
             NREG=len(part),
             DOT=dtype,
             QLOOP=q_in_loop,
-            ASM=asm and not interpreting() and q.dtype in (torch.float16, torch.bfloat16),
             **ct,
             num_warps=num_warps,
             num_stages=num_stages,
+            **({"maxnreg": maxnreg} if maxnreg else {}),
         )
         slot0 += total
     z = torch.empty(B, 1, H, R, device=dev, dtype=torch.float32)
