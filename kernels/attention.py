@@ -88,45 +88,42 @@ def _lat_plane(
     """Latent channels i*P .. i*P + P - 1 of a tile, dequantized: [BT, PP] in DOT. Rows that are
     not real slots come out zero (scales masked), whatever the buffer holds there."""
     jp = tl.arange(0, PP)
-    if HBITS < 8 and ASM:  # unpack and scale in one PTX block, 4 codes per register
-        if P >= VG:
+    if HBITS < 16:  # per token over channel groups
+        if P >= VG:  # whole groups in the plane: [BT, PP // VG]
             gi = tl.arange(0, PP // VG)
             gm = ok[:, None] & (gi < P // VG)[None, :]
             so = soff[:, None] + ((i * P) // VG + gi)[None, :]
             hs = tl.load(hs_ptr + so, mask=gm, other=0.0).to(DOT)
             hz = tl.load(hz_ptr + so, mask=gm, other=0.0).to(DOT)
+        else:  # the plane lies inside one group: [BT]
+            hs = tl.load(hs_ptr + soff + (i * P) // VG, mask=ok, other=0.0).to(DOT)
+            hz = tl.load(hz_ptr + soff + (i * P) // VG, mask=ok, other=0.0).to(DOT)
+    if HBITS < 8 and ASM:  # unpack and scale in one PTX block, 4 codes per register
+        if P >= VG:
             x3 = plane_asm(tl.reshape(hb, (BT, PP // VG, VG)), hs[:, :, None], hz[:, :, None], i, HBITS, DOT)
             x = tl.reshape(x3, (BT, PP))
         else:
-            hs = tl.load(hs_ptr + soff + (i * P) // VG, mask=ok, other=0.0).to(DOT)
-            hz = tl.load(hz_ptr + soff + (i * P) // VG, mask=ok, other=0.0).to(DOT)
             x = plane_asm(hb, hs[:, None], hz[:, None], i, HBITS, DOT)
-    elif HBITS < 8:
-        x = plane(hb, i, HBITS, DOT)
-    elif HBITS == 8:
-        x = to_float(
-            tl.load(h_ptr + hoff[:, None] + (i * P + jp)[None, :], mask=tm[:, None] & (jp < P)[None, :], other=0).to(
-                tl.int32
-            ),
-            8,
-            DOT,
-        )
     else:
-        x = tl.load(h_ptr + hoff[:, None] + (i * P + jp)[None, :], mask=ok[:, None] & (jp < P)[None, :], other=0.0).to(
-            DOT
-        )
-    if HBITS < 16 and not (HBITS < 8 and ASM):
-        if P >= VG:  # whole groups in the plane
-            gi = tl.arange(0, PP // VG)
-            gm = ok[:, None] & (gi < P // VG)[None, :]
-            so = soff[:, None] + ((i * P) // VG + gi)[None, :]
-            hs = tl.load(hs_ptr + so, mask=gm, other=0.0).to(DOT)
-            hz = tl.load(hz_ptr + so, mask=gm, other=0.0).to(DOT)
-            x = tl.reshape(tl.reshape(x, (BT, PP // VG, VG)) * hs[:, :, None] + hz[:, :, None], (BT, PP))
-        else:  # the plane lies inside one group
-            hs = tl.load(hs_ptr + soff + (i * P) // VG, mask=ok, other=0.0).to(DOT)
-            hz = tl.load(hz_ptr + soff + (i * P) // VG, mask=ok, other=0.0).to(DOT)
-            x = x * hs[:, None] + hz[:, None]
+        if HBITS < 8:
+            x = plane(hb, i, HBITS, DOT)
+        elif HBITS == 8:
+            x = to_float(
+                tl.load(
+                    h_ptr + hoff[:, None] + (i * P + jp)[None, :], mask=tm[:, None] & (jp < P)[None, :], other=0
+                ).to(tl.int32),
+                8,
+                DOT,
+            )
+        else:
+            x = tl.load(
+                h_ptr + hoff[:, None] + (i * P + jp)[None, :], mask=ok[:, None] & (jp < P)[None, :], other=0.0
+            ).to(DOT)
+        if HBITS < 16:
+            if P >= VG:
+                x = tl.reshape(tl.reshape(x, (BT, PP // VG, VG)) * hs[:, :, None] + hz[:, :, None], (BT, PP))
+            else:
+                x = x * hs[:, None] + hz[:, None]
     return x
 
 
@@ -257,31 +254,30 @@ def _region(
             kb = tl.load(k_ptr + koff[None, :] + t[:, None] * s_kt, mask=kmask, other=0)
         logits = tl.zeros([QGP, BT], tl.float32)
         for i in tl.static_range(NPK):
-            if KBITS < 8 and KASM:  # unpack and scale in one PTX block, 4 codes per register
+            if KBITS < 16:  # per channel over key groups: KROWS scale rows per tile
                 r = t0 // KG + tl.arange(0, KROWS)
                 sm = (r * KG < L)[:, None] & um[None, :]
                 so = ksoff[None, :] + i * PK + r[:, None] * s_kst
                 ks = tl.load(ks_ptr + so, mask=sm, other=0.0).to(DOT)
                 kz = tl.load(kz_ptr + so, mask=sm, other=0.0).to(DOT)
+            if KBITS < 8 and KASM:  # unpack and scale in one PTX block, 4 codes per register
                 kc = plane_asm(tl.reshape(kb, (KROWS, BT // KROWS, KW)), ks[:, None, :], kz[:, None, :], i, KBITS, DOT)
                 kc = tl.reshape(kc, (BT, KW))
-            elif KBITS < 8:
-                kc = plane(kb, i, KBITS, DOT)
-            elif KBITS == 8:
-                kc = to_float(
-                    tl.load(k_ptr + koff[None, :] + i * PK + t[:, None] * s_kt, mask=kmask, other=0).to(tl.int32),
-                    8,
-                    DOT,
-                )
             else:
-                kc = tl.load(k_ptr + koff[None, :] + i * PK + t[:, None] * s_kt, mask=kmask, other=0.0).to(DOT)
-            if KBITS < 16 and not (KBITS < 8 and KASM):  # per channel over key groups: KROWS scale rows per tile
-                r = t0 // KG + tl.arange(0, KROWS)
-                sm = (r * KG < L)[:, None] & um[None, :]
-                so = ksoff[None, :] + i * PK + r[:, None] * s_kst
-                ks = tl.load(ks_ptr + so, mask=sm, other=0.0).to(DOT)
-                kz = tl.load(kz_ptr + so, mask=sm, other=0.0).to(DOT)
-                kc = tl.reshape(tl.reshape(kc, (KROWS, BT // KROWS, KW)) * ks[:, None, :] + kz[:, None, :], (BT, KW))
+                if KBITS < 8:
+                    kc = plane(kb, i, KBITS, DOT)
+                elif KBITS == 8:
+                    kc = to_float(
+                        tl.load(k_ptr + koff[None, :] + i * PK + t[:, None] * s_kt, mask=kmask, other=0).to(tl.int32),
+                        8,
+                        DOT,
+                    )
+                else:
+                    kc = tl.load(k_ptr + koff[None, :] + i * PK + t[:, None] * s_kt, mask=kmask, other=0.0).to(DOT)
+                if KBITS < 16:
+                    kc = tl.reshape(
+                        tl.reshape(kc, (KROWS, BT // KROWS, KW)) * ks[:, None, :] + kz[:, None, :], (BT, KW)
+                    )
             if QLOOP:
                 qi = tl.load(q_ptr + qoff + i * PK, mask=qm2, other=0.0).to(DOT)
             elif i == 0:
