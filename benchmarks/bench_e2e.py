@@ -39,7 +39,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from tale_runtime import new_cache, set_output_path, use_kernels
 from tale_runtime.artifact import Schedule, uniform_ranks
 from tale_runtime.attention import latent_attention as reference
-from tale_runtime.decode import CudaGraphDecoder
+from tale_runtime.decode import CudaGraphDecoder, DecodeStep
 from tale_runtime.load import tale_class
 from tale_runtime.model import TaleAttention
 
@@ -179,11 +179,26 @@ def decode(step, first: torch.Tensor, pos0: int, n: int) -> tuple[float, torch.T
     return (time.perf_counter() - t) * 1e3 / n, torch.cat(toks, 1)
 
 
-def tale_step(model, cache, graphs: bool):
+def tale_step(model, cache, graphs: bool, compile: bool = True):
+    """graphs: CudaGraphDecoder (compile: DecodeStep inside the graph, else the model's forward); else eager
+    steps through the model's forward."""
     if graphs:
-        return CudaGraphDecoder(model, cache)
+        return CudaGraphDecoder(model, cache, compile=compile)
 
     return hf_step(model, cache)
+
+
+def launches(fn) -> tuple[int, float]:
+    """GPU kernels (memcpy/memset included) that one call of fn() runs, and their summed time in ms (torch.profiler
+    on an eager, uncaptured step: a CUDA graph of the step replays the same kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(evs), sum(e.time_range.elapsed_us() for e in evs) / 1e3
 
 
 def hf_step(model, cache):
@@ -206,10 +221,11 @@ def row(**kw):
 
 def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
     """Teacher-forced logits of the same decode steps (batch 2, left padding, through flushes and demotions)
-    in four ways: dynamic cache eager with the kernel, static eager, static CUDA graph, and dynamic eager with
-    the torch reference. Static graph vs static eager isolates the graph machinery, static vs dynamic the
-    storage, kernel vs reference the accepted noise of the dtype. Then greedy tokens of model.generate with
-    a static cache (CUDA-graph steps) against a dynamic one."""
+    in five ways: dynamic cache eager with the kernel, static eager (the model's forward), static eager through
+    DecodeStep (compiled pieces, no graph), static CUDA graph of DecodeStep, and dynamic eager with the torch
+    reference. Graph vs DecodeStep isolates the graph machinery, DecodeStep vs the model's forward the fused
+    kernels' rounding, static vs dynamic the storage, kernel vs reference the accepted noise of the dtype. Then
+    greedy tokens of model.generate with a static cache (CUDA-graph steps) against a dynamic one."""
     use(model, tale)
     ctx, V, dev = 1000 if graphs else 200, model.config.vocab_size, model.device
     gen = torch.Generator(dev).manual_seed(1)
@@ -223,6 +239,7 @@ def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
         for name, static, graphed, kern in [
             ("dyn-kernel", False, False, True),
             ("static-eager", True, False, True),
+            ("static-step", True, "step", True),
             ("static-graph", True, graphs, True),
             ("dyn-ref", False, False, False),
         ]:
@@ -230,12 +247,18 @@ def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
             cache = new_cache(model, static=static, max_length=ctx + n_steps + 2)
             model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
             pos = mask.sum(-1, keepdim=True)  # positions of the next token, per row
-            step = tale_step(model, cache, graphed)
+            t0 = time.perf_counter()
+            if graphed == "step":
+                step = DecodeStep(model, cache, backend="inductor" if graphs else "eager")
+            else:
+                step = tale_step(model, cache, graphed)
             ls = []
             for t in range(n_steps):
                 ls.append(step(feed[:, t : t + 1], pos).float().clone())
                 pos += 1
             out[name] = torch.stack(ls, 1)
+            if graphed == "step":
+                row(kind="check-compile", label=label, first_steps_s=round(time.perf_counter() - t0, 1))
             if getattr(step, "error", None):
                 row(kind="tale-graph-error", where="check", error=step.error[:300])
             del cache, step
@@ -250,10 +273,14 @@ def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
             label=label,
             prompt=ctx,
             steps=n_steps,
-            graph_vs_eager=rel("static-graph", "static-eager"),
+            graph_vs_step=rel("static-graph", "static-step"),
+            step_vs_eager=rel("static-step", "static-eager"),
             static_vs_dynamic=rel("static-eager", "dyn-kernel"),
             kernel_vs_reference=rel("dyn-kernel", "dyn-ref"),
             argmax_agree=float((out["static-graph"].argmax(-1) == out["dyn-kernel"].argmax(-1)).float().mean()),
+            argmax_agree_step_eager=float(
+                (out["static-step"].argmax(-1) == out["static-eager"].argmax(-1)).float().mean()
+            ),
         )
         if generate:  # model.generate: the static cache's decode steps replay a CUDA graph (TaleGenerationMixin)
             kw = dict(attention_mask=mask, max_new_tokens=n_steps, do_sample=False)
@@ -327,7 +354,7 @@ def _batches(
 
 def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadline: float, frac: float):
     use(model, tale)
-    cache = new_cache(model, static=True, max_length=ctx + 6 * (n + 2) + 8)
+    cache = new_cache(model, static=True, max_length=ctx + 8 * (n + 2) + 8)
     free()
     first, pre_s = prefill(model, cache, ctx)
     row_bytes = cache.capacity_nbytes()
@@ -352,6 +379,9 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
             ms, toks = decode(step, first, pos0, n)
             if getattr(step, "error", None):
                 row(kind="tale-graph-error", ctx=ctx, batch=B, error=step.error[:300])
+            compiled = dict(compile_s=round(getattr(step, "compile_s", 0.0), 1))
+            if getattr(step, "compile_error", None):
+                compiled["compile_error"] = step.compile_error[:300]
             del step
             pk = peak()
             if torch.cuda.is_available():
@@ -366,11 +396,33 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
                 ms_per_token=round(ms, 2),
                 tokens_per_s=round(B * 1e3 / ms, 1),
                 peak_gib=round(pk, 2),
+                **compiled,
             )
             row(**r)
             if best is None or ms < best["ms_per_token"]:
                 best = r
         row(**{**best, "kind": "tale-best"})
+        if B == 1 and graphs:  # before/after: the model's own forward in the graph; kernels per step of both
+            set_output_path(model, best["path"])
+            ms, toks = decode(tale_step(model, c, graphs, compile=False), first, pos0, n)
+            first, pos0 = toks[:, -1:], pos0 + n + 2
+            measure.last = toks
+            pos = torch.full((1, 1), pos0, dtype=torch.long, device=first.device)
+            k_hf, t_hf = launches(lambda: hf_step(model, c)(first, pos))
+            k_st, t_st = launches(lambda: DecodeStep(model, c)(first, pos + 1))
+            pos0 += 2
+            row(
+                kind="tale-nocompile",
+                ctx=ctx,
+                batch=B,
+                path=best["path"],
+                ms_per_token=round(ms, 2),
+                ms_compiled=best["ms_per_token"],
+                launches_forward=k_hf,
+                kernel_ms_forward=round(t_hf, 2),
+                launches_compiled=k_st,
+                kernel_ms_compiled=round(t_st, 2),
+            )
         if B == 1 and kernel_fn is not None and ctx == 32768:  # what the kernel brings: the same step, torch reference
             for t in tale:
                 t.attention_fn = reference
@@ -446,18 +498,31 @@ def hf_eager_rows(model, orig, ctx: int, batches: list, n: int, deadline: float,
     free()
 
 
-def hf_static_rows(model, orig, ctx: int, batches: list[int], n: int, deadline: float):
-    """generate() with transformers' StaticCache (auto torch.compile of the decode step); ms/token from the
-    difference of two calls (their prefills cancel), after a warm-up call that compiles."""
+def hf_static_rows(model, orig, ctx: int, batches: list, n: int, deadline: float, frac: float, short: int):
+    """generate() with transformers' StaticCache (its automatic torch.compile of the decode step: CUDA graphs,
+    one compile per batch size); ms/token from the difference of two calls (their prefills cancel), after a
+    warm-up call that compiles. Its decode step reads the whole cache (max_cache_len, masked) however much of it
+    is filled, so a `short`-token prompt in a cache of ctx + n + 16 tokens times the same step as a ctx-token
+    prompt at a fraction of the prefill: batch 1 runs both ways to show it, larger batches with the short prompt.
+    'max': the largest batch whose 16-bit K+V fits beside what is allocated now."""
     from transformers import StaticCache
 
     use(model, orig)
-    for B in batches:
+    c = model.config
+    max_len = ctx + n + 16
+    kv_row = 2 * max_len * c.num_key_value_heads * c.head_dim * 2 * c.num_hidden_layers
+    plan = [(1, ctx)] + [(b, short) for b in batches]
+    for B, T in plan:
+        if B == "max":
+            total = torch.cuda.get_device_properties(0).total_memory
+            B = int((total * frac - torch.cuda.memory_allocated() - 2 * GiB) // kv_row)
+            if any(r["kind"] == "hf-static-compile" and r.get("batch") == B for r in ROWS):
+                continue
         if time.perf_counter() - T0 > deadline:
-            row(kind="hf-static-compile", ctx=ctx, batch=B, skipped="time budget")
+            row(kind="hf-static-compile", ctx=ctx, batch=B, prompt=T, skipped="time budget")
             continue
-        ids = torch.randint(1, model.config.vocab_size, (B, ctx), device=model.device)
-        cache = StaticCache(config=model.config, max_cache_len=ctx + n + 16)
+        ids = torch.randint(1, c.vocab_size, (B, T), device=model.device)
+        cache = StaticCache(config=c, max_cache_len=max_len)
         kw = dict(past_key_values=cache, do_sample=False, attention_mask=torch.ones_like(ids))
         try:
             times = {}
@@ -468,21 +533,31 @@ def hf_static_rows(model, orig, ctx: int, batches: list[int], n: int, deadline: 
                 peak_reset()
                 model.generate(ids, max_new_tokens=m, min_new_tokens=m, **kw)
                 sync()
+                times.setdefault("first", time.perf_counter() - t)
                 times[m] = time.perf_counter() - t
             ms = (times[n + 4] - times[4]) * 1e3 / n
+            row(
+                kind="hf-static-compile" if T == ctx or B != 1 else "hf-static-short",
+                ctx=ctx,
+                batch=B,
+                prompt=T,
+                cache_len=max_len,
+                ms_per_token=round(ms, 2),
+                tokens_per_s=round(B * 1e3 / ms, 1),
+                peak_gib=round(peak(), 2),
+                first_call_s=round(times["first"], 1),
+                call_s=round(times[4], 2),
+            )
+        except Exception as e:  # noqa: BLE001  (OOM, compile failure: record and go on)
             row(
                 kind="hf-static-compile",
                 ctx=ctx,
                 batch=B,
-                ms_per_token=round(ms, 2),
-                tokens_per_s=round(B * 1e3 / ms, 1),
-                peak_gib=round(peak(), 2),
-                prefill_s=round(times[4], 2),
+                prompt=T,
+                error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}",
             )
-        except Exception as e:  # noqa: BLE001  (OOM, compile failure: record and go on)
-            row(kind="hf-static-compile", ctx=ctx, batch=B, error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
             del e
-        del cache
+        del cache, ids
         free()
 
 
@@ -579,6 +654,38 @@ def table(device: str, attention: str, floor_ms: dict) -> str:
                 f"peak of the {_ctx(r['from_ctx'])} prefill ({r['per_token_kib']} KiB per token beyond the "
                 "weights).",
             ]
+    nc = [r for r in ROWS if r["kind"] == "tale-nocompile"]
+    if nc:
+        lines += [
+            "",
+            "TALE static at batch 1 with the model's own forward in the CUDA graph against DecodeStep (the code "
+            "around attention compiled); kernels per step and their summed GPU time from torch.profiler on one "
+            "uncaptured step:",
+            "",
+            "| context | path | forward ms/tok | compiled ms/tok | forward kernels/step | compiled kernels/step "
+            "| forward kernel ms/step | compiled kernel ms/step |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in nc:
+            lines.append(
+                f"| {_ctx(r['ctx'])} | {r['path']} | {r['ms_per_token']} | {r['ms_compiled']} | {r['launches_forward']} "
+                f"| {r['launches_compiled']} | {r['kernel_ms_forward']} | {r['kernel_ms_compiled']} |"
+            )
+    for r in ROWS:
+        if r["kind"] == "warmup":
+            lines += [
+                "",
+                f"Warm-up ({r['prompt']}-token prefill and 72 decode steps before the timed rows): DecodeStep compiled in "
+                f"{r['compile_s']} s{' (failed: ' + r['compile_error'] + ')' if r.get('compile_error') else ''}.",
+            ]
+        if r["kind"] == "hf-static-short":
+            full = next((x for x in ROWS if x["kind"] == "hf-static-compile" and x.get("batch") == 1), {})
+            lines += [
+                "",
+                f"HF static+compile rows at batch > 1 prefill {r['prompt']} tokens into a cache of "
+                f"{r['cache_len']} tokens: its decode step reads the whole cache whatever its fill. Batch 1 both ways: {full.get('ms_per_token', '-')} ms/token after a {_ctx(r['ctx'])} "
+                f"prompt, {r['ms_per_token']} after {r['prompt']} tokens.",
+            ]
     for r in ROWS:
         if r["kind"] == "tale-reference":
             lines += [
@@ -595,14 +702,16 @@ def table(device: str, attention: str, floor_ms: dict) -> str:
             "Checks (batch 2, left padding, teacher-forced decode steps through flushes and demotions; "
             "relative L2 difference of the logits):",
             "",
-            "| model | prompt | steps | static graph vs static eager | static vs dynamic cache | kernel vs torch "
-            "reference (dynamic) | argmax agreement static graph / dynamic |",
-            "|---|---|---|---|---|---|---|",
+            "| model | prompt | steps | graph vs DecodeStep eager | DecodeStep (compiled) vs model forward "
+            "| argmax agreement DecodeStep / forward | static vs dynamic cache | kernel vs torch reference (dynamic) "
+            "| argmax agreement static graph / dynamic |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in chk:
             lines.append(
-                f"| {r['label']} | {r['prompt']} | {r['steps']} | {r['graph_vs_eager']:.2e} | "
-                f"{r['static_vs_dynamic']:.2e} | {r['kernel_vs_reference']:.2e} | {r['argmax_agree']:.3f} |"
+                f"| {r['label']} | {r['prompt']} | {r['steps']} | {r['graph_vs_step']:.2e} | {r['step_vs_eager']:.2e} "
+                f"| {r['argmax_agree_step_eager']:.3f} | {r['static_vs_dynamic']:.2e} | {r['kernel_vs_reference']:.2e} "
+                f"| {r['argmax_agree']:.3f} |"
             )
     for r in ROWS:
         if r["kind"] == "tale-graph-error":
@@ -618,6 +727,10 @@ def main() -> None:
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--mem-frac", type=float, default=0.92)
     ap.add_argument("--no-hf-static", action="store_true")
+    ap.add_argument(
+        "--hf-static-batches", default="8,12,max", help="HF static+compile batches at the smallest context (and 1)"
+    )
+    ap.add_argument("--hf-static-prompt", type=int, default=512, help="prompt tokens of the HF static rows at B > 1")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--out", default=None, help="append the table to this markdown file")
     ap.add_argument("--json", default=None)
@@ -625,6 +738,9 @@ def main() -> None:
 
     device = "cpu" if args.quick else "cuda"
     graphs = device == "cuda"
+    # DecodeStep's graphs are compiled per dtype (float32 check, bf16 run), batch (static, then dynamic) and output
+    # path: more than dynamo's default of 8 entries per function
+    torch._dynamo.config.cache_size_limit = 64
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 check must be float32 (the run below is bf16)
     if not args.no_check:  # float32, 4 layers of the same shapes: the static path must agree to rounding
         small, _, st = build(args.quick, device, layers=4 if not args.quick else None, dtype=torch.float32)
@@ -677,6 +793,27 @@ def main() -> None:
             row(kind="check-error", error=f"{type(e).__name__}: {e}")
             traceback.print_exc()
 
+    # warm-up: a short prefill each way, then decode steps through flushes (the compiled TALE step is compiled here),
+    # so that Triton's compilation of the quantization kernels and cuBLAS/SDPA set-up are not in the timed rows
+    warm = 4096 if graphs else 64
+    use(model, tale)
+    cache = new_cache(model, static=True, max_length=warm + 80)
+    first, pre_s = prefill(model, cache, warm)
+    step = tale_step(model, cache, graphs)
+    ms, _ = decode(step, first, warm, 70)
+    row(
+        kind="warmup",
+        prompt=warm,
+        prefill_s=round(pre_s, 2),
+        ms_per_token=round(ms, 2),
+        compile_s=round(getattr(step, "compile_s", 0.0), 1),
+        compile_error=getattr(step, "compile_error", None),
+    )
+    del cache, step
+    use(model, orig)
+    prefill(model, DynamicCache(config=model.config), warm)
+    free()
+
     floor_ms = {}
     for ctx in ctxs:
         batches = [1, 8, "max"] if ctx <= 32768 else [1, 8]
@@ -696,9 +833,11 @@ def main() -> None:
             row(kind="hf-eager", ctx=ctx, batch=0, error=f"{type(e).__name__}: {e}")
             traceback.print_exc()
     if not args.no_hf_static and not args.quick:
-        hf_static_rows(model, orig, min(ctxs), [1], n, dl)
-        if time.perf_counter() - T0 < dl - 120:
-            hf_static_rows(model, orig, min(ctxs), [8], n, dl)
+        for t in tale:  # HF's largest batch without TALE's extra weights (O^r, A, B) on the GPU
+            t.tale.to("cpu")
+        free()
+        hb = [b if b == "max" else int(b) for b in args.hf_static_batches.split(",") if b]
+        hf_static_rows(model, orig, min(ctxs), hb, n, dl, args.mem_frac, args.hf_static_prompt)
     largest(weight_bytes)
     use(model, tale)
 
