@@ -162,30 +162,36 @@ class CudaGraphDecoder:
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """ids, position_ids: [B, 1] long on the model's device -> logits [B, V]."""
+        if self.ids is None:
+            self.ids = torch.empty_like(ids, memory_format=torch.contiguous_format)
+            self.pos = torch.empty_like(position_ids, memory_format=torch.contiguous_format)
+        # every step reads the same static buffers: the compiled pieces then see the same strides at the warm-up, the
+        # capture and in eager steps (HF hands in slices of growing tensors, whose strides would trigger recompiles)
+        self.ids.copy_(ids)
+        self.pos.copy_(position_ids)
         plain = self._plain()
         if not plain or not self.warm or self.error:  # eager; the first plain step warms up on a side stream
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
-                logits = self._forward(ids, position_ids)
+                logits = self._forward(self.ids, self.pos)
             torch.cuda.current_stream().wait_stream(s)
             self.warm = self.warm or plain
             return logits
         if self.graph is None:
-            self.ids, self.pos = ids.clone(), position_ids.clone()
             self.graph = torch.cuda.CUDAGraph()
             self.cache.capturing = True
             try:
-                with torch.cuda.graph(self.graph):
+                # a recompile inside the capture would compile and benchmark kernels there: fail at once instead
+                with torch._dynamo.config.patch(error_on_recompile=True), torch.cuda.graph(self.graph):
                     self.logits = self._forward(self.ids, self.pos)
-            except Exception as e:  # noqa: BLE001  (nothing of the step ran: the cache is unchanged)
+            except Exception as e:  # noqa: BLE001  (the captured work never ran; the host counts did not move)
                 self.graph, self.error = None, f"{type(e).__name__}: {e}"
                 warnings.warn(f"CUDA graph capture failed, decoding eagerly: {self.error}", stacklevel=2)
+                self.cache._sync_device()  # device counters from the host's, should anything of the capture have run
                 return self(ids, position_ids)
             finally:
                 self.cache.capturing = False
-        self.ids.copy_(ids)
-        self.pos.copy_(position_ids)
         self.graph.replay()
         self.cache.advance()
         return self.logits
