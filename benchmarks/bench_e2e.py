@@ -409,7 +409,7 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
             measure.last = toks
             pos = torch.full((1, 1), pos0, dtype=torch.long, device=first.device)
             k_hf, t_hf = launches(lambda: hf_step(model, c)(first, pos))
-            k_st, t_st = launches(lambda: DecodeStep(model, c)(first, pos + 1))
+            k_st, t_st = launches(lambda: DecodeStep(model, c)(first.contiguous(), pos + 1))
             pos0 += 2
             row(
                 kind="tale-nocompile",
