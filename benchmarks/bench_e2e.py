@@ -26,6 +26,7 @@ step; flush/demotion work included) / N. Peak = torch.cuda.max_memory_allocated 
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import gc
 import json
@@ -194,10 +195,11 @@ def launches(fn) -> tuple[int, float]:
     from torch.profiler import ProfilerActivity, profile
 
     sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         sync()
     evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    log("kernels per step:", collections.Counter(e.name[:60] for e in evs).most_common(12))
     return len(evs), sum(e.time_range.elapsed_us() for e in evs) / 1e3
 
 
@@ -221,11 +223,11 @@ def row(**kw):
 
 def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
     """Teacher-forced logits of the same decode steps (batch 2, left padding, through flushes and demotions)
-    in five ways: dynamic cache eager with the kernel, static eager (the model's forward), static eager through
-    DecodeStep (compiled pieces, no graph), static CUDA graph of DecodeStep, and dynamic eager with the torch
-    reference. Graph vs DecodeStep isolates the graph machinery, DecodeStep vs the model's forward the fused
+    in five ways: dynamic and static cache eager with the torch reference, static eager with the kernel (the
+    model's forward), static eager through DecodeStep (compiled pieces, no graph), static CUDA graph of
+    DecodeStep. Graph vs DecodeStep isolates the graph machinery, DecodeStep vs the model's forward the fused
     kernels' rounding, static vs dynamic the storage, kernel vs reference the accepted noise of the dtype. Then
-    greedy tokens of model.generate with a static cache (CUDA-graph steps) against a dynamic one."""
+    greedy tokens of model.generate with a static cache, CUDA-graph steps against eager steps (disable_compile)."""
     use(model, tale)
     ctx, V, dev = 1000 if graphs else 200, model.config.vocab_size, model.device
     gen = torch.Generator(dev).manual_seed(1)
@@ -236,12 +238,12 @@ def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
     kernel = tale[0].attention_fn is not reference
     out = {}
     with torch.inference_mode():
-        for name, static, graphed, kern in [
-            ("dyn-kernel", False, False, True),
+        for name, static, graphed, kern in [  # (no kernel on the dynamic cache: its growing regions recompile it)
+            ("dyn-ref", False, False, False),
+            ("static-ref", True, False, False),
             ("static-eager", True, False, True),
             ("static-step", True, "step", True),
             ("static-graph", True, graphs, True),
-            ("dyn-ref", False, False, False),
         ]:
             use_kernels(model, kern and kernel)
             cache = new_cache(model, static=static, max_length=ctx + n_steps + 2)
@@ -254,7 +256,7 @@ def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
                 step = tale_step(model, cache, graphed)
             ls = []
             for t in range(n_steps):
-                ls.append(step(feed[:, t : t + 1], pos).float().clone())
+                ls.append(step(feed[:, t : t + 1].contiguous(), pos).float().clone())
                 pos += 1
             out[name] = torch.stack(ls, 1)
             if graphed == "step":
@@ -275,16 +277,16 @@ def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
             steps=n_steps,
             graph_vs_step=rel("static-graph", "static-step"),
             step_vs_eager=rel("static-step", "static-eager"),
-            static_vs_dynamic=rel("static-eager", "dyn-kernel"),
-            kernel_vs_reference=rel("dyn-kernel", "dyn-ref"),
-            argmax_agree=float((out["static-graph"].argmax(-1) == out["dyn-kernel"].argmax(-1)).float().mean()),
+            static_vs_dynamic=rel("static-ref", "dyn-ref"),
+            kernel_vs_reference=rel("static-eager", "static-ref"),
+            argmax_agree=float((out["static-graph"].argmax(-1) == out["dyn-ref"].argmax(-1)).float().mean()),
             argmax_agree_step_eager=float(
                 (out["static-step"].argmax(-1) == out["static-eager"].argmax(-1)).float().mean()
             ),
         )
         if generate:  # model.generate: the static cache's decode steps replay a CUDA graph (TaleGenerationMixin)
             kw = dict(attention_mask=mask, max_new_tokens=n_steps, do_sample=False)
-            want = model.generate(ids, past_key_values=new_cache(model), **kw)
+            want = model.generate(ids, past_key_values=new_cache(model, static=True), disable_compile=True, **kw)
             got = model.generate(ids, past_key_values=new_cache(model, static=True), **kw)
             same = (got == want).all(0)[ctx:]
             row(
@@ -504,19 +506,23 @@ def hf_static_rows(model, orig, ctx: int, batches: list, n: int, deadline: float
     warm-up call that compiles. Its decode step reads the whole cache (max_cache_len, masked) however much of it
     is filled, so a `short`-token prompt in a cache of ctx + n + 16 tokens times the same step as a ctx-token
     prompt at a fraction of the prefill: batch 1 runs both ways to show it, larger batches with the short prompt.
-    'max': the largest batch whose 16-bit K+V fits beside what is allocated now."""
+    'max': the largest batch that fits by the per-row peak memory of the largest batch measured before it."""
     from transformers import StaticCache
 
     use(model, orig)
     c = model.config
     max_len = ctx + n + 16
     kv_row = 2 * max_len * c.num_key_value_heads * c.head_dim * 2 * c.num_hidden_layers
-    plan = [(1, ctx)] + [(b, short) for b in batches]
+    plan = [(1, ctx), (1, short)] + [(b, short) for b in batches]
+    base = torch.cuda.memory_allocated()
+    per_row = 1.5 * kv_row  # replaced by the measured peak per row
+    done, failed = 0, 1 << 30
     for B, T in plan:
         if B == "max":
             total = torch.cuda.get_device_properties(0).total_memory
-            B = int((total * frac - torch.cuda.memory_allocated() - 2 * GiB) // kv_row)
-            if any(r["kind"] == "hf-static-compile" and r.get("batch") == B for r in ROWS):
+            B = min(int((total * frac - base) // per_row), failed - 1)
+            if B <= done:
+                row(kind="hf-static-max", ctx=ctx, batch=B, per_row_gib=round(per_row / GiB, 2), largest_run=done)
                 continue
         if time.perf_counter() - T0 > deadline:
             row(kind="hf-static-compile", ctx=ctx, batch=B, prompt=T, skipped="time budget")
@@ -536,6 +542,8 @@ def hf_static_rows(model, orig, ctx: int, batches: list, n: int, deadline: float
                 times.setdefault("first", time.perf_counter() - t)
                 times[m] = time.perf_counter() - t
             ms = (times[n + 4] - times[4]) * 1e3 / n
+            if B > done:
+                done, per_row = B, max(kv_row, (peak() * GiB - base) / B)
             row(
                 kind="hf-static-compile" if T == ctx or B != 1 else "hf-static-short",
                 ctx=ctx,
@@ -549,6 +557,7 @@ def hf_static_rows(model, orig, ctx: int, batches: list, n: int, deadline: float
                 call_s=round(times[4], 2),
             )
         except Exception as e:  # noqa: BLE001  (OOM, compile failure: record and go on)
+            failed = min(failed, B)
             row(
                 kind="hf-static-compile",
                 ctx=ctx,
@@ -642,8 +651,9 @@ def table(device: str, attention: str, floor_ms: dict) -> str:
         if r["kind"] == "check-generate":
             lines += [
                 "",
-                f"model.generate ({r['label']}) with a StaticTaleCache (CUDA-graph steps through "
-                f"TaleGenerationMixin) vs a TaleCache, greedy: tokens equal: {r['tokens_equal']} (first "
+                f"model.generate ({r['label']}) with a StaticTaleCache, CUDA-graph steps of DecodeStep (through "
+                f"TaleGenerationMixin) vs eager steps of the model's forward (disable_compile=True), greedy: "
+                f"tokens equal: {r['tokens_equal']} (first "
                 f"difference at step {r['first_difference']}).",
             ]
     for r in ROWS:
@@ -668,14 +678,16 @@ def table(device: str, attention: str, floor_ms: dict) -> str:
         ]
         for r in nc:
             lines.append(
-                f"| {_ctx(r['ctx'])} | {r['path']} | {r['ms_per_token']} | {r['ms_compiled']} | {r['launches_forward']} "
+                f"| {_ctx(r['ctx'])} | {r['path']} | {r['ms_per_token']} | {r['ms_compiled']} "
+                f"| {r['launches_forward']} "
                 f"| {r['launches_compiled']} | {r['kernel_ms_forward']} | {r['kernel_ms_compiled']} |"
             )
     for r in ROWS:
         if r["kind"] == "warmup":
             lines += [
                 "",
-                f"Warm-up ({r['prompt']}-token prefill and 72 decode steps before the timed rows): DecodeStep compiled in "
+                f"Warm-up ({r['prompt']}-token prefill and 72 decode steps before the timed rows): "
+                f"DecodeStep compiled in "
                 f"{r['compile_s']} s{' (failed: ' + r['compile_error'] + ')' if r.get('compile_error') else ''}.",
             ]
         if r["kind"] == "hf-static-short":
@@ -683,7 +695,8 @@ def table(device: str, attention: str, floor_ms: dict) -> str:
             lines += [
                 "",
                 f"HF static+compile rows at batch > 1 prefill {r['prompt']} tokens into a cache of "
-                f"{r['cache_len']} tokens: its decode step reads the whole cache whatever its fill. Batch 1 both ways: {full.get('ms_per_token', '-')} ms/token after a {_ctx(r['ctx'])} "
+                f"{r['cache_len']} tokens: its decode step reads the whole cache whatever its fill. Batch 1 both "
+                f"ways: {full.get('ms_per_token', '-')} ms/token after a {_ctx(r['ctx'])} "
                 f"prompt, {r['ms_per_token']} after {r['prompt']} tokens.",
             ]
     for r in ROWS:
@@ -703,8 +716,8 @@ def table(device: str, attention: str, floor_ms: dict) -> str:
             "relative L2 difference of the logits):",
             "",
             "| model | prompt | steps | graph vs DecodeStep eager | DecodeStep (compiled) vs model forward "
-            "| argmax agreement DecodeStep / forward | static vs dynamic cache | kernel vs torch reference (dynamic) "
-            "| argmax agreement static graph / dynamic |",
+            "| argmax agreement DecodeStep / forward | static vs dynamic cache (reference) | kernel vs torch reference "
+            "(static) | argmax agreement static graph / dynamic reference |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in chk:
