@@ -30,6 +30,7 @@ import collections
 import copy
 import gc
 import json
+import signal
 import sys
 import time
 import traceback
@@ -850,7 +851,11 @@ def main() -> None:
             t.tale.to("cpu")
         free()
         hb = [b if b == "max" else int(b) for b in args.hf_static_batches.split(",") if b]
-        hf_static_rows(model, orig, min(ctxs), hb, n, dl, args.mem_frac, args.hf_static_prompt)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # `timeout` ends the last rows, not the table
+        try:
+            hf_static_rows(model, orig, min(ctxs), hb, n, dl, args.mem_frac, args.hf_static_prompt)
+        except KeyboardInterrupt:
+            row(kind="hf-static-compile", ctx=min(ctxs), batch="?", skipped="stopped at the time limit")
     largest(weight_bytes)
     use(model, tale)
 
