@@ -7,19 +7,22 @@ groups of 4 (R = 512), the paper's schedule (4 sinks, p = 0.1 at 4 bits full ran
 rank 256, key/value groups 32, 16-bit residual of 32).
 
 Rows (per context and batch), each measured in this run:
-- TALE static: StaticTaleCache + one CUDA graph per decode step (runtime/decode.py), flushes and
-  demotions eager between replays; fused and factored output both timed, the faster reported;
-  the decode attention is whatever `use_kernels` installs (the Triton kernel when it reads region
-  views, else the torch reference: the `attention` column says which);
+- TALE static: StaticTaleCache + one CUDA graph per decode step holding DecodeStep (runtime/decode.py: the
+  code around attention compiled), flushes and demotions eager between replays; fused and factored output
+  both timed, the faster reported; at batch 1 also the model's own forward in the graph (compile off) and
+  the kernels per step of both (torch.profiler); the decode attention is whatever `use_kernels` installs
+  (the Triton kernel when it reads region views, else the torch reference: the `attention` column says which);
 - HF eager: the same model with its own attention (SDPA), DynamicCache, eager decode;
 - HF static+compile: `generate` with transformers' StaticCache and its automatic torch.compile of
-  the decode step (the best a transformers user gets today).
+  the decode step (the best a transformers user gets today), at batch 1 (32K prompt, and 512 tokens into
+  the same cache: its step reads the whole cache either way) and at batches 8, 12 and its largest (512).
+A 4096-token prefill and 72 decode steps run first (warm-up: Triton and torch.compile are not timed).
 Every prefill runs without an attention mask (SDPA is_causal: no full-size mask). Batches > 1 are
 filled by repeating the prefilled rows (`Cache.batch_repeat_interleave`): decode time does not depend
 on the values. ms/token = wall time of N decode steps (greedy, argmax on the device, no host sync per
 step; flush/demotion work included) / N. Peak = torch.cuda.max_memory_allocated during the decode.
 
-    python benchmarks/bench_e2e.py --out docs/speed.md          # one device call, ~8 minutes on an H100
+    python benchmarks/bench_e2e.py --deadline 465 --out docs/speed.md   # one device call, ~7 minutes on an H100
     python benchmarks/bench_e2e.py --quick                      # tiny model, CPU: checks the script runs
 """
 
