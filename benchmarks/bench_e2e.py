@@ -7,28 +7,33 @@ groups of 4 (R = 512), the paper's schedule (4 sinks, p = 0.1 at 4 bits full ran
 rank 256, key/value groups 32, 16-bit residual of 32).
 
 Rows (per context and batch), each measured in this run:
-- TALE static: StaticTaleCache + one CUDA graph per decode step (runtime/decode.py), flushes and
-  demotions eager between replays; fused and factored output both timed, the faster reported;
-  the decode attention is whatever `use_kernels` installs (the Triton kernel when it reads region
-  views, else the torch reference: the `attention` column says which);
+- TALE static: StaticTaleCache + one CUDA graph per decode step holding DecodeStep (runtime/decode.py: the
+  code around attention compiled), flushes and demotions eager between replays; fused and factored output
+  both timed, the faster reported; at batch 1 also the model's own forward in the graph (compile off) and
+  the kernels per step of both (torch.profiler); the decode attention is whatever `use_kernels` installs
+  (the Triton kernel when it reads region views, else the torch reference: the `attention` column says which);
 - HF eager: the same model with its own attention (SDPA), DynamicCache, eager decode;
 - HF static+compile: `generate` with transformers' StaticCache and its automatic torch.compile of
-  the decode step (the best a transformers user gets today).
+  the decode step (the best a transformers user gets today), at batch 1 (32K prompt, and 512 tokens into
+  the same cache: its step reads the whole cache either way) and at batches 8, 12 and its largest (512).
+A 4096-token prefill and 72 decode steps run first (warm-up: Triton and torch.compile are not timed).
 Every prefill runs without an attention mask (SDPA is_causal: no full-size mask). Batches > 1 are
 filled by repeating the prefilled rows (`Cache.batch_repeat_interleave`): decode time does not depend
 on the values. ms/token = wall time of N decode steps (greedy, argmax on the device, no host sync per
 step; flush/demotion work included) / N. Peak = torch.cuda.max_memory_allocated during the decode.
 
-    python benchmarks/bench_e2e.py --out docs/speed.md          # one device call, ~8 minutes on an H100
+    python benchmarks/bench_e2e.py --deadline 465 --out docs/speed.md   # one device call, ~7 minutes on an H100
     python benchmarks/bench_e2e.py --quick                      # tiny model, CPU: checks the script runs
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import gc
 import json
+import signal
 import sys
 import time
 import traceback
@@ -39,7 +44,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from tale_runtime import new_cache, set_output_path, use_kernels
 from tale_runtime.artifact import Schedule, uniform_ranks
 from tale_runtime.attention import latent_attention as reference
-from tale_runtime.decode import CudaGraphDecoder
+from tale_runtime.decode import CudaGraphDecoder, DecodeStep
 from tale_runtime.load import tale_class
 from tale_runtime.model import TaleAttention
 
@@ -179,11 +184,27 @@ def decode(step, first: torch.Tensor, pos0: int, n: int) -> tuple[float, torch.T
     return (time.perf_counter() - t) * 1e3 / n, torch.cat(toks, 1)
 
 
-def tale_step(model, cache, graphs: bool):
+def tale_step(model, cache, graphs: bool, compile: bool = True):
+    """graphs: CudaGraphDecoder (compile: DecodeStep inside the graph, else the model's forward); else eager
+    steps through the model's forward."""
     if graphs:
-        return CudaGraphDecoder(model, cache)
+        return CudaGraphDecoder(model, cache, compile=compile)
 
     return hf_step(model, cache)
+
+
+def launches(fn) -> tuple[int, float]:
+    """GPU kernels (memcpy/memset included) that one call of fn() runs, and their summed time in ms (torch.profiler
+    on an eager, uncaptured step: a CUDA graph of the step replays the same kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    log("kernels per step:", collections.Counter(e.name[:60] for e in evs).most_common(12))
+    return len(evs), sum(e.time_range.elapsed_us() for e in evs) / 1e3
 
 
 def hf_step(model, cache):
@@ -206,10 +227,11 @@ def row(**kw):
 
 def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
     """Teacher-forced logits of the same decode steps (batch 2, left padding, through flushes and demotions)
-    in four ways: dynamic cache eager with the kernel, static eager, static CUDA graph, and dynamic eager with
-    the torch reference. Static graph vs static eager isolates the graph machinery, static vs dynamic the
-    storage, kernel vs reference the accepted noise of the dtype. Then greedy tokens of model.generate with
-    a static cache (CUDA-graph steps) against a dynamic one."""
+    in five ways: dynamic and static cache eager with the torch reference, static eager with the kernel (the
+    model's forward), static eager through DecodeStep (compiled pieces, no graph), static CUDA graph of
+    DecodeStep. Graph vs DecodeStep isolates the graph machinery, DecodeStep vs the model's forward the fused
+    kernels' rounding, static vs dynamic the storage, kernel vs reference the accepted noise of the dtype. Then
+    greedy tokens of model.generate with a static cache, CUDA-graph steps against eager steps (disable_compile)."""
     use(model, tale)
     ctx, V, dev = 1000 if graphs else 200, model.config.vocab_size, model.device
     gen = torch.Generator(dev).manual_seed(1)
@@ -220,22 +242,29 @@ def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
     kernel = tale[0].attention_fn is not reference
     out = {}
     with torch.inference_mode():
-        for name, static, graphed, kern in [
-            ("dyn-kernel", False, False, True),
-            ("static-eager", True, False, True),
-            ("static-graph", True, graphs, True),
+        for name, static, graphed, kern in [  # (no kernel on the dynamic cache: its growing regions recompile it)
             ("dyn-ref", False, False, False),
+            ("static-ref", True, False, False),
+            ("static-eager", True, False, True),
+            ("static-step", True, "step", True),
+            ("static-graph", True, graphs, True),
         ]:
             use_kernels(model, kern and kernel)
             cache = new_cache(model, static=static, max_length=ctx + n_steps + 2)
             model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
             pos = mask.sum(-1, keepdim=True)  # positions of the next token, per row
-            step = tale_step(model, cache, graphed)
+            t0 = time.perf_counter()
+            if graphed == "step":
+                step = DecodeStep(model, cache, backend="inductor" if graphs else "eager")
+            else:
+                step = tale_step(model, cache, graphed)
             ls = []
             for t in range(n_steps):
-                ls.append(step(feed[:, t : t + 1], pos).float().clone())
+                ls.append(step(feed[:, t : t + 1].contiguous(), pos).float().clone())
                 pos += 1
             out[name] = torch.stack(ls, 1)
+            if graphed == "step":
+                row(kind="check-compile", label=label, first_steps_s=round(time.perf_counter() - t0, 1))
             if getattr(step, "error", None):
                 row(kind="tale-graph-error", where="check", error=step.error[:300])
             del cache, step
@@ -250,14 +279,18 @@ def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
             label=label,
             prompt=ctx,
             steps=n_steps,
-            graph_vs_eager=rel("static-graph", "static-eager"),
-            static_vs_dynamic=rel("static-eager", "dyn-kernel"),
-            kernel_vs_reference=rel("dyn-kernel", "dyn-ref"),
-            argmax_agree=float((out["static-graph"].argmax(-1) == out["dyn-kernel"].argmax(-1)).float().mean()),
+            graph_vs_step=rel("static-graph", "static-step"),
+            step_vs_eager=rel("static-step", "static-eager"),
+            static_vs_dynamic=rel("static-ref", "dyn-ref"),
+            kernel_vs_reference=rel("static-eager", "static-ref"),
+            argmax_agree=float((out["static-graph"].argmax(-1) == out["dyn-ref"].argmax(-1)).float().mean()),
+            argmax_agree_step_eager=float(
+                (out["static-step"].argmax(-1) == out["static-eager"].argmax(-1)).float().mean()
+            ),
         )
         if generate:  # model.generate: the static cache's decode steps replay a CUDA graph (TaleGenerationMixin)
             kw = dict(attention_mask=mask, max_new_tokens=n_steps, do_sample=False)
-            want = model.generate(ids, past_key_values=new_cache(model), **kw)
+            want = model.generate(ids, past_key_values=new_cache(model, static=True), disable_compile=True, **kw)
             got = model.generate(ids, past_key_values=new_cache(model, static=True), **kw)
             same = (got == want).all(0)[ctx:]
             row(
@@ -327,7 +360,7 @@ def _batches(
 
 def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadline: float, frac: float):
     use(model, tale)
-    cache = new_cache(model, static=True, max_length=ctx + 6 * (n + 2) + 8)
+    cache = new_cache(model, static=True, max_length=ctx + 8 * (n + 2) + 8)
     free()
     first, pre_s = prefill(model, cache, ctx)
     row_bytes = cache.capacity_nbytes()
@@ -352,6 +385,9 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
             ms, toks = decode(step, first, pos0, n)
             if getattr(step, "error", None):
                 row(kind="tale-graph-error", ctx=ctx, batch=B, error=step.error[:300])
+            compiled = dict(compile_s=round(getattr(step, "compile_s", 0.0), 1))
+            if getattr(step, "compile_error", None):
+                compiled["compile_error"] = step.compile_error[:300]
             del step
             pk = peak()
             if torch.cuda.is_available():
@@ -366,11 +402,36 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
                 ms_per_token=round(ms, 2),
                 tokens_per_s=round(B * 1e3 / ms, 1),
                 peak_gib=round(pk, 2),
+                **compiled,
             )
             row(**r)
             if best is None or ms < best["ms_per_token"]:
                 best = r
         row(**{**best, "kind": "tale-best"})
+        if B == 1 and graphs:  # before/after: the model's own forward in the graph; kernels per step of both
+            set_output_path(model, best["path"])
+            ms, toks = decode(tale_step(model, c, graphs, compile=False), first, pos0, n)
+            first, pos0 = toks[:, -1:], pos0 + n + 2
+            measure.last = toks
+            pos = torch.full((1, 1), pos0, dtype=torch.long, device=first.device)
+            k_hf, t_hf = launches(lambda: hf_step(model, c)(first, pos))
+            # a fresh [B, 1] tensor: the [:, -1:] slice of the tokens has another stride and storage offset, which
+            # recompiles the embedding (the 32K count of the run in docs/speed.md includes that autotuning)
+            ids1 = first.clone(memory_format=torch.contiguous_format)
+            k_st, t_st = launches(lambda: DecodeStep(model, c)(ids1, pos + 1))
+            pos0 += 2
+            row(
+                kind="tale-nocompile",
+                ctx=ctx,
+                batch=B,
+                path=best["path"],
+                ms_per_token=round(ms, 2),
+                ms_compiled=best["ms_per_token"],
+                launches_forward=k_hf,
+                kernel_ms_forward=round(t_hf, 2),
+                launches_compiled=k_st,
+                kernel_ms_compiled=round(t_st, 2),
+            )
         if B == 1 and kernel_fn is not None and ctx == 32768:  # what the kernel brings: the same step, torch reference
             for t in tale:
                 t.attention_fn = reference
@@ -446,18 +507,35 @@ def hf_eager_rows(model, orig, ctx: int, batches: list, n: int, deadline: float,
     free()
 
 
-def hf_static_rows(model, orig, ctx: int, batches: list[int], n: int, deadline: float):
-    """generate() with transformers' StaticCache (auto torch.compile of the decode step); ms/token from the
-    difference of two calls (their prefills cancel), after a warm-up call that compiles."""
+def hf_static_rows(model, orig, ctx: int, batches: list, n: int, deadline: float, frac: float, short: int):
+    """generate() with transformers' StaticCache (its automatic torch.compile of the decode step: CUDA graphs,
+    one compile per batch size); ms/token from the difference of two calls (their prefills cancel), after a
+    warm-up call that compiles. Its decode step reads the whole cache (max_cache_len, masked) however much of it
+    is filled, so a `short`-token prompt in a cache of ctx + n + 16 tokens times the same step as a ctx-token
+    prompt at a fraction of the prefill: batch 1 runs both ways to show it, larger batches with the short prompt.
+    'max': the largest batch that fits by the per-row peak memory of the largest batch measured before it."""
     from transformers import StaticCache
 
     use(model, orig)
-    for B in batches:
+    c = model.config
+    max_len = ctx + n + 16
+    kv_row = 2 * max_len * c.num_key_value_heads * c.head_dim * 2 * c.num_hidden_layers
+    plan = [(1, ctx), (1, short)] + [(b, short) for b in batches]
+    base = torch.cuda.memory_allocated()
+    per_row = 1.5 * kv_row  # replaced by the measured peak per row
+    done, failed = 0, 1 << 30
+    for B, T in plan:
+        if B == "max":
+            total = torch.cuda.get_device_properties(0).total_memory
+            B = min(int((total * frac - base) // per_row), failed - 1)
+            if B <= done:
+                row(kind="hf-static-max", ctx=ctx, batch=B, per_row_gib=round(per_row / GiB, 2), largest_run=done)
+                continue
         if time.perf_counter() - T0 > deadline:
-            row(kind="hf-static-compile", ctx=ctx, batch=B, skipped="time budget")
+            row(kind="hf-static-compile", ctx=ctx, batch=B, prompt=T, skipped="time budget")
             continue
-        ids = torch.randint(1, model.config.vocab_size, (B, ctx), device=model.device)
-        cache = StaticCache(config=model.config, max_cache_len=ctx + n + 16)
+        ids = torch.randint(1, c.vocab_size, (B, T), device=model.device)
+        cache = StaticCache(config=c, max_cache_len=max_len)
         kw = dict(past_key_values=cache, do_sample=False, attention_mask=torch.ones_like(ids))
         try:
             times = {}
@@ -468,21 +546,34 @@ def hf_static_rows(model, orig, ctx: int, batches: list[int], n: int, deadline: 
                 peak_reset()
                 model.generate(ids, max_new_tokens=m, min_new_tokens=m, **kw)
                 sync()
+                times.setdefault("first", time.perf_counter() - t)
                 times[m] = time.perf_counter() - t
             ms = (times[n + 4] - times[4]) * 1e3 / n
+            if B > done:
+                done, per_row = B, max(kv_row, (peak() * GiB - base) / B)
+            row(
+                kind="hf-static-compile" if T == ctx or B != 1 else "hf-static-short",
+                ctx=ctx,
+                batch=B,
+                prompt=T,
+                cache_len=max_len,
+                ms_per_token=round(ms, 2),
+                tokens_per_s=round(B * 1e3 / ms, 1),
+                peak_gib=round(peak(), 2),
+                first_call_s=round(times["first"], 1),
+                call_s=round(times[4], 2),
+            )
+        except Exception as e:  # noqa: BLE001  (OOM, compile failure: record and go on)
+            failed = min(failed, B)
             row(
                 kind="hf-static-compile",
                 ctx=ctx,
                 batch=B,
-                ms_per_token=round(ms, 2),
-                tokens_per_s=round(B * 1e3 / ms, 1),
-                peak_gib=round(peak(), 2),
-                prefill_s=round(times[4], 2),
+                prompt=T,
+                error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}",
             )
-        except Exception as e:  # noqa: BLE001  (OOM, compile failure: record and go on)
-            row(kind="hf-static-compile", ctx=ctx, batch=B, error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
             del e
-        del cache
+        del cache, ids
         free()
 
 
@@ -567,8 +658,9 @@ def table(device: str, attention: str, floor_ms: dict) -> str:
         if r["kind"] == "check-generate":
             lines += [
                 "",
-                f"model.generate ({r['label']}) with a StaticTaleCache (CUDA-graph steps through "
-                f"TaleGenerationMixin) vs a TaleCache, greedy: tokens equal: {r['tokens_equal']} (first "
+                f"model.generate ({r['label']}) with a StaticTaleCache, CUDA-graph steps of DecodeStep (through "
+                f"TaleGenerationMixin) vs eager steps of the model's forward (disable_compile=True), greedy: "
+                f"tokens equal: {r['tokens_equal']} (first "
                 f"difference at step {r['first_difference']}).",
             ]
     for r in ROWS:
@@ -578,6 +670,41 @@ def table(device: str, attention: str, floor_ms: dict) -> str:
                 f"Largest context at batch 1 ({r['who']}): about {r['est_tokens'] // 1024}K tokens, from the "
                 f"peak of the {_ctx(r['from_ctx'])} prefill ({r['per_token_kib']} KiB per token beyond the "
                 "weights).",
+            ]
+    nc = [r for r in ROWS if r["kind"] == "tale-nocompile"]
+    if nc:
+        lines += [
+            "",
+            "TALE static at batch 1 with the model's own forward in the CUDA graph against DecodeStep (the code "
+            "around attention compiled); kernels per step and their summed GPU time from torch.profiler on one "
+            "uncaptured step:",
+            "",
+            "| context | path | forward ms/tok | compiled ms/tok | forward kernels/step | compiled kernels/step "
+            "| forward kernel ms/step | compiled kernel ms/step |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in nc:
+            lines.append(
+                f"| {_ctx(r['ctx'])} | {r['path']} | {r['ms_per_token']} | {r['ms_compiled']} "
+                f"| {r['launches_forward']} "
+                f"| {r['launches_compiled']} | {r['kernel_ms_forward']} | {r['kernel_ms_compiled']} |"
+            )
+    for r in ROWS:
+        if r["kind"] == "warmup":
+            lines += [
+                "",
+                f"Warm-up ({r['prompt']}-token prefill and 72 decode steps before the timed rows): "
+                f"DecodeStep compiled in "
+                f"{r['compile_s']} s{' (failed: ' + r['compile_error'] + ')' if r.get('compile_error') else ''}.",
+            ]
+        if r["kind"] == "hf-static-short":
+            full = next((x for x in ROWS if x["kind"] == "hf-static-compile" and x.get("batch") == 1), {})
+            lines += [
+                "",
+                f"HF static+compile rows at batch > 1 prefill {r['prompt']} tokens into a cache of "
+                f"{r['cache_len']} tokens: its decode step reads the whole cache whatever its fill. Batch 1 both "
+                f"ways: {full.get('ms_per_token', '-')} ms/token after a {_ctx(r['ctx'])} "
+                f"prompt, {r['ms_per_token']} after {r['prompt']} tokens.",
             ]
     for r in ROWS:
         if r["kind"] == "tale-reference":
@@ -595,14 +722,16 @@ def table(device: str, attention: str, floor_ms: dict) -> str:
             "Checks (batch 2, left padding, teacher-forced decode steps through flushes and demotions; "
             "relative L2 difference of the logits):",
             "",
-            "| model | prompt | steps | static graph vs static eager | static vs dynamic cache | kernel vs torch "
-            "reference (dynamic) | argmax agreement static graph / dynamic |",
-            "|---|---|---|---|---|---|---|",
+            "| model | prompt | steps | graph vs DecodeStep eager | DecodeStep (compiled) vs model forward "
+            "| argmax agreement DecodeStep / forward | static vs dynamic cache (reference) | kernel vs torch reference "
+            "(static) | argmax agreement static graph / dynamic reference |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in chk:
             lines.append(
-                f"| {r['label']} | {r['prompt']} | {r['steps']} | {r['graph_vs_eager']:.2e} | "
-                f"{r['static_vs_dynamic']:.2e} | {r['kernel_vs_reference']:.2e} | {r['argmax_agree']:.3f} |"
+                f"| {r['label']} | {r['prompt']} | {r['steps']} | {r['graph_vs_step']:.2e} | {r['step_vs_eager']:.2e} "
+                f"| {r['argmax_agree_step_eager']:.3f} | {r['static_vs_dynamic']:.2e} | {r['kernel_vs_reference']:.2e} "
+                f"| {r['argmax_agree']:.3f} |"
             )
     for r in ROWS:
         if r["kind"] == "tale-graph-error":
@@ -618,6 +747,10 @@ def main() -> None:
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--mem-frac", type=float, default=0.92)
     ap.add_argument("--no-hf-static", action="store_true")
+    ap.add_argument(
+        "--hf-static-batches", default="8,12,max", help="HF static+compile batches at the smallest context (and 1)"
+    )
+    ap.add_argument("--hf-static-prompt", type=int, default=512, help="prompt tokens of the HF static rows at B > 1")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--out", default=None, help="append the table to this markdown file")
     ap.add_argument("--json", default=None)
@@ -625,6 +758,9 @@ def main() -> None:
 
     device = "cpu" if args.quick else "cuda"
     graphs = device == "cuda"
+    # DecodeStep's graphs are compiled per dtype (float32 check, bf16 run), batch (static, then dynamic) and output
+    # path: more than dynamo's default of 8 entries per function
+    torch._dynamo.config.cache_size_limit = 64
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 check must be float32 (the run below is bf16)
     if not args.no_check:  # float32, 4 layers of the same shapes: the static path must agree to rounding
         small, _, st = build(args.quick, device, layers=4 if not args.quick else None, dtype=torch.float32)
@@ -677,6 +813,27 @@ def main() -> None:
             row(kind="check-error", error=f"{type(e).__name__}: {e}")
             traceback.print_exc()
 
+    # warm-up: a short prefill each way, then decode steps through flushes (the compiled TALE step is compiled here),
+    # so that Triton's compilation of the quantization kernels and cuBLAS/SDPA set-up are not in the timed rows
+    warm = 4096 if graphs else 64
+    use(model, tale)
+    cache = new_cache(model, static=True, max_length=warm + 80)
+    first, pre_s = prefill(model, cache, warm)
+    step = tale_step(model, cache, graphs)
+    ms, _ = decode(step, first, warm, 70)
+    row(
+        kind="warmup",
+        prompt=warm,
+        prefill_s=round(pre_s, 2),
+        ms_per_token=round(ms, 2),
+        compile_s=round(getattr(step, "compile_s", 0.0), 1),
+        compile_error=getattr(step, "compile_error", None),
+    )
+    del cache, step
+    use(model, orig)
+    prefill(model, DynamicCache(config=model.config), warm)
+    free()
+
     floor_ms = {}
     for ctx in ctxs:
         batches = [1, 8, "max"] if ctx <= 32768 else [1, 8]
@@ -696,9 +853,15 @@ def main() -> None:
             row(kind="hf-eager", ctx=ctx, batch=0, error=f"{type(e).__name__}: {e}")
             traceback.print_exc()
     if not args.no_hf_static and not args.quick:
-        hf_static_rows(model, orig, min(ctxs), [1], n, dl)
-        if time.perf_counter() - T0 < dl - 120:
-            hf_static_rows(model, orig, min(ctxs), [8], n, dl)
+        for t in tale:  # HF's largest batch without TALE's extra weights (O^r, A, B) on the GPU
+            t.tale.to("cpu")
+        free()
+        hb = [b if b == "max" else int(b) for b in args.hf_static_batches.split(",") if b]
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # `timeout` ends the last rows, not the table
+        try:
+            hf_static_rows(model, orig, min(ctxs), hb, n, dl, args.mem_frac, args.hf_static_prompt)
+        except KeyboardInterrupt:
+            row(kind="hf-static-compile", ctx=min(ctxs), batch="?", skipped="stopped at the time limit")
     largest(weight_bytes)
     use(model, tale)
 

@@ -99,6 +99,9 @@ def run(
     dynamic: bool = typer.Option(
         False, "--dynamic", help="growing cache, eager steps (default on CUDA: static cache, CUDA-graph decode)"
     ),
+    no_compile: bool = typer.Option(
+        False, "--no-compile", help="CUDA-graph decode of the model's own forward, without torch.compile of the step"
+    ),
     sinks: Optional[str] = typer.Option(None, "--sinks", metavar="N", help="exact sink tokens (alpha)"),
     recent: Optional[str] = typer.Option(
         None, "--recent", metavar="P[,P..]", help="share p of each level above the middle, oldest first"
@@ -160,6 +163,7 @@ def run(
         tokenizer=tok,
         on_text=emit,
         static=False if dynamic else None,
+        compile=not no_compile,
     )
     sys.stdout.write("\n")
     sys.stdout.flush()

@@ -6,21 +6,108 @@ residual at a device-held slot. What changes shape or runs only every few steps 
 residual, demotions) stays outside the graph: after each replay, `StaticTaleCache.advance()` counts
 the token on the host and runs that fixed-size work when the schedule says so.
 
+Inside a graph, Python costs nothing but every kernel launch still costs a few microseconds: the HF
+forward launches ~40 kernels per layer (RMSNorm as ~6 ops, RoPE ~10, residual adds, casts). With
+`compile=True` the step is `DecodeStep`: the decoder layer written out, with the code between the
+matmuls and the TALE attention (residual add + RMSNorm + q/k/latent projections + RoPE before it,
+output projection + residual add + RMSNorm + MLP after it) as two torch.compile graphs that every
+layer shares (the layer's modules are graph inputs: one compile for all layers). Attention (the
+Triton kernel) and the cache writes stay ordinary calls, captured with the rest.
+
     decoder = CudaGraphDecoder(model, cache)     # after the prefill filled `cache`
     logits = decoder(ids, position_ids)          # [B, V]; valid until the next call
 """
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import torch
 
+from .model import TaleAttention, rotate, rotation
 from .static_cache import StaticTaleCache
 
 
+# The compiled pieces of DecodeStep. `d` is the previous layer's MLP output, not yet added to the residual
+# stream `x` (None before the first layer): adding it here fuses the add into the RMSNorm's kernel.
+def _embed(model, ids: torch.Tensor, pos: torch.Tensor):
+    x = model.model.embed_tokens(ids)  # [B, T, d]
+    cos, sin = model.model.rotary_emb(x, pos)  # [B, T, n] each
+    return x, cos, sin
+
+
+def _pre(layer, x: torch.Tensor, d: torch.Tensor | None, cos, sin, Q: torch.Tensor | None):
+    """Residual add, RMSNorm, q/k/latent projections, RoPE: x [B, T, d] -> x, q [B, H, T, n], k [B, K, T, n],
+    h [B, G, T, R] (q and k rotated by Q when the cache rotates keys)."""
+    if d is not None:
+        x = x + d
+    a = layer.self_attn
+    xn = layer.input_layernorm(x)
+    q, k = a.qk(xn, cos, sin)
+    return x, rotate(q, Q).contiguous(), rotate(k, Q).contiguous(), a.latents(xn).contiguous()
+
+
+def _post(layer, x: torch.Tensor, z: torch.Tensor):
+    """Output projection of the latent attention output z [B, T, H, R], residual add, RMSNorm, MLP: -> x, d."""
+    x = x + layer.self_attn.output(z)
+    return x, layer.mlp(layer.post_attention_layernorm(x))
+
+
+def _head(model, x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    return model.lm_head(model.model.norm(x + d))[:, -1]  # [B, V]
+
+
+class DecodeStep:
+    """`step(ids, position_ids)` -> logits [B, V]: the model's forward over a TALE cache (T new tokens after a
+    prefill), layer by layer, with the pieces between the matmuls and attention compiled (see the module
+    docstring). Same result as `model(...)` up to the rounding of fused kernels; `backend` is torch.compile's
+    ("eager" or "aot_eager" in CPU tests: the tracing without inductor)."""
+
+    def __init__(self, model, cache, backend: str = "inductor"):
+        if not supports_step(model):
+            raise ValueError("DecodeStep needs Llama-style decoder layers with TALE attention")
+        self.model, self.cache = model, cache
+        kw = dict(backend=backend, fullgraph=True)
+        self.embed, self.pre, self.post, self.head = (torch.compile(f, **kw) for f in (_embed, _pre, _post, _head))
+
+    def __call__(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        m, cache = self.model, self.cache
+        x, cos, sin = self.embed(m, ids, position_ids)
+        layers = m.model.layers
+        Q = rotation(cache, layers[0].self_attn.head_dim, x.device)
+        d = None
+        for layer, cl in zip(layers, cache.layers):
+            a = layer.self_attn
+            x, q, k, h = self.pre(layer, x, d, cos, sin, Q)
+            cl.window = a.sliding_window
+            z = a.attention_fn(q, k, h, cl.view(), a.scaling)  # [B, T, H, R] float32
+            cl.append(k, h)
+            x, d = self.post(layer, x, z)
+        return self.head(m, x, d)
+
+
+def supports_step(model) -> bool:
+    """Whether DecodeStep can run `model`: decoder layers of input_layernorm, TALE attention,
+    post_attention_layernorm and mlp (Llama, Mistral, Qwen2), with a rotary embedding, a final norm and lm_head."""
+    inner = getattr(model, "model", None)
+    if not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "norm", "layers")):
+        return False
+    if not hasattr(model, "lm_head"):
+        return False
+    return all(
+        isinstance(getattr(layer, "self_attn", None), TaleAttention)
+        and all(hasattr(layer, a) for a in ("input_layernorm", "post_attention_layernorm", "mlp"))
+        for layer in inner.layers
+    )
+
+
 class CudaGraphDecoder:
-    def __init__(self, model, cache: StaticTaleCache):
+    """compile: run the steps as DecodeStep (torch.compile of the code around attention, fewer kernels per
+    step) when the model supports it; False: the model's own forward. If compiling fails, the decoder warns and
+    uses the model's forward (`compile_error` says why)."""
+
+    def __init__(self, model, cache: StaticTaleCache, compile: bool = True):
         if not isinstance(cache, StaticTaleCache) or cache.book is None:
             raise ValueError("CudaGraphDecoder needs a StaticTaleCache filled by a prefill")
         self.model, self.cache = model, cache
@@ -28,8 +115,41 @@ class CudaGraphDecoder:
         self.warm = False  # one plain step ran eagerly (on a side stream) before the capture
         self.ids = self.pos = self.logits = None
         self.error: str | None = None  # why capturing failed; the steps then stay eager
+        self.step: DecodeStep | None = DecodeStep(model, cache) if compile and supports_step(model) else None
+        self.compiled = False  # the step's graphs were compiled (by _compile, before any step touched the cache)
+        self.compile_s = 0.0  # seconds _compile took (dynamo + inductor + Triton; 0 from the caches when warm)
+        self.compile_error: str | None = None
+
+    def _compile(self, ids: torch.Tensor, position_ids: torch.Tensor) -> None:
+        """Compile the step's pieces on this batch's shapes without touching the cache (a failure leaves the cache
+        as it was, and the model's forward takes over)."""
+        t = time.perf_counter()
+        st, m = self.step, self.model
+        try:
+            x, cos, sin = st.embed(m, ids, position_ids)
+            layer = m.model.layers[0]
+            a = layer.self_attn
+            Q = rotation(self.cache, a.head_dim, x.device)
+            for d in (None, x):
+                x1, *_ = st.pre(layer, x, d, cos, sin, Q)
+            z = torch.zeros(*ids.shape, a.H, a.R, dtype=torch.float32, device=x.device)
+            x1, d = st.post(layer, x1, z)
+            st.head(m, x1, d)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001  (inductor/Triton missing or failing: the plain forward still works)
+            self.step, self.compile_error = None, f"{type(e).__name__}: {e}"
+            warnings.warn(
+                f"compiling the decode step failed, using the model's forward: {self.compile_error}", stacklevel=3
+            )
+        self.compiled = True
+        self.compile_s = time.perf_counter() - t
 
     def _forward(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        if self.step is not None:
+            if not self.compiled:
+                self._compile(ids, position_ids)
+            if self.step is not None:
+                return self.step(ids, position_ids)
         out = self.model(
             input_ids=ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1
         )
@@ -42,30 +162,36 @@ class CudaGraphDecoder:
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """ids, position_ids: [B, 1] long on the model's device -> logits [B, V]."""
+        if self.ids is None:
+            self.ids = torch.empty_like(ids, memory_format=torch.contiguous_format)
+            self.pos = torch.empty_like(position_ids, memory_format=torch.contiguous_format)
+        # every step reads the same static buffers: the compiled pieces then see the same strides at the warm-up, the
+        # capture and in eager steps (HF hands in slices of growing tensors, whose strides would trigger recompiles)
+        self.ids.copy_(ids)
+        self.pos.copy_(position_ids)
         plain = self._plain()
         if not plain or not self.warm or self.error:  # eager; the first plain step warms up on a side stream
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
-                logits = self._forward(ids, position_ids)
+                logits = self._forward(self.ids, self.pos)
             torch.cuda.current_stream().wait_stream(s)
             self.warm = self.warm or plain
             return logits
         if self.graph is None:
-            self.ids, self.pos = ids.clone(), position_ids.clone()
             self.graph = torch.cuda.CUDAGraph()
             self.cache.capturing = True
             try:
-                with torch.cuda.graph(self.graph):
+                # a recompile inside the capture would compile and benchmark kernels there: fail at once instead
+                with torch._dynamo.config.patch(error_on_recompile=True), torch.cuda.graph(self.graph):
                     self.logits = self._forward(self.ids, self.pos)
-            except Exception as e:  # noqa: BLE001  (nothing of the step ran: the cache is unchanged)
+            except Exception as e:  # noqa: BLE001  (the captured work never ran; the host counts did not move)
                 self.graph, self.error = None, f"{type(e).__name__}: {e}"
                 warnings.warn(f"CUDA graph capture failed, decoding eagerly: {self.error}", stacklevel=2)
+                self.cache._sync_device()  # device counters from the host's, should anything of the capture have run
                 return self(ids, position_ids)
             finally:
                 self.cache.capturing = False
-        self.ids.copy_(ids)
-        self.pos.copy_(position_ids)
         self.graph.replay()
         self.cache.advance()
         return self.logits

@@ -136,12 +136,14 @@ def generate(
     cache: TaleCache | StaticTaleCache | None = None,
     eos_token_id: int | list[int] | None = None,
     static: bool | None = None,
+    compile: bool = True,
 ) -> tuple[list[int], GenStats]:
     """Generate from one prompt into `cache`; stop at EOS or after max_new_tokens. Greedy at temperature 0,
     else sampling (nucleus if top_p < 1) seeded by `seed`.
 
     Without `cache`: a StaticTaleCache for prompt + max_new_tokens tokens when `static` (default: on CUDA),
-    whose decode steps replay one CUDA graph, else a TaleCache. Both give the same tokens.
+    whose decode steps replay one CUDA graph, else a TaleCache. Both give the same tokens. `compile`: the graph
+    holds DecodeStep (torch.compile of the code around attention, runtime/decode.py), else the model's forward.
 
     `on_text` receives the decoded text as it grows (needs `tokenizer`). Returns the new token
     ids (EOS included if reached) and the statistics.
@@ -169,7 +171,7 @@ def generate(
     logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     _sync(device)
     prefill_s = time.perf_counter() - t0
-    decoder = CudaGraphDecoder(model, cache) if graphed else None
+    decoder = CudaGraphDecoder(model, cache, compile=compile) if graphed else None
     pos = torch.full((1, 1), ids.shape[1], dtype=torch.long, device=device)
     t1 = time.perf_counter()
     while len(out) < max_new_tokens:

@@ -53,6 +53,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
+def rotation(cache, n: int, device) -> torch.Tensor | None:
+    """The cache's key rotation Q [n, n] float32 (schedule.rotate == "hadamard"), else None."""
+    return hadamard(n, device, torch.float32) if cache.schedule.rotate == "hadamard" else None
+
+
+def rotate(t: torch.Tensor, Q: torch.Tensor | None) -> torch.Tensor:
+    """t Q in t's dtype (q Q . k Q = q . k: only the cached keys and the decode queries change)."""
+    return t if Q is None else (t.float() @ Q).to(t.dtype)
+
+
 class TaleLayer(TaleLayerCache, CacheLayerMixin):
     """One layer of TaleCache, visible to transformers as a cache layer (length, mask sizes)."""
 
@@ -212,12 +222,16 @@ class TaleAttention(nn.Module):
 
     # -- forward ------------------------------------------------------------------------
 
+    def qk(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Post-RoPE queries [B, H, T, n] and keys [B, K, T, n] of x [B, T, d]."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         B, T, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
-        cos, sin = position_embeddings
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.qk(hidden_states, *position_embeddings)
 
         layer = None
         if isinstance(past_key_values, TALE_CACHES):
@@ -233,13 +247,8 @@ class TaleAttention(nn.Module):
                 )
             seen.add(self.layer_idx)
 
-        if (
-            layer is not None and past_key_values.schedule.rotate == "hadamard"
-        ):  # q Q . k Q = q . k: only the cached keys change
-            Q = hadamard(self.head_dim, k.device, torch.float32)
-            k_c = (k.float() @ Q).to(k.dtype)
-        else:
-            Q, k_c = None, k
+        Q = rotation(past_key_values, self.head_dim, k.device) if layer is not None else None
+        k_c = rotate(k, Q)
 
         if layer is None or layer.kappa == 0:
             # exact prefill: the base model's own v_proj and attention function, bit for bit
@@ -255,9 +264,7 @@ class TaleAttention(nn.Module):
             return out, weights
 
         h = self.latents(hidden_states)
-        if Q is not None:
-            q = (q.float() @ Q).to(q.dtype)
-        z = self.attention_fn(q, k_c, h, layer.view(), self.scaling)
+        z = self.attention_fn(rotate(q, Q), k_c, h, layer.view(), self.scaling)
         layer.append(k_c, h)
         return self.output(z), None
 

@@ -152,7 +152,8 @@ def test_batch_repeat_interleave_repeats_rows():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 def test_cuda_graph_steps_equal_eager_steps():
     """generate() replays CUDA-graph decode steps over a static cache (TaleGenerationMixin): the same tokens
-    and logits as eager steps over the same cache type."""
+    as eager steps over the same cache type, and logits within float32 rounding (the captured step is DecodeStep,
+    whose fused kernels round differently; tests/test_decode_step.py checks graph == compiled step exactly)."""
     from tale_runtime.load import tale_class
 
     tm = talify(tiny_model("llama"), 2).cuda()
@@ -164,4 +165,5 @@ def test_cuda_graph_steps_equal_eager_steps():
     graphed = tm.generate(ids, past_key_values=cache, **kw)
     assert cache.decoder is not None and cache.decoder.graph is not None and cache.decoder.error is None
     assert torch.equal(graphed.sequences, eager.sequences)
-    assert all(torch.equal(a, b) for a, b in zip(graphed.logits, eager.logits))
+    assert cache.decoder.step is not None and cache.decoder.compile_error is None
+    assert all(float((a - b).norm() / b.norm()) < 1e-4 for a, b in zip(graphed.logits, eager.logits))

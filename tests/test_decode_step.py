@@ -1,0 +1,117 @@
+"""DecodeStep (runtime/decode.py): the decode step written out per layer, the code around TALE attention compiled.
+
+On the CPU the compiled pieces are traced by dynamo with the "eager" backend (what inductor would get, without
+its code generation): the step must give the model's own forward logits bit for bit, and one graph per piece must
+serve every layer. On CUDA, the captured compiled step against eager steps (skipped without a GPU)."""
+
+import pytest
+import torch
+from tale_helpers import talify, tiny_model
+
+from tale_runtime import new_cache
+from tale_runtime.artifact import Schedule, uniform_ranks
+from tale_runtime.decode import CudaGraphDecoder, DecodeStep, supports_step
+
+
+def _run(tm, step_fn, ids, mask, feed, max_length):
+    """Prefill (batch 2, left padding) into a static cache, then teacher-forced decode steps -> logits [B, S, V]."""
+    cache = new_cache(tm, static=True, max_length=max_length)
+    with torch.inference_mode():
+        tm(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        step = step_fn(tm, cache)
+        pos = mask.sum(-1, keepdim=True)
+        out = []
+        for t in range(feed.shape[1]):
+            out.append(step(feed[:, t : t + 1], pos).float().clone())
+            pos += 1
+    return torch.stack(out, 1)
+
+
+def _forward(tm, cache):
+    def step(ids, pos):
+        return tm(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
+
+    return step
+
+
+def _inputs(device="cpu", steps=40):
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 320, (2, 30), generator=gen)
+    mask = torch.ones_like(ids)
+    ids[1, :7], mask[1, :7] = 0, 0
+    feed = torch.randint(1, 320, (2, steps), generator=gen)
+    return ids.to(device), mask.to(device), feed.to(device)
+
+
+@pytest.mark.parametrize(
+    "arch,g,rotate", [("llama", 2, None), ("llama", 2, "hadamard"), ("qwen2", 4, None), ("mistral", 2, None)]
+)
+def test_step_gives_the_forwards_logits(arch, g, rotate):
+    """Through flushes and demotions (40 steps, residual 8), left padding, value bias (Qwen2), a sliding window
+    (Mistral, 24 < prompt + steps) and rotated keys: the same logits as the model's forward, bit for bit."""
+    base = tiny_model(arch)
+    if arch == "mistral":
+        base.config.sliding_window = 24
+    sched = None
+    if rotate:
+        sched = Schedule(
+            ranks=uniform_ranks(32, 2, 0.5, value_group=8), key_group=8, value_group=8, residual=8, rotate=rotate
+        )
+    tm = talify(base, g, sched)
+    assert supports_step(tm)
+    ids, mask, feed = _inputs()
+    want = _run(tm, _forward, ids, mask, feed, 80)
+    got = _run(tm, lambda m, c: DecodeStep(m, c, backend="eager"), ids, mask, feed, 80)
+    assert torch.equal(got, want)
+
+
+def test_one_graph_per_piece_for_all_layers(monkeypatch):
+    """Dynamo traces each piece once for all layers (their modules are graph inputs, not constants): embed,
+    pre-attention (first layer, then the others with the pending MLP add), post-attention, head = 5 graphs for
+    4 layers, and the graphs are whole (fullgraph=True would raise on a break)."""
+    from tale_helpers import TINY
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setitem(TINY["llama"], "num_hidden_layers", 4)
+    tm = talify(tiny_model("llama"), 2)
+    ids, mask, feed = _inputs(steps=10)
+    torch._dynamo.reset()
+    counters.clear()
+    _run(tm, lambda m, c: DecodeStep(m, c, backend="eager"), ids, mask, feed, 50)
+    assert len(tm.model.layers) == 4 and counters["stats"]["unique_graphs"] == 5
+
+
+def test_unsupported_models_keep_the_forward():
+    """A model without TALE attention: DecodeStep refuses it, CudaGraphDecoder falls back to the model's forward."""
+    base = tiny_model("llama")
+    assert not supports_step(base)
+    with pytest.raises(ValueError, match="Llama-style decoder layers"):
+        DecodeStep(base, None)
+    tm = talify(base, 2)
+    cache = new_cache(tm, static=True, max_length=40)
+    with torch.inference_mode():
+        tm(input_ids=torch.ones(1, 5, dtype=torch.long), past_key_values=cache, use_cache=True)
+    assert CudaGraphDecoder(tm, cache).step is not None
+    assert CudaGraphDecoder(tm, cache, compile=False).step is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled CUDA-graph steps need CUDA")
+def test_compiled_graph_steps_match_eager_steps():
+    """On CUDA (inductor): the captured compiled step replays exactly what the compiled step computes eagerly,
+    and stays within float32 rounding of the model's forward, with the same greedy tokens."""
+    tm = talify(tiny_model("llama"), 2).cuda()
+    ids, mask, feed = _inputs("cuda")
+    want = _run(tm, _forward, ids, mask, feed, 80)
+    step = _run(tm, DecodeStep, ids, mask, feed, 80)
+    decoders = []
+
+    def graphed(m, c):
+        decoders.append(CudaGraphDecoder(m, c))
+        return decoders[-1]
+
+    got = _run(tm, graphed, ids, mask, feed, 80)
+    d = decoders[0]
+    assert d.step is not None and d.compile_error is None and d.graph is not None and d.error is None
+    assert torch.equal(got, step)
+    assert float((got - want).norm() / want.norm()) < 1e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
