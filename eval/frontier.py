@@ -38,10 +38,12 @@ def points(families: list[str], preset: str, ctx: int, tale_variants: list[dict]
 
 def parse_variants(text: str) -> list[dict]:
     """'key_bits=4/4; r0=0.25,key_bits=4/4; -' -> override dicts ('-' or '' is the artifact schedule).
-    Keys: sinks, recent, r0, bits, key_bits, key_group, value_group, residual; lists with '/'."""
+    Keys: sinks, recent, r0, bits, key_bits, key_group, value_group, residual, key_meta, value_meta ('16',
+    '8-16', '8-8': scale/zero storage, written with '-' since '/' separates list items); lists with '/'."""
     ints = {"sinks", "key_group", "value_group", "residual"}
     lists = {"bits", "key_bits"}
     floats = {"r0", "recent"}
+    metas = {"key_meta", "value_meta"}
     out = []
     for part in text.split(";"):
         part = part.strip()
@@ -49,13 +51,15 @@ def parse_variants(text: str) -> list[dict]:
         if part and part != "-":
             for kv in part.split(","):
                 k, sep, val = (x.strip() for x in kv.partition("="))
-                if not sep or k not in ints | lists | floats:
+                if not sep or k not in ints | lists | floats | metas:
                     raise ValueError(
                         f"bad TALE variant {kv.strip()!r}: use key=value with key one of "
-                        f"{', '.join(sorted(ints | lists | floats))}"
+                        f"{', '.join(sorted(ints | lists | floats | metas))}"
                     )
                 try:
-                    if k in lists:
+                    if k in metas:  # validated with the schedule (Schedule.validate)
+                        v[k] = val.replace("-", "/")
+                    elif k in lists:
                         v[k] = [int(x) for x in val.split("/")]
                     elif k in floats:
                         v[k] = [float(x) for x in val.split("/")] if "/" in val else float(val)

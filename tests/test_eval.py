@@ -455,6 +455,7 @@ def test_cli_schedule_flags_at_exact_settings_give_the_forward_ppl(tiny_artifact
         (["--frontier", "--tale-variants", "r1=2"], "bad TALE variant 'r1=2'"),
         (["--frontier", "--tale-variants", "bits=x/4"], "is not a number"),
         (["--frontier", "--families", "tale", "--tale-variants", "bits=5/4"], "bits must be one of"),
+        (["--frontier", "--families", "tale", "--tale-variants", "key_meta=8-4"], "key_meta must be"),
     ],
 )
 def test_cli_errors_are_one_line(args, msg, tiny_artifact, capsys, tmp_path):
@@ -463,6 +464,13 @@ def test_cli_errors_are_one_line(args, msg, tiny_artifact, capsys, tmp_path):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and msg in err and "\n" not in err
+
+
+def test_tale_variants_parse_scale_formats():
+    from tale_eval.frontier import parse_variants
+
+    got = parse_variants("-; key_bits=3/4,r0=0.34,key_meta=8-16,value_meta=8-8")
+    assert got == [{}, {"key_bits": [3, 4], "r0": 0.34, "key_meta": "8/16", "value_meta": "8/8"}]
 
 
 @pytest.mark.slow
