@@ -70,7 +70,7 @@ def key_importance(model, batches: list[torch.Tensor], key_group: int = 32) -> l
 
 def key_order(importance: list[torch.Tensor]) -> list[list[list[int]]]:
     """Per layer, per KV head: channels by importance, most important first (Schedule.key_order)."""
-    return [imp.argsort(-1, descending=True, stable=True).tolist() for imp in importance]
+    return [imp.argsort(dim=-1, descending=True, stable=True).tolist() for imp in importance]
 
 
 def with_key_bands(schedule: Schedule, order: list[list[list[int]]], bands: dict[int, tuple[int, int]]) -> Schedule:
