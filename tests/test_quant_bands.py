@@ -145,3 +145,10 @@ def test_bands_decode_through_the_model():
     # 8-bit high band: close to exact, not exact
     err = ((got - ref[:, 12:]).norm() / ref[:, 12:].norm()).item()
     assert 0 < err < 2e-2
+
+
+def test_overrides_keep_the_bands_and_their_order():
+    from tale_runtime.load import override_schedule
+
+    s = override_schedule(banded(), R, 1, ranks=[16, 32], key_meta="8/16")
+    assert s.levels[0].key_hi_bits == 3 and s.key_order == banded().key_order and s.ranks == [[16, 32]]
