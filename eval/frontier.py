@@ -39,9 +39,10 @@ def points(families: list[str], preset: str, ctx: int, tale_variants: list[dict]
 def parse_variants(text: str) -> list[dict]:
     """'key_bits=4/4; r0=0.25,key_bits=4/4; -' -> override dicts ('-' or '' is the artifact schedule).
     Keys: sinks, recent, r0, bits, key_bits, key_group, value_group, residual, key_meta, value_meta ('16',
-    '8-16', '8-8': scale/zero storage, written with '-' since '/' separates list items); lists with '/'."""
+    '8-16', '8-8': scale/zero storage, written with '-' since '/' separates list items), key_hi (BITS/CHANNELS:
+    the middle level's key bands, on an artifact with a key order; 0/0: none); lists with '/'."""
     ints = {"sinks", "key_group", "value_group", "residual"}
-    lists = {"bits", "key_bits"}
+    lists = {"bits", "key_bits", "key_hi"}
     floats = {"r0", "recent"}
     metas = {"key_meta", "value_meta"}
     out = []

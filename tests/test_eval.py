@@ -456,6 +456,8 @@ def test_cli_schedule_flags_at_exact_settings_give_the_forward_ppl(tiny_artifact
         (["--frontier", "--tale-variants", "bits=x/4"], "is not a number"),
         (["--frontier", "--families", "tale", "--tale-variants", "bits=5/4"], "bits must be one of"),
         (["--frontier", "--families", "tale", "--tale-variants", "key_meta=8-4"], "key_meta must be"),
+        (["--frontier", "--families", "tale", "--tale-variants", "key_hi=3/8"], "need the calibration channel order"),
+        (["--frontier", "--families", "tale", "--tale-variants", "key_hi=3"], "key_hi takes BITS/CHANNELS"),
     ],
 )
 def test_cli_errors_are_one_line(args, msg, tiny_artifact, capsys, tmp_path):
