@@ -152,3 +152,37 @@ def test_overrides_keep_the_bands_and_their_order():
 
     s = override_schedule(banded(), R, 1, ranks=[16, 32], key_meta="8/16")
     assert s.levels[0].key_hi_bits == 3 and s.key_order == banded().key_order and s.ranks == [[16, 32]]
+
+
+def test_key_importance_matches_the_base_models_own_q_and_k():
+    """stats.key_importance on a TALE model = E[q_c^2] E[range_c^2] of the post-RoPE q and k that the base
+    model's own attention receives (captured through transformers' attention interface)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from tale_convert.stats import key_importance, key_order
+
+    base = tiny_model("llama")
+    got = []
+
+    def capture(module, q, k, v, mask, **kw):  # q [B, H, T, n], k [B, K, T, n] after RoPE
+        got.append((module.layer_idx, q.double(), k.double()))
+        return sdpa_attention_forward(module, q, k, v, mask, **kw)
+
+    AttentionInterface.register("tale_capture", capture)
+    ids = torch.randint(1, 320, (2, 33), generator=torch.Generator().manual_seed(0))
+    base.config._attn_implementation = "tale_capture"
+    with torch.no_grad():
+        base(ids)
+    base.config._attn_implementation = "sdpa"
+    tm = talify(base, 2)
+    imp = key_importance(tm, [ids], key_group=8)
+    for i, q, k in got:
+        q, k = q[:, :, 1:], k[:, :, 1:]  # the statistic sees the decode call's tokens (the first is prefill)
+        K, n = k.shape[1], k.shape[-1]
+        q2 = q.reshape(2, K, -1, 32, n).pow(2).mean((0, 2, 3))
+        kg = k.reshape(2, K, 4, 8, n)
+        r2 = (kg.amax(3) - kg.amin(3)).pow(2).mean((0, 2))
+        assert torch.allclose(imp[i], q2 * r2, rtol=1e-4)
+    order = key_order(imp)
+    assert imp[0][0, order[0][0][0]] == imp[0][0].max() and imp[0][0, order[0][0][-1]] == imp[0][0].min()
