@@ -94,6 +94,17 @@ def markdown(rows: list[dict], config: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def envelope(rows: list[dict], texts) -> list[dict]:
+    """The points no other point beats at an equal or higher ratio (mean ppl delta over the texts), by ratio."""
+    out, best = [], float("inf")
+    for r in sorted(rows, key=lambda r: -r["ratio"]):
+        d = sum(r["delta_pct"][t] for t in texts) / len(texts)
+        if d < best:
+            out.append(r)
+            best = d
+    return out[::-1]
+
+
 def plot(rows: list[dict], config: dict, path: Path) -> None:
     import matplotlib
 
@@ -106,11 +117,12 @@ def plot(rows: list[dict], config: dict, path: Path) -> None:
     styles = ["-", "--", ":"]
     for f in [f for f in FAMILIES if any(r["family"] == f for r in rows)]:
         rs = sorted((r for r in rows if r["family"] == f), key=lambda r: r["ratio"])
+        best = envelope(rs, texts)
         color = None
-        for i, t in enumerate(texts):
+        for i, t in enumerate(texts):  # every point; the line joins the family's best ones
             (line,) = a.plot(
-                [r["ratio"] for r in rs],
-                [r["delta_pct"][t] for r in rs],
+                [r["ratio"] for r in best],
+                [r["delta_pct"][t] for r in best],
                 styles[i % 3],
                 marker=markers.get(f, "o"),
                 color=color,
@@ -118,6 +130,7 @@ def plot(rows: list[dict], config: dict, path: Path) -> None:
                 ms=5,
             )
             color = line.get_color()
+            a.plot([r["ratio"] for r in rs], [r["delta_pct"][t] for r in rs], markers.get(f, "o"), color=color, ms=3)
         pk = sorted((r for r in rs if "passkey" in r), key=lambda r: r["passkey_ratio"])
         if pk:
             b.plot(

@@ -513,3 +513,11 @@ def test_eval_smollm2(smollm2_artifact, tmp_path):
     assert rows["palu"]["ratio"] == pytest.approx(rows["tale"]["ratio"], rel=0.1)
     # the paper's point, at the same measured compression: lazy TALE beats eager Palu
     assert rows["tale"]["ppl"]["dev"] < rows["palu"]["ppl"]["dev"]
+
+
+def test_frontier_envelope_keeps_the_points_nothing_beats():
+    from tale_eval.frontier import envelope
+
+    pts = [(3.0, 1.0), (4.0, 5.0), (4.5, 2.0), (6.0, 9.0), (5.0, 12.0)]
+    rows = [{"ratio": r, "delta_pct": {"a": d, "b": d}} for r, d in pts]
+    assert [r["ratio"] for r in envelope(rows, ["a", "b"])] == [3.0, 4.5, 6.0]
