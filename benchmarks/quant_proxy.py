@@ -12,6 +12,7 @@ minutes per tale-eval run; use it to rank formats, then confirm the winners with
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
@@ -110,6 +111,10 @@ def run_format(layers, model, fmt: dict, sink=4, start=128):
                     kq[kh : kh + 1, :, ch] = xq[..., : len(ch)]
                     tot += (bits + {"16": 32, "8/16": 24, "8/8": 16}[fmt.get("kmeta", "16")] / 32) * len(ch)
             kbits = tot / (k.shape[0] * k.shape[-1])
+        elif fmt["kaxis"] == "calband":  # two bit bands per head, channels by CALIBRATION importance
+            kq, kbits = band_keys(k[:, sl], fmt["stats"][li]["bits"], fmt.get("kmeta", "16"))
+        elif fmt["kaxis"] == "nuq":  # per-channel groups, codes -> a per-layer non-uniform table (calibration)
+            kq, kbits = nuq_keys(k[:, sl], fmt["kbits"], fmt["stats"][li]["table"], fmt.get("kmeta", "16"))
         elif fmt["kaxis"] == "channel":
             kq, kbits = fq(k[:, sl], fmt["kbits"], 32, -2, fmt.get("kmeta", "16"))
         else:
@@ -131,12 +136,119 @@ def run_format(layers, model, fmt: dict, sink=4, start=128):
     return errs, sum(kb) / len(kb), sum(vb) / len(vb)
 
 
+META_BITS = {"16": 32, "8/16": 24, "8/8": 16}  # scale + zero bits per group
+
+
+def importance(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Per KV head and channel: E[q_c^2] * E_groups[range_c^2] ([K, n]), the logit error weight of
+    a channel quantized per channel over groups of 32 tokens (error ~ q_c * range_c * u)."""
+    K, T, n = k.shape
+    rep = q.shape[0] // K
+    qi = q.view(K, rep, -1, n).pow(2).mean((1, 2))
+    kg = k[:, : T // 32 * 32].reshape(K, -1, 32, n)
+    return qi * (kg.amax(2) - kg.amin(2)).pow(2).mean(1)
+
+
+def band_bits(w: torch.Tensor, mean: float, lo: int, hi: int) -> torch.Tensor:
+    """Two bands: the round(share * n) most important channels of each head get `hi` bits, the rest `lo`,
+    with share = (mean - lo) / (hi - lo) rounded to a multiple of 8 channels (packing)."""
+    K, n = w.shape
+    m = round((mean - lo) / (hi - lo) * n / 8) * 8
+    b = torch.full((K, n), lo)
+    top = w.argsort(-1, descending=True)[:, :m]
+    b.scatter_(1, top, hi)
+    return b
+
+
+def band_keys(k: torch.Tensor, bits: torch.Tensor, meta: str) -> tuple[torch.Tensor, float]:
+    out, tot = k.clone(), 0.0
+    for kh in range(k.shape[0]):
+        for b in bits[kh].unique().tolist():
+            ch = (bits[kh] == b).nonzero().flatten()
+            xq, _ = fq(k[kh : kh + 1][..., ch].contiguous(), int(b), 32, -2, meta)
+            out[kh : kh + 1, :, ch] = xq
+            tot += (b + META_BITS[meta] / 32) * len(ch)
+    return out, tot / bits.numel()
+
+
+def lloyd(u: torch.Tensor, w: torch.Tensor, levels: int, iters: int = 30) -> torch.Tensor:
+    """Weighted 1-D k-means (Lloyd-Max) of u in [0, 1]: `levels` sorted centroids."""
+    c = torch.linspace(0, 1, levels)
+    for _ in range(iters):
+        a = (u[:, None] - c[None]).abs().argmin(1)
+        for j in range(levels):
+            m = a == j
+            if m.any():
+                c[j] = (u[m] * w[m]).sum() / w[m].sum()
+    return c.sort().values
+
+
+def nuq_table(q: torch.Tensor, k: torch.Tensor, bits: int) -> torch.Tensor:
+    """A layer's code -> normalized value table, fitted on calibration keys normalized per channel group."""
+    K, T, n = k.shape
+    kg = k[:, : T // 32 * 32].reshape(K, -1, 32, n)
+    mn, mx = kg.amin(2, keepdim=True), kg.amax(2, keepdim=True)
+    u = ((kg - mn) / (mx - mn).clamp_min(1e-8)).flatten()
+    qi = q.view(K, q.shape[0] // K, -1, n).pow(2).mean((1, 2))  # [K, n]: E[q_c^2]
+    w = (qi[:, None, None, :] * (mx - mn).pow(2)).expand_as(kg).flatten()  # logit error weight: E[q_c^2] range^2
+    pick = torch.randperm(len(u), generator=torch.Generator().manual_seed(0))[:200_000]
+    return lloyd(u[pick], w[pick], 1 << bits)
+
+
+def nuq_keys(k: torch.Tensor, bits: int, table: torch.Tensor, meta: str) -> tuple[torch.Tensor, float]:
+    K, T, n = k.shape
+    kg = k.reshape(K, T // 32, 32, n)
+    mn, mx = kg.amin(2, keepdim=True), kg.amax(2, keepdim=True)
+    if meta != "16":  # the stored scale/zero as the runtime rounds them
+        q = quantize(k.to(torch.bfloat16), bits, 32, -2, meta)
+        mn = (q.zero.float() / (q.bias if q.zero.dtype == torch.float8_e4m3fn else 1.0))[:, :, None]
+        mx = mn + (q.scale.float() / q.bias)[:, :, None] * ((1 << bits) - 1)
+    else:
+        mn, mx = mn.bfloat16().float(), mx.bfloat16().float()
+    u = ((kg - mn) / (mx - mn).clamp_min(1e-8)).clamp(0, 1)
+    code = (u[..., None] - table).abs().argmin(-1)
+    x = mn + (mx - mn) * table[code]
+    return x.reshape(K, T, n), bits + META_BITS[meta] / 32
+
+
+def calib_stats(model, tok, ctx: int, bits_list=(2, 3)) -> list[dict]:
+    """Per layer: key channel importance and nuq tables from one window of the CALIBRATION corpus."""
+    from tale_calib import calib_paths, documents
+
+    text = "\n\n".join(d for p in calib_paths() for d in documents(p))
+    ids = torch.tensor(tok(text, add_special_tokens=False).input_ids)[:ctx][None]
+    layers = capture(model, ids)
+    out = []
+    for q, k, _h in layers:
+        k = k[:, 4:]
+        q = q[:, 4:]
+        out.append({"w": importance(q, k), **{f"table{b}": nuq_table(q, k, b) for b in bits_list}})
+    return out
+
+
+def key_screen(layers, model, stats) -> dict:
+    """Key formats at a few bit budgets (latents exact): uniform, calibrated two-band, calibrated nuq."""
+    fm = {}
+    for meta in ("16", "8/16"):
+        for b in (2, 3):
+            fm[f"k{b}c {meta}"] = dict(kaxis="channel", kbits=b, vbits=16, kmeta=meta)
+            st = [{"table": s[f"table{b}"]} for s in stats]
+            fm[f"nuq{b} {meta}"] = dict(kaxis="nuq", kbits=b, vbits=16, kmeta=meta, stats=st)
+        for mean, lo, hi in ((2.25, 2, 3), (2.5, 2, 3), (2.5, 2, 4), (2.0, 1, 3), (2.75, 2, 3)):
+            st = [{"bits": band_bits(s["w"], mean, lo, hi)} for s in stats]
+            fm[f"band {mean} [{lo},{hi}] {meta}"] = dict(kaxis="calband", vbits=16, kmeta=meta, stats=st)
+    fm["k8 token g64 (tail)"] = dict(kaxis="token", kbits=8, vbits=16, kcg=64)
+    fm["k16 v8 token (tail)"] = dict(kaxis="channel", kbits=16, vbits=8)
+    return fm
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("artifact")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--window", type=int, default=0)
+    ap.add_argument("--screen", default="formats", help="formats (the table of docs/quality.md) or keys")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from tale_eval.perplexity import heldout_windows
@@ -145,7 +257,7 @@ def main():
     ids = heldout_windows(tok, args.ctx, args.window + 1)[args.window :]
     import os
 
-    cached = f"/tmp/quant_proxy_{args.window}_{args.ctx}.pt"
+    cached = f"/tmp/quant_proxy_{args.window}_{args.ctx}_{Path(args.artifact).name}.pt"
     if os.path.exists(cached):
         layers = torch.load(cached)
     else:
@@ -166,6 +278,8 @@ def main():
         "k16 v4 r32": dict(kaxis="channel", kbits=16, vbits=4, rank=32),
         "k16 v2 r192": dict(kaxis="channel", kbits=16, vbits=2),
     }
+    if args.screen == "keys":
+        fmts = key_screen(layers, model, calib_stats(model, tok, args.ctx))
     print(f"{'format':24s} {'mean err':>8s} {'max err':>8s} {'key b/num':>9s} {'lat b/num(R)':>12s}  per layer")
     for name, f in fmts.items():
         errs, kb, vb = run_format(layers, model, f)

@@ -4,7 +4,8 @@ the dev text calib/corpus_heldout.txt, measured ratio, pass-key), one JSON line 
     python benchmarks/tale_search.py out/smollm2-tale VARIANTS.json --out rows.jsonl --threads 1
 
 VARIANTS.json: {"name": {override_schedule kwargs}, ...}; "ranks0": [per-layer level-0 ranks] sets ranks per
-layer. The full preset's windows (5 x 1024, prefill 128, chunk 4) and all 18 pass-key samples by default.
+layer; "key_bands": {"LEVEL": [hi_bits, hi_channels]} adds key bands, the channel order computed from the
+calibration corpus (tale_convert.stats, as tale-convert --key-bands writes it). The full preset's windows (5 x 1024, prefill 128, chunk 4) and all 18 pass-key samples by default.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from tale_convert import stats
 from tale_eval import passkey, perplexity, policies
 from tale_eval.attention import prepare
 from tale_runtime import load
@@ -40,27 +42,40 @@ def main():
     if args.only:
         variants = {k: variants[k] for k in args.only.split(",")}
     model, tok = load(args.artifact, device="cpu", dtype=torch.bfloat16)
+    order = None
+    if any("key_bands" in kw for kw in variants.values()):  # on the runtime's own attention, before prepare()
+        t = time.perf_counter()
+        order = stats.key_order(
+            stats.key_importance(model, stats.calibration_batches(tok), model.tale_schedule.key_group)
+        )
+        print(f"key order from the calibration corpus: {time.perf_counter() - t:.0f} s", flush=True)
     prepare(model)
     R = int(model.tale_manifest["architecture"]["latent_rank"])
     base = model.tale_schedule
     ids = perplexity.heldout_windows(tok, args.ctx, args.windows)
     samples = [] if args.no_passkey else passkey.load_samples()
+    pattern = perplexity.pattern(args.ctx, 128, 4)
     for name, kw in variants.items():
         kw = dict(kw)
         ranks0 = kw.pop("ranks0", None)
+        bands = kw.pop("key_bands", None)
         sched = override_schedule(base, R, len(base.ranks), **kw)
         if ranks0:
             sched.ranks = [[r0] + rs[1:] for r0, rs in zip(ranks0, sched.ranks)]
-            sched.validate(R, len(base.ranks))
-        pol = (
-            policies.tale_policy(model, name, sched) if name != "full" else policies.build(model, ["full"], base, [])[0]
-        )
+        if bands:
+            sched = stats.with_key_bands(sched, order, {int(lv): tuple(v) for lv, v in bands.items()})
+        sched.validate(R, len(base.ranks))
+        pol = policies.Full() if name == "full" else policies.Tale(schedule=sched, tag=name)
         t = time.perf_counter()
-        row = {"name": name, "kw": kw | ({"ranks0": ranks0} if ranks0 else {})}
+        row = {
+            "name": name,
+            "kw": kw | ({"ranks0": ranks0} if ranks0 else {}) | ({"key_bands": bands} if bands else {}),
+        }
         if not args.no_ppl:
-            cache = pol.new_cache(None)
+            cache = pol.build(model, pattern)
             nll, count = perplexity.decode_nll(model, ids, cache, 128, 4)
-            row.update(ppl=math.exp(nll / count), ratio=cache.baseline_nbytes() / cache.nbytes())
+            ratio = policies.Dims.of(model).baseline_nbytes(ids.shape[0], sum(pattern)) / pol.nbytes(cache)
+            row.update(ppl=math.exp(nll / count), ratio=ratio)
         if samples:
             task = passkey.run(model, tok, samples, pol)
             row.update(passkey=task["accuracy"], passkey_ratio=task["ratio"])

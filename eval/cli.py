@@ -20,8 +20,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tale_calib import TEST_FILES, calib_paths, documents
+from tale_calib import TEST_FILES
 from tale_convert import policy as rank_policy
+from tale_convert.stats import calibration_batches
 from tale_runtime import ArtifactError, console, load
 from tale_runtime.console import fail
 from tale_runtime.load import override_schedule
@@ -331,11 +332,7 @@ def _uniform_r0(sched) -> int:
 
 def _calib_batches(tok, count: int = 4, length: int = 256, batch: int = 2) -> list[torch.Tensor]:
     """Fixed calibration windows (the bundled calibration corpus, never the held-out text)."""
-    text = "\n\n".join(d for p in calib_paths() for d in documents(p))
-    ids = torch.tensor(tok(text, add_special_tokens=False).input_ids)
-    wins = ids[: len(ids) // length * length].view(-1, length)
-    pick = torch.linspace(0, len(wins) - 1, count * batch).round().long()  # spread over the corpus
-    return list(wins[pick].split(batch))
+    return calibration_batches(tok, count, length, batch)
 
 
 def _table(rows: list[dict], config: dict) -> None:

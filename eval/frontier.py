@@ -38,10 +38,13 @@ def points(families: list[str], preset: str, ctx: int, tale_variants: list[dict]
 
 def parse_variants(text: str) -> list[dict]:
     """'key_bits=4/4; r0=0.25,key_bits=4/4; -' -> override dicts ('-' or '' is the artifact schedule).
-    Keys: sinks, recent, r0, bits, key_bits, key_group, value_group, residual; lists with '/'."""
+    Keys: sinks, recent, r0, bits, key_bits, key_group, value_group, residual, key_meta, value_meta ('16',
+    '8-16', '8-8': scale/zero storage, written with '-' since '/' separates list items), key_hi (BITS/CHANNELS:
+    the middle level's key bands, on an artifact with a key order; 0/0: none); lists with '/'."""
     ints = {"sinks", "key_group", "value_group", "residual"}
-    lists = {"bits", "key_bits"}
+    lists = {"bits", "key_bits", "key_hi"}
     floats = {"r0", "recent"}
+    metas = {"key_meta", "value_meta"}
     out = []
     for part in text.split(";"):
         part = part.strip()
@@ -49,13 +52,15 @@ def parse_variants(text: str) -> list[dict]:
         if part and part != "-":
             for kv in part.split(","):
                 k, sep, val = (x.strip() for x in kv.partition("="))
-                if not sep or k not in ints | lists | floats:
+                if not sep or k not in ints | lists | floats | metas:
                     raise ValueError(
                         f"bad TALE variant {kv.strip()!r}: use key=value with key one of "
-                        f"{', '.join(sorted(ints | lists | floats))}"
+                        f"{', '.join(sorted(ints | lists | floats | metas))}"
                     )
                 try:
-                    if k in lists:
+                    if k in metas:  # validated with the schedule (Schedule.validate)
+                        v[k] = val.replace("-", "/")
+                    elif k in lists:
                         v[k] = [int(x) for x in val.split("/")]
                     elif k in floats:
                         v[k] = [float(x) for x in val.split("/")] if "/" in val else float(val)
@@ -89,6 +94,17 @@ def markdown(rows: list[dict], config: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def envelope(rows: list[dict], texts) -> list[dict]:
+    """The points no other point beats at an equal or higher ratio (mean ppl delta over the texts), by ratio."""
+    out, best = [], float("inf")
+    for r in sorted(rows, key=lambda r: -r["ratio"]):
+        d = sum(r["delta_pct"][t] for t in texts) / len(texts)
+        if d < best:
+            out.append(r)
+            best = d
+    return out[::-1]
+
+
 def plot(rows: list[dict], config: dict, path: Path) -> None:
     import matplotlib
 
@@ -101,11 +117,12 @@ def plot(rows: list[dict], config: dict, path: Path) -> None:
     styles = ["-", "--", ":"]
     for f in [f for f in FAMILIES if any(r["family"] == f for r in rows)]:
         rs = sorted((r for r in rows if r["family"] == f), key=lambda r: r["ratio"])
+        best = envelope(rs, texts)
         color = None
-        for i, t in enumerate(texts):
+        for i, t in enumerate(texts):  # every point; the line joins the family's best ones
             (line,) = a.plot(
-                [r["ratio"] for r in rs],
-                [r["delta_pct"][t] for r in rs],
+                [r["ratio"] for r in best],
+                [r["delta_pct"][t] for r in best],
                 styles[i % 3],
                 marker=markers.get(f, "o"),
                 color=color,
@@ -113,6 +130,7 @@ def plot(rows: list[dict], config: dict, path: Path) -> None:
                 ms=5,
             )
             color = line.get_color()
+            a.plot([r["ratio"] for r in rs], [r["delta_pct"][t] for r in rs], markers.get(f, "o"), color=color, ms=3)
         pk = sorted((r for r in rs if "passkey" in r), key=lambda r: r["passkey_ratio"])
         if pk:
             b.plot(

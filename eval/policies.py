@@ -26,6 +26,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from tale_convert.policy import budget_ranks
+from tale_convert.stats import with_key_bands
 from tale_runtime import Schedule, new_cache
 from tale_runtime.artifact import nominal_ratio
 from tale_runtime.load import override_schedule
@@ -163,9 +164,16 @@ class Tale(Policy):
             return s
         kw = dict(self.overrides)
         r0 = kw.pop("r0", None)
+        key_hi = kw.pop("key_hi", None)
         d = Dims.of(model)
         n_levels = len(kw.get("bits") or []) or len(s.levels)
-        return override_schedule(s, d.R, d.layers, ranks=None if r0 is None else [r0] + [1.0] * (n_levels - 1), **kw)
+        s = override_schedule(s, d.R, d.layers, ranks=None if r0 is None else [r0] + [1.0] * (n_levels - 1), **kw)
+        if key_hi is not None:  # the middle level's key bands, on the artifact's calibration order
+            if len(key_hi) != 2:
+                raise ValueError(f"key_hi takes BITS/CHANNELS, got {key_hi}")
+            s = with_key_bands(s, s.key_order, {0: tuple(key_hi)})
+            s.validate(d.R, d.layers)
+        return s
 
     def detail(self, model) -> str:
         s, d = self.resolve(model), Dims.of(model)
@@ -173,9 +181,11 @@ class Tale(Policy):
         bits = "/".join(str(lv.bits) for lv in s.levels)
         key_bits = "/".join(str(lv.key_bits) for lv in s.levels)
         rr = f"{min(r0)}-{max(r0)}" if min(r0) != max(r0) else f"{r0[0]}"
+        hi = s.levels[0]
         return (
             f"{s.policy} r0 {rr}/{d.R}, bits {bits}"
             + (f", key bits {key_bits}" if key_bits != bits else "")
+            + (f" ({hi.key_hi_channels} channels/head at {hi.key_hi_bits})" if hi.key_hi_bits else "")
             + f", sinks {s.sinks}, groups {s.key_group}/{s.value_group}, residual {s.residual}"
         )
 

@@ -13,7 +13,9 @@ from pathlib import Path
 
 MANIFEST = "tale_config.json"
 FORMAT = "tale"
-FORMAT_VERSION = "2.0"  # major.minor: readers reject another major (2.0: every file hashed, v_proj.weight kept)
+# major.minor: readers reject another major (2.0: every file hashed, v_proj.weight kept; 2.1: key bands,
+# schedule fields a 2.0 reader refuses by name, written only when used)
+FORMAT_VERSION = "2.1"
 TOOL_NAME = "tale-kv"
 
 # Per-layer tensor names (prefix: the attention module, e.g. "model.layers.3.self_attn.")
@@ -37,6 +39,10 @@ class Level:
     # "channel": keys per channel over key_group tokens (KIVI); "token": per token over key_channel_group
     # channels (no token groups, so no 16-bit residual is needed; pairs with rotate="hadamard", QuaRot-style)
     key_axis: str = "channel"
+    # > 0: keys in two channel bands: per KV head the `key_hi_channels` most important channels
+    # (Schedule.key_order, a calibration statistic) at `key_hi_bits`, the others at `key_bits`
+    key_hi_bits: int = 0
+    key_hi_channels: int = 0
 
 
 @dataclass
@@ -56,6 +62,9 @@ class Schedule:
     value_meta: str = "16"  # latent scale/zero storage
     key_channel_group: int = 64  # channels per key group at levels with key_axis "token"
     rotate: str = "none"  # "hadamard": q and k are rotated by a normalized Hadamard matrix after RoPE (q.k unchanged)
+    # per layer, per KV head: the head's key channels, most important first (E[q_c^2] E[range_c^2] over
+    # the calibration corpus, tale_convert.stats); read by levels with key_hi_bits
+    key_order: list[list[list[int]]] | None = None
 
     def unit(self, level: int) -> int:
         """Tokens a level's key groups span: stores of that level hold multiples of it."""
@@ -64,7 +73,8 @@ class Schedule:
     def plain_layout(self) -> bool:
         """The cache layout tale_kernels reads: 2/4/8/16 bits, per-channel keys, 16-bit scales and zeros."""
         return self.key_meta == self.value_meta == "16" and all(
-            lv.key_axis == "channel" and {lv.bits, lv.key_bits} <= {2, 4, 8, 16} for lv in self.levels
+            lv.key_axis == "channel" and {lv.bits, lv.key_bits} <= {2, 4, 8, 16} and not lv.key_hi_bits
+            for lv in self.levels
         )
 
     def validate(self, R: int, num_layers: int | None = None) -> None:
@@ -83,6 +93,20 @@ class Schedule:
                     raise ArtifactError(f"bits must be one of 2, 3, 4, 8, 16; got {b}")
             if lv.key_axis not in ("channel", "token"):
                 raise ArtifactError(f"key_axis must be 'channel' or 'token', got {lv.key_axis!r}")
+        for lv in self.levels:
+            if lv.key_hi_bits:
+                if lv.key_hi_bits not in (2, 3, 4, 8) or lv.key_axis != "channel":
+                    raise ArtifactError(f"key bands need per-channel keys and key_hi_bits 2, 3, 4 or 8, got {lv}")
+                if lv.key_hi_channels < 8 or lv.key_hi_channels % 8:
+                    raise ArtifactError(f"key_hi_channels must be a positive multiple of 8, got {lv.key_hi_channels}")
+                if self.key_order is None:
+                    raise ArtifactError("key bands (key_hi_bits) need the calibration channel order key_order")
+        if self.key_order is not None:
+            if num_layers is not None and len(self.key_order) != num_layers:
+                raise ArtifactError(f"key_order has {len(self.key_order)} layers, model has {num_layers}")
+            for li, heads in enumerate(self.key_order):
+                if any(sorted(h) != list(range(len(h))) for h in heads):
+                    raise ArtifactError(f"layer {li}: key_order must list each head's channels once")
         axes = [lv.key_axis for lv in self.levels]
         if "token" in axes and "channel" in axes[axes.index("token") :]:
             raise ArtifactError("levels with per-token keys must be the newest ones (per-channel levels first)")
@@ -112,7 +136,14 @@ class Schedule:
                     raise ArtifactError(f"layer {li}: 3-bit latents need ranks that are multiples of 8, got {r}")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Fields added in format 2.1 (key bands) are written only when used, so 2.0 readers read the rest."""
+        d = asdict(self)
+        if d["key_order"] is None:
+            del d["key_order"]
+        for lv in d["levels"]:
+            if not lv["key_hi_bits"]:
+                del lv["key_hi_bits"], lv["key_hi_channels"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Schedule:

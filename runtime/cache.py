@@ -25,7 +25,7 @@ import torch
 
 from .artifact import Schedule
 from .placement import demotions, fill_counts, flush_count
-from .quant import QTensor, cat, quantize, requantize, split
+from .quant import Bands, QTensor, cat, dequantize, quantize, quantize_bands, requantize, split
 from .regions import LayerView, Region
 
 
@@ -33,7 +33,7 @@ from .regions import LayerView, Region
 class Store:
     """One quantized level: keys per channel over token groups, latents per token over channel groups."""
 
-    keys: QTensor  # [B, K, L, n]
+    keys: QTensor | Bands  # [B, K, L, n]
     lat: QTensor  # [B, G, L, r]
     rank: int
 
@@ -45,13 +45,34 @@ class Store:
         return self.keys.nbytes() + self.lat.nbytes()
 
 
-def quant_level(s: Schedule, level: int, rank: int, k: torch.Tensor, h: torch.Tensor) -> tuple[QTensor, QTensor]:
+def quant_level(
+    s: Schedule, level: int, rank: int, k: torch.Tensor, h: torch.Tensor, order: list[list[int]] | None = None
+) -> tuple[QTensor | Bands, QTensor]:
     """Exact tokens (k [B, K, T, n], h [B, G, T, R]) quantized at a level: keys per channel over token
-    groups, latents truncated to `rank` and quantized per token over channel groups."""
+    groups (in two bands at levels with key_hi_bits: `order` is the layer's Schedule.key_order), latents
+    truncated to `rank` and quantized per token over channel groups."""
     lv = s.levels[level]
-    keys = quantize(k, lv.key_bits, **key_layout(s, level))
     lat = quantize(h[..., :rank].contiguous(), lv.bits, s.value_group, dim=-1, meta=s.value_meta)
-    return keys, lat
+    return quant_keys(s, level, k, order), lat
+
+
+def quant_keys(s: Schedule, level: int, k: torch.Tensor, order: list[list[int]] | None = None) -> QTensor | Bands:
+    lv = s.levels[level]
+    if not lv.key_hi_bits:
+        return quantize(k, lv.key_bits, **key_layout(s, level))
+    if order is None:
+        raise ValueError("key bands need the layer's key_order")
+    hi, lo = band_index(order, lv.key_hi_channels)
+    return quantize_bands(k, [(lv.key_bits, lo), (lv.key_hi_bits, hi)], s.key_group, s.key_meta)
+
+
+def band_index(order: list[list[int]], m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's key_order ([K][n], most important first) -> channel indices [K, m] of the high band and
+    [K, n - m] of the low one, each sorted."""
+    o = torch.tensor(order, dtype=torch.long)
+    if not 0 < m < o.shape[-1]:
+        raise ValueError(f"key_hi_channels {m} must lie in (0, {o.shape[-1]})")
+    return o[:, :m].sort(-1).values, o[:, m:].sort(-1).values
 
 
 def key_layout(s: Schedule, level: int) -> dict:
@@ -67,6 +88,9 @@ class TaleLayerCache:
     ):
         self.s = schedule
         self.ranks = schedule.ranks[layer_idx]
+        self.order = None if schedule.key_order is None else schedule.key_order[layer_idx]
+        if self.order is not None and (len(self.order) != num_kv_heads or any(len(c) != head_dim for c in self.order)):
+            raise ValueError(f"layer {layer_idx}: key_order is not [{num_kv_heads} heads][{head_dim} channels]")
         self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank
         if any(lv.key_axis == "token" for lv in schedule.levels) and head_dim % schedule.key_channel_group:
             raise ValueError(f"key_channel_group {schedule.key_channel_group} does not divide the head dim {head_dim}")
@@ -111,7 +135,7 @@ class TaleLayerCache:
 
     def _quant(self, k: torch.Tensor, h: torch.Tensor, level: int) -> Store:
         r = self.ranks[level]
-        return Store(*quant_level(self.s, level, r, k, h), r)
+        return Store(*quant_level(self.s, level, r, k, h, self.order), r)
 
     def _push(self, level: int, st: Store, front: bool = False) -> None:
         cur = self.levels[level]
@@ -131,7 +155,10 @@ class TaleLayerCache:
             h_old, h_keep = split(st.lat, n_move)
             self.levels[i] = Store(k_keep, h_keep, st.rank)
             lv, r = self.s.levels[i - 1], self.ranks[i - 1]
-            keys = requantize(k_old, lv.key_bits, **key_layout(self.s, i - 1))
+            if lv.key_hi_bits or isinstance(k_old, Bands):
+                keys = quant_keys(self.s, i - 1, dequantize(k_old), self.order)
+            else:
+                keys = requantize(k_old, lv.key_bits, **key_layout(self.s, i - 1))
             self._push(i - 1, Store(keys, requantize(h_old, lv.bits, r, meta=self.s.value_meta), r))
 
     # -- filling -----------------------------------------------------------------------

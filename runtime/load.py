@@ -124,6 +124,7 @@ def override_schedule(
         value_meta=base.value_meta if value_meta is None else value_meta,
         key_channel_group=base.key_channel_group if key_channel_group is None else key_channel_group,
         rotate=base.rotate if rotate is None else rotate,
+        key_order=base.key_order,  # the artifact's calibration statistic (levels with key bands read it)
     )
     try:
         sched.validate(R, num_layers)

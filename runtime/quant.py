@@ -19,6 +19,12 @@ Layout (the Triton kernels in tale_kernels use exactly this one):
   values are stored times `bias`, a power of two per tensor that puts its largest scale/zero near
   e4m3's top (448/4), so e4m3's 3 mantissa bits serve every magnitude; cat re-biases exactly. (The zero, a group minimum, needs 16 bits where groups sit far from 0: per-channel keys.)
 
+Bands (keys only, per channel over token groups): the channels of each KV head split into sets, each
+quantized at its own bit width (the most important channels by a calibration statistic get more bits).
+Each set is an ordinary QTensor over the gathered channels [..., c_i]; `index` [K, c_i] says which.
+Quantizing channels per channel is independent across channels, so bands with equal bits dequantize
+exactly like one QTensor. The kernels do not read bands (torch reference only).
+
 On CUDA, quantize / dequantize / requantize run tale_kernels' Triton kernels when Triton is
 installed (same layout and results, up to rare one-step differences on rounding ties).
 """
@@ -60,6 +66,51 @@ class QTensor:
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize(self, dtype)
+
+
+@dataclass
+class Bands:
+    """Keys [..., K, T, n] in channel bands: parts[i] holds, per KV head k, channels index[i][k] (sorted)."""
+
+    parts: list[QTensor]  # [..., K, T, c_i] each
+    index: list[torch.Tensor]  # [K, c_i] int64 each
+    n: int  # channels per head
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([*self.parts[0].shape[:-1], self.n])
+
+    @property
+    def bits(self) -> tuple[int, ...]:
+        return tuple(p.bits for p in self.parts)
+
+    @property
+    def plain(self) -> bool:
+        return False
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)  # index: shared by every token of the layer, not cached data
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        xs = [p.dequantize(dtype) for p in self.parts]
+        out = xs[0].new_empty(self.shape)
+        for x, idx in zip(xs, self.index):
+            out.scatter_(-1, _expand(idx, x), x)
+        return out
+
+
+def _expand(idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """index [K, c] -> [..., K, T, c] to gather/scatter the last dim of x [..., K, T, *]."""
+    K, c = idx.shape
+    lead = x.shape[:-3]
+    return idx.to(x.device)[..., None, :].expand(*lead, K, x.shape[-2], c)
+
+
+def quantize_bands(x: torch.Tensor, bands: list[tuple[int, torch.Tensor]], group: int, meta: str = "16") -> Bands:
+    """x [..., K, T, n] -> Bands: per (bits, index [K, c]) the channels index[k] of head k, per channel
+    over `group` tokens (dim -2). The index sets must partition each head's channels."""
+    parts = [quantize(x.gather(-1, _expand(idx, x)).contiguous(), bits, group, -2, meta) for bits, idx in bands]
+    return Bands(parts, [idx for _, idx in bands], x.shape[-1])
 
 
 META = ("16", "8/16", "8/8")
@@ -178,7 +229,9 @@ def quantize(x: torch.Tensor, bits: int, group: int, dim: int, meta: str = "16")
     return QTensor(pack(codes, bits), scale_s.squeeze(rd), zero.squeeze(rd), bits, group, dim, meta, bias)
 
 
-def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def dequantize(q: QTensor | Bands, dtype: torch.dtype | None = None) -> torch.Tensor:
+    if isinstance(q, Bands):
+        return q.dequantize(dtype)
     if q.bits == 16:
         return q.data if dtype is None else q.data.to(dtype)
     k = _kernels(q.data)
@@ -204,6 +257,10 @@ def requantize(
 ) -> QTensor:
     """Demotion: dequantize, keep the first `rank` channels, quantize to `bits` (by default with q's
     group, dim and meta; a level may use another layout). One pass on CUDA for the plain layout."""
+    if isinstance(q, Bands):
+        x = q.dequantize()
+        x = x if rank is None else x[..., :rank].contiguous()
+        return quantize(x, bits, group or q.parts[0].group, -2 if dim is None else dim, meta or q.parts[0].meta)
     group, dim, meta = group or q.group, q.dim if dim is None else dim, meta or q.meta
     k = _kernels(q.data)
     shape = q.shape if rank is None else torch.Size([*q.shape[:-1], rank])
@@ -216,9 +273,11 @@ def requantize(
     return quantize(x, bits, group, dim, meta)
 
 
-def cat(parts: list[QTensor]) -> QTensor:
+def cat(parts: list[QTensor | Bands]) -> QTensor | Bands:
     """Concatenate quantized tensors along the token dim (-2); groups never straddle parts."""
     a = parts[0]
+    if isinstance(a, Bands):  # the same bands (a layer's index) in every part
+        return Bands([cat([p.parts[i] for p in parts]) for i in range(len(a.parts))], a.index, a.n)
     if a.bits == 16:
         return QTensor(torch.cat([p.data for p in parts], dim=-2), None, None, 16, a.group, a.dim)
     bias = min(p.bias for p in parts)
@@ -247,8 +306,11 @@ def _rebias(q: QTensor, bias: float) -> QTensor:
     return QTensor(q.data, scale, zero, q.bits, q.group, q.dim, q.meta, bias)
 
 
-def split(q: QTensor, n_tokens: int) -> tuple[QTensor, QTensor]:
+def split(q: QTensor | Bands, n_tokens: int) -> tuple[QTensor | Bands, QTensor | Bands]:
     """Split off the first n_tokens along the token dim (-2). For keys n_tokens must align to groups."""
+    if isinstance(q, Bands):
+        halves = [split(p, n_tokens) for p in q.parts]
+        return Bands([a for a, _ in halves], q.index, q.n), Bands([b for _, b in halves], q.index, q.n)
     if q.bits == 16:
         return (
             QTensor(q.data[..., :n_tokens, :], None, None, 16, q.group, q.dim),

@@ -31,6 +31,13 @@ def _numbers(s: str, kind, flag: str) -> tuple:
         raise ConvertError(f"{flag} {s!r}: expected comma-separated numbers, e.g. 2,4") from None
 
 
+def _bands(s: str) -> tuple[int, int]:
+    b, sep, c = s.partition(":")
+    if not sep or not b.strip().isdigit() or not c.strip().isdigit():
+        raise ConvertError(f"--key-bands {s!r}: expected BITS:CHANNELS, e.g. 3:16")
+    return int(b), int(c)
+
+
 @app.command()
 def run(
     model: str = typer.Argument("smollm2", help="`smollm2` (the default), a checkpoint dir, or a Hub id owner/name"),
@@ -47,12 +54,17 @@ def run(
     sinks: int = typer.Option(D.sinks, help="sink tokens kept at 16 bits (alpha)"),
     preset: str = typer.Option(
         D.preset,
-        help="schedule preset: paper (default; the GPU fast path reads it) or tale (best measured per byte on SmolLM2: 3-bit keys, fp8 scales; torch path)",
+        help="schedule preset: paper (default; the GPU fast path reads it) or tale (best measured per byte on SmolLM2: 2-bit keys with half the key channels at 3 bits, fp8 scales; torch path)",
     ),
     target_ratio: Optional[float] = typer.Option(
         None,
         help="choose level-0 ranks per layer to meet this measured "
         "compression ratio at 1K tokens (least whitened energy lost)",
+    ),
+    key_bands: Optional[str] = typer.Option(
+        None,
+        help="BITS:CHANNELS: the middle level's keys in two bands, the CHANNELS most important key channels of each "
+        "KV head (calibration statistic) at BITS, e.g. 3:16 (torch path)",
     ),
     recent: Optional[str] = typer.Option(
         None, help="share p of non-sink tokens at full rank (one per level above 0; default: the preset's)"
@@ -87,6 +99,7 @@ def run(
         bits=_numbers(bits, int, "--bits") if bits else None,
         preset=preset,
         target_ratio=target_ratio,
+        key_bands=_bands(key_bands) if key_bands else None,
         key_bits=_numbers(key_bits, int, "--key-bits") if key_bits else None,
         key_group=key_group,
         value_group=value_group,

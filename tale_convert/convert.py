@@ -31,7 +31,7 @@ from tale_runtime.artifact import (
     write_json,
 )
 
-from . import ConvertError, __version__, calibrate, resume, source, write
+from . import ConvertError, __version__, calibrate, resume, source, stats, write
 from . import policy as rank_policy
 from .card import render_card
 from .fuse import fuse
@@ -69,11 +69,24 @@ class Options:
     # graphs) reads; "tale": the best measured per byte on SmolLM2 (3-bit keys, fp8 scales: torch path only)
     preset: str = "paper"
     target_ratio: float | None = None  # level-0 ranks per layer chosen to meet this measured ratio (1K tokens)
+    # (bits, channels): the middle level's keys in two bands, per KV head the `channels` most important key
+    # channels (calibration, tale_convert.stats) at `bits`; the artifact carries the order (format 2.1)
+    key_bands: tuple[int, int] | None = None
     shard_size: str | int = "2GB"
     overwrite: bool = False
     resume: bool = False
     policy: str = "uniform"  # rank policy (tale_convert.policy): uniform, energy, fisher, progressive
     energy: float = 0.9  # energy policy: whitened spectral energy kept per layer at level 0
+
+    def bands(self, head_dim: int) -> tuple[int, int] | None:
+        """(bits, channels per KV head) of the middle level's key bands: --key-bands, else the preset's
+        (bits, share of the head dim, rounded to a multiple of 8 channels), else None."""
+        if self.key_bands:
+            return tuple(self.key_bands)
+        p = rank_policy.PRESETS.get(self.preset, {}).get("key_bands")
+        if not p:
+            return None
+        return p[0], max(8, round(p[1] * head_dim / 8) * 8)
 
     def schedule(self, R: int, num_layers: int) -> Schedule:
         if self.policy not in rank_policy.POLICIES:
@@ -158,6 +171,15 @@ def convert(
     src = source.resolve(model)
     config, arch = source.load_config(src, opts.group)
     schedule = opts.schedule(arch.R, arch.L)
+    bands = opts.bands(arch.n)
+    if bands:
+        b, c = bands
+        if b not in (2, 3, 4, 8) or c < 8 or c % 8 or c >= arch.n:
+            raise ConvertError(
+                f"--key-bands {b}:{c}: bits must be 2, 3, 4 or 8 and channels a multiple of 8 below the head dim {arch.n}"
+            )
+        # a placeholder order until the factors exist (bytes do not depend on it: --target-ratio counts the bands)
+        schedule = stats.with_key_bands(schedule, [[list(range(arch.n))] * arch.K] * arch.L, {0: bands})
     window = source.sliding_window(config)
     if window and opts.seq_len > window:
         raise ConvertError(f"--seq-len {opts.seq_len} exceeds the model's sliding window {window}")
@@ -221,6 +243,8 @@ def convert(
         manifest["files"] = hash_files(tmp)  # every file of the artifact, written last (artifact.verify_files)
         write_json(tmp / MANIFEST, manifest)
         shutil.rmtree(tmp / resume.DIR)
+        if bands:
+            _key_bands(tmp, manifest, bands, tokens, device, base_card, log)
         write.publish(tmp, out)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM turned into one by the console layer
         if writer:
@@ -243,6 +267,28 @@ def convert(
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     )
+
+
+def _key_bands(tmp: Path, manifest: dict, bands: tuple[int, int], tokens, device, base_card: Path, log) -> None:
+    """Key bands: the channel order from the finished artifact (run in float32 on the first calibration
+    samples, keys as the cache holds them), written into its schedule; the card and hashes follow."""
+    from tale_runtime import load
+
+    t = time.perf_counter()
+    model, _ = load(tmp, device=str(device), dtype=torch.float32)
+    schedule = model.tale_schedule
+    batches = [b.to(device) for b in tokens[:8].split(2)]
+    order = stats.key_order(stats.key_importance(model, batches, schedule.key_group))
+    schedule = stats.with_key_bands(schedule, order, {0: bands})
+    schedule.validate(int(manifest["architecture"]["latent_rank"]), len(schedule.ranks))
+    del model
+    manifest["schedule"] = schedule.to_dict()
+    card = base_card.read_text() if base_card.is_file() else None
+    (tmp / "README.md").write_text(render_card(manifest, card))
+    manifest["files"] = hash_files(tmp)
+    write_json(tmp / MANIFEST, manifest)
+    b, c = bands
+    log(f"key bands: {c} channels per KV head at {b} bits in the middle ({time.perf_counter() - t:.0f} s)")
 
 
 def _manifest(src, base_files, arch, schedule, layers, calib_info, opts, dtype, files) -> dict:

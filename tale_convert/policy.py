@@ -34,17 +34,19 @@ PRESETS = {
         key_meta="16",
         value_meta="16",
     ),
-    # the best measured per byte on SmolLM2 (docs/quality.md, "Making TALE win per byte")
+    # the best measured per byte on SmolLM2 (docs/quality.md, "Key bands"; dev text): 2-bit middle keys with
+    # the most important half of each KV head's key channels at 3 bits, r0 = R/2, fp8 scales
     "tale": dict(
         bits=(2, 4),
-        key_bits=(3, 4),
+        key_bits=(2, 4),
         recent=(0.1,),
-        r0=0.34,
+        r0=0.5,
         key_axis=("channel", "channel"),
         residual=None,
         key_meta="8/16",
         value_meta="8/8",
-    ),  # r0 0.34: R/3 rounded down to a group (64 of 192)
+        key_bands=(3, 0.5),  # (bits, share of the head dim): 32 of 64 channels per KV head at 3 bits
+    ),
 }
 
 

@@ -140,3 +140,29 @@ def test_console_script(tmp_path):
     p = subprocess.run([*exe, str(tmp_path / "missing"), "--out", str(tmp_path / "o")], capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.startswith("error: model not found") and p.stderr.count("\n") == 1
     assert not list(tmp_path.iterdir())
+
+
+def test_key_bands_write_the_calibration_order(llama, tmp_path, capsys):
+    import json
+
+    import torch
+
+    from tale_runtime import load, new_cache
+    from tale_runtime.quant import Bands
+
+    out = tmp_path / "bands"
+    code, stdout, err = run([llama, "--out", out, "--group", "2", "--key-bands", "3:8", *TINY_ARGS], capsys)
+    assert code == 0, err
+    m = json.loads((out / "tale_config.json").read_text())
+    assert m["format_version"] == "2.1" and m["schedule"]["levels"][0]["key_hi_bits"] == 3
+    model, _ = load(out, device="cpu", dtype=torch.float32)
+    s, cfg = model.tale_schedule, model.config
+    assert s.levels[0].key_hi_channels == 8 and len(s.key_order) == cfg.num_hidden_layers
+    assert all(sorted(h) == list(range(cfg.head_dim)) for heads in s.key_order for h in heads)
+    assert len(s.key_order[0]) == cfg.num_key_value_heads
+    cache = new_cache(model)
+    with torch.no_grad():
+        model(torch.randint(1, 300, (1, 80)), past_key_values=cache)
+    assert isinstance(cache.layers[0].levels[0].keys, Bands)
+    assert_bad([llama, "--out", tmp_path / "x", "--key-bands", "3:7", *TINY_ARGS], capsys, tmp_path, "--key-bands 3:7")
+    assert_bad([llama, "--out", tmp_path / "x", "--key-bands", "3", *TINY_ARGS], capsys, tmp_path, "BITS:CHANNELS")

@@ -455,6 +455,9 @@ def test_cli_schedule_flags_at_exact_settings_give_the_forward_ppl(tiny_artifact
         (["--frontier", "--tale-variants", "r1=2"], "bad TALE variant 'r1=2'"),
         (["--frontier", "--tale-variants", "bits=x/4"], "is not a number"),
         (["--frontier", "--families", "tale", "--tale-variants", "bits=5/4"], "bits must be one of"),
+        (["--frontier", "--families", "tale", "--tale-variants", "key_meta=8-4"], "key_meta must be"),
+        (["--frontier", "--families", "tale", "--tale-variants", "key_hi=3/8"], "need the calibration channel order"),
+        (["--frontier", "--families", "tale", "--tale-variants", "key_hi=3"], "key_hi takes BITS/CHANNELS"),
     ],
 )
 def test_cli_errors_are_one_line(args, msg, tiny_artifact, capsys, tmp_path):
@@ -463,6 +466,13 @@ def test_cli_errors_are_one_line(args, msg, tiny_artifact, capsys, tmp_path):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and msg in err and "\n" not in err
+
+
+def test_tale_variants_parse_scale_formats():
+    from tale_eval.frontier import parse_variants
+
+    got = parse_variants("-; key_bits=3/4,r0=0.34,key_meta=8-16,value_meta=8-8")
+    assert got == [{}, {"key_bits": [3, 4], "r0": 0.34, "key_meta": "8/16", "value_meta": "8/8"}]
 
 
 @pytest.mark.slow
@@ -503,3 +513,11 @@ def test_eval_smollm2(smollm2_artifact, tmp_path):
     assert rows["palu"]["ratio"] == pytest.approx(rows["tale"]["ratio"], rel=0.1)
     # the paper's point, at the same measured compression: lazy TALE beats eager Palu
     assert rows["tale"]["ppl"]["dev"] < rows["palu"]["ppl"]["dev"]
+
+
+def test_frontier_envelope_keeps_the_points_nothing_beats():
+    from tale_eval.frontier import envelope
+
+    pts = [(3.0, 1.0), (4.0, 5.0), (4.5, 2.0), (6.0, 9.0), (5.0, 12.0)]
+    rows = [{"ratio": r, "delta_pct": {"a": d, "b": d}} for r, d in pts]
+    assert [r["ratio"] for r in envelope(rows, ["a", "b"])] == [3.0, 4.5, 6.0]

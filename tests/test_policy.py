@@ -219,6 +219,10 @@ def test_presets_and_target_ratio_end_to_end(tiny_model_dir, tmp_path):
     st = schedule_of(m)
     a = m["architecture"]
     assert st.policy == "budget"
+    # the tale preset's key bands: half of each KV head's channels at 3 bits, in the calibration order
+    n = m["architecture"]["head_dim"]
+    assert (st.levels[0].key_hi_bits, st.levels[0].key_hi_channels) == (3, n // 2)
+    assert any(h != list(range(n)) for heads in st.key_order for h in heads)  # not the placeholder
     assert policy.measured_ratio(st, a["num_kv_heads"], a["head_dim"], a["num_groups"], a["latent_rank"]) >= 4.0
     with pytest.raises(ConvertError, match="out of reach"):
         convert(str(src), tmp_path / "u", Options(group=TINY_GROUP["llama"], target_ratio=40.0, **TINY_OPTS))

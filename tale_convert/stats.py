@@ -1,0 +1,93 @@
+"""Calibration statistics of the cached keys: the channel order that key bands read (Schedule.key_order).
+
+A key channel c quantized per channel over a group of tokens errs by up to range_c / (2^b - 1) / 2,
+and moves a logit by q_c times that: its weight is E[q_c^2] E[range_c^2] (queries of the KV head's
+group, ranges over groups of `key_group` tokens), measured on the keys as the cache holds them (after
+RoPE, and after the Hadamard rotation when the schedule rotates). Levels with `key_hi_bits` give the
+first `key_hi_channels` of each head's order more bits (docs/quality.md, "key bands").
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from tale_runtime.artifact import Level, Schedule
+from tale_runtime.attention import latent_attention
+
+
+@torch.inference_mode()
+def key_importance(model, batches: list[torch.Tensor], key_group: int = 32) -> list[torch.Tensor]:
+    """Per layer [K, n] float64: E[q_c^2] * E[range_c^2] over the calibration `batches` ([B, T] ids)."""
+    from tale_runtime import new_cache
+
+    layers = model.model.layers
+    q2 = [0.0] * len(layers)
+    r2 = [0.0] * len(layers)
+    nq = [0] * len(layers)
+    nr = [0] * len(layers)
+    saved = [layer.self_attn.attention_fn for layer in layers]
+
+    def hook(i):
+        def grab(q, k, h, view, scaling):  # q [B, H, T, n], k [B, K, T, n]: the new tokens, as cached
+            B, H, T, n = q.shape
+            K = k.shape[1]
+            qf = q.double().view(B, K, H // K, T, n)
+            q2[i] = q2[i] + qf.pow(2).sum((0, 2, 3))
+            nq[i] += B * (H // K) * T
+            m = T // key_group * key_group
+            kg = k[:, :, :m].double().reshape(B, K, m // key_group, key_group, n)
+            r2[i] = r2[i] + (kg.amax(3) - kg.amin(3)).pow(2).sum((0, 2))
+            nr[i] += B * (m // key_group)
+            return latent_attention(q, k, h, view, scaling)
+
+        return grab
+
+    s = model.tale_schedule
+    R = max(rs[-1] for rs in s.ranks)
+    exact = Schedule(  # nothing compressed: the statistic sees exact keys (rotated as the schedule rotates them)
+        sinks=1,
+        levels=[Level(16, 16, None)],
+        ranks=[[R]] * len(s.ranks),
+        key_group=1,
+        value_group=1,
+        residual=1,
+        rotate=s.rotate,
+    )
+    try:
+        for i, layer in enumerate(layers):
+            layer.self_attn.attention_fn = hook(i)
+        for ids in batches:
+            cache = new_cache(model, exact)
+            model(ids[:, :1], past_key_values=cache)  # the exact prefill does not call attention_fn
+            model(ids[:, 1:], past_key_values=cache)
+    finally:
+        for layer, fn in zip(layers, saved):
+            layer.self_attn.attention_fn = fn
+    return [(a / c) * (b / d) for a, c, b, d in zip(q2, nq, r2, nr)]
+
+
+def key_order(importance: list[torch.Tensor]) -> list[list[list[int]]]:
+    """Per layer, per KV head: channels by importance, most important first (Schedule.key_order)."""
+    return [imp.argsort(dim=-1, descending=True, stable=True).tolist() for imp in importance]
+
+
+def with_key_bands(schedule: Schedule, order: list[list[list[int]]], bands: dict[int, tuple[int, int]]) -> Schedule:
+    """`schedule` with key bands: bands[level] = (key_hi_bits, key_hi_channels) per KV head."""
+    levels = [
+        replace(lv, key_hi_bits=bands[i][0], key_hi_channels=bands[i][1]) if i in bands else lv
+        for i, lv in enumerate(schedule.levels)
+    ]
+    return replace(schedule, levels=levels, key_order=order)
+
+
+def calibration_batches(tok, count: int = 4, length: int = 512, batch: int = 2) -> list[torch.Tensor]:
+    """Fixed windows of the bundled calibration corpus (never the held-out texts), spread over it."""
+    from tale_calib import calib_paths, documents
+
+    text = "\n\n".join(d for p in calib_paths() for d in documents(p))
+    ids = torch.tensor(tok(text, add_special_tokens=False).input_ids)
+    wins = ids[: len(ids) // length * length].view(-1, length)
+    pick = torch.linspace(0, len(wins) - 1, count * batch).round().long()
+    return list(wins[pick].split(batch))
