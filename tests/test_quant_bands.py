@@ -186,3 +186,45 @@ def test_key_importance_matches_the_base_models_own_q_and_k():
         assert torch.allclose(imp[i], q2 * r2, rtol=1e-4)
     order = key_order(imp)
     assert imp[0][0, order[0][0][0]] == imp[0][0].max() and imp[0][0, order[0][0][-1]] == imp[0][0].min()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+def test_bands_on_cuda_match_the_cpu():
+    """On CUDA the kernel refuses Bands and the torch reference runs; the banded cache must hold the same
+    codes as on the CPU (2-bit low band through the Triton quantizer, 3-bit high band through torch) and
+    decode to the same logits."""
+    from tale_runtime.load import use_kernels
+
+    x = keys(T=96)
+    hi, lo = band_index(orders()[0], 8)
+    cpu = dequantize(quantize_bands(x, [(2, lo), (3, hi)], 16, "8/16"))
+    gpu = dequantize(quantize_bands(x.cuda(), [(2, lo.cuda()), (3, hi.cuda())], 16, "8/16"))
+    assert torch.equal(cpu, gpu.cpu())
+
+    base = tiny_model("llama")
+    L, nh = base.config.num_hidden_layers, base.config.head_dim
+    kv = base.config.num_key_value_heads
+    g = torch.Generator().manual_seed(0)
+    order = [[torch.randperm(nh, generator=g).tolist() for _ in range(kv)] for _ in range(L)]
+    s = Schedule(
+        sinks=2,
+        levels=[Level(2, 2, None, key_hi_bits=4, key_hi_channels=8), Level(4, 4, 0.1)],
+        ranks=[[nh, 2 * nh]] * L,
+        key_group=8,
+        value_group=8,
+        residual=8,
+        key_order=order,
+    )
+    ids = torch.randint(1, 320, (1, 48), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for dev in ("cpu", "cuda"):
+        tm = talify(base, 2, s).to(dev)
+        use_kernels(tm, dev == "cuda")
+        i = ids.to(dev)
+        with torch.no_grad():
+            cache = new_cache(tm)
+            tm(i[:, :12], past_key_values=cache)
+            out[dev] = torch.cat([tm(i[:, t : t + 1], past_key_values=cache).logits for t in range(12, 48)], 1)
+        assert isinstance(cache.layers[0].levels[0].keys, Bands)
+    err = ((out["cuda"].cpu() - out["cpu"]).norm() / out["cpu"].norm()).item()
+    assert err < 1e-4, err
