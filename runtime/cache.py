@@ -155,7 +155,7 @@ class TaleLayerCache:
             h_old, h_keep = split(st.lat, n_move)
             self.levels[i] = Store(k_keep, h_keep, st.rank)
             lv, r = self.s.levels[i - 1], self.ranks[i - 1]
-            if lv.key_hi_bits or isinstance(k_old, Bands):
+            if lv.key_hi_bits:  # into bands; requantize handles bands into a plain level
                 keys = quant_keys(self.s, i - 1, dequantize(k_old), self.order)
             else:
                 keys = requantize(k_old, lv.key_bits, **key_layout(self.s, i - 1))
