@@ -71,6 +71,19 @@ class DecodeStep:
         kw = dict(backend=backend, fullgraph=True)
         self.embed, self.pre, self.post, self.head = (torch.compile(f, **kw) for f in (_embed, _pre, _post, _head))
 
+    def warm(self, ids: torch.Tensor, position_ids: torch.Tensor) -> None:
+        """Compile every piece on these shapes without touching the cache: layer 0's pieces with and without the
+        previous MLP output (a zero attention output stands in for the kernel's)."""
+        m = self.model
+        x, cos, sin = self.embed(m, ids, position_ids)
+        layer = m.model.layers[0]
+        a = layer.self_attn
+        Q = rotation(self.cache, a.head_dim, x.device)
+        for d in (None, torch.zeros_like(x)):  # not x itself: dynamo would guard on the aliasing and recompile
+            x1, *_ = self.pre(layer, x, d, cos, sin, Q)
+        z = torch.zeros(*ids.shape, a.H, a.R, dtype=torch.float32, device=x.device)  # [B, T, H, R]
+        self.head(m, *self.post(layer, x1, z))
+
     def __call__(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         m, cache = self.model, self.cache
         x, cos, sin = self.embed(m, ids, position_ids)
@@ -124,17 +137,8 @@ class CudaGraphDecoder:
         """Compile the step's pieces on this batch's shapes without touching the cache (a failure leaves the cache
         as it was, and the model's forward takes over)."""
         t = time.perf_counter()
-        st, m = self.step, self.model
         try:
-            x, cos, sin = st.embed(m, ids, position_ids)
-            layer = m.model.layers[0]
-            a = layer.self_attn
-            Q = rotation(self.cache, a.head_dim, x.device)
-            for d in (None, x):
-                x1, *_ = st.pre(layer, x, d, cos, sin, Q)
-            z = torch.zeros(*ids.shape, a.H, a.R, dtype=torch.float32, device=x.device)
-            x1, d = st.post(layer, x1, z)
-            st.head(m, x1, d)
+            self.step.warm(ids, position_ids)
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001  (inductor/Triton missing or failing: the plain forward still works)
             self.step, self.compile_error = None, f"{type(e).__name__}: {e}"

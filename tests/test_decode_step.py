@@ -81,6 +81,49 @@ def test_one_graph_per_piece_for_all_layers(monkeypatch):
     assert len(tm.model.layers) == 4 and counters["stats"]["unique_graphs"] == 5
 
 
+def test_warm_compiles_every_piece_and_leaves_the_cache_alone():
+    """`warm` (what CudaGraphDecoder runs before the first step) traces all 5 graphs on the step's shapes, so the
+    steps that follow compile nothing, and it neither reads nor writes the cache's contents or counts."""
+    from torch._dynamo.utils import counters
+
+    tm = talify(tiny_model("llama"), 2)
+    ids, mask, feed = _inputs(steps=3)
+    cache = new_cache(tm, static=True, max_length=40)
+    with torch.inference_mode():
+        tm(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        before = [t.clone() for t in cache_tensors(cache)]
+        book = dict(vars(cache.book))
+        torch._dynamo.reset()
+        counters.clear()
+        step = DecodeStep(tm, cache, backend="eager")
+        pos = mask.sum(-1, keepdim=True)
+        step.warm(feed[:, :1], pos)
+        assert counters["stats"]["unique_graphs"] == 5
+        assert dict(vars(cache.book)) == book
+        assert all(torch.equal(a, b) for a, b in zip(before, cache_tensors(cache), strict=True))
+        step(feed[:, :1], pos)
+    assert counters["stats"]["unique_graphs"] == 5
+
+
+def cache_tensors(cache):
+    """Every tensor the static cache holds: its device counters and its layers' codes, scales and positions."""
+
+    def walk(v):
+        if isinstance(v, torch.Tensor):
+            return [v]
+        if isinstance(v, (list, tuple)):
+            return [t for x in v for t in walk(x)]
+        if hasattr(v, "__dataclass_fields__"):
+            return [t for f in v.__dataclass_fields__ for t in walk(getattr(v, f))]
+        return []
+
+    out = walk([cache.lens, cache.next_pos, cache.res_slot])
+    for layer in cache.layers:
+        out += walk(list(vars(layer).values()))
+    assert len(out) > 3 * len(cache.layers)  # the walk reached the layers' tensors
+    return out
+
+
 def test_unsupported_models_keep_the_forward():
     """A model without TALE attention: DecodeStep refuses it, CudaGraphDecoder falls back to the model's forward."""
     base = tiny_model("llama")
