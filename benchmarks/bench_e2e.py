@@ -184,11 +184,14 @@ def decode(step, first: torch.Tensor, pos0: int, n: int) -> tuple[float, torch.T
     return (time.perf_counter() - t) * 1e3 / n, torch.cat(toks, 1)
 
 
+FUSE = None  # DecodeStep's fuse_projections: None = on CUDA; --no-fuse sets False (the step before it, for comparison)
+
+
 def tale_step(model, cache, graphs: bool, compile: bool = True):
     """graphs: CudaGraphDecoder (compile: DecodeStep inside the graph, else the model's forward); else eager
     steps through the model's forward."""
     if graphs:
-        return CudaGraphDecoder(model, cache, compile=compile)
+        return CudaGraphDecoder(model, cache, compile=compile, fuse=FUSE)
 
     return hf_step(model, cache)
 
@@ -418,7 +421,7 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
             # a fresh [B, 1] tensor: the [:, -1:] slice of the tokens has another stride and storage offset, which
             # recompiles the embedding (the 32K count of the run in docs/speed.md includes that autotuning)
             ids1 = first.clone(memory_format=torch.contiguous_format)
-            k_st, t_st = launches(lambda: DecodeStep(model, c)(ids1, pos + 1))
+            k_st, t_st = launches(lambda: DecodeStep(model, c, fuse=FUSE)(ids1, pos + 1))
             pos0 += 2
             row(
                 kind="tale-nocompile",
@@ -603,7 +606,8 @@ def largest(weight_bytes: int) -> None:
 
 def table(device: str, attention: str, floor_ms: dict) -> str:
     lines = [
-        f"Measured on {device}, torch {torch.__version__}. TALE decode attention: {attention}.",
+        f"Measured on {device}, torch {torch.__version__}. TALE decode attention: {attention}. "
+        f"Projections fused (q/k/latents, gate/up): {'no' if FUSE is False else 'yes'}.",
         "",
         "| context | batch | TALE static ms/tok | TALE path | TALE tok/s | TALE peak GiB | HF eager ms/tok "
         "| HF eager tok/s "
@@ -752,9 +756,12 @@ def main() -> None:
     )
     ap.add_argument("--hf-static-prompt", type=int, default=512, help="prompt tokens of the HF static rows at B > 1")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--no-fuse", action="store_true", help="TALE steps without fuse_projections (q/k/latents, gate/up)")
     ap.add_argument("--out", default=None, help="append the table to this markdown file")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    global FUSE
+    FUSE = False if args.no_fuse else None
 
     device = "cpu" if args.quick else "cuda"
     graphs = device == "cuda"
