@@ -110,14 +110,14 @@ class DecodeStep:
     """`step(ids, position_ids)` -> logits [B, V]: the model's forward over a TALE cache (T new tokens after a
     prefill), layer by layer, with the pieces between the matmuls and attention compiled (see the module
     docstring). Same result as `model(...)` up to the rounding of fused kernels; `backend` is torch.compile's
-    ("eager" or "aot_eager" in CPU tests: the tracing without inductor); `fuse` (default: on CUDA) first calls
+    ("eager" or "aot_eager" in CPU tests: the tracing without inductor); `fuse=True` first calls
     `fuse_projections(model)`."""
 
-    def __init__(self, model, cache, backend: str = "inductor", fuse: bool | None = None):
+    def __init__(self, model, cache, backend: str = "inductor", fuse: bool = False):
         if not supports_step(model):
             raise ValueError("DecodeStep needs Llama-style decoder layers with TALE attention")
         self.model, self.cache = model, cache
-        if fuse if fuse is not None else model.lm_head.weight.is_cuda:  # on the CPU, keep the forward's exact rounding
+        if fuse:  # off by default until a GPU run has timed it (docs/speed.md)
             fuse_projections(model)
         kw = dict(backend=backend, fullgraph=True)
         self.embed, self.pre, self.post, self.head = (torch.compile(f, **kw) for f in (_embed, _pre, _post, _head))
@@ -171,7 +171,7 @@ class CudaGraphDecoder:
     step; `fuse` as there) when the model supports it; False: the model's own forward. If compiling fails, the decoder warns and
     uses the model's forward (`compile_error` says why)."""
 
-    def __init__(self, model, cache: StaticTaleCache, compile: bool = True, fuse: bool | None = None):
+    def __init__(self, model, cache: StaticTaleCache, compile: bool = True, fuse: bool = False):
         if not isinstance(cache, StaticTaleCache) or cache.book is None:
             raise ValueError("CudaGraphDecoder needs a StaticTaleCache filled by a prefill")
         self.model, self.cache = model, cache

@@ -171,17 +171,18 @@ def test_unsupported_models_keep_the_forward():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled CUDA-graph steps need CUDA")
-def test_compiled_graph_steps_match_eager_steps():
+@pytest.mark.parametrize("fuse", [False, True])
+def test_compiled_graph_steps_match_eager_steps(fuse):
     """On CUDA (inductor): the captured compiled step replays exactly what the compiled step computes eagerly,
     and stays within float32 rounding of the model's forward, with the same greedy tokens."""
     tm = talify(tiny_model("llama"), 2).cuda()
     ids, mask, feed = _inputs("cuda")
     want = _run(tm, _forward, ids, mask, feed, 80)
-    step = _run(tm, DecodeStep, ids, mask, feed, 80)
+    step = _run(tm, lambda m, c: DecodeStep(m, c, fuse=fuse), ids, mask, feed, 80)
     decoders = []
 
     def graphed(m, c):
-        decoders.append(CudaGraphDecoder(m, c))
+        decoders.append(CudaGraphDecoder(m, c, fuse=fuse))
         return decoders[-1]
 
     got = _run(tm, graphed, ids, mask, feed, 80)
