@@ -163,6 +163,7 @@ class Tale(Policy):
         if not self.overrides:
             return s
         kw = dict(self.overrides)
+        kw.pop("keep", None)  # the cache's, not the schedule's
         r0 = kw.pop("r0", None)
         key_hi = kw.pop("key_hi", None)
         d = Dims.of(model)
@@ -190,7 +191,7 @@ class Tale(Policy):
         )
 
     def build(self, model, pattern):
-        return new_cache(model, self.resolve(model))
+        return new_cache(model, self.resolve(model), keep=self.overrides.get("keep", "recent"))
 
     def exact(self):
         return ExactTale(base=self)
