@@ -458,6 +458,7 @@ def test_cli_schedule_flags_at_exact_settings_give_the_forward_ppl(tiny_artifact
         (["--frontier", "--families", "tale", "--tale-variants", "key_meta=8-4"], "key_meta must be"),
         (["--frontier", "--families", "tale", "--tale-variants", "key_hi=3/8"], "need the calibration channel order"),
         (["--frontier", "--families", "tale", "--tale-variants", "key_hi=3"], "key_hi takes BITS/CHANNELS"),
+        (["--frontier", "--families", "tale", "--tale-variants", "keep=oldest"], "keep must be one of"),
     ],
 )
 def test_cli_errors_are_one_line(args, msg, tiny_artifact, capsys, tmp_path):
@@ -473,6 +474,11 @@ def test_tale_variants_parse_scale_formats():
 
     got = parse_variants("-; key_bits=3/4,r0=0.34,key_meta=8-16,value_meta=8-8")
     assert got == [{}, {"key_bits": [3, 4], "r0": 0.34, "key_meta": "8/16", "value_meta": "8/8"}]
+    got = parse_variants("recent=0.1/0,bits=2/4/8,key_axis=channel/channel/token,residual=1,keep=salient")
+    assert got == [
+        {"recent": [0.1, 0.0], "bits": [2, 4, 8], "key_axis": ["channel", "channel", "token"], "residual": 1}
+        | {"keep": "salient"}
+    ]
 
 
 @pytest.mark.slow
