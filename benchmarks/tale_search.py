@@ -43,7 +43,8 @@ def main():
         variants = {k: variants[k] for k in args.only.split(",")}
     model, tok = load(args.artifact, device="cpu", dtype=torch.bfloat16)
     order = model.tale_schedule.key_order  # an artifact converted with --key-bands carries it
-    if order is None and any("key_bands" in kw for kw in variants.values()):  # on the runtime's attention, before prepare()
+    # else computed on the runtime's own attention, before prepare()
+    if order is None and any("key_bands" in kw for kw in variants.values()):
         t = time.perf_counter()
         order = stats.key_order(
             stats.key_importance(model, stats.calibration_batches(tok), model.tale_schedule.key_group)

@@ -80,7 +80,7 @@ def key_mass(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k_pos: to
     keys: [B, K, L, n]; k_pos: [B, L] int64.
     """
     B, H, W, n = q.shape
-    K, L = keys.shape[1], keys.shape[-2]
+    K = keys.shape[1]
     f32 = torch.float32
     logits = torch.einsum("bkiwn,bkln->bkiwl", q.to(f32).view(B, K, H // K, W, n), keys.to(f32))
     see = (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos.to(k_pos.device)[None, :, None])  # [B, W, L]

@@ -345,4 +345,5 @@ def _raw(t: torch.Tensor) -> QTensor:
     return QTensor(t, None, None, 16, 1, -2)
 
 
-from .attention import cached_keys, key_mass, latent_attention  # noqa: E402,F401  (latent_attention: the torch reference, kept importable from here)
+# latent_attention: the torch reference, kept importable from here
+from .attention import cached_keys, key_mass, latent_attention  # noqa: E402,F401

@@ -318,7 +318,11 @@ def take(q: QTensor | Bands, tokens: torch.Tensor) -> QTensor | Bands:
     rows = tokens
     if q.dim in (-2, q.data.dim() - 2):
         runs = tokens.view(-1, q.group) if tokens.numel() % q.group == 0 else None
-        if runs is None or (runs[:, 0] % q.group).any() or (runs - runs[:, :1] != torch.arange(q.group, device=runs.device)).any():
+        if (
+            runs is None
+            or (runs[:, 0] % q.group).any()
+            or (runs - runs[:, :1] != torch.arange(q.group, device=runs.device)).any()
+        ):
             raise ValueError(f"take: tokens do not form whole key groups of {q.group}")
         rows = runs[:, 0] // q.group
     return QTensor(
