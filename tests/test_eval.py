@@ -78,7 +78,8 @@ def test_every_registered_family_is_tested():
 
 def held_tensors(cache) -> list[torch.Tensor]:
     """Every tensor reachable from the cache's layers (tensor subclasses opened through
-    __tensor_flatten__), except TALE's padding mask (bookkeeping, not cached data)."""
+    __tensor_flatten__), except TALE's padding mask and the stores' token positions (bookkeeping, not cached
+    data: positions follow from the region layout, and with keep="salient" one per moved key group would do)."""
     out, seen = [], set()
 
     def walk(x):
@@ -97,7 +98,7 @@ def held_tensors(cache) -> list[torch.Tensor]:
                 walk(y)
         elif hasattr(x, "__dict__") and not isinstance(x, type):
             for k, y in vars(x).items():
-                if k != "valid":
+                if k not in ("valid", "pos"):
                     walk(y)
 
     walk(cache.layers)
