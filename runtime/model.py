@@ -236,9 +236,10 @@ class TaleAttention(nn.Module):
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    def _observed(self, layer, q_c: torch.Tensor) -> torch.Tensor | None:
-        """The queries a keep="salient" cache scores its key groups with (scaled like the logits), else None."""
-        return q_c * self.scaling if getattr(layer, "keep", "recent") == "salient" else None
+    def _observed(self, layer, q_c: torch.Tensor) -> dict:
+        """append()'s q= for a keep="salient" cache (the queries it scores key groups with, scaled like the
+        logits); nothing for other caches (the static one takes no queries)."""
+        return {"q": q_c * self.scaling} if getattr(layer, "keep", "recent") == "salient" else {}
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         B, T, _ = hidden_states.shape
@@ -271,13 +272,13 @@ class TaleAttention(nn.Module):
             out = self.o_proj(out.reshape(B, T, -1).contiguous())
             if layer is not None:  # h = x A only fills the cache
                 valid = _valid_from_mask(attention_mask, B, T, hidden_states.device)
-                layer.append(k_c, self.latents(hidden_states), valid, q=self._observed(layer, rotate(q, Q)))
+                layer.append(k_c, self.latents(hidden_states), valid, **self._observed(layer, rotate(q, Q)))
             return out, weights
 
         h = self.latents(hidden_states)
         q_c = rotate(q, Q)
         z = self.attention_fn(q_c, k_c, h, layer.view(), self.scaling)
-        layer.append(k_c, h, q=self._observed(layer, q_c))
+        layer.append(k_c, h, **self._observed(layer, q_c))
         return self.output(z), None
 
 
