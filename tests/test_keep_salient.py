@@ -3,6 +3,8 @@ Checked against independent recomputation on synthetic tokens: the same counts a
 position cached once, the attended group kept where recency demotes it, attention equal to an exact cache
 (also through a sliding window, which reads positions), quant.take against dequantize + index."""
 
+import copy
+
 import pytest
 import torch
 
@@ -141,3 +143,41 @@ def test_bad_keep_and_missing_queries():
     k, h, _ = toks(4, 6)
     with pytest.raises(ValueError, match="needs the queries"):
         c.append(k, h)
+
+
+def test_through_the_model_exact_levels_match_and_static_refuses():
+    """TaleAttention hands the queries to a salient cache: with exact levels the logits equal recency's (membership
+    cannot matter), with compressed levels the membership differs; the static cache refuses keep="salient"."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tale_helpers import exact_schedule, talify, tiny_model
+
+    from tale_runtime import new_cache
+
+    tm = talify(tiny_model("llama"), 1)
+    R, L = tm.tale_manifest["architecture"]["latent_rank"], tm.config.num_hidden_layers
+    ids = torch.randint(0, 200, (1, 70), generator=torch.Generator().manual_seed(7))
+
+    def decode(schedule, keep):
+        cache = new_cache(tm, schedule, keep=keep)
+        with torch.no_grad():
+            out = [tm(ids[:, :40], past_key_values=cache).logits[:, -1]]
+            for t in range(40, 70):
+                out.append(tm(ids[:, t : t + 1], past_key_values=cache).logits[:, -1])
+        return torch.cat(out), cache
+
+    ex = exact_schedule(R, L, sinks=2)
+    ex.levels[1].share = 0.3
+    a, _ = decode(ex, "recent")
+    b, cb = decode(ex, "salient")
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert cb.layers[0].q_obs.shape[-2] == ex.key_group
+    comp = copy.deepcopy(tm.tale_schedule)
+    comp.levels[1].share = 0.3  # several groups in level 1, so there is a choice
+    _, cr = decode(comp, "recent")
+    _, cs = decode(comp, "salient")
+    assert any(r.levels[1].pos.tolist() != s.levels[1].pos.tolist() for r, s in zip(cr.layers, cs.layers))
+    with pytest.raises(ValueError, match="needs the dynamic cache"):
+        new_cache(tm, keep="salient", static=True)
