@@ -42,8 +42,9 @@ def main():
     if args.only:
         variants = {k: variants[k] for k in args.only.split(",")}
     model, tok = load(args.artifact, device="cpu", dtype=torch.bfloat16)
-    order = None
-    if any("key_bands" in kw for kw in variants.values()):  # on the runtime's own attention, before prepare()
+    order = model.tale_schedule.key_order  # an artifact converted with --key-bands carries it
+    # else computed on the runtime's own attention, before prepare()
+    if order is None and any("key_bands" in kw for kw in variants.values()):
         t = time.perf_counter()
         order = stats.key_order(
             stats.key_importance(model, stats.calibration_batches(tok), model.tale_schedule.key_group)
@@ -59,17 +60,21 @@ def main():
         kw = dict(kw)
         ranks0 = kw.pop("ranks0", None)
         bands = kw.pop("key_bands", None)
+        keep = kw.pop("keep", "recent")
         sched = override_schedule(base, R, len(base.ranks), **kw)
         if ranks0:
             sched.ranks = [[r0] + rs[1:] for r0, rs in zip(ranks0, sched.ranks)]
         if bands:
             sched = stats.with_key_bands(sched, order, {int(lv): tuple(v) for lv, v in bands.items()})
         sched.validate(R, len(base.ranks))
-        pol = policies.Full() if name == "full" else policies.Tale(schedule=sched, tag=name)
+        pol = policies.Full() if name == "full" else policies.Tale({"keep": keep}, schedule=sched, tag=name)
         t = time.perf_counter()
         row = {
             "name": name,
-            "kw": kw | ({"ranks0": ranks0} if ranks0 else {}) | ({"key_bands": bands} if bands else {}),
+            "kw": kw
+            | ({"ranks0": ranks0} if ranks0 else {})
+            | ({"key_bands": bands} if bands else {})
+            | ({"keep": keep} if keep != "recent" else {}),
         }
         if not args.no_ppl:
             cache = pol.build(model, pattern)

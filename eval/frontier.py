@@ -40,11 +40,13 @@ def parse_variants(text: str) -> list[dict]:
     """'key_bits=4/4; r0=0.25,key_bits=4/4; -' -> override dicts ('-' or '' is the artifact schedule).
     Keys: sinks, recent, r0, bits, key_bits, key_group, value_group, residual, key_meta, value_meta ('16',
     '8-16', '8-8': scale/zero storage, written with '-' since '/' separates list items), key_hi (BITS/CHANNELS:
-    the middle level's key bands, on an artifact with a key order; 0/0: none); lists with '/'."""
+    the middle level's key bands, on an artifact with a key order; 0/0: none), key_axis (channel/token per level),
+    keep (recent or salient: which key groups the levels above level 0 keep); lists with '/'."""
     ints = {"sinks", "key_group", "value_group", "residual"}
     lists = {"bits", "key_bits", "key_hi"}
     floats = {"r0", "recent"}
     metas = {"key_meta", "value_meta"}
+    words = {"key_axis", "keep"}  # validated with the schedule / the cache
     out = []
     for part in text.split(";"):
         part = part.strip()
@@ -52,14 +54,16 @@ def parse_variants(text: str) -> list[dict]:
         if part and part != "-":
             for kv in part.split(","):
                 k, sep, val = (x.strip() for x in kv.partition("="))
-                if not sep or k not in ints | lists | floats | metas:
+                if not sep or k not in ints | lists | floats | metas | words:
                     raise ValueError(
                         f"bad TALE variant {kv.strip()!r}: use key=value with key one of "
-                        f"{', '.join(sorted(ints | lists | floats | metas))}"
+                        f"{', '.join(sorted(ints | lists | floats | metas | words))}"
                     )
                 try:
                     if k in metas:  # validated with the schedule (Schedule.validate)
                         v[k] = val.replace("-", "/")
+                    elif k in words:
+                        v[k] = val.split("/") if k == "key_axis" else val
                     elif k in lists:
                         v[k] = [int(x) for x in val.split("/")]
                     elif k in floats:

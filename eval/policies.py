@@ -29,6 +29,7 @@ from tale_convert.policy import budget_ranks
 from tale_convert.stats import with_key_bands
 from tale_runtime import Schedule, new_cache
 from tale_runtime.artifact import nominal_ratio
+from tale_runtime.cache import KEEP
 from tale_runtime.load import override_schedule
 
 from . import caches
@@ -163,6 +164,8 @@ class Tale(Policy):
         if not self.overrides:
             return s
         kw = dict(self.overrides)
+        if kw.pop("keep", "recent") not in KEEP:  # the cache's, not the schedule's
+            raise ValueError(f"keep must be one of {', '.join(KEEP)}, got {self.overrides['keep']!r}")
         r0 = kw.pop("r0", None)
         key_hi = kw.pop("key_hi", None)
         d = Dims.of(model)
@@ -190,7 +193,7 @@ class Tale(Policy):
         )
 
     def build(self, model, pattern):
-        return new_cache(model, self.resolve(model))
+        return new_cache(model, self.resolve(model), keep=self.overrides.get("keep", "recent"))
 
     def exact(self):
         return ExactTale(base=self)

@@ -30,16 +30,10 @@ def latent_attention(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, 
     rep, g = H // K, K // G
     f32, dev = torch.float32, q.device
     regions = view.regions
-    keys = torch.cat([dequantize(r.keys, f32) for r in regions] + [k_new.to(f32)], dim=-2)  # [B, K, Lc + T, n]
+    keys_c, pos, oks = cached_keys(view, f32, B, K, n, dev)
+    keys = torch.cat([keys_c, k_new.to(f32)], dim=-2)  # [B, K, Lc + T, n]
     Lc = keys.shape[-2] - T
-    # a slot counts if it is below the region's length and has a position (-1: empty or padding)
-    oks = [(r.pos >= 0) & (torch.arange(r.capacity, device=dev) < r.length) for r in regions]  # [B, cap] each
-    if regions:
-        pos = torch.cat([r.pos for r in regions], dim=-1).long()  # [B, Lc]
-        old = torch.cat(oks, dim=-1)[:, None, :].expand(B, T, Lc)  # [B, T, Lc]
-    else:
-        pos = torch.zeros(B, 0, dtype=torch.long, device=dev)
-        old = torch.zeros(B, T, 0, dtype=torch.bool, device=dev)
+    old = (pos >= 0)[:, None, :].expand(B, T, Lc)  # [B, T, Lc]
     t = torch.arange(T, device=dev)
     new = (t[:, None] >= t[None, :]).expand(B, T, T)  # causal among the new tokens
     if view.window is not None:
@@ -61,3 +55,35 @@ def latent_attention(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, 
         z[..., :r] += torch.einsum("bcqtl,bclr->bcqtr", probs[..., start : start + L], h)
         start += L
     return z.permute(0, 3, 1, 2, 4).reshape(B, T, H, R)
+
+
+def cached_keys(view: LayerView, dtype, B: int, K: int, n: int, device):
+    """Every region's keys dequantized, [B, K, Lc, n], their positions [B, Lc] (int64; -1: an unused slot,
+    i.e. at or past the region's length, empty, or padding) and each region's used-slot mask [B, cap]."""
+    regions = view.regions
+    # a slot counts if it is below the region's length and has a position (-1: empty or padding)
+    oks = [(r.pos >= 0) & (torch.arange(r.capacity, device=device) < r.length) for r in regions]
+    if not regions:
+        empty = torch.zeros(B, K, 0, n, dtype=dtype, device=device)
+        return empty, torch.zeros(B, 0, dtype=torch.long, device=device), []
+    keys = torch.cat([dequantize(r.keys, dtype) for r in regions], dim=-2)
+    pos = torch.cat([r.pos.long().masked_fill(~ok, -1) for r, ok in zip(regions, oks)], dim=-1)
+    return keys, pos, oks
+
+
+def key_mass(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """Attention mass each key receives from a window of queries (SnapKV's observation window), summed over
+    batch rows, heads and queries: [L] float32. Causal by position (a query at p sees keys at <= p); keys at
+    position -1 get nothing.
+
+    q: [B, H, W, n] post-RoPE queries already times the attention scaling; q_pos: [W] their positions;
+    keys: [B, K, L, n]; k_pos: [B, L] int64.
+    """
+    B, H, W, n = q.shape
+    K = keys.shape[1]
+    f32 = torch.float32
+    logits = torch.einsum("bkiwn,bkln->bkiwl", q.to(f32).view(B, K, H // K, W, n), keys.to(f32))
+    see = (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos.to(k_pos.device)[None, :, None])  # [B, W, L]
+    logits = logits.masked_fill(~see[:, None, None], float("-inf"))
+    probs = logits.softmax(dim=-1).nan_to_num(0.0)  # a query that sees nothing (all padding) adds nothing
+    return probs.sum(dim=(0, 1, 2, 3))

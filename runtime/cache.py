@@ -15,6 +15,12 @@ region for the whole batch):
 - Level i >= 1 keeps ceil(p_i * N) of the N non-sink tokens (the last level counts the
   residual too); the oldest whole groups above that move down one level at a time
   (dequantize, truncate to the lower rank, requantize).
+- keep="salient" (MiKV / SnapKV-style importance): the per-channel levels keep the key groups that
+  receive the most attention from the last `key_group` queries instead of the newest ones: at the
+  prefill the groups are placed by that mass, and a level over its share moves down its least
+  attended groups. The counts per level (so the bytes) are the recency rule's; only membership
+  changes. Regions are order-free (attention masks by `pos`), so each store keeps its tokens'
+  positions. The residual and per-token levels stay by recency.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch
 
 from .artifact import Schedule
 from .placement import demotions, fill_counts, flush_count
-from .quant import Bands, QTensor, cat, dequantize, quantize, quantize_bands, requantize, split
+from .quant import Bands, QTensor, cat, dequantize, quantize, quantize_bands, requantize, split, take
 from .regions import LayerView, Region
 
 
@@ -36,6 +42,11 @@ class Store:
     keys: QTensor | Bands  # [B, K, L, n]
     lat: QTensor  # [B, G, L, r]
     rank: int
+    pos: torch.Tensor  # [L] int64: cache position of each token (the same in every row), any order
+
+    def take(self, tokens: torch.Tensor) -> Store:
+        """The tokens at indices `tokens` [L'] of this store (whole key groups)."""
+        return Store(take(self.keys, tokens), take(self.lat, tokens), self.rank, self.pos[tokens.to(self.pos.device)])
 
     @property
     def length(self) -> int:
@@ -82,11 +93,23 @@ def key_layout(s: Schedule, level: int) -> dict:
     return dict(group=s.key_group, dim=-2, meta=s.key_meta)
 
 
+KEEP = ("recent", "salient")  # which key groups the per-channel levels above level 0 keep
+
+
 class TaleLayerCache:
     def __init__(
-        self, schedule: Schedule, layer_idx: int, num_kv_heads: int, head_dim: int, num_groups: int, latent_rank: int
+        self,
+        schedule: Schedule,
+        layer_idx: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_groups: int,
+        latent_rank: int,
+        keep: str = "recent",
     ):
-        self.s = schedule
+        if keep not in KEEP:
+            raise ValueError(f"keep must be one of {', '.join(KEEP)}, got {keep!r}")
+        self.s, self.keep = schedule, keep
         self.ranks = schedule.ranks[layer_idx]
         self.order = None if schedule.key_order is None else schedule.key_order[layer_idx]
         if self.order is not None and (len(self.order) != num_kv_heads or any(len(c) != head_dim for c in self.order)):
@@ -101,6 +124,9 @@ class TaleLayerCache:
         self.levels: list[Store | None] = [None] * len(schedule.levels)
         self.res_k = self.res_h = None
         self.valid: torch.Tensor | None = None  # [B, kappa] bool; False = padding
+        # keep="salient": the last `key_group` queries (times the attention scaling) and their positions
+        self.q_obs: torch.Tensor | None = None  # [B, H, W, n]
+        self.q_pos: torch.Tensor | None = None  # [W] int64
         self.window: int | None = None  # sliding-window layers: a query sees keys less than `window` positions back
 
     # -- bookkeeping -------------------------------------------------------------------
@@ -133,45 +159,82 @@ class TaleLayerCache:
 
     # -- quantization of a span of exact tokens into level i --------------------------
 
-    def _quant(self, k: torch.Tensor, h: torch.Tensor, level: int) -> Store:
+    def _quant(self, k: torch.Tensor, h: torch.Tensor, level: int, pos: torch.Tensor) -> Store:
         r = self.ranks[level]
-        return Store(*quant_level(self.s, level, r, k, h, self.order), r)
+        return Store(*quant_level(self.s, level, r, k, h, self.order), r, pos)
 
-    def _push(self, level: int, st: Store, front: bool = False) -> None:
+    def _push(self, level: int, st: Store) -> None:
         cur = self.levels[level]
         if cur is None or cur.length == 0:
             self.levels[level] = st
         else:
-            a, b = (st, cur) if front else (cur, st)
-            self.levels[level] = Store(cat([a.keys, b.keys]), cat([a.lat, b.lat]), cur.rank)
+            self.levels[level] = Store(
+                cat([cur.keys, st.keys]), cat([cur.lat, st.lat]), cur.rank, torch.cat([cur.pos, st.pos])
+            )
+
+    def _salient(self, level: int) -> bool:
+        """Whether `level` picks its members by attention mass (per-channel levels only: they move whole groups)."""
+        return self.keep == "salient" and self.s.levels[level].key_axis == "channel"
+
+    def _mass(self) -> torch.Tensor:
+        """Attention mass of every cached position [kappa] from the observation window (the last queries)."""
+        view = self.view()
+        B, K, n = self.valid.shape[0], self.K, self.n
+        keys, pos, _ = cached_keys(view, torch.float32, B, K, n, self.valid.device)
+        per_slot = key_mass(self.q_obs, self.q_pos, keys, pos)  # [Lc]: slots in the view's order
+        return per_slot.new_zeros(self.kappa).index_add_(0, self._columns(), per_slot)
 
     def _demote(self) -> None:
-        """Move the oldest whole key groups of over-full levels one level down (placement.demotions)."""
+        """Move whole key groups of over-full levels one level down (placement.demotions): the oldest ones, or
+        with keep="salient" the ones the observation window attends to least."""
         counts = [0 if st is None else st.length for st in self.levels]
         n_res = 0 if self.res_k is None else self.res_k.shape[-2]
+        mass = None
         for i, n_move in demotions(self.s, counts, n_res, self.kappa - (self.sink_cap or 0)):
             st = self.levels[i]
-            k_old, k_keep = split(st.keys, n_move)
-            h_old, h_keep = split(st.lat, n_move)
-            self.levels[i] = Store(k_keep, h_keep, st.rank)
+            if self._salient(i) and self._salient(i - 1) and self.q_obs is not None:
+                mass = self._mass() if mass is None else mass
+                u = self.s.unit(i)
+                score = mass[st.pos].view(-1, u).sum(-1)  # [groups]
+                low = torch.zeros(st.length // u, dtype=torch.bool)
+                low[score.argsort(stable=True)[: n_move // u].cpu()] = True
+                tok = torch.arange(st.length).view(-1, u)
+                old, self.levels[i] = st.take(tok[low].flatten()), st.take(tok[~low].flatten())
+            else:
+                k_old, k_keep = split(st.keys, n_move)
+                h_old, h_keep = split(st.lat, n_move)
+                old = Store(k_old, h_old, st.rank, st.pos[:n_move])
+                self.levels[i] = Store(k_keep, h_keep, st.rank, st.pos[n_move:])
             lv, r = self.s.levels[i - 1], self.ranks[i - 1]
             if lv.key_hi_bits:  # into bands; requantize handles bands into a plain level
-                keys = quant_keys(self.s, i - 1, dequantize(k_old), self.order)
+                keys = quant_keys(self.s, i - 1, dequantize(old.keys), self.order)
             else:
-                keys = requantize(k_old, lv.key_bits, **key_layout(self.s, i - 1))
-            self._push(i - 1, Store(keys, requantize(h_old, lv.bits, r, meta=self.s.value_meta), r))
+                keys = requantize(old.keys, lv.key_bits, **key_layout(self.s, i - 1))
+            self._push(i - 1, Store(keys, requantize(old.lat, lv.bits, r, meta=self.s.value_meta), r, old.pos))
 
     # -- filling -----------------------------------------------------------------------
 
-    def append(self, k: torch.Tensor, h: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+    def append(
+        self, k: torch.Tensor, h: torch.Tensor, valid: torch.Tensor | None = None, q: torch.Tensor | None = None
+    ) -> None:
         """Cache T new exact tokens: k [B, K, T, n] (post-RoPE), h [B, G, T, R].
 
-        `valid` [B, T] marks real (non-padding) tokens; only read at the first call.
+        `valid` [B, T] marks real (non-padding) tokens; only read at the first call. `q` [B, H, T, n]: the
+        tokens' post-RoPE queries times the attention scaling, read with keep="salient" (the last
+        `key_group` of them are the observation window).
         """
         B, T = k.shape[0], k.shape[-2]
         if valid is None:
             valid = torch.ones(B, T, dtype=torch.bool, device=k.device)
         first = self.valid is None
+        p0 = self.kappa
+        if self.keep == "salient":
+            if q is None:
+                raise ValueError('keep="salient" needs the queries of the appended tokens')
+            qp = torch.arange(p0, p0 + T)
+            W = self.s.key_group
+            self.q_obs = q[..., -W:, :] if self.q_obs is None else torch.cat([self.q_obs, q], dim=-2)[..., -W:, :]
+            self.q_pos = qp[-W:] if self.q_pos is None else torch.cat([self.q_pos, qp])[-W:]
         if first:
             pad = (~valid).int().cumprod(dim=-1).sum(dim=-1)  # leading padding per row
             self.sink_cap = int(pad.max()) + self.s.sinks
@@ -191,7 +254,7 @@ class TaleLayerCache:
             return
 
         if first or self._empty_beyond_sinks():
-            self._fill(k, h)
+            self._fill(k, h, p0 + max(take, 0))
         else:
             self.res_k = k if self.res_k is None else torch.cat([self.res_k, k], dim=-2)
             self.res_h = h if self.res_h is None else torch.cat([self.res_h, h], dim=-2)
@@ -207,43 +270,73 @@ class TaleLayerCache:
         if q == 0:
             return
         L = len(self.levels) - 1
-        self._push(L, self._quant(self.res_k[..., :q, :], self.res_h[..., :q, :], L))
+        p = torch.arange(self.kappa - self.res_k.shape[-2], self.kappa - self.res_k.shape[-2] + q)
+        self._push(L, self._quant(self.res_k[..., :q, :], self.res_h[..., :q, :], L, p))
         self.res_k, self.res_h = self.res_k[..., q:, :].clone(), self.res_h[..., q:, :].clone()
         if self.res_k.shape[-2] == 0:
             self.res_k = self.res_h = None
 
-    def _fill(self, k: torch.Tensor, h: torch.Tensor) -> None:
-        """Place a run of exact non-sink tokens (prefill) straight into their final levels,
-        so the middle is quantized once from exact values, not requantized."""
+    def _fill(self, k: torch.Tensor, h: torch.Tensor, p0: int) -> None:
+        """Place a run of exact non-sink tokens (prefill, positions p0..) straight into their final levels,
+        so the middle is quantized once from exact values, not requantized. With keep="salient" the
+        per-channel levels take whole key groups by the observation window's attention mass (most to the
+        newest such level), in the counts of the recency rule."""
         counts, n_res = fill_counts(self.s, k.shape[-2])
-        start = 0
-        for i, c in enumerate(counts):
+        pos = torch.arange(p0, p0 + k.shape[-2])
+        C = 0  # the leading per-channel levels that pick by mass
+        while C < len(counts) and self._salient(C):
+            C += 1
+        S, start, lo = sum(counts[:C]), 0, 0
+        if C > 1 and S:
+            u = self.s.key_group
+            keys = k if self.sink_k is None else torch.cat([self.sink_k, k], dim=-2)  # [B, K, sinks + T, n]
+            kpos = torch.cat([torch.arange(keys.shape[-2] - k.shape[-2]), pos]).to(k.device)  # sinks: 0..
+            kpos = kpos.expand(k.shape[0], -1).masked_fill(~self.valid[:, kpos], -1)
+            mass = key_mass(self.q_obs, self.q_pos, keys, kpos)[-k.shape[-2] :]  # [T]
+            groups = mass[:S].view(-1, u).sum(-1).argsort(descending=True, stable=True).cpu()  # most attended first
+            tok = torch.arange(S).view(-1, u)
+            for i in range(C - 1, -1, -1):
+                g, groups = groups[: counts[i] // u].sort().values, groups[counts[i] // u :]
+                if len(g):
+                    idx = tok[g].flatten()
+                    self._push(i, self._quant(k[..., idx, :], h[..., idx, :], i, pos[idx]))
+            start, lo = S, C
+        for i in range(lo, len(counts)):
+            c = counts[i]
             if c:
-                self._push(i, self._quant(k[..., start : start + c, :], h[..., start : start + c, :], i))
+                sl = slice(start, start + c)
+                self._push(i, self._quant(k[..., sl, :], h[..., sl, :], i, pos[sl]))
             start += c
         if n_res:
             self.res_k, self.res_h = k[..., start:, :].clone(), h[..., start:, :].clone()
 
     # -- reading ------------------------------------------------------------------------
 
+    def _parts(self) -> list[tuple[QTensor | Bands, QTensor, int, torch.Tensor]]:
+        """(keys, latents, rank, cache positions [L]) of every non-empty region: sinks, levels, residual."""
+        parts, k = [], self.kappa
+        if self.sink_k is not None:
+            parts.append((_raw(self.sink_k), _raw(self.sink_h), self.R, torch.arange(self.sink_k.shape[-2])))
+        parts += [(st.keys, st.lat, st.rank, st.pos) for st in self.levels if st is not None and st.length]
+        if self.res_k is not None:
+            parts.append((_raw(self.res_k), _raw(self.res_h), self.R, torch.arange(k - self.res_k.shape[-2], k)))
+        return parts
+
+    def _columns(self) -> torch.Tensor:
+        """The cache position of each slot of view(), in its order [Lc]."""
+        return torch.cat([p for *_, p in self._parts()]).to(self.valid.device)
+
     def view(self) -> LayerView:
-        """The cached tokens as regions in position order (sinks, levels, residual) for decode attention."""
+        """The cached tokens as regions (sinks, levels, residual) for decode attention; each slot's `pos` is
+        its token's cache position (a level's tokens need not be in order: keep="salient")."""
         if self.valid is None:
             return LayerView([], 0, self.window)
         B, kappa = self.valid.shape
         pos = torch.arange(kappa, dtype=torch.int32, device=self.valid.device).expand(B, kappa)
         pos = pos.masked_fill(~self.valid, -1)  # [B, kappa]
-        parts = []
-        if self.sink_k is not None:
-            parts.append((_raw(self.sink_k), _raw(self.sink_h), self.R))
-        parts += [(st.keys, st.lat, st.rank) for st in self.levels if st is not None and st.length]
-        if self.res_k is not None:
-            parts.append((_raw(self.res_k), _raw(self.res_h), self.R))
-        regions, start = [], 0
-        for keys, lat, rank in parts:
-            L = keys.shape[-2]
-            regions.append(Region(keys, lat, rank, pos[:, start : start + L], L))
-            start += L
+        regions = []
+        for keys, lat, rank, p in self._parts():
+            regions.append(Region(keys, lat, rank, pos[:, p.to(pos.device)], keys.shape[-2]))
         return LayerView(regions, kappa, self.window)
 
 
@@ -252,4 +345,5 @@ def _raw(t: torch.Tensor) -> QTensor:
     return QTensor(t, None, None, 16, 1, -2)
 
 
-from .attention import latent_attention  # noqa: E402,F401  (the torch reference; kept importable from here)
+# latent_attention: the torch reference, kept importable from here
+from .attention import cached_keys, key_mass, latent_attention  # noqa: E402,F401

@@ -345,14 +345,23 @@ def _read_tensors(
 
 
 def new_cache(
-    model, schedule: Schedule | None = None, *, static: bool = False, max_length: int | None = None
+    model,
+    schedule: Schedule | None = None,
+    *,
+    static: bool = False,
+    max_length: int | None = None,
+    keep: str = "recent",
 ) -> TaleCache | StaticTaleCache:
     """A fresh TALE cache for `model` (pass as past_key_values to forward/generate).
 
     static=False: TaleCache, tensors grow as tokens come. static=True: StaticTaleCache, buffers for
     `max_length` tokens per row allocated at the prefill (model.generate fills in prompt + max_new_tokens
     when max_length is None); its decode step can be captured as a CUDA graph (runtime/decode.py).
+    keep: which key groups the levels above level 0 keep, "recent" or "salient" (the most attended by the
+    last queries; tale_runtime.cache; dynamic cache only).
     """
+    if static and keep != "recent":
+        raise ValueError(f'keep="{keep}" needs the dynamic cache (the static cache places by recency)')
     arch = model.tale_manifest["architecture"]
     cfg = model.config
     args = (
@@ -363,7 +372,7 @@ def new_cache(
         int(arch["num_groups"]),
         int(arch["latent_rank"]),
     )
-    return StaticTaleCache(*args, max_length=max_length) if static else TaleCache(*args)
+    return StaticTaleCache(*args, max_length=max_length) if static else TaleCache(*args, keep=keep)
 
 
 def set_output_path(model, path: str) -> None:

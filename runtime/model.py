@@ -21,7 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .artifact import Schedule
 from .attention import latent_attention
-from .cache import Store, TaleLayerCache
+from .cache import TaleLayerCache
 from .static_cache import StaticTaleCache
 
 # Decode attention backend: (q [B, H, T, n], k_new [B, K, T, n], h_new [B, G, T, R], view: regions.LayerView,
@@ -89,7 +89,7 @@ class TaleLayer(TaleLayerCache, CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        TaleLayerCache.__init__(self, self.s, self._layer_idx, self.K, self.n, self.G, self.R)
+        TaleLayerCache.__init__(self, self.s, self._layer_idx, self.K, self.n, self.G, self.R, self.keep)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: pick batch rows of every region."""
@@ -107,7 +107,7 @@ class TaleLayer(TaleLayerCache, CacheLayerMixin):
                 keys, lat = (
                     replace(q, data=pick(q.data), scale=pick(q.scale), zero=pick(q.zero)) for q in (st.keys, st.lat)
                 )
-                self.levels[i] = Store(keys, lat, st.rank)
+                self.levels[i] = replace(st, keys=keys, lat=lat)
 
     @property
     def is_initialized(self) -> bool:  # HF asks; we have state once a token is cached
@@ -122,11 +122,18 @@ class TaleCache(Cache):
     """The TALE cache for a whole model: one TaleLayer per decoder layer."""
 
     def __init__(
-        self, schedule: Schedule, num_layers: int, num_kv_heads: int, head_dim: int, num_groups: int, latent_rank: int
+        self,
+        schedule: Schedule,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_groups: int,
+        latent_rank: int,
+        keep: str = "recent",
     ):
         layers = []
         for i in range(num_layers):
-            layer = TaleLayer(schedule, i, num_kv_heads, head_dim, num_groups, latent_rank)
+            layer = TaleLayer(schedule, i, num_kv_heads, head_dim, num_groups, latent_rank, keep)
             layer._layer_idx = i
             layers.append(layer)
         super().__init__(layers=layers)
@@ -233,6 +240,11 @@ class TaleAttention(nn.Module):
         k = k.view(B, T, -1, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
+    def _observed(self, layer, q_c: torch.Tensor) -> dict:
+        """append()'s q= for a keep="salient" cache (the queries it scores key groups with, scaled like the
+        logits); nothing for other caches (the static one takes no queries)."""
+        return {"q": q_c * self.scaling} if getattr(layer, "keep", "recent") == "salient" else {}
+
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         B, T, _ = hidden_states.shape
         q, k = self.qk(hidden_states, *position_embeddings)
@@ -264,12 +276,13 @@ class TaleAttention(nn.Module):
             out = self.o_proj(out.reshape(B, T, -1).contiguous())
             if layer is not None:  # h = x A only fills the cache
                 valid = _valid_from_mask(attention_mask, B, T, hidden_states.device)
-                layer.append(k_c, self.latents(hidden_states), valid)
+                layer.append(k_c, self.latents(hidden_states), valid, **self._observed(layer, rotate(q, Q)))
             return out, weights
 
         h = self.latents(hidden_states)
-        z = self.attention_fn(rotate(q, Q), k_c, h, layer.view(), self.scaling)
-        layer.append(k_c, h)
+        q_c = rotate(q, Q)
+        z = self.attention_fn(q_c, k_c, h, layer.view(), self.scaling)
+        layer.append(k_c, h, **self._observed(layer, q_c))
         return self.output(z), None
 
 

@@ -306,6 +306,30 @@ def _rebias(q: QTensor, bias: float) -> QTensor:
     return QTensor(q.data, scale, zero, q.bits, q.group, q.dim, q.meta, bias)
 
 
+def take(q: QTensor | Bands, tokens: torch.Tensor) -> QTensor | Bands:
+    """The tokens at indices `tokens` [T'] along the token dim (-2), in that order. For keys quantized over
+    token groups the indices must cover whole groups (runs of `group` consecutive aligned tokens)."""
+    if isinstance(q, Bands):
+        return Bands([take(p, tokens) for p in q.parts], q.index, q.n)
+    tokens = tokens.to(q.data.device)
+    data = q.data.index_select(-2, tokens)
+    if q.bits == 16:
+        return QTensor(data, None, None, 16, q.group, q.dim)
+    rows = tokens
+    if q.dim in (-2, q.data.dim() - 2):
+        runs = tokens.view(-1, q.group) if tokens.numel() % q.group == 0 else None
+        if (
+            runs is None
+            or (runs[:, 0] % q.group).any()
+            or (runs - runs[:, :1] != torch.arange(q.group, device=runs.device)).any()
+        ):
+            raise ValueError(f"take: tokens do not form whole key groups of {q.group}")
+        rows = runs[:, 0] // q.group
+    return QTensor(
+        data, q.scale.index_select(-2, rows), q.zero.index_select(-2, rows), q.bits, q.group, q.dim, q.meta, q.bias
+    )
+
+
 def split(q: QTensor | Bands, n_tokens: int) -> tuple[QTensor | Bands, QTensor | Bands]:
     """Split off the first n_tokens along the token dim (-2). For keys n_tokens must align to groups."""
     if isinstance(q, Bands):

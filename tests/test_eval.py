@@ -78,7 +78,8 @@ def test_every_registered_family_is_tested():
 
 def held_tensors(cache) -> list[torch.Tensor]:
     """Every tensor reachable from the cache's layers (tensor subclasses opened through
-    __tensor_flatten__), except TALE's padding mask (bookkeeping, not cached data)."""
+    __tensor_flatten__), except TALE's padding mask and the stores' token positions (bookkeeping, not cached
+    data: positions follow from the region layout, and with keep="salient" one per moved key group would do)."""
     out, seen = [], set()
 
     def walk(x):
@@ -97,7 +98,7 @@ def held_tensors(cache) -> list[torch.Tensor]:
                 walk(y)
         elif hasattr(x, "__dict__") and not isinstance(x, type):
             for k, y in vars(x).items():
-                if k != "valid":
+                if k not in ("valid", "pos"):
                     walk(y)
 
     walk(cache.layers)
@@ -458,6 +459,7 @@ def test_cli_schedule_flags_at_exact_settings_give_the_forward_ppl(tiny_artifact
         (["--frontier", "--families", "tale", "--tale-variants", "key_meta=8-4"], "key_meta must be"),
         (["--frontier", "--families", "tale", "--tale-variants", "key_hi=3/8"], "need the calibration channel order"),
         (["--frontier", "--families", "tale", "--tale-variants", "key_hi=3"], "key_hi takes BITS/CHANNELS"),
+        (["--frontier", "--families", "tale", "--tale-variants", "keep=oldest"], "keep must be one of"),
     ],
 )
 def test_cli_errors_are_one_line(args, msg, tiny_artifact, capsys, tmp_path):
@@ -473,6 +475,11 @@ def test_tale_variants_parse_scale_formats():
 
     got = parse_variants("-; key_bits=3/4,r0=0.34,key_meta=8-16,value_meta=8-8")
     assert got == [{}, {"key_bits": [3, 4], "r0": 0.34, "key_meta": "8/16", "value_meta": "8/8"}]
+    got = parse_variants("recent=0.1/0,bits=2/4/8,key_axis=channel/channel/token,residual=1,keep=salient")
+    assert got == [
+        {"recent": [0.1, 0.0], "bits": [2, 4, 8], "key_axis": ["channel", "channel", "token"], "residual": 1}
+        | {"keep": "salient"}
+    ]
 
 
 @pytest.mark.slow
