@@ -369,10 +369,16 @@ def test_falls_back_to_the_reference(monkeypatch):
         assert not quant.supports(k.shape, 2, 1, -2, k)
 
 
-@pytest.mark.parametrize("arch,g", [("llama", 2), ("qwen2", 1)])
-def test_generation_with_kernels_matches_reference(arch, g):
+@pytest.mark.parametrize("arch,g,preset", [("llama", 2, "paper"), ("qwen2", 1, "paper"), ("llama", 2, "tale")])
+def test_generation_with_kernels_matches_reference(arch, g, preset):
     """Greedy decoding of a tiny TALE model: same tokens and close logits, kernels on vs off."""
-    tm = talify(tiny_model(arch), g).to(DEVICE)  # its schedule: r0 = R/2, 2/4 bits, groups of 8
+    base = tiny_model(arch)
+    sched = None  # the paper's: r0 = R/2, 2/4 bits, groups of 8
+    if preset == "tale":
+        from test_static_cache import tale_schedule
+
+        sched = tale_schedule(base)
+    tm = talify(base, g, sched).to(DEVICE)
     ids = torch.randint(1, 320, (2, 21), generator=torch.Generator().manual_seed(1)).to(DEVICE)
 
     @torch.no_grad()
@@ -508,3 +514,35 @@ def test_fp8_bias_is_read():
         z = tale_kernels.latent_attention(q, k, h, v, n**-0.5)
         want = ref_attention(q, k, h, v, n**-0.5)
         assert rel(z, want) < TOL[torch.float32] and rel(z, z0) > 1e-2
+
+
+def test_static_cache_of_the_tale_preset_matches_reference():
+    """The static cache's view of the tale preset (bands with a device index, fp8 biases as device scalars,
+    capacities past the lengths, device lengths and next_pos): kernel == reference through flushes and
+    demotions, and the kernel reads a bias changed in place (what a captured graph sees after a re-bias)."""
+    from test_static_cache import SCHEDULES
+
+    from tale_runtime.static_cache import StaticTaleCache
+
+    s = SCHEDULES["tale"]
+    K, n, G, R = 2, 16, 1, 32
+    gen = torch.Generator().manual_seed(2)
+    sta = StaticTaleCache(s, 1, K, n, G, R, max_length=140)
+    sta.layers[0].append(
+        torch.randn(2, K, 90, n, generator=gen).to(DEVICE), torch.randn(2, G, 90, R, generator=gen).to(DEVICE)
+    )
+    layer = sta.layers[0]
+    bands = layer.keys[0]
+    assert isinstance(bands, ref_quant.Bands) and all(isinstance(p.bias, torch.Tensor) for p in bands.parts)
+    for _ in range(12):
+        v = layer.view()
+        q = torch.randn(2, 4, 1, n, generator=gen).to(DEVICE)
+        k, h = torch.randn(2, K, 1, n, generator=gen).to(DEVICE), torch.randn(2, G, 1, R, generator=gen).to(DEVICE)
+        assert attention.supported(q, k, h, v)
+        z = tale_kernels.latent_attention(q, k, h, v, 0.25)
+        assert rel(z, ref_attention(q, k, h, v, 0.25)) < TOL[torch.float32]
+        layer.append(k, h)
+    lat = layer.lat[0]
+    lat.bias.mul_(2)  # in place: the same view, another bias
+    z2 = tale_kernels.latent_attention(q, k, h, v, 0.25)
+    assert rel(z2, ref_attention(q, k, h, v, 0.25)) < TOL[torch.float32] and rel(z2, z) > 1e-3
