@@ -192,13 +192,19 @@ def test_batch_repeat_interleave_repeats_rows():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-def test_cuda_graph_steps_equal_eager_steps():
+@pytest.mark.parametrize("preset", ["paper", "tale"])
+def test_cuda_graph_steps_equal_eager_steps(preset):
     """generate() replays CUDA-graph decode steps over a static cache (TaleGenerationMixin): the same tokens
     as eager steps over the same cache type, and logits within float32 rounding (the captured step is DecodeStep,
-    whose fused kernels round differently; tests/test_decode_step.py checks graph == compiled step exactly)."""
-    from tale_runtime.load import tale_class
+    whose fused kernels round differently; tests/test_decode_step.py checks graph == compiled step exactly).
+    Both presets: the tale preset's key bands and fp8 biases (device scalars) must survive capture and re-biasing
+    between replays; runtime.generate takes this path for it by default (Schedule.fast_path)."""
+    from tale_runtime.load import tale_class, use_kernels
 
-    tm = talify(tiny_model("llama"), 2).cuda()
+    base = tiny_model("llama")
+    tm = talify(base, 2, tale_schedule(base) if preset == "tale" else None).cuda()
+    assert tm.tale_schedule.fast_path()
+    use_kernels(tm)
     tm.__class__ = tale_class(type(tm))
     ids = torch.randint(1, 320, (2, 30), generator=torch.Generator().manual_seed(5)).cuda()
     kw = dict(max_new_tokens=40, do_sample=False, output_logits=True, return_dict_in_generate=True)
@@ -209,3 +215,6 @@ def test_cuda_graph_steps_equal_eager_steps():
     assert torch.equal(graphed.sequences, eager.sequences)
     assert cache.decoder.step is not None and cache.decoder.compile_error is None
     assert all(float((a - b).norm() / b.norm()) < 1e-4 for a, b in zip(graphed.logits, eager.logits))
+    a, _ = generate(tm, ids[0], max_new_tokens=40, static=False, eos_token_id=[])
+    b, _ = generate(tm, ids[0], max_new_tokens=40, eos_token_id=[])  # on CUDA: static cache + CUDA graphs
+    assert a == b
