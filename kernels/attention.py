@@ -12,6 +12,9 @@ padded to 16). Per tile of slots:
 - masks from the slot positions (-1: padding or empty; sliding window: next_pos - pos <
   window), online softmax in base 2;
 - latents plane by plane: p @ plane_i into its own accumulator (channels i*nb ..).
+Keys in channel bands (quant.Bands: the tale preset) are scored part by part against the query's
+channels of each part (gathered on the host), fp8 scales/zeros are divided by their tensor's bias
+(a float, or a device scalar in static caches), 3-bit keys are unpacked from 24-bit words.
 Each program writes a partial (max, sum, acc[:rank]) into its slot; a second launch merges
 the slots with the new token into z [B, 1, H, R]. Lengths and positions are read on the
 device and the grid comes from capacities, so a call can be captured in a CUDA graph;
