@@ -133,9 +133,8 @@ class TaleLayerCache:
     def nbytes(self) -> int:
         """Bytes of every cached tensor: packed codes, scales, zero points, sinks, residual."""
         ts = [self.sink_k, self.sink_h, self.res_k, self.res_h]
-        return sum(t.numel() * t.element_size() for t in ts if t is not None) + sum(
-            st.nbytes() for st in self.levels if st is not None and st.length  # an emptied store: no fp8 bias either
-        )
+        held = [st for st in self.levels if st is not None and st.length]  # an emptied store: no fp8 bias either
+        return sum(t.numel() * t.element_size() for t in ts if t is not None) + sum(st.nbytes() for st in held)
 
     def baseline_nbytes(self) -> int:
         """16-bit K+V bytes of the same tokens (batch rows x positions)."""
