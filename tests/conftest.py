@@ -3,7 +3,7 @@
 - tiny_model_dir(arch): a tiny random checkpoint directory (config, safetensors, tokenizer) of
   each supported architecture, built offline once per session.
 - smollm2_path: the real SmolLM2-135M-Instruct checkpoint (built once per machine, cached).
-- smollm2_artifact: SmolLM2 converted at tale-convert's default schedule and --group 3, once per machine
+- smollm2_artifact: SmolLM2 converted at tale-convert's default schedule (paper) and --group 3, once per machine
   (cached under TALE_CACHE, keyed by the converter settings and sources).
 """
 
