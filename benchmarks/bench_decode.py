@@ -19,6 +19,7 @@ the cache tensors read (packed codes, scales, zeros, sinks, residual) over the t
 device-to-device copy measured in the same run (bytes read + written over its time).
 
     python benchmarks/bench_decode.py --out docs/speed.md
+    python benchmarks/bench_decode.py --presets --no-check --contexts 131072 --batches 1   # paper vs tale caches
 """
 
 from __future__ import annotations
@@ -416,6 +417,66 @@ def compare(cfgs: list[dict], contexts: list[int], batches: str, copy_bw: float)
             print(f"compare {L // 1024}K B={B} SDPA {t:.1f} us ({be})", flush=True)
 
 
+def preset_schedule(name: str) -> Schedule:
+    """The tale-convert presets on these shapes: "paper" (SCHED) or "tale": the middle level's keys with the 64
+    most important of each head's 128 channels at 3 bits (a random order stands in for the calibration's), the
+    rest at 2; fp8 scales (keys "8/16", latents "8/8")."""
+    if name == "paper":
+        return SCHED
+    order = [[torch.randperm(N).tolist() for _ in range(K)]]
+    levels = [Level(2, 2, None, key_hi_bits=3, key_hi_channels=N // 2), Level(4, 4, P)]
+    return Schedule(
+        sinks=SINKS,
+        levels=levels,
+        ranks=[[R0, R]],
+        key_group=KG,
+        value_group=VG,
+        residual=KG,
+        key_meta="8/16",
+        value_meta="8/8",
+        key_order=order,
+    )
+
+
+def presets(contexts: list[int], batches: str, copy_bw: float, cfg: dict) -> bool:
+    """The kernel over real caches of each preset (a static cache filled by a prefill of random keys and latents,
+    then 40 decode steps: flushes and demotions): correctness against the reference, time of one layer's decode
+    attention (CUDA-graph replays, as a captured decode step runs it), and SDPA on the same shapes."""
+    from tale_runtime.static_cache import StaticTaleCache
+
+    scale, ok = N**-0.5, True
+    for L in contexts:
+        for B in (int(x) for x in batches.split(",")):
+            for name in ("paper", "tale"):
+                c = StaticTaleCache(preset_schedule(name), 1, K, N, G, R, max_length=L + 64)
+                layer = c.layers[0]
+                layer.append(
+                    torch.randn(B, K, L, N, device=DEV, dtype=DT) * 2, torch.randn(B, G, L, R, device=DEV, dtype=DT)
+                )
+                for _ in range(40):
+                    _, k, h = new_token(B)
+                    layer.append(k, h)
+                q, k, h = new_token(B)
+                v = layer.view()
+                assert kattn.supported(q, k, h, v), name
+                e = rel(tale_kernels.latent_attention(q, k, h, v, scale, **cfg), ref_attention(q, k, h, v, scale))
+                ok &= e <= TOL
+                t = timeit(lambda v=v, q=q, k=k, h=h: tale_kernels.latent_attention(q, k, h, v, scale, **cfg))
+                nb = layer.nbytes()
+                ratio = 2 * B * K * c.book.kappa * N * 2 / nb
+                print(
+                    f"preset {name} {L // 1024}K B={B}: {t:.1f} us, cache {nb / 1e6:.1f} MB ({ratio:.2f}x), "
+                    f"{nb / (t * 1e-6) / 1e9:.0f} GB/s ({100 * nb / (t * 1e-6) / 1e9 / copy_bw:.0f}% of copy), "
+                    f"rel err {e:.1e} {'ok' if e <= TOL else 'FAIL'}",
+                    flush=True,
+                )
+                del c, layer, v
+                torch.cuda.empty_cache()
+            t, be = best_sdpa(B, L)
+            print(f"preset SDPA {L // 1024}K B={B}: {t:.1f} us ({be})", flush=True)
+    return ok
+
+
 def kernel_resources() -> None:
     try:
         for _, entry in kattn._attn_kernel.device_caches.items():
@@ -475,6 +536,9 @@ def main() -> int:
     ap.add_argument(
         "--compare", default=None, help="JSON list of launch configs: time each (whole call, 2-bit, 4-bit), no table"
     )
+    ap.add_argument(
+        "--presets", action="store_true", help="time the paper and tale presets' real (static) caches, then SDPA"
+    )
     args = ap.parse_args()
     FLUSH = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
     torch.manual_seed(0)
@@ -499,6 +563,10 @@ def main() -> int:
             ok = False
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
+    if args.presets:
+        ok &= presets([int(x) for x in args.contexts.split(",")], args.batches, copy_bw, cfg)
+        kernel_resources()
+        return 0 if ok else 1
     if args.compare:
         compare(json.loads(args.compare), [int(x) for x in args.contexts.split(",")], args.batches, copy_bw)
         kernel_resources()

@@ -12,6 +12,9 @@ padded to 16). Per tile of slots:
 - masks from the slot positions (-1: padding or empty; sliding window: next_pos - pos <
   window), online softmax in base 2;
 - latents plane by plane: p @ plane_i into its own accumulator (channels i*nb ..).
+Keys in channel bands (quant.Bands: the tale preset) are scored part by part against the query's
+channels of each part (gathered on the host), fp8 scales/zeros are divided by their tensor's bias
+(a float, or a device scalar in static caches), 3-bit keys are unpacked from 24-bit words.
 Each program writes a partial (max, sum, acc[:rank]) into its slot; a second launch merges
 the slots with the new token into z [B, 1, H, R]. Lengths and positions are read on the
 device and the grid comes from capacities, so a call can be captured in a CUDA graph;
@@ -21,13 +24,14 @@ programs past a region's length write an empty partial.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 import triton
 import triton.language as tl
 
 from tale_runtime.cache import latent_attention as reference
-from tale_runtime.quant import QTensor
+from tale_runtime.quant import FP8, Bands, QTensor
 from tale_runtime.regions import LayerView, Region
 
 from ._common import TL_DTYPE, interpreting, is_pow2, plane, plane_asm, pow2, runnable, to_float
@@ -67,6 +71,30 @@ def _split4(x, NP: tl.constexpr, M: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
+def _meta(s_ptr, z_ptr, off, m, inv, META: tl.constexpr, DOT: tl.constexpr):
+    """Scale and zero at `off` (masked: 0) in DOT. META 0: both stored in the cache dtype; 1: an fp8 scale stored
+    times the tensor's power-of-two bias (inv = 1 / bias: exact), the zero in the cache dtype; 2: both fp8."""
+    s = tl.load(s_ptr + off, mask=m, other=0.0)
+    z = tl.load(z_ptr + off, mask=m, other=0.0)
+    if META > 0:
+        s = s.to(tl.float32) * inv
+    if META > 1:
+        z = z.to(tl.float32) * inv
+    return s.to(DOT), z.to(DOT)
+
+
+@triton.jit
+def _inv_bias(bias, BP: tl.constexpr):
+    """1 / the fp8 bias: a float argument, or (BP) read from a device scalar (static caches: a captured graph
+    reads the current one)."""
+    if BP:
+        inv = 1.0 / tl.load(bias).to(tl.float32)
+    else:
+        inv = 1.0 / bias
+    return inv
+
+
+@triton.jit
 def _lat_plane(
     h_ptr,
     hb,
@@ -76,8 +104,10 @@ def _lat_plane(
     soff,
     ok,
     tm,
+    hinv,
     i: tl.constexpr,
     HBITS: tl.constexpr,
+    HMETA: tl.constexpr,
     P: tl.constexpr,
     PP: tl.constexpr,
     VG: tl.constexpr,
@@ -92,12 +122,9 @@ def _lat_plane(
         if P >= VG:  # whole groups in the plane: [BT, PP // VG]
             gi = tl.arange(0, PP // VG)
             gm = ok[:, None] & (gi < P // VG)[None, :]
-            so = soff[:, None] + ((i * P) // VG + gi)[None, :]
-            hs = tl.load(hs_ptr + so, mask=gm, other=0.0).to(DOT)
-            hz = tl.load(hz_ptr + so, mask=gm, other=0.0).to(DOT)
+            hs, hz = _meta(hs_ptr, hz_ptr, soff[:, None] + ((i * P) // VG + gi)[None, :], gm, hinv, HMETA, DOT)
         else:  # the plane lies inside one group: [BT]
-            hs = tl.load(hs_ptr + soff + (i * P) // VG, mask=ok, other=0.0).to(DOT)
-            hz = tl.load(hz_ptr + soff + (i * P) // VG, mask=ok, other=0.0).to(DOT)
+            hs, hz = _meta(hs_ptr, hz_ptr, soff + (i * P) // VG, ok, hinv, HMETA, DOT)
     if HBITS < 8 and ASM:  # unpack and scale in one PTX block, 4 codes per register
         if P >= VG:
             x3 = plane_asm(tl.reshape(hb, (BT, PP // VG, VG)), hs[:, :, None], hz[:, :, None], i, HBITS, DOT)
@@ -127,11 +154,158 @@ def _lat_plane(
     return x
 
 
+# A region's arguments travel as two flat tuples (Triton passes tuples, not lists), written once here:
+#   runtime RT: latents h, s_hb, s_hg, s_ht, hs, hz, s_hsb, s_hsg, s_hst, h_bias | pos, s_pb | length, splits,
+#               then per key part (RT_KEY items from RT_KEY0 + RT_KEY * j): q_j, s_qb, s_qh, k, s_kb, s_kh, s_kt,
+#               ks, kz, s_ksb, s_ksh, s_kst, k_bias (q_j: the query's channels of part j, gathered per KV head)
+#   constexpr CT: RANK, NPH, P, PP, BT, HDOT, LENP, HBITS, HMETA, HBP, HASM, KROWS, NKP,
+#               then per key part (CT_KEY items from CT_KEY0 + CT_KEY * j): KBITS, NK, NPK, KW, KDOT, KASM, KMETA, KBP
+RT_KEY0 = tl.constexpr(14)
+RT_KEY = tl.constexpr(13)
+CT_KEY0 = tl.constexpr(13)
+CT_KEY = tl.constexpr(8)
+
+
+@triton.jit
+def _q_planes(
+    RT,
+    CT,
+    j: tl.constexpr,
+    b,
+    head,
+    rows,
+    rmask,
+    c,
+    qk_scale,
+    GS: tl.constexpr,
+    REP: tl.constexpr,
+    QGP: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    """The block-diagonal query planes [QGP, KW] of key part j, pre-scaled (q_in_loop=False)."""
+    o: tl.constexpr = RT_KEY0 + RT_KEY * j
+    oc: tl.constexpr = CT_KEY0 + CT_KEY * j
+    NK: tl.constexpr = CT[oc + 1]
+    NPK: tl.constexpr = CT[oc + 2]
+    KW: tl.constexpr = CT[oc + 3]
+    PK: tl.constexpr = NK // NPK
+    u = tl.arange(0, KW)
+    ju = u // PK
+    jj = u % PK
+    qm = (rmask[:, None] & ((rows // REP)[:, None] == ju[None, :]))[:, :, None]
+    qoff = b * RT[o + 1] + head[:, None] * RT[o + 2] + jj[None, :]
+    pi = tl.arange(0, NPK)
+    q3 = tl.load(RT[o] + qoff[:, :, None] + pi[None, None, :] * PK, mask=qm, other=0.0)
+    q3 = (q3.to(tl.float32) * qk_scale).to(DOT)
+    return _split4(q3, NPK, QGP, KW)
+
+
+@triton.jit
+def _key_logits(
+    logits,
+    RT,
+    CT,
+    j: tl.constexpr,
+    b,
+    c,
+    head,
+    rows,
+    rmask,
+    t0,
+    t,
+    tm,
+    L,
+    qp0,
+    qp1,
+    qp2,
+    qp3,
+    GS: tl.constexpr,
+    REP: tl.constexpr,
+    KG: tl.constexpr,
+    DOT: tl.constexpr,
+    QLOOP: tl.constexpr,
+):
+    """logits [QGP, BT] + the scores of key part j over a tile of slots t (all channels when the keys are one
+    part; one band of channels otherwise: the parts' dot products sum to q . k)."""
+    o: tl.constexpr = RT_KEY0 + RT_KEY * j
+    oc: tl.constexpr = CT_KEY0 + CT_KEY * j
+    BT: tl.constexpr = CT[4]
+    KROWS: tl.constexpr = CT[11]
+    KBITS: tl.constexpr = CT[oc]
+    NK: tl.constexpr = CT[oc + 1]
+    NPK: tl.constexpr = CT[oc + 2]
+    KW: tl.constexpr = CT[oc + 3]
+    KDOT: tl.constexpr = CT[oc + 4]
+    KASM: tl.constexpr = CT[oc + 5]
+    KMETA: tl.constexpr = CT[oc + 6]
+    KBP: tl.constexpr = CT[oc + 7]
+    q_ptr = RT[o]
+    k_ptr = RT[o + 3]
+    s_kt = RT[o + 6]
+    PK: tl.constexpr = NK // NPK  # key channels per plane (2/4 bits: bytes per head row)
+    # key tile columns: KV head u // PK of the group, channel (plane) * PK + u % PK
+    u = tl.arange(0, KW)
+    ju = u // PK
+    jj = u % PK
+    um = u < GS * PK
+    kvu = c * GS + ju
+    qm2 = rmask[:, None] & ((rows // REP)[:, None] == ju[None, :])
+    qoff = b * RT[o + 1] + head[:, None] * RT[o + 2] + jj[None, :]  # [QGP, KW]
+    krow = b * RT[o + 4] + kvu * RT[o + 5]  # [KW]
+    ksoff = b * RT[o + 9] + kvu * RT[o + 10] + jj
+    kinv = _inv_bias(RT[o + 12], KBP)
+    kmask = tm[:, None] & um[None, :]
+    if KBITS < 8 and KBITS != 3:
+        kb = tl.load(k_ptr + (krow + jj)[None, :] + t[:, None] * s_kt, mask=kmask, other=0)
+    for i in tl.static_range(NPK):
+        if KBITS < 16:  # per channel over key groups: KROWS scale rows per tile
+            r = t0 // KG + tl.arange(0, KROWS)
+            sm = (r * KG < L)[:, None] & um[None, :]
+            ks, kz = _meta(
+                RT[o + 7], RT[o + 8], ksoff[None, :] + i * PK + r[:, None] * RT[o + 11], sm, kinv, KMETA, DOT
+            )
+        if KBITS < 8 and KBITS != 3 and KASM:  # unpack and scale in one PTX block, 4 codes per register
+            kc = plane_asm(tl.reshape(kb, (KROWS, BT // KROWS, KW)), ks[:, None, :], kz[:, None, :], i, KBITS, DOT)
+            kc = tl.reshape(kc, (BT, KW))
+        else:
+            if KBITS == 3:  # 8 codes per 24-bit little-endian word; a code may straddle two bytes
+                e3 = (jj % 8) * 3
+                p3 = k_ptr + (krow + (jj // 8) * 3 + e3 // 8)[None, :] + t[:, None] * s_kt
+                lo = tl.load(p3, mask=kmask, other=0).to(tl.int32)
+                hi = tl.load(p3 + 1, mask=kmask & ((e3 % 8) > 5)[None, :], other=0).to(tl.int32)
+                kc = to_float(((lo | (hi << 8)) >> (e3 % 8)[None, :]) & 7, 3, DOT)
+            elif KBITS < 8:
+                kc = plane(kb, i, KBITS, DOT)
+            elif KBITS == 8:
+                kc = to_float(
+                    tl.load(k_ptr + (krow + jj)[None, :] + i * PK + t[:, None] * s_kt, mask=kmask, other=0).to(
+                        tl.int32
+                    ),
+                    8,
+                    DOT,
+                )
+            else:
+                kc = tl.load(k_ptr + (krow + jj)[None, :] + i * PK + t[:, None] * s_kt, mask=kmask, other=0.0).to(DOT)
+            if KBITS < 16:
+                kc = tl.reshape(tl.reshape(kc, (KROWS, BT // KROWS, KW)) * ks[:, None, :] + kz[:, None, :], (BT, KW))
+        if QLOOP:
+            qi = tl.load(q_ptr + qoff + i * PK, mask=qm2, other=0.0).to(DOT)
+        elif i == 0:
+            qi = qp0
+        elif i == 1:
+            qi = qp1
+        elif i == 2:
+            qi = qp2
+        else:
+            qi = qp3
+        logits = _dot(qi, tl.trans(kc), logits, KDOT)
+    return logits
+
+
 @triton.jit
 def _region(
-    q_ptr,
-    s_qb,
-    s_qh,
+    RT,
+    CT,
     qk_scale,
     b,
     c,
@@ -146,29 +320,6 @@ def _region(
     pacc_ptr,
     s_acc,
     rk_ptr,
-    k_ptr,
-    s_kb,
-    s_kh,
-    s_kt,
-    ks_ptr,
-    kz_ptr,
-    s_ksb,
-    s_ksh,
-    s_kst,
-    h_ptr,
-    s_hb,
-    s_hg,
-    s_ht,
-    hs_ptr,
-    hz_ptr,
-    s_hsb,
-    s_hsg,
-    s_hst,
-    p_ptr,
-    s_pb,
-    len_arg,
-    nsplit,
-    N: tl.constexpr,
     GS: tl.constexpr,
     REP: tl.constexpr,
     QGP: tl.constexpr,
@@ -177,62 +328,55 @@ def _region(
     WIN: tl.constexpr,
     DOT: tl.constexpr,
     QLOOP: tl.constexpr,
-    KBITS: tl.constexpr,
-    HBITS: tl.constexpr,
-    RANK: tl.constexpr,
-    NPK: tl.constexpr,
-    KW: tl.constexpr,
-    KROWS: tl.constexpr,
-    NPH: tl.constexpr,
-    P: tl.constexpr,
-    PP: tl.constexpr,
-    BT: tl.constexpr,
-    KDOT: tl.constexpr,
-    HDOT: tl.constexpr,
-    LENP: tl.constexpr,
-    KASM: tl.constexpr,
-    HASM: tl.constexpr,
 ):
     """One split of one region: partial (max, sum, acc[:RANK]) of the group's query heads."""
+    RANK: tl.constexpr = CT[0]
+    NPH: tl.constexpr = CT[1]
+    P: tl.constexpr = CT[2]
+    PP: tl.constexpr = CT[3]
+    BT: tl.constexpr = CT[4]
+    HDOT: tl.constexpr = CT[5]
+    LENP: tl.constexpr = CT[6]
+    HBITS: tl.constexpr = CT[7]
+    HMETA: tl.constexpr = CT[8]
+    HBP: tl.constexpr = CT[9]
+    HASM: tl.constexpr = CT[10]
+    NKP: tl.constexpr = CT[12]
+    h_ptr = RT[0]
+    hs_ptr = RT[4]
+    hz_ptr = RT[5]
+    p_ptr = RT[10]
     QG: tl.constexpr = GS * REP
-    PK: tl.constexpr = N // NPK  # key channels per plane (packed: bytes per head row)
     if LENP:
-        L = tl.load(len_arg).to(tl.int32)
+        L = tl.load(RT[12]).to(tl.int32)
     else:
-        L = len_arg
-    chunk = tl.cdiv(tl.cdiv(L, nsplit), BT) * BT
+        L = RT[12]
+    chunk = tl.cdiv(tl.cdiv(L, RT[13]), BT) * BT
     t_start = spl * chunk
     t_end = tl.minimum(t_start + chunk, L)
 
     rows = tl.arange(0, QGP)
     head = c * QG + rows
     rmask = rows < QG
-    # key tile columns: KV head u // PK of the group, channel (plane) * PK + u % PK
-    u = tl.arange(0, KW)
-    ju = u // PK
-    jj = u % PK
-    um = u < GS * PK
-    kvu = c * GS + ju
-    # block-diagonal queries [QGP, KW] per plane, log2-domain scores
-    pi = tl.arange(0, NPK)
-    qm2 = rmask[:, None] & ((rows // REP)[:, None] == ju[None, :])
-    qm = qm2[:, :, None]
-    qoff = b * s_qb + head[:, None] * s_qh + jj[None, :]  # [QGP, KW]
     if QLOOP:  # the query planes are reloaded per tile (cache hits): fewer live registers
         q_scale = qk_scale
-        qp0 = qoff
-        qp1 = qoff
-        qp2 = qoff
-        qp3 = qoff
+        qa0 = rows
+        qa1 = rows
+        qa2 = rows
+        qa3 = rows
+        qb0 = rows
+        qb1 = rows
+        qb2 = rows
+        qb3 = rows
     else:
-        q3 = tl.load(q_ptr + qoff[:, :, None] + pi[None, None, :] * PK, mask=qm, other=0.0)
-        q3 = (q3.to(tl.float32) * qk_scale).to(DOT)
-        qp0, qp1, qp2, qp3 = _split4(q3, NPK, QGP, KW)
+        qa0, qa1, qa2, qa3 = _q_planes(RT, CT, 0, b, head, rows, rmask, c, qk_scale, GS, REP, QGP, DOT)
+        qb0, qb1, qb2, qb3 = qa0, qa1, qa2, qa3
+        if NKP > 1:
+            qb0, qb1, qb2, qb3 = _q_planes(RT, CT, 1, b, head, rows, rmask, c, qk_scale, GS, REP, QGP, DOT)
         q_scale = 1.0
-    koff = b * s_kb + kvu * s_kh + jj  # [KW]
-    ksoff = b * s_ksb + kvu * s_ksh + jj
-    hrow = b * s_hb + c * s_hg
-    srow = b * s_hsb + c * s_hsg
+    hrow = b * RT[1] + c * RT[2]
+    srow = b * RT[6] + c * RT[7]
+    hinv = _inv_bias(RT[9], HBP)
 
     m_i = tl.full([QGP], float("-inf"), tl.float32)
     l_i = tl.zeros([QGP], tl.float32)
@@ -244,51 +388,19 @@ def _region(
     for t0 in range(t_start, t_end, BT):
         t = t0 + tl.arange(0, BT)
         tm = t < t_end
-        pv = tl.load(p_ptr + b * s_pb + t, mask=tm, other=-1)
+        pv = tl.load(p_ptr + b * RT[11] + t, mask=tm, other=-1)
         ok = pv >= 0
         if WIN:
             ok = ok & (next_pos - pv < window)
-        # -- scores
-        kmask = tm[:, None] & um[None, :]
-        if KBITS < 8:
-            kb = tl.load(k_ptr + koff[None, :] + t[:, None] * s_kt, mask=kmask, other=0)
+        # -- scores: one key part, or the bands' parts summed
         logits = tl.zeros([QGP, BT], tl.float32)
-        for i in tl.static_range(NPK):
-            if KBITS < 16:  # per channel over key groups: KROWS scale rows per tile
-                r = t0 // KG + tl.arange(0, KROWS)
-                sm = (r * KG < L)[:, None] & um[None, :]
-                so = ksoff[None, :] + i * PK + r[:, None] * s_kst
-                ks = tl.load(ks_ptr + so, mask=sm, other=0.0).to(DOT)
-                kz = tl.load(kz_ptr + so, mask=sm, other=0.0).to(DOT)
-            if KBITS < 8 and KASM:  # unpack and scale in one PTX block, 4 codes per register
-                kc = plane_asm(tl.reshape(kb, (KROWS, BT // KROWS, KW)), ks[:, None, :], kz[:, None, :], i, KBITS, DOT)
-                kc = tl.reshape(kc, (BT, KW))
-            else:
-                if KBITS < 8:
-                    kc = plane(kb, i, KBITS, DOT)
-                elif KBITS == 8:
-                    kc = to_float(
-                        tl.load(k_ptr + koff[None, :] + i * PK + t[:, None] * s_kt, mask=kmask, other=0).to(tl.int32),
-                        8,
-                        DOT,
-                    )
-                else:
-                    kc = tl.load(k_ptr + koff[None, :] + i * PK + t[:, None] * s_kt, mask=kmask, other=0.0).to(DOT)
-                if KBITS < 16:
-                    kc = tl.reshape(
-                        tl.reshape(kc, (KROWS, BT // KROWS, KW)) * ks[:, None, :] + kz[:, None, :], (BT, KW)
-                    )
-            if QLOOP:
-                qi = tl.load(q_ptr + qoff + i * PK, mask=qm2, other=0.0).to(DOT)
-            elif i == 0:
-                qi = qp0
-            elif i == 1:
-                qi = qp1
-            elif i == 2:
-                qi = qp2
-            else:
-                qi = qp3
-            logits = _dot(qi, tl.trans(kc), logits, KDOT)
+        logits = _key_logits(
+            logits, RT, CT, 0, b, c, head, rows, rmask, t0, t, tm, L, qa0, qa1, qa2, qa3, GS, REP, KG, DOT, QLOOP
+        )
+        if NKP > 1:
+            logits = _key_logits(
+                logits, RT, CT, 1, b, c, head, rows, rmask, t0, t, tm, L, qb0, qb1, qb2, qb3, GS, REP, KG, DOT, QLOOP
+            )
         if QLOOP:
             logits = logits * q_scale
         logits = tl.where(ok[None, :], logits, float("-inf"))
@@ -302,34 +414,40 @@ def _region(
         pd = p.to(DOT)
 
         # -- latents, plane by plane
-        hoff = hrow + t * s_ht
-        soff = srow + t * s_hst
+        hoff = hrow + t * RT[3]
+        soff = srow + t * RT[8]
         hb = pv  # stands in when the latents are not packed
         if HBITS < 8:
             hb = tl.load(h_ptr + hoff[:, None] + jp[None, :], mask=tm[:, None] & (jp < P)[None, :], other=0)
         acc0 = _dot(
             pd,
-            _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 0, HBITS, P, PP, VG, BT, DOT, HASM),
+            _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hinv, 0, HBITS, HMETA, P, PP, VG, BT, DOT, HASM),
             acc0 * alpha[:, None],
             HDOT,
         )
         if NPH > 1:
             acc1 = _dot(
                 pd,
-                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1, HBITS, P, PP, VG, BT, DOT, HASM),
+                _lat_plane(
+                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hinv, 1, HBITS, HMETA, P, PP, VG, BT, DOT, HASM
+                ),
                 acc1 * alpha[:, None],
                 HDOT,
             )
         if NPH > 2:
             acc2 = _dot(
                 pd,
-                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 2, HBITS, P, PP, VG, BT, DOT, HASM),
+                _lat_plane(
+                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hinv, 2, HBITS, HMETA, P, PP, VG, BT, DOT, HASM
+                ),
                 acc2 * alpha[:, None],
                 HDOT,
             )
             acc3 = _dot(
                 pd,
-                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 3, HBITS, P, PP, VG, BT, DOT, HASM),
+                _lat_plane(
+                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hinv, 3, HBITS, HMETA, P, PP, VG, BT, DOT, HASM
+                ),
                 acc3 * alpha[:, None],
                 HDOT,
             )
@@ -351,9 +469,6 @@ def _region(
 
 @triton.jit
 def _attn_kernel(
-    q_ptr,
-    s_qb,
-    s_qh,
     qk_scale,
     np_arg,
     window,
@@ -368,155 +483,14 @@ def _attn_kernel(
     S1,
     S2,
     S3,
-    k0,
-    s_kb0,
-    s_kh0,
-    s_kt0,
-    ks0,
-    kz0,
-    s_ksb0,
-    s_ksh0,
-    s_kst0,
-    h0,
-    s_hb0,
-    s_hg0,
-    s_ht0,
-    hs0,
-    hz0,
-    s_hsb0,
-    s_hsg0,
-    s_hst0,
-    pos0,
-    s_pb0,
-    ln0,
-    ns0,
-    k1,
-    s_kb1,
-    s_kh1,
-    s_kt1,
-    ks1,
-    kz1,
-    s_ksb1,
-    s_ksh1,
-    s_kst1,
-    h1,
-    s_hb1,
-    s_hg1,
-    s_ht1,
-    hs1,
-    hz1,
-    s_hsb1,
-    s_hsg1,
-    s_hst1,
-    pos1,
-    s_pb1,
-    ln1,
-    ns1,
-    k2,
-    s_kb2,
-    s_kh2,
-    s_kt2,
-    ks2,
-    kz2,
-    s_ksb2,
-    s_ksh2,
-    s_kst2,
-    h2,
-    s_hb2,
-    s_hg2,
-    s_ht2,
-    hs2,
-    hz2,
-    s_hsb2,
-    s_hsg2,
-    s_hst2,
-    pos2,
-    s_pb2,
-    ln2,
-    ns2,
-    k3,
-    s_kb3,
-    s_kh3,
-    s_kt3,
-    ks3,
-    kz3,
-    s_ksb3,
-    s_ksh3,
-    s_kst3,
-    h3,
-    s_hb3,
-    s_hg3,
-    s_ht3,
-    hs3,
-    hz3,
-    s_hsb3,
-    s_hsg3,
-    s_hst3,
-    pos3,
-    s_pb3,
-    ln3,
-    ns3,
-    KBITS0: tl.constexpr,
-    HBITS0: tl.constexpr,
-    RANK0: tl.constexpr,
-    NPK0: tl.constexpr,
-    KW0: tl.constexpr,
-    KROWS0: tl.constexpr,
-    NPH0: tl.constexpr,
-    P0: tl.constexpr,
-    PP0: tl.constexpr,
-    BT0: tl.constexpr,
-    KDOT0: tl.constexpr,
-    HDOT0: tl.constexpr,
-    LENP0: tl.constexpr,
-    KASM0: tl.constexpr,
-    HASM0: tl.constexpr,
-    KBITS1: tl.constexpr,
-    HBITS1: tl.constexpr,
-    RANK1: tl.constexpr,
-    NPK1: tl.constexpr,
-    KW1: tl.constexpr,
-    KROWS1: tl.constexpr,
-    NPH1: tl.constexpr,
-    P1: tl.constexpr,
-    PP1: tl.constexpr,
-    BT1: tl.constexpr,
-    KDOT1: tl.constexpr,
-    HDOT1: tl.constexpr,
-    LENP1: tl.constexpr,
-    KASM1: tl.constexpr,
-    HASM1: tl.constexpr,
-    KBITS2: tl.constexpr,
-    HBITS2: tl.constexpr,
-    RANK2: tl.constexpr,
-    NPK2: tl.constexpr,
-    KW2: tl.constexpr,
-    KROWS2: tl.constexpr,
-    NPH2: tl.constexpr,
-    P2: tl.constexpr,
-    PP2: tl.constexpr,
-    BT2: tl.constexpr,
-    KDOT2: tl.constexpr,
-    HDOT2: tl.constexpr,
-    LENP2: tl.constexpr,
-    KASM2: tl.constexpr,
-    HASM2: tl.constexpr,
-    KBITS3: tl.constexpr,
-    HBITS3: tl.constexpr,
-    RANK3: tl.constexpr,
-    NPK3: tl.constexpr,
-    KW3: tl.constexpr,
-    KROWS3: tl.constexpr,
-    NPH3: tl.constexpr,
-    P3: tl.constexpr,
-    PP3: tl.constexpr,
-    BT3: tl.constexpr,
-    KDOT3: tl.constexpr,
-    HDOT3: tl.constexpr,
-    LENP3: tl.constexpr,
-    KASM3: tl.constexpr,
-    HASM3: tl.constexpr,
-    N: tl.constexpr,
+    RT0,
+    RT1,
+    RT2,
+    RT3,
+    CT0: tl.constexpr,
+    CT1: tl.constexpr,
+    CT2: tl.constexpr,
+    CT3: tl.constexpr,
     GS: tl.constexpr,
     REP: tl.constexpr,
     QGP: tl.constexpr,
@@ -532,21 +506,19 @@ def _attn_kernel(
     sp = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
-    S0 = 0
     if NPP:
         next_pos = tl.load(np_arg).to(tl.int32)
     else:
         next_pos = np_arg
     if sp < S1:
         _region(
-            q_ptr,
-            s_qb,
-            s_qh,
+            RT0,
+            CT0,
             qk_scale,
             b,
             c,
             slot0 + sp,
-            sp - S0,
+            sp,
             n_slots,
             H,
             next_pos,
@@ -556,29 +528,6 @@ def _attn_kernel(
             pacc_ptr,
             s_acc,
             rk_ptr,
-            k0,
-            s_kb0,
-            s_kh0,
-            s_kt0,
-            ks0,
-            kz0,
-            s_ksb0,
-            s_ksh0,
-            s_kst0,
-            h0,
-            s_hb0,
-            s_hg0,
-            s_ht0,
-            hs0,
-            hz0,
-            s_hsb0,
-            s_hsg0,
-            s_hst0,
-            pos0,
-            s_pb0,
-            ln0,
-            ns0,
-            N,
             GS,
             REP,
             QGP,
@@ -587,28 +536,12 @@ def _attn_kernel(
             WIN,
             DOT,
             QLOOP,
-            KBITS0,
-            HBITS0,
-            RANK0,
-            NPK0,
-            KW0,
-            KROWS0,
-            NPH0,
-            P0,
-            PP0,
-            BT0,
-            KDOT0,
-            HDOT0,
-            LENP0,
-            KASM0,
-            HASM0,
         )
     elif NREG > 1:
         if sp < S2:
             _region(
-                q_ptr,
-                s_qb,
-                s_qh,
+                RT1,
+                CT1,
                 qk_scale,
                 b,
                 c,
@@ -623,29 +556,6 @@ def _attn_kernel(
                 pacc_ptr,
                 s_acc,
                 rk_ptr,
-                k1,
-                s_kb1,
-                s_kh1,
-                s_kt1,
-                ks1,
-                kz1,
-                s_ksb1,
-                s_ksh1,
-                s_kst1,
-                h1,
-                s_hb1,
-                s_hg1,
-                s_ht1,
-                hs1,
-                hz1,
-                s_hsb1,
-                s_hsg1,
-                s_hst1,
-                pos1,
-                s_pb1,
-                ln1,
-                ns1,
-                N,
                 GS,
                 REP,
                 QGP,
@@ -654,28 +564,12 @@ def _attn_kernel(
                 WIN,
                 DOT,
                 QLOOP,
-                KBITS1,
-                HBITS1,
-                RANK1,
-                NPK1,
-                KW1,
-                KROWS1,
-                NPH1,
-                P1,
-                PP1,
-                BT1,
-                KDOT1,
-                HDOT1,
-                LENP1,
-                KASM1,
-                HASM1,
             )
         elif NREG > 2:
             if sp < S3:
                 _region(
-                    q_ptr,
-                    s_qb,
-                    s_qh,
+                    RT2,
+                    CT2,
                     qk_scale,
                     b,
                     c,
@@ -690,29 +584,6 @@ def _attn_kernel(
                     pacc_ptr,
                     s_acc,
                     rk_ptr,
-                    k2,
-                    s_kb2,
-                    s_kh2,
-                    s_kt2,
-                    ks2,
-                    kz2,
-                    s_ksb2,
-                    s_ksh2,
-                    s_kst2,
-                    h2,
-                    s_hb2,
-                    s_hg2,
-                    s_ht2,
-                    hs2,
-                    hz2,
-                    s_hsb2,
-                    s_hsg2,
-                    s_hst2,
-                    pos2,
-                    s_pb2,
-                    ln2,
-                    ns2,
-                    N,
                     GS,
                     REP,
                     QGP,
@@ -721,27 +592,11 @@ def _attn_kernel(
                     WIN,
                     DOT,
                     QLOOP,
-                    KBITS2,
-                    HBITS2,
-                    RANK2,
-                    NPK2,
-                    KW2,
-                    KROWS2,
-                    NPH2,
-                    P2,
-                    PP2,
-                    BT2,
-                    KDOT2,
-                    HDOT2,
-                    LENP2,
-                    KASM2,
-                    HASM2,
                 )
             elif NREG > 3:
                 _region(
-                    q_ptr,
-                    s_qb,
-                    s_qh,
+                    RT3,
+                    CT3,
                     qk_scale,
                     b,
                     c,
@@ -756,29 +611,6 @@ def _attn_kernel(
                     pacc_ptr,
                     s_acc,
                     rk_ptr,
-                    k3,
-                    s_kb3,
-                    s_kh3,
-                    s_kt3,
-                    ks3,
-                    kz3,
-                    s_ksb3,
-                    s_ksh3,
-                    s_kst3,
-                    h3,
-                    s_hb3,
-                    s_hg3,
-                    s_ht3,
-                    hs3,
-                    hz3,
-                    s_hsb3,
-                    s_hsg3,
-                    s_hst3,
-                    pos3,
-                    s_pb3,
-                    ln3,
-                    ns3,
-                    N,
                     GS,
                     REP,
                     QGP,
@@ -787,21 +619,6 @@ def _attn_kernel(
                     WIN,
                     DOT,
                     QLOOP,
-                    KBITS3,
-                    HBITS3,
-                    RANK3,
-                    NPK3,
-                    KW3,
-                    KROWS3,
-                    NPH3,
-                    P3,
-                    PP3,
-                    BT3,
-                    KDOT3,
-                    HDOT3,
-                    LENP3,
-                    KASM3,
-                    HASM3,
                 )
 
 
@@ -865,12 +682,13 @@ def _combine_kernel(
 # -- host side -------------------------------------------------------------------------------
 
 NREG = 4  # region slots of one launch
-_QFIELDS = {"data", "scale", "zero", "bits", "group", "dim"}
+_QFIELDS = {"data", "scale", "zero", "bits", "group", "dim", "meta", "bias"}
+_METAS = {"16": 0, "8/16": 1, "8/8": 2}  # scale/zero storage (runtime/quant.py META) -> the kernel's KMETA/HMETA
 
 
-def _plain_qtensor(t: QTensor) -> bool:
-    """A QTensor in the format the kernel reads: any field added since (a new metadata format)
-    must still hold its default, otherwise the kernel declines."""
+def _known_qtensor(t) -> bool:
+    """A QTensor of the fields the kernel knows: any field added since (a new metadata format) must still hold
+    its default, otherwise the kernel declines."""
     if type(t) is not QTensor:
         return False
     for f in dataclasses.fields(t):
@@ -886,9 +704,33 @@ def _plain_qtensor(t: QTensor) -> bool:
     return True
 
 
+def _key_parts(keys) -> list[tuple[QTensor, torch.Tensor | None]]:
+    """A region's keys as (QTensor, channel index [K, c] or None: all channels) per part."""
+    if type(keys) is Bands:
+        return list(zip(keys.parts, keys.index))
+    return [(keys, None)]
+
+
+def _meta_ok(t: QTensor, dtype: torch.dtype, device: torch.device) -> bool:
+    """Scale and zero as the kernel reads them: in the cache dtype ("16"), or fp8 e4m3 per META with the bias a
+    float or a one-element float32 tensor on the cache's device."""
+    if t.scale is None or t.zero is None or t.scale.shape != t.zero.shape or t.meta not in _METAS:
+        return False
+    want = {"16": (dtype, dtype), "8/16": (FP8, dtype), "8/8": (FP8, FP8)}[t.meta]
+    if (t.scale.dtype, t.zero.dtype) != want:
+        return False
+    b = t.bias
+    if isinstance(b, torch.Tensor):
+        return b.numel() == 1 and b.dtype == torch.float32 and b.device == t.scale.device
+    return t.meta == "16" or (isinstance(b, float) and b > 0)
+
+
 def _region_ok(r: Region, B: int, K: int, G: int, n: int, dtype: torch.dtype) -> bool:
-    kq, hq = r.keys, r.lat
-    if not (_plain_qtensor(kq) and _plain_qtensor(hq)) or kq.bits not in (2, 4, 8, 16) or hq.bits not in (2, 4, 8, 16):
+    hq = r.lat
+    parts = _key_parts(r.keys)
+    if len(parts) > 2 or not _known_qtensor(hq) or not all(_known_qtensor(kq) for kq, _ in parts):
+        return False
+    if hq.bits not in (2, 4, 8, 16):
         return False
     cap = r.capacity
     if r.pos.dtype != torch.int32 or tuple(r.pos.shape) != (B, cap) or r.pos.stride(-1) != 1 or cap == 0:
@@ -896,27 +738,34 @@ def _region_ok(r: Region, B: int, K: int, G: int, n: int, dtype: torch.dtype) ->
     ln = r.length
     if isinstance(ln, torch.Tensor) and (ln.numel() != 1 or ln.dtype not in (torch.int32, torch.int64)):
         return False
-    if tuple(kq.shape) != (B, K, cap, n) or tuple(hq.shape) != (B, G, cap, r.rank) or hq.shape[-2] != cap:
+    if tuple(r.keys.shape) != (B, K, cap, n) or tuple(hq.shape) != (B, G, cap, r.rank) or hq.shape[-2] != cap:
         return False
-    for t, bits in ((kq, kq.bits), (hq, hq.bits)):
-        if bits == 16:
-            if t.data.dtype != dtype:
+    seen = 0
+    for kq, idx in parts:
+        c = n if idx is None else idx.shape[-1]
+        seen += c
+        if kq.bits not in (2, 3, 4, 8, 16) or tuple(kq.shape) != (B, K, cap, c) or c % 8 or c < 8:
+            return False
+        if idx is not None and (tuple(idx.shape) != (K, c) or idx.dtype != torch.long):
+            return False
+        if kq.bits == 16:
+            if kq.data.dtype != dtype or idx is not None:  # 16-bit key bands: not a format the cache writes
                 return False
             continue
-        if t.data.dtype != torch.uint8 or t.scale is None or t.zero is None or not is_pow2(t.group):
+        if kq.data.dtype != torch.uint8 or not is_pow2(kq.group) or not _meta_ok(kq, dtype, kq.data.device):
             return False
-        if t.scale.dtype != dtype or t.zero.dtype != dtype or t.scale.shape != t.zero.shape:
+        if kq.dim not in (-2, 2) or tuple(kq.scale.shape) != (B, K, cap // kq.group, c) or cap % kq.group:
             return False
-    if kq.bits != 16:
-        if kq.dim not in (-2, 2) or tuple(kq.scale.shape) != (B, K, cap // kq.group, n) or cap % kq.group:
-            return False
-    if hq.bits != 16:
-        P = r.rank * hq.bits // 8 if hq.bits < 8 else _lat_planes(r.rank)[1]
-        if hq.dim not in (-1, 3) or tuple(hq.scale.shape) != (B, G, cap, r.rank // hq.group) or r.rank % hq.group:
-            return False
-        if not (P % hq.group == 0 or (hq.group % P == 0 and is_pow2(P))):  # groups must not straddle planes
-            return False
-    return True
+    if seen != n:
+        return False
+    if hq.bits == 16:
+        return hq.data.dtype == dtype
+    if hq.data.dtype != torch.uint8 or not is_pow2(hq.group) or not _meta_ok(hq, dtype, hq.data.device):
+        return False
+    P = r.rank * hq.bits // 8 if hq.bits < 8 else _lat_planes(r.rank)[1]
+    if hq.dim not in (-1, 3) or tuple(hq.scale.shape) != (B, G, cap, r.rank // hq.group) or r.rank % hq.group:
+        return False
+    return P % hq.group == 0 or (hq.group % P == 0 and is_pow2(P))  # groups must not straddle planes
 
 
 def _view(cache) -> LayerView:
@@ -924,8 +773,9 @@ def _view(cache) -> LayerView:
 
 
 def supported(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, cache) -> bool:
-    """What the kernel covers: one new token, power-of-two head dim and groups, 2/4/8/16-bit
-    regions in the packed format of runtime/quant.py with scales in the query's dtype."""
+    """What the kernel covers: one new token, power-of-two head dim and groups, regions in the packed format of
+    runtime/quant.py: keys at 2/3/4/8/16 bits, whole or in up to two channel bands (quant.Bands), latents at
+    2/4/8/16 bits, scales and zeros in the query's dtype or fp8 (META "8/16", "8/8")."""
     B, H, T, n = q.shape
     if T != 1 or not runnable(q, k_new, h_new) or q.dtype not in TL_DTYPE:
         return False
@@ -935,9 +785,10 @@ def supported(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, cache) 
     view = _view(cache)
     if not all(_region_ok(r, B, K, G, n, q.dtype) for r in view.regions):
         return False
-    if not runnable(q, *(r.keys.data for r in view.regions), *(r.lat.data for r in view.regions)):
+    keys = [kq for r in view.regions for kq, _ in _key_parts(r.keys)]
+    if not runnable(q, *(kq.data for kq in keys), *(r.lat.data for r in view.regions)):
         return False
-    gk = {r.keys.group for r in view.regions if r.keys.bits != 16}
+    gk = {kq.group for kq in keys if kq.bits != 16}
     gv = {r.lat.group for r in view.regions if r.lat.bits != 16}
     if len(gk) > 1 or len(gv) > 1:
         return False
@@ -966,46 +817,64 @@ def _c(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _region_args(r: Region, n: int, g: int, KG: int, block_t: int, ns: int, asm: tuple[int, ...]) -> tuple[list, list]:
-    kq, hq = r.keys, r.lat
-    kt, ht = _c(kq.data), _c(hq.data)
-    ks, kz = (_c(kq.scale), _c(kq.zero)) if kq.bits != 16 else (kt, kt)  # never read at 16 bits
-    hs, hz = (_c(hq.scale), _c(hq.zero)) if hq.bits != 16 else (ht, ht)
-    kb, hb = kq.bits, hq.bits
-    BT = block_t if (kb != 16 or hb != 16) else 32
-    NPK = 8 // kb if kb < 8 else (4 if n >= 64 else 1)
-    PK = n // NPK
-    KW = max(16, pow2(g * PK))  # tiles of width 4 or 8 came out wrong compiled (Triton 3.6, H100)
+# a band's channel index [K, c] -> [H, c] on the query's device (per query head: its KV head's row), made once per
+# index (before any CUDA graph captures a step) and dropped with it
+_HEAD_INDEX: dict[tuple[int, int, str], torch.Tensor] = {}
+
+
+def _head_index(idx: torch.Tensor, rep: int, device: torch.device) -> torch.Tensor:
+    key = (id(idx), rep, str(device))
+    hit = _HEAD_INDEX.get(key)
+    if hit is None:
+        hit = _HEAD_INDEX[key] = idx.to(device).repeat_interleave(rep, 0).contiguous()
+        weakref.finalize(idx, _HEAD_INDEX.pop, key, None)
+    return hit
+
+
+def _bias_arg(t: QTensor):
+    """(argument, is a pointer) of an fp8 bias: a device scalar as it is, a float as a float (1.0: "16")."""
+    if isinstance(t.bias, torch.Tensor):
+        return t.bias, True
+    return float(t.bias) if t.meta != "16" else 1.0, False
+
+
+def _region_args(
+    r: Region, q: torch.Tensor, rep: int, n: int, g: int, KG: int, block_t: int, ns: int, asm: tuple[int, ...]
+) -> tuple[tuple, tuple]:
+    """The region's runtime and constexpr tuples (their layout: RT_KEY0 / CT_KEY0 above)."""
+    hq = r.lat
+    parts = _key_parts(r.keys)
+    ht = _c(hq.data)
+    hs, hz = (_c(hq.scale), _c(hq.zero)) if hq.bits != 16 else (ht, ht)  # never read at 16 bits
+    hb = hq.bits
+    hbias, hbp = _bias_arg(hq)
+    BT = block_t if (hb != 16 or any(kq.bits != 16 for kq, _ in parts)) else 32
     NPH, P = (8 // hb, r.rank * hb // 8) if hb < 8 else _lat_planes(r.rank)
     PP = max(16, pow2(P))
     ln = r.length
-    lenp = isinstance(ln, torch.Tensor)
-    rt = [
-        kt,
-        kt.stride(0),
-        kt.stride(1),
-        kt.stride(2),
-        ks,
-        kz,
-        ks.stride(0),
-        ks.stride(1),
-        ks.stride(2),
-        ht,
-        ht.stride(0),
-        ht.stride(1),
-        ht.stride(2),
-        hs,
-        hz,
-        hs.stride(0),
-        hs.stride(1),
-        hs.stride(2),
-        r.pos,
-        r.pos.stride(0),
-        ln,
-        ns,
-    ]
-    ct = [kb, hb, r.rank, NPK, KW, max(1, BT // KG), NPH, P, PP, BT, KW >= 32, PP >= 32, lenp, kb in asm, hb in asm]
-    return rt, ct
+    rt = [ht, *ht.stride()[:3], hs, hz, *hs.stride()[:3], hbias, r.pos, r.pos.stride(0), ln, ns]
+    ct = [r.rank, NPH, P, PP, BT, PP >= 32, isinstance(ln, torch.Tensor), hb, _METAS[hq.meta], hbp, hb in asm]
+    ct += [max(1, BT // KG), len(parts)]
+    for kq, idx in parts:
+        kb, c = kq.bits, n if idx is None else idx.shape[-1]
+        qj = q  # [B, H, 1, c]: per query head, the channels of its KV head in this band
+        if idx is not None:
+            qj = q.gather(-1, _head_index(idx, rep, q.device)[None, :, None, :].expand(*q.shape[:3], c))
+        kt = _c(kq.data)
+        ks, kz = (_c(kq.scale), _c(kq.zero)) if kb != 16 else (kt, kt)
+        kbias, kbp = _bias_arg(kq)
+        NPK = 8 // kb if kb in (2, 4) else (4 if c >= 64 and kb != 3 else 1)
+        KW = max(16, pow2(g * c // NPK))  # tiles of width 4 or 8 came out wrong compiled (Triton 3.6, H100)
+        rt += [qj, qj.stride(0), qj.stride(1), kt, *kt.stride()[:3], ks, kz, *ks.stride()[:3], kbias]
+        ct += [kb, c, NPK, KW, KW >= 32, kb in asm, _METAS[kq.meta] if kb != 16 else 0, kbp]
+    return tuple(rt), tuple(ct)
+
+
+def _key_bits(keys) -> float:
+    """Key bits per channel of a region (bands: the parts' channel-weighted mean)."""
+    parts = _key_parts(keys)
+    n = sum(kq.shape[-1] for kq, _ in parts)
+    return sum(kq.bits * kq.shape[-1] for kq, _ in parts) / n
 
 
 def _splits(
@@ -1016,7 +885,7 @@ def _splits(
     caps = [r.capacity for r in view.regions]
     if split_tokens:
         return [max(1, triton.cdiv(cp, split_tokens)) for cp in caps]
-    cost = [cp * (K * n * r.keys.bits + G * r.rank * r.lat.bits) for cp, r in zip(caps, view.regions)]
+    cost = [cp * (K * n * _key_bits(r.keys) + G * r.rank * r.lat.bits) for cp, r in zip(caps, view.regions)]
     total = max(1.0, waves * sms / (B * G))
     out = []
     for cp, w in zip(caps, cost):
@@ -1067,7 +936,7 @@ def latent_attention(
     asm_bits = (2, 4) if asm is True else tuple(asm or ())
     if interpreting() or q.dtype == torch.float32:
         asm_bits = ()
-    KG = next((r.keys.group for r in regions if r.keys.bits != 16), 1)
+    KG = next((kq.group for r in regions for kq, _ in _key_parts(r.keys) if kq.bits != 16), 1)
     VG = next((r.lat.group for r in regions if r.lat.bits != 16), 1)
     BT = max(32, block_t)  # 16-token tiles gave wrong results compiled (Triton 3.6, H200); not understood
     splits = _splits(view, B, G, n, K, _num_sms(dev), waves, min_split, split_tokens)
@@ -1082,40 +951,12 @@ def latent_attention(
     slot0 = 0
     for i0 in range(0, len(regions), NREG):
         part = list(zip(regions[i0 : i0 + NREG], splits[i0 : i0 + NREG]))
-        args = [_region_args(r, n, g, KG, BT, ns, asm_bits) for r, ns in part]
+        args = [_region_args(r, q, rep, n, g, KG, BT, ns, asm_bits) for r, ns in part]
         total = sum(ns for _, ns in part)
         bounds = [sum(ns for _, ns in part[:j]) if j < len(part) else total for j in range(1, NREG)]  # S1..S3
         while len(args) < NREG:
             args.append(args[0])
-        rt = [a for r_, _ in args for a in r_]
-        ct = {
-            f"{name}{j}": v
-            for j, (_, c_) in enumerate(args)
-            for name, v in zip(
-                (
-                    "KBITS",
-                    "HBITS",
-                    "RANK",
-                    "NPK",
-                    "KW",
-                    "KROWS",
-                    "NPH",
-                    "P",
-                    "PP",
-                    "BT",
-                    "KDOT",
-                    "HDOT",
-                    "LENP",
-                    "KASM",
-                    "HASM",
-                ),
-                c_,
-            )
-        }
         _attn_kernel[(total, G, B)](
-            q,
-            q.stride(0),
-            q.stride(1),
             qk,
             npos,
             0 if win is None else int(win),
@@ -1128,8 +969,8 @@ def latent_attention(
             H,
             slot0,
             *bounds,
-            *rt,
-            N=n,
+            *(rt for rt, _ in args),
+            *(ct for _, ct in args),
             GS=g,
             REP=rep,
             QGP=QGP,
@@ -1140,7 +981,6 @@ def latent_attention(
             NREG=len(part),
             DOT=dtype,
             QLOOP=q_in_loop,
-            **ct,
             num_warps=num_warps,
             num_stages=num_stages,
             **({"maxnreg": maxnreg} if maxnreg else {}),

@@ -71,11 +71,17 @@ class Schedule:
         return self.key_group if self.levels[level].key_axis == "channel" else 1
 
     def plain_layout(self) -> bool:
-        """The cache layout tale_kernels reads: 2/4/8/16 bits, per-channel keys, 16-bit scales and zeros."""
+        """The KIVI layout of format 1.x: 2/4/8/16 bits, per-channel keys, 16-bit scales and zeros, no bands."""
         return self.key_meta == self.value_meta == "16" and all(
             lv.key_axis == "channel" and {lv.bits, lv.key_bits} <= {2, 4, 8, 16} and not lv.key_hi_bits
             for lv in self.levels
         )
+
+    def fast_path(self) -> bool:
+        """What the GPU fast path reads: the static cache holds it (per-channel keys) and the Triton decode kernel
+        reads every level of it (keys at 2/3/4/8/16 bits, whole or in bands; latents at 2/4/8/16 bits; any
+        scale/zero format). Both presets of tale-convert qualify."""
+        return all(lv.key_axis == "channel" and lv.bits != 3 for lv in self.levels)
 
     def validate(self, R: int, num_layers: int | None = None) -> None:
         if self.sinks < 0:

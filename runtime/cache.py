@@ -77,6 +77,19 @@ def quant_keys(s: Schedule, level: int, k: torch.Tensor, order: list[list[int]] 
     return quantize_bands(k, [(lv.key_bits, lo), (lv.key_hi_bits, hi)], s.key_group, s.key_meta)
 
 
+def demote_level(
+    s: Schedule, level: int, keys: QTensor | Bands, lat: QTensor, rank: int, order: list[list[int]] | None = None
+) -> tuple[QTensor | Bands, QTensor]:
+    """Tokens of the level above requantized into `level` (keys [B, K, T, n], latents truncated to `rank`):
+    the demotion step of both caches."""
+    lv = s.levels[level]
+    if lv.key_hi_bits:  # into bands; requantize handles bands into a plain level
+        keys = quant_keys(s, level, dequantize(keys), order)
+    else:
+        keys = requantize(keys, lv.key_bits, **key_layout(s, level))
+    return keys, requantize(lat, lv.bits, rank, meta=s.value_meta)
+
+
 def band_index(order: list[list[int]], m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's key_order ([K][n], most important first) -> channel indices [K, m] of the high band and
     [K, n - m] of the low one, each sorted."""
@@ -146,9 +159,8 @@ class TaleLayerCache:
     def nbytes(self) -> int:
         """Bytes of every cached tensor: packed codes, scales, zero points, sinks, residual."""
         ts = [self.sink_k, self.sink_h, self.res_k, self.res_h]
-        return sum(t.numel() * t.element_size() for t in ts if t is not None) + sum(
-            st.nbytes() for st in self.levels if st is not None
-        )
+        held = [st for st in self.levels if st is not None and st.length]  # an emptied store: no fp8 bias either
+        return sum(t.numel() * t.element_size() for t in ts if t is not None) + sum(st.nbytes() for st in held)
 
     def baseline_nbytes(self) -> int:
         """16-bit K+V bytes of the same tokens (batch rows x positions)."""
@@ -205,12 +217,8 @@ class TaleLayerCache:
                 h_old, h_keep = split(st.lat, n_move)
                 old = Store(k_old, h_old, st.rank, st.pos[:n_move])
                 self.levels[i] = Store(k_keep, h_keep, st.rank, st.pos[n_move:])
-            lv, r = self.s.levels[i - 1], self.ranks[i - 1]
-            if lv.key_hi_bits:  # into bands; requantize handles bands into a plain level
-                keys = quant_keys(self.s, i - 1, dequantize(old.keys), self.order)
-            else:
-                keys = requantize(old.keys, lv.key_bits, **key_layout(self.s, i - 1))
-            self._push(i - 1, Store(keys, requantize(old.lat, lv.bits, r, meta=self.s.value_meta), r, old.pos))
+            r = self.ranks[i - 1]
+            self._push(i - 1, Store(*demote_level(self.s, i - 1, old.keys, old.lat, r, self.order), r, old.pos))
 
     # -- filling -----------------------------------------------------------------------
 

@@ -154,8 +154,8 @@ def generate(
     device = next(model.parameters()).device
     ids = ids.to(device)
     if cache is None:
-        if static is None:  # the static cache and its CUDA graphs read the plain layout only
-            static = device.type == "cuda" and model.tale_schedule.plain_layout()
+        if static is None:  # the static cache + CUDA graphs, where the Triton kernel reads every level
+            static = device.type == "cuda" and model.tale_schedule.fast_path()
         cache = new_cache(model, static=static, max_length=ids.shape[1] + max_new_tokens if static else None)
     graphed = isinstance(cache, StaticTaleCache) and device.type == "cuda"
     stop = (

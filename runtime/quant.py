@@ -10,7 +10,8 @@ Layout (the Triton kernels in tale_kernels use exactly this one):
   holds the contiguous elements i*nb .. i*nb + nb - 1, so a kernel gets a contiguous channel
   block from one shift and mask of the loaded bytes (no interleaving; docs/kernels.md).
 - bits = 3 packs 8 codes into 3 bytes (code i of a 24-bit word at bit 3*i, little-endian), so the
-  packed last dim is last_dim * 3 / 8 too (last_dim a multiple of 8). The kernels do not read it.
+  packed last dim is last_dim * 3 / 8 too (last_dim a multiple of 8). The decode kernel reads 3-bit keys
+  (not latents); quantize / dequantize run in torch.
 - bits = 16 means "not quantized": the tensor is kept as it is.
 - meta: how scale and zero are stored ("scale/zero"). "16": both in the source dtype (KIVI; 32
   bits per group, i.e. 1 bit per number at groups of 32). "8/16": the scale as float8_e4m3fn
@@ -23,7 +24,8 @@ Bands (keys only, per channel over token groups): the channels of each KV head s
 quantized at its own bit width (the most important channels by a calibration statistic get more bits).
 Each set is an ordinary QTensor over the gathered channels [..., c_i]; `index` [K, c_i] says which.
 Quantizing channels per channel is independent across channels, so bands with equal bits dequantize
-exactly like one QTensor. The kernels do not read bands (torch reference only).
+exactly like one QTensor. The decode kernel reads up to two bands per region (each scored against the
+query's channels of that band); quantize / dequantize run in torch.
 
 On CUDA, quantize / dequantize / requantize run tale_kernels' Triton kernels when Triton is
 installed (same layout and results, up to rare one-step differences on rounding ties).
@@ -46,7 +48,9 @@ class QTensor:
     group: int
     dim: int  # -1 or -2: the dim quantization groups run along
     meta: str = "16"  # scale/zero storage, see META
-    bias: float = 1.0  # fp8 formats: scale (and fp8 zero) are stored times this power of two
+    # fp8 formats: scale (and fp8 zero) are stored times this power of two; a static cache's buffers hold it as a
+    # one-element float32 device tensor (a captured CUDA graph then reads the current value)
+    bias: float | torch.Tensor = 1.0
 
     @property
     def shape(self) -> torch.Size:

@@ -7,8 +7,12 @@ step of the whole model has fixed shapes and can be captured as a CUDA graph (ru
 Per layer (B batch rows, K KV heads, n head dim, G groups, R = g*n latent width, r_i rank of level i):
 
     sinks     keys [B, K, S, n], latents [B, G, S, R]          16-bit, S = max left padding + alpha
-    level i   keys QTensor [B, K, C_i, n*kb/8] (+ scale/zero [B, K, C_i/key_group, n]),
+    level i   keys QTensor [B, K, C_i, n*kb/8] (+ scale/zero [B, K, C_i/key_group, n]), or Bands of such
+              buffers over the band's channels (index [K, c] on the device, the layer's key_order),
               latents QTensor [B, G, C_i, r_i*b/8] (+ scale/zero [B, G, C_i, r_i/value_group])
+              fp8 scales/zeros (key_meta, value_meta "8/16", "8/8"): one bias per buffer, a device scalar
+              (a captured graph reads the current one) mirrored on the host; a write with a smaller bias
+              re-biases the buffer first (as quant.cat does), one with a larger bias is re-biased to the buffer's
               a ring of C_i slots (whole key groups): tokens enter at the write counter w_i and
               leave (demoted) from the read counter r_i; level 0 never wraps
     residual  keys [B, K, residual, n], latents [B, G, residual, R]   16-bit, the newest tokens
@@ -36,9 +40,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .artifact import Schedule
-from .cache import quant_level
+from .cache import band_index, demote_level, quant_level
 from .placement import demotions, fill_counts, flush_count
-from .quant import QTensor, cat, requantize
+from .quant import FP8, Bands, QTensor, _rebias, cat
 from .regions import LayerView, Region
 
 
@@ -139,28 +143,27 @@ def _rows(q: QTensor, a: int, b: int) -> list[torch.Tensor]:
     return out
 
 
-def _put(dst: QTensor, src: QTensor, slot: int, off: int, n: int) -> None:
-    for d, s_ in zip(_rows(dst, slot, slot + n), _rows(src, off, off + n)):
-        d.copy_(s_)
-
-
-def _take(src: QTensor, slot: int, n: int) -> QTensor:
-    data, *sz = _rows(src, slot, slot + n)
-    return QTensor(data, *(sz or [None, None]), src.bits, src.group, src.dim)
+def _qbufs(x: QTensor | Bands) -> list[QTensor]:
+    return list(x.parts) if isinstance(x, Bands) else [x]
 
 
 def _raw(t: torch.Tensor) -> QTensor:
     return QTensor(t, None, None, 16, 1, -2)
 
 
-def _empty_q(lead: tuple, tokens: int, channels: int, bits: int, group: int, dim: int, dtype, device) -> QTensor:
-    """A zeroed QTensor buffer [*lead, tokens, channels] at `bits` (dim: -2 keys, -1 latents)."""
+def _empty_q(
+    lead: tuple, tokens: int, channels: int, bits: int, group: int, dim: int, dtype, device, meta: str = "16"
+) -> QTensor:
+    """A zeroed QTensor buffer [*lead, tokens, channels] at `bits` (dim: -2 keys, -1 latents); fp8 scale/zero per
+    `meta`, with the bias a device scalar."""
     if bits == 16:
         return QTensor(torch.zeros(*lead, tokens, channels, dtype=dtype, device=device), None, None, 16, group, dim)
     data = torch.zeros(*lead, tokens, channels * bits // 8, dtype=torch.uint8, device=device)
     sshape = (*lead, tokens // group, channels) if dim == -2 else (*lead, tokens, channels // group)
-    scale, zero = (torch.zeros(sshape, dtype=dtype, device=device) for _ in range(2))
-    return QTensor(data, scale, zero, bits, group, dim)
+    scale = torch.zeros(sshape, dtype=dtype if meta == "16" else FP8, device=device)
+    zero = torch.zeros(sshape, dtype=FP8 if meta == "8/8" else dtype, device=device)
+    bias = 1.0 if meta == "16" else torch.ones((), dtype=torch.float32, device=device)
+    return QTensor(data, scale, zero, bits, group, dim, meta, bias)
 
 
 class StaticTaleLayer(CacheLayerMixin):
@@ -173,6 +176,9 @@ class StaticTaleLayer(CacheLayerMixin):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
         self.ranks = cache.schedule.ranks[layer_idx]
+        ko = cache.schedule.key_order
+        self.order = None if ko is None else ko[layer_idx]
+        self.bias: dict[int, float] = {}  # id(fp8 buffer) -> its bias on the host (the device scalar's value)
         self.window: int | None = None
         self._view: LayerView | None = None
 
@@ -227,20 +233,33 @@ class StaticTaleLayer(CacheLayerMixin):
         kw = dict(dtype=dtype, device=device)
         self.sink_k = torch.zeros(B, K, S, n, **kw)
         self.sink_h = torch.zeros(B, G, S, R, **kw)
-        self.keys = [
-            _empty_q((B, K), C, n, lv.key_bits, s.key_group, -2, dtype, device) for lv, C in zip(s.levels, caps)
-        ]
+        self.keys = [self._empty_keys(lv, B, C, dtype, device) for lv, C in zip(s.levels, caps)]
         self.lat = [
-            _empty_q((B, G), C, r, lv.bits, s.value_group, -1, dtype, device)
+            _empty_q((B, G), C, r, lv.bits, s.value_group, -1, dtype, device, s.value_meta)
             for lv, C, r in zip(s.levels, caps, self.ranks)
         ]
+        self.bias = {}
         self.res_k = torch.zeros(B, K, s.residual, n, **kw)
         self.res_h = torch.zeros(B, G, s.residual, R, **kw)
         self._view = None
 
+    def _empty_keys(self, lv, B: int, C: int, dtype, device) -> QTensor | Bands:
+        c, s = self.cache, self.cache.schedule
+        if not lv.key_hi_bits:
+            return _empty_q((B, c.K), C, c.n, lv.key_bits, s.key_group, -2, dtype, device, s.key_meta)
+        hi, lo = band_index(self.order, lv.key_hi_channels)  # the parts in quant_keys' order: low band, high band
+        parts = [
+            _empty_q((B, c.K), C, idx.shape[-1], bits, s.key_group, -2, dtype, device, s.key_meta)
+            for bits, idx in ((lv.key_bits, lo), (lv.key_hi_bits, hi))
+        ]
+        return Bands(parts, [lo.to(device), hi.to(device)], c.n)
+
+    def _qbufs(self) -> list[QTensor]:
+        return [q for x in self.keys + self.lat for q in _qbufs(x)]
+
     def _tensors(self) -> list[torch.Tensor]:
         out = [self.sink_k, self.sink_h, self.res_k, self.res_h]
-        for q in self.keys + self.lat:
+        for q in self._qbufs():
             out += [t for t in (q.data, q.scale, q.zero) if t is not None]
         return out
 
@@ -253,16 +272,21 @@ class StaticTaleLayer(CacheLayerMixin):
         per_tok = lambda t: t.element_size() * t[0].numel() // t.shape[-2]  # noqa: E731  (one token, all rows)
         total = b.sink_len * (per_tok(self.sink_k) + per_tok(self.sink_h))
         total += b.res_len * (per_tok(self.res_k) + per_tok(self.res_h))
-        for q, cnt in zip(self.keys + self.lat, b.counts() * 2):
-            for t in (q.data, q.scale, q.zero):
-                if t is not None:
-                    rows = cnt * t.shape[-2] // q.data.shape[-2]  # token groups for key scales
-                    total += rows * t.element_size() * t[0].numel() // t.shape[-2]
-        return total * B
+        fp8 = 0
+        for x, cnt in zip(self.keys + self.lat, b.counts() * 2):
+            for q in _qbufs(x):
+                fp8 += 4 if q.meta != "16" and cnt else 0  # its bias: one float32 per tensor, as QTensor.nbytes
+                for t in (q.data, q.scale, q.zero):
+                    if t is not None:
+                        rows = cnt * t.shape[-2] // q.data.shape[-2]  # token groups for key scales
+                        total += rows * t.element_size() * t[0].numel() // t.shape[-2]
+        return total * B + fp8
 
     def capacity_nbytes(self) -> int:
         """Bytes allocated for this layer."""
-        return sum(t.numel() * t.element_size() for t in self._tensors())
+        return sum(t.numel() * t.element_size() for t in self._tensors()) + 4 * sum(
+            q.meta != "16" for q in self._qbufs()
+        )
 
     def view(self) -> LayerView:
         """Every region over its whole capacity; lengths and positions are the cache's device tensors."""
@@ -296,9 +320,10 @@ class StaticTaleLayer(CacheLayerMixin):
         if op.fill is not None:
             for i, cnt in enumerate(op.fill):
                 if cnt:
-                    keys, lat = quant_level(c.schedule, i, self.ranks[i], k[:, :, t : t + cnt], h[:, :, t : t + cnt])
-                    _put(self.keys[i], keys, op.fill_start[i], 0, cnt)
-                    _put(self.lat[i], lat, op.fill_start[i], 0, cnt)
+                    k_, h_ = k[:, :, t : t + cnt], h[:, :, t : t + cnt]
+                    keys, lat = quant_level(c.schedule, i, self.ranks[i], k_, h_, self.order)
+                    self._put(self.keys[i], keys, op.fill_start[i], 0, cnt)
+                    self._put(self.lat[i], lat, op.fill_start[i], 0, cnt)
                 t += cnt
         if op.n_res:
             a = op.res_start
@@ -309,10 +334,10 @@ class StaticTaleLayer(CacheLayerMixin):
         """Quantize the first q residual tokens into the top level at its write counter w."""
         c = self.cache
         L = len(self.keys) - 1
-        keys, lat = quant_level(c.schedule, L, self.ranks[L], self.res_k[:, :, :q], self.res_h[:, :, :q])
+        keys, lat = quant_level(c.schedule, L, self.ranks[L], self.res_k[:, :, :q], self.res_h[:, :, :q], self.order)
         for slot, off, n in _spans(w, q, c.caps[L]):
-            _put(self.keys[L], keys, slot, off, n)
-            _put(self.lat[L], lat, slot, off, n)
+            self._put(self.keys[L], keys, slot, off, n)
+            self._put(self.lat[L], lat, slot, off, n)
         left = c.book.res_len  # tokens after the flushed ones (chunks only)
         if left:
             self.res_k[:, :, :left] = self.res_k[:, :, q : q + left].clone()
@@ -320,16 +345,47 @@ class StaticTaleLayer(CacheLayerMixin):
 
     def _demote(self, i: int, m: int, r: int, w: int) -> None:
         """Move m tokens from level i (read counter r) to level i - 1 (write counter w): dequantize,
-        truncate to the lower rank, requantize at the lower bits."""
-        c, s = self.cache, self.cache.schedule
+        truncate to the lower rank, requantize at the lower bits (cache.demote_level, as the dynamic cache)."""
+        c = self.cache
         spans = _spans(r, m, c.caps[i])
-        kq = cat([_take(self.keys[i], slot, n) for slot, _, n in spans])
-        hq = cat([_take(self.lat[i], slot, n) for slot, _, n in spans])
-        lv = s.levels[i - 1]
-        keys, lat = requantize(kq, lv.key_bits), requantize(hq, lv.bits, self.ranks[i - 1])
+        kq = cat([self._take(self.keys[i], slot, n) for slot, _, n in spans])
+        hq = cat([self._take(self.lat[i], slot, n) for slot, _, n in spans])
+        keys, lat = demote_level(c.schedule, i - 1, kq, hq, self.ranks[i - 1], self.order)
         for slot, off, n in _spans(w, m, c.caps[i - 1]):
-            _put(self.keys[i - 1], keys, slot, off, n)
-            _put(self.lat[i - 1], lat, slot, off, n)
+            self._put(self.keys[i - 1], keys, slot, off, n)
+            self._put(self.lat[i - 1], lat, slot, off, n)
+
+    def _put(self, dst: QTensor | Bands, src: QTensor | Bands, slot: int, off: int, n: int) -> None:
+        """src's tokens [off, off + n) into dst's slots [slot, slot + n)."""
+        if isinstance(dst, Bands):
+            for d, s_ in zip(dst.parts, src.parts):
+                self._put(d, s_, slot, off, n)
+            return
+        if dst.meta != "16":
+            src = self._rebias(dst, src)
+        for d, s_ in zip(_rows(dst, slot, slot + n), _rows(src, off, off + n)):
+            d.copy_(s_)
+
+    def _rebias(self, dst: QTensor, src: QTensor) -> QTensor:
+        """One fp8 bias for the buffer and the tokens written into it: the smaller one (quant.cat's rule)."""
+        hb = self.bias.get(id(dst))
+        if hb is not None and src.bias >= hb:
+            return _rebias(src, hb)
+        if hb is not None:  # what the buffer holds, re-biased in place (exact but for e4m3 subnormals)
+            held = _rebias(QTensor(dst.data, dst.scale, dst.zero, dst.bits, dst.group, dst.dim, dst.meta, hb), src.bias)
+            dst.scale.copy_(held.scale)
+            dst.zero.copy_(held.zero)
+        self.bias[id(dst)] = src.bias
+        dst.bias.fill_(src.bias)
+        return src
+
+    def _take(self, src: QTensor | Bands, slot: int, n: int) -> QTensor | Bands:
+        """Slots [slot, slot + n) of a buffer as a QTensor (Bands) with the host's bias."""
+        if isinstance(src, Bands):
+            return Bands([self._take(p, slot, n) for p in src.parts], src.index, src.n)
+        data, *sz = _rows(src, slot, slot + n)
+        bias = self.bias.get(id(src), 1.0) if src.meta != "16" else 1.0
+        return QTensor(data, *(sz or [None, None]), src.bits, src.group, src.dim, src.meta, bias)
 
 
 @dataclass
@@ -365,10 +421,10 @@ class StaticTaleCache(Cache):
         latent_rank: int,
         max_length: int | None = None,
     ):
-        if not schedule.plain_layout():  # its buffers hold 2/4/8/16-bit codes with 16-bit scales, per-channel keys
+        if any(lv.key_axis != "channel" for lv in schedule.levels):  # its key buffers hold whole token groups
             raise ValueError(
-                "the static cache holds the plain layout (2/4/8/16-bit codes, per-channel keys, 16-bit "
-                "scales and zeros); this schedule uses another: use new_cache(model) (dynamic)"
+                "the static cache holds per-channel keys (key_axis 'channel'); this schedule has per-token keys: "
+                "use new_cache(model) (dynamic)"
             )
         self.schedule = schedule
         self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank
@@ -529,7 +585,7 @@ class StaticTaleCache(Cache):
             for obj, names in [(layer, ("sink_k", "sink_h", "res_k", "res_h"))]:
                 for nm in names:
                     setattr(obj, nm, getattr(obj, nm).repeat_interleave(repeats, dim=0))
-            for q in layer.keys + layer.lat:
+            for q in layer._qbufs():
                 q.data = q.data.repeat_interleave(repeats, dim=0)
                 if q.scale is not None:
                     q.scale = q.scale.repeat_interleave(repeats, dim=0)

@@ -65,8 +65,10 @@ class Options:
     key_group: int = 32
     value_group: int = 32
     residual: int | None = None
-    # "paper": the paper's schedule, the plain layout that the GPU fast path (Triton kernel, static cache, CUDA
-    # graphs) reads; "tale": the best measured per byte on SmolLM2 (3-bit keys, fp8 scales: torch path only)
+    # "paper" (default): the paper's schedule (KIVI layout, 16-bit scales); "tale": the best measured per byte on
+    # SmolLM2 (docs/quality.md: middle keys 2-bit with the most important half of each head's channels at 3 bits,
+    # fp8 scales), not the default because it misses the demo's long-context answer (tests/test_demo.py). The GPU
+    # fast path (Triton kernel, static cache, CUDA graphs) reads both
     preset: str = "paper"
     target_ratio: float | None = None  # level-0 ranks per layer chosen to meet this measured ratio (1K tokens)
     # (bits, channels): the middle level's keys in two bands, per KV head the `channels` most important key

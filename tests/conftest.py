@@ -3,7 +3,7 @@
 - tiny_model_dir(arch): a tiny random checkpoint directory (config, safetensors, tokenizer) of
   each supported architecture, built offline once per session.
 - smollm2_path: the real SmolLM2-135M-Instruct checkpoint (built once per machine, cached).
-- smollm2_artifact: SmolLM2 converted with the paper defaults and --group 3, once per machine
+- smollm2_artifact: SmolLM2 converted at tale-convert's default schedule (paper) and --group 3, once per machine
   (cached under TALE_CACHE, keyed by the converter settings and sources).
 """
 
@@ -168,7 +168,7 @@ def _artifact_key(opts) -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_artifact(smollm2_path) -> Path:
-    """SmolLM2-135M-Instruct as a TALE artifact: paper defaults, --group 3, built once per machine."""
+    """SmolLM2-135M-Instruct as a TALE artifact: tale-convert's defaults, --group 3, built once per machine."""
     from tale_convert.convert import Options, convert
     from tale_convert.smollm2 import cache_root
 

@@ -369,10 +369,16 @@ def test_falls_back_to_the_reference(monkeypatch):
         assert not quant.supports(k.shape, 2, 1, -2, k)
 
 
-@pytest.mark.parametrize("arch,g", [("llama", 2), ("qwen2", 1)])
-def test_generation_with_kernels_matches_reference(arch, g):
+@pytest.mark.parametrize("arch,g,preset", [("llama", 2, "paper"), ("qwen2", 1, "paper"), ("llama", 2, "tale")])
+def test_generation_with_kernels_matches_reference(arch, g, preset):
     """Greedy decoding of a tiny TALE model: same tokens and close logits, kernels on vs off."""
-    tm = talify(tiny_model(arch), g).to(DEVICE)  # its schedule: r0 = R/2, 2/4 bits, groups of 8
+    base = tiny_model(arch)
+    sched = None  # the paper's: r0 = R/2, 2/4 bits, groups of 8
+    if preset == "tale":
+        from test_static_cache import tale_schedule
+
+        sched = tale_schedule(base)
+    tm = talify(base, g, sched).to(DEVICE)
     ids = torch.randint(1, 320, (2, 21), generator=torch.Generator().manual_seed(1)).to(DEVICE)
 
     @torch.no_grad()
@@ -414,3 +420,129 @@ def test_load_on_cuda_installs_the_kernel(tmp_path):
     use_kernels(model, False)
     want = logits()
     assert torch.equal(got.argmax(-1), want.argmax(-1)) and rel(got, want) < 5e-3
+
+
+# -- the formats of the tale preset: key bands, fp8 scales/zeros, 3-bit keys -------------------------------
+
+
+def format_schedule(name: str, n: int, K: int, R: int, group: int = 16) -> Schedule:
+    """Two-level schedules in the formats beyond the plain layout (the tale preset's and neighbours)."""
+    g = torch.Generator().manual_seed(7)
+    order = [[torch.randperm(n, generator=g).tolist() for _ in range(K)]]
+    lv, meta = {
+        # the tale preset: half of each head's key channels at 3 bits, the rest at 2; fp8 scales
+        "bands-3/2-fp8": (
+            [Level(2, 2, None, key_hi_bits=3, key_hi_channels=n // 2), Level(4, 4, 0.25)],
+            ("8/16", "8/8"),
+        ),
+        "bands-4/2": ([Level(2, 2, None, key_hi_bits=4, key_hi_channels=8), Level(4, 4, 0.25)], ("16", "16")),
+        "bands-8/3-fp8": ([Level(2, 3, None, key_hi_bits=8, key_hi_channels=8), Level(4, 8, 0.25)], ("8/8", "8/16")),
+        "3bit-keys-fp8": ([Level(2, 3, None), Level(4, 3, 0.25)], ("8/8", "8/8")),
+        "fp8-plain": ([Level(2, 2, None), Level(4, 4, 0.25)], ("8/16", "8/16")),
+    }[name]
+    return Schedule(
+        levels=lv,
+        ranks=uniform_ranks(R, 1, 0.5, value_group=group),
+        key_group=group,
+        value_group=group,
+        residual=group,
+        key_meta=meta[0],
+        value_meta=meta[1],
+        key_order=order,
+    )
+
+
+FORMATS = ["bands-3/2-fp8", "bands-4/2", "bands-8/3-fp8", "3bit-keys-fp8", "fp8-plain"]
+
+
+# every format in float32, the tale preset's in every dtype (the interpreter is slow: about 15 s a case)
+FORMAT_CASES = [(f, torch.float32) for f in FORMATS] + [("bands-3/2-fp8", d) for d in DTYPES if d != torch.float32]
+
+
+@pytest.mark.parametrize("fmt,dtype", FORMAT_CASES, ids=str)
+def test_formats_beyond_the_plain_layout_match_reference(fmt, dtype):
+    """Banded keys (each band scored against the query's gathered channels at its own bits), fp8 scales and
+    zeros (divided by the tensor's bias) and 3-bit keys: the kernel runs (supported) and matches the reference
+    over three decode steps (flush and demotion into the bands in between), with left padding, in a view
+    mixing these regions with 16-bit ones and with a plain cache's regions (more than one launch)."""
+    B, H, K, g, n = 2, 8, 4, 2, 64
+    G, R = K // g, g * n
+    c = layer_cache(B, H, K, g, n, 150, dtype, sched=format_schedule(fmt, n, K, R), pad=[0, 7])
+    plain = layer_cache(B, H, K, g, n, 90, dtype, pad=[0, 7])
+    kinds = set()
+    for step in range(3):
+        q = torch.randn(B, H, 1, n, device=DEVICE, dtype=dtype)
+        k = torch.randn(B, K, 1, n, device=DEVICE, dtype=dtype)
+        h = torch.randn(B, G, 1, R, device=DEVICE, dtype=dtype)
+        v = c.view()
+        kinds |= {
+            (type(r.keys).__name__, r.keys.bits, r.keys.meta if hasattr(r.keys, "meta") else "") for r in v.regions
+        }
+        mixed = LayerView(v.regions + plain.view().regions[::-1], v.next_pos)
+        for view, kw in ((v, dict(split_tokens=32, q_in_loop=step != 1)), (mixed, {})):
+            assert attention.supported(q, k, h, view)
+            z = tale_kernels.latent_attention(q, k, h, view, n**-0.5, **kw)
+            assert rel(z, ref_attention(q, k, h, view, n**-0.5)) < TOL[dtype]
+        c.append(k, h)
+    want_bands = fmt.startswith("bands")
+    assert any(kind[0] == "Bands" for kind in kinds) == want_bands  # the level under test was read
+
+
+def test_fp8_bias_is_read():
+    """The kernel divides fp8 scales by the tensor's bias: the same codes and stored scales with another bias
+    give another (the reference's) result, also when the bias is a device scalar (static caches)."""
+    B, H, K, g, n = 1, 8, 4, 2, 32
+    c = layer_cache(B, H, K, g, n, 120, torch.float32, sched=format_schedule("fp8-plain", n, K, 2 * n))
+    q, k, h = (
+        torch.randn(B, H, 1, n, device=DEVICE),
+        torch.randn(B, K, 1, n, device=DEVICE),
+        torch.randn(B, 1 * K // g, 1, 2 * n, device=DEVICE),
+    )
+    v = c.view()
+    i = next(j for j, r in enumerate(v.regions) if r.keys.bits != 16)
+    r = v.regions[i]
+    z0 = tale_kernels.latent_attention(q, k, h, v, n**-0.5)
+    for bias in (r.keys.bias * 2, torch.tensor(r.keys.bias * 2, device=DEVICE)):
+        keys = ref_quant.QTensor(
+            r.keys.data, r.keys.scale, r.keys.zero, r.keys.bits, r.keys.group, r.keys.dim, r.keys.meta, bias
+        )
+        lat = ref_quant.QTensor(
+            r.lat.data, r.lat.scale, r.lat.zero, r.lat.bits, r.lat.group, r.lat.dim, r.lat.meta, bias
+        )
+        v.regions[i] = Region(keys, lat, r.rank, r.pos, r.length)
+        assert attention.supported(q, k, h, v)
+        z = tale_kernels.latent_attention(q, k, h, v, n**-0.5)
+        want = ref_attention(q, k, h, v, n**-0.5)
+        assert rel(z, want) < TOL[torch.float32] and rel(z, z0) > 1e-2
+
+
+def test_static_cache_of_the_tale_preset_matches_reference():
+    """The static cache's view of the tale preset (bands with a device index, fp8 biases as device scalars,
+    capacities past the lengths, device lengths and next_pos): kernel == reference through flushes and
+    demotions, and the kernel reads a bias changed in place (what a captured graph sees after a re-bias)."""
+    from test_static_cache import SCHEDULES
+
+    from tale_runtime.static_cache import StaticTaleCache
+
+    s = SCHEDULES["tale"]
+    K, n, G, R = 2, 16, 1, 32
+    gen = torch.Generator().manual_seed(2)
+    sta = StaticTaleCache(s, 1, K, n, G, R, max_length=140)
+    sta.layers[0].append(
+        torch.randn(2, K, 90, n, generator=gen).to(DEVICE), torch.randn(2, G, 90, R, generator=gen).to(DEVICE)
+    )
+    layer = sta.layers[0]
+    bands = layer.keys[0]
+    assert isinstance(bands, ref_quant.Bands) and all(isinstance(p.bias, torch.Tensor) for p in bands.parts)
+    for _ in range(12):
+        v = layer.view()
+        q = torch.randn(2, 4, 1, n, generator=gen).to(DEVICE)
+        k, h = torch.randn(2, K, 1, n, generator=gen).to(DEVICE), torch.randn(2, G, 1, R, generator=gen).to(DEVICE)
+        assert attention.supported(q, k, h, v)
+        z = tale_kernels.latent_attention(q, k, h, v, 0.25)
+        assert rel(z, ref_attention(q, k, h, v, 0.25)) < TOL[torch.float32]
+        layer.append(k, h)
+    lat = layer.lat[0]
+    lat.bias.mul_(2)  # in place: the same view, another bias
+    z2 = tale_kernels.latent_attention(q, k, h, v, 0.25)
+    assert rel(z2, ref_attention(q, k, h, v, 0.25)) < TOL[torch.float32] and rel(z2, z) > 1e-3

@@ -190,9 +190,8 @@ def test_key_importance_matches_the_base_models_own_q_and_k():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
 def test_bands_on_cuda_match_the_cpu():
-    """On CUDA the kernel refuses Bands and the torch reference runs; the banded cache must hold the same
-    codes as on the CPU (2-bit low band through the Triton quantizer, 3-bit high band through torch) and
-    decode to the same logits."""
+    """On CUDA the banded cache must hold the same codes as on the CPU (2-bit low band through the Triton
+    quantizer, 3-bit high band through torch) and decode to the same logits (the kernel reads the bands)."""
     from tale_runtime.load import use_kernels
 
     x = keys(T=96)

@@ -28,6 +28,26 @@ SCHEDULES = {
     "exact": Schedule(
         levels=[Level(16, 16, None), Level(16, 16, 0.1)], ranks=[[32, 32]], key_group=8, value_group=8, residual=8
     ),
+    # the tale preset's formats: key bands (3-bit high band), fp8 scales (keys 8/16, latents 8/8)
+    "tale": Schedule(
+        levels=[Level(2, 2, None, key_hi_bits=3, key_hi_channels=8), Level(4, 4, 0.1)],
+        ranks=[[16, 32]],
+        key_group=8,
+        value_group=8,
+        residual=8,
+        key_meta="8/16",
+        value_meta="8/8",
+        key_order=[[torch.randperm(n, generator=torch.Generator().manual_seed(h)).tolist() for h in range(K)]],
+    ),
+    "3bit-keys-fp8": Schedule(
+        levels=[Level(2, 3, None), Level(4, 3, 0.2)],
+        ranks=[[16, 32]],
+        key_group=8,
+        value_group=8,
+        residual=8,
+        key_meta="8/8",
+        value_meta="8/16",
+    ),
 }
 
 
@@ -83,8 +103,9 @@ def test_holds_the_dynamic_caches_tokens_at_every_step(name, prompt, pad):
     assert sta.caps[-1] < (prompt + steps) // 2
 
 
-def test_attention_over_both_views_agrees():
-    s = SCHEDULES["three-levels"]
+@pytest.mark.parametrize("name", ["three-levels", "tale"])
+def test_attention_over_both_views_agrees(name):
+    s = SCHEDULES[name]
     gen = torch.Generator().manual_seed(1)
     dyn, sta = TaleCache(s, 1, K, n, G, R), StaticTaleCache(s, 1, K, n, G, R, max_length=160)
     k, h = torch.randn(1, K, 150, n, generator=gen), torch.randn(1, G, 150, R, generator=gen)
@@ -128,8 +149,29 @@ def test_generate_gives_the_dynamic_paths_tokens(arch, g):
     assert torch.equal(tm.generate(ids, past_key_values=new_cache(tm, static=True), num_beams=3, **kw), want)
 
 
-def test_decode_loop_static_equals_dynamic():
-    tm = talify(tiny_model("llama"), 2)
+def tale_schedule(model) -> Schedule:
+    """The tale preset's schedule for a tiny model: middle keys 2-bit with 8 of each head's channels at 3 bits,
+    fp8 scales, r0 = R/2 (tale_convert.policy.PRESETS["tale"] at tiny groups)."""
+    cfg = model.config
+    L, nh, kv = cfg.num_hidden_layers, cfg.head_dim, cfg.num_key_value_heads
+    g = torch.Generator().manual_seed(0)
+    return Schedule(
+        levels=[Level(2, 2, None, key_hi_bits=3, key_hi_channels=8), Level(4, 4, 0.1)],
+        ranks=[[nh, 2 * nh]] * L,
+        key_group=8,
+        value_group=8,
+        residual=8,
+        key_meta="8/16",
+        value_meta="8/8",
+        key_order=[[torch.randperm(nh, generator=g).tolist() for _ in range(kv)] for _ in range(L)],
+    )
+
+
+@pytest.mark.parametrize("preset", ["paper", "tale"])
+def test_decode_loop_static_equals_dynamic(preset):
+    base = tiny_model("llama")
+    tm = talify(base, 2, tale_schedule(base) if preset == "tale" else None)
+    assert tm.tale_schedule.fast_path()
     ids = torch.randint(1, 320, (30,), generator=torch.Generator().manual_seed(4))
     a, sa = generate(tm, ids, max_new_tokens=40, static=False, eos_token_id=[])
     b, sb = generate(tm, ids, max_new_tokens=40, static=True, eos_token_id=[])
@@ -150,13 +192,19 @@ def test_batch_repeat_interleave_repeats_rows():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-def test_cuda_graph_steps_equal_eager_steps():
+@pytest.mark.parametrize("preset", ["paper", "tale"])
+def test_cuda_graph_steps_equal_eager_steps(preset):
     """generate() replays CUDA-graph decode steps over a static cache (TaleGenerationMixin): the same tokens
     as eager steps over the same cache type, and logits within float32 rounding (the captured step is DecodeStep,
-    whose fused kernels round differently; tests/test_decode_step.py checks graph == compiled step exactly)."""
-    from tale_runtime.load import tale_class
+    whose fused kernels round differently; tests/test_decode_step.py checks graph == compiled step exactly).
+    Both presets: the tale preset's key bands and fp8 biases (device scalars) must survive capture and re-biasing
+    between replays; runtime.generate takes this path for it by default (Schedule.fast_path)."""
+    from tale_runtime.load import tale_class, use_kernels
 
-    tm = talify(tiny_model("llama"), 2).cuda()
+    base = tiny_model("llama")
+    tm = talify(base, 2, tale_schedule(base) if preset == "tale" else None).cuda()
+    assert tm.tale_schedule.fast_path()
+    use_kernels(tm)
     tm.__class__ = tale_class(type(tm))
     ids = torch.randint(1, 320, (2, 30), generator=torch.Generator().manual_seed(5)).cuda()
     kw = dict(max_new_tokens=40, do_sample=False, output_logits=True, return_dict_in_generate=True)
@@ -167,3 +215,6 @@ def test_cuda_graph_steps_equal_eager_steps():
     assert torch.equal(graphed.sequences, eager.sequences)
     assert cache.decoder.step is not None and cache.decoder.compile_error is None
     assert all(float((a - b).norm() / b.norm()) < 1e-4 for a, b in zip(graphed.logits, eager.logits))
+    a, _ = generate(tm, ids[0], max_new_tokens=40, static=False, eos_token_id=[])
+    b, _ = generate(tm, ids[0], max_new_tokens=40, eos_token_id=[])  # on CUDA: static cache + CUDA graphs
+    assert a == b
