@@ -299,6 +299,7 @@ def latent_attention_split(
     waves: float = 2.0,
     asm: bool | tuple[int, ...] = True,
     k_tiles: int = 4,
+    k_block_t: int | None = None,
     k_warps: int = 4,
     k_stages: int = 2,
     v_warps: int = 4,
@@ -309,7 +310,7 @@ def latent_attention_split(
     """tale_kernels.latent_attention in two passes (see the module doc); the caller has checked
     `attention.supported`. `k_tiles` tiles of `block_t` slots per key program; the latent pass
     splits as attention.py (`waves` programs per SM, `min_split`, `split_tokens`).
-    `logits_only` returns the logits buffer after the first pass (benchmarks)."""
+    `k_block_t` sets the key tile apart from the latent one. `logits_only` returns the logits buffer after the first pass (benchmarks)."""
     view = _view(cache)
     B, H, _, n = q.shape
     K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
@@ -331,13 +332,14 @@ def latent_attention_split(
     caps = [r.capacity for r in regions]
     offs = [sum(caps[:i]) for i in range(len(caps))]
     lg = torch.empty(B, H, max(1, sum(caps)), device=dev, dtype=torch.float32)
+    BTK = max(32, k_block_t or BT)
     for r, off in zip(regions, offs):
         geo = _geometry(r, n, g, BT)
         kq = r.keys
         kt = _c(kq.data)
         ks, kz = (_c(kq.scale), _c(kq.zero)) if kq.bits != 16 else (kt, kt)  # never read at 16 bits
-        tpp = max(1, min(k_tiles, triton.cdiv(r.capacity, BT)))
-        _keys_kernel[(triton.cdiv(r.capacity, BT * tpp), G, B)](
+        tpp = max(1, min(k_tiles, triton.cdiv(r.capacity, BTK)))
+        _keys_kernel[(triton.cdiv(r.capacity, BTK * tpp), G, B)](
             q,
             q.stride(0),
             q.stride(1),
@@ -368,8 +370,8 @@ def latent_attention_split(
             KBITS=kq.bits,
             NPK=geo["NPK"],
             KW=geo["KW"],
-            KROWS=max(1, BT // KG),
-            BT=BT,
+            KROWS=max(1, BTK // KG),
+            BT=BTK,
             KDOT=geo["KDOT"],
             LENP=isinstance(r.length, torch.Tensor),
             KASM=kq.bits in asm_bits,
