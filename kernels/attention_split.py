@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ._common import TL_DTYPE, interpreting, plane, plane_asm, pow2, to_float
-from .attention import LOG2E, _c, _combine_kernel, _dot, _lat_plane, _lat_planes, _num_sms, _splits, _view
+from .attention import LOG2E, _c, _combine_kernel, _dot, _lat_plane, _lat_planes, _num_sms, _split4, _splits, _view
 
 
 @triton.jit
@@ -70,6 +70,7 @@ def _keys_kernel(
     LENP: tl.constexpr,
     KASM: tl.constexpr,
     TPP: tl.constexpr,
+    QREG: tl.constexpr,
 ):
     """Logits of TPP tiles of BT slots (program, head group c, batch row b): lg[b, head, lg_off + t]."""
     pid = tl.program_id(0)
@@ -98,6 +99,10 @@ def _keys_kernel(
     koff = b * s_kb + kvu * s_kh + jj
     ksoff = b * s_ksb + kvu * s_ksh + jj
     lrow = b * s_lgb + head * s_lgh + lg_off
+    if QREG:  # the query planes once per program, in registers
+        pi = tl.arange(0, NPK)
+        q3 = tl.load(q_ptr + qoff[:, :, None] + pi[None, None, :] * PK, mask=qm2[:, :, None], other=0.0).to(DOT)
+        qp0, qp1, qp2, qp3 = _split4(q3, NPK, QGP, KW)
     t_lo = pid * (TPP * BT)
     for t0 in range(t_lo, tl.minimum(t_lo + TPP * BT, L), BT):
         t = t0 + tl.arange(0, BT)
@@ -135,7 +140,16 @@ def _keys_kernel(
                     kc = tl.reshape(
                         tl.reshape(kc, (KROWS, BT // KROWS, KW)) * ks[:, None, :] + kz[:, None, :], (BT, KW)
                     )
-            qi = tl.load(q_ptr + qoff + i * PK, mask=qm2, other=0.0).to(DOT)
+            if not QREG:
+                qi = tl.load(q_ptr + qoff + i * PK, mask=qm2, other=0.0).to(DOT)
+            elif i == 0:
+                qi = qp0
+            elif i == 1:
+                qi = qp1
+            elif i == 2:
+                qi = qp2
+            else:
+                qi = qp3
             logits = _dot(qi, tl.trans(kc), logits, KDOT)
         logits = tl.where(ok[None, :], logits * qk_scale, float("-inf"))
         tl.store(lg_ptr + lrow[:, None] + t[None, :], logits, mask=rmask[:, None] & tm[None, :])
@@ -300,9 +314,10 @@ def latent_attention_split(
     asm: bool | tuple[int, ...] = True,
     k_tiles: int = 4,
     k_block_t: int | None = None,
+    q_regs: bool = False,
     k_warps: int = 4,
     k_stages: int = 2,
-    v_warps: int = 4,
+    v_warps: int = 8,
     v_stages: int = 2,
     logits_only: bool = False,
     **_ignored,
@@ -310,7 +325,8 @@ def latent_attention_split(
     """tale_kernels.latent_attention in two passes (see the module doc); the caller has checked
     `attention.supported`. `k_tiles` tiles of `block_t` slots per key program; the latent pass
     splits as attention.py (`waves` programs per SM, `min_split`, `split_tokens`).
-    `k_block_t` sets the key tile apart from the latent one. `logits_only` returns the logits buffer after the first pass (benchmarks)."""
+    `k_block_t` sets the key tile apart from the latent one; `q_regs` holds the query planes in
+    registers through the key pass instead of reloading them per tile. `logits_only` returns the logits buffer after the first pass (benchmarks)."""
     view = _view(cache)
     B, H, _, n = q.shape
     K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
@@ -376,6 +392,7 @@ def latent_attention_split(
             LENP=isinstance(r.length, torch.Tensor),
             KASM=kq.bits in asm_bits,
             TPP=tpp,
+            QREG=q_regs and geo["NPK"] in (1, 2, 4),
             num_warps=k_warps,
             num_stages=k_stages,
             **common,
