@@ -1062,7 +1062,9 @@ def latent_attention(
         from .attention_split import latent_attention_split
 
         kw = dict(block_t=block_t, split_tokens=split_tokens, min_split=min_split, waves=waves, asm=asm)
-        return latent_attention_split(q, k_new, h_new, view, scaling, **{**kw, **(split if isinstance(split, dict) else {})})
+        return latent_attention_split(
+            q, k_new, h_new, view, scaling, **{**kw, **(split if isinstance(split, dict) else {})}
+        )
     B, H, _, n = q.shape
     K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
     rep, g = H // K, K // G

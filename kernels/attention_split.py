@@ -225,7 +225,9 @@ def _lat_kernel(
     mx = tl.full([QGP, BT], float("-inf"), tl.float32)
     for t0 in range(t_start, t_end, BT):
         t = t0 + tl.arange(0, BT)
-        x = tl.load(lg_ptr + lrow[:, None] + t[None, :], mask=rmask[:, None] & (t < t_end)[None, :], other=float("-inf"))
+        x = tl.load(
+            lg_ptr + lrow[:, None] + t[None, :], mask=rmask[:, None] & (t < t_end)[None, :], other=float("-inf")
+        )
         mx = tl.maximum(mx, x)
     m = tl.max(mx, axis=1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -254,7 +256,10 @@ def _lat_kernel(
         if HBITS < 8:
             hb = tl.load(h_ptr + hoff[:, None] + jp[None, :], mask=tm[:, None] & (jp < P)[None, :], other=0)
         acc0 = _dot(
-            pd, _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 0, HBITS, P, PP, VG, BT, DOT, HASM), acc0, HDOT
+            pd,
+            _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 0, HBITS, P, PP, VG, BT, DOT, HASM),
+            acc0,
+            HDOT,
         )
         if NPH > 1:
             acc1 = _dot(

@@ -4,12 +4,13 @@ Same set-up as test_kernels.py (interpreter on CPU, compiled on CUDA), whose hel
 it reuses; every check draws fresh random inputs.
 """
 
+# ruff: noqa: I001  (test_kernels first: it sets TRITON_INTERPRET before triton is imported)
 from __future__ import annotations
 
 import pytest
 import torch
 
-from test_kernels import CASES, DEVICE, DTYPES, TOL, _grow, layer_cache, rel  # noqa: I001  (sets TRITON_INTERPRET)
+from test_kernels import CASES, DEVICE, DTYPES, TOL, _grow, layer_cache, rel
 
 import tale_kernels  # noqa: E402
 from tale_kernels import attention, attention_split  # noqa: E402
@@ -102,7 +103,9 @@ def test_split_sliding_window_and_static_view(dtype):
         length = torch.tensor([r.length], dtype=torch.int32, device=DEVICE)
         regions.append(Region(_grow(r.keys, 32, float("nan")), _grow(r.lat, 32, float("nan")), r.rank, pos, length))
     e = regions[0]
-    regions.append(Region(e.keys, e.lat, e.rank, torch.full_like(e.pos, -1), torch.zeros(1, dtype=torch.int32, device=DEVICE)))
+    regions.append(
+        Region(e.keys, e.lat, e.rank, torch.full_like(e.pos, -1), torch.zeros(1, dtype=torch.int32, device=DEVICE))
+    )
     view = LayerView(regions[::-1], torch.tensor(v.next_pos, dtype=torch.int32, device=DEVICE), None)
     assert attention.supported(q, k, h, view)
     z = tale_kernels.latent_attention(q, k, h, view, 0.125, split={"k_tiles": 2})
