@@ -89,8 +89,8 @@ if which == "keys":
             NPP=False,
             DOT=tl.bfloat16,
             KBITS=bits,
-            NPK=8 // bits,
-            KW=4 * 128 * bits // 8,
+            NPK=8 // bits if bits < 8 else 4,
+            KW=4 * 128 * bits // 8 if bits < 8 else 128,
             KROWS=max(1, BT // 32),
             BT=BT,
             KDOT=True,
@@ -103,7 +103,7 @@ if which == "keys":
         stages,
     )
 elif which == "lat":
-    P = 256 * bits // 8 if bits == 2 else 512 * bits // 8
+    P = 256 * bits // 8 if bits == 2 else 512 * bits // 8 if bits < 8 else 128
     k = build(
         S._lat_kernel,
         {
@@ -127,7 +127,7 @@ elif which == "lat":
             DOT=tl.bfloat16,
             HBITS=bits,
             RANK=256 if bits == 2 else 512,
-            NPH=8 // bits,
+            NPH=8 // bits if bits < 8 else 4,
             P=P,
             PP=P,
             BT=BT,
