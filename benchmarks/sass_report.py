@@ -4,7 +4,8 @@ Uses the Triton of the environment (the venv has 3.9; the device runs 3.6, whose
 a few %) with ptxas/cuobjdump from its wheel, at Llama-3.1-8B shapes (g = 4, rep = 4, head dim 128, groups
 of 32), bf16, pointers and strides marked divisible by 16 as the JIT specializes them on real shapes.
 
-    python benchmarks/sass_report.py keys 4 2 2      # kernel (keys | lat | onepass), warps, stages, bits
+    python benchmarks/sass_report.py keys 4 2 2      # kernel (keys | lat | keysall | latall | onepass), warps,
+                                                     # stages, bits (ignored by the *all kinds), [slots per tile]
     QREG=1 python benchmarks/sass_report.py keys 4 2 2 ; HASM=0 python benchmarks/sass_report.py lat 8 2 4
 
 Writes OUTDIR/<args>.sass (OUTDIR: $SASS_OUT or /tmp) and prints registers, stack, shared memory, the
@@ -75,69 +76,66 @@ QREG = os.environ.get("QREG", "0") == "1"
 which, warps, stages, bits = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 BT = int(sys.argv[5]) if len(sys.argv) > 5 else 64
 name = "_".join(sys.argv[1:])
-if which == "keys":
-    k = build(
-        S._keys_kernel,
-        {"q_ptr": "*bf16", "lg_ptr": "*fp32", "k_ptr": "*u8", "ks_ptr": "*bf16", "kz_ptr": "*bf16", "p_ptr": "*i32"},
-        dict(
-            N=128,
-            GS=4,
-            REP=4,
-            QGP=16,
-            KG=32,
-            WIN=False,
-            NPP=False,
-            DOT=tl.bfloat16,
-            KBITS=bits,
-            NPK=8 // bits if bits < 8 else 4,
-            KW=4 * 128 * bits // 8 if bits < 8 else 128,
-            KROWS=max(1, BT // 32),
-            BT=BT,
-            KDOT=True,
-            LENP=False,
-            KASM=True,
-            TPP=4,
-            QREG=QREG,
-        ),
-        warps,
-        stages,
+KEYS_T = ("i32", "i32", "i32", "*u8", "i32", "i32", "i32", "*bf16", "*bf16", "i32", "i32", "i32", "*i32", "i32", "i32")
+LAT_T = KEYS_T
+
+
+def region_cfg(kind, b):
+    """Constexprs of one region at these shapes: keys (KBITS, NPK, KW, KROWS, BT, KDOT, LENP, KASM, TPP) or
+    latents (HBITS, RANK, NPH, P, PP, HDOT, LENP, HASM); b = 16 for the sinks / residual, rank 256 at 2 bits."""
+    if kind == "keys":
+        npk = 8 // b if b < 8 else 4
+        return (b, npk, 128 if b >= 8 else 4 * 128 * b // 8, max(1, BT // 32), BT, True, False, b < 8, 4)
+    rank = 256 if b == 2 else 512
+    nph, p = (8 // b, rank * b // 8) if b < 8 else (4, rank // 4)
+    return (b, rank, nph, p, p, True, False, b < 8 and os.environ.get("HASM", "1") == "1")
+
+
+def region_kernel(kind, bits_list):
+    regs_t = tuple(KEYS_T if kind == "keys" else LAT_T for _ in bits_list)
+    cfg = tuple(region_cfg(kind, b) for b in bits_list)
+    # divisibility of the pointers and strides of every region (paths into the tuple argument)
+    ridx = (9 if kind == "keys" else 13,)
+    div = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    if kind == "keys":
+        fn = S._keys_kernel
+        ptrs = {"q_ptr": "*bf16", "lg_ptr": "*fp32"}
+        cst = dict(N=128, GS=4, REP=4, QGP=16, KG=32, WIN=False, NPP=False, DOT=tl.bfloat16, QREG=QREG)
+    else:
+        fn = S._lat_kernel
+        ptrs = {"lg_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "rk_ptr": "*i32"}
+        cst = dict(GS=4, REP=4, QGP=16, VG=32, WIN=False, NPP=False, DOT=tl.bfloat16, BT=BT)
+    cst.update(CFG=cfg, NR=len(bits_list))
+    sig, cx, attrs = {}, {}, {}
+    for i, nm in enumerate(fn.arg_names):
+        if nm in cst:
+            sig[nm] = "constexpr"
+            cx[(i,)] = cst[nm]
+        elif nm == "regs":
+            sig[nm] = regs_t
+            for j in range(len(bits_list)):
+                for d in div:
+                    attrs[(*ridx, j, d)] = [["tt.divisibility", 16]]
+        elif nm in ptrs:
+            sig[nm] = ptrs[nm]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif nm == "qk_scale":
+            sig[nm] = "fp32"
+        else:
+            sig[nm] = "i32"
+            if nm.startswith("s_"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(
+        ASTSource(fn, sig, cx, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=warps, num_stages=stages),
     )
-elif which == "lat":
-    P = 256 * bits // 8 if bits == 2 else 512 * bits // 8 if bits < 8 else 128
-    k = build(
-        S._lat_kernel,
-        {
-            "lg_ptr": "*fp32",
-            "pm_ptr": "*fp32",
-            "pl_ptr": "*fp32",
-            "pacc_ptr": "*fp32",
-            "rk_ptr": "*i32",
-            "h_ptr": "*u8",
-            "hs_ptr": "*bf16",
-            "hz_ptr": "*bf16",
-            "p_ptr": "*i32",
-        },
-        dict(
-            GS=4,
-            REP=4,
-            QGP=16,
-            VG=32,
-            WIN=False,
-            NPP=False,
-            DOT=tl.bfloat16,
-            HBITS=bits,
-            RANK=256 if bits == 2 else 512,
-            NPH=8 // bits if bits < 8 else 4,
-            P=P,
-            PP=P,
-            BT=BT,
-            HDOT=True,
-            LENP=False,
-            HASM=os.environ.get("HASM", "1") == "1",
-        ),
-        warps,
-        stages,
-    )
+
+
+if which in ("keys", "lat"):
+    k = region_kernel(which, [bits])
+elif which in ("keysall", "latall"):  # the paper schedule's view in one launch: sinks, 2-bit, 4-bit, residual
+    k = region_kernel(which[:-3], [16, 2, 4, 16])
 else:
     ptrs = {"q_ptr": "*bf16", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "rk_ptr": "*i32"}
     cst = dict(N=128, GS=4, REP=4, QGP=16, KG=32, VG=32, WIN=False, NPP=False, NREG=1, DOT=tl.bfloat16, QLOOP=True)

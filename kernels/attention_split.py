@@ -15,7 +15,7 @@ cross-warp max and sum, the rescale and the latent dots: on the H100 that loop i
 
 The logits cost 4 bytes per slot and query head written once and read twice: 128 B per token at
 Llama-3.1-8B shapes against ~650 B of compressed cache per token (docs/kernels.md has the
-arithmetic and the measurements). One launch per region and pass, then the combine; no host
+arithmetic and the measurements). One launch per pass for up to four regions (NREG), then the combine; no host
 syncs (lengths and next_pos may live on the device), so a call can be captured in a CUDA graph.
 """
 
@@ -26,16 +26,31 @@ import triton
 import triton.language as tl
 
 from ._common import TL_DTYPE, interpreting, plane, plane_asm, pow2, to_float
-from .attention import LOG2E, _c, _combine_kernel, _dot, _lat_plane, _lat_planes, _num_sms, _split4, _splits, _view
+from .attention import (
+    LOG2E,
+    NREG,
+    _c,
+    _combine_kernel,
+    _dot,
+    _lat_plane,
+    _lat_planes,
+    _num_sms,
+    _split4,
+    _splits,
+    _view,
+)
 
 
 @triton.jit
-def _keys_kernel(
+def _keys_region(
+    pid,
+    c,
+    b,
+    next_pos,
     q_ptr,
     s_qb,
     s_qh,
     qk_scale,
-    np_arg,
     window,
     lg_ptr,
     s_lgb,
@@ -59,8 +74,8 @@ def _keys_kernel(
     QGP: tl.constexpr,
     KG: tl.constexpr,
     WIN: tl.constexpr,
-    NPP: tl.constexpr,
     DOT: tl.constexpr,
+    QREG: tl.constexpr,
     KBITS: tl.constexpr,
     NPK: tl.constexpr,
     KW: tl.constexpr,
@@ -70,22 +85,15 @@ def _keys_kernel(
     LENP: tl.constexpr,
     KASM: tl.constexpr,
     TPP: tl.constexpr,
-    QREG: tl.constexpr,
 ):
-    """Logits of TPP tiles of BT slots (program, head group c, batch row b): lg[b, head, lg_off + t]."""
-    pid = tl.program_id(0)
-    c = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
+    """Logits of TPP tiles of BT slots (the region's program pid, head group c, batch row b):
+    lg[b, head, lg_off + t]."""
     QG: tl.constexpr = GS * REP
     PK: tl.constexpr = N // NPK  # key channels per plane
     if LENP:
         L = tl.load(len_arg).to(tl.int32)
     else:
         L = len_arg
-    if NPP:
-        next_pos = tl.load(np_arg).to(tl.int32)
-    else:
-        next_pos = np_arg
     rows = tl.arange(0, QGP)
     head = c * QG + rows
     rmask = rows < QG
@@ -156,12 +164,97 @@ def _keys_kernel(
 
 
 @triton.jit
-def _lat_kernel(
+def _keys_kernel(
+    q_ptr,
+    s_qb,
+    s_qh,
+    qk_scale,
+    np_arg,
+    window,
     lg_ptr,
     s_lgb,
     s_lgh,
-    lg_off,
-    np_arg,
+    regs,
+    N: tl.constexpr,
+    GS: tl.constexpr,
+    REP: tl.constexpr,
+    QGP: tl.constexpr,
+    KG: tl.constexpr,
+    WIN: tl.constexpr,
+    NPP: tl.constexpr,
+    DOT: tl.constexpr,
+    QREG: tl.constexpr,
+    CFG: tl.constexpr,
+    NR: tl.constexpr,
+):
+    """Program (p, head group c, batch row b) of the key pass over NR regions: region j owns programs
+    regs[j][0] <= p < regs[j][1]; its tensors and strides are regs[j], its constexprs CFG[j]."""
+    pid = tl.program_id(0)
+    c = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    if NPP:
+        next_pos = tl.load(np_arg).to(tl.int32)
+    else:
+        next_pos = np_arg
+    for j in tl.static_range(NR):
+        rg = regs[j]
+        if (pid >= rg[0]) & (pid < rg[1]):
+            _keys_region(
+                pid - rg[0],
+                c,
+                b,
+                next_pos,
+                q_ptr,
+                s_qb,
+                s_qh,
+                qk_scale,
+                window,
+                lg_ptr,
+                s_lgb,
+                s_lgh,
+                rg[2],
+                rg[3],
+                rg[4],
+                rg[5],
+                rg[6],
+                rg[7],
+                rg[8],
+                rg[9],
+                rg[10],
+                rg[11],
+                rg[12],
+                rg[13],
+                rg[14],
+                N,
+                GS,
+                REP,
+                QGP,
+                KG,
+                WIN,
+                DOT,
+                QREG,
+                CFG[j][0],
+                CFG[j][1],
+                CFG[j][2],
+                CFG[j][3],
+                CFG[j][4],
+                CFG[j][5],
+                CFG[j][6],
+                CFG[j][7],
+                CFG[j][8],
+            )
+
+
+@triton.jit
+def _lat_region(
+    sp,
+    slot,
+    c,
+    b,
+    next_pos,
+    lg_ptr,
+    s_lgb,
+    s_lgh,
     window,
     pm_ptr,
     pl_ptr,
@@ -170,7 +263,7 @@ def _lat_kernel(
     rk_ptr,
     n_slots,
     H,
-    slot0,
+    lg_off,
     h_ptr,
     s_hb,
     s_hg,
@@ -189,31 +282,23 @@ def _lat_kernel(
     QGP: tl.constexpr,
     VG: tl.constexpr,
     WIN: tl.constexpr,
-    NPP: tl.constexpr,
     DOT: tl.constexpr,
+    BT: tl.constexpr,
     HBITS: tl.constexpr,
     RANK: tl.constexpr,
     NPH: tl.constexpr,
     P: tl.constexpr,
     PP: tl.constexpr,
-    BT: tl.constexpr,
     HDOT: tl.constexpr,
     LENP: tl.constexpr,
     HASM: tl.constexpr,
 ):
-    """Partial (max, sum, acc[:RANK]) of split sp of a region for head group c, batch row b."""
-    sp = tl.program_id(0)
-    c = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
+    """Partial (max, sum, acc[:RANK]) of split sp of a region for head group c, batch row b, into `slot`."""
     QG: tl.constexpr = GS * REP
     if LENP:
         L = tl.load(len_arg).to(tl.int32)
     else:
         L = len_arg
-    if NPP:
-        next_pos = tl.load(np_arg).to(tl.int32)
-    else:
-        next_pos = np_arg
     chunk = tl.cdiv(tl.cdiv(L, nsplit), BT) * BT
     t_start = sp * chunk
     t_end = tl.minimum(t_start + chunk, L)
@@ -281,7 +366,6 @@ def _lat_kernel(
                 acc3,
                 HDOT,
             )
-    slot = slot0 + sp
     prow = (b * H + head) * n_slots + slot
     tl.store(rk_ptr + slot + tl.arange(0, 1), tl.full([1], RANK, tl.int32))
     tl.store(pm_ptr + prow, m, mask=rmask)
@@ -296,7 +380,95 @@ def _lat_kernel(
         tl.store(base + 3 * P, acc3, mask=am)
 
 
-def _geometry(r, n: int, g: int, block_t: int) -> dict:
+@triton.jit
+def _lat_kernel(
+    lg_ptr,
+    s_lgb,
+    s_lgh,
+    np_arg,
+    window,
+    pm_ptr,
+    pl_ptr,
+    pacc_ptr,
+    s_acc,
+    rk_ptr,
+    n_slots,
+    H,
+    slot0,
+    regs,
+    GS: tl.constexpr,
+    REP: tl.constexpr,
+    QGP: tl.constexpr,
+    VG: tl.constexpr,
+    WIN: tl.constexpr,
+    NPP: tl.constexpr,
+    DOT: tl.constexpr,
+    BT: tl.constexpr,
+    CFG: tl.constexpr,
+    NR: tl.constexpr,
+):
+    """Program (p, head group c, batch row b) of the latent pass over NR regions: region j's splits are
+    regs[j][0] <= p < regs[j][1]; program p writes partial slot slot0 + p."""
+    pid = tl.program_id(0)
+    c = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    if NPP:
+        next_pos = tl.load(np_arg).to(tl.int32)
+    else:
+        next_pos = np_arg
+    for j in tl.static_range(NR):
+        rg = regs[j]
+        if (pid >= rg[0]) & (pid < rg[1]):
+            _lat_region(
+                pid - rg[0],
+                slot0 + pid,
+                c,
+                b,
+                next_pos,
+                lg_ptr,
+                s_lgb,
+                s_lgh,
+                window,
+                pm_ptr,
+                pl_ptr,
+                pacc_ptr,
+                s_acc,
+                rk_ptr,
+                n_slots,
+                H,
+                rg[2],
+                rg[3],
+                rg[4],
+                rg[5],
+                rg[6],
+                rg[7],
+                rg[8],
+                rg[9],
+                rg[10],
+                rg[11],
+                rg[12],
+                rg[13],
+                rg[14],
+                rg[1] - rg[0],
+                GS,
+                REP,
+                QGP,
+                VG,
+                WIN,
+                DOT,
+                BT,
+                CFG[j][0],
+                CFG[j][1],
+                CFG[j][2],
+                CFG[j][3],
+                CFG[j][4],
+                CFG[j][5],
+                CFG[j][6],
+                CFG[j][7],
+            )
+
+
+def _geometry(r, n: int, g: int) -> dict:
     kb, hb = r.keys.bits, r.lat.bits
     NPK = 8 // kb if kb < 8 else (4 if n >= 64 else 1)
     KW = max(16, pow2(g * (n // NPK)))  # tiles narrower than 16 came out wrong compiled (docs/kernels.md)
@@ -324,14 +496,16 @@ def latent_attention_split(
     k_stages: int = 2,
     v_warps: int = 8,
     v_stages: int = 2,
+    solo: int = 1,
     logits_only: bool = False,
-    **_ignored,
 ):
     """tale_kernels.latent_attention in two passes (see the module doc); the caller has checked
     `attention.supported`. `k_tiles` tiles of `block_t` slots per key program; the latent pass
     splits as attention.py (`waves` programs per SM, `min_split`, `split_tokens`).
     `k_block_t` sets the key tile apart from the latent one; `q_regs` holds the query planes in
-    registers through the key pass instead of reloading them per tile. `logits_only` returns the logits buffer after the first pass (benchmarks)."""
+    registers through the key pass instead of reloading them per tile. `solo`: how many of the regions
+    with the most bytes get launches of their own (0: one launch per pass for up to four regions).
+    `logits_only` returns the logits buffer after the first pass (benchmarks)."""
     view = _view(cache)
     B, H, _, n = q.shape
     K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
@@ -349,55 +523,49 @@ def latent_attention_split(
     BT = max(32, block_t)  # 16-slot tiles gave wrong results compiled (docs/kernels.md)
     QGP = max(16, pow2(g * rep))
     npos, win = view.next_pos, view.window
-    common = dict(WIN=win is not None, NPP=isinstance(npos, torch.Tensor), DOT=dtype)
+    common = dict(GS=g, REP=rep, QGP=QGP, WIN=win is not None, NPP=isinstance(npos, torch.Tensor), DOT=dtype)
+    wv = 0 if win is None else int(win)
     caps = [r.capacity for r in regions]
     offs = [sum(caps[:i]) for i in range(len(caps))]
     lg = torch.empty(B, H, max(1, sum(caps)), device=dev, dtype=torch.float32)
     BTK = max(32, k_block_t or BT)
-    for r, off in zip(regions, offs):
-        geo = _geometry(r, n, g, BT)
-        kq = r.keys
-        kt = _c(kq.data)
-        ks, kz = (_c(kq.scale), _c(kq.zero)) if kq.bits != 16 else (kt, kt)  # never read at 16 bits
-        tpp = max(1, min(k_tiles, triton.cdiv(r.capacity, BTK)))
-        _keys_kernel[(triton.cdiv(r.capacity, BTK * tpp), G, B)](
+    # launches: the `solo` regions with the most bytes alone (a launch takes the registers of its hungriest
+    # region, so the big 2-bit level keeps its occupancy), the rest together, up to NREG per launch
+    cost = [r.capacity * (K * n * r.keys.bits + G * r.rank * r.lat.bits) for r in regions]
+    order = sorted(range(len(regions)), key=lambda i: -cost[i])
+    rest = sorted(order[solo:])
+    groups = [[i] for i in order[:solo]] + [rest[j : j + NREG] for j in range(0, len(rest), NREG)]
+    for grp in groups:  # the key pass
+        regs, cfg, p0 = [], [], 0
+        for r, off in ((regions[i], offs[i]) for i in grp):
+            geo = _geometry(r, n, g)
+            kq = r.keys
+            kt = _c(kq.data)
+            ks, kz = (_c(kq.scale), _c(kq.zero)) if kq.bits != 16 else (kt, kt)  # never read at 16 bits
+            tpp = max(1, min(k_tiles, triton.cdiv(r.capacity, BTK)))
+            p1 = p0 + triton.cdiv(r.capacity, BTK * tpp)
+            regs.append((p0, p1, off, kt, *kt.stride()[:3], ks, kz, *ks.stride()[:3], r.pos, r.pos.stride(0), r.length))
+            lenp = isinstance(r.length, torch.Tensor)
+            cfg.append(
+                (kq.bits, geo["NPK"], geo["KW"], max(1, BTK // KG), BTK, geo["KDOT"], lenp, kq.bits in asm_bits, tpp)
+            )
+            p0 = p1
+        _keys_kernel[(p0, G, B)](
             q,
             q.stride(0),
             q.stride(1),
             qk,
             npos,
-            0 if win is None else int(win),
+            wv,
             lg,
             lg.stride(0),
             lg.stride(1),
-            off,
-            kt,
-            kt.stride(0),
-            kt.stride(1),
-            kt.stride(2),
-            ks,
-            kz,
-            ks.stride(0),
-            ks.stride(1),
-            ks.stride(2),
-            r.pos,
-            r.pos.stride(0),
-            r.length,
+            tuple(regs),
             N=n,
-            GS=g,
-            REP=rep,
-            QGP=QGP,
             KG=KG,
-            KBITS=kq.bits,
-            NPK=geo["NPK"],
-            KW=geo["KW"],
-            KROWS=max(1, BTK // KG),
-            BT=BTK,
-            KDOT=geo["KDOT"],
-            LENP=isinstance(r.length, torch.Tensor),
-            KASM=kq.bits in asm_bits,
-            TPP=tpp,
-            QREG=q_regs and geo["NPK"] in (1, 2, 4),
+            QREG=q_regs and all(c_[1] in (1, 2, 4) for c_ in cfg),
+            CFG=tuple(cfg),
+            NR=len(regs),
             num_warps=k_warps,
             num_stages=k_stages,
             **common,
@@ -412,18 +580,25 @@ def latent_attention_split(
     pacc = torch.empty(B, H, n_slots, RPAD, device=dev, dtype=torch.float32)
     rk = torch.empty(n_slots, device=dev, dtype=torch.int32)
     slot0 = 0
-    for r, off, ns in zip(regions, offs, splits):
-        geo = _geometry(r, n, g, BT)
-        hq = r.lat
-        ht = _c(hq.data)
-        hs, hz = (_c(hq.scale), _c(hq.zero)) if hq.bits != 16 else (ht, ht)
-        _lat_kernel[(ns, G, B)](
+    for grp in groups:  # the latent pass
+        regs, cfg, p0 = [], [], 0
+        for r, off, ns in ((regions[i], offs[i], splits[i]) for i in grp):
+            geo = _geometry(r, n, g)
+            hq = r.lat
+            ht = _c(hq.data)
+            hs, hz = (_c(hq.scale), _c(hq.zero)) if hq.bits != 16 else (ht, ht)
+            regs.append(
+                (p0, p0 + ns, off, ht, *ht.stride()[:3], hs, hz, *hs.stride()[:3], r.pos, r.pos.stride(0), r.length)
+            )
+            lenp = isinstance(r.length, torch.Tensor)
+            cfg.append((hq.bits, r.rank, geo["NPH"], geo["P"], geo["PP"], geo["HDOT"], lenp, hq.bits in asm_bits))
+            p0 += ns
+        _lat_kernel[(p0, G, B)](
             lg,
             lg.stride(0),
             lg.stride(1),
-            off,
             npos,
-            0 if win is None else int(win),
+            wv,
             pm,
             pl,
             pacc,
@@ -432,37 +607,16 @@ def latent_attention_split(
             n_slots,
             H,
             slot0,
-            ht,
-            ht.stride(0),
-            ht.stride(1),
-            ht.stride(2),
-            hs,
-            hz,
-            hs.stride(0),
-            hs.stride(1),
-            hs.stride(2),
-            r.pos,
-            r.pos.stride(0),
-            r.length,
-            ns,
-            GS=g,
-            REP=rep,
-            QGP=QGP,
+            tuple(regs),
             VG=VG,
-            HBITS=hq.bits,
-            RANK=r.rank,
-            NPH=geo["NPH"],
-            P=geo["P"],
-            PP=geo["PP"],
             BT=BT,
-            HDOT=geo["HDOT"],
-            LENP=isinstance(r.length, torch.Tensor),
-            HASM=hq.bits in asm_bits,
+            CFG=tuple(cfg),
+            NR=len(regs),
             num_warps=v_warps,
             num_stages=v_stages,
             **common,
         )
-        slot0 += ns
+        slot0 += p0
     z = torch.empty(B, 1, H, R, device=dev, dtype=torch.float32)
     BR = min(RPAD, 64)
     _combine_kernel[(B * H, triton.cdiv(R, BR))](

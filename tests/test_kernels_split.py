@@ -39,7 +39,8 @@ def test_split_matches_reference(case, dtype):
         q = torch.randn(B, H, 1, n, device=DEVICE, dtype=dtype)
         k = torch.randn(B, K, 1, n, device=DEVICE, dtype=dtype)
         h = torch.randn(B, G, 1, R, device=DEVICE, dtype=dtype)
-        opts = {"k_tiles": 1 + step, "q_regs": step == 1}  # query planes reloaded per tile, or held
+        # query planes reloaded per tile or held; regions launched together, the biggest alone, or each alone
+        opts = {"k_tiles": 1 + step, "q_regs": step == 1, "solo": (0, 1, 4)[step]}
         z = tale_kernels.latent_attention(q, k, h, c, n**-0.5, split=opts, **kw)
         assert z.shape == (B, 1, H, R) and z.dtype == torch.float32
         want = ref_attention(q, k, h, c, n**-0.5)
@@ -111,3 +112,8 @@ def test_split_sliding_window_and_static_view(dtype):
     z = tale_kernels.latent_attention(q, k, h, view, 0.125, split={"k_tiles": 2})
     assert torch.isfinite(z).all()
     assert rel(z, ref_attention(q, k, h, c, 0.125)) < TOL[dtype]
+    # more regions than one launch takes (NREG = 4): two launches per pass
+    view = LayerView(view.regions + view.regions[:2], view.next_pos, None)
+    assert len(view.regions) > attention.NREG
+    z = tale_kernels.latent_attention(q, k, h, view, 0.125, split={"solo": 0})
+    assert rel(z, ref_attention(q, k, h, view, 0.125)) < TOL[dtype]
