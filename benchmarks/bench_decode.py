@@ -166,12 +166,12 @@ def synth_view(
     return LayerView(regions, npos, window)
 
 
-def view_bytes(v: LayerView) -> int:
-    """Bytes of the used slots: packed codes, scales, zeros (and 16-bit tensors)."""
+def view_bytes(v: LayerView, part: str = "all") -> int:
+    """Bytes of the used slots: packed codes, scales, zeros (and 16-bit tensors); `part` "keys" / "lat": one side."""
     total = 0
     for r in v.regions:
         used = int(r.length) if not isinstance(r.length, int) else r.length
-        for t in (r.keys, r.lat):
+        for t in {"all": (r.keys, r.lat), "keys": (r.keys,), "lat": (r.lat,)}[part]:
             frac = used / r.capacity
             total += int(sum(x.numel() * x.element_size() for x in (t.data, t.scale, t.zero) if x is not None) * frac)
     return total
@@ -393,6 +393,9 @@ def compare(cfgs: list[dict], contexts: list[int], batches: str, copy_bw: float)
             }
             want = ref_attention(q, k, h, views["all"], scale)
             for c in cfgs:
+                if isinstance(c.get("split"), dict) and c["split"].get("logits_only"):
+                    keys_only(c, q, k, h, views, L, B, copy_bw)
+                    continue
                 try:
                     e = rel(tale_kernels.latent_attention(q, k, h, views["all"], scale, **c), want)
                     ts = {
@@ -477,17 +480,36 @@ def presets(contexts: list[int], batches: str, copy_bw: float, cfg: dict) -> boo
     return ok
 
 
+def keys_only(c: dict, q, k, h, views: dict, L: int, B: int, copy_bw: float) -> None:
+    """The first pass of the split kernel alone (keys -> float32 logits): time and share of copy
+    bandwidth on the key bytes read plus the logits written, per view."""
+    scale = N**-0.5
+    out = []
+    for key, v in views.items():
+        try:
+            t = timeit(lambda v=v: tale_kernels.latent_attention(q, k, h, v, scale, **c))
+        except Exception as ex:
+            print(f"compare {L // 1024}K B={B} {c}: failed: {str(ex).splitlines()[0][:160]}", flush=True)
+            return
+        nb = view_bytes(v, "keys") + B * H * sum(int(r.length) for r in v.regions) * 4
+        out.append(f"{key} {t:.1f} us ({100 * nb / (t * 1e-6) / 1e9 / copy_bw:.0f}% on keys + logits)")
+    print(f"compare {L // 1024}K B={B} {json.dumps(c)}: " + ", ".join(out), flush=True)
+
+
 def kernel_resources() -> None:
-    try:
-        for _, entry in kattn._attn_kernel.device_caches.items():
-            for kern in entry[0].values():
-                md = kern.metadata
-                print(
-                    f"compiled: regs {kern.n_regs} spills {kern.n_spills} shared {md.shared} warps {md.num_warps} "
-                    f"stages {md.num_stages}"
-                )
-    except Exception as ex:
-        print("compiled kernel info unavailable:", ex)
+    from tale_kernels import attention_split
+
+    for kfn in (kattn._attn_kernel, attention_split._keys_kernel, attention_split._lat_kernel):
+        try:
+            for _, entry in kfn.device_caches.items():
+                for kern in entry[0].values():
+                    md = kern.metadata
+                    print(
+                        f"compiled {kfn.fn.__name__}: regs {kern.n_regs} spills {kern.n_spills} shared {md.shared} "
+                        f"warps {md.num_warps} stages {md.num_stages}"
+                    )
+        except Exception as ex:
+            print("compiled kernel info unavailable:", ex)
 
 
 def fmt(x, p=1):

@@ -910,6 +910,7 @@ def latent_attention(
     q_in_loop: bool = True,
     asm: bool | tuple[int, ...] = True,
     maxnreg: int | None = None,
+    split: bool | dict = False,
 ) -> torch.Tensor:
     """Drop-in for tale_runtime.cache.latent_attention: z [B, T, H, R] (float32).
 
@@ -920,11 +921,19 @@ def latent_attention(
     `asm` unpacks 2/4-bit codes of 16-bit caches with inline PTX (True: both widths; or a tuple of
     the widths that use it). Compiled GPU runs only: the interpreter and float32 caches take the
     plain Triton path, as does asm=False. `maxnreg` caps the registers per thread (more programs
-    per SM, at the price of spills).
+    per SM, at the price of spills). `split` runs the two-pass kernel of attention_split.py instead
+    (True, or a dict of its options: `k_tiles`, `k_warps`, ...).
     """
     view = _view(cache)
     if not supported(q, k_new, h_new, view):
         return reference(q, k_new, h_new, view, scaling)
+    if split:
+        from .attention_split import latent_attention_split
+
+        kw = dict(block_t=block_t, split_tokens=split_tokens, min_split=min_split, waves=waves, asm=asm)
+        return latent_attention_split(
+            q, k_new, h_new, view, scaling, **{**kw, **(split if isinstance(split, dict) else {})}
+        )
     B, H, _, n = q.shape
     K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
     rep, g = H // K, K // G

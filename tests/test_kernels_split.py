@@ -1,0 +1,119 @@
+"""The two-pass decode attention (kernels/attention_split.py) against the torch reference.
+
+Same set-up as test_kernels.py (interpreter on CPU, compiled on CUDA), whose helpers and cases
+it reuses; every check draws fresh random inputs.
+"""
+
+# ruff: noqa: I001  (test_kernels first: it sets TRITON_INTERPRET before triton is imported)
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_kernels import CASES, DEVICE, DTYPES, TOL, _grow, layer_cache, rel
+
+import tale_kernels  # noqa: E402
+from tale_kernels import attention, attention_split  # noqa: E402
+from tale_runtime.cache import latent_attention as ref_attention  # noqa: E402
+from tale_runtime.regions import LayerView, Region  # noqa: E402
+
+# odd lengths, padding, tiny splits, MHA, rep 3, the CUDA-core path, a prompt inside the sinks, groups of 32
+SPLIT_CASES = ["gqa-g2-pad-splits", "gqa-g4-small-splits", "mha-g1", "rep3-g2", "rank8", "prompt-in-sinks", "group32"]
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_split_matches_reference(case, dtype):
+    B, H, K, g, n, L0, pad, kw = CASES[case]
+    kw = dict(kw)
+    group = kw.pop("group", 16)
+    c = layer_cache(B, H, K, g, n, L0, dtype, pad=pad, group=group)
+    G, R = K // g, g * n
+    for step in range(3):  # decode steps: regions fill, flush and demote in between
+        q = torch.randn(B, H, 1, n, device=DEVICE, dtype=dtype)
+        k = torch.randn(B, K, 1, n, device=DEVICE, dtype=dtype)
+        h = torch.randn(B, G, 1, R, device=DEVICE, dtype=dtype)
+        # query planes reloaded per tile or held; regions launched together, the biggest alone, or each alone
+        opts = {"k_tiles": 1 + step, "q_regs": step == 1, "solo": (0, 1, 4)[step]}
+        z = tale_kernels.latent_attention(q, k, h, c, n**-0.5, split=opts, **kw)
+        assert z.shape == (B, 1, H, R) and z.dtype == torch.float32
+        want = ref_attention(q, k, h, c, n**-0.5)
+        assert rel(z, want) < TOL[dtype]
+        c.append(k, h)
+
+
+def test_split_logits_are_the_masked_scores():
+    """The first pass alone: log2-domain scores of every cached slot, -inf where masked (padding, window)."""
+    dtype = torch.float32
+    c = layer_cache(2, 8, 4, 2, 32, 90, dtype, pad=[0, 7])
+    c.window = 50
+    q = torch.randn(2, 8, 1, 32, device=DEVICE, dtype=dtype)
+    k = torch.randn(2, 4, 1, 32, device=DEVICE, dtype=dtype)
+    h = torch.randn(2, 2, 1, 64, device=DEVICE, dtype=dtype)
+    v = c.view()
+    lg = attention_split.latent_attention_split(q, k, h, v, 0.25, logits_only=True)
+    off = 0
+    for r in v.regions:
+        keys = ref_quant_keys(r)  # [B, K, L, n]
+        L = r.length
+        s = torch.einsum("bhn,bhtn->bht", q[:, :, 0].float(), keys.repeat_interleave(2, dim=1).float()) * 0.25
+        s = s * 1.4426950408889634
+        pos = r.pos[:, :L]
+        ok = (pos >= 0) & (v.next_pos - pos < 50)
+        want = torch.where(ok[:, None, :], s, float("-inf"))
+        got = lg[:, :, off : off + L]
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        fin = torch.isfinite(want)
+        assert torch.allclose(got[fin], want[fin], rtol=1e-4, atol=1e-4)
+        off += r.capacity
+    assert (~torch.isfinite(lg)).any() and torch.isfinite(lg).any()
+
+
+def ref_quant_keys(r):
+    from tale_runtime.quant import dequantize
+
+    keys = r.keys.data if r.keys.bits == 16 else dequantize(r.keys)
+    return keys[:, :, : r.length]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_sliding_window_and_static_view(dtype):
+    """Windows, and a static-cache-like view (NaN past the lengths, device lengths and next_pos,
+    regions reversed, one empty region)."""
+    c = layer_cache(2, 8, 4, 2, 64, 150, dtype, pad=[0, 9])
+    q, k, h = (
+        torch.randn(2, 8, 1, 64, device=DEVICE, dtype=dtype),
+        torch.randn(2, 4, 1, 64, device=DEVICE, dtype=dtype),
+        torch.randn(2, 2, 1, 128, device=DEVICE, dtype=dtype),
+    )
+    for window in (40, 7):
+        c.window = window
+        z = tale_kernels.latent_attention(q, k, h, c, 0.125, split=True, split_tokens=32)
+        assert rel(z, ref_attention(q, k, h, c, 0.125)) < TOL[dtype]
+    c.window = None
+    v = c.view()
+    regions = []
+    for r in v.regions:
+        pos = torch.cat([r.pos, torch.full((2, 32), -1, dtype=torch.int32, device=DEVICE)], dim=-1)
+        length = torch.tensor([r.length], dtype=torch.int32, device=DEVICE)
+        regions.append(Region(_grow(r.keys, 32, float("nan")), _grow(r.lat, 32, float("nan")), r.rank, pos, length))
+    e = regions[0]
+    regions.append(
+        Region(e.keys, e.lat, e.rank, torch.full_like(e.pos, -1), torch.zeros(1, dtype=torch.int32, device=DEVICE))
+    )
+    view = LayerView(regions[::-1], torch.tensor(v.next_pos, dtype=torch.int32, device=DEVICE), None)
+    assert attention.supported(q, k, h, view)
+    z = tale_kernels.latent_attention(q, k, h, view, 0.125, split={"k_tiles": 2})
+    assert torch.isfinite(z).all()
+    assert rel(z, ref_attention(q, k, h, c, 0.125)) < TOL[dtype]
+    # more regions than one launch takes (NREG = 4): two launches per pass
+    view = LayerView(view.regions + view.regions[:2], view.next_pos, None)
+    assert len(view.regions) > attention.NREG
+    z = tale_kernels.latent_attention(q, k, h, view, 0.125, split={"solo": 0})
+    assert rel(z, ref_attention(q, k, h, view, 0.125)) < TOL[dtype]
