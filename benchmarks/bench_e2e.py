@@ -184,14 +184,14 @@ def decode(step, first: torch.Tensor, pos0: int, n: int) -> tuple[float, torch.T
     return (time.perf_counter() - t) * 1e3 / n, torch.cat(toks, 1)
 
 
-FUSE = False  # DecodeStep's fuse_projections (off by default until timed on a GPU): --fuse
+FUSE = (False,)  # DecodeStep's fuse_projections settings timed per row (--fuse off|on|both); the first is the default
 
 
-def tale_step(model, cache, graphs: bool, compile: bool = True):
+def tale_step(model, cache, graphs: bool, compile: bool = True, fuse: bool | None = None):
     """graphs: CudaGraphDecoder (compile: DecodeStep inside the graph, else the model's forward); else eager
     steps through the model's forward."""
     if graphs:
-        return CudaGraphDecoder(model, cache, compile=compile, fuse=FUSE)
+        return CudaGraphDecoder(model, cache, compile=compile, fuse=FUSE[0] if fuse is None else fuse)
 
     return hf_step(model, cache)
 
@@ -245,12 +245,14 @@ def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
     kernel = tale[0].attention_fn is not reference
     out = {}
     with torch.inference_mode():
-        for name, static, graphed, kern in [  # (no kernel on the dynamic cache: its growing regions recompile it)
-            ("dyn-ref", False, False, False),
-            ("static-ref", True, False, False),
-            ("static-eager", True, False, True),
-            ("static-step", True, "step", True),
-            ("static-graph", True, graphs, True),
+        fused = [("static-step-fused", True, "step", True, True)] if True in FUSE else []
+        for name, static, graphed, kern, fuse in [  # (no kernel on the dynamic cache: its growing regions recompile it)
+            ("dyn-ref", False, False, False, False),
+            ("static-ref", True, False, False, False),
+            ("static-eager", True, False, True, False),
+            ("static-step", True, "step", True, False),
+            ("static-graph", True, graphs, True, FUSE[-1]),
+            *fused,
         ]:
             use_kernels(model, kern and kernel)
             cache = new_cache(model, static=static, max_length=ctx + n_steps + 2)
@@ -258,9 +260,9 @@ def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
             pos = mask.sum(-1, keepdim=True)  # positions of the next token, per row
             t0 = time.perf_counter()
             if graphed == "step":
-                step = DecodeStep(model, cache, backend="inductor" if graphs else "eager")
+                step = DecodeStep(model, cache, backend="inductor" if graphs else "eager", fuse=fuse)
             else:
-                step = tale_step(model, cache, graphed)
+                step = tale_step(model, cache, graphed, fuse=fuse)
             ls = []
             for t in range(n_steps):
                 ls.append(step(feed[:, t : t + 1].contiguous(), pos).float().clone())
@@ -282,7 +284,8 @@ def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
             label=label,
             prompt=ctx,
             steps=n_steps,
-            graph_vs_step=rel("static-graph", "static-step"),
+            graph_vs_step=rel("static-graph", "static-step-fused" if fused else "static-step"),
+            **({"fused_vs_step": rel("static-step-fused", "static-step")} if fused else {}),
             step_vs_eager=rel("static-step", "static-eager"),
             static_vs_dynamic=rel("static-ref", "dyn-ref"),
             kernel_vs_reference=rel("static-eager", "static-ref"),
@@ -379,12 +382,12 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
 
     def measure(c, first, pos0, B):
         best = None
-        for path in ("factored", "fused"):
+        for path, fuse in [(p, f) for p in ("factored", "fused") for f in FUSE]:
             set_output_path(model, path)
             free()
             base_mem = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
             peak_reset()
-            step = tale_step(model, c, graphs)
+            step = tale_step(model, c, graphs, fuse=fuse)
             ms, toks = decode(step, first, pos0, n)
             if getattr(step, "error", None):
                 row(kind="tale-graph-error", ctx=ctx, batch=B, error=step.error[:300])
@@ -401,7 +404,8 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
                 kind="tale",
                 ctx=ctx,
                 batch=B,
-                path=path,
+                path=path + (" + fused projections" if fuse else ""),
+                fuse=fuse,
                 ms_per_token=round(ms, 2),
                 tokens_per_s=round(B * 1e3 / ms, 1),
                 peak_gib=round(pk, 2),
@@ -412,8 +416,8 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
                 best = r
         row(**{**best, "kind": "tale-best"})
         if B == 1 and graphs:  # before/after: the model's own forward in the graph; kernels per step of both
-            set_output_path(model, best["path"])
-            ms, toks = decode(tale_step(model, c, graphs, compile=False), first, pos0, n)
+            set_output_path(model, best["path"].split(" ")[0])
+            ms, toks = decode(tale_step(model, c, graphs, compile=False, fuse=best["fuse"]), first, pos0, n)
             first, pos0 = toks[:, -1:], pos0 + n + 2
             measure.last = toks
             pos = torch.full((1, 1), pos0, dtype=torch.long, device=first.device)
@@ -421,7 +425,7 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
             # a fresh [B, 1] tensor: the [:, -1:] slice of the tokens has another stride and storage offset, which
             # recompiles the embedding (the 32K count of the run in docs/speed.md includes that autotuning)
             ids1 = first.clone(memory_format=torch.contiguous_format)
-            k_st, t_st = launches(lambda: DecodeStep(model, c, fuse=FUSE)(ids1, pos + 1))
+            k_st, t_st = launches(lambda: DecodeStep(model, c, fuse=best["fuse"])(ids1, pos + 1))
             pos0 += 2
             row(
                 kind="tale-nocompile",
@@ -438,8 +442,8 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
         if B == 1 and kernel_fn is not None and ctx == 32768:  # what the kernel brings: the same step, torch reference
             for t in tale:
                 t.attention_fn = reference
-            set_output_path(model, best["path"])
-            ms, toks = decode(tale_step(model, c, graphs), first, pos0, n)
+            set_output_path(model, best["path"].split(" ")[0])
+            ms, toks = decode(tale_step(model, c, graphs, fuse=best["fuse"]), first, pos0, n)
             measure.last = toks
             row(kind="tale-reference", ctx=ctx, batch=B, path=best["path"], ms_per_token=round(ms, 2))
             for t in tale:
@@ -607,7 +611,8 @@ def largest(weight_bytes: int) -> None:
 def table(device: str, attention: str, floor_ms: dict) -> str:
     lines = [
         f"Measured on {device}, torch {torch.__version__}. TALE decode attention: {attention}. "
-        f"Projections fused (q/k/latents, gate/up): {'yes' if FUSE else 'no'}.",
+        "Projections fused (q/k/latents, gate/up): "
+        + {(False,): "no.", (True,): "yes.", (False, True): "both timed, the faster in the table."}[FUSE],
         "",
         "| context | batch | TALE static ms/tok | TALE path | TALE tok/s | TALE peak GiB | HF eager ms/tok "
         "| HF eager tok/s "
@@ -756,12 +761,19 @@ def main() -> None:
     )
     ap.add_argument("--hf-static-prompt", type=int, default=512, help="prompt tokens of the HF static rows at B > 1")
     ap.add_argument("--no-check", action="store_true")
-    ap.add_argument("--fuse", action="store_true", help="TALE steps with fuse_projections (q/k/latents, gate/up)")
+    ap.add_argument(
+        "--fuse",
+        choices=("off", "on", "both"),
+        default="off",
+        help="TALE steps with fuse_projections (q/k/latents, gate/up)",
+    )
+    ap.add_argument("--batches", default=None, help="batches of every context (default: 1,8,max at 32K, else 1,8)")
+    ap.add_argument("--no-hf", action="store_true", help="TALE rows only (no HF eager or static rows)")
     ap.add_argument("--out", default=None, help="append the table to this markdown file")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     global FUSE
-    FUSE = args.fuse
+    FUSE = {"off": (False,), "on": (True,), "both": (False, True)}[args.fuse]
 
     device = "cpu" if args.quick else "cuda"
     graphs = device == "cuda"
@@ -844,6 +856,8 @@ def main() -> None:
     floor_ms = {}
     for ctx in ctxs:
         batches = [1, 8, "max"] if ctx <= 32768 else [1, 8]
+        if args.batches:
+            batches = [b if b == "max" else int(b) for b in args.batches.split(",")]
         if args.quick:
             batches = [1, 2, "max"]
         try:
@@ -854,12 +868,14 @@ def main() -> None:
         pf = next((r for r in ROWS if r["kind"] == "tale-prefill" and r["ctx"] == ctx), None)
         if pf:
             floor_ms[ctx] = (weight_bytes + pf["cache_used_gib"] * GiB) / bw * 1e3
+        if args.no_hf:
+            continue
         try:
             hf_eager_rows(model, orig, ctx, batches if not args.quick else [1, 8, "max"], n, dl, args.mem_frac)
         except Exception as e:  # noqa: BLE001
             row(kind="hf-eager", ctx=ctx, batch=0, error=f"{type(e).__name__}: {e}")
             traceback.print_exc()
-    if not args.no_hf_static and not args.quick:
+    if not (args.no_hf_static or args.no_hf or args.quick):
         for t in tale:  # HF's largest batch without TALE's extra weights (O^r, A, B) on the GPU
             t.tale.to("cpu")
         free()

@@ -928,12 +928,13 @@ def latent_attention(
     if not supported(q, k_new, h_new, view):
         return reference(q, k_new, h_new, view, scaling)
     if split:
-        from .attention_split import latent_attention_split
+        from .attention_split import latent_attention_split, supported_split
 
-        kw = dict(block_t=block_t, split_tokens=split_tokens, min_split=min_split, waves=waves, asm=asm)
-        return latent_attention_split(
-            q, k_new, h_new, view, scaling, **{**kw, **(split if isinstance(split, dict) else {})}
-        )
+        if supported_split(view):  # otherwise (key bands, fp8 metadata, 3-bit keys) the one-pass kernel below
+            kw = dict(block_t=block_t, split_tokens=split_tokens, min_split=min_split, waves=waves, asm=asm)
+            return latent_attention_split(
+                q, k_new, h_new, view, scaling, **{**kw, **(split if isinstance(split, dict) else {})}
+            )
     B, H, _, n = q.shape
     K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
     rep, g = H // K, K // G

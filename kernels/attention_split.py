@@ -17,6 +17,8 @@ The logits cost 4 bytes per slot and query head written once and read twice: 128
 Llama-3.1-8B shapes against ~650 B of compressed cache per token (docs/kernels.md has the
 arithmetic and the measurements). One launch per pass for up to four regions (NREG), then the combine; no host
 syncs (lengths and next_pos may live on the device), so a call can be captured in a CUDA graph.
+Formats: the plain layout only (`supported_split`); key bands, fp8 scales/zeros and 3-bit keys are left to the
+one-pass kernel, which latent_attention(split=...) then runs instead.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from tale_runtime.quant import QTensor
 
 from ._common import TL_DTYPE, interpreting, plane, plane_asm, pow2, to_float
 from .attention import (
@@ -34,6 +38,7 @@ from .attention import (
     _dot,
     _lat_plane,
     _lat_planes,
+    _meta,
     _num_sms,
     _split4,
     _splits,
@@ -128,8 +133,7 @@ def _keys_region(
                 r = t0 // KG + tl.arange(0, KROWS)
                 sm = (r * KG < L)[:, None] & um[None, :]
                 so = ksoff[None, :] + i * PK + r[:, None] * s_kst
-                ks = tl.load(ks_ptr + so, mask=sm, other=0.0).to(DOT)
-                kz = tl.load(kz_ptr + so, mask=sm, other=0.0).to(DOT)
+                ks, kz = _meta(ks_ptr, kz_ptr, so, sm, 1.0, 0, DOT)  # in the cache dtype (supported_split)
             if KBITS < 8 and KASM:
                 kc = plane_asm(tl.reshape(kb, (KROWS, BT // KROWS, KW)), ks[:, None, :], kz[:, None, :], i, KBITS, DOT)
                 kc = tl.reshape(kc, (BT, KW))
@@ -342,27 +346,27 @@ def _lat_region(
             hb = tl.load(h_ptr + hoff[:, None] + jp[None, :], mask=tm[:, None] & (jp < P)[None, :], other=0)
         acc0 = _dot(
             pd,
-            _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 0, HBITS, P, PP, VG, BT, DOT, HASM),
+            _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1.0, 0, HBITS, 0, P, PP, VG, BT, DOT, HASM),
             acc0,
             HDOT,
         )
         if NPH > 1:
             acc1 = _dot(
                 pd,
-                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1, HBITS, P, PP, VG, BT, DOT, HASM),
+                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1.0, 1, HBITS, 0, P, PP, VG, BT, DOT, HASM),
                 acc1,
                 HDOT,
             )
         if NPH > 2:
             acc2 = _dot(
                 pd,
-                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 2, HBITS, P, PP, VG, BT, DOT, HASM),
+                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1.0, 2, HBITS, 0, P, PP, VG, BT, DOT, HASM),
                 acc2,
                 HDOT,
             )
             acc3 = _dot(
                 pd,
-                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 3, HBITS, P, PP, VG, BT, DOT, HASM),
+                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1.0, 3, HBITS, 0, P, PP, VG, BT, DOT, HASM),
                 acc3,
                 HDOT,
             )
@@ -468,6 +472,13 @@ def _lat_kernel(
             )
 
 
+def supported_split(cache) -> bool:
+    """What the two passes read, beyond `attention.supported` (which the caller has checked): every region's keys
+    whole (no quant.Bands) and keys and latents in the plain layout (QTensor.plain: 2/4/8/16 bits, scales and zeros
+    in the cache dtype). Key bands, fp8 metadata and 3-bit keys are the one-pass kernel's only."""
+    return all(type(r.keys) is QTensor and r.keys.plain and r.lat.plain for r in _view(cache).regions)
+
+
 def _geometry(r, n: int, g: int) -> dict:
     kb, hb = r.keys.bits, r.lat.bits
     NPK = 8 // kb if kb < 8 else (4 if n >= 64 else 1)
@@ -500,7 +511,7 @@ def latent_attention_split(
     logits_only: bool = False,
 ):
     """tale_kernels.latent_attention in two passes (see the module doc); the caller has checked
-    `attention.supported`. `k_tiles` tiles of `block_t` slots per key program; the latent pass
+    `attention.supported` and `supported_split`. `k_tiles` tiles of `block_t` slots per key program; the latent pass
     splits as attention.py (`waves` programs per SM, `min_split`, `split_tokens`).
     `k_block_t` sets the key tile apart from the latent one; `q_regs` holds the query planes in
     registers through the key pass instead of reloading them per tile. `solo`: how many of the regions

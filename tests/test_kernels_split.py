@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_kernels import CASES, DEVICE, DTYPES, TOL, _grow, layer_cache, rel
+from test_kernels import CASES, DEVICE, DTYPES, FORMATS, TOL, _grow, format_schedule, layer_cache, rel
 
 import tale_kernels  # noqa: E402
 from tale_kernels import attention, attention_split  # noqa: E402
 from tale_runtime.cache import latent_attention as ref_attention  # noqa: E402
+from tale_runtime.quant import Bands, QTensor  # noqa: E402
 from tale_runtime.regions import LayerView, Region  # noqa: E402
 
 # odd lengths, padding, tiny splits, MHA, rep 3, the CUDA-core path, a prompt inside the sinks, groups of 32
@@ -35,6 +36,7 @@ def test_split_matches_reference(case, dtype):
     group = kw.pop("group", 16)
     c = layer_cache(B, H, K, g, n, L0, dtype, pad=pad, group=group)
     G, R = K // g, g * n
+    assert attention_split.supported_split(c)
     for step in range(3):  # decode steps: regions fill, flush and demote in between
         q = torch.randn(B, H, 1, n, device=DEVICE, dtype=dtype)
         k = torch.randn(B, K, 1, n, device=DEVICE, dtype=dtype)
@@ -117,3 +119,37 @@ def test_split_sliding_window_and_static_view(dtype):
     assert len(view.regions) > attention.NREG
     z = tale_kernels.latent_attention(q, k, h, view, 0.125, split={"solo": 0})
     assert rel(z, ref_attention(q, k, h, view, 0.125)) < TOL[dtype]
+
+
+def test_split_falls_back_to_one_pass_for_other_formats(monkeypatch):
+    """Key bands, fp8 scales/zeros and 3-bit keys are not read by the two passes: supported_split declines any
+    view holding such a region (one is enough) and latent_attention(split=...) runs the one-pass kernel, which
+    matches the reference; plain views still take the two passes."""
+    B, H, K, g, n = 1, 4, 2, 2, 32
+    G, R = K // g, g * n
+    calls = []
+    two_pass = attention_split.latent_attention_split
+    monkeypatch.setattr(
+        attention_split, "latent_attention_split", lambda *a, **kw: calls.append(1) or two_pass(*a, **kw)
+    )
+    plain = layer_cache(B, H, K, g, n, 60, torch.float32).view()
+    q = torch.randn(B, H, 1, n, device=DEVICE)
+    k = torch.randn(B, K, 1, n, device=DEVICE)
+    h = torch.randn(B, G, 1, R, device=DEVICE)
+    z = tale_kernels.latent_attention(q, k, h, plain, n**-0.5, split=True)
+    assert calls and rel(z, ref_attention(q, k, h, plain, n**-0.5)) < TOL[torch.float32]
+    seen = set()
+    for fmt in FORMATS:
+        v = layer_cache(B, H, K, g, n, 60, torch.float32, sched=format_schedule(fmt, n, K, R)).view()
+        odd = [r for r in v.regions if not (isinstance(r.keys, QTensor) and r.keys.plain and r.lat.plain)]
+        assert odd
+        for r in odd:
+            seen |= {"bands"} if isinstance(r.keys, Bands) else set()
+            parts = r.keys.parts if isinstance(r.keys, Bands) else [r.keys]
+            seen |= {"3-bit" for p in parts if p.bits == 3} | {"fp8" for t in (*parts, r.lat) if t.meta != "16"}
+            view = LayerView(plain.regions + [r], v.next_pos)
+            assert attention.supported(q, k, h, view) and not attention_split.supported_split(view)
+            calls.clear()
+            z = tale_kernels.latent_attention(q, k, h, view, n**-0.5, split={"k_tiles": 2})
+            assert not calls and rel(z, ref_attention(q, k, h, view, n**-0.5)) < TOL[torch.float32]
+    assert seen == {"bands", "3-bit", "fp8"}
