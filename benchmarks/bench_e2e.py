@@ -184,14 +184,11 @@ def decode(step, first: torch.Tensor, pos0: int, n: int) -> tuple[float, torch.T
     return (time.perf_counter() - t) * 1e3 / n, torch.cat(toks, 1)
 
 
-FUSE = (False,)  # DecodeStep's fuse_projections settings timed per row (--fuse off|on|both); the first is the default
-
-
-def tale_step(model, cache, graphs: bool, compile: bool = True, fuse: bool | None = None):
+def tale_step(model, cache, graphs: bool, compile: bool = True):
     """graphs: CudaGraphDecoder (compile: DecodeStep inside the graph, else the model's forward); else eager
     steps through the model's forward."""
     if graphs:
-        return CudaGraphDecoder(model, cache, compile=compile, fuse=FUSE[0] if fuse is None else fuse)
+        return CudaGraphDecoder(model, cache, compile=compile)
 
     return hf_step(model, cache)
 
@@ -245,14 +242,12 @@ def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
     kernel = tale[0].attention_fn is not reference
     out = {}
     with torch.inference_mode():
-        fused = [("static-step-fused", True, "step", True, True)] if True in FUSE else []
-        for name, static, graphed, kern, fuse in [  # (no kernel on the dynamic cache: its growing regions recompile it)
-            ("dyn-ref", False, False, False, False),
-            ("static-ref", True, False, False, False),
-            ("static-eager", True, False, True, False),
-            ("static-step", True, "step", True, False),
-            ("static-graph", True, graphs, True, FUSE[-1]),
-            *fused,
+        for name, static, graphed, kern in [  # (no kernel on the dynamic cache: its growing regions recompile it)
+            ("dyn-ref", False, False, False),
+            ("static-ref", True, False, False),
+            ("static-eager", True, False, True),
+            ("static-step", True, "step", True),
+            ("static-graph", True, graphs, True),
         ]:
             use_kernels(model, kern and kernel)
             cache = new_cache(model, static=static, max_length=ctx + n_steps + 2)
@@ -260,9 +255,9 @@ def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
             pos = mask.sum(-1, keepdim=True)  # positions of the next token, per row
             t0 = time.perf_counter()
             if graphed == "step":
-                step = DecodeStep(model, cache, backend="inductor" if graphs else "eager", fuse=fuse)
+                step = DecodeStep(model, cache, backend="inductor" if graphs else "eager")
             else:
-                step = tale_step(model, cache, graphed, fuse=fuse)
+                step = tale_step(model, cache, graphed)
             ls = []
             for t in range(n_steps):
                 ls.append(step(feed[:, t : t + 1].contiguous(), pos).float().clone())
@@ -284,8 +279,7 @@ def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
             label=label,
             prompt=ctx,
             steps=n_steps,
-            graph_vs_step=rel("static-graph", "static-step-fused" if fused else "static-step"),
-            **({"fused_vs_step": rel("static-step-fused", "static-step")} if fused else {}),
+            graph_vs_step=rel("static-graph", "static-step"),
             step_vs_eager=rel("static-step", "static-eager"),
             static_vs_dynamic=rel("static-ref", "dyn-ref"),
             kernel_vs_reference=rel("static-eager", "static-ref"),
@@ -382,12 +376,12 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
 
     def measure(c, first, pos0, B):
         best = None
-        for path, fuse in [(p, f) for p in ("factored", "fused") for f in FUSE]:
+        for path in ("factored", "fused"):
             set_output_path(model, path)
             free()
             base_mem = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
             peak_reset()
-            step = tale_step(model, c, graphs, fuse=fuse)
+            step = tale_step(model, c, graphs)
             ms, toks = decode(step, first, pos0, n)
             if getattr(step, "error", None):
                 row(kind="tale-graph-error", ctx=ctx, batch=B, error=step.error[:300])
@@ -404,8 +398,7 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
                 kind="tale",
                 ctx=ctx,
                 batch=B,
-                path=path + (" + fused projections" if fuse else ""),
-                fuse=fuse,
+                path=path,
                 ms_per_token=round(ms, 2),
                 tokens_per_s=round(B * 1e3 / ms, 1),
                 peak_gib=round(pk, 2),
@@ -416,8 +409,8 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
                 best = r
         row(**{**best, "kind": "tale-best"})
         if B == 1 and graphs:  # before/after: the model's own forward in the graph; kernels per step of both
-            set_output_path(model, best["path"].split(" ")[0])
-            ms, toks = decode(tale_step(model, c, graphs, compile=False, fuse=best["fuse"]), first, pos0, n)
+            set_output_path(model, best["path"])
+            ms, toks = decode(tale_step(model, c, graphs, compile=False), first, pos0, n)
             first, pos0 = toks[:, -1:], pos0 + n + 2
             measure.last = toks
             pos = torch.full((1, 1), pos0, dtype=torch.long, device=first.device)
@@ -425,7 +418,7 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
             # a fresh [B, 1] tensor: the [:, -1:] slice of the tokens has another stride and storage offset, which
             # recompiles the embedding (the 32K count of the run in docs/speed.md includes that autotuning)
             ids1 = first.clone(memory_format=torch.contiguous_format)
-            k_st, t_st = launches(lambda: DecodeStep(model, c, fuse=best["fuse"])(ids1, pos + 1))
+            k_st, t_st = launches(lambda: DecodeStep(model, c)(ids1, pos + 1))
             pos0 += 2
             row(
                 kind="tale-nocompile",
@@ -442,8 +435,8 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
         if B == 1 and kernel_fn is not None and ctx == 32768:  # what the kernel brings: the same step, torch reference
             for t in tale:
                 t.attention_fn = reference
-            set_output_path(model, best["path"].split(" ")[0])
-            ms, toks = decode(tale_step(model, c, graphs, fuse=best["fuse"]), first, pos0, n)
+            set_output_path(model, best["path"])
+            ms, toks = decode(tale_step(model, c, graphs), first, pos0, n)
             measure.last = toks
             row(kind="tale-reference", ctx=ctx, batch=B, path=best["path"], ms_per_token=round(ms, 2))
             for t in tale:
@@ -610,9 +603,7 @@ def largest(weight_bytes: int) -> None:
 
 def table(device: str, attention: str, floor_ms: dict) -> str:
     lines = [
-        f"Measured on {device}, torch {torch.__version__}. TALE decode attention: {attention}. "
-        "Projections fused (q/k/latents, gate/up): "
-        + {(False,): "no.", (True,): "yes.", (False, True): "both timed, the faster in the table."}[FUSE],
+        f"Measured on {device}, torch {torch.__version__}. TALE decode attention: {attention}.",
         "",
         "| context | batch | TALE static ms/tok | TALE path | TALE tok/s | TALE peak GiB | HF eager ms/tok "
         "| HF eager tok/s "
@@ -761,19 +752,11 @@ def main() -> None:
     )
     ap.add_argument("--hf-static-prompt", type=int, default=512, help="prompt tokens of the HF static rows at B > 1")
     ap.add_argument("--no-check", action="store_true")
-    ap.add_argument(
-        "--fuse",
-        choices=("off", "on", "both"),
-        default="off",
-        help="TALE steps with fuse_projections (q/k/latents, gate/up)",
-    )
     ap.add_argument("--batches", default=None, help="batches of every context (default: 1,8,max at 32K, else 1,8)")
     ap.add_argument("--no-hf", action="store_true", help="TALE rows only (no HF eager or static rows)")
     ap.add_argument("--out", default=None, help="append the table to this markdown file")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    global FUSE
-    FUSE = {"off": (False,), "on": (True,), "both": (False, True)}[args.fuse]
 
     device = "cpu" if args.quick else "cuda"
     graphs = device == "cuda"

@@ -24,7 +24,6 @@ import time
 import warnings
 
 import torch
-from torch import nn
 
 from .model import TaleAttention, rotate, rotation
 from .static_cache import StaticTaleCache
@@ -45,61 +44,14 @@ def _pre(layer, x: torch.Tensor, d: torch.Tensor | None, cos, sin, Q: torch.Tens
         x = x + d
     a = layer.self_attn
     xn = layer.input_layernorm(x)
-    if hasattr(a, "w_in"):  # fuse_projections: one matmul for q, k and the latents
-        B, T, _ = xn.shape
-        Hn, Kn = a.H * a.head_dim, a.K * a.head_dim
-        y = nn.functional.linear(xn, a.w_in, a.b_in)  # [B, T, Hn + Kn + G R]
-        q, k = a.heads(y[..., :Hn], y[..., Hn : Hn + Kn], cos, sin)
-        h = y[..., Hn + Kn :].view(B, T, a.G, a.R).transpose(1, 2)
-    else:
-        (q, k), h = a.qk(xn, cos, sin), a.latents(xn)
-    return x, rotate(q, Q).contiguous(), rotate(k, Q).contiguous(), h.contiguous()
+    q, k = a.qk(xn, cos, sin)
+    return x, rotate(q, Q).contiguous(), rotate(k, Q).contiguous(), a.latents(xn).contiguous()
 
 
 def _post(layer, x: torch.Tensor, z: torch.Tensor):
     """Output projection of the latent attention output z [B, T, H, R], residual add, RMSNorm, MLP: -> x, d."""
     x = x + layer.self_attn.output(z)
-    xn, mlp = layer.post_attention_layernorm(x), layer.mlp
-    if not hasattr(mlp, "w_gate_up"):
-        return x, mlp(xn)
-    gate, up = nn.functional.linear(xn, mlp.w_gate_up, mlp.b_gate_up).chunk(2, dim=-1)
-    return x, mlp.down_proj(mlp.act_fn(gate) * up)
-
-
-def fuse_projections(model) -> None:
-    """One weight matrix per layer for q, k and the latents ([H n + K n + G R, d]) and one for the MLP's gate and up
-    ([2 I, d]), as gpt-fast's wqkv: a decode step is a few GEMVs per layer, each a launch (often with a split-K
-    reduction) that reads its weights once, so five become two. The modules' own weights become views into the
-    fused matrices (no second copy: the originals are freed); u_v becomes a strided view [G, d, R] of the rows
-    [G R, d]. Idempotent; the model's forward reads the same weights (the latents' matmul, now over a strided
-    u_v, may round differently; the exact prefill's output does not use it)."""
-    for layer in model.model.layers:
-        a, mlp = layer.self_attn, layer.mlp
-        if not hasattr(a, "w_in"):
-            u = a.tale.u_v.data  # [G, d, R]
-            parts = [a.q_proj.weight.data, a.k_proj.weight.data, u.transpose(1, 2).reshape(a.G * a.R, -1)]
-            w = torch.cat(parts)
-            Hn, Kn = parts[0].shape[0], parts[1].shape[0]
-            a.q_proj.weight = nn.Parameter(w[:Hn], requires_grad=False)
-            a.k_proj.weight = nn.Parameter(w[Hn : Hn + Kn], requires_grad=False)
-            a.tale.u_v = nn.Parameter(w[Hn + Kn :].view(a.G, a.R, -1).transpose(1, 2), requires_grad=False)
-            b = None
-            if a.q_proj.bias is not None or a.k_proj.bias is not None:  # Qwen2; the latents have none
-                zeros = [w.new_zeros(n) for n in (Hn, Kn, a.G * a.R)]
-                bq, bk = (p.bias.data if p.bias is not None else z for p, z in zip((a.q_proj, a.k_proj), zeros))
-                b = torch.cat([bq, bk, zeros[2]])
-            # buffers, not plain attributes: dynamo takes them as graph inputs (one graph for all layers)
-            a.register_buffer("w_in", w, persistent=False)
-            a.register_buffer("b_in", b, persistent=False)
-        if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")) and not hasattr(
-            mlp, "w_gate_up"
-        ):
-            gp, up = mlp.gate_proj, mlp.up_proj
-            w = torch.cat([gp.weight.data, up.weight.data])
-            n = gp.weight.shape[0]
-            gp.weight, up.weight = (nn.Parameter(t, requires_grad=False) for t in (w[:n], w[n:]))
-            mlp.register_buffer("w_gate_up", w, persistent=False)
-            mlp.register_buffer("b_gate_up", None if gp.bias is None else torch.cat([gp.bias.data, up.bias.data]))
+    return x, layer.mlp(layer.post_attention_layernorm(x))
 
 
 def _head(model, x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -110,15 +62,12 @@ class DecodeStep:
     """`step(ids, position_ids)` -> logits [B, V]: the model's forward over a TALE cache (T new tokens after a
     prefill), layer by layer, with the pieces between the matmuls and attention compiled (see the module
     docstring). Same result as `model(...)` up to the rounding of fused kernels; `backend` is torch.compile's
-    ("eager" or "aot_eager" in CPU tests: the tracing without inductor); `fuse=True` first calls
-    `fuse_projections(model)`."""
+    ("eager" or "aot_eager" in CPU tests: the tracing without inductor)."""
 
-    def __init__(self, model, cache, backend: str = "inductor", fuse: bool = False):
+    def __init__(self, model, cache, backend: str = "inductor"):
         if not supports_step(model):
             raise ValueError("DecodeStep needs Llama-style decoder layers with TALE attention")
         self.model, self.cache = model, cache
-        if fuse:  # off by default until a GPU run has timed it (docs/speed.md)
-            fuse_projections(model)
         kw = dict(backend=backend, fullgraph=True)
         self.embed, self.pre, self.post, self.head = (torch.compile(f, **kw) for f in (_embed, _pre, _post, _head))
 
@@ -168,10 +117,10 @@ def supports_step(model) -> bool:
 
 class CudaGraphDecoder:
     """compile: run the steps as DecodeStep (torch.compile of the code around attention, fewer kernels per
-    step; `fuse` as there) when the model supports it; False: the model's own forward. If compiling fails, the decoder warns and
+    step) when the model supports it; False: the model's own forward. If compiling fails, the decoder warns and
     uses the model's forward (`compile_error` says why)."""
 
-    def __init__(self, model, cache: StaticTaleCache, compile: bool = True, fuse: bool = False):
+    def __init__(self, model, cache: StaticTaleCache, compile: bool = True):
         if not isinstance(cache, StaticTaleCache) or cache.book is None:
             raise ValueError("CudaGraphDecoder needs a StaticTaleCache filled by a prefill")
         self.model, self.cache = model, cache
@@ -179,7 +128,7 @@ class CudaGraphDecoder:
         self.warm = False  # one plain step ran eagerly (on a side stream) before the capture
         self.ids = self.pos = self.logits = None
         self.error: str | None = None  # why capturing failed; the steps then stay eager
-        self.step: DecodeStep | None = DecodeStep(model, cache, fuse=fuse) if compile and supports_step(model) else None
+        self.step: DecodeStep | None = DecodeStep(model, cache) if compile and supports_step(model) else None
         self.compiled = False  # the step's graphs were compiled (by _compile, before any step touched the cache)
         self.compile_s = 0.0  # seconds _compile took (dynamo + inductor + Triton; 0 from the caches when warm)
         self.compile_error: str | None = None

@@ -231,13 +231,9 @@ class TaleAttention(nn.Module):
 
     def qk(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Post-RoPE queries [B, H, T, n] and keys [B, K, T, n] of x [B, T, d]."""
-        return self.heads(self.q_proj(x), self.k_proj(x), cos, sin)
-
-    def heads(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Projections q [B, T, H n], k [B, T, K n] -> post-RoPE q [B, H, T, n], k [B, K, T, n]."""
-        B, T, _ = q.shape
-        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     def _observed(self, layer, q_c: torch.Tensor) -> dict:

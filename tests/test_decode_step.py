@@ -10,7 +10,7 @@ from tale_helpers import talify, tiny_model
 
 from tale_runtime import new_cache
 from tale_runtime.artifact import Schedule, uniform_ranks
-from tale_runtime.decode import CudaGraphDecoder, DecodeStep, fuse_projections, supports_step
+from tale_runtime.decode import CudaGraphDecoder, DecodeStep, supports_step
 
 
 @pytest.fixture(autouse=True)
@@ -70,31 +70,6 @@ def test_step_gives_the_forwards_logits(arch, g, rotate):
     want = _run(tm, _forward, ids, mask, feed, 80)
     got = _run(tm, lambda m, c: DecodeStep(m, c, backend="eager"), ids, mask, feed, 80)
     assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_fused_projections_give_the_same_logits_without_a_second_copy(arch):
-    """fuse_projections (on CUDA by default): q/k/latents and gate/up as one matmul each. The module weights become
-    views of the fused matrices (same storage, same values, u_v included), the model's forward and the fused step
-    give the unfused logits up to float32 rounding (Qwen2: q/k biases in the fused bias; the forward's latents now
-    read a strided u_v), and fusing twice is a no-op."""
-    tm = talify(tiny_model(arch), 2)
-    ids, mask, feed = _inputs(steps=12)
-    want = _run(tm, _forward, ids, mask, feed, 60)
-    a, mlp = tm.model.layers[1].self_attn, tm.model.layers[1].mlp
-    old = [t.clone() for t in (a.q_proj.weight, a.k_proj.weight, a.tale.u_v, mlp.gate_proj.weight, mlp.up_proj.weight)]
-    got = _run(tm, lambda m, c: DecodeStep(m, c, backend="eager", fuse=True), ids, mask, feed, 60)
-    assert float((got - want).norm() / want.norm()) < 1e-5 and torch.equal(got.argmax(-1), want.argmax(-1))
-    new = (a.q_proj.weight, a.k_proj.weight, a.tale.u_v, mlp.gate_proj.weight, mlp.up_proj.weight)
-    assert all(torch.equal(x, y) for x, y in zip(old, new))
-    w_in = a.w_in
-    assert all(t.untyped_storage().data_ptr() == w_in.untyped_storage().data_ptr() for t in new[:3])
-    assert mlp.gate_proj.weight.untyped_storage().data_ptr() == mlp.w_gate_up.untyped_storage().data_ptr()
-    assert (a.b_in is not None) == (arch == "qwen2")
-    fuse_projections(tm)
-    assert a.w_in is w_in
-    again = _run(tm, _forward, ids, mask, feed, 60)  # the forward reads the views (u_v strided: other rounding)
-    assert float((again - want).norm() / want.norm()) < 1e-5
 
 
 def test_one_graph_per_piece_for_all_layers(monkeypatch):
@@ -171,18 +146,17 @@ def test_unsupported_models_keep_the_forward():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled CUDA-graph steps need CUDA")
-@pytest.mark.parametrize("fuse", [False, True])
-def test_compiled_graph_steps_match_eager_steps(fuse):
+def test_compiled_graph_steps_match_eager_steps():
     """On CUDA (inductor): the captured compiled step replays exactly what the compiled step computes eagerly,
     and stays within float32 rounding of the model's forward, with the same greedy tokens."""
     tm = talify(tiny_model("llama"), 2).cuda()
     ids, mask, feed = _inputs("cuda")
     want = _run(tm, _forward, ids, mask, feed, 80)
-    step = _run(tm, lambda m, c: DecodeStep(m, c, fuse=fuse), ids, mask, feed, 80)
+    step = _run(tm, DecodeStep, ids, mask, feed, 80)
     decoders = []
 
     def graphed(m, c):
-        decoders.append(CudaGraphDecoder(m, c, fuse=fuse))
+        decoders.append(CudaGraphDecoder(m, c))
         return decoders[-1]
 
     got = _run(tm, graphed, ids, mask, feed, 80)
