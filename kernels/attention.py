@@ -303,6 +303,42 @@ def _key_logits(
 
 
 @triton.jit
+def _store_partial(
+    pm_ptr,
+    pl_ptr,
+    pacc_ptr,
+    s_acc,
+    rk_ptr,
+    slot,
+    prow,
+    rmask,
+    m,
+    l,
+    jp,
+    acc0,
+    acc1,
+    acc2,
+    acc3,
+    RANK: tl.constexpr,
+    NPH: tl.constexpr,
+    P: tl.constexpr,
+):
+    """One split's partial for the combine: max m and sum l [QGP] of its heads' rows `prow`, the accumulator planes
+    (channels past RANK are never written), and the region's rank for the slot (the combine reads that many)."""
+    tl.store(rk_ptr + slot + tl.arange(0, 1), tl.full([1], RANK, tl.int32))
+    tl.store(pm_ptr + prow, m, mask=rmask)
+    tl.store(pl_ptr + prow, l, mask=rmask)
+    am = rmask[:, None] & (jp < P)[None, :]
+    base = pacc_ptr + prow[:, None] * s_acc + jp[None, :]
+    tl.store(base, acc0, mask=am)
+    if NPH > 1:
+        tl.store(base + P, acc1, mask=am)
+    if NPH > 2:
+        tl.store(base + 2 * P, acc2, mask=am)
+        tl.store(base + 3 * P, acc3, mask=am)
+
+
+@triton.jit
 def _region(
     RT,
     CT,
@@ -454,17 +490,9 @@ def _region(
 
     # -- the partial of this split: channels past RANK are never written (the combine skips them)
     prow = (b * H + head) * n_slots + slot
-    tl.store(rk_ptr + slot + tl.arange(0, 1), tl.full([1], RANK, tl.int32))  # the combine reads this many channels
-    tl.store(pm_ptr + prow, m_i, mask=rmask)
-    tl.store(pl_ptr + prow, l_i, mask=rmask)
-    am = rmask[:, None] & (jp < P)[None, :]
-    base = pacc_ptr + prow[:, None] * s_acc + jp[None, :]
-    tl.store(base, acc0, mask=am)
-    if NPH > 1:
-        tl.store(base + P, acc1, mask=am)
-    if NPH > 2:
-        tl.store(base + 2 * P, acc2, mask=am)
-        tl.store(base + 3 * P, acc3, mask=am)
+    _store_partial(
+        pm_ptr, pl_ptr, pacc_ptr, s_acc, rk_ptr, slot, prow, rmask, m_i, l_i, jp, acc0, acc1, acc2, acc3, RANK, NPH, P
+    )
 
 
 @triton.jit
@@ -894,6 +922,51 @@ def _splits(
     return out
 
 
+def _partials(B: int, H: int, R: int, splits: list[int], dev) -> tuple[int, tuple[torch.Tensor, ...]]:
+    """Per-split partial results of both kernels: running max m and sum l [B, H, S], accumulator [B, H, S, RPAD],
+    and the rank of each slot's region [S] (written by its programs)."""
+    n_slots = max(1, sum(splits))
+    pm = torch.empty(B, H, n_slots, device=dev, dtype=torch.float32)
+    pacc = torch.empty(B, H, n_slots, pow2(R), device=dev, dtype=torch.float32)
+    return n_slots, (pm, torch.empty_like(pm), pacc, torch.empty(n_slots, device=dev, dtype=torch.int32))
+
+
+def _combine(pm, pl, pacc, rk, n_slots: int, q, k_new, h_new, qk: float, rep: int, g: int) -> torch.Tensor:
+    """Merge the splits' partials by log-sum-exp with the new token's own score and latent -> z [B, 1, H, R]."""
+    B, H, _, n = q.shape
+    R = h_new.shape[-1]
+    z = torch.empty(B, 1, H, R, device=q.device, dtype=torch.float32)
+    BR = min(pacc.shape[-1], 64)
+    _combine_kernel[(B * H, triton.cdiv(R, BR))](
+        pm,
+        pl,
+        pacc,
+        pacc.stride(2),
+        rk,
+        z,
+        n_slots,
+        R,
+        H,
+        q,
+        q.stride(0),
+        q.stride(1),
+        qk,
+        k_new,
+        k_new.stride(0),
+        k_new.stride(1),
+        h_new,
+        h_new.stride(0),
+        h_new.stride(1),
+        N=n,
+        REP=rep,
+        GS=g,
+        BS=64,
+        BR=BR,
+        num_warps=4,
+    )
+    return z
+
+
 def latent_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -950,12 +1023,7 @@ def latent_attention(
     VG = next((r.lat.group for r in regions if r.lat.bits != 16), 1)
     BT = max(32, block_t)  # 16-token tiles gave wrong results compiled (Triton 3.6, H200); not understood
     splits = _splits(view, B, G, n, K, _num_sms(dev), waves, min_split, split_tokens)
-    n_slots = max(1, sum(splits))
-    RPAD = pow2(R)
-    pm = torch.empty(B, H, n_slots, device=dev, dtype=torch.float32)
-    pl = torch.empty_like(pm)
-    pacc = torch.empty(B, H, n_slots, RPAD, device=dev, dtype=torch.float32)
-    rk = torch.empty(n_slots, device=dev, dtype=torch.int32)  # rank of each slot's region, written by its programs
+    n_slots, (pm, pl, pacc, rk) = _partials(B, H, R, splits, dev)
     npos, win = view.next_pos, view.window
     QGP = max(16, pow2(g * rep))
     slot0 = 0
@@ -996,33 +1064,4 @@ def latent_attention(
             **({"maxnreg": maxnreg} if maxnreg else {}),
         )
         slot0 += total
-    z = torch.empty(B, 1, H, R, device=dev, dtype=torch.float32)
-    BR = min(RPAD, 64)
-    _combine_kernel[(B * H, triton.cdiv(R, BR))](
-        pm,
-        pl,
-        pacc,
-        pacc.stride(2),
-        rk,
-        z,
-        n_slots if regions else 0,
-        R,
-        H,
-        q,
-        q.stride(0),
-        q.stride(1),
-        qk,
-        k_new,
-        k_new.stride(0),
-        k_new.stride(1),
-        h_new,
-        h_new.stride(0),
-        h_new.stride(1),
-        N=n,
-        REP=rep,
-        GS=g,
-        BS=64,
-        BR=BR,
-        num_warps=4,
-    )
-    return z
+    return _combine(pm, pl, pacc, rk, n_slots if regions else 0, q, k_new, h_new, qk, rep, g)

@@ -34,14 +34,16 @@ from .attention import (
     LOG2E,
     NREG,
     _c,
-    _combine_kernel,
+    _combine,
     _dot,
     _lat_plane,
     _lat_planes,
     _meta,
     _num_sms,
+    _partials,
     _split4,
     _splits,
+    _store_partial,
     _view,
 )
 
@@ -371,17 +373,26 @@ def _lat_region(
                 HDOT,
             )
     prow = (b * H + head) * n_slots + slot
-    tl.store(rk_ptr + slot + tl.arange(0, 1), tl.full([1], RANK, tl.int32))
-    tl.store(pm_ptr + prow, m, mask=rmask)
-    tl.store(pl_ptr + prow, tl.sum(ls, axis=1), mask=rmask)
-    am = rmask[:, None] & (jp < P)[None, :]
-    base = pacc_ptr + prow[:, None] * s_acc + jp[None, :]
-    tl.store(base, acc0, mask=am)
-    if NPH > 1:
-        tl.store(base + P, acc1, mask=am)
-    if NPH > 2:
-        tl.store(base + 2 * P, acc2, mask=am)
-        tl.store(base + 3 * P, acc3, mask=am)
+    _store_partial(
+        pm_ptr,
+        pl_ptr,
+        pacc_ptr,
+        s_acc,
+        rk_ptr,
+        slot,
+        prow,
+        rmask,
+        m,
+        tl.sum(ls, axis=1),
+        jp,
+        acc0,
+        acc1,
+        acc2,
+        acc3,
+        RANK,
+        NPH,
+        P,
+    )
 
 
 @triton.jit
@@ -584,12 +595,7 @@ def latent_attention_split(
     if logits_only:
         return lg
     splits = _splits(view, B, G, n, K, _num_sms(dev), waves, min_split, split_tokens)
-    n_slots = max(1, sum(splits))
-    RPAD = pow2(R)
-    pm = torch.empty(B, H, n_slots, device=dev, dtype=torch.float32)
-    pl = torch.empty_like(pm)
-    pacc = torch.empty(B, H, n_slots, RPAD, device=dev, dtype=torch.float32)
-    rk = torch.empty(n_slots, device=dev, dtype=torch.int32)
+    n_slots, (pm, pl, pacc, rk) = _partials(B, H, R, splits, dev)
     slot0 = 0
     for grp in groups:  # the latent pass
         regs, cfg, p0 = [], [], 0
@@ -628,33 +634,4 @@ def latent_attention_split(
             **common,
         )
         slot0 += p0
-    z = torch.empty(B, 1, H, R, device=dev, dtype=torch.float32)
-    BR = min(RPAD, 64)
-    _combine_kernel[(B * H, triton.cdiv(R, BR))](
-        pm,
-        pl,
-        pacc,
-        pacc.stride(2),
-        rk,
-        z,
-        n_slots if regions else 0,
-        R,
-        H,
-        q,
-        q.stride(0),
-        q.stride(1),
-        qk,
-        k_new,
-        k_new.stride(0),
-        k_new.stride(1),
-        h_new,
-        h_new.stride(0),
-        h_new.stride(1),
-        N=n,
-        REP=rep,
-        GS=g,
-        BS=64,
-        BR=BR,
-        num_warps=4,
-    )
-    return z
+    return _combine(pm, pl, pacc, rk, n_slots if regions else 0, q, k_new, h_new, qk, rep, g)
