@@ -14,7 +14,7 @@ padded to 16). Per tile of slots:
 - latents plane by plane: p @ plane_i into its own accumulator (channels i*nb ..).
 Keys in channel bands (quant.Bands: the tale preset) are scored part by part against the query's
 channels of each part (gathered on the host), fp8 scales/zeros are divided by their tensor's bias
-(a float, or a device scalar in static caches), 3-bit keys are unpacked from 24-bit words.
+(a float, or a device scalar in static caches), 3-bit keys from their bit-sliced layout (8 sub-planes).
 Each program writes a partial (max, sum, acc[:rank]) into its slot; a second launch merges
 the slots with the new token into z [B, 1, H, R]. Lengths and positions are read on the
 device and the grid comes from capacities, so a call can be captured in a CUDA graph;
@@ -257,6 +257,11 @@ def _key_logits(
     kmask = tm[:, None] & um[None, :]
     if KBITS < 8 and KBITS != 3:
         kb = tl.load(k_ptr + (krow + jj)[None, :] + t[:, None] * s_kt, mask=kmask, other=0)
+    if KBITS == 3:  # bit-sliced (runtime/quant.py): low-byte halves A / B (PK bytes each), then the high bits
+        kp = k_ptr + (krow + jj)[None, :] + t[:, None] * s_kt
+        k3a = tl.load(kp, mask=kmask, other=0).to(tl.int32)
+        k3b = tl.load(kp + PK, mask=kmask, other=0).to(tl.int32)
+        k3h = tl.load(kp + 2 * PK, mask=kmask, other=0).to(tl.int32)
     for i in tl.static_range(NPK):
         if KBITS < 16:  # per channel over key groups: KROWS scale rows per tile
             r = t0 // KG + tl.arange(0, KROWS)
@@ -268,12 +273,9 @@ def _key_logits(
             kc = plane_asm(tl.reshape(kb, (KROWS, BT // KROWS, KW)), ks[:, None, :], kz[:, None, :], i, KBITS, DOT)
             kc = tl.reshape(kc, (BT, KW))
         else:
-            if KBITS == 3:  # 8 codes per 24-bit little-endian word; a code may straddle two bytes
-                e3 = (jj % 8) * 3
-                p3 = k_ptr + (krow + (jj // 8) * 3 + e3 // 8)[None, :] + t[:, None] * s_kt
-                lo = tl.load(p3, mask=kmask, other=0).to(tl.int32)
-                hi = tl.load(p3 + 1, mask=kmask & ((e3 % 8) > 5)[None, :], other=0).to(tl.int32)
-                kc = to_float(((lo | (hi << 8)) >> (e3 % 8)[None, :]) & 7, 3, DOT)
+            if KBITS == 3:  # sub-plane i: 2 bits of low half i % 2 at 2 (i // 2), the high bit at i
+                k3 = k3a if i % 2 == 0 else k3b
+                kc = to_float(((k3 >> (2 * (i // 2))) & 3) | (((k3h >> i) & 1) << 2), 3, DOT)
             elif KBITS < 8:
                 kc = plane(kb, i, KBITS, DOT)
             elif KBITS == 8:
@@ -891,7 +893,7 @@ def _region_args(
         kt = _c(kq.data)
         ks, kz = (_c(kq.scale), _c(kq.zero)) if kb != 16 else (kt, kt)
         kbias, kbp = _bias_arg(kq)
-        NPK = 8 // kb if kb in (2, 4) else (4 if c >= 64 and kb != 3 else 1)
+        NPK = 8 // kb if kb in (2, 4) else 8 if kb == 3 else (4 if c >= 64 else 1)  # 3 bits: 8 sub-planes
         KW = max(16, pow2(g * c // NPK))  # tiles of width 4 or 8 came out wrong compiled (Triton 3.6, H100)
         rt += [qj, qj.stride(0), qj.stride(1), kt, *kt.stride()[:3], ks, kz, *ks.stride()[:3], kbias]
         ct += [kb, c, NPK, KW, KW >= 32, kb in asm, _METAS[kq.meta] if kb != 16 else 0, kbp]
@@ -992,7 +994,7 @@ def latent_attention(
     does not read) runs the torch reference. `split_tokens` fixes the slots per split (tests);
     otherwise the regions share about `waves` programs per SM, at least `min_split` slots each.
     `asm` unpacks 2/4-bit codes of 16-bit caches with inline PTX (True: both widths; or a tuple of
-    the widths that use it). Compiled GPU runs only: the interpreter and float32 caches take the
+    the widths that use it; docs/kernels.md compares them). Compiled GPU runs only: the interpreter and float32 caches take the
     plain Triton path, as does asm=False. `maxnreg` caps the registers per thread (more programs
     per SM, at the price of spills). `split` runs the two-pass kernel of attention_split.py instead
     (True, or a dict of its options: `k_tiles`, `k_warps`, ...).
@@ -1026,6 +1028,8 @@ def latent_attention(
     n_slots, (pm, pl, pacc, rk) = _partials(B, H, R, splits, dev)
     npos, win = view.next_pos, view.window
     QGP = max(16, pow2(g * rep))
+    # 3-bit keys have 8 sub-planes: more than the 4 query planes held in registers, so reloaded per tile
+    q_in_loop = q_in_loop or any(kq.bits == 3 for r in regions for kq, _ in _key_parts(r.keys))
     slot0 = 0
     for i0 in range(0, len(regions), NREG):
         part = list(zip(regions[i0 : i0 + NREG], splits[i0 : i0 + NREG]))

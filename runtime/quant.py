@@ -9,8 +9,10 @@ Layout (the Triton kernels in tale_kernels use exactly this one):
   sits in byte c % nb at bit offset (c // nb) * bits. Plane i (bits i*b..) of the row's bytes
   holds the contiguous elements i*nb .. i*nb + nb - 1, so a kernel gets a contiguous channel
   block from one shift and mask of the loaded bytes (no interleaving; docs/kernels.md).
-- bits = 3 packs 8 codes into 3 bytes (code i of a 24-bit word at bit 3*i, little-endian), so the
-  packed last dim is last_dim * 3 / 8 too (last_dim a multiple of 8). The decode kernel reads 3-bit keys
+- bits = 3 is bit-sliced: the low 2 bits of the C codes packed as above at 2 bits (C / 4 bytes), then
+  the high bit at 1 bit (C / 8 bytes), so the packed last dim is last_dim * 3 / 8 (last_dim a multiple
+  of 8). Channels s*C/8 .. (s+1)*C/8 - 1 ("sub-plane" s) are then bits 2 (s // 2) of low-byte half s % 2
+  and bit s of the high bytes: constant shifts, as for 2/4 bits. The decode kernel reads 3-bit keys
   (not latents); quantize / dequantize run in torch.
 - bits = 16 means "not quantized": the tensor is kept as it is.
 - meta: how scale and zero are stored ("scale/zero"). "16": both in the source dtype (KIVI; 32
@@ -166,21 +168,16 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _pack3(codes: torch.Tensor) -> torch.Tensor:
-    *lead, last = codes.shape
+    last = codes.shape[-1]
     if last % 8:
         raise ValueError(f"last dim {last} is not a multiple of 8 (needed to pack 3-bit codes)")
-    c = codes.to(torch.int32).reshape(*lead, last // 8, 8)
-    word = (c << (torch.arange(8, device=codes.device, dtype=torch.int32) * 3)).sum(dim=-1)  # 24 bits
-    b = (word.unsqueeze(-1) >> torch.tensor([0, 8, 16], device=codes.device, dtype=torch.int32)) & 255
-    return b.to(torch.uint8).reshape(*lead, last // 8 * 3)
+    c = codes.to(torch.uint8)
+    return torch.cat([pack(c & 3, 2), pack(c >> 2, 1)], dim=-1)  # [..., C/4 low | C/8 high]
 
 
 def _unpack3(packed: torch.Tensor) -> torch.Tensor:
-    *lead, m = packed.shape
-    b = packed.to(torch.int32).reshape(*lead, m // 3, 3)
-    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
-    codes = (word.unsqueeze(-1) >> (torch.arange(8, device=packed.device, dtype=torch.int32) * 3)) & 7
-    return codes.to(torch.uint8).reshape(*lead, m // 3 * 8)
+    lo, hi = packed.split([packed.shape[-1] * 2 // 3, packed.shape[-1] // 3], dim=-1)
+    return unpack(lo, 2) | (unpack(hi, 1) << 2)
 
 
 def _fp8_round(x: torch.Tensor, up: bool) -> torch.Tensor:

@@ -72,7 +72,8 @@ def test_split_logits_are_the_masked_scores():
         got = lg[:, :, off : off + L]
         assert torch.equal(torch.isinf(got), torch.isinf(want))
         fin = torch.isfinite(want)
-        assert torch.allclose(got[fin], want[fin], rtol=1e-4, atol=1e-4)
+        # compiled float32 dots run in TF32 (as in the one-pass kernel): TOL is 5e-3 on CUDA, 1e-5 interpreted
+        assert not fin.any() or rel(got[fin], want[fin]) < TOL[dtype]
         off += r.capacity
     assert (~torch.isfinite(lg)).any() and torch.isfinite(lg).any()
 

@@ -21,6 +21,20 @@ def test_3bit_pack_round_trip_and_size():
         pack(codes[..., :20], 3)
 
 
+def test_3bit_layout_is_bit_sliced():
+    """Low 2 bits planar at 2 bits (C/4 bytes), then the high bit planar at 1 bit (C/8 bytes): channel
+    s*C/8 + j (sub-plane s) sits in low byte (s % 2)*C/8 + j at bit 2*(s // 2) and in high byte j at bit s,
+    the constant shifts the decode kernel reads (kernels/attention.py)."""
+    C, nb1 = 64, 8
+    codes = torch.randint(0, 8, (4, C), generator=torch.Generator().manual_seed(3))
+    p = pack(codes, 3).to(torch.int32)
+    for ch in range(C):
+        s, j = divmod(ch, nb1)
+        lo = (p[:, (s % 2) * nb1 + j] >> (2 * (s // 2))) & 3
+        hi = (p[:, 2 * nb1 + j] >> s) & 1
+        assert torch.equal(lo | (hi << 2), codes[:, ch].to(torch.int32)), ch
+
+
 def test_fp8_rounding_is_directed():
     x = torch.randn(4000, generator=torch.Generator().manual_seed(1)) * torch.logspace(-4, 2, 4000)
     up, down = _fp8_round(x, up=True), _fp8_round(x, up=False)
