@@ -4,7 +4,8 @@ Uses the Triton of the environment (the venv has 3.9; the device runs 3.6, whose
 a few %) with ptxas/cuobjdump from its wheel, at Llama-3.1-8B shapes (g = 4, rep = 4, head dim 128, groups
 of 32), bf16, pointers and strides marked divisible by 16 as the JIT specializes them on real shapes.
 
-    python benchmarks/sass_report.py keys 4 2 2      # kernel (keys | lat | keysall | latall | onepass), warps,
+    python benchmarks/sass_report.py keys 4 2 2      # kernel (keys | lat | keysall | latall | onepass | onepassall
+                                                     # | onepasstale), warps,
                                                      # stages, bits (ignored by the *all kinds), [slots per tile]
     QREG=1 python benchmarks/sass_report.py keys 4 2 2 ; HASM=0 python benchmarks/sass_report.py lat 8 2 4
 
@@ -18,6 +19,7 @@ import re
 import subprocess
 import sys
 
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -70,6 +72,85 @@ def report(name, k):
         if to < at:
             bars = sum(1 for a, op in ops if op == "BAR" and to <= int(a, 16) <= at)
             print(f"  loop {to:#x}..{at:#x}: {(at - to) // 16} instructions, {bars} barriers")
+
+
+TYPES = {
+    torch.uint8: "*u8",
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.float32: "*fp32",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+    torch.float8_e4m3fn: "*fp8e4nv",
+}
+
+
+def onepass_kernel(which, bits):
+    """Compile _attn_kernel with the runtime/constexpr tuples that latent_attention builds for a CPU copy of the
+    benchmark's view (bench_decode.synth_view / preset_schedule), typed as the JIT would type them."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    import bench_decode as bd
+
+    bd.DEV = "cpu"
+    torch.manual_seed(0)
+    L, B = 4096, 1
+    if which == "onepasstale":
+        from tale_runtime.static_cache import StaticTaleCache
+
+        c = StaticTaleCache(bd.preset_schedule("tale"), 1, bd.K, bd.N, bd.G, bd.R, max_length=L + 64)
+        c.layers[0].append(torch.randn(B, bd.K, L, bd.N, dtype=bd.DT), torch.randn(B, bd.G, L, bd.R, dtype=bd.DT))
+        regions = [max(c.layers[0].view().regions, key=lambda r: r.capacity)]
+    else:
+        only = None if which == "onepassall" else f"{bits}bit"
+        regions = bd.synth_view(B, L, only=only).regions
+    q = torch.randn(B, bd.H, 1, bd.N, dtype=bd.DT)
+    args = [A._region_args(r, q, bd.REP, bd.N, bd.GS, bd.KG, 64, 64, (2, 4)) for r in regions]
+    while len(args) < A.NREG:
+        args.append(args[0])
+
+    def ty(v):
+        if isinstance(v, torch.Tensor):
+            return TYPES[v.dtype]
+        return "fp32" if isinstance(v, float) else "i32"
+
+    fn = A._attn_kernel
+    ptrs = {"pm_ptr": "*fp32", "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "rk_ptr": "*i32", "np_arg": "i32"}
+    cst = dict(
+        GS=bd.GS,
+        REP=bd.REP,
+        QGP=16,
+        KG=bd.KG,
+        VG=bd.VG,
+        WIN=False,
+        NPP=False,
+        NREG=len(regions),
+        DOT=tl.bfloat16,
+        QLOOP=True,
+    )
+    sig, cx, attrs = {}, {}, {}
+    for i, nm in enumerate(fn.arg_names):
+        if nm in cst:
+            sig[nm], cx[(i,)] = "constexpr", cst[nm]
+        elif nm.startswith("CT"):
+            sig[nm], cx[(i,)] = "constexpr", args[int(nm[2:])][1]
+        elif nm.startswith("RT"):
+            rt = args[int(nm[2:])][0]
+            sig[nm] = tuple(ty(v) for v in rt)
+            for j, v in enumerate(rt):  # what the JIT specializes: pointers and ints divisible by 16
+                if isinstance(v, torch.Tensor) or (isinstance(v, int) and v % 16 == 0 and v):
+                    attrs[(i, j)] = [["tt.divisibility", 16]]
+        elif nm in ptrs:
+            sig[nm] = ptrs[nm]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif nm == "qk_scale":
+            sig[nm] = "fp32"
+        else:
+            sig[nm] = "i32"
+    return triton.compile(
+        ASTSource(fn, sig, cx, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=warps, num_stages=stages),
+    )
 
 
 QREG = os.environ.get("QREG", "0") == "1"
@@ -136,40 +217,7 @@ if which in ("keys", "lat"):
     k = region_kernel(which, [bits])
 elif which in ("keysall", "latall"):  # the paper schedule's view in one launch: sinks, 2-bit, 4-bit, residual
     k = region_kernel(which[:-3], [16, 2, 4, 16])
-else:
-    ptrs = {"q_ptr": "*bf16", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "rk_ptr": "*i32"}
-    cst = dict(N=128, GS=4, REP=4, QGP=16, KG=32, VG=32, WIN=False, NPP=False, NREG=1, DOT=tl.bfloat16, QLOOP=True)
-    P = 256 * bits // 8 if bits == 2 else 512 * bits // 8
-    for j in range(4):
-        ptrs.update(
-            {
-                f"k{j}": "*u8",
-                f"ks{j}": "*bf16",
-                f"kz{j}": "*bf16",
-                f"h{j}": "*u8",
-                f"hs{j}": "*bf16",
-                f"hz{j}": "*bf16",
-                f"pos{j}": "*i32",
-            }
-        )
-        cst.update(
-            {
-                f"KBITS{j}": bits,
-                f"HBITS{j}": bits,
-                f"RANK{j}": 256 if bits == 2 else 512,
-                f"NPK{j}": 8 // bits,
-                f"KW{j}": 4 * 128 * bits // 8,
-                f"KROWS{j}": 2,
-                f"NPH{j}": 8 // bits,
-                f"P{j}": P,
-                f"PP{j}": P,
-                f"BT{j}": 64,
-                f"KDOT{j}": True,
-                f"HDOT{j}": True,
-                f"LENP{j}": False,
-                f"KASM{j}": bits == 2,
-                f"HASM{j}": bits == 2,
-            }
-        )
-    k = build(A._attn_kernel, ptrs, cst, warps, stages)
+else:  # the one-pass kernel over the benchmark's view: "onepass" one level (bits 2 / 4), "onepassall" the paper
+    # schedule's four regions; "onepasstale" the tale preset's middle level (bands 3/2 bits, fp8 scales)
+    k = onepass_kernel(which, bits)
 report(name, k)
