@@ -8,6 +8,7 @@ of 32), bf16, pointers and strides marked divisible by 16 as the JIT specializes
                                                      # | onepasstale), warps,
                                                      # stages, bits (ignored by the *all kinds), [slots per tile]
     QREG=1 python benchmarks/sass_report.py keys 4 2 2 ; HASM=0 python benchmarks/sass_report.py lat 8 2 4
+    ASM=2,3,4 python benchmarks/sass_report.py onepasstale 4 2 3  # the widths the one-pass kernel unpacks in PTX
 
 Writes OUTDIR/<args>.sass (OUTDIR: $SASS_OUT or /tmp) and prints registers, stack, shared memory, the
 instruction mix and the loop bounds (backward branches); instructions per tile = loop bytes / 16.
@@ -104,7 +105,7 @@ def onepass_kernel(which, bits):
         only = None if which == "onepassall" else f"{bits}bit"
         regions = bd.synth_view(B, L, only=only).regions
     q = torch.randn(B, bd.H, 1, bd.N, dtype=bd.DT)
-    args = [A._region_args(r, q, bd.REP, bd.N, bd.GS, bd.KG, 64, 64, (2, 4)) for r in regions]
+    args = [A._region_args(r, q, bd.REP, bd.N, bd.GS, bd.KG, 64, 64, ASM) for r in regions]
     while len(args) < A.NREG:
         args.append(args[0])
 
@@ -154,6 +155,7 @@ def onepass_kernel(which, bits):
 
 
 QREG = os.environ.get("QREG", "0") == "1"
+ASM = tuple(int(b) for b in os.environ.get("ASM", "2,4").split(",") if b)  # widths on the PTX unpack (onepass*)
 which, warps, stages, bits = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 BT = int(sys.argv[5]) if len(sys.argv) > 5 else 64
 name = "_".join(sys.argv[1:])

@@ -54,32 +54,45 @@ def plane(byts, i: tl.constexpr, BITS: tl.constexpr, OUT: tl.constexpr):
     return to_float((byts.to(tl.int32) >> (i * BITS)) & ((1 << BITS) - 1), BITS, OUT)
 
 
+@triton.jit
+def plane3(lo, hi, i: tl.constexpr, OUT: tl.constexpr):
+    """Sub-plane i of bit-sliced 3-bit rows (runtime/quant.py) -> OUT: `lo` the low-byte half i % 2, `hi` the
+    high-bit bytes; the code is 2 bits of lo at 2 (i // 2) and bit i of hi above them."""
+    lo = (lo.to(tl.int32) >> (2 * (i // 2))) & 3
+    return to_float(lo | (((hi.to(tl.int32) >> i) & 1) << 2), 3, OUT)
+
+
 def _dq_asm(bits: int, fp16: bool) -> str:
     """PTX for 4 codes of one bit plane of a 32-bit word ($2: 4 packed bytes; $7: the shift i * bits)
     -> 4 values code * scale + zero ($3,$4: scale pairs, $5,$6: zero pairs) as two 16-bit pairs ($0, $1).
+    3 bits (bit-sliced, runtime/quant.py): $2 the low-byte word, $3 the high-bit word, $4,$5 scale pairs,
+    $6,$7 zero pairs, $8 the low shift 2 (i // 2), $12 the high shift i; the high bit joins at bit 2.
 
     The masked codes sit in the low bits of the word's 4 bytes; prmt puts each under the exponent
     byte of 128 (bf16, 0x43) / 1024 (fp16, 0x64), so every 16-bit lane reads 128 + c (1024 + c)
     exactly; one fma per pair subtracts that power (exact: the code), a second applies scale and
     zero with one rounding. 2 instructions per value instead of the ~8 of the int32 path.
     """
-    mask = 0x03030303 if bits == 2 else 0x0F0F0F0F
+    mask = 0x0F0F0F0F if bits == 4 else 0x03030303
     e = 0x64 if fp16 else 0x43
     t = "f16x2" if fp16 else "bf16x2"
     one, neg = (0x3C003C00, 0xE400E400) if fp16 else (0x3F803F80, 0xC300C300)  # 1.0, -1024.0 / -128.0
+    s0, s1, z0, z1, sh = ("$4", "$5", "$6", "$7", "$8") if bits == 3 else ("$3", "$4", "$5", "$6", "$7")
+    high = "shr.b32 h, $3, $12;\nand.b32 h, h, 0x01010101;\nshl.b32 h, h, 2;\nor.b32 c, c, h;\n" if bits == 3 else ""
     return (
         "{\n"
-        ".reg .b32 c, lo, hi, one, neg;\n"
+        ".reg .b32 c, h, lo, hi, one, neg;\n"
         f"mov.b32 one, {one:#010x};\n"
         f"mov.b32 neg, {neg:#010x};\n"
-        "shr.b32 c, $2, $7;\n"
+        f"shr.b32 c, $2, {sh};\n"
         f"and.b32 c, c, {mask:#010x};\n"
+        f"{high}"
         f"prmt.b32 lo, c, {e * 0x01010101:#010x}, 0x4140;\n"  # bytes c0, e, c1, e
         f"prmt.b32 hi, c, {e * 0x01010101:#010x}, 0x4342;\n"  # bytes c2, e, c3, e
         f"fma.rn.{t} lo, lo, one, neg;\n"
         f"fma.rn.{t} hi, hi, one, neg;\n"
-        f"fma.rn.{t} $0, lo, $3, $5;\n"
-        f"fma.rn.{t} $1, hi, $4, $6;\n"
+        f"fma.rn.{t} $0, lo, {s0}, {z0};\n"
+        f"fma.rn.{t} $1, hi, {s1}, {z1};\n"
         "}"
     )
 
@@ -89,6 +102,9 @@ _DQ_BF16_4 = tl.constexpr(_dq_asm(4, False))
 _DQ_F16_2 = tl.constexpr(_dq_asm(2, True))
 _DQ_F16_4 = tl.constexpr(_dq_asm(4, True))
 _DQ_CONSTRAINTS = tl.constexpr("=r,=r,r,r,r,r,r,r,r,r,r")  # out pair x2; bytes; scale x2; zero x2; shift x4
+_DQ3_BF16 = tl.constexpr(_dq_asm(3, False))
+_DQ3_F16 = tl.constexpr(_dq_asm(3, True))
+_DQ3_CONSTRAINTS = tl.constexpr("=r,=r" + ",r" * 14)  # out pair x2; low, high bytes; scale x2; zero x2; shifts x4 x2
 
 
 @triton.jit
@@ -107,4 +123,16 @@ def plane_asm(byts, scale, zero, i: tl.constexpr, BITS: tl.constexpr, OUT: tl.co
             x = tl.inline_asm_elementwise(_DQ_BF16_2, _DQ_CONSTRAINTS, [byts, scale, zero, sh], tl.bfloat16, True, 4)
         else:
             x = tl.inline_asm_elementwise(_DQ_BF16_4, _DQ_CONSTRAINTS, [byts, scale, zero, sh], tl.bfloat16, True, 4)
+    return x
+
+
+@triton.jit
+def plane3_asm(lo, hi, scale, zero, i: tl.constexpr, OUT: tl.constexpr):
+    """plane3(lo, hi, i, OUT) * scale + zero in inline PTX, 4 codes per 32-bit register (GPU only)."""
+    sl = tl.full(lo.shape, 2 * (i // 2), tl.int32)
+    sh = tl.full(lo.shape, i, tl.int32)
+    if OUT == tl.float16:
+        x = tl.inline_asm_elementwise(_DQ3_F16, _DQ3_CONSTRAINTS, [lo, hi, scale, zero, sl, sh], tl.float16, True, 4)
+    else:
+        x = tl.inline_asm_elementwise(_DQ3_BF16, _DQ3_CONSTRAINTS, [lo, hi, scale, zero, sl, sh], tl.bfloat16, True, 4)
     return x

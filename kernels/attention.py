@@ -34,7 +34,7 @@ from tale_runtime.cache import latent_attention as reference
 from tale_runtime.quant import FP8, Bands, QTensor
 from tale_runtime.regions import LayerView, Region
 
-from ._common import TL_DTYPE, interpreting, is_pow2, plane, plane_asm, pow2, runnable, to_float
+from ._common import TL_DTYPE, interpreting, is_pow2, plane, plane3, plane3_asm, plane_asm, pow2, runnable, to_float
 
 LOG2E = 1.4426950408889634
 
@@ -259,9 +259,9 @@ def _key_logits(
         kb = tl.load(k_ptr + (krow + jj)[None, :] + t[:, None] * s_kt, mask=kmask, other=0)
     if KBITS == 3:  # bit-sliced (runtime/quant.py): low-byte halves A / B (PK bytes each), then the high bits
         kp = k_ptr + (krow + jj)[None, :] + t[:, None] * s_kt
-        k3a = tl.load(kp, mask=kmask, other=0).to(tl.int32)
-        k3b = tl.load(kp + PK, mask=kmask, other=0).to(tl.int32)
-        k3h = tl.load(kp + 2 * PK, mask=kmask, other=0).to(tl.int32)
+        k3a = tl.load(kp, mask=kmask, other=0)
+        k3b = tl.load(kp + PK, mask=kmask, other=0)
+        k3h = tl.load(kp + 2 * PK, mask=kmask, other=0)
     for i in tl.static_range(NPK):
         if KBITS < 16:  # per channel over key groups: KROWS scale rows per tile
             r = t0 // KG + tl.arange(0, KROWS)
@@ -269,13 +269,22 @@ def _key_logits(
             ks, kz = _meta(
                 RT[o + 7], RT[o + 8], ksoff[None, :] + i * PK + r[:, None] * RT[o + 11], sm, kinv, KMETA, DOT
             )
-        if KBITS < 8 and KBITS != 3 and KASM:  # unpack and scale in one PTX block, 4 codes per register
-            kc = plane_asm(tl.reshape(kb, (KROWS, BT // KROWS, KW)), ks[:, None, :], kz[:, None, :], i, KBITS, DOT)
+        if KBITS < 8 and KASM:  # unpack and scale in one PTX block, 4 codes per register
+            if KBITS == 3:  # sub-plane i: low half i % 2 and the high bits
+                kc = plane3_asm(
+                    tl.reshape(k3a if i % 2 == 0 else k3b, (KROWS, BT // KROWS, KW)),
+                    tl.reshape(k3h, (KROWS, BT // KROWS, KW)),
+                    ks[:, None, :],
+                    kz[:, None, :],
+                    i,
+                    DOT,
+                )
+            else:
+                kc = plane_asm(tl.reshape(kb, (KROWS, BT // KROWS, KW)), ks[:, None, :], kz[:, None, :], i, KBITS, DOT)
             kc = tl.reshape(kc, (BT, KW))
         else:
             if KBITS == 3:  # sub-plane i: 2 bits of low half i % 2 at 2 (i // 2), the high bit at i
-                k3 = k3a if i % 2 == 0 else k3b
-                kc = to_float(((k3 >> (2 * (i // 2))) & 3) | (((k3h >> i) & 1) << 2), 3, DOT)
+                kc = plane3(k3a if i % 2 == 0 else k3b, k3h, i, DOT)
             elif KBITS < 8:
                 kc = plane(kb, i, KBITS, DOT)
             elif KBITS == 8:
@@ -993,8 +1002,8 @@ def latent_attention(
     anything else (prefill chunks, CPU tensors unless TRITON_INTERPRET=1, formats the kernel
     does not read) runs the torch reference. `split_tokens` fixes the slots per split (tests);
     otherwise the regions share about `waves` programs per SM, at least `min_split` slots each.
-    `asm` unpacks 2/4-bit codes of 16-bit caches with inline PTX (True: both widths; or a tuple of
-    the widths that use it; docs/kernels.md compares them). Compiled GPU runs only: the interpreter and float32 caches take the
+    `asm` unpacks 2/4-bit codes of 16-bit caches with inline PTX (True: both widths; or a tuple of the
+    widths that use it, 3 included: docs/kernels.md compares them). Compiled GPU runs only: the interpreter and float32 caches take the
     plain Triton path, as does asm=False. `maxnreg` caps the registers per thread (more programs
     per SM, at the price of spills). `split` runs the two-pass kernel of attention_split.py instead
     (True, or a dict of its options: `k_tiles`, `k_warps`, ...).
@@ -1018,7 +1027,7 @@ def latent_attention(
     q, k_new, h_new = _c(q), _c(k_new), _c(h_new)
     qk = scaling * LOG2E
     regions = view.regions
-    asm_bits = (2, 4) if asm is True else tuple(asm or ())
+    asm_bits = (2, 4) if asm is True else tuple(asm or ())  # 3 (opt-in): compiled for sm_90, not yet run on a GPU
     if interpreting() or q.dtype == torch.float32:
         asm_bits = ()
     KG = next((kq.group for r in regions for kq, _ in _key_parts(r.keys) if kq.bits != 16), 1)

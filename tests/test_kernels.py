@@ -117,7 +117,7 @@ def test_packed_layout_is_planar_and_shared():
 if CUDA:
     import triton.language as tl
 
-    from tale_kernels._common import plane, plane_asm
+    from tale_kernels._common import plane, plane3, plane3_asm, plane_asm
 
     @triton.jit
     def _unpack_both(b_ptr, s_ptr, z_ptr, plain_ptr, asm_ptr, I: tl.constexpr, BITS: tl.constexpr, M: tl.constexpr):
@@ -126,6 +126,14 @@ if CUDA:
         out = plain_ptr.dtype.element_ty
         tl.store(plain_ptr + r, plane(byts, I, BITS, out))
         tl.store(asm_ptr + r, plane_asm(byts, tl.load(s_ptr + r), tl.load(z_ptr + r), I, BITS, out))
+
+    @triton.jit
+    def _unpack3_both(lo_ptr, hi_ptr, s_ptr, z_ptr, plain_ptr, asm_ptr, I: tl.constexpr, M: tl.constexpr):
+        r = tl.arange(0, M)[:, None] * M + tl.arange(0, M)[None, :]
+        lo, hi = tl.load(lo_ptr + r), tl.load(hi_ptr + r)
+        out = plain_ptr.dtype.element_ty
+        tl.store(plain_ptr + r, plane3(lo, hi, I, out))
+        tl.store(asm_ptr + r, plane3_asm(lo, hi, tl.load(s_ptr + r), tl.load(z_ptr + r), I, out))
 
 
 @pytest.mark.skipif(not CUDA, reason="inline PTX runs compiled only")
@@ -152,6 +160,31 @@ def test_ptx_unpack_matches_plain_path(bits, dtype):
         assert torch.equal(exact.float().double(), exact)  # exact in float32: one rounding to 16 bits below
         want = exact.float().to(dtype)
         assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16)), f"plane {i}"
+
+
+@pytest.mark.skipif(not CUDA, reason="inline PTX runs compiled only")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_ptx_unpack_of_3bit_codes_matches_the_layout(dtype):
+    """The 3-bit PTX unpack of sub-plane i (low half i % 2 of the bit-sliced row, high bits) against the codes that
+    runtime/quant.py packed: both paths give the codes bit for bit, and the PTX path code * scale + zero rounded
+    once."""
+    M = 64
+    codes = torch.randint(0, 8, (M, 8 * M), dtype=torch.uint8)  # rows of 8M codes: sub-plane i = columns i*M ..
+    packed = ref_quant.pack(codes, 3)  # [M, 3M]: low half A, low half B, high bits (M bytes each)
+    lo_a, lo_b, hi = (packed[:, j * M : (j + 1) * M].contiguous().to(DEVICE) for j in range(3))
+    sign = torch.where(torch.rand(M, M) < 0.5, -1.0, 1.0)
+    s = (torch.rand(M, M) * 0.2 + 0.05).to(dtype)
+    z = ((torch.rand(M, M) * 0.5 + 0.25) * sign).to(dtype)
+    for i in range(8):
+        plain, got = torch.empty(M, M, dtype=dtype, device=DEVICE), torch.empty(M, M, dtype=dtype, device=DEVICE)
+        one, zero = torch.ones(M, M, dtype=dtype, device=DEVICE), torch.zeros(M, M, dtype=dtype, device=DEVICE)
+        lo = lo_a if i % 2 == 0 else lo_b
+        c = codes[:, i * M : (i + 1) * M].double()
+        _unpack3_both[(1,)](lo, hi, one, zero, plain, got, I=i, M=M)
+        assert torch.equal(plain.cpu().double(), c) and torch.equal(got.cpu().double(), c), f"sub-plane {i}"
+        _unpack3_both[(1,)](lo, hi, s.to(DEVICE), z.to(DEVICE), plain, got, I=i, M=M)
+        want = (c * s.double() + z.double()).float().to(dtype)
+        assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16)), f"sub-plane {i}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -479,7 +512,8 @@ def test_formats_beyond_the_plain_layout_match_reference(fmt, dtype):
             (type(r.keys).__name__, r.keys.bits, r.keys.meta if hasattr(r.keys, "meta") else "") for r in v.regions
         }
         mixed = LayerView(v.regions + plain.view().regions[::-1], v.next_pos)
-        for view, kw in ((v, dict(split_tokens=32, q_in_loop=step != 1)), (mixed, {})):
+        # the mixed view also with the opt-in 3-bit PTX unpack (compiled runs; the interpreter takes the plain path)
+        for view, kw in ((v, dict(split_tokens=32, q_in_loop=step != 1)), (mixed, {}), (mixed, dict(asm=(2, 3, 4)))):
             assert attention.supported(q, k, h, view)
             z = tale_kernels.latent_attention(q, k, h, view, n**-0.5, **kw)
             assert rel(z, ref_attention(q, k, h, view, n**-0.5)) < TOL[dtype]
