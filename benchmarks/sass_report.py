@@ -30,31 +30,6 @@ import tale_kernels.attention as A
 import tale_kernels.attention_split as S
 
 
-def build(fn, ptrs, cst, warps, stages):
-    sig, cx = {}, {}
-    for i, nm in enumerate(fn.arg_names):
-        if nm in cst:
-            sig[nm] = "constexpr"
-            cx[(i,)] = cst[nm]
-        elif nm in ptrs:
-            sig[nm] = ptrs[nm]
-        elif nm == "qk_scale":
-            sig[nm] = "fp32"
-        else:
-            sig[nm] = "i64" if nm.startswith("s_") else "i32"
-    # what the JIT specializes on real shapes: pointers and strides divisible by 16
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, nm in enumerate(fn.arg_names)
-        if nm not in cst and (nm in ptrs or nm.startswith("s_") or nm in ("lg_off", "n_slots", "H", "slot0"))
-    }
-    return triton.compile(
-        ASTSource(fn, sig, cx, attrs),
-        target=GPUTarget("cuda", 90, 32),
-        options=dict(num_warps=warps, num_stages=stages),
-    )
-
-
 def report(name, k):
     bd = os.path.dirname(triton.__file__) + "/backends/nvidia/bin/"
     out = os.environ.get("SASS_OUT", "/tmp")
@@ -73,6 +48,27 @@ def report(name, k):
         if to < at:
             bars = sum(1 for a, op in ops if op == "BAR" and to <= int(a, 16) <= at)
             print(f"  loop {to:#x}..{at:#x}: {(at - to) // 16} instructions, {bars} barriers")
+
+
+def plain_arg(i, nm, ptrs, sig, attrs):
+    """A pointer of `ptrs` (divisible by 16), the float `qk_scale`, or an int32 (strides `s_*` divisible by 16)."""
+    if nm in ptrs:
+        sig[nm] = ptrs[nm]
+        attrs[(i,)] = [["tt.divisibility", 16]]
+    elif nm == "qk_scale":
+        sig[nm] = "fp32"
+    else:
+        sig[nm] = "i32"
+        if nm.startswith("s_"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+
+
+def compile_sm90(fn, sig, cx, attrs):
+    return triton.compile(
+        ASTSource(fn, sig, cx, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=warps, num_stages=stages),
+    )
 
 
 TYPES = {
@@ -140,18 +136,9 @@ def onepass_kernel(which, bits):
             for j, v in enumerate(rt):  # what the JIT specializes: pointers and ints divisible by 16
                 if isinstance(v, torch.Tensor) or (isinstance(v, int) and v % 16 == 0 and v):
                     attrs[(i, j)] = [["tt.divisibility", 16]]
-        elif nm in ptrs:
-            sig[nm] = ptrs[nm]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif nm == "qk_scale":
-            sig[nm] = "fp32"
         else:
-            sig[nm] = "i32"
-    return triton.compile(
-        ASTSource(fn, sig, cx, attrs),
-        target=GPUTarget("cuda", 90, 32),
-        options=dict(num_warps=warps, num_stages=stages),
-    )
+            plain_arg(i, nm, ptrs, sig, attrs)
+    return compile_sm90(fn, sig, cx, attrs)
 
 
 QREG = os.environ.get("QREG", "0") == "1"
@@ -199,20 +186,9 @@ def region_kernel(kind, bits_list):
             for j in range(len(bits_list)):
                 for d in div:
                     attrs[(*ridx, j, d)] = [["tt.divisibility", 16]]
-        elif nm in ptrs:
-            sig[nm] = ptrs[nm]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif nm == "qk_scale":
-            sig[nm] = "fp32"
         else:
-            sig[nm] = "i32"
-            if nm.startswith("s_"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(
-        ASTSource(fn, sig, cx, attrs),
-        target=GPUTarget("cuda", 90, 32),
-        options=dict(num_warps=warps, num_stages=stages),
-    )
+            plain_arg(i, nm, ptrs, sig, attrs)
+    return compile_sm90(fn, sig, cx, attrs)
 
 
 if which in ("keys", "lat"):
