@@ -85,7 +85,9 @@ def run_format(layers, model, fmt: dict, sink=4, start=128):
         r = fmt.get("rank", h.shape[-1])
         kk, hh = k.clone(), h.clone()
         T = k.shape[1]
-        m = (T - sink) // 32 * 32
+        kg = fmt.get("kg", 32)  # key token group (per-channel keys)
+        grain = fmt.get("grain", 32)  # tokens quantized: a multiple of this (the rest stays exact, like a residual)
+        m = (T - sink) // grain * grain
         sl = slice(sink, sink + m)
         if fmt["kaxis"] == "band":  # per-channel keys, bits per channel by importance E[q_c^2] * range_c^2
             kq = k[:, sl].clone()
@@ -112,11 +114,11 @@ def run_format(layers, model, fmt: dict, sink=4, start=128):
                     tot += (bits + {"16": 32, "8/16": 24, "8/8": 16}[fmt.get("kmeta", "16")] / 32) * len(ch)
             kbits = tot / (k.shape[0] * k.shape[-1])
         elif fmt["kaxis"] == "calband":  # two bit bands per head, channels by CALIBRATION importance
-            kq, kbits = band_keys(k[:, sl], fmt["stats"][li]["bits"], fmt.get("kmeta", "16"))
+            kq, kbits = band_keys(k[:, sl], fmt["stats"][li]["bits"], fmt.get("kmeta", "16"), kg)
         elif fmt["kaxis"] == "nuq":  # per-channel groups, codes -> a per-layer non-uniform table (calibration)
             kq, kbits = nuq_keys(k[:, sl], fmt["kbits"], fmt["stats"][li]["table"], fmt.get("kmeta", "16"))
         elif fmt["kaxis"] == "channel":
-            kq, kbits = fq(k[:, sl], fmt["kbits"], 32, -2, fmt.get("kmeta", "16"))
+            kq, kbits = fq(k[:, sl], fmt["kbits"], kg, -2, fmt.get("kmeta", "16"))
         else:
             kq, kbits = fq(k[:, sl], fmt["kbits"], fmt.get("kcg", 64), -1, fmt.get("kmeta", "16"))
         kk[:, sl] = kq
@@ -160,14 +162,14 @@ def band_bits(w: torch.Tensor, mean: float, lo: int, hi: int) -> torch.Tensor:
     return b
 
 
-def band_keys(k: torch.Tensor, bits: torch.Tensor, meta: str) -> tuple[torch.Tensor, float]:
+def band_keys(k: torch.Tensor, bits: torch.Tensor, meta: str, group: int = 32) -> tuple[torch.Tensor, float]:
     out, tot = k.clone(), 0.0
     for kh in range(k.shape[0]):
         for b in bits[kh].unique().tolist():
             ch = (bits[kh] == b).nonzero().flatten()
-            xq, _ = fq(k[kh : kh + 1][..., ch].contiguous(), int(b), 32, -2, meta)
+            xq, _ = fq(k[kh : kh + 1][..., ch].contiguous(), int(b), group, -2, meta)
             out[kh : kh + 1, :, ch] = xq
-            tot += (b + META_BITS[meta] / 32) * len(ch)
+            tot += (b + META_BITS[meta] / group) * len(ch)
     return out, tot / bits.numel()
 
 
@@ -242,13 +244,29 @@ def key_screen(layers, model, stats) -> dict:
     return fm
 
 
+def group_screen(stats) -> dict:
+    """Per-channel keys over token groups of 32 / 64 / 128 (cheaper scales and zeros per number), uniform 2 and 3
+    bits and calibrated two-band keys (latents exact); every format quantizes the same tokens (multiples of 128)."""
+    fm = {}
+    for kg in (32, 64, 128):
+        for meta in ("8/16", "8/8"):
+            for b in (2, 3):
+                fm[f"k{b}c g{kg} {meta}"] = dict(kaxis="channel", kbits=b, vbits=16, kmeta=meta, kg=kg, grain=128)
+            for mean in (2.25, 2.5):
+                st = [{"bits": band_bits(s["w"], mean, 2, 3)} for s in stats]
+                fm[f"band {mean} [2,3] g{kg} {meta}"] = dict(
+                    kaxis="calband", vbits=16, kmeta=meta, stats=st, kg=kg, grain=128
+                )
+    return fm
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("artifact")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--window", type=int, default=0)
-    ap.add_argument("--screen", default="formats", help="formats (the table of docs/quality.md) or keys")
+    ap.add_argument("--screen", default="formats", help="formats (the table of docs/quality.md), keys or groups")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from tale_eval.perplexity import heldout_windows
@@ -280,6 +298,8 @@ def main():
     }
     if args.screen == "keys":
         fmts = key_screen(layers, model, calib_stats(model, tok, args.ctx))
+    elif args.screen == "groups":
+        fmts = group_screen(calib_stats(model, tok, args.ctx))
     print(f"{'format':24s} {'mean err':>8s} {'max err':>8s} {'key b/num':>9s} {'lat b/num(R)':>12s}  per layer")
     for name, f in fmts.items():
         errs, kb, vb = run_format(layers, model, f)
