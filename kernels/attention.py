@@ -1003,8 +1003,8 @@ def latent_attention(
     does not read) runs the torch reference. `split_tokens` fixes the slots per split (tests);
     otherwise the regions share about `waves` programs per SM, at least `min_split` slots each.
     `asm` unpacks 2/4-bit codes of 16-bit caches with inline PTX (True: both widths; or a tuple of the
-    widths that use it, 3 included: docs/kernels.md compares them). Compiled GPU runs only: the interpreter and float32 caches take the
-    plain Triton path, as does asm=False. `maxnreg` caps the registers per thread (more programs
+    widths that use it, 3 included: docs/kernels.md compares them). Compiled GPU runs only: the
+    interpreter and float32 caches take the plain Triton path, as does asm=False. `maxnreg` caps the registers per thread (more programs
     per SM, at the price of spills). `split` runs the two-pass kernel of attention_split.py instead
     (True, or a dict of its options: `k_tiles`, `k_warps`, ...).
     """
