@@ -81,7 +81,7 @@ def _dq_asm(bits: int, fp16: bool) -> str:
     high = "shr.b32 h, $3, $12;\nand.b32 h, h, 0x01010101;\nshl.b32 h, h, 2;\nor.b32 c, c, h;\n" if bits == 3 else ""
     return (
         "{\n"
-        ".reg .b32 c, h, lo, hi, one, neg;\n"
+        f".reg .b32 c, {'h, ' if bits == 3 else ''}lo, hi, one, neg;\n"
         f"mov.b32 one, {one:#010x};\n"
         f"mov.b32 neg, {neg:#010x};\n"
         f"shr.b32 c, $2, {sh};\n"

@@ -71,6 +71,20 @@ def _split4(x, NP: tl.constexpr, M: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
+def _nth(i: tl.constexpr, a, b, c, d):
+    """The i-th of four tensors (i < 4), e.g. a query plane of _split4 held in registers."""
+    if i == 0:
+        x = a
+    elif i == 1:
+        x = b
+    elif i == 2:
+        x = c
+    else:
+        x = d
+    return x
+
+
+@triton.jit
 def _meta(s_ptr, z_ptr, off, m, inv, META: tl.constexpr, DOT: tl.constexpr):
     """Scale and zero at `off` (masked: 0) in DOT. META 0: both stored in the cache dtype; 1: an fp8 scale stored
     times the tensor's power-of-two bias (inv = 1 / bias: exact), the zero in the cache dtype; 2: both fp8."""
@@ -301,14 +315,8 @@ def _key_logits(
                 kc = tl.reshape(tl.reshape(kc, (KROWS, BT // KROWS, KW)) * ks[:, None, :] + kz[:, None, :], (BT, KW))
         if QLOOP:
             qi = tl.load(q_ptr + qoff + i * PK, mask=qm2, other=0.0).to(DOT)
-        elif i == 0:
-            qi = qp0
-        elif i == 1:
-            qi = qp1
-        elif i == 2:
-            qi = qp2
         else:
-            qi = qp3
+            qi = _nth(i, qp0, qp1, qp2, qp3)
         logits = _dot(qi, tl.trans(kc), logits, KDOT)
     return logits
 
@@ -978,6 +986,18 @@ def _combine(pm, pl, pacc, rk, n_slots: int, q, k_new, h_new, qk: float, rep: in
     return z
 
 
+def _widths_and_groups(asm, q: torch.Tensor, regions) -> tuple[tuple[int, ...], int, int]:
+    """What both decode kernels derive from their options and cache: the code widths unpacked by inline PTX
+    (`asm`: True = 2 and 4 bits; 3 is opt-in, compiled for sm_90 but not yet run on a GPU; none in the
+    interpreter or for float32), and the key / latent quantization groups (one each per view: `supported`)."""
+    widths = (2, 4) if asm is True else tuple(asm or ())
+    if interpreting() or q.dtype == torch.float32:
+        widths = ()
+    KG = next((kq.group for r in regions for kq, _ in _key_parts(r.keys) if kq.bits != 16), 1)
+    VG = next((r.lat.group for r in regions if r.lat.bits != 16), 1)
+    return widths, KG, VG
+
+
 def latent_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -1027,11 +1047,7 @@ def latent_attention(
     q, k_new, h_new = _c(q), _c(k_new), _c(h_new)
     qk = scaling * LOG2E
     regions = view.regions
-    asm_bits = (2, 4) if asm is True else tuple(asm or ())  # 3 (opt-in): compiled for sm_90, not yet run on a GPU
-    if interpreting() or q.dtype == torch.float32:
-        asm_bits = ()
-    KG = next((kq.group for r in regions for kq, _ in _key_parts(r.keys) if kq.bits != 16), 1)
-    VG = next((r.lat.group for r in regions if r.lat.bits != 16), 1)
+    asm_bits, KG, VG = _widths_and_groups(asm, q, regions)
     BT = max(32, block_t)  # 16-token tiles gave wrong results compiled (Triton 3.6, H200); not understood
     splits = _splits(view, B, G, n, K, _num_sms(dev), waves, min_split, split_tokens)
     n_slots, (pm, pl, pacc, rk) = _partials(B, H, R, splits, dev)

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from tale_runtime.quant import QTensor
 
-from ._common import TL_DTYPE, interpreting, plane, plane_asm, pow2, to_float
+from ._common import TL_DTYPE, plane, plane_asm, pow2, to_float
 from .attention import (
     LOG2E,
     NREG,
@@ -39,12 +39,14 @@ from .attention import (
     _lat_plane,
     _lat_planes,
     _meta,
+    _nth,
     _num_sms,
     _partials,
     _split4,
     _splits,
     _store_partial,
     _view,
+    _widths_and_groups,
 )
 
 
@@ -156,14 +158,8 @@ def _keys_region(
                     )
             if not QREG:
                 qi = tl.load(q_ptr + qoff + i * PK, mask=qm2, other=0.0).to(DOT)
-            elif i == 0:
-                qi = qp0
-            elif i == 1:
-                qi = qp1
-            elif i == 2:
-                qi = qp2
             else:
-                qi = qp3
+                qi = _nth(i, qp0, qp1, qp2, qp3)
             logits = _dot(qi, tl.trans(kc), logits, KDOT)
         logits = tl.where(ok[None, :], logits * qk_scale, float("-inf"))
         tl.store(lg_ptr + lrow[:, None] + t[None, :], logits, mask=rmask[:, None] & tm[None, :])
@@ -537,11 +533,7 @@ def latent_attention_split(
     q, k_new, h_new = _c(q), _c(k_new), _c(h_new)
     qk = scaling * LOG2E
     regions = view.regions
-    asm_bits = (2, 4) if asm is True else tuple(asm or ())
-    if interpreting() or q.dtype == torch.float32:
-        asm_bits = ()
-    KG = next((r.keys.group for r in regions if r.keys.bits != 16), 1)
-    VG = next((r.lat.group for r in regions if r.lat.bits != 16), 1)
+    asm_bits, KG, VG = _widths_and_groups(asm, q, regions)
     BT = max(32, block_t)  # 16-slot tiles gave wrong results compiled (docs/kernels.md)
     QGP = max(16, pow2(g * rep))
     npos, win = view.next_pos, view.window
