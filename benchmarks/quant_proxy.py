@@ -266,7 +266,12 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--window", type=int, default=0)
-    ap.add_argument("--screen", default="formats", help="formats (the table of docs/quality.md), keys or groups")
+    ap.add_argument(
+        "--screen",
+        default="formats",
+        choices=("formats", "keys", "groups"),
+        help="formats: the table of docs/quality.md",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from tale_eval.perplexity import heldout_windows

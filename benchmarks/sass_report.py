@@ -143,6 +143,10 @@ def onepass_kernel(which, bits):
 
 QREG = os.environ.get("QREG", "0") == "1"
 ASM = tuple(int(b) for b in os.environ.get("ASM", "2,4").split(",") if b)  # widths on the PTX unpack (onepass*)
+KINDS = ("keys", "lat", "keysall", "latall", "onepass", "onepassall", "onepasstale")
+if len(sys.argv) < 5 or sys.argv[1] not in KINDS or not all(a.isdigit() for a in sys.argv[2:]):
+    print(f"usage: sass_report.py {{{'|'.join(KINDS)}}} WARPS STAGES BITS [SLOTS]", file=sys.stderr)
+    sys.exit(2)
 which, warps, stages, bits = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 BT = int(sys.argv[5]) if len(sys.argv) > 5 else 64
 name = "_".join(sys.argv[1:])
