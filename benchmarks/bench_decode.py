@@ -185,6 +185,13 @@ def new_token(B: int):
     )
 
 
+def kernel_cfg(cfg: dict) -> dict:
+    """latent_attention options from JSON: `dot` by name ("bfloat16", "float16")."""
+    if isinstance(cfg.get("dot"), str):
+        cfg = {**cfg, "dot": getattr(torch, cfg["dot"])}
+    return cfg
+
+
 def rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -565,7 +572,7 @@ def main() -> int:
     FLUSH = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
     torch.manual_seed(0)
     random.seed(0)
-    cfg = json.loads(args.config) if args.config else {}
+    cfg = kernel_cfg(json.loads(args.config)) if args.config else {}
     props = torch.cuda.get_device_properties(0)
     import triton
 
@@ -590,7 +597,12 @@ def main() -> int:
         kernel_resources()
         return 0 if ok else 1
     if args.compare:
-        compare(json.loads(args.compare), [int(x) for x in args.contexts.split(",")], args.batches, copy_bw)
+        compare(
+            [kernel_cfg(c) for c in json.loads(args.compare)],
+            [int(x) for x in args.contexts.split(",")],
+            args.batches,
+            copy_bw,
+        )
         kernel_resources()
         return 0 if ok else 1
     rows = []

@@ -9,6 +9,7 @@ of 32), bf16, pointers and strides marked divisible by 16 as the JIT specializes
                                                      # stages, bits (ignored by the *all kinds), [slots per tile]
     QREG=1 python benchmarks/sass_report.py keys 4 2 2 ; HASM=0 python benchmarks/sass_report.py lat 8 2 4
     ASM=2,3,4 python benchmarks/sass_report.py onepasstale 4 2 3  # the widths the one-pass kernel unpacks in PTX
+    DOT=bf16 python benchmarks/sass_report.py onepass 4 2 2  # one-pass operands in bf16 (default: fp16, shifted)
 
 Writes OUTDIR/<args>.sass (OUTDIR: $SASS_OUT or /tmp) and prints registers, stack, shared memory, the
 instruction mix and the loop bounds (backward branches); instructions per tile = loop bytes / 16.
@@ -100,8 +101,8 @@ def onepass_kernel(which, bits):
     else:
         only = None if which == "onepassall" else f"{bits}bit"
         regions = bd.synth_view(B, L, only=only).regions
-    q = torch.randn(B, bd.H, 1, bd.N, dtype=bd.DT)
-    args = [A._region_args(r, q, bd.REP, bd.N, bd.GS, bd.KG, 64, 64, ASM) for r in regions]
+    q = torch.randn(B, bd.H, 1, bd.N, dtype=bd.DT if BF16 else torch.float16)  # as latent_attention passes it
+    args = [A._region_args(r, q, bd.REP, bd.N, bd.GS, bd.KG, 64, 64, ASM, 1.0 if BF16 else 2.0**-8) for r in regions]
     while len(args) < A.NREG:
         args.append(args[0])
 
@@ -121,7 +122,7 @@ def onepass_kernel(which, bits):
         WIN=False,
         NPP=False,
         NREG=len(regions),
-        DOT=tl.bfloat16,
+        DOT=tl.bfloat16 if BF16 else tl.float16,
         QLOOP=True,
     )
     sig, cx, attrs = {}, {}, {}
@@ -142,6 +143,7 @@ def onepass_kernel(which, bits):
 
 
 QREG = os.environ.get("QREG", "0") == "1"
+BF16 = os.environ.get("DOT", "fp16") == "bf16"  # the one-pass kernel's dot operands (latent_attention's `dot`)
 ASM = tuple(int(b) for b in os.environ.get("ASM", "2,4").split(",") if b)  # widths on the PTX unpack (onepass*)
 KINDS = ("keys", "lat", "keysall", "latall", "onepass", "onepassall", "onepasstale")
 if len(sys.argv) < 5 or sys.argv[1] not in KINDS or not all(a.isdigit() for a in sys.argv[2:]):

@@ -85,16 +85,26 @@ def _nth(i: tl.constexpr, a, b, c, d):
 
 
 @triton.jit
-def _meta(s_ptr, z_ptr, off, m, inv, META: tl.constexpr, DOT: tl.constexpr):
-    """Scale and zero at `off` (masked: 0) in DOT. META 0: both stored in the cache dtype; 1: an fp8 scale stored
-    times the tensor's power-of-two bias (inv = 1 / bias: exact), the zero in the cache dtype; 2: both fp8."""
+def _shifted(x, sh, SH: tl.constexpr, DOT: tl.constexpr):
+    """x * sh in DOT when SH (sh: the runtime value of the power of two SH, so that the compiler cannot move the
+    multiply after the conversion, where it would narrow the range; exact unless below DOT's normal range)."""
+    if SH != 1.0:
+        x = x.to(tl.float32) * sh
+    return x.to(DOT)
+
+
+@triton.jit
+def _meta(s_ptr, z_ptr, off, m, inv, sh, META: tl.constexpr, DOT: tl.constexpr, SH: tl.constexpr):
+    """Scale and zero at `off` (masked: 0) in DOT, times sh (_shifted). META 0: both stored in the cache dtype; 1: an fp8
+    scale stored times the tensor's power-of-two bias (inv = 1 / bias: exact), the zero in the cache dtype; 2: both
+    fp8."""
     s = tl.load(s_ptr + off, mask=m, other=0.0)
     z = tl.load(z_ptr + off, mask=m, other=0.0)
     if META > 0:
         s = s.to(tl.float32) * inv
     if META > 1:
         z = z.to(tl.float32) * inv
-    return s.to(DOT), z.to(DOT)
+    return _shifted(s, sh, SH, DOT), _shifted(z, sh, SH, DOT)
 
 
 @triton.jit
@@ -119,6 +129,7 @@ def _lat_plane(
     ok,
     tm,
     hinv,
+    sh,
     i: tl.constexpr,
     HBITS: tl.constexpr,
     HMETA: tl.constexpr,
@@ -128,17 +139,18 @@ def _lat_plane(
     BT: tl.constexpr,
     DOT: tl.constexpr,
     ASM: tl.constexpr,
+    SH: tl.constexpr,
 ):
-    """Latent channels i*P .. i*P + P - 1 of a tile, dequantized: [BT, PP] in DOT. Rows that are
+    """Latent channels i*P .. i*P + P - 1 of a tile, dequantized: [BT, PP] in DOT, times SH. Rows that are
     not real slots come out zero (scales masked), whatever the buffer holds there."""
     jp = tl.arange(0, PP)
     if HBITS < 16:  # per token over channel groups
         if P >= VG:  # whole groups in the plane: [BT, PP // VG]
             gi = tl.arange(0, PP // VG)
             gm = ok[:, None] & (gi < P // VG)[None, :]
-            hs, hz = _meta(hs_ptr, hz_ptr, soff[:, None] + ((i * P) // VG + gi)[None, :], gm, hinv, HMETA, DOT)
+            hs, hz = _meta(hs_ptr, hz_ptr, soff[:, None] + ((i * P) // VG + gi)[None, :], gm, hinv, sh, HMETA, DOT, SH)
         else:  # the plane lies inside one group: [BT]
-            hs, hz = _meta(hs_ptr, hz_ptr, soff + (i * P) // VG, ok, hinv, HMETA, DOT)
+            hs, hz = _meta(hs_ptr, hz_ptr, soff + (i * P) // VG, ok, hinv, sh, HMETA, DOT, SH)
     if HBITS < 8 and ASM:  # unpack and scale in one PTX block, 4 codes per register
         if P >= VG:
             x3 = plane_asm(tl.reshape(hb, (BT, PP // VG, VG)), hs[:, :, None], hz[:, :, None], i, HBITS, DOT)
@@ -157,9 +169,12 @@ def _lat_plane(
                 DOT,
             )
         else:
-            x = tl.load(
-                h_ptr + hoff[:, None] + (i * P + jp)[None, :], mask=ok[:, None] & (jp < P)[None, :], other=0.0
-            ).to(DOT)
+            x = _shifted(
+                tl.load(h_ptr + hoff[:, None] + (i * P + jp)[None, :], mask=ok[:, None] & (jp < P)[None, :], other=0.0),
+                sh,
+                SH,
+                DOT,
+            )
         if HBITS < 16:
             if P >= VG:
                 x = tl.reshape(tl.reshape(x, (BT, PP // VG, VG)) * hs[:, :, None] + hz[:, :, None], (BT, PP))
@@ -170,13 +185,13 @@ def _lat_plane(
 
 # A region's arguments travel as two flat tuples (Triton passes tuples, not lists), written once here:
 #   runtime RT: latents h, s_hb, s_hg, s_ht, hs, hz, s_hsb, s_hsg, s_hst, h_bias | pos, s_pb | length, splits,
-#               then per key part (RT_KEY items from RT_KEY0 + RT_KEY * j): q_j, s_qb, s_qh, k, s_kb, s_kh, s_kt,
+#               shift, then per key part (RT_KEY items from RT_KEY0 + RT_KEY * j): q_j, s_qb, s_qh, k, s_kb, s_kh, s_kt,
 #               ks, kz, s_ksb, s_ksh, s_kst, k_bias (q_j: the query's channels of part j, gathered per KV head)
-#   constexpr CT: RANK, NPH, P, PP, BT, HDOT, LENP, HBITS, HMETA, HBP, HASM, KROWS, NKP,
+#   constexpr CT: RANK, NPH, P, PP, BT, HDOT, LENP, HBITS, HMETA, HBP, HASM, KROWS, NKP, SH,
 #               then per key part (CT_KEY items from CT_KEY0 + CT_KEY * j): KBITS, NK, NPK, KW, KDOT, KASM, KMETA, KBP
-RT_KEY0 = tl.constexpr(14)
+RT_KEY0 = tl.constexpr(15)
 RT_KEY = tl.constexpr(13)
-CT_KEY0 = tl.constexpr(13)
+CT_KEY0 = tl.constexpr(14)
 CT_KEY = tl.constexpr(8)
 
 
@@ -253,6 +268,8 @@ def _key_logits(
     KASM: tl.constexpr = CT[oc + 5]
     KMETA: tl.constexpr = CT[oc + 6]
     KBP: tl.constexpr = CT[oc + 7]
+    SH: tl.constexpr = CT[13]
+    sh = RT[14]
     q_ptr = RT[o]
     k_ptr = RT[o + 3]
     s_kt = RT[o + 6]
@@ -281,7 +298,7 @@ def _key_logits(
             r = t0 // KG + tl.arange(0, KROWS)
             sm = (r * KG < L)[:, None] & um[None, :]
             ks, kz = _meta(
-                RT[o + 7], RT[o + 8], ksoff[None, :] + i * PK + r[:, None] * RT[o + 11], sm, kinv, KMETA, DOT
+                RT[o + 7], RT[o + 8], ksoff[None, :] + i * PK + r[:, None] * RT[o + 11], sm, kinv, sh, KMETA, DOT, SH
             )
         if KBITS < 8 and KASM:  # unpack and scale in one PTX block, 4 codes per register
             if KBITS == 3:  # sub-plane i: low half i % 2 and the high bits
@@ -310,7 +327,12 @@ def _key_logits(
                     DOT,
                 )
             else:
-                kc = tl.load(k_ptr + (krow + jj)[None, :] + i * PK + t[:, None] * s_kt, mask=kmask, other=0.0).to(DOT)
+                kc = _shifted(
+                    tl.load(k_ptr + (krow + jj)[None, :] + i * PK + t[:, None] * s_kt, mask=kmask, other=0.0),
+                    sh,
+                    SH,
+                    DOT,
+                )
             if KBITS < 16:
                 kc = tl.reshape(tl.reshape(kc, (KROWS, BT // KROWS, KW)) * ks[:, None, :] + kz[:, None, :], (BT, KW))
         if QLOOP:
@@ -397,6 +419,8 @@ def _region(
     HBP: tl.constexpr = CT[9]
     HASM: tl.constexpr = CT[10]
     NKP: tl.constexpr = CT[12]
+    SH: tl.constexpr = CT[13]  # keys, latents and queries enter the dots times SH: undone on logits and acc
+    sh = RT[14]  # SH as a runtime value (_shifted)
     h_ptr = RT[0]
     hs_ptr = RT[4]
     hz_ptr = RT[5]
@@ -414,7 +438,7 @@ def _region(
     head = c * QG + rows
     rmask = rows < QG
     if QLOOP:  # the query planes are reloaded per tile (cache hits): fewer live registers
-        q_scale = qk_scale
+        q_scale = qk_scale / (SH * SH)
         qa0 = rows
         qa1 = rows
         qa2 = rows
@@ -428,7 +452,7 @@ def _region(
         qb0, qb1, qb2, qb3 = qa0, qa1, qa2, qa3
         if NKP > 1:
             qb0, qb1, qb2, qb3 = _q_planes(RT, CT, 1, b, head, rows, rmask, c, qk_scale, GS, REP, QGP, DOT)
-        q_scale = 1.0
+        q_scale = 1.0 / (SH * SH)
     hrow = b * RT[1] + c * RT[2]
     srow = b * RT[6] + c * RT[7]
     hinv = _inv_bias(RT[9], HBP)
@@ -456,7 +480,7 @@ def _region(
             logits = _key_logits(
                 logits, RT, CT, 1, b, c, head, rows, rmask, t0, t, tm, L, qb0, qb1, qb2, qb3, GS, REP, KG, DOT, QLOOP
             )
-        if QLOOP:
+        if QLOOP or SH != 1.0:
             logits = logits * q_scale
         logits = tl.where(ok[None, :], logits, float("-inf"))
         # -- online softmax
@@ -476,7 +500,9 @@ def _region(
             hb = tl.load(h_ptr + hoff[:, None] + jp[None, :], mask=tm[:, None] & (jp < P)[None, :], other=0)
         acc0 = _dot(
             pd,
-            _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hinv, 0, HBITS, HMETA, P, PP, VG, BT, DOT, HASM),
+            _lat_plane(
+                h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hinv, sh, 0, HBITS, HMETA, P, PP, VG, BT, DOT, HASM, SH
+            ),
             acc0 * alpha[:, None],
             HDOT,
         )
@@ -484,7 +510,26 @@ def _region(
             acc1 = _dot(
                 pd,
                 _lat_plane(
-                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hinv, 1, HBITS, HMETA, P, PP, VG, BT, DOT, HASM
+                    h_ptr,
+                    hb,
+                    hoff,
+                    hs_ptr,
+                    hz_ptr,
+                    soff,
+                    ok,
+                    tm,
+                    hinv,
+                    sh,
+                    1,
+                    HBITS,
+                    HMETA,
+                    P,
+                    PP,
+                    VG,
+                    BT,
+                    DOT,
+                    HASM,
+                    SH,
                 ),
                 acc1 * alpha[:, None],
                 HDOT,
@@ -493,7 +538,26 @@ def _region(
             acc2 = _dot(
                 pd,
                 _lat_plane(
-                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hinv, 2, HBITS, HMETA, P, PP, VG, BT, DOT, HASM
+                    h_ptr,
+                    hb,
+                    hoff,
+                    hs_ptr,
+                    hz_ptr,
+                    soff,
+                    ok,
+                    tm,
+                    hinv,
+                    sh,
+                    2,
+                    HBITS,
+                    HMETA,
+                    P,
+                    PP,
+                    VG,
+                    BT,
+                    DOT,
+                    HASM,
+                    SH,
                 ),
                 acc2 * alpha[:, None],
                 HDOT,
@@ -501,13 +565,37 @@ def _region(
             acc3 = _dot(
                 pd,
                 _lat_plane(
-                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hinv, 3, HBITS, HMETA, P, PP, VG, BT, DOT, HASM
+                    h_ptr,
+                    hb,
+                    hoff,
+                    hs_ptr,
+                    hz_ptr,
+                    soff,
+                    ok,
+                    tm,
+                    hinv,
+                    sh,
+                    3,
+                    HBITS,
+                    HMETA,
+                    P,
+                    PP,
+                    VG,
+                    BT,
+                    DOT,
+                    HASM,
+                    SH,
                 ),
                 acc3 * alpha[:, None],
                 HDOT,
             )
 
     # -- the partial of this split: channels past RANK are never written (the combine skips them)
+    if SH != 1.0:
+        acc0 = acc0 * (1.0 / SH)
+        acc1 = acc1 * (1.0 / SH)
+        acc2 = acc2 * (1.0 / SH)
+        acc3 = acc3 * (1.0 / SH)
     prow = (b * H + head) * n_slots + slot
     _store_partial(
         pm_ptr, pl_ptr, pacc_ptr, s_acc, rk_ptr, slot, prow, rmask, m_i, l_i, jp, acc0, acc1, acc2, acc3, RANK, NPH, P
@@ -886,7 +974,16 @@ def _bias_arg(t: QTensor):
 
 
 def _region_args(
-    r: Region, q: torch.Tensor, rep: int, n: int, g: int, KG: int, block_t: int, ns: int, asm: tuple[int, ...]
+    r: Region,
+    q: torch.Tensor,
+    rep: int,
+    n: int,
+    g: int,
+    KG: int,
+    block_t: int,
+    ns: int,
+    asm: tuple[int, ...],
+    sh: float = 1.0,
 ) -> tuple[tuple, tuple]:
     """The region's runtime and constexpr tuples (their layout: RT_KEY0 / CT_KEY0 above)."""
     hq = r.lat
@@ -899,9 +996,9 @@ def _region_args(
     NPH, P = (8 // hb, r.rank * hb // 8) if hb < 8 else _lat_planes(r.rank)
     PP = max(16, pow2(P))
     ln = r.length
-    rt = [ht, *ht.stride()[:3], hs, hz, *hs.stride()[:3], hbias, r.pos, r.pos.stride(0), ln, ns]
+    rt = [ht, *ht.stride()[:3], hs, hz, *hs.stride()[:3], hbias, r.pos, r.pos.stride(0), ln, ns, sh]
     ct = [r.rank, NPH, P, PP, BT, PP >= 32, isinstance(ln, torch.Tensor), hb, _METAS[hq.meta], hbp, hb in asm]
-    ct += [max(1, BT // KG), len(parts)]
+    ct += [max(1, BT // KG), len(parts), sh]
     for kq, idx in parts:
         kb, c = kq.bits, n if idx is None else idx.shape[-1]
         qj = q  # [B, H, 1, c]: per query head, the channels of its KV head in this band
@@ -988,9 +1085,9 @@ def _combine(pm, pl, pacc, rk, n_slots: int, q, k_new, h_new, qk: float, rep: in
 
 def _widths_and_groups(asm, q: torch.Tensor, regions) -> tuple[tuple[int, ...], int, int]:
     """What both decode kernels derive from their options and cache: the code widths unpacked by inline PTX
-    (`asm`: True = 2 and 4 bits; 3 is opt-in, compiled for sm_90 but not yet run on a GPU; none in the
-    interpreter or for float32), and the key / latent quantization groups (one each per view: `supported`)."""
-    widths = (2, 4) if asm is True else tuple(asm or ())
+    (`asm`: True = 2, 3 and 4 bits; none in the interpreter or for float32), and the key / latent quantization
+    groups (one each per view: `supported`)."""
+    widths = (2, 3, 4) if asm is True else tuple(asm or ())
     if interpreting() or q.dtype == torch.float32:
         widths = ()
     KG = next((kq.group for r in regions for kq, _ in _key_parts(r.keys) if kq.bits != 16), 1)
@@ -1015,6 +1112,7 @@ def latent_attention(
     asm: bool | tuple[int, ...] = True,
     maxnreg: int | None = None,
     split: bool | dict = False,
+    dot: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Drop-in for tale_runtime.cache.latent_attention: z [B, T, H, R] (float32).
 
@@ -1022,12 +1120,21 @@ def latent_attention(
     anything else (prefill chunks, CPU tensors unless TRITON_INTERPRET=1, formats the kernel
     does not read) runs the torch reference. `split_tokens` fixes the slots per split (tests);
     otherwise the regions share about `waves` programs per SM, at least `min_split` slots each.
-    `asm` unpacks 2/4-bit codes of 16-bit caches with inline PTX (True: both widths; or a tuple of the
-    widths that use it, 3 included: docs/kernels.md compares them). Compiled GPU runs only: the
-    interpreter and float32 caches take the plain Triton path, as does asm=False. `maxnreg` caps the registers per thread (more programs
-    per SM, at the price of spills). `split` runs the two-pass kernel of attention_split.py instead
-    (True, or a dict of its options: `k_tiles`, `k_warps`, ...).
+    `asm` unpacks 2/3/4-bit codes of 16-bit caches with inline PTX (True: all three widths; or a tuple of the
+    widths that use it: docs/kernels.md compares them). Compiled GPU runs only: the interpreter and float32 caches
+    take the plain Triton path, as does asm=False. `maxnreg` caps the registers per thread (more programs per SM,
+    at the price of spills). `split` runs the two-pass kernel of attention_split.py instead (True, or a dict of its
+    options: `k_tiles`, `k_warps`, ...).
+
+    `dot` is the type the one-pass kernel's operands (queries, dequantized keys and latents, probabilities) enter
+    the tensor cores in: None = the cache's dtype (float32 caches: always float32). torch.float16 for a bfloat16
+    cache rounds the dequantized values with 11 significant bits instead of 8: every operand is scaled by 2^-8
+    into float16's range (exact; undone in float32 on the logits and the accumulators), so values up to 1.6e7 in
+    magnitude are safe. docs/kernels.md: 40-80x less error against the float32 reference, 3-28% more time (the
+    16-bit scales and zeros are converted per tile).
     """
+    if dot not in (None, torch.float16, torch.bfloat16):
+        raise ValueError(f"dot must be None, torch.float16 or torch.bfloat16, not {dot}")
     view = _view(cache)
     if not supported(q, k_new, h_new, view):
         return reference(q, k_new, h_new, view, scaling)
@@ -1043,7 +1150,8 @@ def latent_attention(
     K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
     rep, g = H // K, K // G
     dev = q.device
-    dtype = TL_DTYPE[q.dtype]
+    dt = q.dtype if q.dtype == torch.float32 else (dot or q.dtype)
+    sh = 2.0**-8 if (dt == torch.float16 and q.dtype == torch.bfloat16) else 1.0  # bf16 caches into fp16 range
     q, k_new, h_new = _c(q), _c(k_new), _c(h_new)
     qk = scaling * LOG2E
     regions = view.regions
@@ -1053,12 +1161,13 @@ def latent_attention(
     n_slots, (pm, pl, pacc, rk) = _partials(B, H, R, splits, dev)
     npos, win = view.next_pos, view.window
     QGP = max(16, pow2(g * rep))
+    qd = q if dt == q.dtype else (q.float() * sh).to(dt)  # the queries as the key dots read them
     # 3-bit keys have 8 sub-planes: more than the 4 query planes held in registers, so reloaded per tile
     q_in_loop = q_in_loop or any(kq.bits == 3 for r in regions for kq, _ in _key_parts(r.keys))
     slot0 = 0
     for i0 in range(0, len(regions), NREG):
         part = list(zip(regions[i0 : i0 + NREG], splits[i0 : i0 + NREG]))
-        args = [_region_args(r, q, rep, n, g, KG, BT, ns, asm_bits) for r, ns in part]
+        args = [_region_args(r, qd, rep, n, g, KG, BT, ns, asm_bits, sh) for r, ns in part]
         total = sum(ns for _, ns in part)
         bounds = [sum(ns for _, ns in part[:j]) if j < len(part) else total for j in range(1, NREG)]  # S1..S3
         while len(args) < NREG:
@@ -1086,7 +1195,7 @@ def latent_attention(
             WIN=win is not None,
             NPP=isinstance(npos, torch.Tensor),
             NREG=len(part),
-            DOT=dtype,
+            DOT=TL_DTYPE[dt],
             QLOOP=q_in_loop,
             num_warps=num_warps,
             num_stages=num_stages,

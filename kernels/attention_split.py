@@ -137,7 +137,7 @@ def _keys_region(
                 r = t0 // KG + tl.arange(0, KROWS)
                 sm = (r * KG < L)[:, None] & um[None, :]
                 so = ksoff[None, :] + i * PK + r[:, None] * s_kst
-                ks, kz = _meta(ks_ptr, kz_ptr, so, sm, 1.0, 0, DOT)  # in the cache dtype (supported_split)
+                ks, kz = _meta(ks_ptr, kz_ptr, so, sm, 1.0, 1.0, 0, DOT, 1.0)  # in the cache dtype (supported_split)
             if KBITS < 8 and KASM:
                 kc = plane_asm(tl.reshape(kb, (KROWS, BT // KROWS, KW)), ks[:, None, :], kz[:, None, :], i, KBITS, DOT)
                 kc = tl.reshape(kc, (BT, KW))
@@ -344,27 +344,35 @@ def _lat_region(
             hb = tl.load(h_ptr + hoff[:, None] + jp[None, :], mask=tm[:, None] & (jp < P)[None, :], other=0)
         acc0 = _dot(
             pd,
-            _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1.0, 0, HBITS, 0, P, PP, VG, BT, DOT, HASM),
+            _lat_plane(
+                h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1.0, 1.0, 0, HBITS, 0, P, PP, VG, BT, DOT, HASM, 1.0
+            ),
             acc0,
             HDOT,
         )
         if NPH > 1:
             acc1 = _dot(
                 pd,
-                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1.0, 1, HBITS, 0, P, PP, VG, BT, DOT, HASM),
+                _lat_plane(
+                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1.0, 1.0, 1, HBITS, 0, P, PP, VG, BT, DOT, HASM, 1.0
+                ),
                 acc1,
                 HDOT,
             )
         if NPH > 2:
             acc2 = _dot(
                 pd,
-                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1.0, 2, HBITS, 0, P, PP, VG, BT, DOT, HASM),
+                _lat_plane(
+                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1.0, 1.0, 2, HBITS, 0, P, PP, VG, BT, DOT, HASM, 1.0
+                ),
                 acc2,
                 HDOT,
             )
             acc3 = _dot(
                 pd,
-                _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1.0, 3, HBITS, 0, P, PP, VG, BT, DOT, HASM),
+                _lat_plane(
+                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1.0, 1.0, 3, HBITS, 0, P, PP, VG, BT, DOT, HASM, 1.0
+                ),
                 acc3,
                 HDOT,
             )

@@ -262,6 +262,50 @@ def test_decode_attention_matches_reference(case, dtype):
     assert len(seen) > 1 or L0 < 4
 
 
+def _bf16_step(L0=150, scale=(2.0, 1.0)):
+    """A bf16 cache (keys x scale[0], latents x scale[1]) and one decode step's inputs, g = 2, n = 64."""
+    B, H, K, g, n = 2, 8, 4, 2, 64
+    c = layer_cache(B, H, K, g, n, L0, torch.bfloat16, pad=[0, 5], group=32)
+    G, R = K // g, g * n
+    for r in c.view().regions:  # scaled after quantization: scales, zeros and 16-bit parts alike
+        for t in [*r.keys.parts] if hasattr(r.keys, "parts") else [r.keys]:
+            for x in (t.scale, t.zero) if t.bits != 16 else (t.data,):
+                x.mul_(scale[0])
+        for x in (r.lat.scale, r.lat.zero) if r.lat.bits != 16 else (r.lat.data,):
+            x.mul_(scale[1])
+    q = torch.randn(B, H, 1, n, device=DEVICE, dtype=torch.bfloat16)
+    k = torch.randn(B, K, 1, n, device=DEVICE, dtype=torch.bfloat16) * scale[0]
+    h = torch.randn(B, G, 1, R, device=DEVICE, dtype=torch.bfloat16) * scale[1]
+    return c, q, k, h, n**-0.5
+
+
+@pytest.mark.skipif(not CUDA, reason="the interpreter's bfloat16 dots overflow (numpy has no bfloat16)")
+def test_float16_operands_round_finer_than_bfloat16():
+    """dot=float16 for a bfloat16 cache (dequantized keys, latents, queries and probabilities enter the dots as
+    float16, shifted by 2^-8) is closer to the float32 reference than the cache's own bfloat16 rounding."""
+    c, q, k, h, s = _bf16_step()
+    want = ref_attention(q, k, h, c, s)
+    e16 = rel(tale_kernels.latent_attention(q, k, h, c, s, dot=torch.float16), want)
+    e_bf = rel(tale_kernels.latent_attention(q, k, h, c, s), want)
+    assert e16 < e_bf / 2, (e16, e_bf)
+
+
+def test_dot_option_is_checked():
+    c, q, k, h, s = _bf16_step(L0=40)
+    with pytest.raises(ValueError, match="dot must be"):
+        tale_kernels.latent_attention(q, k, h, c, s, dot=torch.int8)
+
+
+def test_bfloat16_values_beyond_float16_range():
+    """dot=float16: keys and latents of a bfloat16 cache far past float16's largest value (65504) still come out
+    right: the 2^-8 shift keeps them in range (without it they overflow to inf and the output is NaN)."""
+    c, q, k, h, s = _bf16_step(scale=(3e4, 2e5))
+    want = ref_attention(q, k, h, c, s * 1e-4)  # logits of a usual size: the keys' scale undone in the scaling
+    got = tale_kernels.latent_attention(q, k, h, c, s * 1e-4, dot=torch.float16)
+    assert torch.isfinite(got).all() and want.abs().max() > 1e5
+    assert rel(got, want) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_sliding_window_matches_reference(dtype):
     """Sliding-window layers (Mistral, Qwen2): slots more than `window` positions back are masked."""
