@@ -9,7 +9,7 @@ of 32), bf16, pointers and strides marked divisible by 16 as the JIT specializes
                                                      # stages, bits (ignored by the *all kinds), [slots per tile]
     QREG=1 python benchmarks/sass_report.py keys 4 2 2 ; HASM=0 python benchmarks/sass_report.py lat 8 2 4
     ASM=2,3,4 python benchmarks/sass_report.py onepasstale 4 2 3  # the widths the one-pass kernel unpacks in PTX
-    DOT=bf16 python benchmarks/sass_report.py onepass 4 2 2  # one-pass operands in bf16 (default: fp16, shifted)
+    DOT=fp16 python benchmarks/sass_report.py onepass 4 2 2  # one-pass operands in float16 (shifted; default bf16)
 
 Writes OUTDIR/<args>.sass (OUTDIR: $SASS_OUT or /tmp) and prints registers, stack, shared memory, the
 instruction mix and the loop bounds (backward branches); instructions per tile = loop bytes / 16.
@@ -143,7 +143,7 @@ def onepass_kernel(which, bits):
 
 
 QREG = os.environ.get("QREG", "0") == "1"
-BF16 = os.environ.get("DOT", "fp16") == "bf16"  # the one-pass kernel's dot operands (latent_attention's `dot`)
+BF16 = os.environ.get("DOT", "bf16") == "bf16"  # the one-pass kernel's dot operands (latent_attention's `dot`)
 ASM = tuple(int(b) for b in os.environ.get("ASM", "2,4").split(",") if b)  # widths on the PTX unpack (onepass*)
 KINDS = ("keys", "lat", "keysall", "latall", "onepass", "onepassall", "onepasstale")
 if len(sys.argv) < 5 or sys.argv[1] not in KINDS or not all(a.isdigit() for a in sys.argv[2:]):
