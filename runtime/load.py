@@ -382,8 +382,12 @@ def set_output_path(model, path: str) -> None:
         layer.self_attn.output_path = path
 
 
-def use_kernels(model, enable: bool = True) -> bool:
-    """Route decode attention through the Triton kernel (CUDA) or back to the torch reference."""
+def use_kernels(model, enable: bool = True, **options) -> bool:
+    """Route decode attention through the Triton kernel (CUDA) or back to the torch reference. `options` go to
+    every call of the kernel (tale_kernels.latent_attention's keywords, e.g. dot=torch.float16: float16 operands
+    for bfloat16 caches, 40-80x less rounding error; docs/speed.md); an unknown one is refused here."""
+    import inspect
+
     from .attention import latent_attention
 
     fn = latent_attention
@@ -397,6 +401,9 @@ def use_kernels(model, enable: bool = True) -> bool:
         if kernel_fn is not None and "LayerView" not in vars(sys.modules[kernel_fn.__module__]):
             kernel_fn = None
         fn = kernel_fn or latent_attention
+        if kernel_fn is not None and options:
+            inspect.signature(kernel_fn).bind_partial(**options)  # TypeError names an unknown option
+            fn = functools.partial(kernel_fn, **options)
     for layer in model.model.layers:
         layer.self_attn.attention_fn = fn
     return fn is not latent_attention

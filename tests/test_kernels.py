@@ -474,6 +474,13 @@ def test_generation_with_kernels_matches_reference(arch, g, preset):
     t_k, l_k = greedy()
     assert torch.equal(t_k, t_ref)
     assert rel(l_k, l_ref) < (5e-3 if CUDA else 1e-4)
+    if preset == "paper":  # kernel options reach every call; an unknown one is refused at install
+        assert use_kernels(tm, dot=torch.float16) is True
+        assert tm.model.layers[0].self_attn.attention_fn.keywords == {"dot": torch.float16}
+        t16, l16 = greedy()
+        assert torch.equal(t16, t_ref) and rel(l16, l_ref) < (5e-3 if CUDA else 1e-4)
+        with pytest.raises(TypeError, match="colour"):
+            use_kernels(tm, colour=1)
 
 
 @pytest.mark.skipif(not CUDA, reason="load() installs the kernel on CUDA only")
