@@ -128,8 +128,7 @@ def _lat_plane(
     soff,
     ok,
     tm,
-    hinv,
-    sh,
+    hm,
     i: tl.constexpr,
     HBITS: tl.constexpr,
     HMETA: tl.constexpr,
@@ -142,7 +141,9 @@ def _lat_plane(
     SH: tl.constexpr,
 ):
     """Latent channels i*P .. i*P + P - 1 of a tile, dequantized: [BT, PP] in DOT, times SH. Rows that are
-    not real slots come out zero (scales masked), whatever the buffer holds there."""
+    not real slots come out zero (scales masked), whatever the buffer holds there. hm: (1 / fp8 bias, shift)."""
+    hinv = hm[0]
+    sh = hm[1]
     jp = tl.arange(0, PP)
     if HBITS < 16:  # per token over channel groups
         if P >= VG:  # whole groups in the plane: [BT, PP // VG]
@@ -455,7 +456,7 @@ def _region(
         q_scale = 1.0 / (SH * SH)
     hrow = b * RT[1] + c * RT[2]
     srow = b * RT[6] + c * RT[7]
-    hinv = _inv_bias(RT[9], HBP)
+    hm = (_inv_bias(RT[9], HBP), sh)
 
     m_i = tl.full([QGP], float("-inf"), tl.float32)
     l_i = tl.zeros([QGP], tl.float32)
@@ -501,7 +502,7 @@ def _region(
         acc0 = _dot(
             pd,
             _lat_plane(
-                h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hinv, sh, 0, HBITS, HMETA, P, PP, VG, BT, DOT, HASM, SH
+                h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hm, 0, HBITS, HMETA, P, PP, VG, BT, DOT, HASM, SH
             ),
             acc0 * alpha[:, None],
             HDOT,
@@ -510,26 +511,7 @@ def _region(
             acc1 = _dot(
                 pd,
                 _lat_plane(
-                    h_ptr,
-                    hb,
-                    hoff,
-                    hs_ptr,
-                    hz_ptr,
-                    soff,
-                    ok,
-                    tm,
-                    hinv,
-                    sh,
-                    1,
-                    HBITS,
-                    HMETA,
-                    P,
-                    PP,
-                    VG,
-                    BT,
-                    DOT,
-                    HASM,
-                    SH,
+                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hm, 1, HBITS, HMETA, P, PP, VG, BT, DOT, HASM, SH
                 ),
                 acc1 * alpha[:, None],
                 HDOT,
@@ -538,26 +520,7 @@ def _region(
             acc2 = _dot(
                 pd,
                 _lat_plane(
-                    h_ptr,
-                    hb,
-                    hoff,
-                    hs_ptr,
-                    hz_ptr,
-                    soff,
-                    ok,
-                    tm,
-                    hinv,
-                    sh,
-                    2,
-                    HBITS,
-                    HMETA,
-                    P,
-                    PP,
-                    VG,
-                    BT,
-                    DOT,
-                    HASM,
-                    SH,
+                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hm, 2, HBITS, HMETA, P, PP, VG, BT, DOT, HASM, SH
                 ),
                 acc2 * alpha[:, None],
                 HDOT,
@@ -565,26 +528,7 @@ def _region(
             acc3 = _dot(
                 pd,
                 _lat_plane(
-                    h_ptr,
-                    hb,
-                    hoff,
-                    hs_ptr,
-                    hz_ptr,
-                    soff,
-                    ok,
-                    tm,
-                    hinv,
-                    sh,
-                    3,
-                    HBITS,
-                    HMETA,
-                    P,
-                    PP,
-                    VG,
-                    BT,
-                    DOT,
-                    HASM,
-                    SH,
+                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hm, 3, HBITS, HMETA, P, PP, VG, BT, DOT, HASM, SH
                 ),
                 acc3 * alpha[:, None],
                 HDOT,

@@ -324,6 +324,7 @@ def _lat_region(
     acc2 = tl.zeros([QGP, PP], tl.float32)
     acc3 = tl.zeros([QGP, PP], tl.float32)
     jp = tl.arange(0, PP)
+    hm = (1.0, 1.0)  # no fp8 bias (supported_split), no shift
     hrow = b * s_hb + c * s_hg
     srow = b * s_hsb + c * s_hsg
     for t0 in range(t_start, t_end, BT):
@@ -344,9 +345,7 @@ def _lat_region(
             hb = tl.load(h_ptr + hoff[:, None] + jp[None, :], mask=tm[:, None] & (jp < P)[None, :], other=0)
         acc0 = _dot(
             pd,
-            _lat_plane(
-                h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1.0, 1.0, 0, HBITS, 0, P, PP, VG, BT, DOT, HASM, 1.0
-            ),
+            _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hm, 0, HBITS, 0, P, PP, VG, BT, DOT, HASM, 1.0),
             acc0,
             HDOT,
         )
@@ -354,7 +353,7 @@ def _lat_region(
             acc1 = _dot(
                 pd,
                 _lat_plane(
-                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1.0, 1.0, 1, HBITS, 0, P, PP, VG, BT, DOT, HASM, 1.0
+                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hm, 1, HBITS, 0, P, PP, VG, BT, DOT, HASM, 1.0
                 ),
                 acc1,
                 HDOT,
@@ -363,7 +362,7 @@ def _lat_region(
             acc2 = _dot(
                 pd,
                 _lat_plane(
-                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1.0, 1.0, 2, HBITS, 0, P, PP, VG, BT, DOT, HASM, 1.0
+                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hm, 2, HBITS, 0, P, PP, VG, BT, DOT, HASM, 1.0
                 ),
                 acc2,
                 HDOT,
@@ -371,7 +370,7 @@ def _lat_region(
             acc3 = _dot(
                 pd,
                 _lat_plane(
-                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, 1.0, 1.0, 3, HBITS, 0, P, PP, VG, BT, DOT, HASM, 1.0
+                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hm, 3, HBITS, 0, P, PP, VG, BT, DOT, HASM, 1.0
                 ),
                 acc3,
                 HDOT,
