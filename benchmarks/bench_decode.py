@@ -186,9 +186,13 @@ def new_token(B: int):
 
 
 def kernel_cfg(cfg: dict) -> dict:
-    """latent_attention options from JSON: `dot` by name ("bfloat16", "float16")."""
+    """latent_attention options from JSON: `dot` by name ("bfloat16", "float16"); another name exits 2."""
     if isinstance(cfg.get("dot"), str):
-        cfg = {**cfg, "dot": getattr(torch, cfg["dot"])}
+        dt = getattr(torch, cfg["dot"], None)
+        if not isinstance(dt, torch.dtype):
+            print(f'bench_decode.py: unknown dot {cfg["dot"]!r}: use "bfloat16" or "float16"', file=sys.stderr)
+            sys.exit(2)
+        cfg = {**cfg, "dot": dt}
     return cfg
 
 

@@ -1074,7 +1074,7 @@ def latent_attention(
     the tensor cores in: None = the cache's dtype (float32 caches: always float32). torch.float16 for a bfloat16
     cache rounds the dequantized values with 11 significant bits instead of 8: every operand is scaled by 2^-8
     into float16's range (exact; undone in float32 on the logits and the accumulators), so values up to 1.6e7 in
-    magnitude are safe. docs/kernels.md: 40-80x less error against the float32 reference, 3-28% more time (the
+    magnitude are safe. docs/kernels.md: 40-80x less error against the float32 reference, 4-36% more time (the
     16-bit scales and zeros are converted per tile).
     """
     if dot not in (None, torch.float16, torch.bfloat16):

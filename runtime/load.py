@@ -390,6 +390,8 @@ def use_kernels(model, enable: bool = True, **options) -> bool:
 
     from .attention import latent_attention
 
+    if options and not enable:
+        raise ValueError(f"use_kernels: options {sorted(options)} given with enable=False (the reference takes none)")
     fn = latent_attention
     if enable:
         try:

@@ -268,7 +268,7 @@ def _bf16_step(L0=150, scale=(2.0, 1.0)):
     c = layer_cache(B, H, K, g, n, L0, torch.bfloat16, pad=[0, 5], group=32)
     G, R = K // g, g * n
     for r in c.view().regions:  # scaled after quantization: scales, zeros and 16-bit parts alike
-        for t in [*r.keys.parts] if hasattr(r.keys, "parts") else [r.keys]:
+        for t, _ in attention._key_parts(r.keys):
             for x in (t.scale, t.zero) if t.bits != 16 else (t.data,):
                 x.mul_(scale[0])
         for x in (r.lat.scale, r.lat.zero) if r.lat.bits != 16 else (r.lat.data,):
@@ -481,6 +481,8 @@ def test_generation_with_kernels_matches_reference(arch, g, preset):
         assert torch.equal(t16, t_ref) and rel(l16, l_ref) < (5e-3 if CUDA else 1e-4)
         with pytest.raises(TypeError, match="colour"):
             use_kernels(tm, colour=1)
+        with pytest.raises(ValueError, match="enable=False"):
+            use_kernels(tm, False, dot=torch.float16)
 
 
 @pytest.mark.skipif(not CUDA, reason="load() installs the kernel on CUDA only")
