@@ -25,6 +25,7 @@ device-to-device copy measured in the same run (bytes read + written over its ti
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -42,7 +43,7 @@ from tale_runtime import quant as rquant
 from tale_runtime.artifact import Level, Schedule, ceil_share
 from tale_runtime.cache import TaleLayerCache
 from tale_runtime.cache import latent_attention as ref_attention
-from tale_runtime.quant import QTensor
+from tale_runtime.quant import QTensor, meta_format
 from tale_runtime.regions import LayerView, Region
 
 H, K, N, GS = 32, 8, 128, 4
@@ -120,18 +121,21 @@ def region_lengths(L: int) -> tuple[int, int, int, int]:
 
 
 def qrand(lead, cap, used, C, bits, group, dim) -> QTensor:
-    """Random packed codes with scales/zeros; slots past `used` hold NaN scales (an unused buffer)."""
+    """Random packed codes with scales/zeros (stored per meta_format, as quantize writes them); slots past `used`
+    hold NaN scales (an unused buffer)."""
     if bits == 16:
         x = torch.randn(*lead, cap, C, device=DEV, dtype=DT)
         x[..., used:, :] = float("nan")
         return QTensor(x, None, None, 16, group, dim)
     data = torch.randint(0, 256, (*lead, cap, C * bits // 8), dtype=torch.uint8, device=DEV)
     sshape = (*lead, cap // group, C) if dim == -2 else (*lead, cap, C // group)
-    scale = (torch.rand(sshape, device=DEV) * 0.2 + 0.05).to(DT)
-    zero = (torch.randn(sshape, device=DEV) * 0.2 - scale.float() * ((1 << bits) - 1) / 2).to(DT)
+    mdt, shift = meta_format(DT)
+    scale = torch.rand(sshape, device=DEV) * 0.2 + 0.05
+    zero = torch.randn(sshape, device=DEV) * 0.2 - scale * ((1 << bits) - 1) / 2
+    scale, zero = (scale * shift).to(mdt), (zero * shift).to(mdt)
     used_rows = used // group if dim == -2 else used
     scale[..., used_rows:, :] = float("nan")
-    return QTensor(data, scale, zero, bits, group, dim)
+    return QTensor(data, scale, zero, bits, group, dim, shift=shift)
 
 
 def synth_view(
@@ -287,7 +291,7 @@ def check(cfg: dict) -> bool:
         mis = (rquant.unpack(a.data.cpu(), bits) != rquant.unpack(b.data, bits)).float().mean().item()
         s_ok = torch.equal(a.scale.cpu(), b.scale) and torch.equal(a.zero.cpu(), b.zero)
         r2 = tale_kernels.requantize(a, 2, rank)
-        xd = rquant.dequantize(QTensor(a.data.cpu(), a.scale.cpu(), a.zero.cpu(), bits, group, dim))
+        xd = rquant.dequantize(dataclasses.replace(a, data=a.data.cpu(), scale=a.scale.cpu(), zero=a.zero.cpu()))
         w2 = rquant.quantize(xd if rank is None else xd[..., :rank].contiguous(), 2, group, dim)
         mis2 = (rquant.unpack(r2.data.cpu(), 2) != rquant.unpack(w2.data, 2)).float().mean().item()
         ok &= mis <= 1e-3 and mis2 <= 1e-3

@@ -9,7 +9,8 @@ of 32), bf16, pointers and strides marked divisible by 16 as the JIT specializes
                                                      # stages, bits (ignored by the *all kinds), [slots per tile]
     QREG=1 python benchmarks/sass_report.py keys 4 2 2 ; HASM=0 python benchmarks/sass_report.py lat 8 2 4
     ASM=2,3,4 python benchmarks/sass_report.py onepasstale 4 2 3  # the widths the one-pass kernel unpacks in PTX
-    DOT=fp16 python benchmarks/sass_report.py onepass 4 2 2  # one-pass operands in float16 (shifted; default bf16)
+    DOT=bf16 python benchmarks/sass_report.py onepass 4 2 2  # one-pass operands in bf16 (default fp16, as
+                                                             # latent_attention on caches of float16 metadata)
 
 Writes OUTDIR/<args>.sass (OUTDIR: $SASS_OUT or /tmp) and prints registers, stack, shared memory, the
 instruction mix and the loop bounds (backward branches); instructions per tile = loop bytes / 16.
@@ -143,7 +144,7 @@ def onepass_kernel(which, bits):
 
 
 QREG = os.environ.get("QREG", "0") == "1"
-BF16 = os.environ.get("DOT", "bf16") == "bf16"  # the one-pass kernel's dot operands (latent_attention's `dot`)
+BF16 = os.environ.get("DOT", "fp16") == "bf16"  # the one-pass kernel's dot operands (latent_attention's `dot`)
 ASM = tuple(int(b) for b in os.environ.get("ASM", "2,4").split(",") if b)  # widths on the PTX unpack (onepass*)
 KINDS = ("keys", "lat", "keysall", "latall", "onepass", "onepassall", "onepasstale")
 if len(sys.argv) < 5 or sys.argv[1] not in KINDS or not all(a.isdigit() for a in sys.argv[2:]):
@@ -157,14 +158,15 @@ LAT_T = KEYS_T
 
 
 def region_cfg(kind, b):
-    """Constexprs of one region at these shapes: keys (KBITS, NPK, KW, KROWS, BT, KDOT, LENP, KASM, TPP) or
-    latents (HBITS, RANK, NPH, P, PP, HDOT, LENP, HASM); b = 16 for the sinks / residual, rank 256 at 2 bits."""
+    """Constexprs of one region at these shapes: keys (KBITS, NPK, KW, KROWS, BT, KDOT, LENP, KASM, TPP, KMETA) or
+    latents (HBITS, RANK, NPH, P, PP, HDOT, LENP, HASM, HMETA); b = 16 for the sinks / residual, rank 256 at 2 bits;
+    metadata in bf16 (META 0, as KEYS_T types it)."""
     if kind == "keys":
         npk = 8 // b if b < 8 else 4
-        return (b, npk, 128 if b >= 8 else 4 * 128 * b // 8, max(1, BT // 32), BT, True, False, b < 8, 4)
+        return (b, npk, 128 if b >= 8 else 4 * 128 * b // 8, max(1, BT // 32), BT, True, False, b < 8, 4, 0)
     rank = 256 if b == 2 else 512
     nph, p = (8 // b, rank * b // 8) if b < 8 else (4, rank // 4)
-    return (b, rank, nph, p, p, True, False, b < 8 and os.environ.get("HASM", "1") == "1")
+    return (b, rank, nph, p, p, True, False, b < 8 and os.environ.get("HASM", "1") == "1", 0)
 
 
 def region_kernel(kind, bits_list):

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from tale_runtime.cache import latent_attention as reference
-from tale_runtime.quant import FP8, Bands, QTensor
+from tale_runtime.quant import FP8, META_SHIFT, Bands, QTensor, meta_format
 from tale_runtime.regions import LayerView, Region
 
 from ._common import TL_DTYPE, interpreting, is_pow2, plane, plane3, plane3_asm, plane_asm, pow2, runnable, to_float
@@ -85,26 +85,34 @@ def _nth(i: tl.constexpr, a, b, c, d):
 
 
 @triton.jit
-def _shifted(x, sh, SH: tl.constexpr, DOT: tl.constexpr):
-    """x * sh in DOT when SH (sh: the runtime value of the power of two SH, so that the compiler cannot move the
-    multiply after the conversion, where it would narrow the range; exact unless below DOT's normal range)."""
-    if SH != 1.0:
-        x = x.to(tl.float32) * sh
+def _shifted(x, sh, SH: tl.constexpr, DOT: tl.constexpr, MS: tl.constexpr = 1.0):
+    """x, stored times the power of two MS, as DOT times SH (sh: SH's runtime value, so that the compiler cannot move
+    the multiply after the conversion, where it would narrow the range; exact unless below DOT's normal range).
+    Nothing to do where they match: float16 metadata of bf16 caches (MS = 2^-8) in float16 dots (SH = 2^-8)."""
+    if SH != MS:
+        x = x.to(tl.float32) * (sh / MS)
     return x.to(DOT)
 
 
 @triton.jit
 def _meta(s_ptr, z_ptr, off, m, inv, sh, META: tl.constexpr, DOT: tl.constexpr, SH: tl.constexpr):
-    """Scale and zero at `off` (masked: 0) in DOT, times sh (_shifted). META 0: both stored in the cache dtype; 1: an fp8
-    scale stored times the tensor's power-of-two bias (inv = 1 / bias: exact), the zero in the cache dtype; 2: both
-    fp8."""
+    """Scale and zero at `off` (masked: 0) in DOT, times sh (_shifted). META % 3 (_METAS): 0: both 16-bit; 1: an
+    fp8 scale stored times the tensor's power-of-two bias (inv = 1 / bias: exact), a 16-bit zero; 2: both fp8.
+    META >= 3: the 16-bit ones are float16 times 2^-8 (bf16 caches, runtime/quant.py meta_format), else in the
+    cache dtype."""
     s = tl.load(s_ptr + off, mask=m, other=0.0)
     z = tl.load(z_ptr + off, mask=m, other=0.0)
-    if META > 0:
-        s = s.to(tl.float32) * inv
-    if META > 1:
-        z = z.to(tl.float32) * inv
-    return _shifted(s, sh, SH, DOT), _shifted(z, sh, SH, DOT)
+    MS: tl.constexpr = 0.00390625 if META >= 3 else 1.0
+    f = inv * sh if SH != 1.0 else inv  # fp8: unbias and shift in one multiply
+    if META % 3 > 0:
+        s = (s.to(tl.float32) * f).to(DOT)
+    else:
+        s = _shifted(s, sh, SH, DOT, MS)
+    if META % 3 > 1:
+        z = (z.to(tl.float32) * f).to(DOT)
+    else:
+        z = _shifted(z, sh, SH, DOT, MS)
+    return s, z
 
 
 @triton.jit
@@ -761,8 +769,13 @@ def _combine_kernel(
 # -- host side -------------------------------------------------------------------------------
 
 NREG = 4  # region slots of one launch
-_QFIELDS = {"data", "scale", "zero", "bits", "group", "dim", "meta", "bias"}
+_QFIELDS = {"data", "scale", "zero", "bits", "group", "dim", "meta", "bias", "shift"}
 _METAS = {"16": 0, "8/16": 1, "8/8": 2}  # scale/zero storage (runtime/quant.py META) -> the kernel's KMETA/HMETA
+
+
+def _meta_code(t: QTensor) -> int:
+    """KMETA / HMETA of a quantized tensor: _METAS, + 3 where its 16-bit scale/zero are float16 times 2^-8."""
+    return _METAS[t.meta] + (3 if t.shift == META_SHIFT else 0)
 
 
 def _known_qtensor(t) -> bool:
@@ -790,12 +803,27 @@ def _key_parts(keys) -> list[tuple[QTensor, torch.Tensor | None]]:
     return [(keys, None)]
 
 
+def _half_meta(view: LayerView) -> bool:
+    """Some region stores 16-bit scales/zeros as float16 times 2^-8 (quant.meta_format of bf16 tensors)."""
+    return any(
+        t.bits != 16 and t.shift != 1.0 for r in view.regions for t in [r.lat, *(k for k, _ in _key_parts(r.keys))]
+    )
+
+
+def _default_dot(dtype: torch.dtype, view: LayerView) -> torch.dtype:
+    """float16 for bf16 caches that store float16 metadata (read with no conversion), else the cache dtype."""
+    return torch.float16 if dtype == torch.bfloat16 and _half_meta(view) else dtype
+
+
 def _meta_ok(t: QTensor, dtype: torch.dtype, device: torch.device) -> bool:
-    """Scale and zero as the kernel reads them: in the cache dtype ("16"), or fp8 e4m3 per META with the bias a
-    float or a one-element float32 tensor on the cache's device."""
+    """Scale and zero as the kernel reads them: 16-bit ones in the cache dtype or per quant.meta_format (bf16 caches:
+    float16 times 2^-8), fp8 e4m3 ones per META with the bias a float or a one-element float32 tensor on the cache's
+    device."""
     if t.scale is None or t.zero is None or t.scale.shape != t.zero.shape or t.meta not in _METAS:
         return False
-    want = {"16": (dtype, dtype), "8/16": (FP8, dtype), "8/8": (FP8, FP8)}[t.meta]
+    fmt, shift = meta_format(dtype)
+    mdt = dtype if t.shift == 1.0 else fmt if t.shift == shift else None  # 16-bit ones: the cache dtype or meta_format
+    want = {"16": (mdt, mdt), "8/16": (FP8, mdt), "8/8": (FP8, FP8)}[t.meta]
     if (t.scale.dtype, t.zero.dtype) != want:
         return False
     b = t.bias
@@ -941,7 +969,7 @@ def _region_args(
     PP = max(16, pow2(P))
     ln = r.length
     rt = [ht, *ht.stride()[:3], hs, hz, *hs.stride()[:3], hbias, r.pos, r.pos.stride(0), ln, ns, sh]
-    ct = [r.rank, NPH, P, PP, BT, PP >= 32, isinstance(ln, torch.Tensor), hb, _METAS[hq.meta], hbp, hb in asm]
+    ct = [r.rank, NPH, P, PP, BT, PP >= 32, isinstance(ln, torch.Tensor), hb, _meta_code(hq), hbp, hb in asm]
     ct += [max(1, BT // KG), len(parts), sh]
     for kq, idx in parts:
         kb, c = kq.bits, n if idx is None else idx.shape[-1]
@@ -954,7 +982,7 @@ def _region_args(
         NPK = 8 // kb if kb in (2, 4) else 8 if kb == 3 else (4 if c >= 64 else 1)  # 3 bits: 8 sub-planes
         KW = max(16, pow2(g * c // NPK))  # tiles of width 4 or 8 came out wrong compiled (Triton 3.6, H100)
         rt += [qj, qj.stride(0), qj.stride(1), kt, *kt.stride()[:3], ks, kz, *ks.stride()[:3], kbias]
-        ct += [kb, c, NPK, KW, KW >= 32, kb in asm, _METAS[kq.meta] if kb != 16 else 0, kbp]
+        ct += [kb, c, NPK, KW, KW >= 32, kb in asm, _meta_code(kq) if kb != 16 else 0, kbp]
     return tuple(rt), tuple(ct)
 
 
@@ -1071,15 +1099,23 @@ def latent_attention(
     options: `k_tiles`, `k_warps`, ...).
 
     `dot` is the type the one-pass kernel's operands (queries, dequantized keys and latents, probabilities) enter
-    the tensor cores in: None = the cache's dtype (float32 caches: always float32). torch.float16 for a bfloat16
-    cache rounds the dequantized values with 11 significant bits instead of 8: every operand is scaled by 2^-8
-    into float16's range (exact; undone in float32 on the logits and the accumulators), so values up to 1.6e7 in
-    magnitude are safe. docs/kernels.md: 40-80x less error against the float32 reference, 4-36% more time (the
-    16-bit scales and zeros are converted per tile).
+    the tensor cores in. float32 caches: always float32. None: float16 for a bfloat16 cache whose 16-bit scales and
+    zeros are stored in float16 (runtime/quant.py meta_format: what quantize writes), else the cache's dtype.
+    torch.float16 for a bfloat16 cache rounds the dequantized values with 11 significant bits instead of 8: every
+    operand is scaled by 2^-8 into float16's range (exact; undone in float32 on the logits and the accumulators),
+    so values up to 1.6e7 in magnitude are safe; float16 metadata is stored so scaled and read as it is.
+    docs/kernels.md: about 8x less error against the float32 reference than bfloat16 operands. torch.bfloat16 is
+    refused for such caches (it would round their metadata again: ~1e-2 error); it serves bf16 tensors built with
+    bfloat16 metadata, where torch.float16 converts every scale and zero per tile (4-36% more time).
     """
     if dot not in (None, torch.float16, torch.bfloat16):
         raise ValueError(f"dot must be None, torch.float16 or torch.bfloat16, not {dot}")
     view = _view(cache)
+    if dot == torch.bfloat16 and q.dtype == torch.bfloat16 and _half_meta(view):
+        raise ValueError(
+            "dot=torch.bfloat16 would round this cache's float16 scales/zeros to bfloat16 (~1e-2 from the reference):"
+            " use the default (float16)"
+        )
     if not supported(q, k_new, h_new, view):
         return reference(q, k_new, h_new, view, scaling)
     if split:
@@ -1094,7 +1130,7 @@ def latent_attention(
     K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
     rep, g = H // K, K // G
     dev = q.device
-    dt = q.dtype if q.dtype == torch.float32 else (dot or q.dtype)
+    dt = q.dtype if q.dtype == torch.float32 else (dot or _default_dot(q.dtype, view))
     sh = 2.0**-8 if (dt == torch.float16 and q.dtype == torch.bfloat16) else 1.0  # bf16 caches into fp16 range
     q, k_new, h_new = _c(q), _c(k_new), _c(h_new)
     qk = scaling * LOG2E
@@ -1105,7 +1141,8 @@ def latent_attention(
     n_slots, (pm, pl, pacc, rk) = _partials(B, H, R, splits, dev)
     npos, win = view.next_pos, view.window
     QGP = max(16, pow2(g * rep))
-    qd = q if dt == q.dtype else (q.float() * sh).to(dt)  # the queries as the key dots read them
+    # the queries as the key dots read them (one kernel: computed in float32, rounded once)
+    qd = q if dt == q.dtype else torch.mul(q, sh, out=torch.empty(q.shape, device=dev, dtype=dt))
     # 3-bit keys have 8 sub-planes: more than the 4 query planes held in registers, so reloaded per tile
     q_in_loop = q_in_loop or any(kq.bits == 3 for r in regions for kq, _ in _key_parts(r.keys))
     slot0 = 0

@@ -17,8 +17,8 @@ The logits cost 4 bytes per slot and query head written once and read twice: 128
 Llama-3.1-8B shapes against ~650 B of compressed cache per token (docs/kernels.md has the
 arithmetic and the measurements). One launch per pass for up to four regions (NREG), then the combine; no host
 syncs (lengths and next_pos may live on the device), so a call can be captured in a CUDA graph.
-Formats: the plain layout only (`supported_split`); key bands, fp8 scales/zeros and 3-bit keys are left to the
-one-pass kernel, which latent_attention(split=...) then runs instead.
+Formats: the plain layout only (`supported_split`); key bands, fp8 scales/zeros, 3-bit keys and float16 metadata
+(what bf16 caches store) are left to the one-pass kernel, which latent_attention(split=...) then runs instead.
 """
 
 from __future__ import annotations
@@ -489,8 +489,13 @@ def _lat_kernel(
 def supported_split(cache) -> bool:
     """What the two passes read, beyond `attention.supported` (which the caller has checked): every region's keys
     whole (no quant.Bands) and keys and latents in the plain layout (QTensor.plain: 2/4/8/16 bits, scales and zeros
-    in the cache dtype). Key bands, fp8 metadata and 3-bit keys are the one-pass kernel's only."""
-    return all(type(r.keys) is QTensor and r.keys.plain and r.lat.plain for r in _view(cache).regions)
+    in the cache dtype). Key bands, fp8 metadata, 3-bit keys and the float16 metadata of bf16 caches
+    (quant.meta_format: the two passes' bf16 operands would round it again, ~1e-2 from the reference) are the one-pass
+    kernel's only."""
+    return all(
+        type(r.keys) is QTensor and all(t.plain and t.shift == 1.0 for t in (r.keys, r.lat))
+        for r in _view(cache).regions
+    )
 
 
 def _geometry(r, n: int, g: int) -> dict:

@@ -2,7 +2,8 @@
 
 Asymmetric min/max; keys (dim=-2) per channel over groups of tokens, latents (dim=-1) per token
 over groups of channels; codes packed along the last dim in planes (element c of a row of nb
-bytes in byte c % nb at bit offset (c // nb) * bits); scale and zero in the source dtype.
+bytes in byte c % nb at bit offset (c // nb) * bits); scale and zero in 16 bits per meta_format (bfloat16
+sources: float16 times 2^-8, MSH).
 A program takes a tile of whole groups (keys: group tokens x all channels; latents: some
 tokens x all channels).
 
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tale_runtime.quant import QTensor
+from tale_runtime.quant import QTensor, meta_format
 
 from ._common import TL_DTYPE, is_pow2, pow2, runnable
 
@@ -43,9 +44,10 @@ def _load_x(
     BT: tl.constexpr,
     SRC: tl.constexpr,
     ROUND: tl.constexpr,
+    MSH: tl.constexpr,
 ):
     """Float32 [BT, W] tile of the channels `ch` [W] (mask `cm`): raw (IN_BITS 16) or dequantized
-    (rounded to SRC if ROUND). Packed codes and their scales are gathered per element: any
+    (rounded to SRC if ROUND; scale and zero stored times MSH). Packed codes and their scales are gathered per element: any
     channel order in, whatever the input's plane layout (NB_IN bytes per row)."""
     t = t0 + tl.arange(0, BT)
     m = (t < L)[:, None] & cm[None, :]
@@ -62,6 +64,9 @@ def _load_x(
             off = soff + t[:, None] * s_st + (ch // GROUP)[None, :]
         sc = tl.load(xs_ptr + off, mask=m, other=0.0).to(tl.float32)
         zr = tl.load(xz_ptr + off, mask=m, other=0.0).to(tl.float32)
+        if MSH != 1.0:  # a power of two: exact
+            sc = sc * (1.0 / MSH)
+            zr = zr * (1.0 / MSH)
         x = code * sc + zr
         if ROUND:
             x = x.to(SRC).to(tl.float32)
@@ -98,8 +103,11 @@ def _quant_kernel(
     BT: tl.constexpr,
     NBP: tl.constexpr,
     SRC: tl.constexpr,
+    IN_MSH: tl.constexpr,
+    MDT: tl.constexpr,
+    MSH: tl.constexpr,
 ):
-    """Quantize a tile of whole groups. Columns run in the output's plane order, padded:
+    """Quantize a tile of whole groups (the input's scale/zero stored times IN_MSH, the output's in MDT times MSH). Columns run in the output's plane order, padded:
     column u = (plane u // NBP, byte u % NBP) holds channel (u // NBP) * NB + u % NBP, so the
     packing is a reshape and a shifted sum; latent groups never straddle planes (NB % GROUP == 0)."""
     t0 = tl.program_id(0) * BT
@@ -130,6 +138,7 @@ def _quant_kernel(
         BT,
         SRC,
         True,
+        IN_MSH,
     )
     QMAX: tl.constexpr = (1 << OUT_BITS) - 1
     t = t0 + tl.arange(0, BT)
@@ -155,8 +164,8 @@ def _quant_kernel(
         gch = (u0 // NBP) * NB + u0 % NBP
         soff = a * s_osa + d * s_osd + t[:, None] * s_ost + (gch // GROUP)[None, :]
         sm = tm[:, None] & (u0 % NBP < NB)[None, :]
-    tl.store(os_ptr + soff, scale.to(SRC), mask=sm)
-    tl.store(oz_ptr + soff, mn.to(SRC), mask=sm)
+    tl.store(os_ptr + soff, (scale * MSH).to(MDT), mask=sm)
+    tl.store(oz_ptr + soff, (mn * MSH).to(MDT), mask=sm)
     # round half to even (as torch.round) by the 1.5 * 2^23 trick, after the clamp
     v = tl.minimum(tl.maximum(v, 0.0), QMAX * 1.0)
     v = (v + 12582912.0) - 12582912.0
@@ -195,7 +204,7 @@ def _dequant_kernel(
     KEYS: tl.constexpr,
     BT: tl.constexpr,
     CP: tl.constexpr,
-    SRC: tl.constexpr,
+    MSH: tl.constexpr,
     OUT: tl.constexpr,
 ):
     t0 = tl.program_id(0) * BT
@@ -219,8 +228,9 @@ def _dequant_kernel(
         GROUP,
         KEYS,
         BT,
-        SRC,
+        OUT,
         False,
+        MSH,
     )
     t = t0 + tl.arange(0, BT)
     tl.store(
@@ -268,7 +278,9 @@ def supports(shape: torch.Size, bits: int, group: int, dim: int, *tensors: torch
 def _launch_quant(
     src: QTensor | torch.Tensor, C: int, bits: int, group: int, keys: bool, dtype: torch.dtype
 ) -> QTensor:
+    """Quantize src (a tensor, or a QTensor to requantize) of source dtype `dtype`."""
     raw = isinstance(src, torch.Tensor)
+    mdt, msh = meta_format(dtype)
     x = _as4d(src if raw else src.data)
     xs = x if raw else _as4d(src.scale)
     xz = x if raw else _as4d(src.zero)
@@ -276,8 +288,8 @@ def _launch_quant(
     dev = x.device
     out = torch.empty(A, D, L, C * bits // 8, device=dev, dtype=torch.uint8)
     sshape = (A, D, L // group, C) if keys else (A, D, L, C // group)
-    scale = torch.empty(sshape, device=dev, dtype=dtype)
-    zero = torch.empty(sshape, device=dev, dtype=dtype)
+    scale = torch.empty(sshape, device=dev, dtype=mdt)
+    zero = torch.empty(sshape, device=dev, dtype=mdt)
     NB, NBP = C * bits // 8, pow2(C * bits // 8)
     BT = _tile(keys, group, (8 // bits) * NBP)
     _quant_kernel[(triton.cdiv(L, BT), D, A)](
@@ -309,6 +321,9 @@ def _launch_quant(
         BT=BT,
         NBP=NBP,
         SRC=TL_DTYPE[dtype],
+        IN_MSH=1.0 if raw else src.shift,
+        MDT=TL_DTYPE[mdt],
+        MSH=msh,
         num_warps=4,
         **_no_fma(dev),
     )
@@ -320,6 +335,7 @@ def _launch_quant(
         bits,
         group,
         -2 if keys else -1,
+        shift=msh,
     )
 
 
@@ -338,12 +354,12 @@ def quantize(x: torch.Tensor, bits: int, group: int, dim: int) -> QTensor:
 def requantize(q: QTensor, bits: int, rank: int | None = None) -> QTensor:
     """dequantize -> keep the first `rank` channels (latents) -> quantize to `bits`, in one pass."""
     C = q.shape[-1] if rank is None else rank
-    return _launch_quant(q, C, bits, q.group, _keys(q.dim, q.data.dim()), q.scale.dtype)
+    return _launch_quant(q, C, bits, q.group, _keys(q.dim, q.data.dim()), q.source_dtype)
 
 
 def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Same result as tale_runtime.quant.dequantize for a packed QTensor."""
-    dtype = dtype or q.scale.dtype
+    dtype = dtype or q.source_dtype
     keys = _keys(q.dim, q.data.dim())
     x, xs, xz = _as4d(q.data), _as4d(q.scale), _as4d(q.zero)
     A, D, L = x.shape[:3]
@@ -373,7 +389,7 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         KEYS=keys,
         BT=BT,
         CP=CP,
-        SRC=TL_DTYPE[q.scale.dtype],
+        MSH=q.shift,
         OUT=TL_DTYPE[dtype],
         num_warps=4,
         **_no_fma(x.device),

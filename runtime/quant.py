@@ -21,6 +21,10 @@ Layout (the Triton kernels in tale_kernels use exactly this one):
   the zero is rounded down and the scale computed from the stored zero, so codes never clip. fp8
   values are stored times `bias`, a power of two per tensor that puts its largest scale/zero near
   e4m3's top (448/4), so e4m3's 3 mantissa bits serve every magnitude; cat re-biases exactly. (The zero, a group minimum, needs 16 bits where groups sit far from 0: per-channel keys.)
+  16-bit scales/zeros of a bfloat16 tensor are stored as float16 times `shift` = 2^-8 (meta_format): the same
+  bytes with 3 more mantissa bits, and the decode kernel's float16 tensor-core operands (which carry bf16 values
+  times 2^-8) read them as they are. float16 holds them for |x| < 1.6e7; below 2^-8 they lose relative
+  precision (subnormals), never more than 7.6e-6 absolute.
 
 Bands (keys only, per channel over token groups): the channels of each KV head split into sets, each
 quantized at its own bit width (the most important channels by a calibration statistic get more bits).
@@ -36,7 +40,7 @@ installed (same layout and results, up to rare one-step differences on rounding 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -53,6 +57,7 @@ class QTensor:
     # fp8 formats: scale (and fp8 zero) are stored times this power of two; a static cache's buffers hold it as a
     # one-element float32 device tensor (a captured CUDA graph then reads the current value)
     bias: float | torch.Tensor = 1.0
+    shift: float = 1.0  # 16-bit scale/zero stored times this power of two (meta_format)
 
     @property
     def shape(self) -> torch.Size:
@@ -63,12 +68,25 @@ class QTensor:
 
     @property
     def plain(self) -> bool:
-        """The layout tale_kernels reads: 2/4/8 bits (or 16), scale and zero in the source dtype."""
+        """The layout tale_kernels reads: 2/4/8 bits (or 16), 16-bit scale and zero (meta_format)."""
         return self.bits in (2, 4, 8, 16) and self.meta == "16"
 
     def nbytes(self) -> int:
         fp8_bias = 4 if self.meta != "16" else 0  # one float32 per tensor
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.zero) if t is not None) + fp8_bias
+
+    @property
+    def source_dtype(self) -> torch.dtype:
+        """The dtype dequantize returns by default: the source's where the metadata tells it, else float32."""
+        if self.bits == 16:
+            return self.data.dtype
+        if self.shift != 1.0:
+            return torch.bfloat16
+        return self.zero.dtype if self.zero.dtype != FP8 else torch.float32
+
+    def meta_float(self, t: torch.Tensor) -> torch.Tensor:
+        """Its scale or zero `t` as the float32 values they stand for."""
+        return t.float() / (self.bias if t.dtype == FP8 else self.shift)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize(self, dtype)
@@ -125,6 +143,12 @@ FP8 = torch.float8_e4m3fn
 _FP8_TABLE: torch.Tensor | None = None
 
 _KERNELS = None
+META_SHIFT = 2.0**-8
+
+
+def meta_format(dtype: torch.dtype) -> tuple[torch.dtype, float]:
+    """(dtype, shift) of the 16-bit scales and zeros of a `dtype` tensor: bfloat16 ones in float16 times 2^-8."""
+    return (torch.float16, META_SHIFT) if dtype == torch.bfloat16 else (dtype, 1.0)
 
 
 def _kernels(t: torch.Tensor):
@@ -214,20 +238,22 @@ def quantize(x: torch.Tensor, bits: int, group: int, dim: int, meta: str = "16")
     mn = xg.amin(dim=rd, keepdim=True)
     mx = xg.amax(dim=rd, keepdim=True)
     qmax = (1 << bits) - 1
+    mdt, shift = meta_format(x.dtype)
     if meta == "16":
-        scale_s, zero = ((mx - mn) / qmax).to(x.dtype), mn.to(x.dtype)
+        scale_s, zero = ((mx - mn) / qmax * shift).to(mdt), (mn * shift).to(mdt)
         scale = (mx - mn) / qmax
         bias = 1.0
     else:
         top = torch.maximum((mx - mn).amax() / qmax, mn.abs().amax() if meta == "8/8" else mn.new_zeros(()))
         bias = 2.0 ** math.floor(math.log2(112.0 / top.item())) if top > 0 else 1.0
-        zero = mn.to(x.dtype) if meta == "8/16" else _fp8_round(mn * bias, up=False)
-        mn = zero.float() / (1.0 if meta == "8/16" else bias)  # codes against the stored zero and scale: none clip
+        zero = (mn * shift).to(mdt) if meta == "8/16" else _fp8_round(mn * bias, up=False)
+        mn = zero.float() / (shift if meta == "8/16" else bias)  # codes against the stored zero and scale: none clip
         scale_s = _fp8_round((mx - mn).clamp_min(0) / qmax * bias, up=True)
         scale = scale_s.float() / bias
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = ((xg - mn) / safe).round_().clamp_(0, qmax).reshape(x.shape)
-    return QTensor(pack(codes, bits), scale_s.squeeze(rd), zero.squeeze(rd), bits, group, dim, meta, bias)
+    shift = shift if meta != "8/8" else 1.0
+    return QTensor(pack(codes, bits), scale_s.squeeze(rd), zero.squeeze(rd), bits, group, dim, meta, bias, shift)
 
 
 def dequantize(q: QTensor | Bands, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -238,9 +264,8 @@ def dequantize(q: QTensor | Bands, dtype: torch.dtype | None = None) -> torch.Te
     k = _kernels(q.data)
     if q.plain and k and k.supports(q.shape, q.bits, q.group, q.dim, q.data, q.scale):
         return k.dequantize(q, dtype)
-    dtype = dtype or (q.zero.dtype if q.zero.dtype != FP8 else torch.float32)
-    scale = q.scale.float() / q.bias
-    zero = q.zero.float() / (q.bias if q.zero.dtype == FP8 else 1.0)
+    dtype = dtype or q.source_dtype
+    scale, zero = q.meta_float(q.scale), q.meta_float(q.zero)
     codes = unpack(q.data, q.bits).float()
     cg, rd = _grouped(codes, q.group, q.dim)
     x = cg * scale.unsqueeze(rd) + zero.unsqueeze(rd)
@@ -281,18 +306,17 @@ def cat(parts: list[QTensor | Bands]) -> QTensor | Bands:
         return Bands([cat([p.parts[i] for p in parts]) for i in range(len(a.parts))], a.index, a.n)
     if a.bits == 16:
         return QTensor(torch.cat([p.data for p in parts], dim=-2), None, None, 16, a.group, a.dim)
+    if any(p.shift != a.shift for p in parts):
+        raise ValueError("cat: parts store their scales/zeros in different formats")
     bias = min(p.bias for p in parts)
     parts = [_rebias(p, bias) for p in parts]
     # keys (dim=-2) carry one scale row per token group, latents (dim=-1) one per token: both cat on -2
-    return QTensor(
-        torch.cat([p.data for p in parts], dim=-2),
-        torch.cat([p.scale for p in parts], dim=-2),
-        torch.cat([p.zero for p in parts], dim=-2),
-        a.bits,
-        a.group,
-        a.dim,
-        a.meta,
-        bias,
+    return replace(
+        a,
+        data=torch.cat([p.data for p in parts], dim=-2),
+        scale=torch.cat([p.scale for p in parts], dim=-2),
+        zero=torch.cat([p.zero for p in parts], dim=-2),
+        bias=bias,
     )
 
 
@@ -304,7 +328,7 @@ def _rebias(q: QTensor, bias: float) -> QTensor:
     f = bias / q.bias
     scale = _fp8_round(q.scale.float() * f, up=True)
     zero = _fp8_round(q.zero.float() * f, up=False) if q.zero.dtype == FP8 else q.zero
-    return QTensor(q.data, scale, zero, q.bits, q.group, q.dim, q.meta, bias)
+    return replace(q, scale=scale, zero=zero, bias=bias)
 
 
 def take(q: QTensor | Bands, tokens: torch.Tensor) -> QTensor | Bands:
@@ -326,9 +350,7 @@ def take(q: QTensor | Bands, tokens: torch.Tensor) -> QTensor | Bands:
         ):
             raise ValueError(f"take: tokens do not form whole key groups of {q.group}")
         rows = runs[:, 0] // q.group
-    return QTensor(
-        data, q.scale.index_select(-2, rows), q.zero.index_select(-2, rows), q.bits, q.group, q.dim, q.meta, q.bias
-    )
+    return replace(q, data=data, scale=q.scale.index_select(-2, rows), zero=q.zero.index_select(-2, rows))
 
 
 def split(q: QTensor | Bands, n_tokens: int) -> tuple[QTensor | Bands, QTensor | Bands]:
@@ -348,8 +370,6 @@ def split(q: QTensor | Bands, n_tokens: int) -> tuple[QTensor | Bands, QTensor |
         srow = n_tokens // q.group
 
     def part(sl_d, sl_s):
-        return QTensor(
-            q.data[..., sl_d, :], q.scale[..., sl_s, :], q.zero[..., sl_s, :], q.bits, q.group, q.dim, q.meta, q.bias
-        )
+        return replace(q, data=q.data[..., sl_d, :], scale=q.scale[..., sl_s, :], zero=q.zero[..., sl_s, :])
 
     return part(slice(0, n_tokens), slice(0, srow)), part(slice(n_tokens, None), slice(srow, None))

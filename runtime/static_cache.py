@@ -34,7 +34,7 @@ runs after the step, outside the graph, every few steps.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -42,7 +42,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .artifact import Schedule
 from .cache import band_index, demote_level, quant_level
 from .placement import demotions, fill_counts, flush_count
-from .quant import FP8, Bands, QTensor, _rebias, cat
+from .quant import FP8, Bands, QTensor, _rebias, cat, meta_format
 from .regions import LayerView, Region
 
 
@@ -155,15 +155,16 @@ def _empty_q(
     lead: tuple, tokens: int, channels: int, bits: int, group: int, dim: int, dtype, device, meta: str = "16"
 ) -> QTensor:
     """A zeroed QTensor buffer [*lead, tokens, channels] at `bits` (dim: -2 keys, -1 latents); fp8 scale/zero per
-    `meta`, with the bias a device scalar."""
+    `meta`, with the bias a device scalar; 16-bit ones per meta_format."""
     if bits == 16:
         return QTensor(torch.zeros(*lead, tokens, channels, dtype=dtype, device=device), None, None, 16, group, dim)
     data = torch.zeros(*lead, tokens, channels * bits // 8, dtype=torch.uint8, device=device)
     sshape = (*lead, tokens // group, channels) if dim == -2 else (*lead, tokens, channels // group)
-    scale = torch.zeros(sshape, dtype=dtype if meta == "16" else FP8, device=device)
-    zero = torch.zeros(sshape, dtype=FP8 if meta == "8/8" else dtype, device=device)
+    mdt, shift = meta_format(dtype)
+    scale = torch.zeros(sshape, dtype=mdt if meta == "16" else FP8, device=device)
+    zero = torch.zeros(sshape, dtype=FP8 if meta == "8/8" else mdt, device=device)
     bias = 1.0 if meta == "16" else torch.ones((), dtype=torch.float32, device=device)
-    return QTensor(data, scale, zero, bits, group, dim, meta, bias)
+    return QTensor(data, scale, zero, bits, group, dim, meta, bias, shift if meta != "8/8" else 1.0)
 
 
 class StaticTaleLayer(CacheLayerMixin):
@@ -361,6 +362,8 @@ class StaticTaleLayer(CacheLayerMixin):
             for d, s_ in zip(dst.parts, src.parts):
                 self._put(d, s_, slot, off, n)
             return
+        if (src.scale is None) != (dst.scale is None) or (src.scale is not None and src.shift != dst.shift):
+            raise ValueError("static cache: tokens quantized in another scale/zero format than the buffer's")
         if dst.meta != "16":
             src = self._rebias(dst, src)
         for d, s_ in zip(_rows(dst, slot, slot + n), _rows(src, off, off + n)):
@@ -372,7 +375,7 @@ class StaticTaleLayer(CacheLayerMixin):
         if hb is not None and src.bias >= hb:
             return _rebias(src, hb)
         if hb is not None:  # what the buffer holds, re-biased in place (exact but for e4m3 subnormals)
-            held = _rebias(QTensor(dst.data, dst.scale, dst.zero, dst.bits, dst.group, dst.dim, dst.meta, hb), src.bias)
+            held = _rebias(replace(dst, bias=hb), src.bias)
             dst.scale.copy_(held.scale)
             dst.zero.copy_(held.zero)
         self.bias[id(dst)] = src.bias
@@ -385,7 +388,8 @@ class StaticTaleLayer(CacheLayerMixin):
             return Bands([self._take(p, slot, n) for p in src.parts], src.index, src.n)
         data, *sz = _rows(src, slot, slot + n)
         bias = self.bias.get(id(src), 1.0) if src.meta != "16" else 1.0
-        return QTensor(data, *(sz or [None, None]), src.bits, src.group, src.dim, src.meta, bias)
+        scale, zero = sz or [None, None]
+        return replace(src, data=data, scale=scale, zero=zero, bias=bias)
 
 
 @dataclass

@@ -10,13 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_kernels import CASES, DEVICE, DTYPES, FORMATS, TOL, _grow, format_schedule, layer_cache, rel
+from test_kernels import CASES, CUDA, DEVICE, FORMATS, TOL, _grow, format_schedule, held_meta, layer_cache, rel
 
 import tale_kernels  # noqa: E402
 from tale_kernels import attention, attention_split  # noqa: E402
 from tale_runtime.cache import latent_attention as ref_attention  # noqa: E402
 from tale_runtime.quant import Bands, QTensor  # noqa: E402
 from tale_runtime.regions import LayerView, Region  # noqa: E402
+
+# bf16 caches store float16 metadata, which the two passes decline (test_split_declines_float16_metadata)
+DTYPES = [torch.float32, torch.float16]
 
 # odd lengths, padding, tiny splits, MHA, rep 3, the CUDA-core path, a prompt inside the sinks, groups of 32
 SPLIT_CASES = ["gqa-g2-pad-splits", "gqa-g4-small-splits", "mha-g1", "rep3-g2", "rank8", "prompt-in-sinks", "group32"]
@@ -154,3 +157,22 @@ def test_split_falls_back_to_one_pass_for_other_formats(monkeypatch):
             z = tale_kernels.latent_attention(q, k, h, view, n**-0.5, split={"k_tiles": 2})
             assert not calls and rel(z, ref_attention(q, k, h, view, n**-0.5)) < TOL[torch.float32]
     assert seen == {"bands", "3-bit", "fp8"}
+
+
+def test_split_declines_float16_metadata():
+    """A bf16 cache's float16 scales/zeros (quant.meta_format) would be rounded to bf16 by the two passes' bf16
+    operands: supported_split declines them and latent_attention(split=True) runs the one-pass kernel. The same
+    values held in bf16 metadata are read by the two passes (compiled runs: the interpreter has no bf16 dots)."""
+    bf = torch.bfloat16
+    c = layer_cache(1, 8, 4, 2, 64, 100, bf)
+    q, k, h = (torch.randn(1, 8, 1, 64, device=DEVICE, dtype=bf), torch.randn(1, 4, 1, 64, device=DEVICE, dtype=bf),
+               torch.randn(1, 2, 1, 128, device=DEVICE, dtype=bf))  # fmt: skip
+    v = c.view()
+    assert attention.supported(q, k, h, v) and not attention_split.supported_split(v)
+    one_pass = tale_kernels.latent_attention(q, k, h, v, 0.125, split_tokens=32)
+    assert torch.equal(tale_kernels.latent_attention(q, k, h, v, 0.125, split=True, split_tokens=32), one_pass)
+    vb = held_meta(v, bf, 1.0)
+    assert attention_split.supported_split(vb)
+    if CUDA:
+        z = tale_kernels.latent_attention(q, k, h, vb, 0.125, split=True)
+        assert rel(z, ref_attention(q, k, h, vb, 0.125)) < 2e-2

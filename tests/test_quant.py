@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tale_runtime.quant import cat, dequantize, pack, quantize, split, unpack
+from tale_runtime.quant import cat, dequantize, meta_format, pack, quantize, split, unpack
 
 
 def _expand(t: torch.Tensor, group: int, dim: int) -> torch.Tensor:
@@ -72,12 +72,28 @@ def test_sixteen_bits_is_identity():
     assert torch.equal(dequantize(q), x)
 
 
-def test_scales_keep_source_dtype_and_count_in_nbytes():
-    x = torch.randn(1, 2, 32, 16, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_scales_follow_meta_format_and_count_in_nbytes(dtype):
+    """16-bit scales/zeros keep float32/float16 sources' dtype; bfloat16 ones are float16 times 2^-8: they stand
+    for the group's (max - min) / 3 and min to float16's precision (2^-11), 8x finer than bfloat16 would, and stay
+    finite for values far beyond float16's range."""
+    torch.manual_seed(0)
+    x = (torch.randn(1, 2, 32, 16) * torch.logspace(-2, 6 if dtype == torch.bfloat16 else 3, 16)).to(dtype)
     q = quantize(x, 2, 32, dim=-2)
-    assert q.scale.dtype == q.zero.dtype == torch.bfloat16
-    # 2-bit codes + one bf16 scale and zero per channel per 32 tokens
-    assert q.nbytes() == 2 * 32 * 16 // 4 + 2 * (2 * 16 * 2)
+    mdt, shift = meta_format(dtype)
+    assert (q.scale.dtype, q.zero.dtype, q.shift) == (mdt, mdt, shift)
+    assert (mdt, shift) == ((torch.float16, 2.0**-8) if dtype == torch.bfloat16 else (dtype, 1.0))
+    xf = x.float()
+    want_s, want_z = (xf.amax(-2, keepdim=True) - xf.amin(-2, keepdim=True)) / 3, xf.amin(-2, keepdim=True)
+    tol = 2.0**-24 if dtype == torch.float32 else 2.0**-11
+    for got, want in ((q.meta_float(q.scale), want_s), (q.meta_float(q.zero), want_z)):
+        assert torch.isfinite(got).all()
+        assert ((got - want).abs() <= want.abs() * tol).all()
+    out = dequantize(q)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert ((out.float() - xf).abs() <= want_s * 0.5 * 1.01 + xf.abs() * 2.0**-7).all()  # half a step (+ rounding)
+    # 2-bit codes + one 16-bit scale and zero per channel per 32 tokens
+    assert q.nbytes() == 2 * 32 * 16 // 4 + 2 * (2 * 16 * mdt.itemsize)
 
 
 def test_split_and_cat_are_exact():
