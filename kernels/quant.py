@@ -47,8 +47,8 @@ def _load_x(
     MSH: tl.constexpr,
 ):
     """Float32 [BT, W] tile of the channels `ch` [W] (mask `cm`): raw (IN_BITS 16) or dequantized
-    (rounded to SRC if ROUND; scale and zero stored times MSH). Packed codes and their scales are gathered per element: any
-    channel order in, whatever the input's plane layout (NB_IN bytes per row)."""
+    (rounded to SRC if ROUND; scale and zero stored times MSH). Packed codes and their scales are gathered per
+    element: any channel order in, whatever the input's plane layout (NB_IN bytes per row)."""
     t = t0 + tl.arange(0, BT)
     m = (t < L)[:, None] & cm[None, :]
     if IN_BITS == 16:
@@ -107,8 +107,8 @@ def _quant_kernel(
     MDT: tl.constexpr,
     MSH: tl.constexpr,
 ):
-    """Quantize a tile of whole groups (the input's scale/zero stored times IN_MSH, the output's in MDT times MSH). Columns run in the output's plane order, padded:
-    column u = (plane u // NBP, byte u % NBP) holds channel (u // NBP) * NB + u % NBP, so the
+    """Quantize a tile of whole groups (the input's scale/zero stored times IN_MSH, the output's in MDT times MSH).
+    Columns run in the output's plane order, padded: column u = (plane u // NBP, byte u % NBP) holds channel (u // NBP) * NB + u % NBP, so the
     packing is a reshape and a shifted sum; latent groups never straddle planes (NB % GROUP == 0)."""
     t0 = tl.program_id(0) * BT
     d = tl.program_id(1).to(tl.int64)

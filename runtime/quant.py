@@ -23,8 +23,8 @@ Layout (the Triton kernels in tale_kernels use exactly this one):
   e4m3's top (448/4), so e4m3's 3 mantissa bits serve every magnitude; cat re-biases exactly. (The zero, a group minimum, needs 16 bits where groups sit far from 0: per-channel keys.)
   16-bit scales/zeros of a bfloat16 tensor are stored as float16 times `shift` = 2^-8 (meta_format): the same
   bytes with 3 more mantissa bits, and the decode kernel's float16 tensor-core operands (which carry bf16 values
-  times 2^-8) read them as they are. float16 holds them for |x| < 1.6e7; below 2^-8 they lose relative
-  precision (subnormals), never more than 7.6e-6 absolute.
+  times 2^-8) read them as they are. float16 holds them for |x| < 1.6e7 (beyond: inf, so NaN downstream); below
+  2^-6 they are float16 subnormals, at most 7.6e-6 off (coarser than bf16's rounding only below 2^-8).
 
 Bands (keys only, per channel over token groups): the channels of each KV head split into sets, each
 quantized at its own bit width (the most important channels by a calibration statistic get more bits).

@@ -1,5 +1,7 @@
 """KIVI quantization and bit packing (tale_runtime.quant): error bounds, layout, round trips."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -94,6 +96,17 @@ def test_scales_follow_meta_format_and_count_in_nbytes(dtype):
     assert ((out.float() - xf).abs() <= want_s * 0.5 * 1.01 + xf.abs() * 2.0**-7).all()  # half a step (+ rounding)
     # 2-bit codes + one 16-bit scale and zero per channel per 32 tokens
     assert q.nbytes() == 2 * 32 * 16 // 4 + 2 * (2 * 16 * mdt.itemsize)
+
+
+def test_cat_refuses_mixed_scale_formats():
+    """Parts of one tensor must store their 16-bit scales/zeros alike: bf16 metadata (shift 1) next to the float16
+    times 2^-8 of quantize would be read at the wrong scale, so cat refuses; split halves keep the format."""
+    q = quantize(torch.randn(1, 2, 32, 16, dtype=torch.bfloat16), 4, 16, dim=-2)
+    a, b = split(q, 16)
+    assert a.shift == b.shift == q.shift == 2.0**-8 and torch.equal(dequantize(cat([a, b])), dequantize(q))
+    old = replace(b, scale=b.meta_float(b.scale).bfloat16(), zero=b.meta_float(b.zero).bfloat16(), shift=1.0)
+    with pytest.raises(ValueError, match="different formats"):
+        cat([a, old])
 
 
 def test_split_and_cat_are_exact():
