@@ -84,6 +84,9 @@ def _nth(i: tl.constexpr, a, b, c, d):
     return x
 
 
+_META_SHIFT = tl.constexpr(META_SHIFT)  # 2^-8: also the operand shift of bf16 caches in float16 dots (SH)
+
+
 @triton.jit
 def _shifted(x, sh, SH: tl.constexpr, DOT: tl.constexpr, MS: tl.constexpr = 1.0):
     """x, stored times the power of two MS, as DOT times SH (sh: SH's runtime value, so that the compiler cannot move
@@ -102,7 +105,7 @@ def _meta(s_ptr, z_ptr, off, m, inv, sh, META: tl.constexpr, DOT: tl.constexpr, 
     cache dtype."""
     s = tl.load(s_ptr + off, mask=m, other=0.0)
     z = tl.load(z_ptr + off, mask=m, other=0.0)
-    MS: tl.constexpr = 0.00390625 if META >= 3 else 1.0
+    MS: tl.constexpr = _META_SHIFT if META >= 3 else 1.0
     f = inv * sh if SH != 1.0 else inv  # fp8: unbias and shift in one multiply
     if META % 3 > 0:
         s = (s.to(tl.float32) * f).to(DOT)
@@ -810,11 +813,6 @@ def _half_meta(view: LayerView) -> bool:
     )
 
 
-def _default_dot(dtype: torch.dtype, view: LayerView) -> torch.dtype:
-    """float16 for bf16 caches that store float16 metadata (read with no conversion), else the cache dtype."""
-    return torch.float16 if dtype == torch.bfloat16 and _half_meta(view) else dtype
-
-
 def _meta_ok(t: QTensor, dtype: torch.dtype, device: torch.device) -> bool:
     """Scale and zero as the kernel reads them: 16-bit ones in the cache dtype or per quant.meta_format (bf16 caches:
     float16 times 2^-8), fp8 e4m3 ones per META with the bias a float or a one-element float32 tensor on the cache's
@@ -1130,8 +1128,11 @@ def latent_attention(
     K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
     rep, g = H // K, K // G
     dev = q.device
-    dt = q.dtype if q.dtype == torch.float32 else (dot or _default_dot(q.dtype, view))
-    sh = 2.0**-8 if (dt == torch.float16 and q.dtype == torch.bfloat16) else 1.0  # bf16 caches into fp16 range
+    if q.dtype == torch.float32:
+        dt = q.dtype
+    else:  # by default float16 for bf16 caches of float16 metadata: read as it is
+        dt = dot or (torch.float16 if q.dtype == torch.bfloat16 and _half_meta(view) else q.dtype)
+    sh = META_SHIFT if (dt == torch.float16 and q.dtype == torch.bfloat16) else 1.0  # bf16 caches into fp16 range
     q, k_new, h_new = _c(q), _c(k_new), _c(h_new)
     qk = scaling * LOG2E
     regions = view.regions

@@ -384,8 +384,8 @@ def set_output_path(model, path: str) -> None:
 
 def use_kernels(model, enable: bool = True, **options) -> bool:
     """Route decode attention through the Triton kernel (CUDA) or back to the torch reference. `options` go to
-    every call of the kernel (tale_kernels.latent_attention's keywords, e.g. dot=torch.float16: float16 operands
-    for bfloat16 caches, 40-80x less rounding error; docs/speed.md); an unknown one is refused here."""
+    every call of the kernel (tale_kernels.latent_attention's keywords, e.g. asm=False); an unknown one is refused
+    here."""
     import inspect
 
     from .attention import latent_attention
