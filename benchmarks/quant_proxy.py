@@ -126,8 +126,18 @@ def run_format(layers, model, fmt: dict, sink=4, start=128):
         if "balance" in fmt:  # latents h = x A S^(a-1/2) (B = S^(1-a) V^T): channel variances s_i^(2a)
             sv = attn.tale.v_v.float().pow(2).sum(-1)[0, :r]  # whitened singular values s_i
             d = sv.pow(fmt["balance"] - 0.5)
-        hq, vbits = fq((h[:, sl, :r] * d).contiguous(), fmt["vbits"], 32, -1, fmt.get("vmeta", "16"))
-        hq = hq / d
+        if "vbands" in fmt:  # contiguous latent channel ranges (SVD order: most energy first) at their own bits
+            parts, c0, nb = [], 0, 0.0
+            for ch, bits in fmt["vbands"]:
+                xq, bb = fq(h[:, sl, c0 : c0 + ch].contiguous(), bits, min(32, ch), -1, fmt.get("vmeta", "16"))
+                parts.append(xq)
+                nb += bb * ch
+                c0 += ch
+            r = c0
+            hq, vbits = torch.cat(parts, dim=-1), nb / r
+        else:
+            hq, vbits = fq((h[:, sl, :r] * d).contiguous(), fmt["vbits"], 32, -1, fmt.get("vmeta", "16"))
+            hq = hq / d
         hh[:, sl] = 0
         hh[:, sl, :r] = hq
         ref = attn_out(q, k, h, attn.tale.o_fused, attn.scaling, g, sink, start)
@@ -269,7 +279,7 @@ def main():
     ap.add_argument(
         "--screen",
         default="formats",
-        choices=("formats", "keys", "groups"),
+        choices=("formats", "keys", "groups", "latents"),
         help="formats: the table of docs/quality.md",
     )
     args = ap.parse_args()
@@ -301,7 +311,22 @@ def main():
         "k16 v4 r32": dict(kaxis="channel", kbits=16, vbits=4, rank=32),
         "k16 v2 r192": dict(kaxis="channel", kbits=16, vbits=2),
     }
-    if args.screen == "keys":
+    if args.screen == "latents":  # keys exact; latent rank and bits by singular-value energy at similar bytes
+        fmts = {
+            f"v{b} r{r}": dict(kaxis="channel", kbits=16, vbits=b, rank=r) for b in (2, 3) for r in (32, 64, 96, 128)
+        }
+        for name, bands in {
+            "32@3 + 32@2": [(32, 3), (32, 2)],
+            "32@4 + 32@2": [(32, 4), (32, 2)],
+            "32@3 + 64@2": [(32, 3), (64, 2)],
+            "32@4 + 64@2": [(32, 4), (64, 2)],
+            "32@3 + 32@2 + 32@1": [(32, 3), (32, 2), (32, 1)],
+            "32@2 + 64@1": [(32, 2), (64, 1)],
+            "64@2 + 64@1": [(64, 2), (64, 1)],
+            "32@4 + 32@3 + 64@2": [(32, 4), (32, 3), (64, 2)],
+        }.items():
+            fmts[name] = dict(kaxis="channel", kbits=16, vbands=bands)
+    elif args.screen == "keys":
         fmts = key_screen(layers, model, calib_stats(model, tok, args.ctx))
     elif args.screen == "groups":
         fmts = group_screen(calib_stats(model, tok, args.ctx))

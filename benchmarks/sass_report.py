@@ -12,7 +12,8 @@ of 32), bf16, pointers and strides marked divisible by 16 as the JIT specializes
     DOT=bf16 python benchmarks/sass_report.py onepass 4 2 2  # one-pass operands in bf16 (default fp16, as
                                                              # latent_attention on caches of float16 metadata)
 
-Writes OUTDIR/<args>.sass (OUTDIR: $SASS_OUT or /tmp) and prints registers, stack, shared memory, the
+Writes OUTDIR/<args>.sass and .ttgir (OUTDIR: $SASS_OUT or /tmp; the TTGIR shows which loads the software
+pipeline turned into cp.async) and prints registers, stack, shared memory, the
 instruction mix and the loop bounds (backward branches); instructions per tile = loop bytes / 16.
 """
 
@@ -40,6 +41,7 @@ def report(name, k):
     res = subprocess.run([bd + "cuobjdump", "-res-usage", cub], capture_output=True, text=True).stdout
     sass = subprocess.run([bd + "cuobjdump", "-sass", cub], capture_output=True, text=True).stdout
     open(f"{out}/{name}.sass", "w").write(sass)
+    open(f"{out}/{name}.ttgir", "w").write(k.asm["ttgir"])
     print(
         name, "shared", k.metadata.shared, [ln.strip().split(" CONSTANT")[0] for ln in res.splitlines() if "REG" in ln]
     )

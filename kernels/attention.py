@@ -922,18 +922,21 @@ def _c(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-# a band's channel index [K, c] -> [H, c] on the query's device (per query head: its KV head's row), made once per
-# index (before any CUDA graph captures a step) and dropped with it
-_HEAD_INDEX: dict[tuple[int, int, str], torch.Tensor] = {}
+# the bands' channel indices [K, c_i] -> one [H, n] index on the query's device (per query head: its KV head's rows,
+# the bands one after the other), made once per set of indices (before any CUDA graph captures a step), dropped with them
+_HEAD_INDEX: dict[tuple, torch.Tensor] = {}
 
 
-def _head_index(idx: torch.Tensor, rep: int, device: torch.device) -> torch.Tensor:
-    key = (id(idx), rep, str(device))
+def _band_queries(q: torch.Tensor, index: list[torch.Tensor], rep: int) -> list[torch.Tensor]:
+    """The query's channels of each key band, [B, H, 1, c_i] each: views of one gather (one kernel per call)."""
+    key = (*(id(i) for i in index), rep, str(q.device))
     hit = _HEAD_INDEX.get(key)
     if hit is None:
-        hit = _HEAD_INDEX[key] = idx.to(device).repeat_interleave(rep, 0).contiguous()
-        weakref.finalize(idx, _HEAD_INDEX.pop, key, None)
-    return hit
+        hit = _HEAD_INDEX[key] = torch.cat(index, -1).to(q.device).repeat_interleave(rep, 0).contiguous()
+        for i in index:
+            weakref.finalize(i, _HEAD_INDEX.pop, key, None)
+    qg = q.gather(-1, hit[None, :, None, :].expand(*q.shape[:3], hit.shape[-1]))
+    return list(torch.split(qg, [i.shape[-1] for i in index], dim=-1))
 
 
 def _bias_arg(t: QTensor):
@@ -969,11 +972,10 @@ def _region_args(
     rt = [ht, *ht.stride()[:3], hs, hz, *hs.stride()[:3], hbias, r.pos, r.pos.stride(0), ln, ns, sh]
     ct = [r.rank, NPH, P, PP, BT, PP >= 32, isinstance(ln, torch.Tensor), hb, _meta_code(hq), hbp, hb in asm]
     ct += [max(1, BT // KG), len(parts), sh]
-    for kq, idx in parts:
+    # per part [B, H, 1, c]: per query head, the channels of its KV head in that band
+    qs = [q] if parts[0][1] is None else _band_queries(q, [idx for _, idx in parts], rep)
+    for (kq, idx), qj in zip(parts, qs):
         kb, c = kq.bits, n if idx is None else idx.shape[-1]
-        qj = q  # [B, H, 1, c]: per query head, the channels of its KV head in this band
-        if idx is not None:
-            qj = q.gather(-1, _head_index(idx, rep, q.device)[None, :, None, :].expand(*q.shape[:3], c))
         kt = _c(kq.data)
         ks, kz = (_c(kq.scale), _c(kq.zero)) if kb != 16 else (kt, kt)
         kbias, kbp = _bias_arg(kq)
