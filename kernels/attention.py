@@ -927,16 +927,31 @@ def _c(t: torch.Tensor) -> torch.Tensor:
 _HEAD_INDEX: dict[tuple, torch.Tensor] = {}
 
 
-def _band_queries(q: torch.Tensor, index: list[torch.Tensor], rep: int) -> list[torch.Tensor]:
-    """The query's channels of each key band, [B, H, 1, c_i] each: views of one gather (one kernel per call)."""
+@triton.jit
+def _query_kernel(q_ptr, s_qb, s_qh, idx_ptr, out_ptr, sh, H, N: tl.constexpr):
+    """out[b, h, 0] = q[b, h, 0, idx[h]] * sh in out's dtype (computed in float32, rounded once)."""
+    row = tl.program_id(0)
+    j = tl.arange(0, N)
+    ix = tl.load(idx_ptr + (row % H) * N + j)
+    x = tl.load(q_ptr + (row // H) * s_qb + (row % H) * s_qh + ix).to(tl.float32) * sh
+    tl.store(out_ptr + row * N + j, x.to(out_ptr.dtype.element_ty))
+
+
+def _band_queries(
+    q: torch.Tensor, index: list[torch.Tensor], rep: int, sh: float, dt: torch.dtype
+) -> list[torch.Tensor]:
+    """The query's channels of each key band, [B, H, 1, c_i] each in dt times sh: views of one kernel's output (the
+    gather, the shift and the conversion in one launch per call)."""
     key = (*(id(i) for i in index), rep, str(q.device))
     hit = _HEAD_INDEX.get(key)
     if hit is None:
         hit = _HEAD_INDEX[key] = torch.cat(index, -1).to(q.device).repeat_interleave(rep, 0).contiguous()
         for i in index:
             weakref.finalize(i, _HEAD_INDEX.pop, key, None)
-    qg = q.gather(-1, hit[None, :, None, :].expand(*q.shape[:3], hit.shape[-1]))
-    return list(torch.split(qg, [i.shape[-1] for i in index], dim=-1))
+    B, H, _, n = q.shape
+    out = torch.empty(B, H, 1, n, device=q.device, dtype=dt)
+    _query_kernel[(B * H,)](q, q.stride(0), q.stride(1), hit, out, sh, H, N=n, num_warps=1)
+    return list(torch.split(out, [i.shape[-1] for i in index], dim=-1))
 
 
 def _bias_arg(t: QTensor):
@@ -957,8 +972,10 @@ def _region_args(
     ns: int,
     asm: tuple[int, ...],
     sh: float = 1.0,
+    raw: torch.Tensor | None = None,
 ) -> tuple[tuple, tuple]:
-    """The region's runtime and constexpr tuples (their layout: RT_KEY0 / CT_KEY0 above)."""
+    """The region's runtime and constexpr tuples (their layout: RT_KEY0 / CT_KEY0 above). q: the query as the dots
+    read it (times sh, in their dtype); key bands gather theirs from `raw` (the caller's query; default q)."""
     hq = r.lat
     parts = _key_parts(r.keys)
     ht = _c(hq.data)
@@ -973,7 +990,8 @@ def _region_args(
     ct = [r.rank, NPH, P, PP, BT, PP >= 32, isinstance(ln, torch.Tensor), hb, _meta_code(hq), hbp, hb in asm]
     ct += [max(1, BT // KG), len(parts), sh]
     # per part [B, H, 1, c]: per query head, the channels of its KV head in that band
-    qs = [q] if parts[0][1] is None else _band_queries(q, [idx for _, idx in parts], rep)
+    src, s0 = (q, 1.0) if raw is None else (raw, sh)
+    qs = [q] if parts[0][1] is None else _band_queries(src, [i for _, i in parts], rep, s0, q.dtype)
     for (kq, idx), qj in zip(parts, qs):
         kb, c = kq.bits, n if idx is None else idx.shape[-1]
         kt = _c(kq.data)
@@ -1151,7 +1169,7 @@ def latent_attention(
     slot0 = 0
     for i0 in range(0, len(regions), NREG):
         part = list(zip(regions[i0 : i0 + NREG], splits[i0 : i0 + NREG]))
-        args = [_region_args(r, qd, rep, n, g, KG, BT, ns, asm_bits, sh) for r, ns in part]
+        args = [_region_args(r, qd, rep, n, g, KG, BT, ns, asm_bits, sh, q) for r, ns in part]
         total = sum(ns for _, ns in part)
         bounds = [sum(ns for _, ns in part[:j]) if j < len(part) else total for j in range(1, NREG)]  # S1..S3
         while len(args) < NREG:
