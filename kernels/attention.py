@@ -13,7 +13,7 @@ padded to 16). Per tile of slots:
   window), online softmax in base 2;
 - latents plane by plane: p @ plane_i into its own accumulator (channels i*nb ..).
 Keys in channel bands (quant.Bands: the tale preset) are scored part by part against the query's
-channels of each part (gathered on the host), fp8 scales/zeros are divided by their tensor's bias
+channels of each part (gathered, shifted and converted by one small launch first), fp8 scales/zeros are divided by their tensor's bias
 (a float, or a device scalar in static caches), 3-bit keys from their bit-sliced layout (8 sub-planes).
 Each program writes a partial (max, sum, acc[:rank]) into its slot; a second launch merges
 the slots with the new token into z [B, 1, H, R]. Lengths and positions are read on the
@@ -769,6 +769,16 @@ def _combine_kernel(
     tl.store(z_ptr + row * R + cols, acc / l, mask=cols < R)
 
 
+@triton.jit
+def _query_kernel(q_ptr, s_qb, s_qh, idx_ptr, out_ptr, sh, H, N: tl.constexpr):
+    """out[b, h, 0] = q[b, h, 0, idx[h]] * sh in out's dtype (computed in float32, rounded once)."""
+    row = tl.program_id(0)
+    j = tl.arange(0, N)
+    ix = tl.load(idx_ptr + (row % H) * N + j)
+    x = tl.load(q_ptr + (row // H) * s_qb + (row % H) * s_qh + ix).to(tl.float32) * sh
+    tl.store(out_ptr + row * N + j, x.to(out_ptr.dtype.element_ty))
+
+
 # -- host side -------------------------------------------------------------------------------
 
 NREG = 4  # region slots of one launch
@@ -927,16 +937,6 @@ def _c(t: torch.Tensor) -> torch.Tensor:
 _HEAD_INDEX: dict[tuple, torch.Tensor] = {}
 
 
-@triton.jit
-def _query_kernel(q_ptr, s_qb, s_qh, idx_ptr, out_ptr, sh, H, N: tl.constexpr):
-    """out[b, h, 0] = q[b, h, 0, idx[h]] * sh in out's dtype (computed in float32, rounded once)."""
-    row = tl.program_id(0)
-    j = tl.arange(0, N)
-    ix = tl.load(idx_ptr + (row % H) * N + j)
-    x = tl.load(q_ptr + (row // H) * s_qb + (row % H) * s_qh + ix).to(tl.float32) * sh
-    tl.store(out_ptr + row * N + j, x.to(out_ptr.dtype.element_ty))
-
-
 def _band_queries(
     q: torch.Tensor, index: list[torch.Tensor], rep: int, sh: float, dt: torch.dtype
 ) -> list[torch.Tensor]:
@@ -990,8 +990,8 @@ def _region_args(
     ct = [r.rank, NPH, P, PP, BT, PP >= 32, isinstance(ln, torch.Tensor), hb, _meta_code(hq), hbp, hb in asm]
     ct += [max(1, BT // KG), len(parts), sh]
     # per part [B, H, 1, c]: per query head, the channels of its KV head in that band
-    src, s0 = (q, 1.0) if raw is None else (raw, sh)
-    qs = [q] if parts[0][1] is None else _band_queries(src, [i for _, i in parts], rep, s0, q.dtype)
+    src, ssh = (q, 1.0) if raw is None else (raw, sh)
+    qs = [q] if parts[0][1] is None else _band_queries(src, [i for _, i in parts], rep, ssh, q.dtype)
     for (kq, idx), qj in zip(parts, qs):
         kb, c = kq.bits, n if idx is None else idx.shape[-1]
         kt = _c(kq.data)
