@@ -223,7 +223,7 @@ def _q_planes(
     QGP: tl.constexpr,
     DOT: tl.constexpr,
 ):
-    """The block-diagonal query planes [QGP, KW] of key part j, pre-scaled (q_in_loop=False)."""
+    """The block-diagonal query planes [QGP, KW] of key part j times qs, held in registers (q_in_loop=False)."""
     o: tl.constexpr = RT_KEY0 + RT_KEY * j
     oc: tl.constexpr = CT_KEY0 + CT_KEY * j
     NK: tl.constexpr = CT[oc + 1]
@@ -347,7 +347,7 @@ def _key_logits(
                 )
             if KBITS < 16:
                 kc = tl.reshape(tl.reshape(kc, (KROWS, BT // KROWS, KW)) * ks[:, None, :] + kz[:, None, :], (BT, KW))
-        if QLOOP:
+        if QLOOP == 1:
             qi = tl.load(q_ptr + qoff + i * PK, mask=qm2, other=0.0).to(DOT)
         else:
             qi = _nth(i, qp0, qp1, qp2, qp3)
@@ -449,7 +449,7 @@ def _region(
     rows = tl.arange(0, QGP)
     head = c * QG + rows
     rmask = rows < QG
-    if QLOOP:  # the query planes are reloaded per tile (cache hits): fewer live registers
+    if QLOOP == 1:  # the query planes are reloaded per tile (cache hits): fewer live registers
         q_scale = qk_scale / (SH * SH)
         qa0 = rows
         qa1 = rows
@@ -459,12 +459,14 @@ def _region(
         qb1 = rows
         qb2 = rows
         qb3 = rows
-    else:
-        qa0, qa1, qa2, qa3 = _q_planes(RT, CT, 0, b, head, rows, rmask, c, qk_scale, GS, REP, QGP, DOT)
+    else:  # held in registers. QLOOP 2: from the caller's query, times the shift only (exact: no conversion launch,
+        # no rounding), the score scale on the logits; QLOOP 0: from the converted query, times the score scale
+        qs = sh if QLOOP == 2 else qk_scale
+        qa0, qa1, qa2, qa3 = _q_planes(RT, CT, 0, b, head, rows, rmask, c, qs, GS, REP, QGP, DOT)
         qb0, qb1, qb2, qb3 = qa0, qa1, qa2, qa3
         if NKP > 1:
-            qb0, qb1, qb2, qb3 = _q_planes(RT, CT, 1, b, head, rows, rmask, c, qk_scale, GS, REP, QGP, DOT)
-        q_scale = 1.0 / (SH * SH)
+            qb0, qb1, qb2, qb3 = _q_planes(RT, CT, 1, b, head, rows, rmask, c, qs, GS, REP, QGP, DOT)
+        q_scale = (qk_scale if QLOOP == 2 else 1.0) / (SH * SH)
     hrow = b * RT[1] + c * RT[2]
     srow = b * RT[6] + c * RT[7]
     hm = (_inv_bias(RT[9], HBP), sh)
@@ -492,7 +494,7 @@ def _region(
             logits = _key_logits(
                 logits, RT, CT, 1, b, c, head, rows, rmask, t0, t, tm, L, qb0, qb1, qb2, qb3, GS, REP, KG, DOT, QLOOP
             )
-        if QLOOP or SH != 1.0:
+        if QLOOP != 0 or SH != 1.0:
             logits = logits * q_scale
         logits = tl.where(ok[None, :], logits, float("-inf"))
         # -- online softmax
@@ -1098,7 +1100,7 @@ def latent_attention(
     waves: float = 2.0,
     num_warps: int = 4,
     num_stages: int = 2,
-    q_in_loop: bool = True,
+    q_in_loop: bool = False,
     asm: bool | tuple[int, ...] = True,
     maxnreg: int | None = None,
     split: bool | dict = False,
@@ -1162,10 +1164,13 @@ def latent_attention(
     n_slots, (pm, pl, pacc, rk) = _partials(B, H, R, splits, dev)
     npos, win = view.next_pos, view.window
     QGP = max(16, pow2(g * rep))
-    # the queries as the key dots read them (one kernel: computed in float32, rounded once)
-    qd = q if dt == q.dtype else torch.mul(q, sh, out=torch.empty(q.shape, device=dev, dtype=dt))
     # 3-bit keys have 8 sub-planes: more than the 4 query planes held in registers, so reloaded per tile
     q_in_loop = q_in_loop or any(kq.bits == 3 for r in regions for kq, _ in _key_parts(r.keys))
+    # query planes held in registers are read from the caller's query and shifted by each program (QLOOP 2: no
+    # launch for it); reloaded per tile (or gathered for key bands), the query is converted once per call first:
+    # one kernel, computed in float32, rounded once
+    raw = not q_in_loop and not any(type(r.keys) is Bands for r in regions)
+    qd = q if (dt == q.dtype or raw) else torch.mul(q, sh, out=torch.empty(q.shape, device=dev, dtype=dt))
     slot0 = 0
     for i0 in range(0, len(regions), NREG):
         part = list(zip(regions[i0 : i0 + NREG], splits[i0 : i0 + NREG]))
@@ -1198,7 +1203,7 @@ def latent_attention(
             NPP=isinstance(npos, torch.Tensor),
             NREG=len(part),
             DOT=TL_DTYPE[dt],
-            QLOOP=q_in_loop,
+            QLOOP=1 if q_in_loop else 2 if raw else 0,
             num_warps=num_warps,
             num_stages=num_stages,
             **({"maxnreg": maxnreg} if maxnreg else {}),

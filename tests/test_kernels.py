@@ -239,7 +239,7 @@ CASES = {
     "prompt-in-sinks": (1, 8, 4, 2, 32, 3, None, {}),
     "long-left-padding": (2, 8, 4, 2, 32, 340, [0, 300], {}),
     "group32": (2, 8, 4, 2, 64, 203, [0, 11], dict(group=32, split_tokens=64)),
-    "query-planes-held": (2, 8, 4, 2, 64, 150, [0, 5], dict(q_in_loop=False)),
+    "query-planes-per-tile": (2, 8, 4, 2, 64, 150, [0, 5], dict(q_in_loop=True)),
 }
 
 
