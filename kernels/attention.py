@@ -1115,7 +1115,8 @@ def latent_attention(
     `asm` unpacks 2/3/4-bit codes of 16-bit caches with inline PTX (True: all three widths; or a tuple of the
     widths that use it: docs/kernels.md compares them). Compiled GPU runs only: the interpreter and float32 caches
     take the plain Triton path, as does asm=False. `maxnreg` caps the registers per thread (more programs per SM,
-    at the price of spills). `split` runs the two-pass kernel of attention_split.py instead (True, or a dict of its
+    at the price of spills). `q_in_loop` reloads the query planes per tile (from a query converted once per call)
+    instead of holding them in registers (3-bit keys always do). `split` runs the two-pass kernel of attention_split.py instead (True, or a dict of its
     options: `k_tiles`, `k_warps`, ...).
 
     `dot` is the type the one-pass kernel's operands (queries, dequantized keys and latents, probabilities) enter
