@@ -146,9 +146,12 @@ _KERNELS = None
 META_SHIFT = 2.0**-8
 
 
-def meta_format(dtype: torch.dtype) -> tuple[torch.dtype, float]:
-    """(dtype, shift) of the 16-bit scales and zeros of a `dtype` tensor: bfloat16 ones in float16 times 2^-8."""
-    return (torch.float16, META_SHIFT) if dtype == torch.bfloat16 else (dtype, 1.0)
+def meta_format(dtype: torch.dtype, meta: str = "16") -> tuple[torch.dtype, float]:
+    """(dtype, shift) of the 16-bit scales and zeros of a `dtype` tensor: bfloat16 ones in float16 times 2^-8. The
+    shift is the QTensor's: 1 for `meta` "8/8", which stores no 16-bit ones."""
+    if dtype != torch.bfloat16:
+        return dtype, 1.0
+    return torch.float16, (META_SHIFT if meta != "8/8" else 1.0)
 
 
 def _kernels(t: torch.Tensor):
@@ -238,7 +241,7 @@ def quantize(x: torch.Tensor, bits: int, group: int, dim: int, meta: str = "16")
     mn = xg.amin(dim=rd, keepdim=True)
     mx = xg.amax(dim=rd, keepdim=True)
     qmax = (1 << bits) - 1
-    mdt, shift = meta_format(x.dtype)
+    mdt, shift = meta_format(x.dtype, meta)
     if meta == "16":
         scale_s, zero = ((mx - mn) / qmax * shift).to(mdt), (mn * shift).to(mdt)
         scale = (mx - mn) / qmax
@@ -252,7 +255,6 @@ def quantize(x: torch.Tensor, bits: int, group: int, dim: int, meta: str = "16")
         scale = scale_s.float() / bias
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = ((xg - mn) / safe).round_().clamp_(0, qmax).reshape(x.shape)
-    shift = shift if meta != "8/8" else 1.0
     return QTensor(pack(codes, bits), scale_s.squeeze(rd), zero.squeeze(rd), bits, group, dim, meta, bias, shift)
 
 

@@ -160,11 +160,11 @@ def _empty_q(
         return QTensor(torch.zeros(*lead, tokens, channels, dtype=dtype, device=device), None, None, 16, group, dim)
     data = torch.zeros(*lead, tokens, channels * bits // 8, dtype=torch.uint8, device=device)
     sshape = (*lead, tokens // group, channels) if dim == -2 else (*lead, tokens, channels // group)
-    mdt, shift = meta_format(dtype)
+    mdt, shift = meta_format(dtype, meta)
     scale = torch.zeros(sshape, dtype=mdt if meta == "16" else FP8, device=device)
     zero = torch.zeros(sshape, dtype=FP8 if meta == "8/8" else mdt, device=device)
     bias = 1.0 if meta == "16" else torch.ones((), dtype=torch.float32, device=device)
-    return QTensor(data, scale, zero, bits, group, dim, meta, bias, shift if meta != "8/8" else 1.0)
+    return QTensor(data, scale, zero, bits, group, dim, meta, bias, shift)
 
 
 class StaticTaleLayer(CacheLayerMixin):
