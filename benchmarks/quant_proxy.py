@@ -7,6 +7,10 @@ attention output (queries after `--from`) against the exact one. Seconds per for
 minutes per tale-eval run; use it to rank formats, then confirm the winners with tale-eval.
 
     python benchmarks/quant_proxy.py out/smollm2-tale --threads 1
+
+--screen picks a table of docs/quality.md (keys, groups, latents, prerope, oaware). Environment: ONLY=TEXT runs
+the formats whose name contains TEXT; ORACLE_FROM=FILE (oaware) adds latents whose basis is fitted on another
+window, a file saved by capture().
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from tale_runtime import load, new_cache
 from tale_runtime.artifact import Level, Schedule
+from tale_runtime.attention import apply_rope
 from tale_runtime.model import hadamard
 from tale_runtime.quant import quantize
 
@@ -54,6 +59,18 @@ def capture(model, ids: torch.Tensor) -> list[tuple]:
     return out
 
 
+def rope_tables(model, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, n] of positions 0 .. T-1, from the model's own rotary embedding."""
+    pos = torch.arange(T)[None]
+    cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), pos)
+    return cos[0].float(), sin[0].float()
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x [K, T, n] rotated by RoPE at its positions (inverse: back to the pre-RoPE key; exact in float)."""
+    return apply_rope(x[None], cos[None], (-sin if inverse else sin)[None])[0]
+
+
 def fq(x: torch.Tensor, bits: int, group: int, dim: int, meta: str) -> tuple[torch.Tensor, float]:
     """Quantize-dequantize [.., T, C]; returns (x', bits per number incl. scales/zeros)."""
     if bits == 16:
@@ -74,6 +91,40 @@ def attn_out(q, k, h, o_fused, scaling, g, sink, start):
     return z @ o_fused.float().T
 
 
+def oaware(attn, cov: torch.Tensor | None = None, out: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output-aware re-factorization of a layer's latents: returns (T [G, R, R], O'^r [d, H*R]) with h' = h T and
+    B' = T^-1 B, where T makes truncation optimal in sum_q ||X (W_c - W_c,r)_j(q) O_q||_F (the value error as the
+    output projection sees it, softmax ignored) instead of ||X (W_c - W_c,r)||_F. The whitened basis is u = h S^-1/2
+    (h's covariance on calibration data is S), in which the value map is S V^T = S^1/2 B."""
+    from tale_convert.fuse import fuse
+
+    B = attn.tale.v_v.double()  # [G, R, R] = S^1/2 V^T
+    G, R, _ = B.shape
+    n, H = attn.head_dim, attn.config.num_attention_heads
+    g = R // n
+    rep = H // (G * g)
+    WO = attn.o_proj.weight.double().T  # [H*n, d]
+    sh = B.norm(dim=-1)  # S^1/2
+    Ts, Bs = [], []
+    for c in range(G):
+        E = torch.eye(R, dtype=torch.float64)
+        for j in range(g if out else 0):
+            m = c * g + j
+            Gj = sum(WO[q * n : (q + 1) * n] @ WO[q * n : (q + 1) * n].T for q in range(m * rep, (m + 1) * rep))
+            E[j * n : (j + 1) * n, j * n : (j + 1) * n] = torch.linalg.cholesky(Gj)
+        if cov is None:  # the calibration covariance of h: S
+            U2, S2, _ = torch.linalg.svd(sh[c, :, None] * B[c] @ E)
+            T = (U2 * S2.sqrt()) / sh[c, :, None]  # diag(s^-1/2) U2 S2^1/2
+        else:  # another covariance of h (e.g. measured on the test window itself: an oracle)
+            L = torch.linalg.cholesky(cov[c].double() + 1e-6 * torch.eye(R, dtype=torch.float64))
+            U2, S2, _ = torch.linalg.svd(L.T @ B[c] @ E)
+            T = torch.linalg.solve_triangular(L.T, U2 * S2.sqrt(), upper=True)
+        Ts.append(T)
+        Bs.append(torch.linalg.solve(T, B[c]))
+    T, B2 = torch.stack(Ts), torch.stack(Bs)
+    return T.float(), fuse(B2, WO, H).T.float()
+
+
 def run_format(layers, model, fmt: dict, sink=4, start=128):
     errs, kb, vb = [], [], []
     for li, (q, k, h) in enumerate(layers):
@@ -83,8 +134,25 @@ def run_format(layers, model, fmt: dict, sink=4, start=128):
             Q = hadamard(n, q.device, torch.float32)
             q, k = q @ Q, k @ Q
         r = fmt.get("rank", h.shape[-1])
+        h0, o_use = h, attn.tale.o_fused
+        if fmt.get("oaware") or fmt.get("oracle"):
+            cov = None
+            if fmt.get("oracle"):
+                hm = (fmt["oracle"][li][2] if isinstance(fmt["oracle"], list) else h)[:, sink:].double()
+                hm = hm[:, : fmt.get("prompt", hm.shape[1])]  # a prompt's first tokens only
+                cov = hm.transpose(1, 2) @ hm
+                cov = cov / cov.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None]
+                lam = fmt.get("shrink", 0.0)  # toward the calibration covariance of h (S), trace-normalized
+                if lam:
+                    S = attn.tale.v_v.double().norm(dim=-1).pow(2)
+                    cov = (1 - lam) * cov + lam * torch.diag_embed(S / S.sum(-1, keepdim=True))
+            T_, o_use = oaware(attn, cov, out=bool(fmt.get("oaware")))
+            h = torch.einsum("ctr,crs->cts", h, T_)
         kk, hh = k.clone(), h.clone()
         T = k.shape[1]
+        if fmt.get("pre"):  # quantize the pre-RoPE keys (KVQuant), rotate them after dequantizing
+            cos, sin = rope_tables(model, T)
+            k = rope(k, cos, sin, inverse=True)
         kg = fmt.get("kg", 32)  # key token group (per-channel keys)
         grain = fmt.get("grain", 32)  # tokens quantized: a multiple of this (the rest stays exact, like a residual)
         m = (T - sink) // grain * grain
@@ -121,7 +189,9 @@ def run_format(layers, model, fmt: dict, sink=4, start=128):
             kq, kbits = fq(k[:, sl], fmt["kbits"], kg, -2, fmt.get("kmeta", "16"))
         else:
             kq, kbits = fq(k[:, sl], fmt["kbits"], fmt.get("kcg", 64), -1, fmt.get("kmeta", "16"))
-        kk[:, sl] = kq
+        kk[:, sl] = rope(kq, cos[sl], sin[sl]) if fmt.get("pre") else kq
+        if fmt.get("pre"):
+            k = rope(k, cos, sin)  # the exact reference keys
         d = torch.ones(r)
         if "balance" in fmt:  # latents h = x A S^(a-1/2) (B = S^(1-a) V^T): channel variances s_i^(2a)
             sv = attn.tale.v_v.float().pow(2).sum(-1)[0, :r]  # whitened singular values s_i
@@ -140,8 +210,8 @@ def run_format(layers, model, fmt: dict, sink=4, start=128):
             hq = hq / d
         hh[:, sl] = 0
         hh[:, sl, :r] = hq
-        ref = attn_out(q, k, h, attn.tale.o_fused, attn.scaling, g, sink, start)
-        got = attn_out(q, kk, hh, attn.tale.o_fused, attn.scaling, g, sink, start)
+        ref = attn_out(q, k, h0, attn.tale.o_fused, attn.scaling, g, sink, start)
+        got = attn_out(q, kk, hh, o_use, attn.scaling, g, sink, start)
         errs.append(((got - ref).norm() / ref.norm()).item())
         kb.append(kbits)
         vb.append(vbits * r / h.shape[-1])
@@ -231,10 +301,12 @@ def calib_stats(model, tok, ctx: int, bits_list=(2, 3)) -> list[dict]:
     ids = torch.tensor(tok(text, add_special_tokens=False).input_ids)[:ctx][None]
     layers = capture(model, ids)
     out = []
+    cos, sin = rope_tables(model, ctx)
     for q, k, _h in layers:
+        w_pre = importance(q[:, 4:], rope(k, cos[: k.shape[1]], sin[: k.shape[1]], inverse=True)[:, 4:])
         k = k[:, 4:]
         q = q[:, 4:]
-        out.append({"w": importance(q, k), **{f"table{b}": nuq_table(q, k, b) for b in bits_list}})
+        out.append({"w": importance(q, k), "w_pre": w_pre, **{f"table{b}": nuq_table(q, k, b) for b in bits_list}})
     return out
 
 
@@ -270,6 +342,26 @@ def group_screen(stats) -> dict:
     return fm
 
 
+def prerope_screen(stats) -> dict:
+    """Per-channel keys quantized before RoPE (KVQuant's pre-RoPE keys) against after, uniform and calibrated
+    two-band (importance from the pre-RoPE key ranges), latents exact."""
+    fm = {}
+    for meta in ("16", "8/16"):
+        for pre in (False, True):
+            tag = "pre " if pre else "post"
+            for b in (2, 3):
+                fm[f"{tag} k{b}c {meta}"] = dict(kaxis="channel", kbits=b, vbits=16, kmeta=meta, pre=pre)
+            for mean in (2.25, 2.5):
+                st = [{"bits": band_bits(s["w_pre" if pre else "w"], mean, 2, 3)} for s in stats]
+                fm[f"{tag} band {mean} {meta}"] = dict(kaxis="calband", vbits=16, kmeta=meta, stats=st, pre=pre)
+                if pre:  # the artifact's band order (post-RoPE statistic) applied to pre-RoPE keys
+                    st = [{"bits": band_bits(s["w"], mean, 2, 3)} for s in stats]
+                    fm[f"pre(post order) band {mean} {meta}"] = dict(
+                        kaxis="calband", vbits=16, kmeta=meta, stats=st, pre=True
+                    )
+    return fm
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("artifact")
@@ -279,7 +371,7 @@ def main():
     ap.add_argument(
         "--screen",
         default="formats",
-        choices=("formats", "keys", "groups", "latents"),
+        choices=("formats", "keys", "groups", "latents", "prerope", "oaware"),
         help="formats: the table of docs/quality.md",
     )
     args = ap.parse_args()
@@ -328,10 +420,32 @@ def main():
             fmts[name] = dict(kaxis="channel", kbits=16, vbands=bands)
     elif args.screen == "keys":
         fmts = key_screen(layers, model, calib_stats(model, tok, args.ctx))
+    elif args.screen == "oaware":  # keys exact; latents of the artifact's factors against output-aware ones
+        fmts = {
+            f"{'oaw ' if o else 'base'} v{b} r{r}": dict(kaxis="channel", kbits=16, vbits=b, rank=r, oaware=o)
+            for o in (False, True)
+            for b, r in ((16, 192), (16, 64), (16, 96), (2, 64), (2, 96), (2, 128), (4, 192))
+        }
+        for P in (128, 512):
+            for lam in (0.0, 0.3, 0.6):
+                for b, r in ((16, 64), (2, 64), (2, 96)):
+                    fmts[f"prompt{P} shrink{lam} v{b} r{r}"] = dict(
+                        kaxis="channel", kbits=16, vbits=b, rank=r, oracle=True, prompt=P, shrink=lam
+                    )
+        other = torch.load(os.environ["ORACLE_FROM"]) if "ORACLE_FROM" in os.environ else None
+        for b, r in ((16, 64), (16, 96), (2, 64), (2, 96)):
+            fmts[f"oracle v{b} r{r}"] = dict(kaxis="channel", kbits=16, vbits=b, rank=r, oracle=True)
+            if other is not None:
+                fmts[f"other-window v{b} r{r}"] = dict(kaxis="channel", kbits=16, vbits=b, rank=r, oracle=other)
+            fmts[f"oracle+oaw v{b} r{r}"] = dict(kaxis="channel", kbits=16, vbits=b, rank=r, oracle=True, oaware=True)
+    elif args.screen == "prerope":
+        fmts = prerope_screen(calib_stats(model, tok, args.ctx))
     elif args.screen == "groups":
         fmts = group_screen(calib_stats(model, tok, args.ctx))
     print(f"{'format':24s} {'mean err':>8s} {'max err':>8s} {'key b/num':>9s} {'lat b/num(R)':>12s}  per layer")
     for name, f in fmts.items():
+        if os.environ.get("ONLY") and os.environ["ONLY"] not in name:
+            continue
         errs, kb, vb = run_format(layers, model, f)
         print(
             f"{name:24s} {sum(errs) / len(errs):8.4f} {max(errs):8.4f} {kb:9.2f} {vb:12.2f}  "

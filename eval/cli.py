@@ -135,6 +135,7 @@ def run(
     value_meta: Optional[str] = typer.Option(None, help="TALE: latent scale/zero storage: 16, 8/16 or 8/8"),
     key_channel_group: Optional[int] = typer.Option(None, help="TALE: channels per key group at per-token levels"),
     rotate: Optional[str] = typer.Option(None, help="TALE: rotate q and k after RoPE: none or hadamard"),
+    key_rope: Optional[str] = typer.Option(None, help="TALE: quantize keys after RoPE (post) or before it (pre)"),
     residual: Optional[int] = typer.Option(None, help="TALE: 16-bit residual tokens"),
     dtype: str = typer.Option("bf16", help="compute dtype: bf16 or fp32 (bytes are measured in it)"),
     device: Optional[str] = typer.Option(None, help="cpu, cuda, ... (default: cuda if available)"),
@@ -222,6 +223,7 @@ def run(
             value_meta=value_meta,
             key_channel_group=key_channel_group,
             rotate=rotate,
+            key_rope=key_rope,
             residual=residual,
         )
         formats = {k: v for k, v in formats.items() if v is not None}

@@ -892,7 +892,7 @@ def _view(cache) -> LayerView:
 def supported(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, cache) -> bool:
     """What the kernel covers: one new token, power-of-two head dim and groups, regions in the packed format of
     runtime/quant.py: keys at 2/3/4/8/16 bits, whole or in up to two channel bands (quant.Bands), latents at
-    2/4/8/16 bits, scales and zeros in the query's dtype or fp8 (META "8/16", "8/8")."""
+    2/4/8/16 bits, scales and zeros in the query's dtype or fp8 (META "8/16", "8/8"); keys after RoPE."""
     B, H, T, n = q.shape
     if T != 1 or not runnable(q, k_new, h_new) or q.dtype not in TL_DTYPE:
         return False
@@ -901,6 +901,8 @@ def supported(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, cache) 
         return False
     view = _view(cache)
     if not all(_region_ok(r, B, K, G, n, q.dtype) for r in view.regions):
+        return False
+    if any(getattr(r, "rope", None) is not None for r in view.regions):  # keys before RoPE: not read here
         return False
     keys = [kq for r in view.regions for kq, _ in _key_parts(r.keys)]
     if not runnable(q, *(kq.data for kq in keys), *(r.lat.data for r in view.regions)):

@@ -62,6 +62,9 @@ class Schedule:
     value_meta: str = "16"  # latent scale/zero storage
     key_channel_group: int = 64  # channels per key group at levels with key_axis "token"
     rotate: str = "none"  # "hadamard": q and k are rotated by a normalized Hadamard matrix after RoPE (q.k unchanged)
+    # "pre": quantized levels hold keys before RoPE (KVQuant: a channel keeps its scale across a token group
+    # instead of rotating through it), RoPE is applied as they are read; sinks and the 16-bit tail stay exact
+    key_rope: str = "post"
     # per layer, per KV head: the head's key channels, most important first (E[q_c^2] E[range_c^2] over
     # the calibration corpus, tale_convert.stats); read by levels with key_hi_bits
     key_order: list[list[list[int]]] | None = None
@@ -80,8 +83,8 @@ class Schedule:
     def fast_path(self) -> bool:
         """What the GPU fast path reads: the static cache holds it (per-channel keys) and the Triton decode kernel
         reads every level of it (keys at 2/3/4/8/16 bits, whole or in bands; latents at 2/4/8/16 bits; any
-        scale/zero format). Both presets of tale-convert qualify."""
-        return all(lv.key_axis == "channel" and lv.bits != 3 for lv in self.levels)
+        scale/zero format; keys after RoPE). Both presets of tale-convert qualify."""
+        return self.key_rope == "post" and all(lv.key_axis == "channel" and lv.bits != 3 for lv in self.levels)
 
     def validate(self, R: int, num_layers: int | None = None) -> None:
         if self.sinks < 0:
@@ -121,6 +124,12 @@ class Schedule:
                 raise ArtifactError(f"{name} must be '16', '8/16' or '8/8', got {getattr(self, name)!r}")
         if self.rotate not in ("none", "hadamard"):
             raise ArtifactError(f"rotate must be 'none' or 'hadamard', got {self.rotate!r}")
+        if self.key_rope not in ("post", "pre"):
+            raise ArtifactError(f"key_rope must be 'post' or 'pre', got {self.key_rope!r}")
+        if self.key_rope == "pre" and self.rotate != "none":
+            raise ArtifactError(
+                "key_rope 'pre' quantizes keys before RoPE: it does not combine with a rotation after it"
+            )
         if self.key_channel_group < 1 or self.key_channel_group % 8:
             raise ArtifactError(f"key_channel_group must be a positive multiple of 8, got {self.key_channel_group}")
         if self.key_group < 1 or self.value_group < 1:
@@ -142,10 +151,13 @@ class Schedule:
                     raise ArtifactError(f"layer {li}: 3-bit latents need ranks that are multiples of 8, got {r}")
 
     def to_dict(self) -> dict:
-        """Fields added in format 2.1 (key bands) are written only when used, so 2.0 readers read the rest."""
+        """Fields added in format 2.1 (key bands) and later (key_rope) are written only when used, so older readers
+        read the rest (and refuse, in one line, a schedule that uses them)."""
         d = asdict(self)
         if d["key_order"] is None:
             del d["key_order"]
+        if d["key_rope"] == "post":  # written only when used
+            del d["key_rope"]
         for lv in d["levels"]:
             if not lv["key_hi_bits"]:
                 del lv["key_hi_bits"], lv["key_hi_channels"]

@@ -57,6 +57,16 @@ def latent_attention(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, 
     return z.permute(0, 3, 1, 2, 4).reshape(B, T, H, R)
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, n] rotated by RoPE tables cos, sin [B, T, n] (sin negated: the inverse rotation)."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
 def cached_keys(view: LayerView, dtype, B: int, K: int, n: int, device):
     """Every region's keys dequantized, [B, K, Lc, n], their positions [B, Lc] (int64; -1: an unused slot,
     i.e. at or past the region's length, empty, or padding) and each region's used-slot mask [B, cap]."""
@@ -66,9 +76,14 @@ def cached_keys(view: LayerView, dtype, B: int, K: int, n: int, device):
     if not regions:
         empty = torch.zeros(B, K, 0, n, dtype=dtype, device=device)
         return empty, torch.zeros(B, 0, dtype=torch.long, device=device), []
-    keys = torch.cat([dequantize(r.keys, dtype) for r in regions], dim=-2)
+    keys = torch.cat([_post_rope(dequantize(r.keys, dtype), r.rope) for r in regions], dim=-2)
     pos = torch.cat([r.pos.long().masked_fill(~ok, -1) for r, ok in zip(regions, oks)], dim=-1)
     return keys, pos, oks
+
+
+def _post_rope(k: torch.Tensor, rope) -> torch.Tensor:
+    """A region's dequantized keys after RoPE: held before it (Schedule.key_rope "pre"), rotated as read."""
+    return k if rope is None else apply_rope(k, rope[0].to(k.dtype), rope[1].to(k.dtype))
 
 
 def key_mass(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:

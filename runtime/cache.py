@@ -141,6 +141,10 @@ class TaleLayerCache:
         self.q_obs: torch.Tensor | None = None  # [B, H, W, n]
         self.q_pos: torch.Tensor | None = None  # [W] int64
         self.window: int | None = None  # sliding-window layers: a query sees keys less than `window` positions back
+        # key_rope "pre": the cos, sin [B, kappa, n] the model rotated each cached key by (bookkeeping, like `pos`:
+        # a kernel would compute them from positions), to undo RoPE before quantizing and redo it when reading
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
 
     # -- bookkeeping -------------------------------------------------------------------
 
@@ -173,7 +177,15 @@ class TaleLayerCache:
 
     def _quant(self, k: torch.Tensor, h: torch.Tensor, level: int, pos: torch.Tensor) -> Store:
         r = self.ranks[level]
+        if self.s.key_rope == "pre":  # back to the key before RoPE (exact in float32), then quantized
+            cos, sin = self._rope_at(pos)
+            k = apply_rope(k.float(), cos, -sin).to(k.dtype)
         return Store(*quant_level(self.s, level, r, k, h, self.order), r, pos)
+
+    def _rope_at(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, L, n] float32 of cache positions `pos` [L]."""
+        p = pos.to(self.rope_cos.device)
+        return self.rope_cos[:, p].float(), self.rope_sin[:, p].float()
 
     def _push(self, level: int, st: Store) -> None:
         cur = self.levels[level]
@@ -223,15 +235,31 @@ class TaleLayerCache:
     # -- filling -----------------------------------------------------------------------
 
     def append(
-        self, k: torch.Tensor, h: torch.Tensor, valid: torch.Tensor | None = None, q: torch.Tensor | None = None
+        self,
+        k: torch.Tensor,
+        h: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        q: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Cache T new exact tokens: k [B, K, T, n] (post-RoPE), h [B, G, T, R].
 
         `valid` [B, T] marks real (non-padding) tokens; only read at the first call. `q` [B, H, T, n]: the
         tokens' post-RoPE queries times the attention scaling, read with keep="salient" (the last
-        `key_group` of them are the observation window).
+        `key_group` of them are the observation window). `rope`: the (cos, sin) [B, T, n] the keys were rotated
+        by, read with key_rope "pre".
         """
         B, T = k.shape[0], k.shape[-2]
+        if self.s.key_rope == "pre":
+            if (
+                rope is None
+                or tuple(rope[0].shape) != (B, T, k.shape[-1])
+                and tuple(rope[0].shape) != (1, T, k.shape[-1])
+            ):
+                raise ValueError('key_rope "pre" needs the cos, sin [B, T, n] the appended keys were rotated by')
+            cos, sin = (t.expand(B, T, k.shape[-1]) for t in rope)
+            self.rope_cos = cos.clone() if self.rope_cos is None else torch.cat([self.rope_cos, cos], 1)
+            self.rope_sin = sin.clone() if self.rope_sin is None else torch.cat([self.rope_sin, sin], 1)
         if valid is None:
             valid = torch.ones(B, T, dtype=torch.bool, device=k.device)
         first = self.valid is None
@@ -320,14 +348,15 @@ class TaleLayerCache:
 
     # -- reading ------------------------------------------------------------------------
 
-    def _parts(self) -> list[tuple[QTensor | Bands, QTensor, int, torch.Tensor]]:
-        """(keys, latents, rank, cache positions [L]) of every non-empty region: sinks, levels, residual."""
-        parts, k = [], self.kappa
+    def _parts(self) -> list[tuple[QTensor | Bands, QTensor, int, bool, torch.Tensor]]:
+        """(keys, latents, rank, keys held before RoPE, cache positions [L]) of every non-empty region: sinks,
+        levels, residual."""
+        parts, k, pre = [], self.kappa, self.s.key_rope == "pre"
         if self.sink_k is not None:
-            parts.append((_raw(self.sink_k), _raw(self.sink_h), self.R, torch.arange(self.sink_k.shape[-2])))
-        parts += [(st.keys, st.lat, st.rank, st.pos) for st in self.levels if st is not None and st.length]
+            parts.append((_raw(self.sink_k), _raw(self.sink_h), self.R, False, torch.arange(self.sink_k.shape[-2])))
+        parts += [(st.keys, st.lat, st.rank, pre, st.pos) for st in self.levels if st is not None and st.length]
         if self.res_k is not None:
-            parts.append((_raw(self.res_k), _raw(self.res_h), self.R, torch.arange(k - self.res_k.shape[-2], k)))
+            parts.append((_raw(self.res_k), _raw(self.res_h), self.R, False, torch.arange(k - self.res_k.shape[-2], k)))
         return parts
 
     def _columns(self) -> torch.Tensor:
@@ -343,8 +372,9 @@ class TaleLayerCache:
         pos = torch.arange(kappa, dtype=torch.int32, device=self.valid.device).expand(B, kappa)
         pos = pos.masked_fill(~self.valid, -1)  # [B, kappa]
         regions = []
-        for keys, lat, rank, p in self._parts():
-            regions.append(Region(keys, lat, rank, pos[:, p.to(pos.device)], keys.shape[-2]))
+        for keys, lat, rank, pre, p in self._parts():
+            rope = self._rope_at(p) if pre else None  # sinks and the tail stay exact, after RoPE
+            regions.append(Region(keys, lat, rank, pos[:, p.to(pos.device)], keys.shape[-2], rope))
         return LayerView(regions, kappa, self.window)
 
 
@@ -354,4 +384,4 @@ def _raw(t: torch.Tensor) -> QTensor:
 
 
 # latent_attention: the torch reference, kept importable from here
-from .attention import cached_keys, key_mass, latent_attention  # noqa: E402,F401
+from .attention import apply_rope, cached_keys, key_mass, latent_attention  # noqa: E402,F401

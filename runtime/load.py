@@ -73,6 +73,7 @@ def override_schedule(
     value_meta: str | None = None,
     key_channel_group: int | None = None,
     rotate: str | None = None,
+    key_rope: str | None = None,
 ) -> Schedule:
     """`base` (the artifact's schedule) with some knobs replaced; raises ValueError if the result is invalid.
 
@@ -81,7 +82,7 @@ def override_schedule(
       (int); the same for every layer.
     bits: one per level or one for all, for latents and keys; key_bits then replaces the key bits only.
     key_axis: "channel" or "token" per level (or one for all); key_meta, value_meta, key_channel_group,
-      rotate: see Schedule.
+      rotate, key_rope: see Schedule.
     Changing the number of levels needs `bits`; without `ranks`, level 0 keeps its ranks, the others get R.
     """
     n_old = len(base.levels)
@@ -124,6 +125,7 @@ def override_schedule(
         value_meta=base.value_meta if value_meta is None else value_meta,
         key_channel_group=base.key_channel_group if key_channel_group is None else key_channel_group,
         rotate=base.rotate if rotate is None else rotate,
+        key_rope=base.key_rope if key_rope is None else key_rope,
         key_order=base.key_order,  # the artifact's calibration statistic (levels with key bands read it)
     )
     try:

@@ -20,7 +20,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .artifact import Schedule
-from .attention import latent_attention
+from .attention import apply_rope, latent_attention
 from .cache import TaleLayerCache
 from .static_cache import StaticTaleCache
 
@@ -28,11 +28,6 @@ from .static_cache import StaticTaleCache
 # scaling) -> z [B, T, H, R] float32. The runtime swaps in the Triton kernel on CUDA (tale_kernels), the torch
 # reference (attention.py) elsewhere. It must not sync with the host: a static cache's step is a CUDA graph.
 AttentionFn = Callable[..., torch.Tensor]
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 _HADAMARD: dict = {}
@@ -47,10 +42,6 @@ def hadamard(n: int, device, dtype) -> torch.Tensor:
             H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)], 0)
         _HADAMARD[key] = (H / n**0.5).to(device=device, dtype=dtype)
     return _HADAMARD[key]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
 def rotation(cache, n: int, device) -> torch.Tensor | None:
@@ -99,8 +90,8 @@ class TaleLayer(TaleLayerCache, CacheLayerMixin):
         def pick(t):
             return None if t is None else t.index_select(0, beam_idx.to(t.device))
 
-        self.sink_k, self.sink_h, self.res_k, self.res_h, self.valid = map(
-            pick, (self.sink_k, self.sink_h, self.res_k, self.res_h, self.valid)
+        self.sink_k, self.sink_h, self.res_k, self.res_h, self.valid, self.rope_cos, self.rope_sin = map(
+            pick, (self.sink_k, self.sink_h, self.res_k, self.res_h, self.valid, self.rope_cos, self.rope_sin)
         )
         for i, st in enumerate(self.levels):
             if st is not None:
@@ -241,6 +232,12 @@ class TaleAttention(nn.Module):
         logits); nothing for other caches (the static one takes no queries)."""
         return {"q": q_c * self.scaling} if getattr(layer, "keep", "recent") == "salient" else {}
 
+    @staticmethod
+    def _rope(layer, position_embeddings) -> dict:
+        """append()'s rope= for a cache that holds keys before RoPE (Schedule.key_rope "pre"): the cos, sin the
+        keys were rotated by, so the cache undoes and redoes exactly the model's rotation, whatever the positions."""
+        return {"rope": position_embeddings} if getattr(layer, "s", None) and layer.s.key_rope == "pre" else {}
+
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         B, T, _ = hidden_states.shape
         q, k = self.qk(hidden_states, *position_embeddings)
@@ -272,13 +269,19 @@ class TaleAttention(nn.Module):
             out = self.o_proj(out.reshape(B, T, -1).contiguous())
             if layer is not None:  # h = x A only fills the cache
                 valid = _valid_from_mask(attention_mask, B, T, hidden_states.device)
-                layer.append(k_c, self.latents(hidden_states), valid, **self._observed(layer, rotate(q, Q)))
+                layer.append(
+                    k_c,
+                    self.latents(hidden_states),
+                    valid,
+                    **self._observed(layer, rotate(q, Q)),
+                    **self._rope(layer, position_embeddings),
+                )
             return out, weights
 
         h = self.latents(hidden_states)
         q_c = rotate(q, Q)
         z = self.attention_fn(q_c, k_c, h, layer.view(), self.scaling)
-        layer.append(k_c, h, **self._observed(layer, q_c))
+        layer.append(k_c, h, **self._observed(layer, q_c), **self._rope(layer, position_embeddings))
         return self.output(z), None
 
 

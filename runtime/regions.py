@@ -17,11 +17,13 @@ from .quant import QTensor
 
 @dataclass
 class Region:
-    keys: QTensor  # [B, K, cap, n] post-RoPE keys (bits 16: the raw tensor)
+    keys: QTensor  # [B, K, cap, n] post-RoPE keys (bits 16: the raw tensor), or pre-RoPE ones (see rope)
     lat: QTensor  # [B, G, cap, rank] latents h = x A, truncated to `rank`
     rank: int  # latent channels kept; z[..., rank:] gets nothing from this region
     pos: torch.Tensor  # [B, cap] int32: cache position of each slot; -1 = empty slot or padding
     length: int | torch.Tensor  # slots in use, a prefix of cap (an int, or a device tensor in a static cache)
+    # keys held before RoPE (Schedule.key_rope "pre"): the (cos, sin) [B, cap, n] that rotate them as they are read
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def capacity(self) -> int:

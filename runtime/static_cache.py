@@ -430,6 +430,8 @@ class StaticTaleCache(Cache):
                 "the static cache holds per-channel keys (key_axis 'channel'); this schedule has per-token keys: "
                 "use new_cache(model) (dynamic)"
             )
+        if schedule.key_rope != "post":
+            raise ValueError("the static cache holds keys after RoPE; key_rope 'pre' needs new_cache(model) (dynamic)")
         self.schedule = schedule
         self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank
         self.max_length = max_length

@@ -1,0 +1,139 @@
+"""Schedule.key_rope "pre": quantized levels hold keys before RoPE (KVQuant) and rotate them as they are read.
+
+Checked: at 16 bits the model decodes like the base model (so the tables line up with every cached key: chunks,
+left padding, beam search); a cache with keep="salient" (order-free levels) reads the same keys as the post-RoPE
+cache at 16 bits; keys whose channels are steady before RoPE quantize with far less error than after it (what the
+option is for); refusals and the manifest round trip."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from tale_helpers import exact_schedule, talify, tiny_model
+from test_runtime import decode_logits, hf_greedy, ids_for, left_pad, rel
+
+from tale_runtime import ArtifactError, new_cache
+from tale_runtime.artifact import Level, Schedule
+from tale_runtime.attention import apply_rope, cached_keys, latent_attention
+from tale_runtime.cache import TaleLayerCache
+
+
+def pre(s: Schedule) -> Schedule:
+    return replace(s, key_rope="pre")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_16_bit_levels_before_rope_decode_like_the_base_model(arch):
+    base = tiny_model(arch)
+    tm = talify(base, 2, pre(exact_schedule(32, 2)))
+    ids = ids_for(60)
+    with torch.no_grad():
+        ref = base(ids).logits[:, 9:-1]
+    assert rel(decode_logits(tm, ids, 10), ref) < 1e-4
+    assert rel(decode_logits(tm, ids, 10, chunks=[9, 1, 13, 2, 25]), ref) < 1e-4
+
+
+def test_left_padded_rows_and_beams_read_their_own_rotations():
+    base = tiny_model("llama")
+    rows = [ids_for(T, seed=T)[0] for T in (23, 9, 16)]
+    ids, mask = left_pad(rows)
+    tm = talify(base, 2, pre(exact_schedule(32, 2)))
+    batch = hf_greedy(tm, ids, mask, new_cache(tm))
+    for i, r in enumerate(rows):
+        assert torch.equal(batch[i], hf_greedy(base, r[None])[0]), i
+    lossy = talify(base, 2)
+    lossy.tale_schedule = pre(lossy.tale_schedule)
+    batch = hf_greedy(lossy, ids, mask, new_cache(lossy))
+    assert torch.equal(batch[1], hf_greedy(lossy, rows[1][None], cache=new_cache(lossy))[0])
+    kw = dict(max_new_tokens=12, num_beams=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(tm.generate(ids[:1], past_key_values=new_cache(tm), **kw), base.generate(ids[:1], **kw))
+
+
+K, H, n, G, R = 2, 4, 16, 1, 32
+
+
+def tables(T: int, B: int = 1, base: float = 100.0):
+    inv = base ** (-torch.arange(0, n, 2).float() / n)
+    ang = torch.arange(T).float()[:, None] * inv  # [T, n/2]
+    ang = torch.cat([ang, ang], -1)[None].expand(B, T, n)
+    return ang.cos(), ang.sin()
+
+
+def fill(s: Schedule, k_post, h, q, cos, sin, prefill: int, keep="recent") -> TaleLayerCache:
+    c = TaleLayerCache(s, 0, K, n, G, R, keep=keep)
+    c.append(
+        k_post[..., :prefill, :], h[..., :prefill, :], q=q[..., :prefill, :], rope=(cos[:, :prefill], sin[:, :prefill])
+    )
+    for t in range(prefill, k_post.shape[-2]):
+        sl = slice(t, t + 1)
+        c.append(k_post[..., sl, :], h[..., sl, :], q=q[..., sl, :], rope=(cos[:, sl], sin[:, sl]))
+    return c
+
+
+def tokens(T: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    k_pre = torch.randn(1, K, T, n, generator=g)
+    h = torch.randn(1, G, T, R, generator=g)
+    q = torch.randn(1, H, T, n, generator=g) * n**-0.5
+    return k_pre, h, q
+
+
+@pytest.mark.parametrize("keep", ["recent", "salient"])
+def test_keys_read_back_at_16_bits_are_the_post_rope_keys(keep):
+    s = Schedule(
+        sinks=2,
+        levels=[Level(16, 16, None), Level(16, 16, 0.25)],
+        ranks=[[32, 32]],
+        key_group=8,
+        value_group=8,
+        residual=8,
+    )
+    T = 90
+    k_pre, h, q = tokens(T)
+    cos, sin = tables(T)
+    k_post = apply_rope(k_pre, cos, sin)
+    a = fill(s, k_post, h, q, cos, sin, 37, keep)
+    b = fill(pre(s), k_post, h, q, cos, sin, 37, keep)
+    assert any(r.rope is not None for r in b.view().regions) and all(r.rope is None for r in a.view().regions)
+    ka, pa, _ = cached_keys(a.view(), torch.float32, 1, K, n, "cpu")
+    kb, pb, _ = cached_keys(b.view(), torch.float32, 1, K, n, "cpu")
+    assert torch.equal(pa, pb)
+    torch.testing.assert_close(kb, ka, atol=1e-5, rtol=1e-5)
+    qn, kn, hn = q[..., -1:, :], k_post[..., -1:, :], h[..., -1:, :]
+    torch.testing.assert_close(latent_attention(qn, kn, hn, b, 0.25), latent_attention(qn, kn, hn, a, 0.25))
+
+
+def test_steady_channels_before_rope_quantize_far_better():
+    """Keys that are a per-channel constant plus small noise before RoPE: after RoPE every channel rotates
+    through its group of tokens, so per-channel 2-bit groups must span the whole circle."""
+    s = Schedule(sinks=2, levels=[Level(2, 2, None)], ranks=[[32]], key_group=8, value_group=8, residual=8)
+    T = 98
+    _, h, q = tokens(T)
+    g = torch.Generator().manual_seed(1)
+    k_pre = 3 * torch.randn(1, K, 1, n, generator=g) + 0.05 * torch.randn(1, K, T, n, generator=g)
+    cos, sin = tables(T)
+    k_post = apply_rope(k_pre, cos, sin)
+    err = {}
+    for name, sch in (("post", s), ("pre", pre(s))):
+        c = fill(sch, k_post, h, q, cos, sin, T)
+        got, pos, _ = cached_keys(c.view(), torch.float32, 1, K, n, "cpu")
+        err[name] = ((got - k_post[..., pos[0], :]).norm() / k_post.norm()).item()
+    assert err["pre"] < err["post"] / 3, err
+
+
+def test_refusals_and_the_manifest_round_trip():
+    s = exact_schedule(32, 2)
+    with pytest.raises(ArtifactError, match="key_rope must be"):
+        replace(s, key_rope="before").validate(32, 2)
+    with pytest.raises(ArtifactError, match="does not combine"):
+        replace(s, key_rope="pre", rotate="hadamard").validate(32, 2)
+    assert "key_rope" not in s.to_dict()
+    assert Schedule.from_dict(pre(s).to_dict()).key_rope == "pre"
+    assert not pre(s).fast_path() and s.fast_path()
+    tm = talify(tiny_model("llama"), 2, pre(s))
+    with pytest.raises(ValueError, match="static cache holds keys after RoPE"):
+        new_cache(tm, static=True, max_length=64)
+    c = TaleLayerCache(pre(s), 0, K, n, G, R)
+    with pytest.raises(ValueError, match="needs the cos, sin"):
+        c.append(torch.zeros(1, K, 3, n), torch.zeros(1, G, 3, R))
