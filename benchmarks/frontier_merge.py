@@ -3,30 +3,68 @@ row) into one table and plot, as one run would write them (docs/quality.md, "The
 
     python benchmarks/frontier_merge.py docs/frontier a.json b1.json b2.json "c.json:key-bands artifact: "
 
-FILE:PREFIX puts PREFIX before the settings of that file's rows (e.g. rows run on another artifact).
+FILE:PREFIX puts PREFIX before the settings of that file's rows (e.g. rows run on another artifact). A FILE.md is a
+table this script (or tale-eval) wrote, read back as rows at its printed precision: the record of earlier runs whose
+JSON files are gone; it goes first, and its full cache's ppl (the footer) must match the JSON files' to 3 decimals.
+
+    python benchmarks/frontier_merge.py docs/frontier docs/frontier.md new.json
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
 from tale_eval import frontier
 
 
+def table_rows(path: Path) -> tuple[list[dict], dict[str, float]]:
+    """Rows of a frontier.markdown table (values as printed) and the full cache's ppl per text from its footer."""
+    lines = path.read_text().splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    texts = [c.removeprefix("ppl Δ ") for c in head if c.startswith("ppl Δ ")]
+    rows = []
+    for line in lines[2:]:
+        if not line.startswith("| "):
+            break
+        c = dict(zip(head, (x.strip() for x in line.strip().strip("|").split(" | "))))
+        row = {"family": c["family"], "setting": c["setting"], "ratio": float(c["ratio"].rstrip("x"))}
+        row["delta_pct"] = {t: float(c[f"ppl Δ {t}"].rstrip("%")) for t in texts}
+        if c["pass-key"]:
+            row["passkey"] = float(c["pass-key"].rstrip("%")) / 100
+            row["passkey_ratio"] = float(c["pk ratio"].rstrip("x"))
+        row["seconds"] = float(c["s"])
+        rows.append(row)
+    ref = dict(re.findall(r"(\w+) (\d+\.\d+)[,)]", re.search(r"full 16-bit cache \(([^)]*\))", lines[-1]).group(1)))
+    if set(ref) != set(texts) or not rows or rows[0]["family"] != "full":
+        sys.exit(f"error: {path}: not a frontier table (texts {texts}, footer {ref})")
+    return rows, {t: float(v) for t, v in ref.items()}
+
+
 def main(argv: list[str]) -> None:
     if len(argv) < 2:
         sys.exit("usage: frontier_merge.py OUT FILE.json[:PREFIX] ...")
-    out, rows, config, seconds = Path(argv[0]), [], None, 0.0
+    out, rows, config, seconds, table_ref = Path(argv[0]), [], None, 0.0, None
     for arg in argv[1:]:
         path, _, prefix = arg.partition(":")
+        if path.endswith(".md"):
+            if rows:
+                sys.exit(f"error: {path}: a table goes first")
+            rows, table_ref = table_rows(Path(path))
+            seconds += sum(r["seconds"] for r in rows)
+            continue
         part = json.loads(Path(path).read_text())
+        if table_ref is not None:
+            got = {t: round(v, 3) for t, v in part["config"]["ref_ppl"].items()}
+            if got != table_ref:
+                sys.exit(f"error: {path}: its full row ({got}) differs from the table's ({table_ref})")
         config = config or dict(part["config"])
         seconds += part["config"]["seconds"]
         res = part["results"]
         full = next(r for r in res if r["family"] == "full")
-        if rows and full["ppl"] != rows[0]["ppl"]:
+        if rows and "ppl" in rows[0] and full["ppl"] != rows[0]["ppl"]:
             sys.exit(f"error: {path}: its full row differs from the first file's (another artifact or preset?)")
         rows += [r | {"setting": prefix + r["setting"]} for r in res if not (rows and r["family"] == "full")]
     config["seconds"] = seconds

@@ -1,0 +1,45 @@
+"""benchmarks/frontier_merge.py reads a frontier table back (the record when the JSON files of earlier runs are
+gone): the table it reads writes out again unchanged, merged JSON rows join it, and a JSON measured against
+another full cache is refused."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tale_eval import frontier
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = dict(texts=["a", "b"], ref_ppl={"a": 31.71666, "b": 20.24781}, windows=1, ctx=1024, prefill=128, chunk=8)
+CONFIG |= dict(dtype="bf16", passkey_samples=3, seconds=10.0, model="tiny", artifact="art")
+
+
+def row(family, setting, ratio, da, db, pk=None, s=5.0):
+    r = dict(family=family, setting=setting, ratio=ratio, delta_pct={"a": da, "b": db}, seconds=s)
+    return r | ({"passkey": pk, "passkey_ratio": ratio * 1.05} if pk is not None else {})
+
+
+def merge(tmp_path, *files):
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "frontier_merge.py"), str(out), *map(str, files)]
+    return subprocess.run(cmd, capture_output=True, text=True), out.with_suffix(".md")
+
+
+def test_a_table_reads_back_and_takes_new_rows(tmp_path):
+    rows = [row("full", "16-bit K+V", 1.0, 0.0, 0.0, 1.0), row("tale", "x=1|y", 6.4412, 4.711, 7.76, 2 / 3)]
+    rows.append(row("kivi", "bits 2", 4.7, 25.7, 17.88))  # no pass-key cells
+    table = tmp_path / "t.md"
+    table.write_text(frontier.markdown(rows, CONFIG))
+    full = dict(rows[0], ppl={"a": 31.71666, "b": 20.24781})
+    new = tmp_path / "new.json"
+    new.write_text(json.dumps({"config": CONFIG, "results": [full, row("tale", "key_rope=pre", 6.02, 4.1, 5.2, 1.0)]}))
+    res, out = merge(tmp_path, table, new)
+    assert res.returncode == 0, res.stderr
+    want = frontier.markdown(
+        [rows[0], rows[1] | {"setting": "x=1/y"}, rows[2], json.loads(new.read_text())["results"][1]], CONFIG
+    )
+    assert out.read_text() == want
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"config": CONFIG | {"ref_ppl": {"a": 30.0, "b": 20.24781}}, "results": [full]}))
+    res, _ = merge(tmp_path, table, bad)
+    assert res.returncode != 0 and "differs from the table's" in res.stderr
