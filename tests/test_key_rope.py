@@ -137,3 +137,24 @@ def test_refusals_and_the_manifest_round_trip():
     c = TaleLayerCache(pre(s), 0, K, n, G, R)
     with pytest.raises(ValueError, match="needs the cos, sin"):
         c.append(torch.zeros(1, K, 3, n), torch.zeros(1, G, 3, R))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs CUDA")
+def test_the_kernel_leaves_keys_before_rope_to_the_reference():
+    """With kernels on, a key_rope "pre" model decodes through the reference (the kernel would read the stored keys
+    as post-RoPE ones): the same tokens and logits as with kernels off; generate() takes the dynamic cache."""
+    from tale_runtime.generate import generate
+    from tale_runtime.load import use_kernels
+
+    tm = talify(tiny_model("llama"), 2)
+    tm.tale_schedule = pre(tm.tale_schedule)
+    tm = tm.cuda()
+    ids = torch.randint(1, 320, (1, 90), generator=torch.Generator().manual_seed(3)).cuda()
+    use_kernels(tm, False)
+    ref = decode_logits(tm, ids, 60)
+    use_kernels(tm)
+    assert torch.equal(decode_logits(tm, ids, 60), ref)
+    a, _ = generate(tm, ids[0], max_new_tokens=20, eos_token_id=[])
+    use_kernels(tm, False)
+    b, _ = generate(tm, ids[0], max_new_tokens=20, eos_token_id=[])
+    assert a == b
