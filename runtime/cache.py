@@ -177,7 +177,8 @@ class TaleLayerCache:
 
     def _quant(self, k: torch.Tensor, h: torch.Tensor, level: int, pos: torch.Tensor) -> Store:
         r = self.ranks[level]
-        if self.s.key_rope == "pre":  # back to the key before RoPE (exact in float32), then quantized
+        if self.s.key_rope == "pre":  # back to the key before RoPE, then quantized (float32; exact up to the
+            # rounding of bf16 tables, whose cos^2 + sin^2 misses 1 by up to ~2^-8: far below 2-4 bit steps)
             cos, sin = self._rope_at(pos)
             k = apply_rope(k.float(), cos, -sin).to(k.dtype)
         return Store(*quant_level(self.s, level, r, k, h, self.order), r, pos)
