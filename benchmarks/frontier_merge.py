@@ -23,7 +23,9 @@ from tale_eval import frontier
 def table_rows(path: Path) -> tuple[list[dict], dict[str, float]]:
     """Rows of a frontier.markdown table (values as printed) and the full cache's ppl per text from its footer."""
     lines = path.read_text().splitlines()
-    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")] if lines else []
+    if head[:3] != ["family", "setting", "ratio"] or len(lines) < 3:
+        sys.exit(f"error: {path}: not a frontier table (its first line is not frontier.markdown's header)")
     texts = [c.removeprefix("ppl Δ ") for c in head if c.startswith("ppl Δ ")]
     rows = []
     for line in lines[2:]:
@@ -37,7 +39,8 @@ def table_rows(path: Path) -> tuple[list[dict], dict[str, float]]:
             row["passkey_ratio"] = float(c["pk ratio"].rstrip("x"))
         row["seconds"] = float(c["s"])
         rows.append(row)
-    ref = dict(re.findall(r"(\w+) (\d+\.\d+)[,)]", re.search(r"full 16-bit cache \(([^)]*\))", lines[-1]).group(1)))
+    foot = re.search(r"full 16-bit cache \(([^)]*\))", lines[-1])
+    ref = dict(re.findall(r"(\w+) (\d+\.\d+)[,)]", foot.group(1))) if foot else {}
     if set(ref) != set(texts) or not rows or rows[0]["family"] != "full":
         sys.exit(f"error: {path}: not a frontier table (texts {texts}, footer {ref})")
     return rows, {t: float(v) for t, v in ref.items()}

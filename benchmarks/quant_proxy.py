@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from tale_convert.policy import singular_values
 from tale_runtime import load, new_cache
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.attention import apply_rope
@@ -104,7 +105,7 @@ def oaware(attn, cov: torch.Tensor | None = None, out: bool = True) -> tuple[tor
     g = R // n
     rep = H // (G * g)
     WO = attn.o_proj.weight.double().T  # [H*n, d]
-    sh = B.norm(dim=-1)  # S^1/2
+    sh = singular_values(B).sqrt()  # S^1/2
     Ts, Bs = [], []
     for c in range(G):
         E = torch.eye(R, dtype=torch.float64)
@@ -144,7 +145,7 @@ def run_format(layers, model, fmt: dict, sink=4, start=128):
                 cov = cov / cov.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None]
                 lam = fmt.get("shrink", 0.0)  # toward the calibration covariance of h (S), trace-normalized
                 if lam:
-                    S = attn.tale.v_v.double().norm(dim=-1).pow(2)
+                    S = singular_values(attn.tale.v_v)
                     cov = (1 - lam) * cov + lam * torch.diag_embed(S / S.sum(-1, keepdim=True))
             T_, o_use = oaware(attn, cov, out=bool(fmt.get("oaware")))
             h = torch.einsum("ctr,crs->cts", h, T_)
@@ -194,7 +195,7 @@ def run_format(layers, model, fmt: dict, sink=4, start=128):
             k = rope(k, cos, sin)  # the exact reference keys
         d = torch.ones(r)
         if "balance" in fmt:  # latents h = x A S^(a-1/2) (B = S^(1-a) V^T): channel variances s_i^(2a)
-            sv = attn.tale.v_v.float().pow(2).sum(-1)[0, :r]  # whitened singular values s_i
+            sv = singular_values(attn.tale.v_v).float()[0, :r]
             d = sv.pow(fmt["balance"] - 0.5)
         if "vbands" in fmt:  # contiguous latent channel ranges (SVD order: most energy first) at their own bits
             parts, c0, nb = [], 0, 0.0

@@ -41,8 +41,8 @@ def parse_variants(text: str) -> list[dict]:
     Keys: sinks, recent, r0, bits, key_bits, key_group, value_group, residual, key_meta, value_meta ('16',
     '8-16', '8-8': scale/zero storage, written with '-' since '/' separates list items), key_hi (BITS/CHANNELS:
     the middle level's key bands, on an artifact with a key order; 0/0: none), key_axis (channel/token per level),
-    keep (recent or salient: which key groups the levels above level 0 keep), key_rope (post or pre: middle keys
-    quantized after or before RoPE); lists with '/'."""
+    keep (recent or salient: which key groups the levels above level 0 keep), key_rope (post or pre: the quantized
+    levels' keys held after or before RoPE); lists with '/'."""
     ints = {"sinks", "key_group", "value_group", "residual"}
     lists = {"bits", "key_bits", "key_hi"}
     floats = {"r0", "recent"}

@@ -43,3 +43,7 @@ def test_a_table_reads_back_and_takes_new_rows(tmp_path):
     bad.write_text(json.dumps({"config": CONFIG | {"ref_ppl": {"a": 30.0, "b": 20.24781}}, "results": [full]}))
     res, _ = merge(tmp_path, table, bad)
     assert res.returncode != 0 and "differs from the table's" in res.stderr
+    notes = tmp_path / "notes.md"
+    notes.write_text("# notes\n\nno table here\n")
+    res, _ = merge(tmp_path, notes, new)
+    assert res.returncode != 0 and "not a frontier table" in res.stderr and "Traceback" not in res.stderr
