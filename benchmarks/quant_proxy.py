@@ -186,6 +186,8 @@ def run_format(layers, model, fmt: dict, sink=4, start=128):
             kq, kbits = band_keys(k[:, sl], fmt["stats"][li]["bits"], fmt.get("kmeta", "16"), kg)
         elif fmt["kaxis"] == "nuq":  # per-channel groups, codes -> a per-layer non-uniform table (calibration)
             kq, kbits = nuq_keys(k[:, sl], fmt["kbits"], fmt["stats"][li]["table"], fmt.get("kmeta", "16"))
+        elif fmt["kaxis"] == "lowrank":  # pre-RoPE keys of all KV heads on a calibrated basis: rank rk, then quantized
+            kq, kbits = lowrank_keys(k[:, sl], fmt["stats"][li], fmt)
         elif fmt["kaxis"] == "channel":
             kq, kbits = fq(k[:, sl], fmt["kbits"], kg, -2, fmt.get("kmeta", "16"))
         else:
@@ -294,6 +296,68 @@ def nuq_keys(k: torch.Tensor, bits: int, table: torch.Tensor, meta: str) -> tupl
     return x.reshape(K, T, n), bits + META_BITS[meta] / 32
 
 
+def key_basis(layers, model, weighted: bool, sink: int = 4, center: bool = True) -> list[dict]:
+    """Per layer: the mean `mu` [C] and a basis of the pre-RoPE keys of all KV heads joined (C = K n), principal
+    directions first: coefficients c = (k - mu) @ enc, keys back as mu + c @ dec. weighted: principal in the norm
+    of the pre-RoPE queries' second moments per channel (a rotation pair shares its weight: RoPE mixes the pair),
+    so the truncation drops what the logits see least."""
+    out = []
+    for q, k, _h in layers:
+        K, T, n = k.shape
+        cos, sin = rope_tables(model, T)
+        kp = rope(k, cos, sin, inverse=True)[:, sink:]
+        X = kp.permute(1, 0, 2).reshape(-1, K * n).double()
+        mu = X.mean(0) if center else torch.zeros_like(X[0])
+        C = (X - mu).T @ (X - mu) / len(X)
+        w = torch.ones(K * n, dtype=torch.float64)
+        if weighted:
+            qp = rope(q, cos[1:T], sin[1:T], inverse=True)  # queries sit at positions 1 .. T - 1
+            e = qp.view(K, q.shape[0] // K, -1, n).pow(2).mean((1, 2)).double()  # [K, n]
+            e = 0.5 * (e + e.roll(n // 2, -1))
+            w = e.flatten()
+        sw = w.sqrt()
+        ev, U = torch.linalg.eigh(sw[:, None] * C * sw[None])
+        U = U.flip(-1)
+        out.append({"mu": mu.float(), "enc": (sw[:, None] * U).float(), "dec": (U.T / sw[None]).float()})
+    return out
+
+
+def lowrank_keys(k: torch.Tensor, st: dict, fmt: dict) -> tuple[torch.Tensor, float]:
+    """k [K, T, n] (pre-RoPE) -> its rank-`rk` reconstruction with the coefficients quantized at `kbits` per channel
+    over 32 tokens (`caxis` channel) or per token over 32 channels (token); bits per key number."""
+    K, T, n = k.shape
+    rk = fmt["rk"]
+    X = k.permute(1, 0, 2).reshape(T, K * n)
+    c = (X - st["mu"]) @ st["enc"][:, :rk]
+    dim = -2 if fmt.get("caxis", "channel") == "channel" else -1
+    cq, cb = fq(c[None].contiguous(), fmt["kbits"], 32, dim, fmt.get("kmeta", "16"))
+    Xh = cq[0] @ st["dec"][:rk] + st["mu"]
+    return Xh.view(T, K, n).permute(1, 0, 2), cb * rk / (K * n)
+
+
+def keyrank_screen(layers, model, tok, ctx: int) -> dict:
+    """Low-rank pre-RoPE keys (one basis per layer over its KV heads, from a calibration window of `ctx` tokens;
+    `oracle`: from the tested window itself) at a few ranks and bits, latents exact, against plain pre-RoPE keys."""
+    from tale_calib import calib_paths, documents
+
+    text = "\n\n".join(d for p in calib_paths() for d in documents(p))
+    ids = torch.tensor(tok(text, add_special_tokens=False).input_ids)[:ctx][None]
+    cal = capture(model, ids)
+    bases = {"cal": key_basis(cal, model, False), "calq": key_basis(cal, model, True)}
+    bases["oracle"] = key_basis(layers, model, False)
+    bases["unc"] = key_basis(cal, model, False, center=False)
+    fm = {f"pre k{b}c 8/16": dict(kaxis="channel", kbits=b, vbits=16, kmeta="8/16", pre=True) for b in (2, 3)}
+    for name, st in bases.items():
+        for rk in (64, 96, 128, 192):
+            for b, ax in ((16, "channel"), (2, "channel"), (3, "channel"), (4, "channel"), (3, "token"), (4, "token")):
+                if b == 16 and rk == 192:
+                    continue
+                fm[f"{name} r{rk} c{b}{ax[0]}"] = dict(
+                    kaxis="lowrank", rk=rk, kbits=b, caxis=ax, kmeta="8/16", vbits=16, pre=True, stats=st
+                )
+    return fm
+
+
 def calib_stats(model, tok, ctx: int, bits_list=(2, 3)) -> list[dict]:
     """Per layer: key channel importance and nuq tables from one window of the CALIBRATION corpus."""
     from tale_calib import calib_paths, documents
@@ -372,7 +436,7 @@ def main():
     ap.add_argument(
         "--screen",
         default="formats",
-        choices=("formats", "keys", "groups", "latents", "prerope", "oaware"),
+        choices=("formats", "keys", "groups", "latents", "prerope", "oaware", "keyrank"),
         help="formats: the table of docs/quality.md",
     )
     args = ap.parse_args()
@@ -441,6 +505,8 @@ def main():
             fmts[f"oracle+oaw v{b} r{r}"] = dict(kaxis="channel", kbits=16, vbits=b, rank=r, oracle=True, oaware=True)
     elif args.screen == "prerope":
         fmts = prerope_screen(calib_stats(model, tok, args.ctx))
+    elif args.screen == "keyrank":
+        fmts = keyrank_screen(layers, model, tok, int(os.environ.get("CAL_CTX", 4096)))
     elif args.screen == "groups":
         fmts = group_screen(calib_stats(model, tok, args.ctx))
     print(f"{'format':24s} {'mean err':>8s} {'max err':>8s} {'key b/num':>9s} {'lat b/num(R)':>12s}  per layer")

@@ -42,9 +42,10 @@ def parse_variants(text: str) -> list[dict]:
     '8-16', '8-8': scale/zero storage, written with '-' since '/' separates list items), key_hi (BITS/CHANNELS:
     the middle level's key bands, on an artifact with a key order; 0/0: none), key_axis (channel/token per level),
     keep (recent or salient: which key groups the levels above level 0 keep), key_rope (post or pre: the quantized
-    levels' keys held after or before RoPE); lists with '/'."""
+    levels' keys held after or before RoPE), key_rank (per level: low-rank keys on the artifact's key basis, 0: plain
+    keys; needs key_rope=pre); lists with '/'."""
     ints = {"sinks", "key_group", "value_group", "residual"}
-    lists = {"bits", "key_bits", "key_hi"}
+    lists = {"bits", "key_bits", "key_hi", "key_rank"}
     floats = {"r0", "recent"}
     metas = {"key_meta", "value_meta"}
     words = {"key_axis", "keep", "key_rope"}  # validated with the schedule / the cache

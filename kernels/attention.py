@@ -902,7 +902,7 @@ def supported(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, cache) 
     view = _view(cache)
     if not all(_region_ok(r, B, K, G, n, q.dtype) for r in view.regions):
         return False
-    if any(r.rope is not None for r in view.regions):  # keys before RoPE: not read here
+    if any(r.rope is not None or r.basis is not None for r in view.regions):  # keys before RoPE, low-rank keys
         return False
     keys = [kq for r in view.regions for kq, _ in _key_parts(r.keys)]
     if not runnable(q, *(kq.data for kq in keys), *(r.lat.data for r in view.regions)):

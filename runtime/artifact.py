@@ -14,8 +14,9 @@ from pathlib import Path
 MANIFEST = "tale_config.json"
 FORMAT = "tale"
 # major.minor: readers reject another major (2.0: every file hashed, v_proj.weight kept; 2.1: key bands,
-# schedule fields a 2.0 reader refuses by name, written only when used)
-FORMAT_VERSION = "2.1"
+# schedule fields a 2.0 reader refuses by name, written only when used; 2.2: key_basis.safetensors and
+# Level.key_rank, which older readers refuse by name)
+FORMAT_VERSION = "2.2"
 TOOL_NAME = "tale-kv"
 
 # Per-layer tensor names (prefix: the attention module, e.g. "model.layers.3.self_attn.")
@@ -43,6 +44,9 @@ class Level:
     # (Schedule.key_order, a calibration statistic) at `key_hi_bits`, the others at `key_bits`
     key_hi_bits: int = 0
     key_hi_channels: int = 0
+    # > 0: keys held as their first `key_rank` coefficients on the artifact's key basis (before RoPE, the layer's
+    # KV heads joined: tale_runtime.key_basis); needs key_rope "pre"
+    key_rank: int = 0
 
 
 @dataclass
@@ -116,6 +120,16 @@ class Schedule:
             for li, heads in enumerate(self.key_order):
                 if any(sorted(h) != list(range(len(h))) for h in heads):
                     raise ArtifactError(f"layer {li}: key_order must list each head's channels once")
+        for lv in self.levels:
+            if lv.key_rank:
+                if lv.key_rank < 0 or lv.key_rank % 8:
+                    raise ArtifactError(f"key_rank must be a positive multiple of 8, got {lv.key_rank}")
+                if self.key_rope != "pre" or lv.key_hi_bits:
+                    raise ArtifactError("key_rank (low-rank keys) needs key_rope 'pre' and no key bands")
+                if lv.key_axis == "token" and lv.key_rank % self.key_channel_group:
+                    raise ArtifactError(
+                        f"key_rank {lv.key_rank} is not a multiple of key_channel_group {self.key_channel_group}"
+                    )
         axes = [lv.key_axis for lv in self.levels]
         if "token" in axes and "channel" in axes[axes.index("token") :]:
             raise ArtifactError("levels with per-token keys must be the newest ones (per-channel levels first)")
@@ -161,6 +175,8 @@ class Schedule:
         for lv in d["levels"]:
             if not lv["key_hi_bits"]:
                 del lv["key_hi_bits"], lv["key_hi_channels"]
+            if not lv["key_rank"]:
+                del lv["key_rank"]
         return d
 
     @classmethod

@@ -76,9 +76,15 @@ def cached_keys(view: LayerView, dtype, B: int, K: int, n: int, device):
     if not regions:
         empty = torch.zeros(B, K, 0, n, dtype=dtype, device=device)
         return empty, torch.zeros(B, 0, dtype=torch.long, device=device), []
-    keys = torch.cat([_post_rope(dequantize(r.keys, dtype), r.rope) for r in regions], dim=-2)
+    keys = torch.cat([_post_rope(_keys(r, dtype), r.rope) for r in regions], dim=-2)
     pos = torch.cat([r.pos.long().masked_fill(~ok, -1) for r, ok in zip(regions, oks)], dim=-1)
     return keys, pos, oks
+
+
+def _keys(r, dtype) -> torch.Tensor:
+    """A region's keys dequantized, [B, K, cap, n] (low-rank ones decoded from their coefficients)."""
+    k = dequantize(r.keys, dtype)
+    return k if r.basis is None else r.basis.decode(k)
 
 
 def _post_rope(k: torch.Tensor, rope) -> torch.Tensor:

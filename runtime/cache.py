@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .artifact import Schedule
+from .key_basis import KeyBasis
 from .placement import demotions, fill_counts, flush_count
 from .quant import Bands, QTensor, cat, dequantize, quantize, quantize_bands, requantize, split, take
 from .regions import LayerView, Region
@@ -39,7 +40,7 @@ from .regions import LayerView, Region
 class Store:
     """One quantized level: keys per channel over token groups, latents per token over channel groups."""
 
-    keys: QTensor | Bands  # [B, K, L, n]
+    keys: QTensor | Bands  # [B, K, L, n]; [B, 1, L, key_rank] at levels with low-rank keys
     lat: QTensor  # [B, G, L, r]
     rank: int
     pos: torch.Tensor  # [L] int64: cache position of each token (the same in every row), any order
@@ -57,18 +58,31 @@ class Store:
 
 
 def quant_level(
-    s: Schedule, level: int, rank: int, k: torch.Tensor, h: torch.Tensor, order: list[list[int]] | None = None
+    s: Schedule,
+    level: int,
+    rank: int,
+    k: torch.Tensor,
+    h: torch.Tensor,
+    order: list[list[int]] | None = None,
+    basis: KeyBasis | None = None,
 ) -> tuple[QTensor | Bands, QTensor]:
     """Exact tokens (k [B, K, T, n], h [B, G, T, R]) quantized at a level: keys per channel over token
-    groups (in two bands at levels with key_hi_bits: `order` is the layer's Schedule.key_order), latents
-    truncated to `rank` and quantized per token over channel groups."""
+    groups (in two bands at levels with key_hi_bits: `order` is the layer's Schedule.key_order; as
+    coefficients on the layer's key `basis` at levels with key_rank), latents truncated to `rank` and
+    quantized per token over channel groups."""
     lv = s.levels[level]
     lat = quantize(h[..., :rank].contiguous(), lv.bits, s.value_group, dim=-1, meta=s.value_meta)
-    return quant_keys(s, level, k, order), lat
+    return quant_keys(s, level, k, order, basis), lat
 
 
-def quant_keys(s: Schedule, level: int, k: torch.Tensor, order: list[list[int]] | None = None) -> QTensor | Bands:
+def quant_keys(
+    s: Schedule, level: int, k: torch.Tensor, order: list[list[int]] | None = None, basis: KeyBasis | None = None
+) -> QTensor | Bands:
     lv = s.levels[level]
+    if lv.key_rank:
+        if basis is None:
+            raise ValueError("low-rank keys (key_rank) need the layer's key basis")
+        k = basis.encode(k, lv.key_rank)
     if not lv.key_hi_bits:
         return quantize(k, lv.key_bits, **key_layout(s, level))
     if order is None:
@@ -78,12 +92,23 @@ def quant_keys(s: Schedule, level: int, k: torch.Tensor, order: list[list[int]] 
 
 
 def demote_level(
-    s: Schedule, level: int, keys: QTensor | Bands, lat: QTensor, rank: int, order: list[list[int]] | None = None
+    s: Schedule,
+    level: int,
+    keys: QTensor | Bands,
+    lat: QTensor,
+    rank: int,
+    order: list[list[int]] | None = None,
+    basis: KeyBasis | None = None,
 ) -> tuple[QTensor | Bands, QTensor]:
     """Tokens of the level above requantized into `level` (keys [B, K, T, n], latents truncated to `rank`):
     the demotion step of both caches."""
-    lv = s.levels[level]
-    if lv.key_hi_bits:  # into bands; requantize handles bands into a plain level
+    lv, src = s.levels[level], s.levels[level + 1].key_rank
+    if lv.key_rank and src:  # coefficients to fewer coefficients: truncate, as latents
+        keys = requantize(keys, lv.key_bits, min(lv.key_rank, src), **key_layout(s, level))
+    elif lv.key_rank or src:  # between plain keys and coefficients: through the keys before RoPE
+        x = dequantize(keys)
+        keys = quant_keys(s, level, basis.decode(x) if src else x, order, basis)
+    elif lv.key_hi_bits:  # into bands; requantize handles bands into a plain level
         keys = quant_keys(s, level, dequantize(keys), order)
     else:
         keys = requantize(keys, lv.key_bits, **key_layout(s, level))
@@ -119,6 +144,7 @@ class TaleLayerCache:
         num_groups: int,
         latent_rank: int,
         keep: str = "recent",
+        basis: KeyBasis | None = None,
     ):
         if keep not in KEEP:
             raise ValueError(f"keep must be one of {', '.join(KEEP)}, got {keep!r}")
@@ -128,6 +154,15 @@ class TaleLayerCache:
         if self.order is not None and (len(self.order) != num_kv_heads or any(len(c) != head_dim for c in self.order)):
             raise ValueError(f"layer {layer_idx}: key_order is not [{num_kv_heads} heads][{head_dim} channels]")
         self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank
+        self.basis = basis  # the layer's key basis (levels with key_rank read it)
+        kr = max(lv.key_rank for lv in schedule.levels)
+        if kr and (basis is None or kr > basis.enc.shape[1]):
+            raise ValueError(
+                f"key_rank {kr} needs the artifact's key basis of at least that many directions "
+                "(tale-convert --key-basis)"
+                if basis is None
+                else f"key_rank {kr} exceeds the key basis ({basis.enc.shape[1]} directions)"
+            )
         if any(lv.key_axis == "token" for lv in schedule.levels) and head_dim % schedule.key_channel_group:
             raise ValueError(f"key_channel_group {schedule.key_channel_group} does not divide the head dim {head_dim}")
         if schedule.rotate == "hadamard" and head_dim & (head_dim - 1):
@@ -181,7 +216,7 @@ class TaleLayerCache:
             # rounding of bf16 tables, whose cos^2 + sin^2 misses 1 by up to ~2^-8: far below 2-4 bit steps)
             cos, sin = self._rope_at(pos)
             k = apply_rope(k.float(), cos, -sin).to(k.dtype)
-        return Store(*quant_level(self.s, level, r, k, h, self.order), r, pos)
+        return Store(*quant_level(self.s, level, r, k, h, self.order, self.basis), r, pos)
 
     def _rope_at(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, L, n] float32 of cache positions `pos` [L]."""
@@ -231,7 +266,8 @@ class TaleLayerCache:
                 old = Store(k_old, h_old, st.rank, st.pos[:n_move])
                 self.levels[i] = Store(k_keep, h_keep, st.rank, st.pos[n_move:])
             r = self.ranks[i - 1]
-            self._push(i - 1, Store(*demote_level(self.s, i - 1, old.keys, old.lat, r, self.order), r, old.pos))
+            keys, lat = demote_level(self.s, i - 1, old.keys, old.lat, r, self.order, self.basis)
+            self._push(i - 1, Store(keys, lat, r, old.pos))
 
     # -- filling -----------------------------------------------------------------------
 
@@ -349,15 +385,19 @@ class TaleLayerCache:
 
     # -- reading ------------------------------------------------------------------------
 
-    def _parts(self) -> list[tuple[QTensor | Bands, QTensor, int, bool, torch.Tensor]]:
-        """(keys, latents, rank, keys held before RoPE, cache positions [L]) of every non-empty region: sinks,
-        levels, residual."""
+    def _parts(self) -> list[tuple[QTensor | Bands, QTensor, int, bool, KeyBasis | None, torch.Tensor]]:
+        """(keys, latents, rank, keys held before RoPE, key basis of low-rank keys, cache positions [L]) of every
+        non-empty region: sinks, levels, residual."""
         parts, k, pre = [], self.kappa, self.s.key_rope == "pre"
         if self.sink_k is not None:
-            parts.append((_raw(self.sink_k), _raw(self.sink_h), self.R, False, torch.arange(self.sink_k.shape[-2])))
-        parts += [(st.keys, st.lat, st.rank, pre, st.pos) for st in self.levels if st is not None and st.length]
+            sink = (_raw(self.sink_k), _raw(self.sink_h), self.R, False, None, torch.arange(self.sink_k.shape[-2]))
+            parts.append(sink)
+        for lv, st in zip(self.s.levels, self.levels):
+            if st is not None and st.length:
+                parts.append((st.keys, st.lat, st.rank, pre, self.basis if lv.key_rank else None, st.pos))
         if self.res_k is not None:
-            parts.append((_raw(self.res_k), _raw(self.res_h), self.R, False, torch.arange(k - self.res_k.shape[-2], k)))
+            res = (_raw(self.res_k), _raw(self.res_h), self.R, False, None, torch.arange(k - self.res_k.shape[-2], k))
+            parts.append(res)
         return parts
 
     def _columns(self) -> torch.Tensor:
@@ -373,9 +413,9 @@ class TaleLayerCache:
         pos = torch.arange(kappa, dtype=torch.int32, device=self.valid.device).expand(B, kappa)
         pos = pos.masked_fill(~self.valid, -1)  # [B, kappa]
         regions = []
-        for keys, lat, rank, pre, p in self._parts():
+        for keys, lat, rank, pre, basis, p in self._parts():
             rope = self._rope_at(p) if pre else None  # sinks and the tail stay exact, after RoPE
-            regions.append(Region(keys, lat, rank, pos[:, p.to(pos.device)], keys.shape[-2], rope))
+            regions.append(Region(keys, lat, rank, pos[:, p.to(pos.device)], keys.shape[-2], rope, basis))
         return LayerView(regions, kappa, self.window)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from . import key_basis
 from .artifact import ArtifactError, Level, Schedule, read_manifest, schedule_of, verify_files
 from .model import TaleAttention, TaleCache
 from .static_cache import StaticTaleCache
@@ -74,6 +75,7 @@ def override_schedule(
     key_channel_group: int | None = None,
     rotate: str | None = None,
     key_rope: str | None = None,
+    key_rank: int | list[int] | None = None,
 ) -> Schedule:
     """`base` (the artifact's schedule) with some knobs replaced; raises ValueError if the result is invalid.
 
@@ -81,8 +83,8 @@ def override_schedule(
     ranks: one per level or one for all, a fraction of R (float, rounded down to value_group) or a rank
       (int); the same for every layer.
     bits: one per level or one for all, for latents and keys; key_bits then replaces the key bits only.
-    key_axis: "channel" or "token" per level (or one for all); key_meta, value_meta, key_channel_group,
-      rotate, key_rope: see Schedule.
+    key_axis: "channel" or "token" per level (or one for all); key_rank: per level (or one for all), 0 for plain
+      keys; key_meta, value_meta, key_channel_group, rotate, key_rope: see Schedule.
     Changing the number of levels needs `bits`; without `ranks`, level 0 keeps its ranks, the others get R.
     """
     n_old = len(base.levels)
@@ -103,6 +105,9 @@ def override_schedule(
     if key_axis is not None:
         for lv, a in zip(levels, _per_level("key_axis", key_axis, n)):
             lv.key_axis = a
+    if key_rank is not None:
+        for lv, r in zip(levels, _per_level("key_rank", key_rank, n)):
+            lv.key_rank = int(r)
 
     vg = base.value_group if value_group is None else value_group
     if ranks is not None:
@@ -231,6 +236,16 @@ def load(
 
     model.tale_manifest = manifest
     model.tale_schedule = sched
+    # low-rank keys (Level.key_rank): the artifact's key basis, if it has one (a verified file)
+    if verified is not None and key_basis.FILE not in verified and (root / key_basis.FILE).is_file():
+        raise ArtifactError(f"{root}: {key_basis.FILE} is not covered by the manifest checksums")
+    model.tale_key_basis = key_basis.load_file(
+        root, config.num_hidden_layers, config.num_key_value_heads, int(arch["head_dim"]), device
+    )
+    if model.tale_key_basis is None and any(lv.key_rank for lv in sched.levels):
+        raise ArtifactError(
+            f"{root}: the schedule's low-rank keys (key_rank) need a key basis: tale-convert --key-basis"
+        )
     model.tale_path = root
     model.__class__ = tale_class(type(model))
     if device.type == "cuda":
@@ -374,7 +389,9 @@ def new_cache(
         int(arch["num_groups"]),
         int(arch["latent_rank"]),
     )
-    return StaticTaleCache(*args, max_length=max_length) if static else TaleCache(*args, keep=keep)
+    if static:
+        return StaticTaleCache(*args, max_length=max_length)
+    return TaleCache(*args, keep=keep, key_basis=getattr(model, "tale_key_basis", None))
 
 
 def set_output_path(model, path: str) -> None:

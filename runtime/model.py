@@ -80,7 +80,7 @@ class TaleLayer(TaleLayerCache, CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        TaleLayerCache.__init__(self, self.s, self._layer_idx, self.K, self.n, self.G, self.R, self.keep)
+        TaleLayerCache.__init__(self, self.s, self._layer_idx, self.K, self.n, self.G, self.R, self.keep, self.basis)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: pick batch rows of every region."""
@@ -121,10 +121,12 @@ class TaleCache(Cache):
         num_groups: int,
         latent_rank: int,
         keep: str = "recent",
+        key_basis: list | None = None,
     ):
         layers = []
         for i in range(num_layers):
-            layer = TaleLayer(schedule, i, num_kv_heads, head_dim, num_groups, latent_rank, keep)
+            basis = None if key_basis is None else key_basis[i]
+            layer = TaleLayer(schedule, i, num_kv_heads, head_dim, num_groups, latent_rank, keep, basis)
             layer._layer_idx = i
             layers.append(layer)
         super().__init__(layers=layers)

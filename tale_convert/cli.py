@@ -66,6 +66,12 @@ def run(
         help="BITS:CHANNELS: the middle level's keys in two bands, the CHANNELS most important key channels of each "
         "KV head (calibration statistic) at BITS, e.g. 3:16 (torch path)",
     ),
+    key_basis: bool = typer.Option(
+        False,
+        "--key-basis",
+        help="also fit the key basis that low-rank keys read (key_rank levels, with key_rope pre; "
+        "key_basis.safetensors from the calibration keys)",
+    ),
     recent: Optional[str] = typer.Option(
         None, help="share p of non-sink tokens at full rank (one per level above 0; default: the preset's)"
     ),
@@ -100,6 +106,7 @@ def run(
         preset=preset,
         target_ratio=target_ratio,
         key_bands=_bands(key_bands) if key_bands else None,
+        key_basis=key_basis,
         key_bits=_numbers(key_bits, int, "--key-bits") if key_bits else None,
         key_group=key_group,
         value_group=value_group,

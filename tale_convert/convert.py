@@ -74,6 +74,8 @@ class Options:
     # (bits, channels): the middle level's keys in two bands, per KV head the `channels` most important key
     # channels (calibration, tale_convert.stats) at `bits`; the artifact carries the order (format 2.1)
     key_bands: tuple[int, int] | None = None
+    # the key basis of low-rank keys (Level.key_rank, tale_runtime.key_basis): key_basis.safetensors (format 2.2)
+    key_basis: bool = False
     shard_size: str | int = "2GB"
     overwrite: bool = False
     resume: bool = False
@@ -247,6 +249,8 @@ def convert(
         shutil.rmtree(tmp / resume.DIR)
         if bands:
             _key_bands(tmp, manifest, bands, tokens, device, base_card, log)
+        if opts.key_basis:
+            _key_basis(tmp, manifest, tokens, device, log)
         write.publish(tmp, out)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM turned into one by the console layer
         if writer:
@@ -291,6 +295,29 @@ def _key_bands(tmp: Path, manifest: dict, bands: tuple[int, int], tokens, device
     write_json(tmp / MANIFEST, manifest)
     b, c = bands
     log(f"key bands: {c} channels per KV head at {b} bits in the middle ({time.perf_counter() - t:.0f} s)")
+
+
+def _key_basis(tmp: Path, manifest: dict, tokens, device, log) -> None:
+    """The key basis of low-rank keys from the finished artifact (float32, the first calibration samples):
+    key_basis.safetensors, then the hashes follow. The schedule is unchanged (levels opt in with key_rank)."""
+    from safetensors.torch import save_file
+
+    from tale_runtime import key_basis, load
+
+    t = time.perf_counter()
+    model, _ = load(tmp, device=str(device), dtype=torch.float32)
+    batches = [b.to(device) for b in tokens[:16].split(2)]
+    tensors = {}
+    for i, (m2, mean, q2) in enumerate(stats.key_moments(model, batches, skip=model.tale_schedule.sinks)):
+        a = model.model.layers[i].self_attn
+        enc, dec = key_basis.fit(m2.cpu(), mean.cpu(), key_basis.pair_mean(q2.cpu(), a.K, a.head_dim))
+        e, d, m = key_basis.names(i)
+        tensors[e], tensors[d], tensors[m] = enc, dec, mean.float().cpu().contiguous()
+    del model
+    save_file(tensors, str(tmp / key_basis.FILE))
+    manifest["files"] = hash_files(tmp)
+    write_json(tmp / MANIFEST, manifest)
+    log(f"key basis: {len(tensors) // 3} layers ({time.perf_counter() - t:.0f} s)")
 
 
 def _manifest(src, base_files, arch, schedule, layers, calib_info, opts, dtype, files) -> dict:

@@ -91,3 +91,47 @@ def calibration_batches(tok, count: int = 4, length: int = 512, batch: int = 2) 
     wins = ids[: len(ids) // length * length].view(-1, length)
     pick = torch.linspace(0, len(wins) - 1, count * batch).round().long()
     return list(wins[pick].split(batch))
+
+
+@torch.inference_mode()
+def key_moments(
+    model, batches: list[torch.Tensor], skip: int = 4
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per layer: the second moment and the mean of the keys before RoPE, all KV heads joined ([K n, K n], [K n]),
+    and the per-channel
+    second moments of the queries before RoPE, averaged over each KV head's query heads ([K n]), float64, over the
+    calibration `batches` ([B, T] ids; the first `skip` tokens of each sequence left out: sinks stay exact)."""
+    layers = model.model.layers
+    m2 = [0.0] * len(layers)
+    m1 = [0.0] * len(layers)
+    q2 = [0.0] * len(layers)
+    count = [0] * len(layers)
+    hooks = []
+
+    def on_k(i):
+        def hook(mod, args, out):  # out [B, T, K n]: the keys before RoPE
+            x = out[:, skip:].double().flatten(0, 1)
+            m2[i] = m2[i] + x.T @ x
+            m1[i] = m1[i] + x.sum(0)
+            count[i] += len(x)
+
+        return hook
+
+    def on_q(i, K, n):
+        def hook(mod, args, out):  # out [B, T, H n]
+            x = out[:, skip:].double().flatten(0, 1)
+            q2[i] = q2[i] + x.pow(2).view(len(x), K, -1, n).mean(2).sum(0).flatten()
+
+        return hook
+
+    try:
+        for i, layer in enumerate(layers):
+            a = layer.self_attn
+            hooks.append(a.k_proj.register_forward_hook(on_k(i)))
+            hooks.append(a.q_proj.register_forward_hook(on_q(i, a.K, a.head_dim)))
+        for ids in batches:
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [(m / c, s / c, q / c) for m, s, q, c in zip(m2, m1, q2, count)]

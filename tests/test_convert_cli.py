@@ -9,6 +9,7 @@ import pytest
 from conftest import TINY_OPTS, save_tiny
 
 from tale_convert.cli import main
+from tale_runtime.artifact import FORMAT_VERSION
 
 TINY_ARGS = [a for k, v in TINY_OPTS.items() for a in (f"--{k.replace('_', '-')}", str(v))]
 
@@ -154,7 +155,7 @@ def test_key_bands_write_the_calibration_order(llama, tmp_path, capsys):
     code, stdout, err = run([llama, "--out", out, "--group", "2", "--key-bands", "3:8", *TINY_ARGS], capsys)
     assert code == 0, err
     m = json.loads((out / "tale_config.json").read_text())
-    assert m["format_version"] == "2.1" and m["schedule"]["levels"][0]["key_hi_bits"] == 3
+    assert m["format_version"] == FORMAT_VERSION and m["schedule"]["levels"][0]["key_hi_bits"] == 3
     model, _ = load(out, device="cpu", dtype=torch.float32)
     s, cfg = model.tale_schedule, model.config
     assert s.levels[0].key_hi_channels == 8 and len(s.key_order) == cfg.num_hidden_layers
