@@ -200,7 +200,7 @@ class Tale(Policy):
 
     def nominal(self, model) -> float:
         d = Dims.of(model)
-        return nominal_ratio(self.resolve(model), d.n, d.g)
+        return nominal_ratio(self.resolve(model), d.n, d.g, d.K)
 
     def ranks(self, model, pattern: list[int] | None = None) -> list[int]:
         return [rs[0] for rs in self.resolve(model).ranks]

@@ -93,7 +93,7 @@ def schedule_nominal_ratio(model, schedule) -> float | None:
     arch = getattr(model, "tale_manifest", {}).get("architecture", {})
     if "head_dim" not in arch or "group_size" not in arch:
         return None
-    return nominal_ratio(schedule, int(arch["head_dim"]), int(arch["group_size"]))
+    return nominal_ratio(schedule, int(arch["head_dim"]), int(arch["group_size"]), model.config.num_key_value_heads)
 
 
 def eos_ids(model, tokenizer) -> set[int]:

@@ -127,7 +127,7 @@ def _schedule(m: dict) -> str:
         rows.append(f"| {i} | {who} | {share:.3g} | {rank} / {R} | {lv.bits} | {lv.key_bits} |")
     ratio = m.get("nominal_ratio")
     if ratio is None and arch.get("head_dim") and arch.get("group_size"):
-        ratio = nominal_ratio(s, int(arch["head_dim"]), int(arch["group_size"]))
+        ratio = nominal_ratio(s, int(arch["head_dim"]), int(arch["group_size"]), arch.get("num_kv_heads"))
     lines = [
         "## Cache schedule",
         "",

@@ -54,7 +54,7 @@ def run(
     sinks: int = typer.Option(D.sinks, help="sink tokens kept at 16 bits (alpha)"),
     preset: str = typer.Option(
         D.preset,
-        help="schedule preset: paper (default; the paper's: KIVI layout, 16-bit scales) or tale (the best measured per byte on SmolLM2: 2-bit middle keys with the most important half of each head's channels at 3 bits, fp8 scales)",
+        help="schedule preset: paper (default; the paper's: KIVI layout, 16-bit scales), tale (2-bit middle keys with the most important half of each head's channels at 3 bits, fp8 scales; read by the GPU kernel) or lowrank (the best measured per byte on SmolLM2: middle keys before RoPE in 4-bit coefficients on a calibrated key basis, 3-bit latents; torch path only, no kernel yet)",
     ),
     target_ratio: Optional[float] = typer.Option(
         None,

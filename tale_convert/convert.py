@@ -92,7 +92,12 @@ class Options:
             return None
         return p[0], max(8, round(p[1] * head_dim / 8) * 8)
 
-    def schedule(self, R: int, num_layers: int) -> Schedule:
+    def wants_basis(self) -> bool:
+        """Whether the artifact gets a key basis: --key-basis, or a preset with low-rank keys."""
+        return self.key_basis or any(rank_policy.PRESETS.get(self.preset, {}).get("key_rank", ()))
+
+    def schedule(self, R: int, num_layers: int, kv_dim: int | None = None) -> Schedule:
+        """The schedule of the options; kv_dim (K n: the joined keys of a layer) sizes a preset's low-rank keys."""
         if self.policy not in rank_policy.POLICIES:
             raise ConvertError(f"unknown --policy {self.policy!r}: use one of {', '.join(rank_policy.POLICIES)}")
         if not 0 < self.energy <= 1:
@@ -111,6 +116,10 @@ class Options:
             raise ConvertError(f"--r0 must be a fraction of R in (0, 1], got {r0}")
         axes = p["key_axis"] if len(p["key_axis"]) == len(bits) else ["channel"] * len(bits)
         levels = [Level(b, kb, sh, key_axis=a) for b, kb, sh, a in zip(bits, key_bits, (None, *recent), axes)]
+        kr = p.get("key_rank", ())  # per level, a fraction of the joined key dim (0: plain keys)
+        if kr and len(kr) == len(levels):
+            for lv, f in zip(levels, kr):
+                lv.key_rank = max(8, round(f * kv_dim / 8) * 8) if f else 0
         ranks = uniform_ranks(R, num_layers, r0, self.value_group, len(levels))
         n = R // self.group
         # the preset's residual fits its own levels; per-channel newest keys need at least one key group (KIVI)
@@ -125,6 +134,7 @@ class Options:
             key_meta=p["key_meta"],
             value_meta=p["value_meta"],
             key_channel_group=n,
+            key_rope=p.get("key_rope", "post"),
         )
         try:
             schedule.validate(R, num_layers)
@@ -174,7 +184,7 @@ def convert(
 
     src = source.resolve(model)
     config, arch = source.load_config(src, opts.group)
-    schedule = opts.schedule(arch.R, arch.L)
+    schedule = opts.schedule(arch.R, arch.L, arch.K * arch.n)
     bands = opts.bands(arch.n)
     if bands:
         b, c = bands
@@ -249,7 +259,7 @@ def convert(
         shutil.rmtree(tmp / resume.DIR)
         if bands:
             _key_bands(tmp, manifest, bands, tokens, device, base_card, log)
-        if opts.key_basis:
+        if opts.wants_basis():
             _key_basis(tmp, manifest, tokens, device, log)
         write.publish(tmp, out)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM turned into one by the console layer
@@ -305,7 +315,9 @@ def _key_basis(tmp: Path, manifest: dict, tokens, device, log) -> None:
     from tale_runtime import key_basis, load
 
     t = time.perf_counter()
-    model, _ = load(tmp, device=str(device), dtype=torch.float32)
+    plain = Schedule.from_dict(manifest["schedule"])  # the basis does not exist yet: loaded without low-rank keys
+    plain.levels = [replace(lv, key_rank=0) for lv in plain.levels]
+    model, _ = load(tmp, device=str(device), dtype=torch.float32, schedule=plain)
     batches = [b.to(device) for b in tokens[:16].split(2)]
     tensors = {}
     for i, (m2, mean, q2) in enumerate(stats.key_moments(model, batches, skip=model.tale_schedule.sinks)):
@@ -315,6 +327,7 @@ def _key_basis(tmp: Path, manifest: dict, tokens, device, log) -> None:
         tensors[e], tensors[d], tensors[m] = enc, dec, mean.float().cpu().contiguous()
     del model
     save_file(tensors, str(tmp / key_basis.FILE))
+    os.chmod(tmp / key_basis.FILE, 0o644)  # shared like the shards (save_file creates it private)
     manifest["files"] = hash_files(tmp)
     write_json(tmp / MANIFEST, manifest)
     log(f"key basis: {len(tensors) // 3} layers ({time.perf_counter() - t:.0f} s)")
@@ -344,7 +357,7 @@ def _manifest(src, base_files, arch, schedule, layers, calib_info, opts, dtype, 
             "tokens": opts.samples * opts.seq_len,
         },
         "energy_kept": [lr.energy for lr in layers],
-        "nominal_ratio": round(nominal_ratio(schedule, arch.n, arch.g), 4),
+        "nominal_ratio": round(nominal_ratio(schedule, arch.n, arch.g, arch.K), 4),
         "files": files,
     }
 

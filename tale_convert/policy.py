@@ -47,6 +47,22 @@ PRESETS = {
         value_meta="8/8",
         key_bands=(3, 0.5),  # (bits, share of the head dim): 32 of 64 channels per KV head at 3 bits
     ),
+    # the best measured per byte on SmolLM2 (docs/quality.md, "Low-rank keys"; dev text, 6.7x at +1.1%): the middle
+    # level's keys before RoPE as 5/12 of the joined key dim (80 of 192) in coefficients on the calibrated key basis
+    # at 4 bits, 3-bit latents at r0 = R/2, fp8 scales and zeros, newest tokens at 8 bits per token. The torch path
+    # reads it (dynamic cache); the Triton kernel and the static cache do not yet
+    "lowrank": dict(
+        bits=(3, 4, 8),
+        key_bits=(4, 4, 8),
+        recent=(0.1, 0.0),
+        r0=0.5,
+        key_axis=("channel", "channel", "token"),
+        residual=1,
+        key_meta="8/8",
+        value_meta="8/8",
+        key_rope="pre",
+        key_rank=(5 / 12, 0, 0),  # per level, a fraction of the joined key dim K n (0: plain keys)
+    ),
 }
 
 
@@ -184,13 +200,17 @@ def layer_bytes(
     """(bytes held, 16-bit K+V bytes) of one batch-1 cache layer with level ranks `ranks` after `reference` =
     (tokens, prefill, chunk): a dry run with zeros (bytes depend on the call pattern only)."""
     from tale_runtime.cache import TaleLayerCache
+    from tale_runtime.key_basis import KeyBasis
 
     tokens, prefill, chunk = reference
     rest = tokens - 1 - prefill
     pattern = [prefill] + [chunk] * (rest // chunk) + ([rest % chunk] if rest % chunk else [])
-    c = TaleLayerCache(replace(schedule, ranks=[list(ranks)]), 0, K, n, G, R)
+    eye = torch.eye(K * n)  # low-rank keys: any basis of the right shape holds the same bytes
+    basis = KeyBasis(eye, eye, torch.zeros(K * n), K, n) if any(lv.key_rank for lv in schedule.levels) else None
+    c = TaleLayerCache(replace(schedule, ranks=[list(ranks)]), 0, K, n, G, R, basis=basis)
     for T in pattern:
-        c.append(torch.zeros(1, K, T, n, dtype=dtype), torch.zeros(1, G, T, R, dtype=dtype))
+        rope = {"rope": (torch.ones(1, T, n), torch.zeros(1, T, n))} if schedule.key_rope == "pre" else {}
+        c.append(torch.zeros(1, K, T, n, dtype=dtype), torch.zeros(1, G, T, R, dtype=dtype), **rope)
     return c.nbytes(), c.baseline_nbytes()
 
 

@@ -198,3 +198,29 @@ def test_tale_convert_writes_a_verified_basis_that_load_reads(tiny_model_dir, tm
     (out / FILE).write_bytes((out / FILE).read_bytes()[:-1] + b"\0")
     with pytest.raises(ArtifactError):
         load(out, device="cpu")
+
+
+def test_the_lowrank_preset_converts_with_its_basis_and_holds_fewer_bytes(tiny_model_dir, tmp_path):
+    """tale-convert --preset lowrank: the middle level's keys low-rank (5/12 of K n), a key basis written without
+    --key-basis, and a cache smaller than the paper preset's on the same tokens."""
+    src = str(tiny_model_dir("llama"))
+    out = tmp_path / "lr"
+    opts = dict(TINY_OPTS, residual=None)
+    convert(src, out, Options(group=2, preset="lowrank", **opts))
+    model, _ = load(out, device="cpu", dtype=torch.float32)
+    s = model.tale_schedule
+    C = model.config.num_key_value_heads * model.model.layers[0].self_attn.head_dim
+    assert s.key_rope == "pre" and [lv.key_rank for lv in s.levels] == [round(5 / 12 * C / 8) * 8, 0, 0]
+    assert (out / FILE).is_file() and model.tale_key_basis is not None
+    convert(src, tmp_path / "p", Options(group=2, **TINY_OPTS))
+    paper, _ = load(tmp_path / "p", device="cpu", dtype=torch.float32)
+    ids = ids_for(200)
+    sizes = []
+    for m in (model, paper):
+        cache = new_cache(m)
+        with torch.no_grad():
+            m(ids[:, :150], past_key_values=cache)
+            for t in range(150, 199):
+                m(ids[:, t : t + 1], past_key_values=cache)
+        sizes.append(cache.nbytes())
+    assert sizes[0] < sizes[1], sizes
