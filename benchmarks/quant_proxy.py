@@ -195,10 +195,6 @@ def run_format(layers, model, fmt: dict, sink=4, start=128):
         kk[:, sl] = rope(kq, cos[sl], sin[sl]) if fmt.get("pre") else kq
         if fmt.get("pre"):
             k = rope(k, cos, sin)  # the exact reference keys
-        d = torch.ones(r)
-        if "balance" in fmt:  # latents h = x A S^(a-1/2) (B = S^(1-a) V^T): channel variances s_i^(2a)
-            sv = singular_values(attn.tale.v_v).float()[0, :r]
-            d = sv.pow(fmt["balance"] - 0.5)
         if "vbands" in fmt:  # contiguous latent channel ranges (SVD order: most energy first) at their own bits
             parts, c0, nb = [], 0, 0.0
             for ch, bits in fmt["vbands"]:
@@ -209,8 +205,7 @@ def run_format(layers, model, fmt: dict, sink=4, start=128):
             r = c0
             hq, vbits = torch.cat(parts, dim=-1), nb / r
         else:
-            hq, vbits = fq((h[:, sl, :r] * d).contiguous(), fmt["vbits"], 32, -1, fmt.get("vmeta", "16"))
-            hq = hq / d
+            hq, vbits = fq(h[:, sl, :r].contiguous(), fmt["vbits"], 32, -1, fmt.get("vmeta", "16"))
         hh[:, sl] = 0
         hh[:, sl, :r] = hq
         ref = attn_out(q, k, h0, attn.tale.o_fused, attn.scaling, g, sink, start)

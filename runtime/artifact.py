@@ -207,15 +207,18 @@ def uniform_ranks(
 def nominal_ratio(schedule: Schedule, head_dim: int, group: int, kv_heads: int | None = None) -> float:
     """16-bit K+V bits per token-head over TALE's, ignoring sinks and scales (DESIGN.md 1).
 
-    Per token and KV head a level costs key_bits*n + bits*rank/g (a group latent serves g heads); low-rank keys
-    key_bits*key_rank/K (the coefficients serve the layer's K = kv_heads heads). Ranks are averaged over layers.
+    Per token and KV head a level costs key_bits*n + bits*rank/g (a group latent serves g heads); key bands
+    key_hi_bits on key_hi_channels of the n; low-rank keys key_bits*key_rank/K (the coefficients serve the layer's
+    K = kv_heads heads). Ranks are averaged over layers.
     """
     n = head_dim
     if kv_heads is None and any(lv.key_rank for lv in schedule.levels):
         raise ValueError("the nominal ratio of low-rank keys (key_rank) needs kv_heads")
 
     def keys(lv: Level) -> float:
-        return lv.key_bits * (lv.key_rank / kv_heads if lv.key_rank else n)
+        if lv.key_rank:
+            return lv.key_bits * lv.key_rank / kv_heads
+        return lv.key_bits * (n - lv.key_hi_channels) + lv.key_hi_bits * lv.key_hi_channels
 
     layers = schedule.ranks or [[group * n] * len(schedule.levels)]
     per_layer = []

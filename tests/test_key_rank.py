@@ -224,3 +224,41 @@ def test_the_lowrank_preset_converts_with_its_basis_and_holds_fewer_bytes(tiny_m
                 m(ids[:, t : t + 1], past_key_values=cache)
         sizes.append(cache.nbytes())
     assert sizes[0] < sizes[1], sizes
+
+
+def test_nominal_ratio_counts_key_bands_and_low_rank_keys():
+    from tale_runtime.artifact import nominal_ratio
+
+    lv = Level(2, 2, None)
+    s = Schedule(sinks=0, levels=[lv], ranks=[[32]])  # n 16, g 2: 2*16 + 2*32/2 = 64 bits per token-head
+    assert nominal_ratio(s, 16, 2) == pytest.approx(512 / 64)
+    bands = replace(s, levels=[replace(lv, key_hi_bits=4, key_hi_channels=8)])  # keys 2*8 + 4*8 = 48
+    assert nominal_ratio(bands, 16, 2) == pytest.approx(512 / 80)
+    lr = replace(s, key_rope="pre", levels=[replace(lv, key_rank=8)])  # 8 coefficients at 2 bits serve 2 heads
+    assert nominal_ratio(lr, 16, 2, kv_heads=2) == pytest.approx(512 / 40)
+    with pytest.raises(ValueError, match="needs kv_heads"):
+        nominal_ratio(lr, 16, 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs CUDA")
+def test_low_rank_keys_on_cuda_match_the_cpu_with_kernels_on_and_off():
+    """On CUDA the kernel leaves low-rank keys to the reference: kernels on and off give the same logits, and both
+    match the CPU run (float32)."""
+    from dataclasses import replace as dc_replace
+
+    from tale_runtime.load import use_kernels
+
+    tm = talify(tiny_model("llama"), 2)
+    tm.tale_schedule = low_rank(tm.tale_schedule, 16, 0)
+    tm.tale_key_basis = fitted(tm, [ids_for(40, seed=9)])
+    ids = ids_for(90, seed=3)
+    cpu = decode_logits(tm, ids, 60)
+    tm = tm.cuda()
+    tm.tale_key_basis = [
+        dc_replace(b, enc=b.enc.cuda(), dec=b.dec.cuda(), mean=b.mean.cuda()) for b in tm.tale_key_basis
+    ]
+    use_kernels(tm, False)
+    off = decode_logits(tm, ids.cuda(), 60)
+    use_kernels(tm)
+    assert torch.equal(decode_logits(tm, ids.cuda(), 60), off)
+    assert rel(off.cpu(), cpu) < 1e-4
