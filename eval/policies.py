@@ -176,6 +176,10 @@ class Tale(Policy):
                 raise ValueError(f"key_hi takes BITS/CHANNELS, got {key_hi}")
             s = with_key_bands(s, s.key_order, {0: tuple(key_hi)})
             s.validate(d.R, d.layers)
+        if any(lv.key_rank for lv in s.levels) and getattr(model, "tale_key_basis", None) is None:
+            raise ValueError(
+                "schedule override: key_rank needs the artifact's key basis (convert with tale-convert --key-basis)"
+            )
         return s
 
     def detail(self, model) -> str:

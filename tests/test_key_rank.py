@@ -172,6 +172,11 @@ def test_refusals_and_the_manifest_round_trip():
     tm = talify(tiny_model("llama"), 2, low_rank(s, 16, 0))
     with pytest.raises(ValueError, match="needs the artifact's key basis"):
         new_cache(tm)
+    from tale_eval.policies import Tale
+
+    tm.tale_schedule = s
+    with pytest.raises(ValueError, match="schedule override: key_rank needs the artifact's key basis"):
+        Tale({"key_rope": "pre", "key_rank": [16, 0]}).resolve(tm)
 
 
 def test_tale_convert_writes_a_verified_basis_that_load_reads(tiny_model_dir, tmp_path):
@@ -195,8 +200,22 @@ def test_tale_convert_writes_a_verified_basis_that_load_reads(tiny_model_dir, tm
         plain_dir = tmp_path / "plain"
         convert(str(tiny_model_dir("llama")), plain_dir, Options(group=2, **TINY_OPTS))
         load(plain_dir, device="cpu", key_rope="pre", key_rank=[16, 0])
-    (out / FILE).write_bytes((out / FILE).read_bytes()[:-1] + b"\0")
-    with pytest.raises(ArtifactError):
+    from safetensors.torch import load_file, save_file
+
+    from tale_runtime.artifact import hash_files, write_json
+
+    good = (out / FILE).read_bytes()
+    (out / FILE).write_bytes(good[:-1] + b"\0")
+    with pytest.raises(ArtifactError):  # a changed byte: the checksum
+        load(out, device="cpu")
+    (out / FILE).write_bytes(good)
+    t = load_file(out / FILE)
+    t["layers.0.key_dec"] = t["layers.0.key_dec"][:, :-8].contiguous()
+    save_file(t, out / FILE)
+    m = json.loads((out / MANIFEST).read_text())
+    m["files"] = hash_files(out)
+    write_json(out / MANIFEST, m)
+    with pytest.raises(ArtifactError, match="layer 0: key basis of shapes"):  # hashed, but the wrong shape
         load(out, device="cpu")
 
 
