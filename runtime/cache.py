@@ -131,6 +131,39 @@ def key_layout(s: Schedule, level: int) -> dict:
     return dict(group=s.key_group, dim=-2, meta=s.key_meta)
 
 
+class RopeTables:
+    """key_rope "pre": the cos, sin [B, kappa, n] the model rotated each cached key by (bookkeeping like `pos`), to
+    undo RoPE before quantizing and redo it when reading. Every layer of a model sees the same positions, so the
+    layers of one TaleCache share one table: the first layer to append a span extends it, the others find it there."""
+
+    def __init__(self):
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.cos is None else self.cos.shape[1]
+
+    def extend(self, cos: torch.Tensor, sin: torch.Tensor, p0: int) -> None:
+        """Tables [B, T, n] of cache positions p0 .. p0 + T - 1."""
+        T = cos.shape[1]
+        if self.length == p0:
+            self.cos = cos.clone() if self.cos is None else torch.cat([self.cos, cos], 1)
+            self.sin = sin.clone() if self.sin is None else torch.cat([self.sin, sin], 1)
+        elif self.length < p0 + T:
+            raise RuntimeError(f"rope tables hold {self.length} positions; a layer appended {p0}..{p0 + T - 1}")
+
+    def at(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, L, n] float32 of cache positions `pos` [L]."""
+        p = pos.to(self.cos.device)
+        return self.cos[:, p].float(), self.sin[:, p].float()
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Beam search: pick batch rows (once per cache, not per layer)."""
+        if self.cos is not None:
+            self.cos, self.sin = (t.index_select(0, rows.to(t.device)) for t in (self.cos, self.sin))
+
+
 KEEP = ("recent", "salient")  # which key groups the per-channel levels above level 0 keep
 
 
@@ -145,6 +178,7 @@ class TaleLayerCache:
         latent_rank: int,
         keep: str = "recent",
         basis: KeyBasis | None = None,
+        rope: RopeTables | None = None,
     ):
         if keep not in KEEP:
             raise ValueError(f"keep must be one of {', '.join(KEEP)}, got {keep!r}")
@@ -176,10 +210,8 @@ class TaleLayerCache:
         self.q_obs: torch.Tensor | None = None  # [B, H, W, n]
         self.q_pos: torch.Tensor | None = None  # [W] int64
         self.window: int | None = None  # sliding-window layers: a query sees keys less than `window` positions back
-        # key_rope "pre": the cos, sin [B, kappa, n] the model rotated each cached key by (bookkeeping, like `pos`:
-        # a kernel would compute them from positions), to undo RoPE before quantizing and redo it when reading
-        self.rope_cos: torch.Tensor | None = None
-        self.rope_sin: torch.Tensor | None = None
+        # key_rope "pre": the tables of RoPE at every cached position, shared with the cache's other layers
+        self.rope = RopeTables() if rope is None else rope
 
     # -- bookkeeping -------------------------------------------------------------------
 
@@ -214,14 +246,9 @@ class TaleLayerCache:
         r = self.ranks[level]
         if self.s.key_rope == "pre":  # back to the key before RoPE, then quantized (float32; exact up to the
             # rounding of bf16 tables, whose cos^2 + sin^2 misses 1 by up to ~2^-8: far below 2-4 bit steps)
-            cos, sin = self._rope_at(pos)
+            cos, sin = self.rope.at(pos)
             k = apply_rope(k.float(), cos, -sin).to(k.dtype)
         return Store(*quant_level(self.s, level, r, k, h, self.order, self.basis), r, pos)
-
-    def _rope_at(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, L, n] float32 of cache positions `pos` [L]."""
-        p = pos.to(self.rope_cos.device)
-        return self.rope_cos[:, p].float(), self.rope_sin[:, p].float()
 
     def _push(self, level: int, st: Store) -> None:
         cur = self.levels[level]
@@ -294,9 +321,7 @@ class TaleLayerCache:
                 and tuple(rope[0].shape) != (1, T, k.shape[-1])
             ):
                 raise ValueError('key_rope "pre" needs the cos, sin [B, T, n] the appended keys were rotated by')
-            cos, sin = (t.expand(B, T, k.shape[-1]) for t in rope)
-            self.rope_cos = cos.clone() if self.rope_cos is None else torch.cat([self.rope_cos, cos], 1)
-            self.rope_sin = sin.clone() if self.rope_sin is None else torch.cat([self.rope_sin, sin], 1)
+            self.rope.extend(*(t.expand(B, T, k.shape[-1]) for t in rope), self.kappa)
         if valid is None:
             valid = torch.ones(B, T, dtype=torch.bool, device=k.device)
         first = self.valid is None
@@ -414,7 +439,7 @@ class TaleLayerCache:
         pos = pos.masked_fill(~self.valid, -1)  # [B, kappa]
         regions = []
         for keys, lat, rank, pre, basis, p in self._parts():
-            rope = self._rope_at(p) if pre else None  # sinks and the tail stay exact, after RoPE
+            rope = self.rope.at(p) if pre else None  # sinks and the tail stay exact, after RoPE
             regions.append(Region(keys, lat, rank, pos[:, p.to(pos.device)], keys.shape[-2], rope, basis))
         return LayerView(regions, kappa, self.window)
 

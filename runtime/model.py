@@ -21,7 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .artifact import Schedule
 from .attention import apply_rope, latent_attention
-from .cache import TaleLayerCache
+from .cache import RopeTables, TaleLayerCache
 from .static_cache import StaticTaleCache
 
 # Decode attention backend: (q [B, H, T, n], k_new [B, K, T, n], h_new [B, G, T, R], view: regions.LayerView,
@@ -80,7 +80,10 @@ class TaleLayer(TaleLayerCache, CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        TaleLayerCache.__init__(self, self.s, self._layer_idx, self.K, self.n, self.G, self.R, self.keep, self.basis)
+        self.rope.__init__()  # the shared tables: every layer resets with the cache (idempotent)
+        TaleLayerCache.__init__(
+            self, self.s, self._layer_idx, self.K, self.n, self.G, self.R, self.keep, self.basis, self.rope
+        )
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: pick batch rows of every region."""
@@ -90,8 +93,9 @@ class TaleLayer(TaleLayerCache, CacheLayerMixin):
         def pick(t):
             return None if t is None else t.index_select(0, beam_idx.to(t.device))
 
-        self.sink_k, self.sink_h, self.res_k, self.res_h, self.valid, self.rope_cos, self.rope_sin = map(
-            pick, (self.sink_k, self.sink_h, self.res_k, self.res_h, self.valid, self.rope_cos, self.rope_sin)
+        # the rope tables are the cache's, shared by its layers: TaleCache.reorder_cache picks their rows once
+        self.sink_k, self.sink_h, self.res_k, self.res_h, self.valid = map(
+            pick, (self.sink_k, self.sink_h, self.res_k, self.res_h, self.valid)
         )
         for i, st in enumerate(self.levels):
             if st is not None:
@@ -124,9 +128,10 @@ class TaleCache(Cache):
         key_basis: list | None = None,
     ):
         layers = []
+        self.rope = RopeTables()  # key_rope "pre": one table of RoPE per position for all layers
         for i in range(num_layers):
             basis = None if key_basis is None else key_basis[i]
-            layer = TaleLayer(schedule, i, num_kv_heads, head_dim, num_groups, latent_rank, keep, basis)
+            layer = TaleLayer(schedule, i, num_kv_heads, head_dim, num_groups, latent_rank, keep, basis, self.rope)
             layer._layer_idx = i
             layers.append(layer)
         super().__init__(layers=layers)
@@ -137,6 +142,10 @@ class TaleCache(Cache):
 
     def baseline_nbytes(self) -> int:
         return sum(layer.baseline_nbytes() for layer in self.layers)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self.rope.reorder(beam_idx)
 
 
 TALE_CACHES = (TaleCache, StaticTaleCache)

@@ -158,3 +158,27 @@ def test_the_kernel_leaves_keys_before_rope_to_the_reference():
     use_kernels(tm, False)
     b, _ = generate(tm, ids[0], max_new_tokens=20, eos_token_id=[])
     assert a == b
+
+
+def test_the_layers_of_a_cache_share_one_rope_table():
+    """Every layer sees the same positions: one table per cache (not one per layer), extended once per span."""
+    from tale_runtime.cache import RopeTables
+
+    tm = talify(tiny_model("llama"), 2, pre(exact_schedule(32, 2)))
+    cache = new_cache(tm)
+    ids = ids_for(40)
+    with torch.no_grad():
+        tm(ids[:, :30], past_key_values=cache)
+        for t in range(30, 40):
+            tm(ids[:, t : t + 1], past_key_values=cache)
+    assert all(layer.rope is cache.rope for layer in cache.layers)
+    assert cache.rope.length == 40 == cache.layers[1].kappa
+    cache.reset()
+    assert cache.rope.length == 0 and all(layer.rope is cache.rope for layer in cache.layers)
+    t = RopeTables()
+    cos = torch.ones(1, 4, n)
+    t.extend(cos, cos, 0)
+    t.extend(cos[:, :2], cos[:, :2], 2)  # already there (another layer's span): kept as it is
+    assert t.length == 4
+    with pytest.raises(RuntimeError, match="rope tables hold 4 positions"):
+        t.extend(cos, cos, 6)
