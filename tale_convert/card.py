@@ -119,12 +119,14 @@ def _schedule(m: dict) -> str:
     s = Schedule.from_dict(m["schedule"])
     arch = m["architecture"]
     R = arch.get("latent_rank")
+    C = (arch.get("num_kv_heads") or 0) * (arch.get("head_dim") or 0)  # the joined keys of a layer
     rows = []
     for i, (lv, share) in enumerate(zip(s.levels, s.shares())):
         ranks = [rs[i] for rs in s.ranks]
         rank = "?" if not ranks else str(ranks[0]) if len(set(ranks)) == 1 else f"{min(ranks)}..{max(ranks)} (by layer)"
         who = "oldest (middle)" if i == 0 else "most recent" if i == len(s.levels) - 1 else f"level {i}"
-        rows.append(f"| {i} | {who} | {share:.3g} | {rank} / {R} | {lv.bits} | {lv.key_bits} |")
+        kb = f"{lv.key_bits}" + (f" ({lv.key_rank} coefficients of {C})" if lv.key_rank else "")
+        rows.append(f"| {i} | {who} | {share:.3g} | {rank} / {R} | {lv.bits} | {kb} |")
     ratio = m.get("nominal_ratio")
     if ratio is None and arch.get("head_dim") and arch.get("group_size"):
         ratio = nominal_ratio(s, int(arch["head_dim"]), int(arch["group_size"]), arch.get("num_kv_heads"))
@@ -141,6 +143,13 @@ def _schedule(m: dict) -> str:
         f"{s.value_group} channels; the newest tokens wait in a 16-bit residual of up to {s.residual} tokens. "
         f"Level policy: {s.policy}.",
     ]
+    if s.key_rope == "pre":
+        lines[-1] += " Quantized keys are held before RoPE and rotated as they are read."
+    if any(lv.key_rank for lv in s.levels):
+        lines[-1] += (
+            " Low-rank keys: those levels hold the first coefficients of the layer's joined keys on the calibrated "
+            "basis in key_basis.safetensors."
+        )
     if ratio is not None:
         lines += [
             "",

@@ -231,6 +231,8 @@ def test_the_lowrank_preset_converts_with_its_basis_and_holds_fewer_bytes(tiny_m
     C = model.config.num_key_value_heads * model.model.layers[0].self_attn.head_dim
     assert s.key_rope == "pre" and [lv.key_rank for lv in s.levels] == [round(5 / 12 * C / 8) * 8, 0, 0]
     assert (out / FILE).is_file() and model.tale_key_basis is not None
+    card = (out / "README.md").read_text()
+    assert f"4 ({s.levels[0].key_rank} coefficients of {C})" in card and "key_basis.safetensors" in card
     convert(src, tmp_path / "p", Options(group=2, **TINY_OPTS))
     paper, _ = load(tmp_path / "p", device="cpu", dtype=torch.float32)
     ids = ids_for(200)
