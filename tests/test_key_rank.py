@@ -283,3 +283,20 @@ def test_low_rank_keys_on_cuda_match_the_cpu_with_kernels_on_and_off():
     use_kernels(tm)
     assert torch.equal(decode_logits(tm, ids.cuda(), 60), off)
     assert rel(off.cpu(), cpu) < 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the note is about the GPU path")
+def test_tale_run_on_cuda_says_when_the_kernel_does_not_read_the_schedule(tiny_model_dir, tmp_path):
+    from tale_helpers import invoke
+
+    from tale_runtime.cli import main
+
+    src = str(tiny_model_dir("llama"))
+    convert(src, tmp_path / "lr", Options(group=2, preset="lowrank", **dict(TINY_OPTS, residual=None)))
+    convert(src, tmp_path / "p", Options(group=2, **TINY_OPTS))
+    notes = []
+    for art in ("lr", "p"):
+        r = invoke(main, [tmp_path / art, "--prompt", "hello", "--max-new-tokens", "3", "--device", "cuda", "--raw"])
+        assert r.exit_code == 0, r.output
+        notes.append("do not read this schedule" in r.stderr)
+    assert notes == [True, False]
