@@ -61,7 +61,7 @@ def test_fit_inverts_and_orders_by_query_weighted_variance():
     assert torch.equal(pair_mean(torch.tensor([1.0, 2, 3, 4]), 1, 4), torch.tensor([2.0, 3, 2, 3]))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_full_rank_16_bit_low_rank_keys_decode_like_the_base_model(arch):
     base = tiny_model(arch)
     L = base.config.num_hidden_layers
