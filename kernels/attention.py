@@ -1041,12 +1041,26 @@ def _partials(B: int, H: int, R: int, splits: list[int], dev) -> tuple[int, tupl
     return n_slots, (pm, torch.empty_like(pm), pacc, torch.empty(n_slots, device=dev, dtype=torch.int32))
 
 
+# the combine launch (columns per program, slots per step, warps), by how many rows B * H it merges: few rows
+# (batch 1) want narrow column blocks and long slot steps over 4 warps, many rows wide blocks over 2 warps. Swept
+# on the H100 (docs/kernels.md: combine 8.6 -> 6.4 us at 32K B=1, 8.8 -> 5.5 at 32K B=4, 23.1 -> 13.3 at 32K B=16).
+# A dict here overrides the choice (benchmarks sweep it).
+COMBINE: dict | None = None
+
+
+def _combine_launch(rows: int, sms: int) -> dict:
+    if COMBINE is not None:
+        return COMBINE
+    return {"BR": 64, "BS": 128, "num_warps": 4} if 2 * rows <= sms else {"BR": 128, "BS": 64, "num_warps": 2}
+
+
 def _combine(pm, pl, pacc, rk, n_slots: int, q, k_new, h_new, qk: float, rep: int, g: int) -> torch.Tensor:
     """Merge the splits' partials by log-sum-exp with the new token's own score and latent -> z [B, 1, H, R]."""
     B, H, _, n = q.shape
     R = h_new.shape[-1]
     z = torch.empty(B, 1, H, R, device=q.device, dtype=torch.float32)
-    BR = min(pacc.shape[-1], 64)
+    cfg = _combine_launch(B * H, _num_sms(q.device))
+    BR = min(pacc.shape[-1], cfg["BR"])
     _combine_kernel[(B * H, triton.cdiv(R, BR))](
         pm,
         pl,
@@ -1070,9 +1084,9 @@ def _combine(pm, pl, pacc, rk, n_slots: int, q, k_new, h_new, qk: float, rep: in
         N=n,
         REP=rep,
         GS=g,
-        BS=64,
+        BS=cfg["BS"],
         BR=BR,
-        num_warps=4,
+        num_warps=cfg["num_warps"],
     )
     return z
 

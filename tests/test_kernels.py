@@ -265,6 +265,23 @@ def test_decode_attention_matches_reference(case, dtype):
     assert len(seen) > 1 or L0 < 4
 
 
+@pytest.mark.parametrize("rows", ["few", "many"])
+def test_both_combine_launches_match_reference(rows, monkeypatch):
+    """The combine's two launch shapes (attention._combine_launch: by rows B * H against the SM count), each forced
+    on the same many-split cache: both must merge the partials exactly as the reference attends."""
+    dtype = DTYPES[0]
+    c = layer_cache(2, 8, 4, 2, 64, 203, dtype, pad=[0, 11], group=32)
+    sms = 10**6 if rows == "few" else 1
+    monkeypatch.setattr(attention, "_num_sms", lambda dev: sms)
+    want = {"few": 128, "many": 64}[rows]
+    assert attention._combine_launch(16, sms)["BS"] == want
+    q = torch.randn(2, 8, 1, 64, device=DEVICE, dtype=dtype)
+    k = torch.randn(2, 4, 1, 64, device=DEVICE, dtype=dtype)
+    h = torch.randn(2, 2, 1, 128, device=DEVICE, dtype=dtype)
+    z = tale_kernels.latent_attention(q, k, h, c, 0.125, split_tokens=16)
+    assert rel(z, ref_attention(q, k, h, c, 0.125)) < TOL[dtype]
+
+
 def held_meta(v: LayerView, dt: torch.dtype, shift: float) -> LayerView:
     """v with every 16-bit scale and zero held in `dt` times `shift` instead (e.g. bf16 metadata, the old format)."""
 
