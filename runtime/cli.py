@@ -148,7 +148,7 @@ def run(
         max_new_tokens = ctx - len(ids)
         err.print(f"note: --max-new-tokens capped to {max_new_tokens} by the model's context ({ctx})", style="dim")
     set_output_path(m, output_path)
-    if torch.device(dev).type == "cuda" and not m.tale_schedule.fast_path():
+    if dev.type == "cuda" and not m.tale_schedule.fast_path():
         err.print(
             "note: the GPU kernel and the static cache do not read this schedule (keys before RoPE, low-rank keys, "
             "per-token keys or 3-bit latents): decoding through the torch reference on the dynamic cache, far slower "

@@ -236,9 +236,7 @@ def load(
 
     model.tale_manifest = manifest
     model.tale_schedule = sched
-    # low-rank keys (Level.key_rank): the artifact's key basis, if it has one (a verified file)
-    if verified is not None and key_basis.FILE not in verified and (root / key_basis.FILE).is_file():
-        raise ArtifactError(f"{root}: {key_basis.FILE} is not covered by the manifest checksums")
+    # low-rank keys (Level.key_rank): the artifact's key basis, if it has one (verify_files refused it unlisted)
     model.tale_key_basis = key_basis.load_file(
         root, config.num_hidden_layers, config.num_key_value_heads, int(arch["head_dim"]), device
     )
