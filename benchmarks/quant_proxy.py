@@ -24,6 +24,7 @@ from tale_convert.policy import singular_values
 from tale_runtime import load, new_cache
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.attention import apply_rope
+from tale_runtime.key_basis import KeyBasis, fit, pair_mean
 from tale_runtime.model import hadamard
 from tale_runtime.quant import quantize
 
@@ -291,43 +292,34 @@ def nuq_keys(k: torch.Tensor, bits: int, table: torch.Tensor, meta: str) -> tupl
     return x.reshape(K, T, n), bits + META_BITS[meta] / 32
 
 
-def key_basis(layers, model, weighted: bool, sink: int = 4, center: bool = True) -> list[dict]:
-    """Per layer: the mean `mu` [C] and a basis of the pre-RoPE keys of all KV heads joined (C = K n), principal
-    directions first: coefficients c = (k - mu) @ enc, keys back as mu + c @ dec. weighted: principal in the norm
-    of the pre-RoPE queries' second moments per channel (a rotation pair shares its weight: RoPE mixes the pair),
-    so the truncation drops what the logits see least."""
+def key_basis(layers, model, weighted: bool, sink: int = 4, center: bool = True) -> list[KeyBasis]:
+    """Per layer: the basis tale-convert --key-basis fits (tale_runtime.key_basis.fit), from captured keys and
+    queries undone from RoPE: weighted by the pre-RoPE queries' per-channel second moments or not; center=False
+    keeps the mean in the directions (a zero mean)."""
     out = []
     for q, k, _h in layers:
         K, T, n = k.shape
         cos, sin = rope_tables(model, T)
-        kp = rope(k, cos, sin, inverse=True)[:, sink:]
-        X = kp.permute(1, 0, 2).reshape(-1, K * n).double()
+        X = rope(k, cos, sin, inverse=True)[:, sink:].permute(1, 0, 2).reshape(-1, K * n).double()
         mu = X.mean(0) if center else torch.zeros_like(X[0])
-        C = (X - mu).T @ (X - mu) / len(X)
-        w = torch.ones(K * n, dtype=torch.float64)
+        q2 = None
         if weighted:
             qp = rope(q, cos[1:T], sin[1:T], inverse=True)  # queries sit at positions 1 .. T - 1
-            e = qp.view(K, q.shape[0] // K, -1, n).pow(2).mean((1, 2)).double()  # [K, n]
-            e = 0.5 * (e + e.roll(n // 2, -1))
-            w = e.flatten()
-        sw = w.sqrt()
-        ev, U = torch.linalg.eigh(sw[:, None] * C * sw[None])
-        U = U.flip(-1)
-        out.append({"mu": mu.float(), "enc": (sw[:, None] * U).float(), "dec": (U.T / sw[None]).float()})
+            q2 = pair_mean(qp.view(K, q.shape[0] // K, -1, n).pow(2).mean((1, 2)).flatten(), K, n)
+        enc, dec = fit(X.T @ X / len(X), mu, q2)
+        out.append(KeyBasis(enc, dec, mu.float(), K, n))
     return out
 
 
-def lowrank_keys(k: torch.Tensor, st: dict, fmt: dict) -> tuple[torch.Tensor, float]:
+def lowrank_keys(k: torch.Tensor, basis: KeyBasis, fmt: dict) -> tuple[torch.Tensor, float]:
     """k [K, T, n] (pre-RoPE) -> its rank-`rk` reconstruction with the coefficients quantized at `kbits` per channel
     over 32 tokens (`caxis` channel) or per token over 32 channels (token); bits per key number."""
     K, T, n = k.shape
     rk = fmt["rk"]
-    X = k.permute(1, 0, 2).reshape(T, K * n)
-    c = (X - st["mu"]) @ st["enc"][:, :rk]
+    c = basis.encode(k[None], rk)[:, 0]  # [1, T, rk]
     dim = -2 if fmt.get("caxis", "channel") == "channel" else -1
-    cq, cb = fq(c[None].contiguous(), fmt["kbits"], 32, dim, fmt.get("kmeta", "16"))
-    Xh = cq[0] @ st["dec"][:rk] + st["mu"]
-    return Xh.view(T, K, n).permute(1, 0, 2), cb * rk / (K * n)
+    cq, cb = fq(c.contiguous(), fmt["kbits"], 32, dim, fmt.get("kmeta", "16"))
+    return basis.decode(cq[:, None])[0], cb * rk / (K * n)
 
 
 def keyrank_screen(layers, model, tok, ctx: int) -> dict:
