@@ -114,12 +114,18 @@ class Options:
             raise ConvertError(f"{n} levels (--bits) need {n} --key-bits and {n - 1} --recent shares")
         if not 0 < r0 <= 1:
             raise ConvertError(f"--r0 must be a fraction of R in (0, 1], got {r0}")
-        axes = p["key_axis"] if len(p["key_axis"]) == len(bits) else ["channel"] * len(bits)
+        axes, kr = p["key_axis"], p.get("key_rank") or (0,) * len(p["bits"])  # kr: fractions of K n (0: plain)
+        if len(axes) != len(bits):
+            # per-level knobs other than plain per-channel keys cannot follow another level count
+            if set(axes) != {"channel"} or any(kr):
+                raise ConvertError(
+                    f"--preset {self.preset} sets its per-level key layout for {len(axes)} levels; --bits gives "
+                    f"{len(bits)}: give {len(axes)} levels or use --preset paper"
+                )
+            axes, kr = ["channel"] * len(bits), (0,) * len(bits)
         levels = [Level(b, kb, sh, key_axis=a) for b, kb, sh, a in zip(bits, key_bits, (None, *recent), axes)]
-        kr = p.get("key_rank", ())  # per level, a fraction of the joined key dim (0: plain keys)
-        if kr and len(kr) == len(levels):
-            for lv, f in zip(levels, kr):
-                lv.key_rank = max(8, round(f * kv_dim / 8) * 8) if f else 0
+        for lv, f in zip(levels, kr):
+            lv.key_rank = max(8, round(f * kv_dim / 8) * 8) if f else 0
         ranks = uniform_ranks(R, num_layers, r0, self.value_group, len(levels))
         n = R // self.group
         # the preset's residual fits its own levels; per-channel newest keys need at least one key group (KIVI)

@@ -252,6 +252,19 @@ def test_the_lowrank_preset_converts_with_its_basis_and_holds_fewer_bytes(tiny_m
     assert sizes[0] < sizes[1], sizes
 
 
+def test_a_preset_with_per_level_key_layouts_refuses_another_level_count():
+    """--preset lowrank --bits 2,4 would drop its low-rank middle keys and per-token tail: refused, not rewritten;
+    presets whose levels are all plain per-channel keys take any level count."""
+    from tale_convert.convert import ConvertError
+
+    with pytest.raises(ConvertError, match="lowrank sets its per-level key layout for 3 levels; --bits gives 2"):
+        Options(preset="lowrank", bits=(2, 4), recent=(0.1,)).schedule(64, 2, kv_dim=64)
+    s = Options(preset="lowrank", bits=(2, 4, 8), recent=(0.1, 0.0)).schedule(64, 2, kv_dim=192)
+    assert [lv.key_rank for lv in s.levels] == [80, 0, 0] and s.levels[-1].key_axis == "token"
+    s = Options(preset="tale", bits=(2, 4, 4), recent=(0.1, 0.1)).schedule(64, 2)
+    assert [lv.key_axis for lv in s.levels] == ["channel"] * 3 and not any(lv.key_rank for lv in s.levels)
+
+
 def test_nominal_ratio_counts_key_bands_and_low_rank_keys():
     from tale_runtime.artifact import nominal_ratio
 
