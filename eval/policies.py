@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache
 
 from tale_convert.policy import budget_ranks
 from tale_convert.stats import with_key_bands
-from tale_runtime import Schedule, new_cache
+from tale_runtime import Schedule, key_basis, new_cache
 from tale_runtime.artifact import nominal_ratio
 from tale_runtime.cache import KEEP
 from tale_runtime.load import override_schedule
@@ -176,10 +176,8 @@ class Tale(Policy):
                 raise ValueError(f"key_hi takes BITS/CHANNELS, got {key_hi}")
             s = with_key_bands(s, s.key_order, {0: tuple(key_hi)})
             s.validate(d.R, d.layers)
-        if any(lv.key_rank for lv in s.levels) and getattr(model, "tale_key_basis", None) is None:
-            raise ValueError(
-                "schedule override: key_rank needs the artifact's key basis (convert with tale-convert --key-basis)"
-            )
+        if why := key_basis.missing(s.levels, getattr(model, "tale_key_basis", None)):
+            raise ValueError(f"schedule override: {why}")
         return s
 
     def detail(self, model) -> str:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .artifact import Schedule
+from . import key_basis
 from .key_basis import KeyBasis
 from .placement import demotions, fill_counts, flush_count
 from .quant import Bands, QTensor, cat, dequantize, quantize, quantize_bands, requantize, split, take
@@ -189,14 +190,8 @@ class TaleLayerCache:
             raise ValueError(f"layer {layer_idx}: key_order is not [{num_kv_heads} heads][{head_dim} channels]")
         self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank
         self.basis = basis  # the layer's key basis (levels with key_rank read it)
-        kr = max(lv.key_rank for lv in schedule.levels)
-        if kr and (basis is None or kr > basis.enc.shape[1]):
-            raise ValueError(
-                f"key_rank {kr} needs the artifact's key basis of at least that many directions "
-                "(tale-convert --key-basis)"
-                if basis is None
-                else f"key_rank {kr} exceeds the key basis ({basis.enc.shape[1]} directions)"
-            )
+        if why := key_basis.missing(schedule.levels, basis):
+            raise ValueError(f"layer {layer_idx}: {why}")
         if any(lv.key_axis == "token" for lv in schedule.levels) and head_dim % schedule.key_channel_group:
             raise ValueError(f"key_channel_group {schedule.key_channel_group} does not divide the head dim {head_dim}")
         if schedule.rotate == "hadamard" and head_dim & (head_dim - 1):

@@ -67,6 +67,18 @@ def pair_mean(q2: torch.Tensor, K: int, n: int) -> torch.Tensor:
     return (0.5 * (e + e.roll(n // 2, -1))).flatten()
 
 
+def missing(levels, basis: KeyBasis | list[KeyBasis] | None) -> str | None:
+    """Why levels with low-rank keys cannot read `basis` (one layer's, or every layer's), or None when they can:
+    the one check behind load(), tale-eval's overrides and TaleLayerCache."""
+    kr = max((lv.key_rank for lv in levels), default=0)
+    if not kr:
+        return None
+    if basis is None:
+        return f"key_rank {kr} needs the artifact's key basis (tale-convert --key-basis)"
+    have = min(b.enc.shape[1] for b in (basis if isinstance(basis, list) else [basis]))
+    return f"key_rank {kr} exceeds the key basis ({have} directions)" if kr > have else None
+
+
 def load_file(root: Path, num_layers: int, heads: int, head_dim: int, device) -> list[KeyBasis] | None:
     """The artifact's key basis per layer, or None when it has none."""
     from safetensors import SafetensorError, safe_open

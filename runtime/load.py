@@ -240,10 +240,8 @@ def load(
     model.tale_key_basis = key_basis.load_file(
         root, config.num_hidden_layers, config.num_key_value_heads, int(arch["head_dim"]), device
     )
-    if model.tale_key_basis is None and any(lv.key_rank for lv in sched.levels):
-        raise ArtifactError(
-            f"{root}: the schedule's low-rank keys (key_rank) need a key basis: tale-convert --key-basis"
-        )
+    if why := key_basis.missing(sched.levels, model.tale_key_basis):
+        raise ArtifactError(f"{root}: the schedule's low-rank keys: {why}")
     model.tale_path = root
     model.__class__ = tale_class(type(model))
     if device.type == "cuda":

@@ -169,7 +169,7 @@ def test_refusals_and_the_manifest_round_trip():
     assert "key_rank" not in json.dumps(s.to_dict())
     assert Schedule.from_dict(low_rank(s, 16, 0).to_dict()).levels[0].key_rank == 16
     assert not low_rank(s, 16, 0).fast_path()
-    with pytest.raises(ValueError, match="needs the artifact's key basis"):
+    with pytest.raises(ValueError, match="layer 0: key_rank 16 needs the artifact's key basis"):
         TaleLayerCache(low_rank(s, 16, 0), 0, K, n, G, R)
     U = orthonormal()
     with pytest.raises(ValueError, match="exceeds the key basis"):
@@ -180,7 +180,7 @@ def test_refusals_and_the_manifest_round_trip():
     from tale_eval.policies import Tale
 
     tm.tale_schedule = s
-    with pytest.raises(ValueError, match="schedule override: key_rank needs the artifact's key basis"):
+    with pytest.raises(ValueError, match="schedule override: key_rank 16 needs the artifact's key basis"):
         Tale({"key_rope": "pre", "key_rank": [16, 0]}).resolve(tm)
 
 
@@ -201,7 +201,7 @@ def test_tale_convert_writes_a_verified_basis_that_load_reads(tiny_model_dir, tm
     assert rel(decode_logits(full, ids, 10), ref) < 1e-4
     cut, _ = load(out, key_rank=8, **exact)
     assert rel(decode_logits(cut, ids, 10), ref) > 1e-3
-    with pytest.raises(ArtifactError, match="need a key basis"):  # another artifact without the file
+    with pytest.raises(ArtifactError, match="low-rank keys: key_rank 16 needs the artifact's key basis"):  # no file
         plain_dir = tmp_path / "plain"
         convert(str(tiny_model_dir("llama")), plain_dir, Options(group=2, **TINY_OPTS))
         load(plain_dir, device="cpu", key_rope="pre", key_rank=[16, 0])
@@ -222,6 +222,17 @@ def test_tale_convert_writes_a_verified_basis_that_load_reads(tiny_model_dir, tm
     write_json(out / MANIFEST, m)
     with pytest.raises(ArtifactError, match="layer 0: key basis of shapes"):  # hashed, but the wrong shape
         load(out, device="cpu")
+    (out / FILE).write_bytes(good)
+    t = load_file(out / FILE)  # hashed and well-formed, but fewer directions than the schedule reads
+    for i in range(model.config.num_hidden_layers):
+        t[f"layers.{i}.key_enc"] = t[f"layers.{i}.key_enc"][:, :8].contiguous()
+        t[f"layers.{i}.key_dec"] = t[f"layers.{i}.key_dec"][:8].contiguous()
+    save_file(t, out / FILE)
+    m["files"] = hash_files(out)
+    write_json(out / MANIFEST, m)
+    assert load(out, device="cpu", key_rope="pre", key_rank=[8, 0])[0].tale_key_basis[0].enc.shape == (C, 8)
+    with pytest.raises(ArtifactError, match="key_rank 16 exceeds the key basis \\(8 directions\\)"):
+        load(out, device="cpu", key_rope="pre", key_rank=[16, 0])
 
 
 def test_the_lowrank_preset_converts_with_its_basis_and_holds_fewer_bytes(tiny_model_dir, tmp_path):
