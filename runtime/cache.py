@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .artifact import Schedule
 from . import key_basis
+from .artifact import Schedule
 from .key_basis import KeyBasis
 from .placement import demotions, fill_counts, flush_count
 from .quant import Bands, QTensor, cat, dequantize, quantize, quantize_bands, requantize, split, take

@@ -263,10 +263,8 @@ def convert(
         manifest["files"] = hash_files(tmp)  # every file of the artifact, written last (artifact.verify_files)
         write_json(tmp / MANIFEST, manifest)
         shutil.rmtree(tmp / resume.DIR)
-        if bands:
-            _key_bands(tmp, manifest, bands, tokens, device, base_card, log)
-        if opts.wants_basis():
-            _key_basis(tmp, manifest, tokens, device, log)
+        if bands or opts.wants_basis():
+            _calibrated(tmp, manifest, bands, opts.wants_basis(), tokens, device, base_card, log)
         write.publish(tmp, out)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM turned into one by the console layer
         if writer:
@@ -291,52 +289,43 @@ def convert(
     )
 
 
-def _key_bands(tmp: Path, manifest: dict, bands: tuple[int, int], tokens, device, base_card: Path, log) -> None:
-    """Key bands: the channel order from the finished artifact (run in float32 on the first calibration
-    samples, keys as the cache holds them), written into its schedule; the card and hashes follow."""
-    from tale_runtime import load
-
-    t = time.perf_counter()
-    model, _ = load(tmp, device=str(device), dtype=torch.float32)
-    schedule = model.tale_schedule
-    batches = [b.to(device) for b in tokens[:8].split(2)]
-    order = stats.key_order(stats.key_importance(model, batches, schedule.key_group))
-    schedule = stats.with_key_bands(schedule, order, {0: bands})
-    schedule.validate(int(manifest["architecture"]["latent_rank"]), len(schedule.ranks))
-    del model
-    manifest["schedule"] = schedule.to_dict()
-    card = base_card.read_text() if base_card.is_file() else None
-    (tmp / "README.md").write_text(render_card(manifest, card))
-    manifest["files"] = hash_files(tmp)
-    write_json(tmp / MANIFEST, manifest)
-    b, c = bands
-    log(f"key bands: {c} channels per KV head at {b} bits in the middle ({time.perf_counter() - t:.0f} s)")
-
-
-def _key_basis(tmp: Path, manifest: dict, tokens, device, log) -> None:
-    """The key basis of low-rank keys from the finished artifact (float32, the first calibration samples):
-    key_basis.safetensors, then the hashes follow. The schedule is unchanged (levels opt in with key_rank)."""
+def _calibrated(tmp: Path, manifest: dict, bands, basis: bool, tokens, device, base_card: Path, log) -> None:
+    """What needs the finished artifact run on calibration samples (float32, keys as the cache holds them), from
+    one load: the key bands' channel order, written into the schedule (then the card), and the key basis of
+    low-rank keys, key_basis.safetensors. The hashes follow."""
     from safetensors.torch import save_file
 
     from tale_runtime import key_basis, load
 
     t = time.perf_counter()
-    plain = Schedule.from_dict(manifest["schedule"])  # the basis does not exist yet: loaded without low-rank keys
-    plain.levels = [replace(lv, key_rank=0) for lv in plain.levels]
+    schedule = Schedule.from_dict(manifest["schedule"])
+    plain = replace(schedule, levels=[replace(lv, key_rank=0) for lv in schedule.levels])  # no basis yet
     model, _ = load(tmp, device=str(device), dtype=torch.float32, schedule=plain)
-    batches = [b.to(device) for b in tokens[:16].split(2)]
-    tensors = {}
-    for i, (m2, mean, q2) in enumerate(stats.key_moments(model, batches, skip=model.tale_schedule.sinks)):
-        a = model.model.layers[i].self_attn
-        enc, dec = key_basis.fit(m2.cpu(), mean.cpu(), key_basis.pair_mean(q2.cpu(), a.K, a.head_dim))
-        e, d, m = key_basis.names(i)
-        tensors[e], tensors[d], tensors[m] = enc, dec, mean.float().cpu().contiguous()
+    done = []
+    if bands:
+        batches = [b.to(device) for b in tokens[:8].split(2)]
+        order = stats.key_order(stats.key_importance(model, batches, schedule.key_group))
+        schedule = stats.with_key_bands(schedule, order, {0: bands})
+        schedule.validate(int(manifest["architecture"]["latent_rank"]), len(schedule.ranks))
+        manifest["schedule"] = schedule.to_dict()
+        card = base_card.read_text() if base_card.is_file() else None
+        (tmp / "README.md").write_text(render_card(manifest, card))
+        done.append(f"key bands ({bands[1]} channels per KV head at {bands[0]} bits in the middle)")
+    if basis:
+        batches = [b.to(device) for b in tokens[:16].split(2)]
+        tensors = {}
+        for i, (m2, mean, q2) in enumerate(stats.key_moments(model, batches, skip=schedule.sinks)):
+            a = model.model.layers[i].self_attn
+            enc, dec = key_basis.fit(m2.cpu(), mean.cpu(), key_basis.pair_mean(q2.cpu(), a.K, a.head_dim))
+            e, d, m = key_basis.names(i)
+            tensors[e], tensors[d], tensors[m] = enc, dec, mean.float().cpu().contiguous()
+        save_file(tensors, str(tmp / key_basis.FILE))
+        os.chmod(tmp / key_basis.FILE, 0o644)  # shared like the shards (save_file creates it private)
+        done.append(f"key basis ({len(tensors) // 3} layers)")
     del model
-    save_file(tensors, str(tmp / key_basis.FILE))
-    os.chmod(tmp / key_basis.FILE, 0o644)  # shared like the shards (save_file creates it private)
     manifest["files"] = hash_files(tmp)
     write_json(tmp / MANIFEST, manifest)
-    log(f"key basis: {len(tensors) // 3} layers ({time.perf_counter() - t:.0f} s)")
+    log(f"{', '.join(done)}: {time.perf_counter() - t:.0f} s")
 
 
 def _manifest(src, base_files, arch, schedule, layers, calib_info, opts, dtype, files) -> dict:

@@ -235,6 +235,24 @@ def test_tale_convert_writes_a_verified_basis_that_load_reads(tiny_model_dir, tm
         load(out, device="cpu", key_rope="pre", key_rank=[16, 0])
 
 
+def test_key_bands_and_the_key_basis_come_from_one_load_of_the_artifact(tiny_model_dir, tmp_path, monkeypatch):
+    import tale_runtime
+
+    loads, logs = [], []
+    real = tale_runtime.load
+    monkeypatch.setattr(tale_runtime, "load", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
+    out = tmp_path / "tb"
+    convert(
+        str(tiny_model_dir("llama")), out, Options(group=2, preset="tale", key_basis=True, **TINY_OPTS), log=logs.append
+    )
+    assert len(loads) == 1, loads
+    assert any(ln.startswith("key bands (") and "key basis (" in ln for ln in logs), logs
+    model, _ = load(out, device="cpu", dtype=torch.float32)
+    assert model.tale_schedule.levels[0].key_hi_bits == 3 and model.tale_key_basis is not None
+    assert sorted(model.tale_schedule.key_order[0][0]) == list(range(model.model.layers[0].self_attn.head_dim))
+    assert model.tale_schedule.key_order[0][0] != sorted(model.tale_schedule.key_order[0][0])  # calibrated, not 0..n
+
+
 def test_the_lowrank_preset_converts_with_its_basis_and_holds_fewer_bytes(tiny_model_dir, tmp_path):
     """tale-convert --preset lowrank: the middle level's keys low-rank (5/12 of K n), a key basis written without
     --key-basis, and a cache smaller than the paper preset's on the same tokens."""
