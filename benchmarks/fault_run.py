@@ -71,7 +71,8 @@ SIG_ARGS = [
 class Case:
     id: str
     group: str
-    cmd: list[str]  # placeholders: {W} case dir, {MODEL} tiny checkpoint, {ART} fresh artifact copy, {SIG} slow model
+    cmd: list[str]  # placeholders: {W} case dir, {MODEL} tiny checkpoint, {ART} fresh artifact copy, {SIG} slow model,
+    # {LR} a fresh copy of a --preset lowrank artifact
     expect: str = "refuse"  # refuse | accept | interrupt
     fragment: str = ""  # must be in the error line (refuse) or in the output (accept/interrupt)
     setup: Callable[[Path], None] | None = None  # (case dir), run before the command
@@ -610,6 +611,8 @@ def cases() -> list[Case]:
     add("convert-policy", g, [*cv, *out, "--policy", "magic"], "unknown --policy", check=chk)
     add("convert-energy-0", g, [*cv, *out, "--energy", "0"], "--energy must be", check=chk)
     add("convert-r0-0", g, [*cv, *out, "--r0", "0"], "--r0 must be", check=chk)
+    add("convert-one-level-recent", g, [*cv, *out, "--bits", "4"], "(--recent= for none)", check=chk)
+    add("convert-one-level", g, [*cv, *out, "--bits", "4", "--recent="], "nominal ratio", expect="accept")
     add(
         "convert-read-only-fs",
         g,
@@ -704,7 +707,7 @@ def cases() -> list[Case]:
     add("eval-dtype", g, [*ev, "--dtype", "fp16"], "--dtype must be bf16 or fp32")
     add("eval-energy-0", g, [*ev, "--energy", "0"], "--energy must be")
     add("eval-passkey-depth", g, [*ev, "--passkey-lengths", "1k", "--passkey-depths", "0.55"], "no pass-key samples")
-    add("eval-ctx-too-long", g, [*ev, "--ctx", "100000"], "held-out corpus")
+    add("eval-ctx-too-long", g, [*ev, "--ctx", "100000"], "0 windows of 100000")
     add("eval-missing-artifact", g, ["tale-eval", "{W}/none"], "no such artifact directory")
 
     # tale-push: everything checked locally, nothing printed before the error, local files never rewritten
@@ -767,7 +770,76 @@ def cases() -> list[Case]:
         setup=steps(write("README.md", "# my own notes\n", "art"), save_readme),
         check=readme_unchanged,
     )
+
+    # low-rank keys: --preset lowrank and its key basis ({LR}: a fresh copy of a tale-convert --preset lowrank artifact;
+    # setups reach it as art(w / "lr"))
+    g = "low-rank keys"
+    lr_run = ["tale-run", "{LR}", "--prompt", "hi", "--max-new-tokens", "2", "--dtype", "fp32"]
+    add(
+        "convert-lowrank-other-levels",
+        g,
+        [*cv, "--out", "{W}/out", "--preset", "lowrank", "--bits", "2,4", "--recent", "0.1"],
+        "--preset lowrank sets its per-level key layout for 3 levels; --bits gives 2",
+        check=nothing_at("out"),
+    )
+    add("lowrank-runs", g, lr_run, "generated 2 tok", expect="accept")
+    add("lowrank-basis-deleted", g, lr_run, "key_basis.safetensors", setup=lambda w: delete(BASIS)(w / "lr"))
+    add(
+        "lowrank-basis-flipped",
+        g,
+        lr_run,
+        "checksum mismatch for key_basis.safetensors",
+        setup=lambda w: flip(BASIS)(w / "lr"),
+    )
+    add(
+        "basis-copied-into-paper-artifact",
+        g,
+        run,
+        "key_basis.safetensors is not in the manifest",
+        setup=lambda w: shutil.copy(PATHS["LR"] / BASIS, art(w) / BASIS),
+    )
+    add(
+        "lowrank-basis-narrow-rehashed",
+        g,
+        lr_run,
+        "exceeds the key basis (8 directions)",
+        setup=narrow_basis,
+    )
+    add(
+        "eval-key-rank-without-basis",
+        g,
+        [
+            *ev,
+            "--frontier",
+            "--families",
+            "tale",
+            "--tale-variants",
+            "key_rope=pre,key_rank=16/0",
+            "--frontier-out",
+            "{W}/f",
+        ],
+        "key_rank 16 needs the artifact's key basis",
+        check=nothing_at("f.md"),
+    )
     return C
+
+
+BASIS = "key_basis.safetensors"
+
+
+def narrow_basis(w: Path) -> None:
+    """The lowrank artifact's basis cut to 8 directions in every layer and re-hashed: well-formed, too narrow."""
+    from safetensors.torch import load_file, save_file
+
+    f = art(w / "lr") / BASIS
+    t = load_file(f)
+    for name in list(t):
+        if name.endswith("key_enc"):
+            t[name] = t[name][:, :8].contiguous()
+        elif name.endswith("key_dec"):
+            t[name] = t[name][:8].contiguous()
+    save_file(t, f)
+    edit_manifest(lambda m: rehash(BASIS)(m, w / "lr"))(w / "lr")
 
 
 # The converter's source checks of issue 12.
@@ -844,15 +916,16 @@ def build(work: Path) -> None:
         head_dim=32,
     )
     PATHS["SIG"] = save_tiny(work / "sig", "sig", tok)
-    PATHS["ART"] = work / "art"
-    p = subprocess.run(
-        [str(BIN / "tale-convert"), str(PATHS["MODEL"]), *TINY_ARGS, "--out", str(PATHS["ART"])],
-        capture_output=True,
-        text=True,
-        env=_env({}),
-    )
-    if p.returncode:
-        sys.exit(f"fault run: could not build the tiny artifact: {p.stderr}")
+    PATHS["ART"], PATHS["LR"] = work / "art", work / "lr"
+    for out, extra in ((PATHS["ART"], []), (PATHS["LR"], ["--preset", "lowrank"])):
+        p = subprocess.run(
+            [str(BIN / "tale-convert"), str(PATHS["MODEL"]), *TINY_ARGS, *extra, "--out", str(out)],
+            capture_output=True,
+            text=True,
+            env=_env({}),
+        )
+        if p.returncode:
+            sys.exit(f"fault run: could not build the tiny artifact {out.name}: {p.stderr}")
 
 
 def _env(extra: dict) -> dict:
@@ -877,7 +950,10 @@ def run_case(case: Case, work: Path) -> dict:
     w = work / case.id
     w.mkdir()
     shutil.copytree(PATHS["ART"], w / "art")
+    if any("{LR}" in a for a in case.cmd):
+        shutil.copytree(PATHS["LR"], art(w / "lr"))
     subst = {"{W}": str(w), "{MODEL}": str(PATHS["MODEL"]), "{ART}": str(w / "art"), "{SIG}": str(PATHS["SIG"])}
+    subst["{LR}"] = str(art(w / "lr"))
 
     def fill(s: str) -> str:
         for k, v in subst.items():

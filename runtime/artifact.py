@@ -87,7 +87,7 @@ class Schedule:
     def fast_path(self) -> bool:
         """What the GPU fast path reads: the static cache holds it (per-channel keys) and the Triton decode kernel
         reads every level of it (keys at 2/3/4/8/16 bits, whole or in bands; latents at 2/4/8/16 bits; any
-        scale/zero format; keys after RoPE). Both presets of tale-convert qualify."""
+        scale/zero format; keys after RoPE). The paper and tale presets of tale-convert qualify, lowrank does not."""
         return self.key_rope == "post" and all(lv.key_axis == "channel" and lv.bits != 3 for lv in self.levels)
 
     def validate(self, R: int, num_layers: int | None = None) -> None:

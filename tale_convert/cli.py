@@ -64,7 +64,7 @@ def run(
     key_bands: Optional[str] = typer.Option(
         None,
         help="BITS:CHANNELS: the middle level's keys in two bands, the CHANNELS most important key channels of each "
-        "KV head (calibration statistic) at BITS, e.g. 3:16 (torch path)",
+        "KV head (calibration statistic) at BITS, e.g. 3:16",
     ),
     key_basis: bool = typer.Option(
         False,
@@ -100,14 +100,18 @@ def run(
         device=device,
         dtype=dtype,
         sinks=sinks,
-        recent=_numbers(recent, float, "--recent") if recent else None,
+        recent=None
+        if recent is None
+        else _numbers(recent, float, "--recent")
+        if recent.strip()
+        else (),  # "": one level
         r0=r0,
-        bits=_numbers(bits, int, "--bits") if bits else None,
+        bits=None if bits is None else _numbers(bits, int, "--bits"),
         preset=preset,
         target_ratio=target_ratio,
         key_bands=_bands(key_bands) if key_bands else None,
         key_basis=key_basis,
-        key_bits=_numbers(key_bits, int, "--key-bits") if key_bits else None,
+        key_bits=None if key_bits is None else _numbers(key_bits, int, "--key-bits"),
         key_group=key_group,
         value_group=value_group,
         residual=residual,

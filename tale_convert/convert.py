@@ -105,13 +105,15 @@ class Options:
         if self.preset not in rank_policy.PRESETS:
             raise ConvertError(f"unknown --preset {self.preset!r}: use one of {', '.join(rank_policy.PRESETS)}")
         p = rank_policy.PRESETS[self.preset]
-        bits = self.bits or p["bits"]
-        key_bits = self.key_bits or (self.bits if self.bits else p["key_bits"])
-        recent = self.recent or p["recent"]
-        r0 = self.r0 or p["r0"]
+        # None: the preset's; anything given is checked, so --r0 0 is refused rather than read as unset
+        bits = p["bits"] if self.bits is None else self.bits
+        key_bits = self.key_bits if self.key_bits is not None else (p["key_bits"] if self.bits is None else bits)
+        recent = p["recent"] if self.recent is None else self.recent
+        r0 = p["r0"] if self.r0 is None else self.r0
         if len(key_bits) != len(bits) or len(recent) != len(bits) - 1:
             n = len(bits)
-            raise ConvertError(f"{n} levels (--bits) need {n} --key-bits and {n - 1} --recent shares")
+            none = " (--recent= for none)" if n == 1 else ""
+            raise ConvertError(f"{n} level(s) (--bits) need {n} --key-bits and {n - 1} --recent shares{none}")
         if not 0 < r0 <= 1:
             raise ConvertError(f"--r0 must be a fraction of R in (0, 1], got {r0}")
         axes, kr = p["key_axis"], p.get("key_rank") or (0,) * len(p["bits"])  # kr: fractions of K n (0: plain)

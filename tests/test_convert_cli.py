@@ -59,6 +59,10 @@ def test_converts_and_reports(llama, tmp_path, capsys):
         "bad-dtype",
         "bad-shard-size",
         "recent-count",
+        "one-level-needs-no-recent",
+        "r0-zero",
+        "empty-bits",
+        "lowrank-level-count",
         "sliding-window",
     ],
 )
@@ -86,10 +90,29 @@ def test_bad_input(case, llama, tiny_model_dir, tmp_path, capsys, monkeypatch):
         "bits-value": ([llama, "--group", "2", "--bits", "5,4"], "bits must be one of"),
         "bad-dtype": ([llama, "--group", "2", "--dtype", "int8"], "unknown --dtype"),
         "bad-shard-size": ([llama, "--group", "2", "--shard-size", "lots"], "bad size"),
-        "recent-count": ([llama, "--group", "2", "--recent", "0.1,0.2"], "2 levels"),
+        "recent-count": ([llama, "--group", "2", "--recent", "0.1,0.2"], "2 level(s)"),
+        "one-level-needs-no-recent": ([llama, "--group", "2", "--bits", "4"], "0 --recent shares (--recent= for none)"),
+        "r0-zero": ([llama, "--group", "2", "--r0", "0"], "--r0 must be a fraction of R in (0, 1], got 0"),  # not unset
+        "empty-bits": ([llama, "--group", "2", "--bits", ""], "--bits '': expected comma-separated numbers"),
+        "lowrank-level-count": (
+            [llama, "--group", "2", "--preset", "lowrank", "--bits", "2,4", "--recent", "0.1"],
+            "--preset lowrank sets its per-level key layout for 3 levels; --bits gives 2",
+        ),
         "sliding-window": ([tiny_model_dir("mistral"), "--group", "2", "--seq-len", "300"], "sliding window 256"),
     }[case]
     assert_bad([*TINY_ARGS, "--out", out, *argv], capsys, tmp_path, match)  # the case's options come last: they win
+
+
+def test_one_level_with_no_recent_shares(llama, tmp_path, capsys):
+    """--recent= (empty): a single-level schedule (every non-sink token at the same rank and bits)."""
+    code, out, err = run(
+        [llama, "--out", tmp_path / "one", "--group", "2", *TINY_ARGS, "--bits", "4", "--recent="], capsys
+    )
+    assert code == 0, err
+    from tale_runtime import load
+
+    s = load(tmp_path / "one", device="cpu")[0].tale_schedule
+    assert [lv.bits for lv in s.levels] == [4] and [lv.share for lv in s.levels] == [None]
 
 
 def test_calib_wrong_type(llama, tmp_path, capsys):
