@@ -1131,7 +1131,7 @@ def write_doc(
         "- Nothing half-written: a failed conversion leaves nothing at `--out`; `tale-push` never writes local",
         "  files (the card and its checksum go to the Hub from memory) and prints nothing before its error.",
         "",
-        "The console layer is `tale_runtime/console.py` (`run_app`, `UserError`, `device`, `read_text`,",
+        "The console layer is `runtime/console.py`, module `tale_runtime.console` (`run_app`, `UserError`, `device`, `read_text`,",
         "`writable_dir`, `writable_file`); the artifact checks are `tale_runtime.artifact.hash_files` and",
         "`verify_files` (docs/artifact.md): the manifest hashes every file of the artifact but itself, the loader",
         "refuses any file not listed, and reads only the shards the verified index names.",

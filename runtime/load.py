@@ -173,7 +173,8 @@ def load(
     """Return (model, tokenizer) with TALE attention in every layer.
 
     `schedule` replaces the artifact's; `overrides` (sinks, recent, ranks, bits, key_bits, key_group,
-    value_group, residual) then change single knobs, see `override_schedule`. Problems with the
+    value_group, residual, key_axis, key_meta, value_meta, key_channel_group, rotate, key_rope, key_rank) then change
+    single knobs, see `override_schedule`. Problems with the
     artifact raise ArtifactError, bad overrides ValueError. The tokenizer is None if the artifact has none.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
