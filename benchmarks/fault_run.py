@@ -605,7 +605,7 @@ def cases() -> list[Case]:
     add("convert-value-group-0", g, [*cv, *out, "--value-group", "0"], "--value-group must be >= 1", check=chk)
     add("convert-bits-5", g, [*cv, *out, "--bits", "5,4"], "bits must be one of", check=chk)
     add("convert-bits-not-number", g, [*cv, *out, "--bits", "2,x"], "--bits '2,x'", check=chk)
-    add("convert-recent-count", g, [*cv, *out, "--recent", "0.1,0.2"], "2 levels", check=chk)
+    add("convert-recent-count", g, [*cv, *out, "--recent", "0.1,0.2"], "2 level(s)", check=chk)
     add("convert-dtype-int8", g, [*cv, *out, "--dtype", "int8"], "unknown --dtype", check=chk)
     add("convert-shard-size", g, [*cv, *out, "--shard-size", "lots"], "bad size", check=chk)
     add("convert-policy", g, [*cv, *out, "--policy", "magic"], "unknown --policy", check=chk)
