@@ -170,6 +170,19 @@ def synth_view(
     return LayerView(regions, npos, window)
 
 
+def channel_major(v: LayerView, on: bool = True) -> LayerView:
+    """The view with its packed latents stored channel-major (slots contiguous: the static cache's layout, which
+    the kernel unpacks in the dot's operand layout), or (on=False) row-major; the same codes either way."""
+
+    def lay(t: QTensor) -> QTensor:
+        if t.bits >= 8:
+            return t
+        d = t.data.transpose(-1, -2).contiguous().transpose(-1, -2) if on else t.data.contiguous()
+        return dataclasses.replace(t, data=d)
+
+    return LayerView([dataclasses.replace(r, lat=lay(r.lat)) for r in v.regions], v.next_pos, v.window)
+
+
 def view_bytes(v: LayerView, part: str = "all") -> int:
     """Bytes of the used slots: packed codes, scales, zeros (and 16-bit tensors); `part` "keys" / "lat": one side."""
     total = 0

@@ -11,6 +11,8 @@ of 32), bf16, pointers and strides marked divisible by 16 as the JIT specializes
     ASM=2,3,4 python benchmarks/sass_report.py onepasstale 4 2 3  # the widths the one-pass kernel unpacks in PTX
     DOT=bf16 python benchmarks/sass_report.py onepass 4 2 2  # one-pass operands in bf16 (default fp16, as
                                                              # latent_attention on caches of float16 metadata)
+    CM=0 python benchmarks/sass_report.py onepass 4 2 2      # latents row-major (default: channel-major, as the
+                                                             # static cache holds them)
 
 Writes OUTDIR/<args>.sass and .ttgir (OUTDIR: $SASS_OUT or /tmp; the TTGIR shows which loads the software
 pipeline turned into cp.async) and prints registers, stack, shared memory, the
@@ -100,10 +102,11 @@ def onepass_kernel(which, bits):
 
         c = StaticTaleCache(bd.preset_schedule("tale"), 1, bd.K, bd.N, bd.G, bd.R, max_length=L + 64)
         c.layers[0].append(torch.randn(B, bd.K, L, bd.N, dtype=bd.DT), torch.randn(B, bd.G, L, bd.R, dtype=bd.DT))
-        regions = [max(c.layers[0].view().regions, key=lambda r: r.capacity)]
+        v = bd.channel_major(c.layers[0].view(), CM)
+        regions = [max(v.regions, key=lambda r: r.capacity)]
     else:
         only = None if which == "onepassall" else f"{bits}bit"
-        regions = bd.synth_view(B, L, only=only).regions
+        regions = bd.channel_major(bd.synth_view(B, L, only=only), CM).regions
     q = torch.randn(B, bd.H, 1, bd.N, dtype=bd.DT if BF16 else torch.float16)  # as latent_attention passes it
     args = [A._region_args(r, q, bd.REP, bd.N, bd.GS, bd.KG, 64, 64, ASM, 1.0 if BF16 else 2.0**-8) for r in regions]
     while len(args) < A.NREG:
@@ -146,6 +149,7 @@ def onepass_kernel(which, bits):
 
 
 QREG = os.environ.get("QREG", "0") == "1"
+CM = os.environ.get("CM", "1") == "1"  # onepass: latents channel-major (the static cache's layout); CM=0 row-major
 BF16 = os.environ.get("DOT", "fp16") == "bf16"  # the one-pass kernel's dot operands (latent_attention's `dot`)
 ASM = tuple(int(b) for b in os.environ.get("ASM", "2,4").split(",") if b)  # widths on the PTX unpack (onepass*)
 KINDS = ("keys", "lat", "keysall", "latall", "onepass", "onepassall", "onepasstale")

@@ -150,48 +150,66 @@ def _lat_plane(
     DOT: tl.constexpr,
     ASM: tl.constexpr,
     SH: tl.constexpr,
+    HT: tl.constexpr = False,
 ):
     """Latent channels i*P .. i*P + P - 1 of a tile, dequantized: [BT, PP] in DOT, times SH. Rows that are
-    not real slots come out zero (scales masked), whatever the buffer holds there. hm: (1 / fp8 bias, shift)."""
+    not real slots come out zero (scales masked), whatever the buffer holds there. hm: (1 / fp8 bias, shift).
+    HT (packed latents stored channel-major, unpacked in PTX): hb is [PP, BT], dequantized in that orientation and
+    handed back transposed, so the bytes reach the dot's operand layout without a 16-bit tile in shared memory."""
     hinv = hm[0]
     sh = hm[1]
     jp = tl.arange(0, PP)
-    if HBITS < 16:  # per token over channel groups
-        if P >= VG:  # whole groups in the plane: [BT, PP // VG]
+    if HBITS < 8 and ASM and HT:
+        if P >= VG:  # scales [PP // VG, BT]
             gi = tl.arange(0, PP // VG)
-            gm = ok[:, None] & (gi < P // VG)[None, :]
-            hs, hz = _meta(hs_ptr, hz_ptr, soff[:, None] + ((i * P) // VG + gi)[None, :], gm, hinv, sh, HMETA, DOT, SH)
+            gm = ok[None, :] & (gi < P // VG)[:, None]
+            hs, hz = _meta(hs_ptr, hz_ptr, soff[None, :] + ((i * P) // VG + gi)[:, None], gm, hinv, sh, HMETA, DOT, SH)
+            x3 = plane_asm(tl.reshape(hb, (PP // VG, VG, BT)), hs[:, None, :], hz[:, None, :], i, HBITS, DOT)
+            x = tl.trans(tl.reshape(x3, (PP, BT)))
         else:  # the plane lies inside one group: [BT]
             hs, hz = _meta(hs_ptr, hz_ptr, soff + (i * P) // VG, ok, hinv, sh, HMETA, DOT, SH)
-    if HBITS < 8 and ASM:  # unpack and scale in one PTX block, 4 codes per register
-        if P >= VG:
-            x3 = plane_asm(tl.reshape(hb, (BT, PP // VG, VG)), hs[:, :, None], hz[:, :, None], i, HBITS, DOT)
-            x = tl.reshape(x3, (BT, PP))
-        else:
-            x = plane_asm(hb, hs[:, None], hz[:, None], i, HBITS, DOT)
+            x = tl.trans(plane_asm(hb, hs[None, :], hz[None, :], i, HBITS, DOT))
     else:
-        if HBITS < 8:
-            x = plane(hb, i, HBITS, DOT)
-        elif HBITS == 8:
-            x = to_float(
-                tl.load(
-                    h_ptr + hoff[:, None] + (i * P + jp)[None, :], mask=tm[:, None] & (jp < P)[None, :], other=0
-                ).to(tl.int32),
-                8,
-                DOT,
-            )
-        else:
-            x = _shifted(
-                tl.load(h_ptr + hoff[:, None] + (i * P + jp)[None, :], mask=ok[:, None] & (jp < P)[None, :], other=0.0),
-                sh,
-                SH,
-                DOT,
-            )
-        if HBITS < 16:
+        if HBITS < 16:  # per token over channel groups
+            if P >= VG:  # whole groups in the plane: [BT, PP // VG]
+                gi = tl.arange(0, PP // VG)
+                gm = ok[:, None] & (gi < P // VG)[None, :]
+                hs, hz = _meta(
+                    hs_ptr, hz_ptr, soff[:, None] + ((i * P) // VG + gi)[None, :], gm, hinv, sh, HMETA, DOT, SH
+                )
+            else:  # the plane lies inside one group: [BT]
+                hs, hz = _meta(hs_ptr, hz_ptr, soff + (i * P) // VG, ok, hinv, sh, HMETA, DOT, SH)
+        if HBITS < 8 and ASM:  # unpack and scale in one PTX block, 4 codes per register
             if P >= VG:
-                x = tl.reshape(tl.reshape(x, (BT, PP // VG, VG)) * hs[:, :, None] + hz[:, :, None], (BT, PP))
+                x3 = plane_asm(tl.reshape(hb, (BT, PP // VG, VG)), hs[:, :, None], hz[:, :, None], i, HBITS, DOT)
+                x = tl.reshape(x3, (BT, PP))
             else:
-                x = x * hs[:, None] + hz[:, None]
+                x = plane_asm(hb, hs[:, None], hz[:, None], i, HBITS, DOT)
+        else:
+            if HBITS < 8:
+                x = plane(hb, i, HBITS, DOT)
+            elif HBITS == 8:
+                x = to_float(
+                    tl.load(
+                        h_ptr + hoff[:, None] + (i * P + jp)[None, :], mask=tm[:, None] & (jp < P)[None, :], other=0
+                    ).to(tl.int32),
+                    8,
+                    DOT,
+                )
+            else:
+                x = _shifted(
+                    tl.load(
+                        h_ptr + hoff[:, None] + (i * P + jp)[None, :], mask=ok[:, None] & (jp < P)[None, :], other=0.0
+                    ),
+                    sh,
+                    SH,
+                    DOT,
+                )
+            if HBITS < 16:
+                if P >= VG:
+                    x = tl.reshape(tl.reshape(x, (BT, PP // VG, VG)) * hs[:, :, None] + hz[:, :, None], (BT, PP))
+                else:
+                    x = x * hs[:, None] + hz[:, None]
     return x
 
 
@@ -199,11 +217,12 @@ def _lat_plane(
 #   runtime RT: latents h, s_hb, s_hg, s_ht, hs, hz, s_hsb, s_hsg, s_hst, h_bias | pos, s_pb | length, splits,
 #               shift, then per key part (RT_KEY items from RT_KEY0 + RT_KEY * j): q_j, s_qb, s_qh, k, s_kb, s_kh, s_kt,
 #               ks, kz, s_ksb, s_ksh, s_kst, k_bias (q_j: the query's channels of part j, gathered per KV head)
-#   constexpr CT: RANK, NPH, P, PP, BT, HDOT, LENP, HBITS, HMETA, HBP, HASM, KROWS, NKP, SH,
+#   constexpr CT: RANK, NPH, P, PP, BT, HDOT, LENP, HBITS, HMETA, HBP, HASM, KROWS, NKP, SH, HT (packed latents stored
+#               channel-major: slots contiguous, s_ht then holds the stride of a channel byte),
 #               then per key part (CT_KEY items from CT_KEY0 + CT_KEY * j): KBITS, NK, NPK, KW, KDOT, KASM, KMETA, KBP
 RT_KEY0 = tl.constexpr(15)
 RT_KEY = tl.constexpr(13)
-CT_KEY0 = tl.constexpr(14)
+CT_KEY0 = tl.constexpr(15)
 CT_KEY = tl.constexpr(8)
 
 
@@ -432,6 +451,7 @@ def _region(
     HASM: tl.constexpr = CT[10]
     NKP: tl.constexpr = CT[12]
     SH: tl.constexpr = CT[13]  # keys, latents and queries enter the dots times SH: undone on logits and acc
+    HT: tl.constexpr = CT[14]
     sh = RT[14]  # SH as a runtime value (_shifted)
     h_ptr = RT[0]
     hs_ptr = RT[4]
@@ -510,12 +530,20 @@ def _region(
         hoff = hrow + t * RT[3]
         soff = srow + t * RT[8]
         hb = pv  # stands in when the latents are not packed
-        if HBITS < 8:
+        if HBITS < 8 and HT:  # [PP, BT]: byte j of slot t at hrow + j * s_ht + t
+            # masked by the row (s_ht slots, a multiple of 16), not the length: a mask that is uniform over 16 slots
+            # keeps the loads vectorized (t_end read on the device is not known to be aligned). Slots past the
+            # length read codes of unused slots, which the masked scales zero.
+            hm_ = (jp < P)[:, None] & (t < RT[3])[None, :]
+            hb = tl.load(h_ptr + hrow + jp[:, None] * RT[3] + t[None, :], mask=hm_, other=0)
+            if not HASM:
+                hb = tl.trans(hb)
+        elif HBITS < 8:
             hb = tl.load(h_ptr + hoff[:, None] + jp[None, :], mask=tm[:, None] & (jp < P)[None, :], other=0)
         acc0 = _dot(
             pd,
             _lat_plane(
-                h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hm, 0, HBITS, HMETA, P, PP, VG, BT, DOT, HASM, SH
+                h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hm, 0, HBITS, HMETA, P, PP, VG, BT, DOT, HASM, SH, HT
             ),
             acc0 * alpha[:, None],
             HDOT,
@@ -524,7 +552,7 @@ def _region(
             acc1 = _dot(
                 pd,
                 _lat_plane(
-                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hm, 1, HBITS, HMETA, P, PP, VG, BT, DOT, HASM, SH
+                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hm, 1, HBITS, HMETA, P, PP, VG, BT, DOT, HASM, SH, HT
                 ),
                 acc1 * alpha[:, None],
                 HDOT,
@@ -533,7 +561,7 @@ def _region(
             acc2 = _dot(
                 pd,
                 _lat_plane(
-                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hm, 2, HBITS, HMETA, P, PP, VG, BT, DOT, HASM, SH
+                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hm, 2, HBITS, HMETA, P, PP, VG, BT, DOT, HASM, SH, HT
                 ),
                 acc2 * alpha[:, None],
                 HDOT,
@@ -541,7 +569,7 @@ def _region(
             acc3 = _dot(
                 pd,
                 _lat_plane(
-                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hm, 3, HBITS, HMETA, P, PP, VG, BT, DOT, HASM, SH
+                    h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hm, 3, HBITS, HMETA, P, PP, VG, BT, DOT, HASM, SH, HT
                 ),
                 acc3 * alpha[:, None],
                 HDOT,
@@ -982,17 +1010,20 @@ def _region_args(
     read it (times sh, in their dtype); key bands gather theirs from `raw` (the caller's query; default q)."""
     hq = r.lat
     parts = _key_parts(r.keys)
-    ht = _c(hq.data)
-    hs, hz = (_c(hq.scale), _c(hq.zero)) if hq.bits != 16 else (ht, ht)  # never read at 16 bits
     hb = hq.bits
+    # packed latents stored channel-major (the static cache's buffers): read in place, s_ht = a channel byte's stride
+    HT = hb < 8 and hq.data.stride(-2) == 1 and hq.data.stride(-1) != 1
+    ht = hq.data if HT else _c(hq.data)
+    hs, hz = (_c(hq.scale), _c(hq.zero)) if hq.bits != 16 else (ht, ht)  # never read at 16 bits
     hbias, hbp = _bias_arg(hq)
     BT = block_t if (hb != 16 or any(kq.bits != 16 for kq, _ in parts)) else 32
     NPH, P = (8 // hb, r.rank * hb // 8) if hb < 8 else _lat_planes(r.rank)
     PP = max(16, pow2(P))
     ln = r.length
-    rt = [ht, *ht.stride()[:3], hs, hz, *hs.stride()[:3], hbias, r.pos, r.pos.stride(0), ln, ns, sh]
+    rt = [ht, *ht.stride()[:2], ht.stride(3) if HT else ht.stride(2), hs, hz, *hs.stride()[:3], hbias]
+    rt += [r.pos, r.pos.stride(0), ln, ns, sh]
     ct = [r.rank, NPH, P, PP, BT, PP >= 32, isinstance(ln, torch.Tensor), hb, _meta_code(hq), hbp, hb in asm]
-    ct += [max(1, BT // KG), len(parts), sh]
+    ct += [max(1, BT // KG), len(parts), sh, HT]
     # per part [B, H, 1, c]: per query head, the channels of its KV head in that band
     src, ssh = (q, 1.0) if raw is None else (raw, sh)
     qs = [q] if parts[0][1] is None else _band_queries(src, [i for _, i in parts], rep, ssh, q.dtype)

@@ -9,7 +9,8 @@ Per layer (B batch rows, K KV heads, n head dim, G groups, R = g*n latent width,
     sinks     keys [B, K, S, n], latents [B, G, S, R]          16-bit, S = max left padding + alpha
     level i   keys QTensor [B, K, C_i, n*kb/8] (+ scale/zero [B, K, C_i/key_group, n]), or Bands of such
               buffers over the band's channels (index [K, c] on the device, the layer's key_order),
-              latents QTensor [B, G, C_i, r_i*b/8] (+ scale/zero [B, G, C_i, r_i/value_group])
+              latents QTensor [B, G, C_i, r_i*b/8] (+ scale/zero [B, G, C_i, r_i/value_group]); with 16-bit
+              scales the codes channel-major (a transposed view of [B, G, r_i*b/8, C_i']: the kernel's dot layout)
               fp8 scales/zeros (key_meta, value_meta "8/16", "8/8"): one bias per buffer, a device scalar
               (a captured graph reads the current one) mirrored on the host; a write with a smaller bias
               re-biases the buffer first (as quant.cat does), one with a larger bias is re-biased to the buffer's
@@ -158,7 +159,14 @@ def _empty_q(
     `meta`, with the bias a device scalar; 16-bit ones per meta_format."""
     if bits == 16:
         return QTensor(torch.zeros(*lead, tokens, channels, dtype=dtype, device=device), None, None, 16, group, dim)
-    data = torch.zeros(*lead, tokens, channels * bits // 8, dtype=torch.uint8, device=device)
+    if dim == -1 and meta == "16":  # latents channel-major (slots contiguous): the decode kernel unpacks them in
+        # the dot's operand layout (H100: paper preset 1.13-1.17x; with fp8 scales 0.75-0.84x, so those stay
+        # row-major: docs/kernels.md); rows padded to 16 bytes, so a channel byte's stride is 16-aligned
+        pad = -(-tokens // 16) * 16
+        data = torch.zeros(*lead, channels * bits // 8, pad, dtype=torch.uint8, device=device).transpose(-1, -2)
+        data = data[..., :tokens, :]
+    else:
+        data = torch.zeros(*lead, tokens, channels * bits // 8, dtype=torch.uint8, device=device)
     sshape = (*lead, tokens // group, channels) if dim == -2 else (*lead, tokens, channels // group)
     mdt, shift = meta_format(dtype, meta)
     scale = torch.zeros(sshape, dtype=mdt if meta == "16" else FP8, device=device)
@@ -285,7 +293,7 @@ class StaticTaleLayer(CacheLayerMixin):
 
     def capacity_nbytes(self) -> int:
         """Bytes allocated for this layer."""
-        return sum(t.numel() * t.element_size() for t in self._tensors()) + 4 * sum(
+        return sum(t.untyped_storage().nbytes() for t in self._tensors()) + 4 * sum(
             q.meta != "16" for q in self._qbufs()
         )
 

@@ -420,6 +420,48 @@ def test_view_with_capacity_device_lengths_and_any_order(dtype):
     assert rel(z, want) < TOL[dtype]
 
 
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_channel_major_latents_read_like_row_major(dtype, group):
+    """Packed latents stored channel-major (slots contiguous, as the static cache allocates them) are read in place
+    (CT flag HT, a channel byte's stride as s_ht) and give what the row-major copy gives: 2-bit rank 64 and 4-bit
+    rank 128, value groups of 16 (whole groups per plane) and 32 (the 2-bit planes inside one group), left padding."""
+    c = layer_cache(2, 8, 4, 2, 64, 150, dtype, pad=[0, 7], group=group)
+    v = c.view()
+    q, k, h = (
+        torch.randn(2, 8, 1, 64, device=DEVICE, dtype=dtype),
+        torch.randn(2, 4, 1, 64, device=DEVICE, dtype=dtype),
+        torch.randn(2, 2, 1, 128, device=DEVICE, dtype=dtype),
+    )
+
+    def cm(t):  # the same codes, channel-major
+        d = t.data.transpose(-1, -2).contiguous().transpose(-1, -2)
+        return t if t.bits >= 8 else replace(t, data=d)
+
+    view = LayerView([replace(r, lat=cm(r.lat)) for r in v.regions], v.next_pos, None)
+    packed = [r for r in view.regions if r.lat.bits < 8]
+    assert {r.lat.bits for r in packed} == {2, 4} and all(r.lat.data.stride(-2) == 1 for r in packed)
+    assert all(attention._region_args(r, q, 4, 64, 2, group, 64, 1, ())[1][14] for r in packed)  # read in place
+    assert attention.supported(q, k, h, view)
+    z = tale_kernels.latent_attention(q, k, h, view, 0.125, split_tokens=32)
+    assert rel(z, tale_kernels.latent_attention(q, k, h, v, 0.125, split_tokens=32)) < 1e-5  # k order may differ
+    assert rel(z, ref_attention(q, k, h, v, 0.125)) < TOL[dtype]
+
+
+def test_static_cache_holds_packed_latents_channel_major():
+    from tale_runtime.static_cache import StaticTaleCache
+
+    s = Schedule(ranks=uniform_ranks(128, 1, 0.5, value_group=16), key_group=8, value_group=16, residual=8)
+    layer = StaticTaleCache(s, 1, 4, 64, 2, 128, max_length=300).layers[0]  # capacities of 8k slots
+    layer.append(torch.randn(1, 4, 200, 64, device=DEVICE), torch.randn(1, 2, 200, 128, device=DEVICE))
+    lat = [r.lat for r in layer.view().regions if r.lat.bits < 8]
+    assert lat and all(t.data.stride(-2) == 1 and t.data.stride(-1) % 16 == 0 for t in lat)  # aligned rows
+    assert any(t.data.stride(-1) > t.data.shape[-2] for t in lat)  # a capacity padded to it
+    fp8 = StaticTaleCache(replace(s, value_meta="8/8"), 1, 4, 64, 2, 128, max_length=300).layers[0]
+    fp8.append(torch.randn(1, 4, 200, 64, device=DEVICE), torch.randn(1, 2, 200, 128, device=DEVICE))
+    assert all(r.lat.data.stride(-1) == 1 for r in fp8.view().regions)  # fp8 latent scales: row-major (faster)
+
+
 def test_bfloat16_cache_metadata_formats():
     """A bf16 cache stores its 16-bit scales/zeros as float16 times 2^-8 (quant.meta_format). The kernel reads them
     as float16 operands by default (the result of dot=torch.float16), converts them for dot=torch.bfloat16, reads
