@@ -161,6 +161,28 @@ def _rank(r: float | int, R: int, value_group: int) -> int:
     return int(r)
 
 
+# transformers 5.24 renamed the cache argument of forward() and generate() (past_key_values -> cache): TALE attention
+# would get no cache and decode without one, so newer versions are refused until the runtime reads both names
+TRANSFORMERS_BELOW = (5, 24)
+
+
+def check_transformers(version: str | None = None) -> None:
+    """Refuse (UserError, one line) a transformers release the runtime does not read yet."""
+    import re
+
+    import transformers
+
+    from .console import UserError
+
+    v = version or transformers.__version__
+    if tuple(int(x) for x in re.findall(r"\d+", v)[:2]) >= TRANSFORMERS_BELOW:
+        lo = ".".join(map(str, TRANSFORMERS_BELOW))
+        raise UserError(
+            f"transformers {v} is not supported yet ({lo} renamed past_key_values to cache): "
+            f"pip install 'transformers>=5.0,<{lo}'"
+        )
+
+
 def load(
     path_or_id: str | os.PathLike,
     device: str | torch.device | None = None,
@@ -179,6 +201,7 @@ def load(
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    check_transformers()
     root = resolve(path_or_id, revision)
     manifest = read_manifest(root)
     # only verified files are read below: the shards come from the index, and each must be in the manifest
