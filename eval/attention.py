@@ -23,7 +23,10 @@ class EvalAttention(nn.Module):
         self.tale = tale
         self.v_proj = tale.v_proj  # the original W_V, where tale_convert.policy's Fisher scores look for it
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+    def forward(
+        self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, cache=None, **kwargs
+    ):
+        past_key_values = cache if cache is not None else past_key_values  # transformers >= 5.24 passes `cache`
         t = self.tale
         if isinstance(past_key_values, TaleCache):
             return t(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)

@@ -17,6 +17,7 @@ import torch
 
 import tale_calib
 from tale_calib import documents, heldout_path
+from tale_runtime.model import cache_arg
 
 from .policies import Dims, Policy
 
@@ -85,13 +86,13 @@ def run(model, tokenizer, samples: list[dict], policy: Policy, max_new_tokens: i
         ids = tokenizer(s["prompt"], return_tensors="pt").input_ids.to(model.device)
         pattern = [ids.shape[1]] + [1] * (max_new_tokens - 1)
         cache = policy.build(model, pattern)
-        logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(ids, **cache_arg(cache), use_cache=True, logits_to_keep=1).logits
         out = []
         for i in range(max_new_tokens):
             nxt = logits[:, -1].argmax(-1, keepdim=True)
             out.append(int(nxt))
             if i + 1 < max_new_tokens:
-                logits = model(nxt, past_key_values=cache, use_cache=True).logits
+                logits = model(nxt, **cache_arg(cache), use_cache=True).logits
         text = tokenizer.decode(out, skip_special_tokens=True)
         ok = first_number(text) == s["answer"]
         correct += ok

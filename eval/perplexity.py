@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 from tale_calib import documents, text_path
+from tale_runtime.model import cache_arg
 
 
 def heldout_windows(tokenizer, length: int, count: int, text: str = "dev") -> torch.Tensor:
@@ -39,10 +40,10 @@ def pattern(length: int, prefill: int, chunk: int) -> list[int]:
 def decode_nll(model, ids: torch.Tensor, cache: Cache, prefill: int, chunk: int) -> tuple[float, int]:
     """Summed NLL and count of the targets ids[:, prefill+1:], each predicted by a decode call."""
     ids = ids.to(model.device)
-    model(ids[:, :prefill], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(ids[:, :prefill], **cache_arg(cache), use_cache=True, logits_to_keep=1)
     nll, count, s = 0.0, 0, prefill
     for T in pattern(ids.shape[1], prefill, chunk)[1:]:
-        logits = model(ids[:, s : s + T], past_key_values=cache, use_cache=True).logits
+        logits = model(ids[:, s : s + T], **cache_arg(cache), use_cache=True).logits
         target = ids[:, s + 1 : s + T + 1]
         nll += F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), reduction="sum").item()
         count += target.numel()

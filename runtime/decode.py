@@ -25,7 +25,7 @@ import warnings
 
 import torch
 
-from .model import TaleAttention, rotate, rotation
+from .model import TaleAttention, cache_arg, rotate, rotation
 from .static_cache import StaticTaleCache
 
 
@@ -155,7 +155,7 @@ class CudaGraphDecoder:
             if self.step is not None:
                 return self.step(ids, position_ids)
         out = self.model(
-            input_ids=ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1
+            input_ids=ids, position_ids=position_ids, **cache_arg(self.cache), use_cache=True, logits_to_keep=1
         )
         return out.logits[:, -1]
 

@@ -16,7 +16,7 @@ import torch
 from .artifact import nominal_ratio
 from .decode import CudaGraphDecoder
 from .load import new_cache
-from .model import TaleCache
+from .model import TaleCache, cache_arg
 from .static_cache import StaticTaleCache
 
 
@@ -168,7 +168,7 @@ def generate(
 
     out: list[int] = []
     t0 = time.perf_counter()
-    logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    logits = model(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1).logits
     _sync(device)
     prefill_s = time.perf_counter() - t0
     decoder = CudaGraphDecoder(model, cache, compile=compile) if graphed else None
@@ -186,7 +186,7 @@ def generate(
             logits = decoder(step, pos)[:, None]
             pos += 1
         else:
-            logits = model(input_ids=step, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            logits = model(input_ids=step, **cache_arg(cache), use_cache=True, logits_to_keep=1).logits
     _sync(device)
     decode_s = time.perf_counter() - t1 if len(out) > 1 else 0.0
     if stream is not None and (text := stream.flush()):

@@ -14,7 +14,7 @@ from safetensors import SafetensorError, safe_open
 
 from . import key_basis
 from .artifact import ArtifactError, Level, Schedule, read_manifest, schedule_of, verify_files
-from .model import TaleAttention, TaleCache
+from .model import CACHE_KW, TaleAttention, TaleCache, cache_arg
 from .static_cache import StaticTaleCache
 
 SUPPORTED = ("llama", "mistral", "qwen2")
@@ -161,9 +161,9 @@ def _rank(r: float | int, R: int, value_group: int) -> int:
     return int(r)
 
 
-# transformers 5.24 renamed the cache argument of forward() and generate() (past_key_values -> cache): TALE attention
-# would get no cache and decode without one, so newer versions are refused until the runtime reads both names
-TRANSFORMERS_BELOW = (5, 24)
+# transformers releases the runtime was tested on: 5.24 renamed the cache argument (past_key_values -> cache), which
+# the runtime follows (model.CACHE_KW), and a release past the tested ones is refused rather than trusted to decode
+TRANSFORMERS_BELOW = (5, 25)
 
 
 def check_transformers(version: str | None = None) -> None:
@@ -178,8 +178,8 @@ def check_transformers(version: str | None = None) -> None:
     if tuple(int(x) for x in re.findall(r"\d+", v)[:2]) >= TRANSFORMERS_BELOW:
         lo = ".".join(map(str, TRANSFORMERS_BELOW))
         raise UserError(
-            f"transformers {v} is not supported yet ({lo} renamed past_key_values to cache): "
-            f"pip install 'transformers>=5.0,<{lo}'"
+            f"transformers {v} is newer than the releases tale-kv is tested on (5.24 renamed past_key_values to "
+            f"cache; such changes can silently drop the TALE cache): pip install 'transformers>=5.0,<{lo}'"
         )
 
 
@@ -286,16 +286,16 @@ class TaleGenerationMixin:
       a CUDA graph instead (runtime/decode.py; `disable_compile=True` keeps them eager)."""
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE_KW)
         default = generation_config.use_cache is not False and generation_config.cache_implementation is None
         if cache is None and default:
-            model_kwargs["past_key_values"] = new_cache(self)
+            model_kwargs[CACHE_KW] = new_cache(self)
         elif isinstance(cache, StaticTaleCache) and cache.max_length is None:
             cache.max_length = kwargs.get("max_cache_length", args[-1] if args else None)
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE_KW)
         if isinstance(cache, StaticTaleCache):  # not through cache.is_compileable: HF would then build 4D masks
             return self.device.type == "cuda" and not generation_config.disable_compile
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
@@ -304,14 +304,14 @@ class TaleGenerationMixin:
         return functools.partial(_graphed_call, self, super().get_compiled_call(compile_config))
 
 
-def _graphed_call(model, compiled, input_ids=None, past_key_values=None, position_ids=None, **kwargs):
+def _graphed_call(model, compiled, input_ids=None, position_ids=None, **kwargs):
     """A decode step of generate(): one token per row over a StaticTaleCache replays its CUDA graph;
-    other caches get transformers' compiled call."""
-    cache = past_key_values
+    other caches get transformers' compiled call. kwargs carry the cache under CACHE_KW."""
+    cache = kwargs.get(CACHE_KW)
     if not isinstance(cache, StaticTaleCache):
-        return compiled(input_ids=input_ids, past_key_values=past_key_values, position_ids=position_ids, **kwargs)
+        return compiled(input_ids=input_ids, position_ids=position_ids, **kwargs)
     if input_ids is None or input_ids.shape[1] != 1:
-        return model(input_ids=input_ids, past_key_values=past_key_values, position_ids=position_ids, **kwargs)
+        return model(input_ids=input_ids, position_ids=position_ids, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     from .decode import CudaGraphDecoder
@@ -321,7 +321,7 @@ def _graphed_call(model, compiled, input_ids=None, past_key_values=None, positio
         dec = cache.decoder = CudaGraphDecoder(model, cache)
     if position_ids is None:  # what the model itself would use: the cache position
         position_ids = torch.full_like(input_ids, cache.get_seq_length())
-    return CausalLMOutputWithPast(logits=dec(input_ids, position_ids)[:, None], past_key_values=cache)
+    return CausalLMOutputWithPast(logits=dec(input_ids, position_ids)[:, None], **cache_arg(cache))
 
 
 _TALE_CLASSES: dict[type, type] = {}

@@ -17,12 +17,23 @@ from dataclasses import replace
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .artifact import Schedule
 from .attention import apply_rope, latent_attention
 from .cache import RopeTables, TaleLayerCache
 from .static_cache import StaticTaleCache
+
+# transformers 5.24 renamed the cache argument of forward() and generate(), and the output field, from
+# past_key_values to cache (the old name is deprecated until 5.40): the runtime passes and reads the installed one
+CACHE_KW = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def cache_arg(cache) -> dict:
+    """The keyword that hands `cache` to forward()/generate() in the installed transformers."""
+    return {CACHE_KW: cache}
+
 
 # Decode attention backend: (q [B, H, T, n], k_new [B, K, T, n], h_new [B, G, T, R], view: regions.LayerView,
 # scaling) -> z [B, T, H, R] float32. The runtime swaps in the Triton kernel on CUDA (tale_kernels), the torch
@@ -249,7 +260,10 @@ class TaleAttention(nn.Module):
         keys were rotated by, so the cache undoes and redoes exactly the model's rotation, whatever the positions."""
         return {"rope": position_embeddings} if getattr(layer, "s", None) and layer.s.key_rope == "pre" else {}
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+    def forward(
+        self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, cache=None, **kwargs
+    ):
+        past_key_values = cache if cache is not None else past_key_values  # transformers >= 5.24 passes `cache`
         B, T, _ = hidden_states.shape
         q, k = self.qk(hidden_states, *position_embeddings)
 

@@ -15,6 +15,7 @@ import torch
 
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.attention import latent_attention
+from tale_runtime.model import cache_arg
 
 
 @torch.inference_mode()
@@ -60,8 +61,8 @@ def key_importance(model, batches: list[torch.Tensor], key_group: int = 32) -> l
             layer.self_attn.attention_fn = hook(i)
         for ids in batches:
             cache = new_cache(model, exact)
-            model(ids[:, :1], past_key_values=cache)  # the exact prefill does not call attention_fn
-            model(ids[:, 1:], past_key_values=cache)
+            model(ids[:, :1], **cache_arg(cache))  # the exact prefill does not call attention_fn
+            model(ids[:, 1:], **cache_arg(cache))
     finally:
         for layer, fn in zip(layers, saved):
             layer.self_attn.attention_fn = fn

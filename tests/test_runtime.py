@@ -409,19 +409,20 @@ def test_smollm2_answers_paris(smollm2_artifact):
     assert math.isclose(stats.nominal_ratio, model.tale_manifest["nominal_ratio"], rel_tol=1e-3)
 
 
-def test_a_transformers_release_that_renamed_the_cache_argument_is_refused(tmp_path, monkeypatch):
-    """transformers 5.24 passes the cache as `cache`, not `past_key_values`: TALE attention would decode without
-    one. load() refuses it in one line before reading anything; the installed release passes."""
+def test_a_transformers_release_past_the_tested_ones_is_refused(tmp_path, monkeypatch):
+    """transformers 5.24 renamed the cache argument (the runtime passes and reads either name); a later release
+    could drop the TALE cache silently, so load() refuses it in one line before reading anything."""
     import transformers
 
     from tale_runtime.console import UserError
     from tale_runtime.load import check_transformers
 
-    check_transformers()  # the one installed (pyproject pins it below 5.24)
-    for v in ("5.24.0", "5.30.1", "6.0.0.dev0"):
-        with pytest.raises(UserError, match=f"transformers {v} is not supported yet .*<5.24'"):
+    check_transformers()  # the one installed (pyproject pins it below 5.25)
+    for v in ("5.25.0", "5.30.1", "6.0.0.dev0"):
+        with pytest.raises(UserError, match=f"transformers {v} is newer than the releases .*<5.25'"):
             check_transformers(v)
     check_transformers("5.23.0")
-    monkeypatch.setattr(transformers, "__version__", "5.24.0")
+    check_transformers("5.24.0")
+    monkeypatch.setattr(transformers, "__version__", "5.25.0")
     with pytest.raises(UserError, match="renamed past_key_values to cache"):
         load(tmp_path / "nothing-here")  # refused before the path is looked at
