@@ -14,6 +14,7 @@ from tale_runtime import ArtifactError, load, new_cache, set_output_path
 from tale_runtime.artifact import Schedule, hash_files, nominal_ratio, uniform_ranks
 from tale_runtime.generate import TextStream, generate
 from tale_runtime.load import override_schedule
+from tale_runtime.model import cache_arg
 
 CASES = [("llama", 1), ("llama", 2), ("llama", 4), ("mistral", 2), ("qwen2", 2), ("qwen2", 4), ("mha", 2)]
 
@@ -122,7 +123,7 @@ def hf_greedy(model, ids, mask=None, cache=None, n=24):
     out = model.generate(
         ids,
         attention_mask=mask,
-        past_key_values=cache,
+        **cache_arg(cache),
         max_new_tokens=n,
         min_new_tokens=n,
         do_sample=False,
@@ -136,6 +137,32 @@ def test_hf_generate_greedy_equals_the_original_model_at_exact_settings():
     tm = talify(base, 2, exact_schedule(32, 2))
     ids = ids_for(20)
     assert torch.equal(hf_greedy(tm, ids, cache=new_cache(tm)), hf_greedy(base, ids))
+
+
+def test_the_cache_goes_by_the_installed_releases_name_and_nothing_warns():
+    """transformers 5.24 renamed past_key_values to cache (the old name warns until 5.40): generate() and a forward
+    with a cache under cache_arg's name raise no deprecation warning, and TALE attention reads the cache under either
+    name (load()'s generate hooks are checked by tale-run and the demo, which warn on neither release)."""
+    import warnings
+
+    from tale_runtime.model import CACHE_KW
+
+    tm = talify(tiny_model("llama"), 2)
+    ids = ids_for(40)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        hf_greedy(tm, ids, cache=new_cache(tm), n=6)
+        tm(ids, **cache_arg(new_cache(tm)))
+    attn = tm.model.layers[0].self_attn
+    x = torch.randn(1, 40, tm.config.hidden_size)
+    pe = tm.model.rotary_emb(x, torch.arange(40)[None])
+    outs = []
+    for name in ("cache", "past_key_values"):
+        c = new_cache(tm)
+        attn(x, pe, None, **{name: c})
+        outs.append(attn(x[:, -1:], tuple(t[:, -1:] for t in pe), None, **{name: c})[0])  # a decode step on it
+        assert c.layers[0].kappa == 41, name  # the cache was read and filled under this name
+    assert torch.equal(*outs) and CACHE_KW in ("cache", "past_key_values")
 
 
 def test_left_padded_batch_gives_the_single_row_tokens():
