@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from tale_runtime.model import cache_arg
+
 LLAMA_8B = dict(
     hidden_size=4096,
     intermediate_size=14336,
@@ -210,7 +212,7 @@ def check(src: Path, art: Path) -> list[str]:
     want = base(ids).logits
     del base
     model, _ = load(art, device=DEVICE, dtype=torch.bfloat16)
-    same = torch.equal(model(ids, past_key_values=new_cache(model)).logits, want)
+    same = torch.equal(model(ids, **cache_arg(new_cache(model))).logits, want)
     lines.append(f"prefill logits (512 tokens, bf16, {DEVICE}) equal to the base model's: {same}")
     assert same, lines
     return lines

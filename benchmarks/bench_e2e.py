@@ -46,7 +46,7 @@ from tale_runtime.artifact import Schedule, uniform_ranks
 from tale_runtime.attention import latent_attention as reference
 from tale_runtime.decode import CudaGraphDecoder, DecodeStep
 from tale_runtime.load import tale_class
-from tale_runtime.model import TaleAttention
+from tale_runtime.model import TaleAttention, cache_arg
 
 GiB = 2**30
 T0 = time.perf_counter()
@@ -158,7 +158,7 @@ def prefill(model, cache, ctx: int, B: int = 1):
     sync()
     peak_reset()
     t = time.perf_counter()
-    logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    logits = model(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1).logits[:, -1]
     sync()
     return logits.argmax(-1, keepdim=True), time.perf_counter() - t
 
@@ -209,7 +209,7 @@ def launches(fn) -> tuple[int, float]:
 
 def hf_step(model, cache):
     def step(ids, pos):
-        out = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, position_ids=pos, **cache_arg(cache), use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
 
     return step
@@ -251,7 +251,7 @@ def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
         ]:
             use_kernels(model, kern and kernel)
             cache = new_cache(model, static=static, max_length=ctx + n_steps + 2)
-            model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=ids, attention_mask=mask, **cache_arg(cache), use_cache=True, logits_to_keep=1)
             pos = mask.sum(-1, keepdim=True)  # positions of the next token, per row
             t0 = time.perf_counter()
             if graphed == "step":
@@ -290,8 +290,8 @@ def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
         )
         if generate:  # model.generate: the static cache's decode steps replay a CUDA graph (TaleGenerationMixin)
             kw = dict(attention_mask=mask, max_new_tokens=n_steps, do_sample=False)
-            want = model.generate(ids, past_key_values=new_cache(model, static=True), disable_compile=True, **kw)
-            got = model.generate(ids, past_key_values=new_cache(model, static=True), **kw)
+            want = model.generate(ids, **cache_arg(new_cache(model, static=True)), disable_compile=True, **kw)
+            got = model.generate(ids, **cache_arg(new_cache(model, static=True)), **kw)
             same = (got == want).all(0)[ctx:]
             row(
                 kind="check-generate",
@@ -536,7 +536,7 @@ def hf_static_rows(model, orig, ctx: int, batches: list, n: int, deadline: float
             continue
         ids = torch.randint(1, c.vocab_size, (B, T), device=model.device)
         cache = StaticCache(config=c, max_cache_len=max_len)
-        kw = dict(past_key_values=cache, do_sample=False, attention_mask=torch.ones_like(ids))
+        kw = dict(**cache_arg(cache), do_sample=False, attention_mask=torch.ones_like(ids))
         try:
             times = {}
             for m in (4, 4, n + 4):  # compile + capture, then two timed calls

@@ -25,7 +25,7 @@ from tale_runtime import load, new_cache
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.attention import apply_rope
 from tale_runtime.key_basis import KeyBasis, fit, pair_mean
-from tale_runtime.model import hadamard
+from tale_runtime.model import cache_arg, hadamard
 from tale_runtime.quant import quantize
 
 
@@ -52,8 +52,8 @@ def capture(model, ids: torch.Tensor) -> list[tuple]:
     )
     cache = new_cache(model, exact)
     with torch.inference_mode():
-        model(ids[:, :1], past_key_values=cache)
-        model(ids[:, 1:], past_key_values=cache)
+        model(ids[:, :1], **cache_arg(cache))
+        model(ids[:, 1:], **cache_arg(cache))
     # prepend the first token's k and h from the cache sinks
     out = []
     for (q, k, h), lc in zip(got, cache.layers):

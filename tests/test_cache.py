@@ -8,6 +8,7 @@ import torch
 
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.cache import TaleLayerCache
+from tale_runtime.model import cache_arg
 from tale_runtime.quant import dequantize, quantize
 
 K, n, G, R = 2, 16, 1, 32  # g = 2 KV heads per latent group
@@ -206,9 +207,9 @@ def test_smollm2_measured_ratio_at_2k(smollm2_artifact):
     ids = torch.tensor([tok(heldout_path().read_text())["input_ids"][: 2048 + 4]])
     cache = new_cache(model)
     with torch.no_grad():
-        model(ids[:, :2048], past_key_values=cache, logits_to_keep=1)
+        model(ids[:, :2048], **cache_arg(cache), logits_to_keep=1)
         for t in range(2048, ids.shape[1]):  # 2044 non-sink tokens leave 28 in the residual: the 4th step flushes it
-            model(ids[:, t : t + 1], past_key_values=cache, logits_to_keep=1)
+            model(ids[:, t : t + 1], **cache_arg(cache), logits_to_keep=1)
     s, arch, cfg = model.tale_schedule, model.tale_manifest["architecture"], model.config
     K, n, G, R = cfg.num_key_value_heads, arch["head_dim"], arch["num_groups"], arch["latent_rank"]
     expected = 0

@@ -10,6 +10,7 @@ from conftest import TINY_OPTS, save_tiny
 
 from tale_convert.cli import main
 from tale_runtime.artifact import FORMAT_VERSION
+from tale_runtime.model import cache_arg
 
 TINY_ARGS = [a for k, v in TINY_OPTS.items() for a in (f"--{k.replace('_', '-')}", str(v))]
 
@@ -186,7 +187,7 @@ def test_key_bands_write_the_calibration_order(llama, tmp_path, capsys):
     assert len(s.key_order[0]) == cfg.num_key_value_heads
     cache = new_cache(model)
     with torch.no_grad():
-        model(torch.randint(1, 300, (1, 80)), past_key_values=cache)
+        model(torch.randint(1, 300, (1, 80)), **cache_arg(cache))
     assert isinstance(cache.layers[0].levels[0].keys, Bands)
     assert_bad([llama, "--out", tmp_path / "x", "--key-bands", "3:7", *TINY_ARGS], capsys, tmp_path, "--key-bands 3:7")
     assert_bad([llama, "--out", tmp_path / "x", "--key-bands", "3", *TINY_ARGS], capsys, tmp_path, "BITS:CHANNELS")

@@ -19,6 +19,7 @@ from tale_convert.convert import Options, convert
 from tale_convert.fuse import fuse
 from tale_convert.whiten import whiten
 from tale_runtime.artifact import O_FUSED, U_V, V_V, read_manifest
+from tale_runtime.model import cache_arg
 
 
 def tiny_opts(arch: str, **kw) -> Options:
@@ -91,7 +92,7 @@ def test_prefill_logits_equal_the_base_model(arch, dtype, tiny_model_dir, tmp_pa
     with torch.no_grad():
         want = base(ids).logits
         assert torch.equal(model(ids).logits, want)
-        assert torch.equal(model(ids, past_key_values=new_cache(model)).logits, want)  # filling the cache too
+        assert torch.equal(model(ids, **cache_arg(new_cache(model))).logits, want)  # filling the cache too
 
 
 def test_resume_across_shards_keeps_complete_shards_and_gives_identical_bytes(tiny_model_dir, tmp_path, monkeypatch):

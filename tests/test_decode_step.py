@@ -11,6 +11,7 @@ from tale_helpers import talify, tiny_model
 from tale_runtime import new_cache
 from tale_runtime.artifact import Schedule, uniform_ranks
 from tale_runtime.decode import CudaGraphDecoder, DecodeStep, supports_step
+from tale_runtime.model import cache_arg
 
 
 @pytest.fixture(autouse=True)
@@ -24,7 +25,7 @@ def _run(tm, step_fn, ids, mask, feed, max_length):
     """Prefill (batch 2, left padding) into a static cache, then teacher-forced decode steps -> logits [B, S, V]."""
     cache = new_cache(tm, static=True, max_length=max_length)
     with torch.inference_mode():
-        tm(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        tm(input_ids=ids, attention_mask=mask, **cache_arg(cache), use_cache=True)
         step = step_fn(tm, cache)
         pos = mask.sum(-1, keepdim=True)
         out = []
@@ -36,7 +37,7 @@ def _run(tm, step_fn, ids, mask, feed, max_length):
 
 def _forward(tm, cache):
     def step(ids, pos):
-        return tm(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
+        return tm(input_ids=ids, position_ids=pos, **cache_arg(cache), use_cache=True).logits[:, -1]
 
     return step
 
@@ -97,7 +98,7 @@ def test_warm_compiles_every_piece_and_leaves_the_cache_alone():
     ids, mask, feed = _inputs(steps=3)
     cache = new_cache(tm, static=True, max_length=40)
     with torch.inference_mode():
-        tm(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        tm(input_ids=ids, attention_mask=mask, **cache_arg(cache), use_cache=True)
         before = [t.clone() for t in cache_tensors(cache)]
         book = dict(vars(cache.book))
         torch._dynamo.reset()
@@ -140,7 +141,7 @@ def test_unsupported_models_keep_the_forward():
     tm = talify(base, 2)
     cache = new_cache(tm, static=True, max_length=40)
     with torch.inference_mode():
-        tm(input_ids=torch.ones(1, 5, dtype=torch.long), past_key_values=cache, use_cache=True)
+        tm(input_ids=torch.ones(1, 5, dtype=torch.long), **cache_arg(cache), use_cache=True)
     assert CudaGraphDecoder(tm, cache).step is not None
     assert CudaGraphDecoder(tm, cache, compile=False).step is None
 

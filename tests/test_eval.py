@@ -14,6 +14,7 @@ from tale_eval import caches, passkey, perplexity, policies
 from tale_eval.attention import prepare
 from tale_eval.cli import main
 from tale_eval.frontier import FAMILIES
+from tale_runtime.model import cache_arg
 
 GROUP = {"llama": 2, "qwen2": 1, "mha": 2}
 
@@ -174,7 +175,7 @@ def test_palu_values_are_low_rank_in_the_forward_pass_too(pair):
     pol = policies.Palu(r, key_bits=16, latent_bits=16)
     assert ppl(perplexity.decode_nll(model, ids, pol.build(model, [6]), 6, 4)) == pytest.approx(ref, rel=1e-5)
     with torch.no_grad():  # the prefill itself reads low-rank values (eager), unlike TALE's
-        prefill = model(ids[:, :20], past_key_values=pol.build(model, [20])).logits
+        prefill = model(ids[:, :20], **cache_arg(pol.build(model, [20]))).logits
         torch.testing.assert_close(prefill, lowrank(ids[:, :20]).logits, rtol=1e-4, atol=1e-4)
 
 
@@ -194,16 +195,16 @@ def test_kivi_and_palu_byte_accounting(pair):
         pol = policies.Kivi(bits, 8, 8)
         cache = pol.build(model, [])
         with torch.no_grad():
-            model(ids_of(2, 37), past_key_values=cache)  # 32 quantized + 5 residual
+            model(ids_of(2, 37), **cache_arg(cache))  # 32 quantized + 5 residual
             assert pol.nbytes(cache) == kivi_bytes(2, K, n, L, 32, 5, bits, bits, 8, 8, es)
             for t in range(3):  # the residual fills up (8) and is quantized
-                model(ids_of(2, 1, seed=t), past_key_values=cache)
+                model(ids_of(2, 1, seed=t), **cache_arg(cache))
             assert pol.nbytes(cache) == kivi_bytes(2, K, n, L, 40, 0, bits, bits, 8, 8, es)
     r = 16  # Palu: 4-bit latents [B, G, T, r], 2-bit keys
     pol = policies.Palu(r, 2)
     cache = pol.build(model, [])
     with torch.no_grad():
-        model(ids_of(2, 37), past_key_values=cache)
+        model(ids_of(2, 37), **cache_arg(cache))
     assert pol.nbytes(cache) == kivi_bytes(2, K, n, L, 32, 5, 2, 4, 8, 8, es, value_width=r, value_heads=G)
 
 
@@ -215,8 +216,8 @@ def test_quantized_cache_bytes_are_its_codes_scales_and_residual(pair):
     _, model = pair()
     cache = pol.build(model, [])
     with torch.no_grad():
-        model(ids_of(2, 37), past_key_values=cache)  # the prefill is quantized whole, the residual is empty
-        model(ids_of(2, 3), past_key_values=cache)  # 3 residual tokens
+        model(ids_of(2, 37), **cache_arg(cache))  # the prefill is quantized whole, the residual is empty
+        model(ids_of(2, 3), **cache_arg(cache))  # 3 residual tokens
     L, K, n, es = 2, 4, 16, 4
     q = 2 * K * 37 * n  # numbers quantized, per layer, keys (values the same)
     assert pol.nbytes(cache) == L * 2 * (q * 2 // 8 + 2 * (q // 16) * es + 2 * K * 3 * n * es)
@@ -260,8 +261,8 @@ def test_streaming_share_gives_the_same_ratio_at_every_length(pair):
     for n in (64, 128, 256):
         cache = pol.build(model, [n])
         with torch.no_grad():
-            model(ids_of(1, n), past_key_values=cache)
-            model(ids_of(1, 1), past_key_values=cache)  # eviction happens after a step's attention
+            model(ids_of(1, n), **cache_arg(cache))
+            model(ids_of(1, 1), **cache_arg(cache))  # eviction happens after a step's attention
         assert cache.layers[0].keys.shape[-2] == round(0.25 * n)
         held = 2 * round(0.25 * n)  # fp32 numbers held, in 16-bit units
         assert d.baseline_nbytes(1, n + 1) / pol.nbytes(cache) == pytest.approx((n + 1) / held)
@@ -275,10 +276,10 @@ def test_streaming_attends_to_sinks_and_the_window(pair):
     ids = ids_of(1, N)
     cache = caches.sink_cache(2, s, w)
     with torch.no_grad():
-        outs = [model(ids[:, :P], past_key_values=cache).logits]
+        outs = [model(ids[:, :P], **cache_arg(cache)).logits]
         starts = list(range(P, N, T))
         for c in starts:
-            outs.append(model(ids[:, c : c + T], past_key_values=cache).logits)
+            outs.append(model(ids[:, c : c + T], **cache_arg(cache)).logits)
         got = torch.cat(outs, dim=1)
         q, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
         start = torch.where(q < P, 0, P + (q - P) // T * T)

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from tale_convert import push
 from tale_runtime import ArtifactError, load, new_cache, resolve
+from tale_runtime.model import cache_arg
 
 REPO = "alice/tiny-tale"
 PROMPT = "The cache keeps"
@@ -43,7 +44,7 @@ def publish(art, tmp_path, *args):
 def greedy(model, tok, n=6):
     """The Python usage of the model card, greedy."""
     inputs = tok(PROMPT, return_tensors="pt").to(model.device)
-    out = model.generate(**inputs, past_key_values=new_cache(model), max_new_tokens=n, do_sample=False)
+    out = model.generate(**inputs, **cache_arg(new_cache(model)), max_new_tokens=n, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 

@@ -11,6 +11,7 @@ import torch
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.attention import key_mass, latent_attention
 from tale_runtime.cache import TaleLayerCache
+from tale_runtime.model import cache_arg
 from tale_runtime.quant import dequantize, quantize, quantize_bands, take
 
 K, H, n, G, R = 2, 4, 16, 1, 32
@@ -163,9 +164,9 @@ def test_through_the_model_exact_levels_match_and_static_refuses():
     def decode(schedule, keep):
         cache = new_cache(tm, schedule, keep=keep)
         with torch.no_grad():
-            out = [tm(ids[:, :40], past_key_values=cache).logits[:, -1]]
+            out = [tm(ids[:, :40], **cache_arg(cache)).logits[:, -1]]
             for t in range(40, 70):
-                out.append(tm(ids[:, t : t + 1], past_key_values=cache).logits[:, -1])
+                out.append(tm(ids[:, t : t + 1], **cache_arg(cache)).logits[:, -1])
         return torch.cat(out), cache
 
     ex = exact_schedule(R, L, sinks=2)

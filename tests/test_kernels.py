@@ -35,6 +35,7 @@ from tale_runtime import quant as ref_quant  # noqa: E402
 from tale_runtime.artifact import Level, Schedule, uniform_ranks  # noqa: E402
 from tale_runtime.cache import TaleLayerCache  # noqa: E402
 from tale_runtime.cache import latent_attention as ref_attention  # noqa: E402
+from tale_runtime.model import cache_arg  # noqa: E402
 from tale_runtime.regions import LayerView, Region  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
@@ -563,7 +564,7 @@ def test_generation_with_kernels_matches_reference(arch, g, preset):
     def greedy(steps=6):
         cache, x, toks, logits = new_cache(tm), ids, [], []
         for _ in range(steps):
-            out = tm(x, past_key_values=cache).logits[:, -1]
+            out = tm(x, **cache_arg(cache)).logits[:, -1]
             x = out.argmax(-1, keepdim=True)
             toks.append(x)
             logits.append(out)
@@ -600,8 +601,8 @@ def test_load_on_cuda_installs_the_kernel(tmp_path):
     @torch.no_grad()
     def logits():
         cache = new_cache(model)
-        model(ids[:, :30], past_key_values=cache)
-        return torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(30, 40)], 1)
+        model(ids[:, :30], **cache_arg(cache))
+        return torch.cat([model(ids[:, t : t + 1], **cache_arg(cache)).logits for t in range(30, 40)], 1)
 
     got = logits()
     use_kernels(model, False)

@@ -22,6 +22,7 @@ from tale_runtime.artifact import MANIFEST, Level, Schedule
 from tale_runtime.attention import apply_rope, cached_keys
 from tale_runtime.cache import TaleLayerCache
 from tale_runtime.key_basis import FILE, KeyBasis, fit, pair_mean
+from tale_runtime.model import cache_arg
 
 K, n, G, R = 2, 16, 1, 32
 
@@ -78,9 +79,7 @@ def test_full_rank_16_bit_low_rank_keys_decode_like_the_base_model(arch):
         assert rel(decode_logits(tm, ids, 10, chunks=[9, 1, 13, 2, 25]), ref) < 1e-4, ranks
     kw = dict(max_new_tokens=8, num_beams=3, do_sample=False, pad_token_id=0)
     with torch.no_grad():  # beam search reorders the coefficient stores and the shared rope table
-        assert torch.equal(
-            tm.generate(ids[:, :20], past_key_values=new_cache(tm), **kw), base.generate(ids[:, :20], **kw)
-        )
+        assert torch.equal(tm.generate(ids[:, :20], **cache_arg(new_cache(tm)), **kw), base.generate(ids[:, :20], **kw))
     tm.tale_schedule = low_rank(s, 8, 8)  # truncation must show: the test can fail
     assert rel(decode_logits(tm, ids, 10), ref) > 1e-3
 
@@ -274,9 +273,9 @@ def test_the_lowrank_preset_converts_with_its_basis_and_holds_fewer_bytes(tiny_m
     for m in (model, paper):
         cache = new_cache(m)
         with torch.no_grad():
-            m(ids[:, :150], past_key_values=cache)
+            m(ids[:, :150], **cache_arg(cache))
             for t in range(150, 199):
-                m(ids[:, t : t + 1], past_key_values=cache)
+                m(ids[:, t : t + 1], **cache_arg(cache))
         sizes.append(cache.nbytes())
     assert sizes[0] < sizes[1], sizes
 

@@ -16,6 +16,7 @@ from tale_runtime import ArtifactError, new_cache
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.attention import apply_rope, cached_keys, latent_attention
 from tale_runtime.cache import TaleLayerCache
+from tale_runtime.model import cache_arg
 
 
 def pre(s: Schedule) -> Schedule:
@@ -47,7 +48,7 @@ def test_left_padded_rows_and_beams_read_their_own_rotations():
     assert torch.equal(batch[1], hf_greedy(lossy, rows[1][None], cache=new_cache(lossy))[0])
     kw = dict(max_new_tokens=12, num_beams=3, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        assert torch.equal(tm.generate(ids[:1], past_key_values=new_cache(tm), **kw), base.generate(ids[:1], **kw))
+        assert torch.equal(tm.generate(ids[:1], **cache_arg(new_cache(tm)), **kw), base.generate(ids[:1], **kw))
 
 
 K, H, n, G, R = 2, 4, 16, 1, 32
@@ -168,9 +169,9 @@ def test_the_layers_of_a_cache_share_one_rope_table():
     cache = new_cache(tm)
     ids = ids_for(40)
     with torch.no_grad():
-        tm(ids[:, :30], past_key_values=cache)
+        tm(ids[:, :30], **cache_arg(cache))
         for t in range(30, 40):
-            tm(ids[:, t : t + 1], past_key_values=cache)
+            tm(ids[:, t : t + 1], **cache_arg(cache))
     assert all(layer.rope is cache.rope for layer in cache.layers)
     assert cache.rope.length == 40 == cache.layers[1].kappa
     cache.reset()

@@ -8,6 +8,7 @@ from tale_helpers import talify, tiny_model
 from tale_runtime import new_cache
 from tale_runtime.artifact import ArtifactError, Level, Schedule
 from tale_runtime.cache import TaleLayerCache, band_index
+from tale_runtime.model import cache_arg
 from tale_runtime.quant import Bands, cat, dequantize, quantize, quantize_bands, requantize, split
 
 K, n, G, R = 2, 16, 1, 32
@@ -139,8 +140,8 @@ def test_bands_decode_through_the_model():
     with torch.no_grad():
         ref = base(ids).logits
         cache = new_cache(tm)
-        tm(ids[:, :12], past_key_values=cache)
-        got = torch.cat([tm(ids[:, t : t + 1], past_key_values=cache).logits for t in range(12, 40)], 1)
+        tm(ids[:, :12], **cache_arg(cache))
+        got = torch.cat([tm(ids[:, t : t + 1], **cache_arg(cache)).logits for t in range(12, 40)], 1)
     assert isinstance(cache.layers[0].levels[0].keys, Bands)
     # 8-bit high band: close to exact, not exact
     err = ((got - ref[:, 12:]).norm() / ref[:, 12:].norm()).item()
@@ -222,8 +223,8 @@ def test_bands_on_cuda_match_the_cpu():
         i = ids.to(dev)
         with torch.no_grad():
             cache = new_cache(tm)
-            tm(i[:, :12], past_key_values=cache)
-            logits = [tm(i[:, t : t + 1], past_key_values=cache).logits for t in range(12, 48)]
+            tm(i[:, :12], **cache_arg(cache))
+            logits = [tm(i[:, t : t + 1], **cache_arg(cache)).logits for t in range(12, 48)]
         out[dev, kernel] = torch.cat(logits, 1).cpu()
         assert isinstance(cache.layers[0].levels[0].keys, Bands)
 

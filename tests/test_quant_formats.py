@@ -8,7 +8,7 @@ from tale_helpers import talify, tiny_model
 from tale_runtime import new_cache
 from tale_runtime.artifact import ArtifactError, Level, Schedule, uniform_ranks
 from tale_runtime.cache import TaleLayerCache
-from tale_runtime.model import hadamard
+from tale_runtime.model import cache_arg, hadamard
 from tale_runtime.quant import FP8, _fp8_round, cat, dequantize, pack, quantize, requantize, split, unpack
 
 
@@ -171,12 +171,12 @@ def test_rotation_leaves_exact_decoding_unchanged_and_the_prefill_bit_identical(
     with torch.no_grad():
         ref = base(ids).logits
         cache = new_cache(tm)
-        pre = tm(ids[:, :12], past_key_values=cache).logits
-        out = [tm(ids[:, t : t + 1], past_key_values=cache).logits for t in range(12, 40)]
+        pre = tm(ids[:, :12], **cache_arg(cache)).logits
+        out = [tm(ids[:, t : t + 1], **cache_arg(cache)).logits for t in range(12, 40)]
     assert torch.equal(
         pre,
         talify(base, 2, exact_plain(exact))(
-            ids[:, :12], past_key_values=new_cache(talify(base, 2, exact_plain(exact)))
+            ids[:, :12], **cache_arg(new_cache(talify(base, 2, exact_plain(exact))))
         ).logits,
     )
     got = torch.cat(out, 1)
@@ -198,8 +198,8 @@ def test_rotation_leaves_exact_decoding_unchanged_and_the_prefill_bit_identical(
     tm.tale_schedule = lossy
     with torch.no_grad():
         cache = new_cache(tm)
-        tm(ids[:, :12], past_key_values=cache)
-        got = torch.cat([tm(ids[:, t : t + 1], past_key_values=cache).logits for t in range(12, 40)], 1)
+        tm(ids[:, :12], **cache_arg(cache))
+        got = torch.cat([tm(ids[:, t : t + 1], **cache_arg(cache)).logits for t in range(12, 40)], 1)
     assert ((got - ref[:, 12:]).norm() / ref[:, 12:].norm()).item() > 1e-3
 
 

@@ -33,10 +33,10 @@ def decode_logits(tm, ids: torch.Tensor, prefix: int, chunks: list[int] | None =
     """Prefill ids[:, :prefix], then feed the rest in `chunks` (default: one token at a time);
     return the logits of every position from prefix - 1 on."""
     cache = new_cache(tm)
-    out = [tm(ids[:, :prefix], past_key_values=cache).logits[:, -1:]]
+    out = [tm(ids[:, :prefix], **cache_arg(cache)).logits[:, -1:]]
     t = prefix
     for c in chunks or [1] * (ids.shape[1] - prefix):
-        out.append(tm(ids[:, t : t + c], past_key_values=cache).logits)
+        out.append(tm(ids[:, t : t + c], **cache_arg(cache)).logits)
         t += c
     return torch.cat(out, dim=1)[:, :-1]
 
@@ -190,7 +190,7 @@ def test_hf_generate_sampling_is_seeded_and_exact():
         torch.manual_seed(seed)
         return model.generate(
             ids,
-            past_key_values=cache,
+            **cache_arg(cache),
             max_new_tokens=30,
             min_new_tokens=30,
             do_sample=True,
@@ -210,7 +210,7 @@ def test_beam_search_reorders_the_cache():
     tm = talify(base, 2, exact_schedule(32, 2))
     ids = ids_for(14)
     kw = dict(max_new_tokens=12, num_beams=3, do_sample=False, pad_token_id=0)
-    assert torch.equal(tm.generate(ids, past_key_values=new_cache(tm), **kw), base.generate(ids, **kw))
+    assert torch.equal(tm.generate(ids, **cache_arg(new_cache(tm)), **kw), base.generate(ids, **kw))
 
 
 # -- the decode loop (tale_runtime.generate) ------------------------------------------
@@ -316,9 +316,9 @@ def test_reusing_a_dynamic_cache_is_refused():
     cache = DynamicCache(config=tm.config)
     ids = ids_for(8)
     with torch.no_grad():
-        tm(ids, past_key_values=cache)  # a plain forward may get HF's fresh cache: allowed
+        tm(ids, **cache_arg(cache))  # a plain forward may get HF's fresh cache: allowed
         with pytest.raises(TypeError, match="need a TaleCache"):
-            tm(ids[:, -1:], past_key_values=cache)
+            tm(ids[:, -1:], **cache_arg(cache))
 
 
 def copy_artifact(src, dst):

@@ -9,7 +9,7 @@ from tale_runtime import new_cache
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.attention import latent_attention
 from tale_runtime.generate import generate
-from tale_runtime.model import TaleCache
+from tale_runtime.model import TaleCache, cache_arg
 from tale_runtime.quant import dequantize
 from tale_runtime.static_cache import StaticTaleCache
 
@@ -143,10 +143,10 @@ def test_generate_gives_the_dynamic_paths_tokens(arch, g):
     kw = dict(attention_mask=mask, max_new_tokens=50, do_sample=False, pad_token_id=0)
     want = tm.generate(ids, **kw)  # TaleGenerationMixin: a fresh dynamic TaleCache
     cache = new_cache(tm, static=True)
-    assert torch.equal(tm.generate(ids, past_key_values=cache, **kw), want)
+    assert torch.equal(tm.generate(ids, **cache_arg(cache), **kw), want)
     assert cache.max_length == 30 + 50 - 1  # sized for the call by TaleGenerationMixin (the last token is never cached)
     want = tm.generate(ids, num_beams=3, **kw)
-    assert torch.equal(tm.generate(ids, past_key_values=new_cache(tm, static=True), num_beams=3, **kw), want)
+    assert torch.equal(tm.generate(ids, **cache_arg(new_cache(tm, static=True)), num_beams=3, **kw), want)
 
 
 def tale_schedule(model) -> Schedule:
@@ -208,9 +208,9 @@ def test_cuda_graph_steps_equal_eager_steps(preset):
     tm.__class__ = tale_class(type(tm))
     ids = torch.randint(1, 320, (2, 30), generator=torch.Generator().manual_seed(5)).cuda()
     kw = dict(max_new_tokens=40, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    eager = tm.generate(ids, past_key_values=new_cache(tm, static=True), disable_compile=True, **kw)
+    eager = tm.generate(ids, **cache_arg(new_cache(tm, static=True)), disable_compile=True, **kw)
     cache = new_cache(tm, static=True)
-    graphed = tm.generate(ids, past_key_values=cache, **kw)
+    graphed = tm.generate(ids, **cache_arg(cache), **kw)
     assert cache.decoder is not None and cache.decoder.graph is not None and cache.decoder.error is None
     assert torch.equal(graphed.sequences, eager.sequences)
     assert cache.decoder.step is not None and cache.decoder.compile_error is None
