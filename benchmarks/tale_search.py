@@ -36,6 +36,7 @@ def main():
     ap.add_argument("--no-ppl", action="store_true")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--windows", type=int, default=5)
+    ap.add_argument("--text", default="dev", help="dev, a test text, or a path (documents as in calib/)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     variants = json.loads(Path(args.variants).read_text())
@@ -53,7 +54,7 @@ def main():
     prepare(model)
     R = int(model.tale_manifest["architecture"]["latent_rank"])
     base = model.tale_schedule
-    ids = perplexity.heldout_windows(tok, args.ctx, args.windows)
+    ids = perplexity.heldout_windows(tok, args.ctx, args.windows, args.text)
     samples = [] if args.no_passkey else passkey.load_samples()
     pattern = perplexity.pattern(args.ctx, 128, 4)
     for name, kw in variants.items():

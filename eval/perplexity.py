@@ -7,18 +7,20 @@ does). The prefill's own prediction is not scored: it reads only exact states.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
-from tale_calib import documents, text_path
+from tale_calib import TEST_FILES, documents, text_path
 from tale_runtime.model import cache_arg
 
 
 def heldout_windows(tokenizer, length: int, count: int, text: str = "dev") -> torch.Tensor:
     """The first `count` non-overlapping windows of `length` tokens of a held-out text
-    (tale_calib.text_path: "dev" or a test text): [count, length]."""
-    body = "\n\n".join(documents(text_path(text)))
+    (tale_calib.text_path: "dev" or a test text; or a path to a file of documents): [count, length]."""
+    body = "\n\n".join(documents(text_path(text) if text in ("dev", *TEST_FILES) else Path(text)))
     ids = torch.tensor(tokenizer(body, add_special_tokens=False).input_ids)
     have = len(ids) // length
     if have < count:

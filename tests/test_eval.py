@@ -10,6 +10,7 @@ import pytest
 import torch
 from tale_helpers import byte_tokenizer, save_artifact, talify, tiny_model
 
+from tale_calib import text_path
 from tale_eval import caches, passkey, perplexity, policies
 from tale_eval.attention import prepare
 from tale_eval.cli import main
@@ -302,6 +303,20 @@ def test_passkey_samples_are_shipped_and_well_formed():
     assert [s["id"] for s in passkey.load_samples(lengths=("2k",), depths=(0.5,))] == ["2k-d50"]
     assert passkey.first_number(" 60494. Remember") == "60494"
     assert passkey.first_number(" a key") is None
+
+
+def test_heldout_windows_of_a_text_file(tmp_path):
+    """A path reads the file's documents as the named texts are read (benchmarks/domain_shift.py evaluates
+    calibration corpora so); a name that is neither a text nor a file is refused."""
+    tok = byte_tokenizer()
+    named = perplexity.heldout_windows(tok, 64, 3, "botchan")
+    f = tmp_path / "copy.txt"
+    f.write_text(text_path("botchan").read_text())
+    assert torch.equal(perplexity.heldout_windows(tok, 64, 3, str(f)), named)
+    f.write_text("first doc\n\n<|doc|>\n\nsecond doc")
+    assert tok.decode(perplexity.heldout_windows(tok, 8, 2, str(f)).flatten()) == "first doc\n\nsecon"  # 16 byte tokens
+    with pytest.raises(FileNotFoundError):
+        perplexity.heldout_windows(tok, 64, 1, "nosuchtext")
 
 
 @pytest.fixture(scope="module")
