@@ -95,6 +95,7 @@ def main() -> None:
     print("| left-out corpus | calibration | " + " | ".join(cols) + " |")
     print("|---|---|" + "---:|" * len(cols))
     ratio: dict[str, list[float]] = {n: [] for n in cols}
+    delta: dict[tuple[str, str], list[float]] = {}
     for L in corpora:
         for kind, label in (("in", "all six (in-domain)"), ("loo", "the other five")):
             r = rows(work / L.stem / f"{kind}.jsonl")
@@ -103,12 +104,24 @@ def main() -> None:
             cells = []
             for n in cols:
                 if n in r:
-                    cells.append(f"{100 * (r[n]['ppl'] / r['full']['ppl'] - 1):+.2f}%")
+                    d = 100 * (r[n]["ppl"] / r["full"]["ppl"] - 1)
+                    delta.setdefault((kind, n), []).append(d)
                     ratio[n].append(r[n]["ratio"])
+                    cells.append(f"{d:+.2f}%")
                 else:
                     cells.append("-")
             print(f"| {L.stem.removeprefix('corpus_')} | {label} | " + " | ".join(cells) + " |")
-    print("| ratio (mean) | | " + " | ".join(f"{sum(v) / len(v):.2f}x" if v else "-" for v in ratio.values()) + " |")
+
+    def summary(label: str, kind: str, f) -> None:
+        cells = [f"{f(delta[kind, n]):+.2f}%" if delta.get((kind, n)) else "-" for n in cols]
+        print(f"| **{label}** | | " + " | ".join(cells) + " |")
+
+    summary("mean, in-domain", "in", lambda v: sum(v) / len(v))
+    summary("mean, left out", "loo", lambda v: sum(v) / len(v))
+    summary("worst, left out", "loo", max)
+    print(
+        "| **ratio** (mean) | | " + " | ".join(f"{sum(v) / len(v):.2f}x" if v else "-" for v in ratio.values()) + " |"
+    )
 
 
 if __name__ == "__main__":
