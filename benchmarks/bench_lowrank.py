@@ -13,7 +13,8 @@ import argparse
 
 import torch
 
-from tale_runtime.artifact import Level, Schedule
+from tale_convert.policy import PRESETS
+from tale_runtime.artifact import Level, Schedule, uniform_ranks
 from tale_runtime.attention import apply_rope, latent_attention
 from tale_runtime.cache import TaleLayerCache
 from tale_runtime.key_basis import KeyBasis
@@ -24,9 +25,9 @@ G, R = K // g, g * n
 
 def schedules() -> dict[str, Schedule]:
     paper = Schedule(ranks=[[R // 2, R]])
-    lowrank = Schedule(
+    lowrank = Schedule(  # the preset's knobs at these shapes (key rank 5/12 of K n, rounded to 8)
         levels=[Level(3, 4, None, key_rank=424), Level(4, 4, 0.1), Level(8, 8, 0.0, key_axis="token")],
-        ranks=[[R // 2, R, R]],
+        ranks=uniform_ranks(R, 1, PRESETS["lowrank"]["r0"], 32, 3),
         residual=1,
         key_meta="8/8",
         value_meta="8/8",
