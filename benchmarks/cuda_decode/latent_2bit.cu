@@ -1,0 +1,412 @@
+// Prototype (issue #10): one-pass decode attention over the 2-bit TALE level in CUDA, with a per-warp online
+// softmax. Not wired into the runtime: benchmarks/bench_cuda_decode.py packs a level into this layout, checks the
+// result against a float32 torch reference and times it against the Triton kernel and SDPA in the same run.
+//
+// Shapes fixed (Llama-3.1-8B, paper preset): head dim 128, 4 KV heads per latent group (16 query heads, GQA 4),
+// latent rank 256 at 2 bits, 2-bit keys, key group 32 slots (per-channel scale/zero), latent group 32 channels
+// (per-slot scale/zero). Lengths are whole key groups ("blocks" of 32 slots); no position masks yet.
+//
+// What differs from the Triton kernel (docs/kernels.md, "What limits it"):
+// - each warp owns whole 32-slot blocks and runs its own online softmax: no cross-warp reductions or barriers in
+//   the loop; the 8 warps of a CTA merge once at the end;
+// - the packed bytes are laid out at pack time so that each thread's 32-bit word already holds its mma fragment:
+//   a mask (SUBN=1: the code read as an fp16 subnormal, c * 4^f * 2^-24) or a mask-or (SUBN=0: 1024 + 4^f c) gives
+//   two operands per instruction, no shuffles, no shared-memory staging of dequantized tiles;
+// - key scales are folded into the query once per block (A = q * s * 4^-f, block-diagonal over the 4 KV heads,
+//   through shared memory and ldmatrix), key zeros into one per-row bias (sum q z); latent scales/zeros are
+//   applied per pair with two fma.f16x2 (they vary per slot);
+// - a cp.async double buffer per warp keeps the next block's 9 KB in flight.
+//
+// Layout per (batch b, latent group g, block of 32 slots), built by bench_cuda_decode.pack():
+//   kc  [32 slots][32 words]            key codes: word 8t+j of a slot holds thread t's pairs of chunks 4j..4j+3
+//   km  [4 heads][32 quads][s0..3 z0..3] key scale/zero (fp16, times `shift`), 4 channels per quad
+//   lc  [4][32 lanes][4 words]          latent codes: word w of a lane holds n-tiles 2w, 2w+1, both k-chunks
+//   lm  [8 cg][2 kc][4 t][s_b0 s_b1 z_b0 z_b1]  latent scale/zero pairs (fp16, times `shift`)
+
+#ifndef SUBN
+#define SUBN 1
+#endif
+#define WARPS 8
+#define NTHR (WARPS * 32)
+#define KC_B 4096
+#define KM_B 2048
+#define LC_B 2048
+#define LM_B 1024
+#define STAGE_B (KC_B + KM_B + LC_B + LM_B)
+#define ATILE_B 8192
+#define AZERO_B 128  // zeros read as the a1 / a2 matrices (rows 8..15 x k 0..7, rows 0..7 x k 8..15)
+#define WARP_B (2 * STAGE_B + ATILE_B + AZERO_B)
+#define QT_B 8192
+#define SMEM_B (WARPS * WARP_B + QT_B)
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldsm4(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ u32 lop3_andor(u32 x, u32 m, u32 o) {  // (x & m) | o in one instruction
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(x), "r"(m), "r"(o));
+    return r;
+}
+
+__device__ __forceinline__ void cp16(u32 saddr, const void* g) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(saddr), "l"(g));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ uint4 lds128(u32 addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ void sts64(u32 addr, u32 a, u32 b) {
+    asm volatile("st.shared.v2.b32 [%0], {%1,%2};\n" ::"r"(addr), "r"(a), "r"(b));
+}
+__device__ __forceinline__ void sts128(u32 addr, u32 a, u32 b, u32 c, u32 d) {
+    asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d));
+}
+
+__device__ __forceinline__ float2 h2f(u32 h) {  // half2 -> two floats
+    float lo, hi;
+    asm("{.reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;}\n"
+        : "=f"(lo), "=f"(hi)
+        : "r"(h));
+    return make_float2(lo, hi);
+}
+__device__ __forceinline__ u32 f2h(float lo, float hi) {  // two floats -> half2 (lo in the low 16 bits)
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+__device__ __forceinline__ float ex2(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+    return r;
+}
+
+// half2 constants for the latent normalization u = v * 4^-f - 1024 * 4^-f (exact): fp16 bits
+// 4^-f: 1, 0.25, 0.0625, 0.015625 ; -1024*4^-f: -1024, -256, -64, -16
+__device__ __forceinline__ u32 inv4f(int f) {
+    return f == 0 ? 0x3C003C00u : f == 1 ? 0x34003400u : f == 2 ? 0x2C002C00u : 0x24002400u;
+}
+__device__ __forceinline__ u32 neg1024f(int f) {
+    return f == 0 ? 0xE400E400u : f == 1 ? 0xDC00DC00u : f == 2 ? 0xD400D400u : 0xCC00CC00u;
+}
+
+extern "C" __global__ void __launch_bounds__(NTHR, 1)
+    tale_2bit_attn(const unsigned short* __restrict__ q,  // [B, H, 128] bf16 bits
+                   const char* __restrict__ kc, const char* __restrict__ km, const char* __restrict__ lc,
+                   const char* __restrict__ lm,
+                   float* __restrict__ po,  // [B, H, S, 256] partial outputs (unnormalized, times shift)
+                   float* __restrict__ pm,  // [B, H, S] running max (base 2)
+                   float* __restrict__ pl,  // [B, H, S] running sum
+                   int G, int L, int S, float shift_inv, float qk_scale) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int sp = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
+    const int H = G * 16;
+    const u32 sbase = (u32)__cvta_generic_to_shared(smem);
+    float* qt = (float*)smem;  // [16][128]: q * rowcomp * shift_inv (rowcomp 1/4 for rows 8..15: the a3 half)
+    const u32 wbase = sbase + QT_B + w * WARP_B;
+    const u32 atile = wbase + 2 * STAGE_B;
+
+    // query of the group's 16 heads, float32
+    for (int i = tid; i < 16 * 128; i += NTHR) {
+        int j = i >> 7, ch = i & 127;
+        u32 bits = (u32)q[((size_t)b * H + g * 16 + j) * 128 + ch] << 16;
+        qt[i] = __int_as_float(bits) * (j >= 8 ? 0.25f : 1.0f) * shift_inv;
+    }
+    // the block-diagonal A tile: zeros outside each row's own head, written once
+#pragma unroll
+    for (int i = 0; i < ATILE_B / 16 / 32; i++) sts128(atile + (i * 32 + lane) * 16, 0, 0, 0, 0);
+    if (lane < AZERO_B / 16) sts128(atile + ATILE_B + lane * 16, 0, 0, 0, 0);
+    __syncthreads();
+
+    const int nblk = L >> 5;
+    const int per = (nblk + S - 1) / S;
+    const int c0 = min(nblk, sp * per), c1 = min(nblk, c0 + per);
+    const int wper = (c1 - c0 + WARPS - 1) / WARPS;
+    const int w0 = min(c1, c0 + w * wper), w1 = min(c1, w0 + wper);
+
+    const size_t bg = (size_t)b * G + g;
+    const char* kcg = kc + bg * (size_t)L * 128;
+    const char* kmg = km + bg * (size_t)nblk * KM_B;
+    const char* lcg = lc + bg * (size_t)nblk * LC_B;
+    const char* lmg = lm + bg * (size_t)nblk * LM_B;
+
+    auto issue = [&](int blk, u32 st) {
+        const char* k0 = kcg + (size_t)blk * KC_B;
+#pragma unroll
+        for (int i = 0; i < KC_B / 512; i++) cp16(st + (i * 32 + lane) * 16, k0 + (i * 32 + lane) * 16);
+        const char* k1 = kmg + (size_t)blk * KM_B;
+#pragma unroll
+        for (int i = 0; i < KM_B / 512; i++) cp16(st + KC_B + (i * 32 + lane) * 16, k1 + (i * 32 + lane) * 16);
+        const char* l0 = lcg + (size_t)blk * LC_B;
+#pragma unroll
+        for (int i = 0; i < LC_B / 512; i++)
+            cp16(st + KC_B + KM_B + (i * 32 + lane) * 16, l0 + (i * 32 + lane) * 16);
+        const char* l1 = lmg + (size_t)blk * LM_B;
+#pragma unroll
+        for (int i = 0; i < LM_B / 512; i++)
+            cp16(st + KC_B + KM_B + LC_B + (i * 32 + lane) * 16, l1 + (i * 32 + lane) * 16);
+        cp_commit();
+    };
+
+    const int gq = lane >> 2, t = lane & 3;  // fragment row group and column pair
+    float O[32][4];
+#pragma unroll
+    for (int i = 0; i < 32; i++) O[i][0] = O[i][1] = O[i][2] = O[i][3] = 0.f;
+    float m1 = -INFINITY, m2 = -INFINITY, l1 = 0.f, l2 = 0.f;
+
+    // the A-tile builder's lane: row jr (query head), half hf of its head's channels
+    const int jr = lane >> 1, hf = lane & 1, hh = jr >> 2;
+    const u32 abuild = atile + (hh >> 1) * 128 + (jr & 7) * 16 + (hh & 1) * 8 + hf * 16 * 256;
+    const float* qrow = qt + jr * 128 + hf * 64;
+    const float rowun = jr >= 8 ? 4.f : 1.f;
+    // ldmatrix.x4 row address of this lane: lanes 0-7 a0 (chunk's first 128 B), 8-15 and 16-23 the zero rows
+    // (a1, a2), 24-31 a3 (the chunk's second 128 B); the zero rows sit at a fixed address, so `chunk * 256` is
+    // added only for the a0 / a3 lanes
+    const int quad = lane >> 3;
+    const bool zrow = quad == 1 || quad == 2;
+    const u32 aread = zrow ? atile + ATILE_B + (lane & 7) * 16 : atile + (quad == 3 ? 128 : 0) + (lane & 7) * 16;
+    const u32 astep = zrow ? 0u : 256u;
+
+    // constants kept in registers, so (x & mask) | magic is one lop3
+    u32 magic = 0x64006400u, lmask[4];
+#pragma unroll
+    for (int f = 0; f < 4; f++) lmask[f] = 0x00030003u << (2 * f);
+    asm volatile("" : "+r"(magic));
+#pragma unroll
+    for (int f = 0; f < 4; f++) asm volatile("" : "+r"(lmask[f]));
+
+    if (w0 < w1) issue(w0, wbase);
+    for (int blk = w0; blk < w1; blk++) {
+        const int stg = (blk - w0) & 1;
+        const u32 st = wbase + stg * STAGE_B;
+        if (blk + 1 < w1) {
+            issue(blk + 1, wbase + (stg ^ 1) * STAGE_B);
+            cp_wait<1>();
+        } else {
+            cp_wait<0>();
+        }
+        __syncwarp();
+
+        // 1. A = q * s * 4^-f for this block's key scales; bias = sum q z
+        float bacc = 0.f;
+        {
+            const u32 kmq = st + KC_B + (hh * 32 + hf * 16) * 16;
+#pragma unroll
+            for (int p = 0; p < 16; p++) {
+                float4 qv = *(const float4*)(qrow + 4 * p);
+                uint4 m = lds128(kmq + p * 16);
+                float2 s01 = h2f(m.x), s23 = h2f(m.y), z01 = h2f(m.z), z23 = h2f(m.w);
+                const float cm = (p & 1) ? 0.0625f : 1.0f;  // odd chunks: their codes sit 2 pairs higher
+                u32 a01 = f2h(qv.x * s01.x * cm, qv.y * s01.y * cm);
+                u32 a23 = f2h(qv.z * s23.x * cm, qv.w * s23.y * cm);
+                sts64(abuild + p * 256, a01, a23);
+                bacc += qv.x * z01.x + qv.y * z01.y + qv.z * z23.x + qv.w * z23.y;
+            }
+        }
+        bacc += __shfl_xor_sync(0xffffffffu, bacc, 1);
+        bacc *= rowun * qk_scale;
+        const float b1 = __shfl_sync(0xffffffffu, bacc, 2 * gq), b2 = __shfl_sync(0xffffffffu, bacc, 2 * gq + 16);
+        __syncwarp();
+
+        // 2. scores: S[nt] = A (16 x 512, block-diagonal) x codes (512 x 8 slots), 4 n-tiles of 8 slots
+        float Sc[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) Sc[i][0] = Sc[i][1] = Sc[i][2] = Sc[i][3] = 0.f;
+#if !SUBN
+        float off[4] = {0.f, 0.f, 0.f, 0.f};
+#endif
+#pragma unroll
+        for (int jh = 0; jh < 2; jh++) {
+            uint4 W[4];
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++) W[nt] = lds128(st + (8 * nt + gq) * 128 + t * 32 + jh * 16);
+#pragma unroll
+            for (int jj = 0; jj < 4; jj++) {
+                const int j = 4 * jh + jj;
+#pragma unroll
+                for (int ci = 0; ci < 4; ci++) {
+                    const int c = 4 * j + ci;
+                    u32 a[4];
+                    ldsm4(a, aread + c * astep);
+                    const u32 mlo = 0x00030003u << (4 * (ci & 1)), mhi = 0x000C000Cu << (4 * (ci & 1));
+#pragma unroll
+                    for (int nt = 0; nt < 4; nt++) {
+                        u32 x = jj == 0 ? W[nt].x : jj == 1 ? W[nt].y : jj == 2 ? W[nt].z : W[nt].w;
+                        if (ci >= 2) x >>= 8;
+#if SUBN
+                        mma(Sc[nt], a[0], a[1], a[2], a[3], x & mlo, x & mhi);
+#else
+                        mma(Sc[nt], a[0], a[1], a[2], a[3], lop3_andor(x, mlo, magic), lop3_andor(x, mhi, magic));
+#endif
+                    }
+#if !SUBN
+                    mma(off, a[0], a[1], a[2], a[3], magic, magic);
+#endif
+                }
+            }
+        }
+
+        // 3. online softmax (base 2), rows gq and gq + 8
+#if SUBN
+        const float ks = 16777216.f * qk_scale;
+        const float o1 = 0.f, o2 = 0.f;
+#else
+        const float ks = qk_scale;
+        const float o1 = off[0] * qk_scale, o2 = off[2] * qk_scale;
+#endif
+        float mx1 = -INFINITY, mx2 = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) {
+            Sc[nt][0] = Sc[nt][0] * ks - o1 + b1;
+            Sc[nt][1] = Sc[nt][1] * ks - o1 + b1;
+            Sc[nt][2] = Sc[nt][2] * ks - o2 + b2;
+            Sc[nt][3] = Sc[nt][3] * ks - o2 + b2;
+            mx1 = fmaxf(mx1, fmaxf(Sc[nt][0], Sc[nt][1]));
+            mx2 = fmaxf(mx2, fmaxf(Sc[nt][2], Sc[nt][3]));
+        }
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        mx2 = fmaxf(mx2, __shfl_xor_sync(0xffffffffu, mx2, 1));
+        mx2 = fmaxf(mx2, __shfl_xor_sync(0xffffffffu, mx2, 2));
+        if (__any_sync(0xffffffffu, mx1 > m1 || mx2 > m2)) {
+            const float n1 = fmaxf(m1, mx1), n2 = fmaxf(m2, mx2);
+            const float al1 = ex2(m1 - n1), al2 = ex2(m2 - n2);
+            l1 *= al1;
+            l2 *= al2;
+#pragma unroll
+            for (int i = 0; i < 32; i++) {
+                O[i][0] *= al1;
+                O[i][1] *= al1;
+                O[i][2] *= al2;
+                O[i][3] *= al2;
+            }
+            m1 = n1;
+            m2 = n2;
+        }
+        u32 pa[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) {
+            const float p0 = ex2(Sc[nt][0] - m1), p1 = ex2(Sc[nt][1] - m1);
+            const float p2 = ex2(Sc[nt][2] - m2), p3 = ex2(Sc[nt][3] - m2);
+            l1 += p0 + p1;
+            l2 += p2 + p3;
+            pa[nt >> 1][(nt & 1) * 2 + 0] = f2h(p0, p1);
+            pa[nt >> 1][(nt & 1) * 2 + 1] = f2h(p2, p3);
+        }
+
+        // 4. latents: O[nt] += P (16 x 32 slots) x latents (32 slots x 8 channels), 32 n-tiles
+        const u32 lcs = st + KC_B + KM_B, lms = st + KC_B + KM_B + LC_B;
+#pragma unroll
+        for (int qd = 0; qd < 4; qd++) {
+            const uint4 LW = lds128(lcs + (qd * 32 + lane) * 16);
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int wd = 4 * qd + e, cg = wd >> 1;
+                const uint4 M0 = lds128(lms + ((cg * 2 + 0) * 4 + t) * 16);
+                const uint4 M1 = lds128(lms + ((cg * 2 + 1) * 4 + t) * 16);
+                const u32 x0 = e == 0 ? LW.x : e == 1 ? LW.y : e == 2 ? LW.z : LW.w;
+#pragma unroll
+                for (int nto = 0; nto < 2; nto++) {
+                    const u32 x = nto ? (x0 >> 8) : x0;
+#pragma unroll
+                    for (int kc = 0; kc < 2; kc++) {
+                        const uint4 M = kc ? M1 : M0;
+                        const int f0 = 2 * kc, f1 = 2 * kc + 1;
+                        u32 v0 = lop3_andor(x, lmask[f0], magic);
+                        u32 v1 = lop3_andor(x, lmask[f1], magic);
+                        v0 = hfma2(hfma2(v0, inv4f(f0), neg1024f(f0)), M.x, M.z);
+                        v1 = hfma2(hfma2(v1, inv4f(f1), neg1024f(f1)), M.y, M.w);
+                        mma(O[2 * wd + nto], pa[kc][0], pa[kc][1], pa[kc][2], pa[kc][3], v0, v1);
+                    }
+                }
+            }
+        }
+        __syncwarp();
+    }
+
+    // 5. merge the 8 warps' partials through shared memory (the stage buffers are free now)
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    l2 += __shfl_xor_sync(0xffffffffu, l2, 1);
+    l2 += __shfl_xor_sync(0xffffffffu, l2, 2);
+    __syncthreads();
+    float* wO = (float*)(smem + QT_B + w * WARP_B);  // [16][256]
+    float* wm = wO + 16 * 256;                        // [16] max, [16] sum
+#pragma unroll
+    for (int nt = 0; nt < 32; nt++) {
+        *(float2*)(wO + gq * 256 + 8 * nt + 2 * t) = make_float2(O[nt][0], O[nt][1]);
+        *(float2*)(wO + (gq + 8) * 256 + 8 * nt + 2 * t) = make_float2(O[nt][2], O[nt][3]);
+    }
+    if (t == 0) {
+        wm[gq] = m1;
+        wm[gq + 8] = m2;
+        wm[16 + gq] = l1;
+        wm[16 + gq + 8] = l2;
+    }
+    __syncthreads();
+    // thread -> (row, 16 channels)
+    const int row = tid >> 4, chb = (tid & 15) * 16;
+    float M = -INFINITY;
+#pragma unroll
+    for (int v = 0; v < WARPS; v++) M = fmaxf(M, ((float*)(smem + QT_B + v * WARP_B))[16 * 256 + row]);
+    float acc[16], Ls = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; i++) acc[i] = 0.f;
+#pragma unroll
+    for (int v = 0; v < WARPS; v++) {
+        const float* vO = (const float*)(smem + QT_B + v * WARP_B);
+        const float mv = vO[16 * 256 + row];
+        const float a = M == -INFINITY ? 0.f : ex2(mv - M);
+        Ls += a * vO[16 * 256 + 16 + row];
+#pragma unroll
+        for (int i = 0; i < 16; i++) acc[i] += a * vO[row * 256 + chb + i];
+    }
+    const size_t hrow = ((size_t)b * H + g * 16 + row) * S + sp;
+    float* out = po + hrow * 256 + chb;
+#pragma unroll
+    for (int i = 0; i < 16; i += 4) *(float4*)(out + i) = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
+    if ((tid & 15) == 0) {
+        pm[hrow] = M;
+        pl[hrow] = Ls;
+    }
+}
+
+// merge the S partials of each (batch, head): z = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s, times shift_inv
+extern "C" __global__ void __launch_bounds__(256)
+    tale_2bit_combine(const float* __restrict__ po, const float* __restrict__ pm, const float* __restrict__ pl,
+                      float* __restrict__ z, int S, float shift_inv) {
+    const int r = blockIdx.x, ch = threadIdx.x;
+    const float* m = pm + (size_t)r * S;
+    float M = -INFINITY;
+    for (int s = 0; s < S; s++) M = fmaxf(M, m[s]);
+    float acc = 0.f, Ls = 0.f;
+    for (int s = 0; s < S; s++) {
+        const float a = M == -INFINITY ? 0.f : ex2(m[s] - M);
+        Ls += a * pl[(size_t)r * S + s];
+        acc += a * po[((size_t)r * S + s) * 256 + ch];
+    }
+    z[(size_t)r * 256 + ch] = Ls > 0.f ? acc / Ls * shift_inv : 0.f;
+}
