@@ -30,11 +30,11 @@ SHIFT = 2.0**-8  # 16-bit scales/zeros of a bf16 cache are stored as float16 tim
 BLK_BYTES = 4096 + 2048 + 2048 + 1024  # per 32 slots and latent group: key codes, key meta, latent codes, latent meta
 
 
-def kernels(subn: int):
+def kernels(subn: int, kchains: int = 1):
     import cupy
 
     code = open(SRC).read()
-    opts = ("-O3", "--use_fast_math", f"-DSUBN={subn}", "-std=c++17")
+    opts = ("-O3", "--use_fast_math", f"-DSUBN={subn}", f"-DKCHAINS={kchains}", "-std=c++17")
     attn = cupy.RawKernel(code, "tale_2bit_attn", options=opts, backend="nvcc")
     comb = cupy.RawKernel(code, "tale_2bit_combine", options=opts, backend="nvcc")
     smem = 8 * (2 * BLK_BYTES + 8192 + 128) + 8192
@@ -140,7 +140,7 @@ def reference(q, kcode, ks, kz, lcode, ls, lz) -> torch.Tensor:
     return torch.einsum("bgrl,bglc->bgrc", p, lat).reshape(B, H, RANK)
 
 
-def runner(kern, arrays, q, B: int, L: int, S: int):
+def runner(kern, arrays, q, B: int, L: int, S: int, parts: str = "both"):
     import cupy
     import numpy as np
 
@@ -153,15 +153,17 @@ def runner(kern, arrays, q, B: int, L: int, S: int):
     qk = np.float32(N**-0.5 * math.log2(math.e))
 
     def fn():
-        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-            attn(
-                (S, G, B), (256,),
-                (q.data_ptr(), kc.data_ptr(), km.data_ptr(), lc.data_ptr(), lm.data_ptr(), po.data_ptr(),
-                 pm.data_ptr(), pl.data_ptr(), np.int32(G), np.int32(L), np.int32(S), np.float32(1 / SHIFT), qk),
-                shared_mem=smem,
-            )
-            comb((B * H,), (RANK,), (po.data_ptr(), pm.data_ptr(), pl.data_ptr(), z.data_ptr(), np.int32(S),
-                                     np.float32(1 / SHIFT)))
+        with cupy.cuda.Stream.from_external(torch.cuda.current_stream()):
+            if parts != "comb":
+                attn(
+                    (S, G, B), (256,),
+                    (q.data_ptr(), kc.data_ptr(), km.data_ptr(), lc.data_ptr(), lm.data_ptr(), po.data_ptr(),
+                     pm.data_ptr(), pl.data_ptr(), np.int32(G), np.int32(L), np.int32(S), np.float32(1 / SHIFT), qk),
+                    shared_mem=smem,
+                )
+            if parts != "attn":
+                comb((B * H, RANK // 64), (256,), (po.data_ptr(), pm.data_ptr(), pl.data_ptr(), z.data_ptr(),
+                                                   np.int32(S), np.float32(1 / SHIFT)))
         return z
 
     return fn
@@ -174,13 +176,14 @@ def splits_for(B: int, L: int, sms: int) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", default="32768,131072,524288")
-    ap.add_argument("--subn", default="1,0", help="variants: 1 = codes as fp16 subnormals, 0 = 1024-offset")
+    ap.add_argument("--variants", default="1:1,1:2,0:2", help="subn:kchains,... (subn 1: codes read as fp16 "
+                    "subnormals, 0: 1024 + code with the offset from one more mma; kchains: key-score HMMA chains)")
     ap.add_argument("--no-triton", action="store_true")
     a = ap.parse_args()
     torch.manual_seed(0)
     bd.FLUSH = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    variants = {int(s): kernels(int(s)) for s in a.subn.split(",")}
+    variants = {v: kernels(*map(int, v.split(":"))) for v in a.variants.split(",")}
     ok = True
     # correctness: small and real lengths, batch 1 and 3, against the float32 reference
     for B, L in ((1, 2048), (3, 4096), (1, 40960)):
@@ -201,7 +204,7 @@ def main() -> int:
     bw = bd.copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
     print("| context | B | 2-bit slots | MB | Triton 2-bit us (% copy) | " +
-          " | ".join(f"CUDA subn={s} us (% copy)" for s in variants) + " | best speedup |")
+          " | ".join(f"CUDA {s} us (% copy)" for s in variants) + " | best speedup |")
     print("|---|---|---|---|---|" + "---|" * len(variants) + "---|")
     rows = [(1, int(c)) for c in a.contexts.split(",")] + [(4, 131072)]
     for B, ctx in rows:
@@ -227,6 +230,12 @@ def main() -> int:
         best = min(ts.values())
         print(f"| {ctx // 1024}K | {B} | {n2} | {mb:.1f} | {pct(tt)} | " + " | ".join(pct(t) for t in ts.values()) +
               f" | {tt / best:.2f}x |", flush=True)
+        kern = variants[min(ts, key=ts.get)]
+        S = splits_for(B, n2, sms)
+        probes = {p: bd.timeit(runner(kern, arrays, data[0], B, n2, S, p)) for p in ("attn", "comb")}
+        one = runner(kern, arrays, data[0], B, 8 * S * 32, S, "attn")  # one block per warp: the fixed cost
+        probes["attn, 1 block/warp"] = bd.timeit(one)
+        print("    probes (best variant): " + ", ".join(f"{k} {v:.1f} us" for k, v in probes.items()), flush=True)
         del arrays
     return 0
 

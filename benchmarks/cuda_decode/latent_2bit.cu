@@ -23,6 +23,9 @@
 //   lc  [4][32 lanes][4 words]          latent codes: word w of a lane holds n-tiles 2w, 2w+1, both k-chunks
 //   lm  [8 cg][2 kc][4 t][s_b0 s_b1 z_b0 z_b1]  latent scale/zero pairs (fp16, times `shift`)
 
+#ifndef KCHAINS
+#define KCHAINS 1
+#endif
 #ifndef SUBN
 #define SUBN 1
 #endif
@@ -232,9 +235,9 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         __syncwarp();
 
         // 2. scores: S[nt] = A (16 x 512, block-diagonal) x codes (512 x 8 slots), 4 n-tiles of 8 slots
-        float Sc[4][4];
+        float Sc[4][4], Sd[4][4];  // even / odd chunks: two independent HMMA chains of 16, summed after
 #pragma unroll
-        for (int i = 0; i < 4; i++) Sc[i][0] = Sc[i][1] = Sc[i][2] = Sc[i][3] = 0.f;
+        for (int i = 0; i < 4; i++) Sc[i][0] = Sc[i][1] = Sc[i][2] = Sc[i][3] = Sd[i][0] = Sd[i][1] = Sd[i][2] = Sd[i][3] = 0.f;
 #if !SUBN
         float off[4] = {0.f, 0.f, 0.f, 0.f};
 #endif
@@ -256,10 +259,11 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                     for (int nt = 0; nt < 4; nt++) {
                         u32 x = jj == 0 ? W[nt].x : jj == 1 ? W[nt].y : jj == 2 ? W[nt].z : W[nt].w;
                         if (ci >= 2) x >>= 8;
+                        float* acc = (ci & 1) && KCHAINS == 2 ? Sd[nt] : Sc[nt];
 #if SUBN
-                        mma(Sc[nt], a[0], a[1], a[2], a[3], x & mlo, x & mhi);
+                        mma(acc, a[0], a[1], a[2], a[3], x & mlo, x & mhi);
 #else
-                        mma(Sc[nt], a[0], a[1], a[2], a[3], lop3_andor(x, mlo, magic), lop3_andor(x, mhi, magic));
+                        mma(acc, a[0], a[1], a[2], a[3], lop3_andor(x, mlo, magic), lop3_andor(x, mhi, magic));
 #endif
                     }
 #if !SUBN
@@ -280,6 +284,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         float mx1 = -INFINITY, mx2 = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < 4; nt++) {
+            if (KCHAINS == 2)
+                for (int i = 0; i < 4; i++) Sc[nt][i] += Sd[nt][i];
             Sc[nt][0] = Sc[nt][0] * ks - o1 + b1;
             Sc[nt][1] = Sc[nt][1] * ks - o1 + b1;
             Sc[nt][2] = Sc[nt][2] * ks - o2 + b2;
@@ -394,19 +400,49 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
     }
 }
 
-// merge the S partials of each (batch, head): z = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s, times shift_inv
+// merge the S partials of each (batch, head): z = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s, times shift_inv.
+// grid (B * H, 4): 64 channels per CTA, 4 threads per channel over interleaved splits, so a thread's loads are
+// independent (S = 66 partials read one after another cost ~20 us in the first version)
+#define CMB_MAXS 1024
 extern "C" __global__ void __launch_bounds__(256)
     tale_2bit_combine(const float* __restrict__ po, const float* __restrict__ pm, const float* __restrict__ pl,
                       float* __restrict__ z, int S, float shift_inv) {
-    const int r = blockIdx.x, ch = threadIdx.x;
+    __shared__ float wts[CMB_MAXS];
+    __shared__ float red[8];
+    __shared__ float part[4][64];
+    const int r = blockIdx.x, tid = threadIdx.x;
     const float* m = pm + (size_t)r * S;
     float M = -INFINITY;
-    for (int s = 0; s < S; s++) M = fmaxf(M, m[s]);
-    float acc = 0.f, Ls = 0.f;
-    for (int s = 0; s < S; s++) {
+    for (int s = tid; s < S; s += 256) M = fmaxf(M, m[s]);
+#pragma unroll
+    for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    if ((tid & 31) == 0) red[tid >> 5] = M;
+    __syncthreads();
+    M = red[0];
+#pragma unroll
+    for (int i = 1; i < 8; i++) M = fmaxf(M, red[i]);
+    float Ls = 0.f;
+    for (int s = tid; s < S; s += 256) {
         const float a = M == -INFINITY ? 0.f : ex2(m[s] - M);
+        wts[s] = a;
         Ls += a * pl[(size_t)r * S + s];
-        acc += a * po[((size_t)r * S + s) * 256 + ch];
     }
-    z[(size_t)r * 256 + ch] = Ls > 0.f ? acc / Ls * shift_inv : 0.f;
+#pragma unroll
+    for (int o = 16; o; o >>= 1) Ls += __shfl_xor_sync(0xffffffffu, Ls, o);
+    __syncthreads();
+    if ((tid & 31) == 0) red[tid >> 5] = Ls;
+    __syncthreads();
+    Ls = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) Ls += red[i];
+    const int ch = blockIdx.y * 64 + (tid & 63), k = tid >> 6;
+    float acc = 0.f;
+#pragma unroll 8
+    for (int s = k; s < S; s += 4) acc += wts[s] * po[((size_t)r * S + s) * 256 + ch];
+    part[k][tid & 63] = acc;
+    __syncthreads();
+    if (k == 0) {
+        acc = part[0][tid] + part[1][tid] + part[2][tid] + part[3][tid];
+        z[(size_t)r * 256 + ch] = Ls > 0.f ? acc / Ls * shift_inv : 0.f;
+    }
 }
