@@ -153,7 +153,7 @@ def runner(kern, arrays, q, B: int, L: int, S: int, parts: str = "both"):
     qk = np.float32(N**-0.5 * math.log2(math.e))
 
     def fn():
-        with cupy.cuda.Stream.from_external(torch.cuda.current_stream()):
+        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
             if parts != "comb":
                 attn(
                     (S, G, B), (256,),
