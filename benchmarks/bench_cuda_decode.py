@@ -35,6 +35,7 @@ def kernels(subn: int, kchains: int = 1):
 
     code = open(SRC).read()
     opts = ("-O3", "--use_fast_math", f"-DSUBN={subn}", f"-DKCHAINS={kchains}", "-std=c++17")
+    opts += ("-lineinfo",) if os.environ.get("TALE_CUDA_LINEINFO") else ()
     attn = cupy.RawKernel(code, "tale_2bit_attn", options=opts, backend="nvcc")
     comb = cupy.RawKernel(code, "tale_2bit_combine", options=opts, backend="nvcc")
     smem = 8 * (2 * BLK_BYTES + 8192 + 128) + 8192
