@@ -30,11 +30,11 @@ SHIFT = 2.0**-8  # 16-bit scales/zeros of a bf16 cache are stored as float16 tim
 BLK_BYTES = 4096 + 2048 + 2048 + 1024  # per 32 slots and latent group: key codes, key meta, latent codes, latent meta
 
 
-def kernels(subn: int, kchains: int = 1):
+def kernels(subn: int, kchains: int = 1, abatch: int = 4):
     import cupy
 
     code = open(SRC).read()
-    opts = ("-O3", "--use_fast_math", f"-DSUBN={subn}", f"-DKCHAINS={kchains}", "-std=c++17")
+    opts = ("-O3", "--use_fast_math", f"-DSUBN={subn}", f"-DKCHAINS={kchains}", f"-DABATCH={abatch}", "-std=c++17")
     opts += ("-lineinfo",) if os.environ.get("TALE_CUDA_LINEINFO") else ()
     attn = cupy.RawKernel(code, "tale_2bit_attn", options=opts, backend="nvcc")
     comb = cupy.RawKernel(code, "tale_2bit_combine", options=opts, backend="nvcc")
@@ -177,8 +177,9 @@ def splits_for(B: int, L: int, sms: int) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", default="32768,131072,524288")
-    ap.add_argument("--variants", default="1:1,1:2,0:2", help="subn:kchains,... (subn 1: codes read as fp16 "
-                    "subnormals, 0: 1024 + code with the offset from one more mma; kchains: key-score HMMA chains)")
+    ap.add_argument("--variants", default="1:1:1,1:1:4,1:1:8", help="subn:kchains:abatch,... (subn 1: codes read as "
+                    "fp16 subnormals, 0: 1024 + code with the offset from one more mma; kchains: key-score HMMA chains; "
+                    "abatch: pieces of the query-scale build whose loads are issued together)")
     ap.add_argument("--no-triton", action="store_true")
     a = ap.parse_args()
     torch.manual_seed(0)
