@@ -38,7 +38,7 @@ def kernels(subn: int, kchains: int = 1, abatch: int = 4):
     opts += ("-lineinfo",) if os.environ.get("TALE_CUDA_LINEINFO") else ()
     attn = cupy.RawKernel(code, "tale_2bit_attn", options=opts, backend="nvcc")
     comb = cupy.RawKernel(code, "tale_2bit_combine", options=opts, backend="nvcc")
-    smem = 8 * (2 * BLK_BYTES + 8192 + 128) + 8192
+    smem = 8 * (2 * BLK_BYTES + 8192 + 128) + 8704
     attn.max_dynamic_shared_size_bytes = smem
     return attn, comb, smem
 
@@ -91,9 +91,15 @@ def pack(kcode, ks, kz, lcode, ls, lz):
     nb = L // 32
     kflat = kcode.view(B, G, GS, L, N).permute(0, 1, 3, 2, 4).reshape(B, G, L, GS * N)
     kc = _words(kflat, _key_index())  # [B, G, L, 32]
+    # odd slots: each thread's two 16-byte halves swapped (bank-conflict-free loads)
+    sw = torch.tensor([8 * t + 4 * (1 - jh) + jj for t in range(4) for jh in range(2) for jj in range(4)], device=kc.device)
+    kc[:, :, 1::2] = kc[:, :, 1::2][..., sw]
     km = torch.cat(
         [t.view(B, G, GS, nb, 32, 4).permute(0, 1, 3, 2, 4, 5) for t in (ks, kz)], -1
-    ).contiguous()  # [B, G, nb, 4, 32, 8]
+    )  # [B, G, nb, 4, 32, 8]
+    # quad c of head h stored at c ^ ((2h + c // 16) & 7): the A build's 8 distinct addresses hit distinct banks
+    src = torch.tensor([[c ^ ((2 * h + c // 16) & 7) for c in range(32)] for h in range(GS)], device=km.device)
+    km = km.gather(4, src.argsort(-1).view(1, 1, 1, GS, 32, 1).expand_as(km)).contiguous()
     lflat = lcode.view(B, G, nb, 32 * RANK)
     lc = _words(lflat, _lat_index())  # [B, G, nb, 512]
     slots = torch.tensor(
@@ -177,7 +183,7 @@ def splits_for(B: int, L: int, sms: int) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", default="32768,131072,524288")
-    ap.add_argument("--variants", default="1:1:1,1:1:4,1:1:8", help="subn:kchains:abatch,... (subn 1: codes read as "
+    ap.add_argument("--variants", default="1:1:1,1:1:4,0:1:1", help="subn:kchains:abatch,... (subn 1: codes read as "
                     "fp16 subnormals, 0: 1024 + code with the offset from one more mma; kchains: key-score HMMA chains; "
                     "abatch: pieces of the query-scale build whose loads are issued together)")
     ap.add_argument("--no-triton", action="store_true")

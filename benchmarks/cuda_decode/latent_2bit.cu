@@ -42,7 +42,7 @@
 #define ATILE_B 8192
 #define AZERO_B 128  // zeros read as the a1 / a2 matrices (rows 8..15 x k 0..7, rows 0..7 x k 8..15)
 #define WARP_B (2 * STAGE_B + ATILE_B + AZERO_B)
-#define QT_B 8192
+#define QT_B 8704  // [16][136] float: rows padded, halves at 0 and 68, so the A build's loads hit distinct banks
 #define SMEM_B (WARPS * WARP_B + QT_B)
 
 typedef unsigned int u32;
@@ -139,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
     for (int i = tid; i < 16 * 128; i += NTHR) {
         int j = i >> 7, ch = i & 127;
         u32 bits = (u32)q[((size_t)b * H + g * 16 + j) * 128 + ch] << 16;
-        qt[i] = __int_as_float(bits) * (j >= 8 ? 0.25f : 1.0f) * shift_inv;
+        qt[j * 136 + (ch >> 6) * 68 + (ch & 63)] = __int_as_float(bits) * (j >= 8 ? 0.25f : 1.0f) * shift_inv;
     }
     // the block-diagonal A tile: zeros outside each row's own head, written once
 #pragma unroll
@@ -185,8 +185,10 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 
     // the A-tile builder's lane: row jr (query head), half hf of its head's channels
     const int jr = lane >> 1, hf = lane & 1, hh = jr >> 2;
-    const u32 abuild = atile + (hh >> 1) * 128 + (jr & 7) * 16 + (hh & 1) * 8 + hf * 16 * 256;
-    const float* qrow = qt + jr * 128 + hf * 64;
+    // chunks 16..31 (hf = 1) store their 8x8 rows in the order r ^ 4, so the two halves' stores hit distinct banks
+    const u32 abuild = atile + (hh >> 1) * 128 + ((jr & 7) ^ (hf * 4)) * 16 + (hh & 1) * 8 + hf * 16 * 256;
+    const float* qrow = qt + jr * 136 + hf * 68;
+    const int ksw = 2 * hh + hf;  // key-meta quads are stored at c ^ ksw (the packer's swizzle): distinct banks
     const float rowun = jr >= 8 ? 4.f : 1.f;
     // ldmatrix.x4 row address of this lane: lanes 0-7 a0 (chunk's first 128 B), 8-15 and 16-23 the zero rows
     // (a1, a2), 24-31 a3 (the chunk's second 128 B); the zero rows sit at a fixed address, so `chunk * 256` is
@@ -194,6 +196,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
     const int quad = lane >> 3;
     const bool zrow = quad == 1 || quad == 2;
     const u32 aread = zrow ? atile + ATILE_B + (lane & 7) * 16 : atile + (quad == 3 ? 128 : 0) + (lane & 7) * 16;
+    const u32 aread_hi = zrow ? aread : atile + (quad == 3 ? 128 : 0) + ((lane & 7) ^ 4) * 16;
     const u32 astep = zrow ? 0u : 256u;
 
     // constants kept in registers, so (x & mask) | magic is one lop3
@@ -221,7 +224,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         {
             // loads of 4 pieces first, then their arithmetic: the first version issued each piece's LDS right
             // before its use and stalled on it (ncu: 28% of the warp samples on the A build's conversions)
-            const u32 kmq = st + KC_B + (hh * 32 + hf * 16) * 16;
+            const u32 kmq = st + KC_B + (hh * 32 + hf * 16) * 16;  // + (p ^ ksw) * 16
             float bp[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int pb = 0; pb < 16; pb += ABATCH) {
@@ -230,7 +233,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 #pragma unroll
                 for (int i = 0; i < ABATCH; i++) {
                     qv[i] = *(const float4*)(qrow + 4 * (pb + i));
-                    m[i] = lds128(kmq + (pb + i) * 16);
+                    m[i] = lds128(kmq + ((pb + i) ^ ksw) * 16);
                 }
 #pragma unroll
                 for (int i = 0; i < ABATCH; i++) {
@@ -261,7 +264,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         for (int jh = 0; jh < 2; jh++) {
             uint4 W[4];
 #pragma unroll
-            for (int nt = 0; nt < 4; nt++) W[nt] = lds128(st + (8 * nt + gq) * 128 + t * 32 + jh * 16);
+            // odd slots hold their two 16-byte halves swapped (the packer's swizzle): distinct banks
+            for (int nt = 0; nt < 4; nt++) W[nt] = lds128(st + (8 * nt + gq) * 128 + t * 32 + (jh ^ (gq & 1)) * 16);
 #pragma unroll
             for (int jj = 0; jj < 4; jj++) {
                 const int j = 4 * jh + jj;
@@ -269,7 +273,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 for (int ci = 0; ci < 4; ci++) {
                     const int c = 4 * j + ci;
                     u32 a[4];
-                    ldsm4(a, aread + c * astep);
+                    ldsm4(a, (c >= 16 ? aread_hi : aread) + c * astep);
                     const u32 mlo = 0x00030003u << (4 * (ci & 1)), mhi = 0x000C000Cu << (4 * (ci & 1));
 #pragma unroll
                     for (int nt = 0; nt < 4; nt++) {
