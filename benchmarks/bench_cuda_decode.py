@@ -183,7 +183,7 @@ def splits_for(B: int, L: int, sms: int) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", default="32768,131072,524288")
-    ap.add_argument("--variants", default="1:1:1,1:1:4,0:1:1", help="subn:kchains:abatch,... (subn 1: codes read as "
+    ap.add_argument("--variants", default="1:1:4,1:2:4,0:1:4", help="subn:kchains:abatch,... (subn 1: codes read as "
                     "fp16 subnormals, 0: 1024 + code with the offset from one more mma; kchains: key-score HMMA chains; "
                     "abatch: pieces of the query-scale build whose loads are issued together)")
     ap.add_argument("--no-triton", action="store_true")
@@ -243,6 +243,8 @@ def main() -> int:
         probes = {p: bd.timeit(runner(kern, arrays, data[0], B, n2, S, p)) for p in ("attn", "comb")}
         one = runner(kern, arrays, data[0], B, 8 * S * 32, S, "attn")  # one block per warp: the fixed cost
         probes["attn, 1 block/warp"] = bd.timeit(one)
+        x1 = torch.zeros(1, device="cuda")
+        probes["floor: a 1-element kernel"] = bd.timeit(lambda: torch.add(x1, 1, out=x1))
         print("    probes (best variant): " + ", ".join(f"{k} {v:.1f} us" for k, v in probes.items()), flush=True)
         del arrays
     return 0

@@ -135,18 +135,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
     const u32 wbase = sbase + QT_B + w * WARP_B;
     const u32 atile = wbase + 2 * STAGE_B;
 
-    // query of the group's 16 heads, float32
-    for (int i = tid; i < 16 * 128; i += NTHR) {
-        int j = i >> 7, ch = i & 127;
-        u32 bits = (u32)q[((size_t)b * H + g * 16 + j) * 128 + ch] << 16;
-        qt[j * 136 + (ch >> 6) * 68 + (ch & 63)] = __int_as_float(bits) * (j >= 8 ? 0.25f : 1.0f) * shift_inv;
-    }
-    // the block-diagonal A tile: zeros outside each row's own head, written once
-#pragma unroll
-    for (int i = 0; i < ATILE_B / 16 / 32; i++) sts128(atile + (i * 32 + lane) * 16, 0, 0, 0, 0);
-    if (lane < AZERO_B / 16) sts128(atile + ATILE_B + lane * 16, 0, 0, 0, 0);
-    __syncthreads();
-
+    // the first block's bytes are requested before the query table is loaded (the two latencies overlap)
     const int nblk = L >> 5;
     const int per = (nblk + S - 1) / S;
     const int c0 = min(nblk, sp * per), c1 = min(nblk, c0 + per);
@@ -176,6 +165,19 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             cp16(st + KC_B + KM_B + LC_B + (i * 32 + lane) * 16, l1 + (i * 32 + lane) * 16);
         cp_commit();
     };
+
+    if (w0 < w1) issue(w0, wbase);
+    // query of the group's 16 heads, float32
+    for (int i = tid; i < 16 * 128; i += NTHR) {
+        int j = i >> 7, ch = i & 127;
+        u32 bits = (u32)q[((size_t)b * H + g * 16 + j) * 128 + ch] << 16;
+        qt[j * 136 + (ch >> 6) * 68 + (ch & 63)] = __int_as_float(bits) * (j >= 8 ? 0.25f : 1.0f) * shift_inv;
+    }
+    // the block-diagonal A tile: zeros outside each row's own head, written once
+#pragma unroll
+    for (int i = 0; i < ATILE_B / 16 / 32; i++) sts128(atile + (i * 32 + lane) * 16, 0, 0, 0, 0);
+    if (lane < AZERO_B / 16) sts128(atile + ATILE_B + lane * 16, 0, 0, 0, 0);
+    __syncthreads();
 
     const int gq = lane >> 2, t = lane & 3;  // fragment row group and column pair
     float O[32][4];
@@ -207,7 +209,6 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 #pragma unroll
     for (int f = 0; f < 4; f++) asm volatile("" : "+r"(lmask[f]));
 
-    if (w0 < w1) issue(w0, wbase);
     for (int blk = w0; blk < w1; blk++) {
         const int stg = (blk - w0) & 1;
         const u32 st = wbase + stg * STAGE_B;
@@ -423,46 +424,40 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 // merge the S partials of each (batch, head): z = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s, times shift_inv.
 // grid (B * H, 4): 64 channels per CTA, 4 threads per channel over interleaved splits, so a thread's loads are
 // independent (S = 66 partials read one after another cost ~20 us in the first version)
-#define CMB_MAXS 1024
 extern "C" __global__ void __launch_bounds__(256)
     tale_2bit_combine(const float* __restrict__ po, const float* __restrict__ pm, const float* __restrict__ pl,
                       float* __restrict__ z, int S, float shift_inv) {
-    __shared__ float wts[CMB_MAXS];
-    __shared__ float red[8];
-    __shared__ float part[4][64];
-    const int r = blockIdx.x, tid = threadIdx.x;
+    // thread (channel, k) merges splits k, k + 4, ... on its own (their max, sum and output loaded together: one
+    // round trip to L2), then the 4 threads of a channel merge through shared memory
+    __shared__ float sm_m[4][64], sm_l[4][64], sm_o[4][64];
+    const int r = blockIdx.x, tid = threadIdx.x, c = tid & 63, k = tid >> 6;
+    const int ch = blockIdx.y * 64 + c;
     const float* m = pm + (size_t)r * S;
-    float M = -INFINITY;
-    for (int s = tid; s < S; s += 256) M = fmaxf(M, m[s]);
-#pragma unroll
-    for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-    if ((tid & 31) == 0) red[tid >> 5] = M;
-    __syncthreads();
-    M = red[0];
-#pragma unroll
-    for (int i = 1; i < 8; i++) M = fmaxf(M, red[i]);
-    float Ls = 0.f;
-    for (int s = tid; s < S; s += 256) {
-        const float a = M == -INFINITY ? 0.f : ex2(m[s] - M);
-        wts[s] = a;
-        Ls += a * pl[(size_t)r * S + s];
+    const float* l = pl + (size_t)r * S;
+    const float* o = po + (size_t)r * S * 256 + ch;
+    float M = -INFINITY, acc = 0.f, Ls = 0.f;
+#pragma unroll 4
+    for (int s = k; s < S; s += 4) {
+        const float ms = m[s], ls = l[s], os = o[(size_t)s * 256];
+        const float n = fmaxf(M, ms);
+        const float a = n == -INFINITY ? 0.f : ex2(M - n), b = n == -INFINITY ? 0.f : ex2(ms - n);
+        acc = acc * a + os * b;
+        Ls = Ls * a + ls * b;
+        M = n;
     }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) Ls += __shfl_xor_sync(0xffffffffu, Ls, o);
-    __syncthreads();
-    if ((tid & 31) == 0) red[tid >> 5] = Ls;
-    __syncthreads();
-    Ls = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; i++) Ls += red[i];
-    const int ch = blockIdx.y * 64 + (tid & 63), k = tid >> 6;
-    float acc = 0.f;
-#pragma unroll 8
-    for (int s = k; s < S; s += 4) acc += wts[s] * po[((size_t)r * S + s) * 256 + ch];
-    part[k][tid & 63] = acc;
+    sm_m[k][c] = M;
+    sm_l[k][c] = Ls;
+    sm_o[k][c] = acc;
     __syncthreads();
     if (k == 0) {
-        acc = part[0][tid] + part[1][tid] + part[2][tid] + part[3][tid];
-        z[(size_t)r * 256 + ch] = Ls > 0.f ? acc / Ls * shift_inv : 0.f;
+        float Mx = fmaxf(fmaxf(sm_m[0][c], sm_m[1][c]), fmaxf(sm_m[2][c], sm_m[3][c]));
+        float A = 0.f, Lt = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float a = Mx == -INFINITY ? 0.f : ex2(sm_m[i][c] - Mx);
+            A += a * sm_o[i][c];
+            Lt += a * sm_l[i][c];
+        }
+        z[(size_t)r * 256 + ch] = Lt > 0.f ? A / Lt * shift_inv : 0.f;
     }
 }
