@@ -92,7 +92,9 @@ def pack(kcode, ks, kz, lcode, ls, lz):
     kflat = kcode.view(B, G, GS, L, N).permute(0, 1, 3, 2, 4).reshape(B, G, L, GS * N)
     kc = _words(kflat, _key_index())  # [B, G, L, 32]
     # odd slots: each thread's two 16-byte halves swapped (bank-conflict-free loads)
-    sw = torch.tensor([8 * t + 4 * (1 - jh) + jj for t in range(4) for jh in range(2) for jj in range(4)], device=kc.device)
+    sw = torch.tensor(
+        [8 * t + 4 * (1 - jh) + jj for t in range(4) for jh in range(2) for jj in range(4)], device=kc.device
+    )
     kc[:, :, 1::2] = kc[:, :, 1::2][..., sw]
     km = torch.cat(
         [t.view(B, G, GS, nb, 32, 4).permute(0, 1, 3, 2, 4, 5) for t in (ks, kz)], -1
@@ -103,8 +105,10 @@ def pack(kcode, ks, kz, lcode, ls, lz):
     lflat = lcode.view(B, G, nb, 32 * RANK)
     lc = _words(lflat, _lat_index())  # [B, G, nb, 512]
     slots = torch.tensor(
-        [[[16 * kc_ + 2 * t, 16 * kc_ + 2 * t + 1, 16 * kc_ + 2 * t + 8, 16 * kc_ + 2 * t + 9] for t in range(4)]
-         for kc_ in range(2)],
+        [
+            [[16 * kc_ + 2 * t, 16 * kc_ + 2 * t + 1, 16 * kc_ + 2 * t + 8, 16 * kc_ + 2 * t + 9] for t in range(4)]
+            for kc_ in range(2)
+        ],
         device=ls.device,
     )  # [2, 4, 4]
     parts = []
@@ -163,14 +167,31 @@ def runner(kern, arrays, q, B: int, L: int, S: int, parts: str = "both"):
         with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
             if parts != "comb":
                 attn(
-                    (S, G, B), (256,),
-                    (q.data_ptr(), kc.data_ptr(), km.data_ptr(), lc.data_ptr(), lm.data_ptr(), po.data_ptr(),
-                     pm.data_ptr(), pl.data_ptr(), np.int32(G), np.int32(L), np.int32(S), np.float32(1 / SHIFT), qk),
+                    (S, G, B),
+                    (256,),
+                    (
+                        q.data_ptr(),
+                        kc.data_ptr(),
+                        km.data_ptr(),
+                        lc.data_ptr(),
+                        lm.data_ptr(),
+                        po.data_ptr(),
+                        pm.data_ptr(),
+                        pl.data_ptr(),
+                        np.int32(G),
+                        np.int32(L),
+                        np.int32(S),
+                        np.float32(1 / SHIFT),
+                        qk,
+                    ),
                     shared_mem=smem,
                 )
             if parts != "attn":
-                comb((B * H, RANK // 64), (256,), (po.data_ptr(), pm.data_ptr(), pl.data_ptr(), z.data_ptr(),
-                                                   np.int32(S), np.float32(1 / SHIFT)))
+                comb(
+                    (B * H, RANK // 64),
+                    (256,),
+                    (po.data_ptr(), pm.data_ptr(), pl.data_ptr(), z.data_ptr(), np.int32(S), np.float32(1 / SHIFT)),
+                )
         return z
 
     return fn
@@ -183,9 +204,13 @@ def splits_for(B: int, L: int, sms: int) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", default="32768,131072,524288")
-    ap.add_argument("--variants", default="1:1:4,1:2:4,0:1:4", help="subn:kchains:abatch,... (subn 1: codes read as "
-                    "fp16 subnormals, 0: 1024 + code with the offset from one more mma; kchains: key-score HMMA chains; "
-                    "abatch: pieces of the query-scale build whose loads are issued together)")
+    ap.add_argument(
+        "--variants",
+        default="1:1:4,1:2:4,0:1:4",
+        help="subn:kchains:abatch,... (subn 1: codes read as "
+        "fp16 subnormals, 0: 1024 + code with the offset from one more mma; kchains: key-score HMMA chains; "
+        "abatch: pieces of the query-scale build whose loads are issued together)",
+    )
     ap.add_argument("--no-triton", action="store_true")
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -211,14 +236,17 @@ def main() -> int:
         return 1
     bw = bd.copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
-    print("| context | B | 2-bit slots | MB | Triton 2-bit us (% copy) | " +
-          " | ".join(f"CUDA {s} us (% copy)" for s in variants) + " | best speedup |")
+    print(
+        "| context | B | 2-bit slots | MB | Triton 2-bit us (% copy) | "
+        + " | ".join(f"CUDA {s} us (% copy)" for s in variants)
+        + " | best speedup |"
+    )
     print("|---|---|---|---|---|" + "---|" * len(variants) + "---|")
     rows = [(1, int(c)) for c in a.contexts.split(",")] + [(4, 131072)]
     for B, ctx in rows:
         n2 = bd.region_lengths(ctx)[1] // 32 * 32
         mb = B * G * n2 * 288 / 1e6
-        pct = lambda t: f"{t:.1f} ({mb * 1e6 / (t * 1e-6) / 1e9 / bw * 100:.0f}%)"  # noqa: E731
+        pct = lambda t, mb=mb: f"{t:.1f} ({mb * 1e6 / (t * 1e-6) / 1e9 / bw * 100:.0f}%)"  # noqa: E731
         if a.no_triton:
             tt = float("nan")
         else:
@@ -226,7 +254,7 @@ def main() -> int:
 
             v = bd.synth_view(B, ctx, only="2bit")
             qn, kn, hn = bd.new_token(B)
-            tt = bd.timeit(lambda: tale_kernels.latent_attention(qn, kn, hn, v, N**-0.5))
+            tt = bd.timeit(lambda q=qn, k=kn, h=hn, v=v: tale_kernels.latent_attention(q, k, h, v, N**-0.5))
             del v
         data = random_level(B, n2, seed=1)
         arrays = pack(*data[1:])
@@ -236,15 +264,19 @@ def main() -> int:
             S = splits_for(B, n2, sms)
             ts[s] = bd.timeit(runner(kern, arrays, data[0], B, n2, S))
         best = min(ts.values())
-        print(f"| {ctx // 1024}K | {B} | {n2} | {mb:.1f} | {pct(tt)} | " + " | ".join(pct(t) for t in ts.values()) +
-              f" | {tt / best:.2f}x |", flush=True)
+        print(
+            f"| {ctx // 1024}K | {B} | {n2} | {mb:.1f} | {pct(tt)} | "
+            + " | ".join(pct(t) for t in ts.values())
+            + f" | {tt / best:.2f}x |",
+            flush=True,
+        )
         kern = variants[min(ts, key=ts.get)]
         S = splits_for(B, n2, sms)
         probes = {p: bd.timeit(runner(kern, arrays, data[0], B, n2, S, p)) for p in ("attn", "comb")}
         one = runner(kern, arrays, data[0], B, 8 * S * 32, S, "attn")  # one block per warp: the fixed cost
         probes["attn, 1 block/warp"] = bd.timeit(one)
         x1 = torch.zeros(1, device="cuda")
-        probes["floor: a 1-element kernel"] = bd.timeit(lambda: torch.add(x1, 1, out=x1))
+        probes["floor: a 1-element kernel"] = bd.timeit(lambda x1=x1: torch.add(x1, 1, out=x1))
         print("    probes (best variant): " + ", ".join(f"{k} {v:.1f} us" for k, v in probes.items()), flush=True)
         del arrays
     return 0
