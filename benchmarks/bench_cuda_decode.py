@@ -9,6 +9,8 @@ device-to-device copy. It needs CuPy and nvcc (the device image has both); nothi
 runtime.
 
     python benchmarks/bench_cuda_decode.py                  # check, then 32K / 128K / 512K at B=1 and 128K B=4
+    TALE_CUDA_LINEINFO=1 ncu --set full --kernel-name tale_2bit_attn --launch-skip 2 --launch-count 1 \
+        python benchmarks/bench_cuda_decode.py --ncu 524288 --variants 1:1:4      # the profile of docs/kernels.md
 """
 
 from __future__ import annotations
@@ -212,11 +214,26 @@ def main() -> int:
         "abatch: pieces of the query-scale build whose loads are issued together)",
     )
     ap.add_argument("--no-triton", action="store_true")
+    ap.add_argument(
+        "--ncu",
+        type=int,
+        metavar="CTX",
+        help="no checks or timings: run the first variant's main kernel "
+        "4 times at context CTX, batch 1 (a target for `ncu --launch-skip 2 --launch-count 1`)",
+    )
     a = ap.parse_args()
     torch.manual_seed(0)
     bd.FLUSH = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     variants = {v: kernels(*map(int, v.split(":"))) for v in a.variants.split(",")}
+    if a.ncu:
+        n2 = bd.region_lengths(a.ncu)[1] // 32 * 32
+        data = random_level(1, n2, seed=1)
+        fn = runner(next(iter(variants.values())), pack(*data[1:]), data[0], 1, n2, splits_for(1, n2, sms), "attn")
+        for _ in range(4):
+            fn()
+        torch.cuda.synchronize()
+        return 0
     ok = True
     # correctness: small and real lengths, batch 1 and 3, against the float32 reference
     for B, L in ((1, 2048), (3, 4096), (1, 40960)):
