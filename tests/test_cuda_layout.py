@@ -1,4 +1,4 @@
-"""The CUDA prototype's packed layout (benchmarks/cuda_decode/latent_2bit.cu), checked on the CPU.
+"""The CUDA prototype's packed layout (benchmarks/cuda_decode/latent_level.cu), checked on the CPU.
 
 The kernel reads each thread's mma fragments straight out of words that benchmarks/bench_cuda_decode.pack lays
 out. This test replays the kernel's per-lane arithmetic for one 32-slot block (the query-scale build with its
@@ -47,27 +47,11 @@ def _mma(afr, bfr) -> np.ndarray:
     return A @ B
 
 
-def _random_block(seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    B, L = 1, 32
-    kcode = torch.randint(0, 4, (B, bcd.K, L, N), generator=gen, dtype=torch.uint8)
-    lcode = torch.randint(0, 4, (B, bcd.G, L, RANK), generator=gen, dtype=torch.uint8)
-
-    def meta(shape):
-        s = torch.rand(shape, generator=gen) * 0.2 + 0.05
-        z = torch.randn(shape, generator=gen) * 0.2 - s * 1.5
-        return (s * SHIFT).half(), (z * SHIFT).half()
-
-    ks, kz = meta((B, bcd.K, 1, N))
-    ls, lz = meta((B, bcd.G, L, RANK // bcd.VG))
-    q = torch.randn(B, bcd.H, N, generator=gen).bfloat16()
-    return q, kcode, ks, kz, lcode, ls, lz
-
-
-def _scores(q, kc, km, g: int, subn: int) -> np.ndarray:
+def _scores(q, kc, km, g: int, subn: int, kb: int) -> np.ndarray:
     """The kernel's scores of group g's 16 query heads over one block, before the softmax scale: [16, 32]."""
     # 1. the query-scale build, written to a byte image of the A tile with the kernel's addresses
-    qt = np.stack([q[0, 16 * g + j].float().numpy() * (0.25 if j >= 8 else 1.0) / SHIFT for j in range(16)])
+    rowcomp = 2.0**-kb  # rows 8..15 meet the b1 operands, one field higher
+    qt = np.stack([q[0, 16 * g + j].float().numpy() * (rowcomp if j >= 8 else 1.0) / SHIFT for j in range(16)])
     tile = np.zeros(8192 + 128, dtype=np.uint8)
     kmb = km[0, g, 0].numpy()
     bias = np.zeros(16)
@@ -78,10 +62,10 @@ def _scores(q, kc, km, g: int, subn: int) -> np.ndarray:
         for p in range(16):
             qv = qt[jr, hf * 64 + 4 * p : hf * 64 + 4 * p + 4]
             m = kmb[hh, hf * 16 + (p ^ (2 * hh + hf))].astype(np.float64)
-            a = (qv * m[:4] * (0.0625 if p & 1 else 1.0)).astype(np.float16)
+            a = (qv * m[:4] * (0.0625 if kb == 2 and p & 1 else 1.0)).astype(np.float16)
             tile[addr + p * 256 : addr + p * 256 + 8] = a.view(np.uint8)
             bias[jr] += (qv * m[4:]).sum()
-    bias *= np.where(np.arange(16) >= 8, 4.0, 1.0)
+    bias *= np.where(np.arange(16) >= 8, 1 / rowcomp, 1.0)
 
     def a_fragments(c: int):  # ldmatrix.x4: lane l gives the address of row l % 8 of matrix l // 8
         rows = []
@@ -97,19 +81,23 @@ def _scores(q, kc, km, g: int, subn: int) -> np.ndarray:
             for lane in range(32)
         ]
 
-    # 2. scores: 32 chunks x 4 n-tiles of 8 slots
+    # 2. scores: 32 chunks x 4 n-tiles of 8 slots; a thread's 4 kb words per slot in 16-byte quads (swizzled)
     words = kc[0, g].numpy().view(np.uint32)
+    kw, cpw, fmask = 4 * kb, 8 // kb, 0x00030003 if kb == 2 else 0x000F000F
     S, off = np.zeros((16, 32)), np.zeros((16, 8))
     for c in range(32):
-        j, ci = c // 4, c % 4
+        j, ci = c // cpw, c % cpw
         af = a_fragments(c)
-        lo, hi = 0x00030003 << (4 * (ci & 1)), 0x000C000C << (4 * (ci & 1))
+        sh = 4 * (ci & 1) if kb == 2 else 0
+        lo, hi = fmask << sh, fmask << (sh + kb)
+        hi8 = ci >= 2 if kb == 2 else ci == 1
         for nt in range(4):
             bf = []
             for lane in range(32):
                 gq, t = lane >> 2, lane & 3
-                x = int(words[8 * nt + gq, 8 * t + 4 * ((j // 4) ^ (gq & 1)) + j % 4])
-                x = x >> 8 if ci >= 2 else x
+                sw = (gq & 1) if kb == 2 else 2 * (gq & 1) + (t >> 1)
+                x = int(words[8 * nt + gq, kw * t + 4 * (((j // 4) ^ sw) % (kw // 4)) + j % 4])
+                x = x >> 8 if hi8 else x
                 bf.append([x & lo, x & hi] if subn else [(x & lo) | MAGIC, (x & hi) | MAGIC])
             S[:, 8 * nt : 8 * nt + 8] += _mma(af, bf)
         if not subn:
@@ -117,8 +105,8 @@ def _scores(q, kc, km, g: int, subn: int) -> np.ndarray:
     return S * 2.0**24 + bias[:, None] if subn else S - off[:, :1] + bias[:, None]
 
 
-def _latent_out(P: np.ndarray, lc, lm, g: int) -> np.ndarray:
-    """The kernel's P @ latents for one block (P [16, 32] float), back in real units: [16, RANK]."""
+def _latent_out(P: np.ndarray, lc, lm, g: int, half: int, lb: int) -> np.ndarray:
+    """The kernel's P @ latents for one block and 256 channels (P [16, 32] float), in real units: [16, 256]."""
     pa = [
         [
             [
@@ -132,23 +120,26 @@ def _latent_out(P: np.ndarray, lc, lm, g: int) -> np.ndarray:
         ]
         for kc_ in range(2)
     ]
-    lw = lc[0, g, 0].numpy().view(np.uint32).reshape(4, 32, 4)
-    lmb = lm[0, g, 0].numpy()
+    lw = lc[0, g, half, 0].numpy().view(np.uint32).reshape(2 * lb, 32, 4)
+    lmb = lm[0, g, half, 0].numpy()
+    fmask = 0x00030003 if lb == 2 else 0x000F000F
     O = np.zeros((16, RANK))
-    for wd in range(16):
-        for nto in range(2):
+    for wd in range(8 * lb):
+        cg = wd >> 1 if lb == 2 else wd >> 2
+        for nto in range(4 // lb):
             for kc_ in range(2):
                 bf = []
                 for lane in range(32):
-                    x = int(lw[wd // 4, lane, wd % 4]) >> (8 * nto)
-                    M = lmb[wd >> 1, kc_, lane & 3].astype(np.float64)
+                    x0 = int(lw[wd // 4, lane, wd % 4])
+                    x = x0 >> (8 * (nto if lb == 2 else kc_))
+                    M = lmb[cg, kc_, lane & 3].astype(np.float64)
                     pair = []
                     for r in range(2):
-                        f = 2 * kc_ + r
-                        u = _h2((x & (0x00030003 << 2 * f)) | MAGIC) * 4.0**-f - 1024 * 4.0**-f
+                        f = 2 * kc_ + r if lb == 2 else r
+                        u = _h2((x & (fmask << lb * f)) | MAGIC) * 2.0 ** (-lb * f) - 1024 * 2.0 ** (-lb * f)
                         pair.append(_u32(*(u * M[[2 * r, 2 * r + 1]] + M[[4 + 2 * r, 5 + 2 * r]])))
                     bf.append(pair)
-                nt = 2 * wd + nto
+                nt = 2 * wd + nto if lb == 2 else wd
                 O[:, 8 * nt : 8 * nt + 8] += _mma(pa[kc_], bf)
     return O / SHIFT
 
@@ -160,26 +151,32 @@ def _reference(data, g: int):
     return scores[0, 16 * g : 16 * g + 16].numpy(), bcd.reference(*data)[0, 16 * g : 16 * g + 16].numpy()
 
 
+@pytest.mark.parametrize("level", ["2bit", "4bit"])
 @pytest.mark.parametrize("subn", [1, 0])
 @pytest.mark.parametrize("g", [0, 1])
-def test_packed_fragments_reproduce_the_reference(subn: int, g: int):
-    data = _random_block(seed=3 + g)
-    kc, km, lc, lm = bcd.pack(*data[1:])
+def test_packed_fragments_reproduce_the_reference(level: str, subn: int, g: int):
+    kb, lb, rank = bcd.LEVELS[level][:3]
+    data = bcd.random_level(1, 32, level, seed=3 + g, device="cpu")
+    kc, km, lc, lm = bcd.pack(*data[1:], kb, lb)
     scores, zref = _reference(data, g)
-    got = _scores(data[0], kc, km, g, subn)
+    got = _scores(data[0], kc, km, g, subn, kb)
     assert np.abs(got - scores).max() <= 1e-3 * np.abs(scores).max()
     lg = scores * N**-0.5
     P = np.exp(lg - lg.max(1, keepdims=True))
-    z = _latent_out(P, lc, lm, g) / P.sum(1, keepdims=True)
+    z = np.concatenate([_latent_out(P, lc, lm, g, h, lb) for h in range(rank // RANK)], 1) / P.sum(1, keepdims=True)
     assert np.linalg.norm(z - zref) / np.linalg.norm(zref) <= 1e-3
 
 
-def test_the_replay_sees_a_wrong_layout():
-    """Without the packer's odd-slot swizzle of the key words, the replayed scores are wrong: the check can fail."""
-    data = _random_block(seed=9)
-    kc, km, _, _ = bcd.pack(*data[1:])
+@pytest.mark.parametrize("kb", [2, 4])
+def test_the_replay_sees_a_wrong_layout(kb: int):
+    """Without the packer's swizzle of the key words' quads, the replayed scores are wrong: the check can fail."""
+    data = bcd.random_level(1, 32, f"{kb}bit", seed=9, device="cpu")
+    kc, km, _, _ = bcd.pack(*data[1:], kb, kb)
     unswizzled = kc.clone()
-    unswizzled[:, :, 1::2] = kc[:, :, 1::2].view(*kc.shape[:2], -1, 4, 2, 4).flip(-2).reshape(*kc.shape[:2], -1, 32)
+    n = kc.shape[-1]
+    unswizzled[:, :, 1::2] = (
+        kc[:, :, 1::2].view(*kc.shape[:2], -1, 4, n // 16, 4).flip(-2).reshape(*kc.shape[:2], -1, n)
+    )
     scores, _ = _reference(data, 0)
-    assert np.abs(_scores(data[0], kc, km, 0, 1) - scores).max() <= 1e-3 * np.abs(scores).max()
-    assert np.abs(_scores(data[0], unswizzled, km, 0, 1) - scores).max() > 0.1 * np.abs(scores).max()
+    assert np.abs(_scores(data[0], kc, km, 0, 1, kb) - scores).max() <= 1e-3 * np.abs(scores).max()
+    assert np.abs(_scores(data[0], unswizzled, km, 0, 1, kb) - scores).max() > 0.1 * np.abs(scores).max()

@@ -1,49 +1,44 @@
-// Prototype (issue #10): one-pass decode attention over the 2-bit TALE level in CUDA, with a per-warp online
+// Prototype (issue #10): one-pass decode attention over one quantized TALE level in CUDA, with a per-warp online
 // softmax. Not wired into the runtime: benchmarks/bench_cuda_decode.py packs a level into this layout, checks the
-// result against a float32 torch reference and times it against the Triton kernel and SDPA in the same run.
+// result against a float32 torch reference and times it against the Triton kernel in the same run.
 //
-// Shapes fixed (Llama-3.1-8B, paper preset): head dim 128, 4 KV heads per latent group (16 query heads, GQA 4),
-// latent rank 256 at 2 bits, 2-bit keys, key group 32 slots (per-channel scale/zero), latent group 32 channels
-// (per-slot scale/zero). Lengths are whole key groups ("blocks" of 32 slots); no position masks yet.
+// Shapes fixed (Llama-3.1-8B, paper preset): head dim 128, 4 KV heads per latent group (16 query heads, GQA 4), key
+// group 32 slots (per-channel scale/zero), latent group 32 channels (per-slot scale/zero). Two levels, one template:
+//   tale_attn_k2l2: the 2-bit middle (2-bit keys, rank-256 latents at 2 bits), 8 warps per CTA;
+//   tale_attn_k4l4: the 4-bit recent level (4-bit keys, rank-512 latents at 4 bits), 5 warps per CTA; each CTA
+//     handles one half of the 512 latent channels (blockIdx.y = 2 g + half), so the keys are read twice (their
+//     accumulators would not fit otherwise: 16 x 512 float32 per warp).
+// Lengths are whole key groups ("blocks" of 32 slots); no position masks yet.
 //
 // What differs from the Triton kernel (docs/kernels.md, "What limits it"):
 // - each warp owns whole 32-slot blocks and runs its own online softmax: no cross-warp reductions or barriers in
-//   the loop; the 8 warps of a CTA merge once at the end;
+//   the loop; the warps of a CTA merge once at the end;
 // - the packed bytes are laid out at pack time so that each thread's 32-bit word already holds its mma fragment:
-//   a mask (SUBN=1: the code read as an fp16 subnormal, c * 4^f * 2^-24) or a mask-or (SUBN=0: 1024 + 4^f c) gives
-//   two operands per instruction, no shuffles, no shared-memory staging of dequantized tiles;
-// - key scales are folded into the query once per block (A = q * s * 4^-f, block-diagonal over the 4 KV heads,
-//   through shared memory and ldmatrix), key zeros into one per-row bias (sum q z); latent scales/zeros are
+//   a mask (SUBN=1: the code read as an fp16 subnormal, c * 2^(bits f) * 2^-24) or a mask-or (SUBN=0:
+//   1024 + 2^(bits f) c) gives two operands per instruction, no shuffles, no shared-memory staging of dequantized
+//   tiles;
+// - key scales are folded into the query once per block (A = q * s * 2^-(bits f), block-diagonal over the 4 KV
+//   heads, through shared memory and ldmatrix), key zeros into one per-row bias (sum q z); latent scales/zeros are
 //   applied per pair with two fma.f16x2 (they vary per slot);
-// - a cp.async double buffer per warp keeps the next block's 9 KB in flight.
+// - a cp.async double buffer per warp keeps the next block's bytes in flight.
 //
-// Layout per (batch b, latent group g, block of 32 slots), built by bench_cuda_decode.pack():
-//   kc  [32 slots][32 words]            key codes: word 8t+j of a slot holds thread t's pairs of chunks 4j..4j+3
-//   km  [4 heads][32 quads][s0..3 z0..3] key scale/zero (fp16, times `shift`), 4 channels per quad
-//   lc  [4][32 lanes][4 words]          latent codes: word w of a lane holds n-tiles 2w, 2w+1, both k-chunks
-//   lm  [8 cg][2 kc][4 t][s_b0 s_b1 z_b0 z_b1]  latent scale/zero pairs (fp16, times `shift`)
+// Layout per (batch b, latent group g, block of 32 slots), built by bench_cuda_decode.pack(); t = lane % 4:
+//   kc  [32 slots][KB * 16 words]  key codes: thread t's KB * 4 words of a slot hold its pairs of all 32 chunks
+//                                  (2-bit: 4 chunks per word, 4-bit: 2); 16-byte quads swizzled against conflicts
+//   km  [4 heads][32 quads][s0..3 z0..3]  key scale/zero (fp16, times `shift`), 4 channels per quad, swizzled
+//   lc  [LB * 2][32 lanes][4 words] latent codes of 256 channels (per half at 4 bits): a word holds n-tiles
+//                                  2w, 2w+1 (2-bit) or w (4-bit), both k-chunks
+//   lm  [8 cg][2 kc][4 t][s_b0 s_b1 z_b0 z_b1]  latent scale/zero pairs (fp16, times `shift`), per 256 channels
 
 #ifndef ABATCH
 #define ABATCH 4
 #endif
-#ifndef KCHAINS
-#define KCHAINS 1
-#endif
 #ifndef SUBN
 #define SUBN 1
 #endif
-#define WARPS 8
-#define NTHR (WARPS * 32)
-#define KC_B 4096
-#define KM_B 2048
-#define LC_B 2048
-#define LM_B 1024
-#define STAGE_B (KC_B + KM_B + LC_B + LM_B)
 #define ATILE_B 8192
 #define AZERO_B 128  // zeros read as the a1 / a2 matrices (rows 8..15 x k 0..7, rows 0..7 x k 8..15)
-#define WARP_B (2 * STAGE_B + ATILE_B + AZERO_B)
-#define QT_B 8704  // [16][136] float: rows padded, halves at 0 and 68, so the A build's loads hit distinct banks
-#define SMEM_B (WARPS * WARP_B + QT_B)
+#define QT_B 8704    // [16][136] float: rows padded, halves at 0 and 68, so the A build's loads hit distinct banks
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -109,69 +104,86 @@ __device__ __forceinline__ float ex2(float x) {
     return r;
 }
 
-// half2 constants for the latent normalization u = v * 4^-f - 1024 * 4^-f (exact): fp16 bits
-// 4^-f: 1, 0.25, 0.0625, 0.015625 ; -1024*4^-f: -1024, -256, -64, -16
-__device__ __forceinline__ u32 inv4f(int f) {
-    return f == 0 ? 0x3C003C00u : f == 1 ? 0x34003400u : f == 2 ? 0x2C002C00u : 0x24002400u;
+// half2 constants for the latent normalization u = v * 2^-e - 1024 * 2^-e (exact), e = bits * f in 0, 2, 4, 6:
+// 2^-e: 1, 0.25, 0.0625, 0.015625 ; -1024 * 2^-e: -1024, -256, -64, -16 (fp16 bits)
+__device__ __forceinline__ u32 inv2e(int e) {
+    return e == 0 ? 0x3C003C00u : e == 2 ? 0x34003400u : e == 4 ? 0x2C002C00u : 0x24002400u;
 }
-__device__ __forceinline__ u32 neg1024f(int f) {
-    return f == 0 ? 0xE400E400u : f == 1 ? 0xDC00DC00u : f == 2 ? 0xD400D400u : 0xCC00CC00u;
+__device__ __forceinline__ u32 neg1024e(int e) {
+    return e == 0 ? 0xE400E400u : e == 2 ? 0xDC00DC00u : e == 4 ? 0xD400D400u : 0xCC00CC00u;
 }
 
-extern "C" __global__ void __launch_bounds__(NTHR, 1)
-    tale_2bit_attn(const unsigned short* __restrict__ q,  // [B, H, 128] bf16 bits
-                   const char* __restrict__ kc, const char* __restrict__ km, const char* __restrict__ lc,
-                   const char* __restrict__ lm,
-                   float* __restrict__ po,  // [B, H, S, 256] partial outputs (unnormalized, times shift)
-                   float* __restrict__ pm,  // [B, H, S] running max (base 2)
-                   float* __restrict__ pl,  // [B, H, S] running sum
-                   int G, int L, int S, float shift_inv, float qk_scale) {
+
+template <int KB, int LB, int NW>
+struct Cfg {
+    static constexpr int KC = 32 * KB * 64;     // key codes per block: 32 slots x 4 heads x 128 ch x KB bits
+    static constexpr int KM = 2048;             // key scales/zeros
+    static constexpr int LC = 32 * 256 * LB / 8;  // latent codes of 256 channels
+    static constexpr int LM = 1024;             // latent scales/zeros of 256 channels
+    static constexpr int STAGE = KC + KM + LC + LM;
+    static constexpr int WARP = 2 * STAGE + ATILE_B + AZERO_B;
+    static constexpr int SMEM = NW * WARP + QT_B;
+    static constexpr int NT = NW * 32;
+    static constexpr int KW = KB * 4;           // key words per thread and slot
+    static constexpr int CPW = 8 / KB;          // key chunks per word
+    static constexpr int LW = LB * 8;           // latent words per lane and block (256 channels)
+};
+
+template <int KB, int LB, int NW>
+__device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, const char* __restrict__ kc,
+                                          const char* __restrict__ km, const char* __restrict__ lc,
+                                          const char* __restrict__ lm, float* __restrict__ po,
+                                          float* __restrict__ pm, float* __restrict__ pl, int G, int L, int S,
+                                          int RW, float shift_inv, float qk_scale) {
+    using C = Cfg<KB, LB, NW>;
+    constexpr int HALVES = LB == 4 ? 2 : 1;  // CTAs per latent group (256 latent channels each)
     extern __shared__ __align__(16) unsigned char smem[];
-    const int sp = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
+    const int sp = blockIdx.x, g = blockIdx.y / HALVES, half = blockIdx.y % HALVES, b = blockIdx.z;
     const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
     const int H = G * 16;
     const u32 sbase = (u32)__cvta_generic_to_shared(smem);
-    float* qt = (float*)smem;  // [16][128]: q * rowcomp * shift_inv (rowcomp 1/4 for rows 8..15: the a3 half)
-    const u32 wbase = sbase + QT_B + w * WARP_B;
-    const u32 atile = wbase + 2 * STAGE_B;
+    float* qt = (float*)smem;  // [16][136]: q * rowcomp * shift_inv (rowcomp 2^-KB for rows 8..15: the a3 half)
+    const u32 wbase = sbase + QT_B + w * C::WARP;
+    const u32 atile = wbase + 2 * C::STAGE;
 
-    // the first block's bytes are requested before the query table is loaded (the two latencies overlap)
+    // blocks of this CTA and warp
     const int nblk = L >> 5;
     const int per = (nblk + S - 1) / S;
     const int c0 = min(nblk, sp * per), c1 = min(nblk, c0 + per);
-    const int wper = (c1 - c0 + WARPS - 1) / WARPS;
+    const int wper = (c1 - c0 + NW - 1) / NW;
     const int w0 = min(c1, c0 + w * wper), w1 = min(c1, w0 + wper);
 
     const size_t bg = (size_t)b * G + g;
-    const char* kcg = kc + bg * (size_t)L * 128;
-    const char* kmg = km + bg * (size_t)nblk * KM_B;
-    const char* lcg = lc + bg * (size_t)nblk * LC_B;
-    const char* lmg = lm + bg * (size_t)nblk * LM_B;
+    const char* kcg = kc + bg * (size_t)L * (C::KC / 32);
+    const char* kmg = km + bg * (size_t)nblk * C::KM;
+    const char* lcg = lc + (bg * HALVES + half) * (size_t)nblk * C::LC;
+    const char* lmg = lm + (bg * HALVES + half) * (size_t)nblk * C::LM;
 
     auto issue = [&](int blk, u32 st) {
-        const char* k0 = kcg + (size_t)blk * KC_B;
+        const char* k0 = kcg + (size_t)blk * C::KC;
 #pragma unroll
-        for (int i = 0; i < KC_B / 512; i++) cp16(st + (i * 32 + lane) * 16, k0 + (i * 32 + lane) * 16);
-        const char* k1 = kmg + (size_t)blk * KM_B;
+        for (int i = 0; i < C::KC / 512; i++) cp16(st + (i * 32 + lane) * 16, k0 + (i * 32 + lane) * 16);
+        const char* k1 = kmg + (size_t)blk * C::KM;
 #pragma unroll
-        for (int i = 0; i < KM_B / 512; i++) cp16(st + KC_B + (i * 32 + lane) * 16, k1 + (i * 32 + lane) * 16);
-        const char* l0 = lcg + (size_t)blk * LC_B;
+        for (int i = 0; i < C::KM / 512; i++) cp16(st + C::KC + (i * 32 + lane) * 16, k1 + (i * 32 + lane) * 16);
+        const char* l0 = lcg + (size_t)blk * C::LC;
 #pragma unroll
-        for (int i = 0; i < LC_B / 512; i++)
-            cp16(st + KC_B + KM_B + (i * 32 + lane) * 16, l0 + (i * 32 + lane) * 16);
-        const char* l1 = lmg + (size_t)blk * LM_B;
+        for (int i = 0; i < C::LC / 512; i++)
+            cp16(st + C::KC + C::KM + (i * 32 + lane) * 16, l0 + (i * 32 + lane) * 16);
+        const char* l1 = lmg + (size_t)blk * C::LM;
 #pragma unroll
-        for (int i = 0; i < LM_B / 512; i++)
-            cp16(st + KC_B + KM_B + LC_B + (i * 32 + lane) * 16, l1 + (i * 32 + lane) * 16);
+        for (int i = 0; i < C::LM / 512; i++)
+            cp16(st + C::KC + C::KM + C::LC + (i * 32 + lane) * 16, l1 + (i * 32 + lane) * 16);
         cp_commit();
     };
 
+    // the first block's bytes are requested before the query table is loaded (the two latencies overlap)
     if (w0 < w1) issue(w0, wbase);
-    // query of the group's 16 heads, float32
-    for (int i = tid; i < 16 * 128; i += NTHR) {
+    constexpr float ROWCOMP = KB == 2 ? 0.25f : 0.0625f;  // rows 8..15 multiply the b1 operands: one field higher
+    for (int i = tid; i < 16 * 128; i += C::NT) {
         int j = i >> 7, ch = i & 127;
         u32 bits = (u32)q[((size_t)b * H + g * 16 + j) * 128 + ch] << 16;
-        qt[j * 136 + (ch >> 6) * 68 + (ch & 63)] = __int_as_float(bits) * (j >= 8 ? 0.25f : 1.0f) * shift_inv;
+        qt[j * 136 + (ch >> 6) * 68 + (ch & 63)] = __int_as_float(bits) * (j >= 8 ? ROWCOMP : 1.0f) * shift_inv;
     }
     // the block-diagonal A tile: zeros outside each row's own head, written once
 #pragma unroll
@@ -191,7 +203,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
     const u32 abuild = atile + (hh >> 1) * 128 + ((jr & 7) ^ (hf * 4)) * 16 + (hh & 1) * 8 + hf * 16 * 256;
     const float* qrow = qt + jr * 136 + hf * 68;
     const int ksw = 2 * hh + hf;  // key-meta quads are stored at c ^ ksw (the packer's swizzle): distinct banks
-    const float rowun = jr >= 8 ? 4.f : 1.f;
+    const float rowun = jr >= 8 ? 1.f / ROWCOMP : 1.f;
     // ldmatrix.x4 row address of this lane: lanes 0-7 a0 (chunk's first 128 B), 8-15 and 16-23 the zero rows
     // (a1, a2), 24-31 a3 (the chunk's second 128 B); the zero rows sit at a fixed address, so `chunk * 256` is
     // added only for the a0 / a3 lanes
@@ -200,32 +212,33 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
     const u32 aread = zrow ? atile + ATILE_B + (lane & 7) * 16 : atile + (quad == 3 ? 128 : 0) + (lane & 7) * 16;
     const u32 aread_hi = zrow ? aread : atile + (quad == 3 ? 128 : 0) + ((lane & 7) ^ 4) * 16;
     const u32 astep = zrow ? 0u : 256u;
+    // key-word quads: 2-bit slots hold 2 per thread (odd slots swapped), 4-bit slots 4 (swizzled by slot and t)
+    const int kqsw = KB == 2 ? (gq & 1) : 2 * (gq & 1) + (t >> 1);
 
     // constants kept in registers, so (x & mask) | magic is one lop3
+    constexpr u32 FMASK = KB == 2 ? 0x00030003u : 0x000F000Fu;
     u32 magic = 0x64006400u, lmask[4];
 #pragma unroll
-    for (int f = 0; f < 4; f++) lmask[f] = 0x00030003u << (2 * f);
+    for (int f = 0; f < 4; f++) lmask[f] = (LB == 2 ? 0x00030003u : 0x000F000Fu) << (LB * f);
     asm volatile("" : "+r"(magic));
 #pragma unroll
     for (int f = 0; f < 4; f++) asm volatile("" : "+r"(lmask[f]));
 
     for (int blk = w0; blk < w1; blk++) {
         const int stg = (blk - w0) & 1;
-        const u32 st = wbase + stg * STAGE_B;
+        const u32 st = wbase + stg * C::STAGE;
         if (blk + 1 < w1) {
-            issue(blk + 1, wbase + (stg ^ 1) * STAGE_B);
+            issue(blk + 1, wbase + (stg ^ 1) * C::STAGE);
             cp_wait<1>();
         } else {
             cp_wait<0>();
         }
         __syncwarp();
 
-        // 1. A = q * s * 4^-f for this block's key scales; bias = sum q z
+        // 1. A = q * s * 2^-(KB f) for this block's key scales; bias = sum q z
         float bacc = 0.f;
         {
-            // loads of 4 pieces first, then their arithmetic: the first version issued each piece's LDS right
-            // before its use and stalled on it (ncu: 28% of the warp samples on the A build's conversions)
-            const u32 kmq = st + KC_B + (hh * 32 + hf * 16) * 16;  // + (p ^ ksw) * 16
+            const u32 kmq = st + C::KC + (hh * 32 + hf * 16) * 16;  // + (p ^ ksw) * 16
             float bp[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int pb = 0; pb < 16; pb += ABATCH) {
@@ -240,7 +253,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 for (int i = 0; i < ABATCH; i++) {
                     const int p = pb + i;
                     float2 s01 = h2f(m[i].x), s23 = h2f(m[i].y), z01 = h2f(m[i].z), z23 = h2f(m[i].w);
-                    const float cm = (p & 1) ? 0.0625f : 1.0f;  // odd chunks: their codes sit 2 pairs higher
+                    // 2-bit: odd chunks' codes sit two fields higher in their word
+                    const float cm = (KB == 2 && (p & 1)) ? 0.0625f : 1.0f;
                     u32 a01 = f2h(qv[i].x * s01.x * cm, qv[i].y * s01.y * cm);
                     u32 a23 = f2h(qv[i].z * s23.x * cm, qv[i].w * s23.y * cm);
                     sts64(abuild + p * 256, a01, a23);
@@ -255,36 +269,38 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         __syncwarp();
 
         // 2. scores: S[nt] = A (16 x 512, block-diagonal) x codes (512 x 8 slots), 4 n-tiles of 8 slots
-        float Sc[4][4], Sd[4][4];  // even / odd chunks: two independent HMMA chains of 16, summed after
+        float Sc[4][4];
 #pragma unroll
-        for (int i = 0; i < 4; i++) Sc[i][0] = Sc[i][1] = Sc[i][2] = Sc[i][3] = Sd[i][0] = Sd[i][1] = Sd[i][2] = Sd[i][3] = 0.f;
+        for (int i = 0; i < 4; i++) Sc[i][0] = Sc[i][1] = Sc[i][2] = Sc[i][3] = 0.f;
 #if !SUBN
         float off[4] = {0.f, 0.f, 0.f, 0.f};
 #endif
 #pragma unroll
-        for (int jh = 0; jh < 2; jh++) {
+        for (int u = 0; u < C::KW / 4; u++) {  // 16-byte quads of this thread's key words
             uint4 W[4];
 #pragma unroll
-            // odd slots hold their two 16-byte halves swapped (the packer's swizzle): distinct banks
-            for (int nt = 0; nt < 4; nt++) W[nt] = lds128(st + (8 * nt + gq) * 128 + t * 32 + (jh ^ (gq & 1)) * 16);
+            for (int nt = 0; nt < 4; nt++)
+                W[nt] = lds128(st + (8 * nt + gq) * (C::KC / 32) + t * (C::KW * 4) + ((u ^ kqsw) & (C::KW / 4 - 1)) * 16);
 #pragma unroll
             for (int jj = 0; jj < 4; jj++) {
-                const int j = 4 * jh + jj;
+                const int j = 4 * u + jj;
 #pragma unroll
-                for (int ci = 0; ci < 4; ci++) {
-                    const int c = 4 * j + ci;
+                for (int ci = 0; ci < C::CPW; ci++) {
+                    const int c = C::CPW * j + ci;
                     u32 a[4];
                     ldsm4(a, (c >= 16 ? aread_hi : aread) + c * astep);
-                    const u32 mlo = 0x00030003u << (4 * (ci & 1)), mhi = 0x000C000Cu << (4 * (ci & 1));
+                    // 2-bit: chunks 0,1 in the low byte (fields 0..3), 2,3 in the high byte; 4-bit: chunk 0 low, 1 high
+                    const int sh = KB == 2 ? 4 * (ci & 1) : 0;
+                    const u32 mlo = FMASK << sh, mhi = FMASK << (sh + KB);
+                    const bool hi8 = KB == 2 ? ci >= 2 : ci == 1;
 #pragma unroll
                     for (int nt = 0; nt < 4; nt++) {
                         u32 x = jj == 0 ? W[nt].x : jj == 1 ? W[nt].y : jj == 2 ? W[nt].z : W[nt].w;
-                        if (ci >= 2) x >>= 8;
-                        float* acc = (ci & 1) && KCHAINS == 2 ? Sd[nt] : Sc[nt];
+                        if (hi8) x >>= 8;
 #if SUBN
-                        mma(acc, a[0], a[1], a[2], a[3], x & mlo, x & mhi);
+                        mma(Sc[nt], a[0], a[1], a[2], a[3], x & mlo, x & mhi);
 #else
-                        mma(acc, a[0], a[1], a[2], a[3], lop3_andor(x, mlo, magic), lop3_andor(x, mhi, magic));
+                        mma(Sc[nt], a[0], a[1], a[2], a[3], lop3_andor(x, mlo, magic), lop3_andor(x, mhi, magic));
 #endif
                     }
 #if !SUBN
@@ -305,8 +321,6 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         float mx1 = -INFINITY, mx2 = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < 4; nt++) {
-            if (KCHAINS == 2)
-                for (int i = 0; i < 4; i++) Sc[nt][i] += Sd[nt][i];
             Sc[nt][0] = Sc[nt][0] * ks - o1 + b1;
             Sc[nt][1] = Sc[nt][1] * ks - o1 + b1;
             Sc[nt][2] = Sc[nt][2] * ks - o2 + b2;
@@ -344,29 +358,32 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             pa[nt >> 1][(nt & 1) * 2 + 1] = f2h(p2, p3);
         }
 
-        // 4. latents: O[nt] += P (16 x 32 slots) x latents (32 slots x 8 channels), 32 n-tiles
-        const u32 lcs = st + KC_B + KM_B, lms = st + KC_B + KM_B + LC_B;
+        // 4. latents: O[nt] += P (16 x 32 slots) x latents (32 slots x 8 channels), 32 n-tiles of this CTA's 256
+        const u32 lcs = st + C::KC + C::KM, lms = st + C::KC + C::KM + C::LC;
 #pragma unroll
-        for (int qd = 0; qd < 4; qd++) {
-            const uint4 LW = lds128(lcs + (qd * 32 + lane) * 16);
+        for (int qd = 0; qd < C::LW / 4; qd++) {
+            const uint4 LWq = lds128(lcs + (qd * 32 + lane) * 16);
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int wd = 4 * qd + e, cg = wd >> 1;
+                const int wd = 4 * qd + e;
+                const int cg = LB == 2 ? wd >> 1 : wd >> 2;  // value group: 4 n-tiles
                 const uint4 M0 = lds128(lms + ((cg * 2 + 0) * 4 + t) * 16);
                 const uint4 M1 = lds128(lms + ((cg * 2 + 1) * 4 + t) * 16);
-                const u32 x0 = e == 0 ? LW.x : e == 1 ? LW.y : e == 2 ? LW.z : LW.w;
+                const u32 x0 = e == 0 ? LWq.x : e == 1 ? LWq.y : e == 2 ? LWq.z : LWq.w;
 #pragma unroll
-                for (int nto = 0; nto < 2; nto++) {
-                    const u32 x = nto ? (x0 >> 8) : x0;
+                for (int nto = 0; nto < 4 / LB; nto++) {  // 2-bit: two n-tiles per word (low / high byte)
 #pragma unroll
                     for (int kc = 0; kc < 2; kc++) {
                         const uint4 M = kc ? M1 : M0;
-                        const int f0 = 2 * kc, f1 = 2 * kc + 1;
+                        // 2-bit: fields f = 2 kc + r of byte nto; 4-bit: fields f = r of byte kc
+                        const u32 x = LB == 2 ? (nto ? (x0 >> 8) : x0) : (kc ? (x0 >> 8) : x0);
+                        const int f0 = LB == 2 ? 2 * kc : 0, f1 = f0 + 1;
                         u32 v0 = lop3_andor(x, lmask[f0], magic);
                         u32 v1 = lop3_andor(x, lmask[f1], magic);
-                        v0 = hfma2(hfma2(v0, inv4f(f0), neg1024f(f0)), M.x, M.z);
-                        v1 = hfma2(hfma2(v1, inv4f(f1), neg1024f(f1)), M.y, M.w);
-                        mma(O[2 * wd + nto], pa[kc][0], pa[kc][1], pa[kc][2], pa[kc][3], v0, v1);
+                        v0 = hfma2(hfma2(v0, inv2e(LB * f0), neg1024e(LB * f0)), M.x, M.z);
+                        v1 = hfma2(hfma2(v1, inv2e(LB * f1), neg1024e(LB * f1)), M.y, M.w);
+                        const int nt = LB == 2 ? 2 * wd + nto : wd;
+                        mma(O[nt], pa[kc][0], pa[kc][1], pa[kc][2], pa[kc][3], v0, v1);
                     }
                 }
             }
@@ -374,14 +391,14 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         __syncwarp();
     }
 
-    // 5. merge the 8 warps' partials through shared memory (the stage buffers are free now)
+    // 5. merge the warps' partials through shared memory (the stage buffers are free now)
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
     l2 += __shfl_xor_sync(0xffffffffu, l2, 1);
     l2 += __shfl_xor_sync(0xffffffffu, l2, 2);
     __syncthreads();
-    float* wO = (float*)(smem + QT_B + w * WARP_B);  // [16][256]
-    float* wm = wO + 16 * 256;                        // [16] max, [16] sum
+    float* wO = (float*)(smem + QT_B + w * C::WARP);  // [16][256]
+    float* wm = wO + 16 * 256;                         // [16] max, [16] sum
 #pragma unroll
     for (int nt = 0; nt < 32; nt++) {
         *(float2*)(wO + gq * 256 + 8 * nt + 2 * t) = make_float2(O[nt][0], O[nt][1]);
@@ -394,51 +411,62 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         wm[16 + gq + 8] = l2;
     }
     __syncthreads();
-    // thread -> (row, 16 channels)
-    const int row = tid >> 4, chb = (tid & 15) * 16;
-    float M = -INFINITY;
+    // thread -> (row, 4 channels), looping over the 16 x 64 quads
+    for (int o = tid; o < 16 * 64; o += C::NT) {
+        const int row = o >> 6, chb = (o & 63) * 4;
+        float M = -INFINITY;
 #pragma unroll
-    for (int v = 0; v < WARPS; v++) M = fmaxf(M, ((float*)(smem + QT_B + v * WARP_B))[16 * 256 + row]);
-    float acc[16], Ls = 0.f;
+        for (int v = 0; v < NW; v++) M = fmaxf(M, ((const float*)(smem + QT_B + v * C::WARP))[16 * 256 + row]);
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        float Ls = 0.f;
 #pragma unroll
-    for (int i = 0; i < 16; i++) acc[i] = 0.f;
-#pragma unroll
-    for (int v = 0; v < WARPS; v++) {
-        const float* vO = (const float*)(smem + QT_B + v * WARP_B);
-        const float mv = vO[16 * 256 + row];
-        const float a = M == -INFINITY ? 0.f : ex2(mv - M);
-        Ls += a * vO[16 * 256 + 16 + row];
-#pragma unroll
-        for (int i = 0; i < 16; i++) acc[i] += a * vO[row * 256 + chb + i];
-    }
-    const size_t hrow = ((size_t)b * H + g * 16 + row) * S + sp;
-    float* out = po + hrow * 256 + chb;
-#pragma unroll
-    for (int i = 0; i < 16; i += 4) *(float4*)(out + i) = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
-    if ((tid & 15) == 0) {
-        pm[hrow] = M;
-        pl[hrow] = Ls;
+        for (int v = 0; v < NW; v++) {
+            const float* vO = (const float*)(smem + QT_B + v * C::WARP);
+            const float a = M == -INFINITY ? 0.f : ex2(vO[16 * 256 + row] - M);
+            Ls += a * vO[16 * 256 + 16 + row];
+            const float4 x = *(const float4*)(vO + row * 256 + chb);
+            acc.x += a * x.x;
+            acc.y += a * x.y;
+            acc.z += a * x.z;
+            acc.w += a * x.w;
+        }
+        const size_t hrow = ((size_t)b * H + g * 16 + row) * S + sp;
+        *(float4*)(po + hrow * RW + half * 256 + chb) = acc;
+        if ((o & 63) == 0) {
+            pm[hrow] = M;
+            pl[hrow] = Ls;
+        }
     }
 }
 
+#define ATTN_ARGS                                                                                                   \
+    const unsigned short *__restrict__ q, const char *__restrict__ kc, const char *__restrict__ km,                 \
+        const char *__restrict__ lc, const char *__restrict__ lm, float *__restrict__ po, float *__restrict__ pm,   \
+        float *__restrict__ pl, int G, int L, int S, int RW, float shift_inv, float qk_scale
+#define ATTN_PASS q, kc, km, lc, lm, po, pm, pl, G, L, S, RW, shift_inv, qk_scale
+
+// the 2-bit middle level: 8 warps (216 KB of shared memory)
+extern "C" __global__ void __launch_bounds__(256, 1) tale_attn_k2l2(ATTN_ARGS) { attn_body<2, 2, 8>(ATTN_PASS); }
+// the 4-bit recent level: 5 warps (its blocks are 15 KB; 199 KB of shared memory)
+extern "C" __global__ void __launch_bounds__(160, 1) tale_attn_k4l4(ATTN_ARGS) { attn_body<4, 4, 5>(ATTN_PASS); }
+
 // merge the S partials of each (batch, head): z = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s, times shift_inv.
-// grid (B * H, 4): 64 channels per CTA, 4 threads per channel over interleaved splits, so a thread's loads are
-// independent (S = 66 partials read one after another cost ~20 us in the first version)
+// grid (B * H, RW / 64): 64 channels per CTA; thread (channel, k) merges splits k, k + 4, ... on its own (their
+// max, sum and output loaded together: one round trip to L2), then the 4 threads of a channel merge through
+// shared memory
 extern "C" __global__ void __launch_bounds__(256)
-    tale_2bit_combine(const float* __restrict__ po, const float* __restrict__ pm, const float* __restrict__ pl,
-                      float* __restrict__ z, int S, float shift_inv) {
-    // thread (channel, k) merges splits k, k + 4, ... on its own (their max, sum and output loaded together: one
-    // round trip to L2), then the 4 threads of a channel merge through shared memory
+    tale_combine(const float* __restrict__ po, const float* __restrict__ pm, const float* __restrict__ pl,
+                 float* __restrict__ z, int S, int RW, float shift_inv) {
     __shared__ float sm_m[4][64], sm_l[4][64], sm_o[4][64];
     const int r = blockIdx.x, tid = threadIdx.x, c = tid & 63, k = tid >> 6;
     const int ch = blockIdx.y * 64 + c;
     const float* m = pm + (size_t)r * S;
     const float* l = pl + (size_t)r * S;
-    const float* o = po + (size_t)r * S * 256 + ch;
+    const float* o = po + (size_t)r * S * RW + ch;
     float M = -INFINITY, acc = 0.f, Ls = 0.f;
 #pragma unroll 4
     for (int s = k; s < S; s += 4) {
-        const float ms = m[s], ls = l[s], os = o[(size_t)s * 256];
+        const float ms = m[s], ls = l[s], os = o[(size_t)s * RW];
         const float n = fmaxf(M, ms);
         const float a = n == -INFINITY ? 0.f : ex2(M - n), b = n == -INFINITY ? 0.f : ex2(ms - n);
         acc = acc * a + os * b;
@@ -458,6 +486,6 @@ extern "C" __global__ void __launch_bounds__(256)
             A += a * sm_o[i][c];
             Lt += a * sm_l[i][c];
         }
-        z[(size_t)r * 256 + ch] = Lt > 0.f ? A / Lt * shift_inv : 0.f;
+        z[(size_t)r * RW + ch] = Lt > 0.f ? A / Lt * shift_inv : 0.f;
     }
 }
