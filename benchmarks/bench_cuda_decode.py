@@ -46,18 +46,26 @@ def stage_bytes(kb: int, lb: int) -> int:
 
 
 def kernels(subn: int = 1, abatch: int = 4) -> dict:
-    """{level: (attn kernel, shared bytes, warps)} and the combine, compiled with nvcc through CuPy."""
+    """{level: (attn kernel, shared bytes, warps)}, the whole paper call's ("paper": both levels in one launch) and
+    the two merges, compiled with nvcc through CuPy."""
     import cupy
 
     code = open(SRC).read()
     opts = ("-O3", "--use_fast_math", f"-DSUBN={subn}", f"-DABATCH={abatch}", "-std=c++17")
     opts += ("-lineinfo",) if os.environ.get("TALE_CUDA_LINEINFO") else ()
-    out = {"combine": cupy.RawKernel(code, "tale_combine", options=opts, backend="nvcc")}
+    out = {
+        name: cupy.RawKernel(code, f"tale_{name}", options=opts, backend="nvcc")
+        for name in ("combine", "combine_paper")
+    }
     for level, (kb, lb, _, nw, _) in LEVELS.items():
         attn = cupy.RawKernel(code, f"tale_attn_k{kb}l{lb}", options=opts, backend="nvcc")
         smem = nw * (2 * stage_bytes(kb, lb) + 8192 + 128) + 8704
         attn.max_dynamic_shared_size_bytes = smem
         out[level] = (attn, smem, nw)
+    paper = cupy.RawKernel(code, "tale_attn_paper", options=opts, backend="nvcc")
+    smem = max(out[lv][1] for lv in LEVELS)
+    paper.max_dynamic_shared_size_bytes = smem
+    out["paper"] = (paper, smem, 8)
     return out
 
 
@@ -174,19 +182,86 @@ def random_level(B: int, L: int, level: str = "2bit", seed: int = 0, device: str
     return q, kcode, ks, kz, lcode, ls, lz
 
 
-def reference(q, kcode, ks, kz, lcode, ls, lz) -> torch.Tensor:
-    """float32 attention of one level alone: z [B, H, R]."""
-    B, _, L, _ = kcode.shape
+def dequantize(kcode, ks, kz, lcode, ls, lz) -> tuple[torch.Tensor, torch.Tensor]:
+    """A level's keys [B, K, L, N] and latents [B, G, L, R] in float32."""
     sk = (ks.float() / SHIFT).repeat_interleave(KG, 2)
     zk = (kz.float() / SHIFT).repeat_interleave(KG, 2)
-    keys = kcode.float() * sk + zk  # [B, K, L, N]
     sl = (ls.float() / SHIFT).repeat_interleave(VG, -1)
     zl = (lz.float() / SHIFT).repeat_interleave(VG, -1)
-    lat = lcode.float() * sl + zl  # [B, G, L, R]
+    return kcode.float() * sk + zk, lcode.float() * sl + zl
+
+
+def attend(q, keys, lat) -> torch.Tensor:
+    """float32 decode attention in latent space: z [B, H, R]."""
+    B, _, L, _ = keys.shape
     qf = q.float().view(B, K, H // K, N)
     logits = torch.einsum("bkrn,bkln->bkrl", qf, keys).reshape(B, H, L) * N**-0.5
     p = logits.softmax(-1).view(B, G, H // G, L)
     return torch.einsum("bgrl,bglc->bgrc", p, lat).reshape(B, H, lat.shape[-1])
+
+
+def reference(q, kcode, ks, kz, lcode, ls, lz) -> torch.Tensor:
+    """float32 attention of one level alone: z [B, H, R]."""
+    return attend(q, *dequantize(kcode, ks, kz, lcode, ls, lz))
+
+
+# -- the whole paper-preset call: sinks | 2-bit level | 4-bit level | residual, and the new token -----------------
+
+
+def random_call(B: int, ctx: int, seed: int = 0, device: str = "cuda"):
+    """(q, 2-bit level, 4-bit level, tail keys [B, K, T, N], tail latents [B, G, T, 512]) for a cache of ctx tokens;
+    the tail (16-bit sinks, residual and the new token) in one tensor each."""
+    sinks, n2, n4, res = bd.region_lengths(ctx)
+    lv2 = random_level(B, n2, "2bit", seed, device)
+    lv4 = random_level(B, n4, "4bit", seed + 1, device)
+    gen = torch.Generator(device=device).manual_seed(seed + 2)
+    T = sinks + res + 1
+    tk = (torch.randn(B, K, T, N, device=device, generator=gen) * 0.5).bfloat16()
+    th = (torch.randn(B, G, T, 512, device=device, generator=gen) * 0.3).bfloat16()
+    return lv2[0], lv2[1:], lv4[1:], tk, th
+
+
+def reference_call(q, lv2, lv4, tk, th) -> torch.Tensor:
+    k2, h2 = dequantize(*lv2)
+    k4, h4 = dequantize(*lv4)
+    h2 = torch.nn.functional.pad(h2, (0, 512 - h2.shape[-1]))  # the 2-bit level's rank 256 of 512
+    return attend(q, torch.cat([k2, k4, tk.float()], 2), torch.cat([h2, h4, th.float()], 2))
+
+
+def call_splits(B: int, n2: int, n4: int, sms: int) -> tuple[int, int]:
+    """Splits of the two levels so that their CTAs share one wave in proportion to the bytes they read (the 4-bit
+    level's keys twice)."""
+    b2, b4 = n2 * level_bytes("2bit"), n4 * (level_bytes("4bit") + GS * N * 4 // 8 + GS * N * 4 // KG)
+    f2 = b2 / max(b2 + b4, 1)
+    s2 = max(1, min(max(n2 // 32 // 8, 1), round(sms * f2 / (B * G))))
+    s4 = max(1, min(max(n4 // 32 // 5, 1), round(sms * (1 - f2) / (B * 2 * G))))
+    return s2, s4
+
+
+def runner_call(kern: dict, arrays2, arrays4, q, tk, th, B: int, n2: int, n4: int, S2: int, S4: int):
+    import cupy
+    import numpy as np
+
+    attn, smem, _ = kern["paper"]
+    comb = kern["combine_paper"]
+    St, T = S2 + S4, tk.shape[2]
+    po = torch.empty(B, H, St, 512, device="cuda")
+    pm = torch.empty(B, H, St, device="cuda")
+    pl = torch.empty(B, H, St, device="cuda")
+    z = torch.empty(B, H, 512, device="cuda")
+    qk = np.float32(N**-0.5 * math.log2(math.e))
+    a1 = [t.data_ptr() for t in (q, *arrays2, *arrays4, po, pm, pl)]
+    a1 += [np.int32(G), np.int32(n2), np.int32(S2), np.int32(n4), np.int32(S4), np.float32(1 / SHIFT), qk]
+    a2 = [t.data_ptr() for t in (po, pm, pl, q, tk, th, z)]
+    a2 += [np.int32(St), np.int32(S2), np.int32(T), np.int32(G), np.float32(1 / SHIFT), qk]
+
+    def fn():
+        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            attn(((S2 * G + S4 * 2 * G) * B,), (256,), tuple(a1), shared_mem=smem)
+            comb((B * H, 8), (256,), tuple(a2))
+        return z
+
+    return fn
 
 
 def runner(kern: dict, level: str, arrays, q, B: int, L: int, S: int, parts: str = "both"):
@@ -233,6 +308,7 @@ def main() -> int:
         "mma; abatch: pieces of the query-scale build whose loads are issued together)",
     )
     ap.add_argument("--no-triton", action="store_true")
+    ap.add_argument("--call", action="store_true", help="also time the whole paper call against Triton and SDPA")
     ap.add_argument(
         "--ncu",
         type=int,
@@ -271,11 +347,30 @@ def main() -> int:
                     good = e <= 5e-3 and bool(torch.isfinite(got).all())
                     ok &= good
                     print(f"check {lv} {s} B={B} L={L} S={S}: rel err {e:.2e} {'ok' if good else 'FAIL'}", flush=True)
+    # the whole paper call: both levels in one launch, the 16-bit tail in the merge
+    for B, ctx in ((1, 8192), (3, 20000), (1, 131072)):
+        q, lv2, lv4, tk, th = random_call(B, ctx, seed=ctx + B)
+        n2, n4 = lv2[0].shape[2], lv4[0].shape[2]
+        ref = reference_call(q, lv2, lv4, tk, th)
+        a2, a4 = pack(*lv2, 2, 2), pack(*lv4, 4, 4)
+        for s, kern in variants.items():
+            for S2, S4 in {call_splits(B, n2, n4, sms), (1, 1), (3, 2)}:
+                bd.poison()
+                got = runner_call(kern, a2, a4, q, tk, th, B, n2, n4, S2, S4)().clone()
+                e = bd.rel(got, ref)
+                good = e <= 5e-3 and bool(torch.isfinite(got).all())
+                ok &= good
+                print(
+                    f"check call {s} B={B} ctx={ctx} S={S2},{S4}: rel err {e:.2e} {'ok' if good else 'FAIL'}",
+                    flush=True,
+                )
     if not ok:
         print("correctness failed: no timings", flush=True)
         return 1
     bw = bd.copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
+    if a.call:
+        whole_call(variants, a, bw, sms)
     for lv in levels:
         print(
             f"\n| context | B | {lv} slots | MB | Triton {lv} us (% copy) | "
@@ -319,6 +414,41 @@ def main() -> int:
             print("    probes (best variant): " + ", ".join(f"{k} {v:.1f} us" for k, v in probes.items()), flush=True)
             del arrays
     return 0
+
+
+def whole_call(variants: dict, a, bw: float, sms: int) -> None:
+    """The whole paper-preset call (all regions and the new token) against the Triton kernel and SDPA."""
+    import tale_kernels
+
+    print(
+        "\n| context | B | cache MB | Triton us (% copy) | "
+        + " | ".join(f"CUDA {s} us (% copy)" for s in variants)
+        + " | SDPA bf16 us | CUDA vs Triton | CUDA vs SDPA |"
+    )
+    print("|---|---|---|---|" + "---|" * len(variants) + "---|---|---|")
+    rows = [(1, int(c)) for c in a.contexts.split(",")] + [(4, 131072)]
+    for B, ctx in rows:
+        v = bd.synth_view(B, ctx)
+        mb = bd.view_bytes(v) / 1e6
+        pct = lambda t, mb=mb: f"{t:.1f} ({mb * 1e6 / (t * 1e-6) / 1e9 / bw * 100:.0f}%)"  # noqa: E731
+        qn, kn, hn = bd.new_token(B)
+        tt = bd.timeit(lambda q=qn, k=kn, h=hn, v=v: tale_kernels.latent_attention(q, k, h, v, N**-0.5))
+        del v
+        ts_sdpa, _ = bd.best_sdpa(B, ctx)
+        q, lv2, lv4, tk, th = random_call(B, ctx, seed=1)
+        n2, n4 = lv2[0].shape[2], lv4[0].shape[2]
+        a2, a4 = pack(*lv2, 2, 2), pack(*lv4, 4, 4)
+        del lv2, lv4
+        S2, S4 = call_splits(B, n2, n4, sms)
+        ts = {s: bd.timeit(runner_call(k, a2, a4, q, tk, th, B, n2, n4, S2, S4)) for s, k in variants.items()}
+        best = min(ts.values())
+        print(
+            f"| {ctx // 1024}K | {B} | {mb:.1f} | {pct(tt)} | "
+            + " | ".join(pct(t) for t in ts.values())
+            + f" | {ts_sdpa:.1f} | {tt / best:.2f}x | {ts_sdpa / best:.2f}x |",
+            flush=True,
+        )
+        del a2, a4
 
 
 if __name__ == "__main__":

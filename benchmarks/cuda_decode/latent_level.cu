@@ -134,12 +134,15 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
                                           const char* __restrict__ km, const char* __restrict__ lc,
                                           const char* __restrict__ lm, float* __restrict__ po,
                                           float* __restrict__ pm, float* __restrict__ pl, int G, int L, int S,
-                                          int RW, float shift_inv, float qk_scale) {
+                                          int RW, float shift_inv, float qk_scale, int sp, int g, int half, int b,
+                                          int St, int soff) {
+    // this CTA: split sp of S over the level's L slots, latent group g, channel half `half`, batch row b; its
+    // partial is split soff + sp of St in po / pm / pl. Warps NW and up (when blockDim holds more) sit it out.
     using C = Cfg<KB, LB, NW>;
     constexpr int HALVES = LB == 4 ? 2 : 1;  // CTAs per latent group (256 latent channels each)
     extern __shared__ __align__(16) unsigned char smem[];
-    const int sp = blockIdx.x, g = blockIdx.y / HALVES, half = blockIdx.y % HALVES, b = blockIdx.z;
-    const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
+    const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, NT = blockDim.x;
+    const bool active = w < NW;
     const int H = G * 16;
     const u32 sbase = (u32)__cvta_generic_to_shared(smem);
     float* qt = (float*)smem;  // [16][136]: q * rowcomp * shift_inv (rowcomp 2^-KB for rows 8..15: the a3 half)
@@ -151,7 +154,7 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
     const int per = (nblk + S - 1) / S;
     const int c0 = min(nblk, sp * per), c1 = min(nblk, c0 + per);
     const int wper = (c1 - c0 + NW - 1) / NW;
-    const int w0 = min(c1, c0 + w * wper), w1 = min(c1, w0 + wper);
+    const int w0 = active ? min(c1, c0 + w * wper) : 0, w1 = active ? min(c1, w0 + wper) : 0;
 
     const size_t bg = (size_t)b * G + g;
     const char* kcg = kc + bg * (size_t)L * (C::KC / 32);
@@ -180,15 +183,17 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
     // the first block's bytes are requested before the query table is loaded (the two latencies overlap)
     if (w0 < w1) issue(w0, wbase);
     constexpr float ROWCOMP = KB == 2 ? 0.25f : 0.0625f;  // rows 8..15 multiply the b1 operands: one field higher
-    for (int i = tid; i < 16 * 128; i += C::NT) {
+    for (int i = tid; i < 16 * 128; i += NT) {
         int j = i >> 7, ch = i & 127;
         u32 bits = (u32)q[((size_t)b * H + g * 16 + j) * 128 + ch] << 16;
         qt[j * 136 + (ch >> 6) * 68 + (ch & 63)] = __int_as_float(bits) * (j >= 8 ? ROWCOMP : 1.0f) * shift_inv;
     }
     // the block-diagonal A tile: zeros outside each row's own head, written once
+    if (active) {
 #pragma unroll
-    for (int i = 0; i < ATILE_B / 16 / 32; i++) sts128(atile + (i * 32 + lane) * 16, 0, 0, 0, 0);
-    if (lane < AZERO_B / 16) sts128(atile + ATILE_B + lane * 16, 0, 0, 0, 0);
+        for (int i = 0; i < ATILE_B / 16 / 32; i++) sts128(atile + (i * 32 + lane) * 16, 0, 0, 0, 0);
+        if (lane < AZERO_B / 16) sts128(atile + ATILE_B + lane * 16, 0, 0, 0, 0);
+    }
     __syncthreads();
 
     const int gq = lane >> 2, t = lane & 3;  // fragment row group and column pair
@@ -399,12 +404,14 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
     __syncthreads();
     float* wO = (float*)(smem + QT_B + w * C::WARP);  // [16][256]
     float* wm = wO + 16 * 256;                         // [16] max, [16] sum
+    if (active) {
 #pragma unroll
-    for (int nt = 0; nt < 32; nt++) {
-        *(float2*)(wO + gq * 256 + 8 * nt + 2 * t) = make_float2(O[nt][0], O[nt][1]);
-        *(float2*)(wO + (gq + 8) * 256 + 8 * nt + 2 * t) = make_float2(O[nt][2], O[nt][3]);
+        for (int nt = 0; nt < 32; nt++) {
+            *(float2*)(wO + gq * 256 + 8 * nt + 2 * t) = make_float2(O[nt][0], O[nt][1]);
+            *(float2*)(wO + (gq + 8) * 256 + 8 * nt + 2 * t) = make_float2(O[nt][2], O[nt][3]);
+        }
     }
-    if (t == 0) {
+    if (active && t == 0) {
         wm[gq] = m1;
         wm[gq + 8] = m2;
         wm[16 + gq] = l1;
@@ -412,7 +419,7 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
     }
     __syncthreads();
     // thread -> (row, 4 channels), looping over the 16 x 64 quads
-    for (int o = tid; o < 16 * 64; o += C::NT) {
+    for (int o = tid; o < 16 * 64; o += NT) {
         const int row = o >> 6, chb = (o & 63) * 4;
         float M = -INFINITY;
 #pragma unroll
@@ -430,7 +437,7 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
             acc.z += a * x.z;
             acc.w += a * x.w;
         }
-        const size_t hrow = ((size_t)b * H + g * 16 + row) * S + sp;
+        const size_t hrow = ((size_t)b * H + g * 16 + row) * St + soff + sp;
         *(float4*)(po + hrow * RW + half * 256 + chb) = acc;
         if ((o & 63) == 0) {
             pm[hrow] = M;
@@ -445,10 +452,34 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
         float *__restrict__ pl, int G, int L, int S, int RW, float shift_inv, float qk_scale
 #define ATTN_PASS q, kc, km, lc, lm, po, pm, pl, G, L, S, RW, shift_inv, qk_scale
 
-// the 2-bit middle level: 8 warps (216 KB of shared memory)
-extern "C" __global__ void __launch_bounds__(256, 1) tale_attn_k2l2(ATTN_ARGS) { attn_body<2, 2, 8>(ATTN_PASS); }
-// the 4-bit recent level: 5 warps (its blocks are 15 KB; 199 KB of shared memory)
-extern "C" __global__ void __launch_bounds__(160, 1) tale_attn_k4l4(ATTN_ARGS) { attn_body<4, 4, 5>(ATTN_PASS); }
+// the 2-bit middle level alone: 8 warps (216 KB of shared memory); grid (S, G, B)
+extern "C" __global__ void __launch_bounds__(256, 1) tale_attn_k2l2(ATTN_ARGS) {
+    attn_body<2, 2, 8>(ATTN_PASS, blockIdx.x, blockIdx.y, 0, blockIdx.z, S, 0);
+}
+// the 4-bit recent level alone: 5 warps (its blocks are 15 KB; 199 KB of shared memory); grid (S, 2 G, B)
+extern "C" __global__ void __launch_bounds__(160, 1) tale_attn_k4l4(ATTN_ARGS) {
+    attn_body<4, 4, 5>(ATTN_PASS, blockIdx.x, blockIdx.y >> 1, blockIdx.y & 1, blockIdx.z, S, 0);
+}
+// both levels of the paper preset in one launch of 8-warp CTAs (the 4-bit CTAs use 5 of them): CTAs 0 .. S2 G B - 1
+// take the 2-bit level (partials 0 .. S2 - 1, channels 0..255), the next S4 2 G B the 4-bit level (partials S2 ..)
+extern "C" __global__ void __launch_bounds__(256, 1)
+    tale_attn_paper(const unsigned short* __restrict__ q, const char* __restrict__ kc2, const char* __restrict__ km2,
+                    const char* __restrict__ lc2, const char* __restrict__ lm2, const char* __restrict__ kc4,
+                    const char* __restrict__ km4, const char* __restrict__ lc4, const char* __restrict__ lm4,
+                    float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl, int G, int L2, int S2,
+                    int L4, int S4, float shift_inv, float qk_scale) {
+    const int B = gridDim.x / (S2 * G + S4 * 2 * G);
+    int bid = blockIdx.x;
+    if (bid < S2 * G * B) {
+        attn_body<2, 2, 8>(q, kc2, km2, lc2, lm2, po, pm, pl, G, L2, S2, 512, shift_inv, qk_scale, bid % S2,
+                           (bid / S2) % G, 0, bid / (S2 * G), S2 + S4, 0);
+    } else {
+        bid -= S2 * G * B;
+        const int gh = (bid / S4) % (2 * G);
+        attn_body<4, 4, 5>(q, kc4, km4, lc4, lm4, po, pm, pl, G, L4, S4, 512, shift_inv, qk_scale, bid % S4, gh >> 1,
+                           gh & 1, bid / (S4 * 2 * G), S2 + S4, S2);
+    }
+}
 
 // merge the S partials of each (batch, head): z = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s, times shift_inv.
 // grid (B * H, RW / 64): 64 channels per CTA; thread (channel, k) merges splits k, k + 4, ... on its own (their
@@ -487,5 +518,72 @@ extern "C" __global__ void __launch_bounds__(256)
             Lt += a * sm_l[i][c];
         }
         z[(size_t)r * RW + ch] = Lt > 0.f ? A / Lt * shift_inv : 0.f;
+    }
+}
+
+// the paper preset's merge: the St partials of each (batch, head) (the first S2 of them hold channels 0..255 only,
+// the 2-bit level's rank) and the 16-bit tail (sinks, residual and the new token: T slots, keys tk [B, K, T, 128]
+// and latents th [B, G, T, 512], bf16), whose scores this kernel computes itself: each tail slot is one more
+// "split" with sum 1. grid (B * H, 8), 256 threads: 64 channels per CTA.
+extern "C" __global__ void __launch_bounds__(256)
+    tale_combine_paper(const float* __restrict__ po, const float* __restrict__ pm, const float* __restrict__ pl,
+                       const unsigned short* __restrict__ q, const unsigned short* __restrict__ tk,
+                       const unsigned short* __restrict__ th, float* __restrict__ z, int St, int S2, int T, int G,
+                       float shift_inv, float qk_scale) {
+    __shared__ float sm_m[4][64], sm_l[4][64], sm_o[4][64], st_s[64];
+    const int r = blockIdx.x, tid = threadIdx.x, c = tid & 63, k = tid >> 6, lane = tid & 31, w = tid >> 5;
+    const int H = G * 16, b = r / H, h = r % H, kv = h / 4, gr = h / 16;
+    const int ch = blockIdx.y * 64 + c;
+    // tail scores: warp w takes slots w, w + 8, ...; lanes split the 128 dims
+    const unsigned short* qh = q + (size_t)r * 128;
+    float qv[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) qv[i] = __int_as_float((u32)qh[lane * 4 + i] << 16);
+    for (int s = w; s < T; s += 8) {
+        const unsigned short* kk = tk + (((size_t)b * (G * 4) + kv) * T + s) * 128 + lane * 4;
+        float d = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) d += qv[i] * __int_as_float((u32)kk[i] << 16);
+#pragma unroll
+        for (int o = 16; o; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+        if (lane == 0) st_s[s] = d * qk_scale;
+    }
+    __syncthreads();
+    const float* m = pm + (size_t)r * St;
+    const float* l = pl + (size_t)r * St;
+    const float* o = po + (size_t)r * St * 512 + ch;
+    float M = -INFINITY, acc = 0.f, Ls = 0.f;
+#pragma unroll 4
+    for (int s = k; s < St; s += 4) {
+        const float ms = m[s], ls = l[s], os = (s < S2 && ch >= 256) ? 0.f : o[(size_t)s * 512] * shift_inv;
+        const float n = fmaxf(M, ms);
+        const float a = n == -INFINITY ? 0.f : ex2(M - n), bb = n == -INFINITY ? 0.f : ex2(ms - n);
+        acc = acc * a + os * bb;
+        Ls = Ls * a + ls * bb;
+        M = n;
+    }
+    for (int s = k; s < T; s += 4) {
+        const float ms = st_s[s];
+        const float os = __int_as_float((u32)th[(((size_t)b * G + gr) * T + s) * 512 + ch] << 16);
+        const float n = fmaxf(M, ms);
+        const float a = ex2(M - n), bb = ex2(ms - n);
+        acc = acc * a + os * bb;
+        Ls = Ls * a + bb;
+        M = n;
+    }
+    sm_m[k][c] = M;
+    sm_l[k][c] = Ls;
+    sm_o[k][c] = acc;
+    __syncthreads();
+    if (k == 0) {
+        float Mx = fmaxf(fmaxf(sm_m[0][c], sm_m[1][c]), fmaxf(sm_m[2][c], sm_m[3][c]));
+        float A = 0.f, Lt = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float a = Mx == -INFINITY ? 0.f : ex2(sm_m[i][c] - Mx);
+            A += a * sm_o[i][c];
+            Lt += a * sm_l[i][c];
+        }
+        z[(size_t)r * 512 + ch] = Lt > 0.f ? A / Lt : 0.f;
     }
 }
