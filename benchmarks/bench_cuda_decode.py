@@ -59,7 +59,7 @@ def kernels(subn: int = 1, abatch: int = 4) -> dict:
     }
     for level, (kb, lb, _, nw, _) in LEVELS.items():
         attn = cupy.RawKernel(code, f"tale_attn_k{kb}l{lb}", options=opts, backend="nvcc")
-        smem = nw * (2 * stage_bytes(kb, lb) + 8192 + 128) + 8704
+        smem = nw * (2 * stage_bytes(kb, lb) + 8192 + 128) + 8704 + 4352
         attn.max_dynamic_shared_size_bytes = smem
         out[level] = (attn, smem, nw)
     paper = cupy.RawKernel(code, "tale_attn_paper", options=opts, backend="nvcc")
