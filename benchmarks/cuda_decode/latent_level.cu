@@ -41,6 +41,9 @@
 #define QT_B 8704    // [16][136] float: rows padded, halves at 0 and 68, so the A build's loads hit distinct banks
 #define QH_B 4352    // [16][136] half: the same query, scaled for the A operand (see the A build)
 #define QPRE_B (QT_B + QH_B)
+#ifndef AFP16
+#define AFP16 1  // the A operand as qh * s in fp16 (0: float32 products q s, rounded once)
+#endif
 #ifndef TAU
 #define TAU 8.f  // lazy rescale: the running max moves only when a block's max passes it by more (log2 units)
 #endif
@@ -224,6 +227,8 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
     frexpf(__int_as_float(s_amax), &E);
     E = 14 - E;
     const float qh_scale = ldexpf(1.f, E) / shift_inv;
+    // scores: A B = q s c 2^E shift (times 2^-24 for subnormal codes)
+    const float ks = (SUBN ? 16777216.f : 1.f) * qk_scale * shift_inv * ldexpf(1.f, -E);
     for (int i = tid; i < 16 * 128; i += NT) {
         int j = i >> 7, ch = i & 127;
         const int ix = j * 136 + (ch >> 6) * 68 + (ch & 63);
@@ -298,12 +303,22 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
                 for (int i = 0; i < ABATCH; i++) {
                     qv[i] = *(const float4*)(qrow + 4 * (pb + i));
                     m[i] = lds128(kmq + ((pb + i) ^ ksw) * 16);
+#if AFP16
                     qp[i] = lds64(qhrow + 8 * (pb + i));
+#endif
                 }
 #pragma unroll
                 for (int i = 0; i < ABATCH; i++) {
                     const int p = pb + i;
+#if AFP16
                     sts64(abuild + p * 256, hmul2(qp[i].x, m[i].x), hmul2(qp[i].y, m[i].y));
+#else
+                    // float32 products, then E and the chunk factor, rounded once
+                    const float2 s01 = h2f(m[i].x), s23 = h2f(m[i].y);
+                    const float cm = ((KB == 2 && (p & 1)) ? 0.0625f : 1.0f) * qh_scale;
+                    sts64(abuild + p * 256, f2h(qv[i].x * s01.x * cm, qv[i].y * s01.y * cm),
+                          f2h(qv[i].z * s23.x * cm, qv[i].w * s23.y * cm));
+#endif
                     const float2 z01 = h2f(m[i].z), z23 = h2f(m[i].w);
                     bp[i & 3] += qv[i].x * z01.x + qv[i].y * z01.y + qv[i].z * z23.x + qv[i].w * z23.y;
                 }
@@ -358,12 +373,9 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
         }
 
         // 3. online softmax (base 2), rows gq and gq + 8
-        // A B = q s c 2^E shift (2^-24 for subnormal codes)
 #if SUBN
-        const float ks = 16777216.f * qk_scale * shift_inv * ldexpf(1.f, -E);
         const float o1 = 0.f, o2 = 0.f;
 #else
-        const float ks = qk_scale * shift_inv * ldexpf(1.f, -E);
         const float o1 = off[0] * ks, o2 = off[2] * ks;
 #endif
         float mx1 = -INFINITY, mx2 = -INFINITY;
