@@ -45,12 +45,12 @@ def stage_bytes(kb: int, lb: int) -> int:
     return 32 * kb * 64 + 2048 + 32 * RANK * lb // 8 + 1024
 
 
-def kernels(subn: int = 1, abatch: int = 4, afp16: int = 1, tau: int = 8) -> dict:
+def kernels(subn: int = 1, abatch: int = 4, afp16: int = 1, tau: int = 8, src: str = SRC) -> dict:
     """{level: (attn kernel, shared bytes, warps)}, the whole paper call's ("paper": both levels in one launch) and
     the two merges, compiled with nvcc through CuPy."""
     import cupy
 
-    code = open(SRC).read()
+    code = open(src).read()
     opts = ("-O3", "--use_fast_math", f"-DSUBN={subn}", f"-DABATCH={abatch}", f"-DAFP16={afp16}", f"-DTAU={tau}.f")
     opts += ("-std=c++17",)
     opts += ("-lineinfo",) if os.environ.get("TALE_CUDA_LINEINFO") else ()
@@ -323,7 +323,11 @@ def main() -> int:
     torch.manual_seed(0)
     bd.FLUSH = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    variants = {v: kernels(*map(int, v.split(":"))) for v in a.variants.split(",")}
+    # a variant "PATH=subn:abatch..." compiles another source (an older version, for an A/B in one process)
+    variants = {
+        v: kernels(*map(int, v.split("=")[-1].split(":")), **({"src": v.split("=")[0]} if "=" in v else {}))
+        for v in a.variants.split(",")
+    }
     levels = a.levels.split(",")
     if a.ncu:
         lv = levels[0]
