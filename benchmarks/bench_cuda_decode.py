@@ -45,14 +45,13 @@ def stage_bytes(kb: int, lb: int) -> int:
     return 32 * kb * 64 + 2048 + 32 * RANK * lb // 8 + 1024
 
 
-def kernels(subn: int = 1, abatch: int = 4, afp16: int = 1, tau: int = 8, src: str = SRC) -> dict:
+def kernels(subn: int = 1, abatch: int = 4, src: str = SRC) -> dict:
     """{level: (attn kernel, shared bytes, warps)}, the whole paper call's ("paper": both levels in one launch) and
     the two merges, compiled with nvcc through CuPy."""
     import cupy
 
     code = open(src).read()
-    opts = ("-O3", "--use_fast_math", f"-DSUBN={subn}", f"-DABATCH={abatch}", f"-DAFP16={afp16}", f"-DTAU={tau}.f")
-    opts += ("-std=c++17",)
+    opts = ("-O3", "--use_fast_math", f"-DSUBN={subn}", f"-DABATCH={abatch}", "-std=c++17")
     opts += ("-lineinfo",) if os.environ.get("TALE_CUDA_LINEINFO") else ()
     out = {
         name: cupy.RawKernel(code, f"tale_{name}", options=opts, backend="nvcc")
@@ -60,7 +59,7 @@ def kernels(subn: int = 1, abatch: int = 4, afp16: int = 1, tau: int = 8, src: s
     }
     for level, (kb, lb, _, nw, _) in LEVELS.items():
         attn = cupy.RawKernel(code, f"tale_attn_k{kb}l{lb}", options=opts, backend="nvcc")
-        smem = nw * (2 * stage_bytes(kb, lb) + 8192 + 128) + 8704 + 4352
+        smem = nw * (2 * stage_bytes(kb, lb) + 8192 + 128) + 8704
         attn.max_dynamic_shared_size_bytes = smem
         out[level] = (attn, smem, nw)
     paper = cupy.RawKernel(code, "tale_attn_paper", options=opts, backend="nvcc")
@@ -305,10 +304,9 @@ def main() -> int:
     ap.add_argument(
         "--variants",
         default="1:4,0:4",
-        help="subn:abatch[:afp16[:tau]],... (subn 1: codes read as fp16 subnormals, 0: 1024 + code with the offset "
-        "from one more mma; abatch: pieces of the query-scale build whose loads are issued together; afp16 1: the A "
-        "operand multiplied in fp16, 0: in float32; tau: lazy-rescale threshold in log2 units, 0 = rescale on every "
-        "new maximum)",
+        help="subn:abatch,... (subn 1: codes read as fp16 subnormals, 0: 1024 + code with the offset from one more "
+        "mma; abatch: pieces of the query-scale build whose loads are issued together); PATH=subn:abatch compiles "
+        "another source file",
     )
     ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--call", action="store_true", help="also time the whole paper call against Triton and SDPA")

@@ -55,21 +55,16 @@ def _scores(q, kc, km, g: int, subn: int, kb: int) -> np.ndarray:
     tile = np.zeros(8192 + 128, dtype=np.uint8)
     kmb = km[0, g, 0].numpy()
     bias = np.zeros(16)
-    # the A operand in fp16: qh = q * rowcomp * chunk factor * 2^E (E per CTA: |qh| < 2^14), times the stored scales
-    _, e = np.frexp(np.abs(q[0, 16 * g : 16 * g + 16].float().numpy()).max())
-    E = 14 - int(e)
-    cm = np.where((np.arange(128) >> 2) & 1, 0.0625, 1.0) if kb == 2 else np.ones(128)
-    qh = (qt * SHIFT * 2.0**E * cm).astype(np.float16)
     for lane in range(32):
         jr, hf = lane >> 1, lane & 1
         hh = jr >> 2
         addr = (hh >> 1) * 128 + ((jr & 7) ^ (hf * 4)) * 16 + (hh & 1) * 8 + hf * 16 * 256
         for p in range(16):
-            ch = hf * 64 + 4 * p
-            m = kmb[hh, hf * 16 + (p ^ (2 * hh + hf))]
-            a = qh[jr, ch : ch + 4] * m[:4]  # float16 products, rounded once (mul.rn.f16x2)
-            tile[addr + p * 256 : addr + p * 256 + 8] = a.astype(np.float16).view(np.uint8)
-            bias[jr] += (qt[jr, ch : ch + 4] * m[4:].astype(np.float64)).sum()
+            qv = qt[jr, hf * 64 + 4 * p : hf * 64 + 4 * p + 4]
+            m = kmb[hh, hf * 16 + (p ^ (2 * hh + hf))].astype(np.float64)
+            a = (qv * m[:4] * (0.0625 if kb == 2 and p & 1 else 1.0)).astype(np.float16)
+            tile[addr + p * 256 : addr + p * 256 + 8] = a.view(np.uint8)
+            bias[jr] += (qv * m[4:]).sum()
     bias *= np.where(np.arange(16) >= 8, 1 / rowcomp, 1.0)
 
     def a_fragments(c: int):  # ldmatrix.x4: lane l gives the address of row l % 8 of matrix l // 8
@@ -107,8 +102,7 @@ def _scores(q, kc, km, g: int, subn: int, kb: int) -> np.ndarray:
             S[:, 8 * nt : 8 * nt + 8] += _mma(af, bf)
         if not subn:
             off += _mma(af, [[MAGIC, MAGIC]] * 32)
-    ks = 2.0**-E / SHIFT
-    return S * 2.0**24 * ks + bias[:, None] if subn else (S - off[:, :1]) * ks + bias[:, None]
+    return S * 2.0**24 + bias[:, None] if subn else S - off[:, :1] + bias[:, None]
 
 
 def _latent_out(P: np.ndarray, lc, lm, g: int, half: int, lb: int) -> np.ndarray:

@@ -39,14 +39,6 @@
 #define ATILE_B 8192
 #define AZERO_B 128  // zeros read as the a1 / a2 matrices (rows 8..15 x k 0..7, rows 0..7 x k 8..15)
 #define QT_B 8704    // [16][136] float: rows padded, halves at 0 and 68, so the A build's loads hit distinct banks
-#define QH_B 4352    // [16][136] half: the same query, scaled for the A operand (see the A build)
-#define QPRE_B (QT_B + QH_B)
-#ifndef AFP16
-#define AFP16 1  // the A operand as qh * s in fp16 (0: float32 products q s, rounded once)
-#endif
-#ifndef TAU
-#define TAU 8.f  // lazy rescale: the running max moves only when a block's max passes it by more (log2 units)
-#endif
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -82,16 +74,6 @@ __device__ __forceinline__ uint4 lds128(u32 addr) {
     asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
     return v;
 }
-__device__ __forceinline__ uint2 lds64(u32 addr) {
-    uint2 v;
-    asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
-    return v;
-}
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
-    u32 r;
-    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
 __device__ __forceinline__ void sts64(u32 addr, u32 a, u32 b) {
     asm volatile("st.shared.v2.b32 [%0], {%1,%2};\n" ::"r"(addr), "r"(a), "r"(b));
 }
@@ -99,11 +81,6 @@ __device__ __forceinline__ void sts128(u32 addr, u32 a, u32 b, u32 c, u32 d) {
     asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d));
 }
 
-__device__ __forceinline__ unsigned short __half_as_ushort_f(float x) {  // float -> fp16 bits, round to nearest
-    unsigned short r;
-    asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(r) : "f"(x));
-    return r;
-}
 __device__ __forceinline__ float2 h2f(u32 h) {  // half2 -> two floats
     float lo, hi;
     asm("{.reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;}\n"
@@ -145,7 +122,7 @@ struct Cfg {
     static constexpr int LM = 1024;             // latent scales/zeros of 256 channels
     static constexpr int STAGE = KC + KM + LC + LM;
     static constexpr int WARP = 2 * STAGE + ATILE_B + AZERO_B;
-    static constexpr int SMEM = NW * WARP + QPRE_B;
+    static constexpr int SMEM = NW * WARP + QT_B;
     static constexpr int NT = NW * 32;
     static constexpr int KW = KB * 4;           // key words per thread and slot
     static constexpr int CPW = 8 / KB;          // key chunks per word
@@ -169,8 +146,7 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
     const int H = G * 16;
     const u32 sbase = (u32)__cvta_generic_to_shared(smem);
     float* qt = (float*)smem;  // [16][136]: q * rowcomp * shift_inv (rowcomp 2^-KB for rows 8..15: the a3 half)
-    unsigned short* qh = (unsigned short*)(smem + QT_B);  // [16][136] fp16 bits
-    const u32 wbase = sbase + QPRE_B + w * C::WARP;
+    const u32 wbase = sbase + QT_B + w * C::WARP;
     const u32 atile = wbase + 2 * C::STAGE;
 
     // blocks of this CTA and warp
@@ -207,34 +183,10 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
     // the first block's bytes are requested before the query table is loaded (the two latencies overlap)
     if (w0 < w1) issue(w0, wbase);
     constexpr float ROWCOMP = KB == 2 ? 0.25f : 0.0625f;  // rows 8..15 multiply the b1 operands: one field higher
-    __shared__ int s_amax;
-    if (tid == 0) s_amax = 0;
-    __syncthreads();
-    float amax = 0.f;
     for (int i = tid; i < 16 * 128; i += NT) {
         int j = i >> 7, ch = i & 127;
-        const float x = __int_as_float((u32)q[((size_t)b * H + g * 16 + j) * 128 + ch] << 16);
-        qt[j * 136 + (ch >> 6) * 68 + (ch & 63)] = x * (j >= 8 ? ROWCOMP : 1.0f) * shift_inv;
-        amax = fmaxf(amax, fabsf(x));
-    }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    if (lane == 0) atomicMax(&s_amax, __float_as_int(amax));
-    __syncthreads();
-    // the A operand is built in fp16 as qh * s (qh = q * rowcomp * chunk factor * 2^E, E per CTA so that
-    // |qh| < 2^14): the scales multiply as stored, two per instruction
-    int E;
-    frexpf(__int_as_float(s_amax), &E);
-    E = 14 - E;
-    const float qh_scale = ldexpf(1.f, E) / shift_inv;
-    // scores: A B = q s c 2^E shift (times 2^-24 for subnormal codes)
-    const float ks = (SUBN ? 16777216.f : 1.f) * qk_scale * shift_inv * ldexpf(1.f, -E);
-    for (int i = tid; i < 16 * 128; i += NT) {
-        int j = i >> 7, ch = i & 127;
-        const int ix = j * 136 + (ch >> 6) * 68 + (ch & 63);
-        // 2-bit: odd chunks' codes sit two fields higher in their word
-        const float cm = (KB == 2 && ((ch >> 2) & 1)) ? 0.0625f : 1.0f;
-        qh[ix] = __half_as_ushort_f(qt[ix] * qh_scale * cm);
+        u32 bits = (u32)q[((size_t)b * H + g * 16 + j) * 128 + ch] << 16;
+        qt[j * 136 + (ch >> 6) * 68 + (ch & 63)] = __int_as_float(bits) * (j >= 8 ? ROWCOMP : 1.0f) * shift_inv;
     }
     // the block-diagonal A tile: zeros outside each row's own head, written once
     if (active) {
@@ -255,7 +207,6 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
     // chunks 16..31 (hf = 1) store their 8x8 rows in the order r ^ 4, so the two halves' stores hit distinct banks
     const u32 abuild = atile + (hh >> 1) * 128 + ((jr & 7) ^ (hf * 4)) * 16 + (hh & 1) * 8 + hf * 16 * 256;
     const float* qrow = qt + jr * 136 + hf * 68;
-    const u32 qhrow = sbase + QT_B + (jr * 136 + hf * 68) * 2;
     const int ksw = 2 * hh + hf;  // key-meta quads are stored at c ^ ksw (the packer's swizzle): distinct banks
     const float rowun = jr >= 8 ? 1.f / ROWCOMP : 1.f;
     // ldmatrix.x4 row address of this lane: lanes 0-7 a0 (chunk's first 128 B), 8-15 and 16-23 the zero rows
@@ -298,28 +249,20 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
             for (int pb = 0; pb < 16; pb += ABATCH) {
                 float4 qv[ABATCH];
                 uint4 m[ABATCH];
-                uint2 qp[ABATCH];
 #pragma unroll
                 for (int i = 0; i < ABATCH; i++) {
                     qv[i] = *(const float4*)(qrow + 4 * (pb + i));
                     m[i] = lds128(kmq + ((pb + i) ^ ksw) * 16);
-#if AFP16
-                    qp[i] = lds64(qhrow + 8 * (pb + i));
-#endif
                 }
 #pragma unroll
                 for (int i = 0; i < ABATCH; i++) {
                     const int p = pb + i;
-#if AFP16
-                    sts64(abuild + p * 256, hmul2(qp[i].x, m[i].x), hmul2(qp[i].y, m[i].y));
-#else
-                    // float32 products, then E and the chunk factor, rounded once
-                    const float2 s01 = h2f(m[i].x), s23 = h2f(m[i].y);
-                    const float cm = ((KB == 2 && (p & 1)) ? 0.0625f : 1.0f) * qh_scale;
-                    sts64(abuild + p * 256, f2h(qv[i].x * s01.x * cm, qv[i].y * s01.y * cm),
-                          f2h(qv[i].z * s23.x * cm, qv[i].w * s23.y * cm));
-#endif
-                    const float2 z01 = h2f(m[i].z), z23 = h2f(m[i].w);
+                    float2 s01 = h2f(m[i].x), s23 = h2f(m[i].y), z01 = h2f(m[i].z), z23 = h2f(m[i].w);
+                    // 2-bit: odd chunks' codes sit two fields higher in their word
+                    const float cm = (KB == 2 && (p & 1)) ? 0.0625f : 1.0f;
+                    u32 a01 = f2h(qv[i].x * s01.x * cm, qv[i].y * s01.y * cm);
+                    u32 a23 = f2h(qv[i].z * s23.x * cm, qv[i].w * s23.y * cm);
+                    sts64(abuild + p * 256, a01, a23);
                     bp[i & 3] += qv[i].x * z01.x + qv[i].y * z01.y + qv[i].z * z23.x + qv[i].w * z23.y;
                 }
             }
@@ -374,9 +317,11 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
 
         // 3. online softmax (base 2), rows gq and gq + 8
 #if SUBN
+        const float ks = 16777216.f * qk_scale;
         const float o1 = 0.f, o2 = 0.f;
 #else
-        const float o1 = off[0] * ks, o2 = off[2] * ks;
+        const float ks = qk_scale;
+        const float o1 = off[0] * qk_scale, o2 = off[2] * qk_scale;
 #endif
         float mx1 = -INFINITY, mx2 = -INFINITY;
 #pragma unroll
@@ -392,8 +337,7 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
         mx2 = fmaxf(mx2, __shfl_xor_sync(0xffffffffu, mx2, 1));
         mx2 = fmaxf(mx2, __shfl_xor_sync(0xffffffffu, mx2, 2));
-        // p = 2^(s - m) stays <= 2^TAU in fp16 between rescales (FA4's lazy rescaling: most blocks skip it)
-        if (__any_sync(0xffffffffu, mx1 > m1 + TAU || mx2 > m2 + TAU)) {
+        if (__any_sync(0xffffffffu, mx1 > m1 || mx2 > m2)) {
             const float n1 = fmaxf(m1, mx1), n2 = fmaxf(m2, mx2);
             const float al1 = ex2(m1 - n1), al2 = ex2(m2 - n2);
             l1 *= al1;
@@ -458,7 +402,7 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
     l2 += __shfl_xor_sync(0xffffffffu, l2, 1);
     l2 += __shfl_xor_sync(0xffffffffu, l2, 2);
     __syncthreads();
-    float* wO = (float*)(smem + QPRE_B + w * C::WARP);  // [16][256]
+    float* wO = (float*)(smem + QT_B + w * C::WARP);  // [16][256]
     float* wm = wO + 16 * 256;                         // [16] max, [16] sum
     if (active) {
 #pragma unroll
@@ -479,12 +423,12 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
         const int row = o >> 6, chb = (o & 63) * 4;
         float M = -INFINITY;
 #pragma unroll
-        for (int v = 0; v < NW; v++) M = fmaxf(M, ((const float*)(smem + QPRE_B + v * C::WARP))[16 * 256 + row]);
+        for (int v = 0; v < NW; v++) M = fmaxf(M, ((const float*)(smem + QT_B + v * C::WARP))[16 * 256 + row]);
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
         float Ls = 0.f;
 #pragma unroll
         for (int v = 0; v < NW; v++) {
-            const float* vO = (const float*)(smem + QPRE_B + v * C::WARP);
+            const float* vO = (const float*)(smem + QT_B + v * C::WARP);
             const float a = M == -INFINITY ? 0.f : ex2(vO[16 * 256 + row] - M);
             Ls += a * vO[16 * 256 + 16 + row];
             const float4 x = *(const float4*)(vO + row * 256 + chb);
