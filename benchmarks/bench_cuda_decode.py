@@ -339,7 +339,7 @@ def main() -> int:
         v: kernels(*map(int, v.split("=")[-1].split(":")), **({"src": v.split("=")[0]} if "=" in v else {}))
         for v in a.variants.split(",")
     }
-    levels = a.levels.split(",")
+    levels = [x for x in a.levels.split(",") if x]
     if a.ncu:
         lv = levels[0]
         n = bd.region_lengths(a.ncu)[LEVELS[lv][4]] // 32 * 32
