@@ -63,10 +63,9 @@ def kernels(subn: int = 1, abatch: int = 4, src: str = SRC) -> dict:
         attn.max_dynamic_shared_size_bytes = smem
         out[level] = (attn, smem, nw)
     smem = max(out[lv][1] for lv in LEVELS)
-    for name in ("paper", "paper_fused"):
-        k = cupy.RawKernel(code, f"tale_attn_{name}", options=opts, backend="nvcc")
-        k.max_dynamic_shared_size_bytes = smem
-        out[name] = (k, smem, 8)
+    paper = cupy.RawKernel(code, "tale_attn_paper", options=opts, backend="nvcc")
+    paper.max_dynamic_shared_size_bytes = smem
+    out["paper"] = (paper, smem, 8)
     return out
 
 
@@ -236,13 +235,11 @@ def call_splits(B: int, n2: int, n4: int, sms: int) -> tuple[int, int]:
     f2 = b2 / max(b2 + b4, 1)
     s2 = max(1, min(max(n2 // 32 // 8, 1), round(sms * f2 / (B * G))))
     s4 = max(1, min(max(n4 // 32 // 5, 1), round(sms * (1 - f2) / (B * 2 * G))))
-    while (s2 * G + s4 * 2 * G) * B > sms and s2 > 1:  # one wave (the fused call needs it)
-        s2 -= 1
     return s2, s4
 
 
-def runner_call(kern: dict, arrays2, arrays4, q, tk, th, B: int, n2: int, n4: int, S2: int, S4: int, fused=False):
-    """The whole call: the levels' launch and the merge launch, or (fused) one launch with a grid barrier."""
+def runner_call(kern: dict, arrays2, arrays4, q, tk, th, B: int, n2: int, n4: int, S2: int, S4: int):
+    """The whole call: the levels' launch, then the merge launch (which also scores the 16-bit tail)."""
     import cupy
     import numpy as np
 
@@ -259,19 +256,12 @@ def runner_call(kern: dict, arrays2, arrays4, q, tk, th, B: int, n2: int, n4: in
     a2 = [t.data_ptr() for t in (po, pm, pl, q, tk, th, z)]
     a2 += [np.int32(St), np.int32(S2), np.int32(T), np.int32(G), np.float32(1 / SHIFT), qk]
 
-    sync = torch.zeros(1, dtype=torch.int32, device="cuda")
-    a3 = a1 + [tk.data_ptr(), th.data_ptr(), z.data_ptr(), np.int32(T), sync.data_ptr()]
     grid = (S2 * G + S4 * 2 * G) * B
-    if fused and grid > torch.cuda.get_device_properties(0).multi_processor_count:
-        raise ValueError(f"the fused call needs every CTA resident: {grid} CTAs")
 
     def fn():
         with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-            if fused:
-                kern["paper_fused"][0]((grid,), (256,), tuple(a3), shared_mem=smem)
-            else:
-                attn((grid,), (256,), tuple(a1), shared_mem=smem)
-                comb((B * H, 8), (256,), tuple(a2))
+            attn((grid,), (256,), tuple(a1), shared_mem=smem)
+            comb((B * H, 8), (256,), tuple(a2))
         return z
 
     return fn
@@ -374,19 +364,14 @@ def main() -> int:
         for s, kern in variants.items():
             for S2, S4 in {call_splits(B, n2, n4, sms), (1, 1), (3, 2)}:
                 bd.poison()
-                for fused in (False, True):
-                    fn = runner_call(kern, a2, a4, q, tk, th, B, n2, n4, S2, S4, fused)
-                    for rep in range(2):  # twice: the fused call's barrier counter carries over
-                        bd.poison()
-                        got = fn().clone()
-                        e = bd.rel(got, ref)
-                        good = e <= 5e-3 and bool(torch.isfinite(got).all())
-                        ok &= good
-                        print(
-                            f"check call {s} B={B} ctx={ctx} S={S2},{S4} fused={fused} run {rep}: rel err {e:.2e} "
-                            f"{'ok' if good else 'FAIL'}",
-                            flush=True,
-                        )
+                got = runner_call(kern, a2, a4, q, tk, th, B, n2, n4, S2, S4)().clone()
+                e = bd.rel(got, ref)
+                good = e <= 5e-3 and bool(torch.isfinite(got).all())
+                ok &= good
+                print(
+                    f"check call {s} B={B} ctx={ctx} S={S2},{S4}: rel err {e:.2e} {'ok' if good else 'FAIL'}",
+                    flush=True,
+                )
     if not ok:
         print("correctness failed: no timings", flush=True)
         return 1
@@ -445,10 +430,10 @@ def whole_call(variants: dict, a, bw: float, sms: int) -> None:
 
     print(
         "\n| context | B | cache MB | Triton us (% copy) | "
-        + " | ".join(f"CUDA {s}{f} us (% copy)" for f in ("", " fused") for s in variants)
+        + " | ".join(f"CUDA {s} us (% copy)" for s in variants)
         + " | SDPA bf16 us | CUDA vs Triton | CUDA vs SDPA |"
     )
-    print("|---|---|---|---|" + "---|" * (2 * len(variants)) + "---|---|---|")
+    print("|---|---|---|---|" + "---|" * len(variants) + "---|---|---|")
     rows = [(1, int(c)) for c in a.contexts.split(",")] + [(4, 131072)]
     for B, ctx in rows:
         v = bd.synth_view(B, ctx)
@@ -464,8 +449,6 @@ def whole_call(variants: dict, a, bw: float, sms: int) -> None:
         del lv2, lv4
         S2, S4 = call_splits(B, n2, n4, sms)
         ts = {s: bd.timeit(runner_call(k, a2, a4, q, tk, th, B, n2, n4, S2, S4)) for s, k in variants.items()}
-        for s, k in variants.items():
-            ts[f"{s} fused"] = bd.timeit(runner_call(k, a2, a4, q, tk, th, B, n2, n4, S2, S4, True))
         best = min(ts.values())
         print(
             f"| {ctx // 1024}K | {B} | {mb:.1f} | {pct(tt)} | "
