@@ -6,8 +6,9 @@ keys, rank-512 latents at 4 bits). This script packs a random level of Llama-3.1
 128, latent groups of 4 heads, key and value groups of 32) into the kernel's layout, checks the output against a
 float32 torch reference (every input dequantized from the same codes), then times it (median of CUDA-graph
 replays, L2 flushed before each) next to the Triton kernel on a view of the same level and size
-(`bench_decode.synth_view(..., only=...)`) and a device-to-device copy. It needs CuPy and nvcc (the device image
-has both); nothing here is imported by the runtime.
+(`bench_decode.synth_view(..., only=...)`) and a device-to-device copy. It needs nvcc (on the device image;
+cuda_decode/launch.py compiles once per option set and launches through the driver API); nothing here is imported
+by the runtime.
 
     python benchmarks/bench_cuda_decode.py                  # check, then 32K / 128K / 512K at B=1 and 128K B=4
     TALE_CUDA_LINEINFO=1 ncu --set full --kernel-name tale_attn_k2l2 --launch-skip 2 --launch-count 1 \
@@ -46,26 +47,22 @@ def stage_bytes(kb: int, lb: int) -> int:
 
 
 def kernels(subn: int = 1, abatch: int = 4, src: str = SRC) -> dict:
-    """{level: (attn kernel, shared bytes, warps)}, the whole paper call's ("paper": both levels in one launch) and
-    the two merges, compiled with nvcc through CuPy."""
-    import cupy
+    """The compiled module ("mod") and per kernel: {level: (name, shared bytes, warps)}, the whole paper call's
+    ("paper": both levels in one launch) and the two merges' names."""
+    from cuda_decode.launch import Module
 
-    code = open(src).read()
-    opts = ("-O3", "--use_fast_math", f"-DSUBN={subn}", f"-DABATCH={abatch}", "-std=c++17")
+    opts = ("--use_fast_math", f"-DSUBN={subn}", f"-DABATCH={abatch}")
     opts += ("-lineinfo",) if os.environ.get("TALE_CUDA_LINEINFO") else ()
-    out = {
-        name: cupy.RawKernel(code, f"tale_{name}", options=opts, backend="nvcc")
-        for name in ("combine", "combine_paper")
-    }
+    mod = Module(src, opts)
+    out = {"mod": mod, "combine": "tale_combine", "combine_paper": "tale_combine_paper"}
     for level, (kb, lb, _, nw, _) in LEVELS.items():
-        attn = cupy.RawKernel(code, f"tale_attn_k{kb}l{lb}", options=opts, backend="nvcc")
         smem = nw * (2 * stage_bytes(kb, lb) + 8192 + 128) + 8704
-        attn.max_dynamic_shared_size_bytes = smem
-        out[level] = (attn, smem, nw)
+        name = f"tale_attn_k{kb}l{lb}"
+        mod.function(name, smem)
+        out[level] = (name, smem, nw)
     smem = max(out[lv][1] for lv in LEVELS)
-    paper = cupy.RawKernel(code, "tale_attn_paper", options=opts, backend="nvcc")
-    paper.max_dynamic_shared_size_bytes = smem
-    out["paper"] = (paper, smem, 8)
+    mod.function("tale_attn_paper", smem)
+    out["paper"] = ("tale_attn_paper", smem, 8)
     return out
 
 
@@ -240,56 +237,42 @@ def call_splits(B: int, n2: int, n4: int, sms: int) -> tuple[int, int]:
 
 def runner_call(kern: dict, arrays2, arrays4, q, tk, th, B: int, n2: int, n4: int, S2: int, S4: int):
     """The whole call: the levels' launch, then the merge launch (which also scores the 16-bit tail)."""
-    import cupy
-    import numpy as np
-
-    attn, smem, _ = kern["paper"]
-    comb = kern["combine_paper"]
+    name, smem, _ = kern["paper"]
+    mod = kern["mod"]
     St, T = S2 + S4, tk.shape[2]
     po = torch.empty(B, H, St, 512, device="cuda")
     pm = torch.empty(B, H, St, device="cuda")
     pl = torch.empty(B, H, St, device="cuda")
     z = torch.empty(B, H, 512, device="cuda")
-    qk = np.float32(N**-0.5 * math.log2(math.e))
-    a1 = [t.data_ptr() for t in (q, *arrays2, *arrays4, po, pm, pl)]
-    a1 += [np.int32(G), np.int32(n2), np.int32(S2), np.int32(n4), np.int32(S4), np.float32(1 / SHIFT), qk]
-    a2 = [t.data_ptr() for t in (po, pm, pl, q, tk, th, z)]
-    a2 += [np.int32(St), np.int32(S2), np.int32(T), np.int32(G), np.float32(1 / SHIFT), qk]
-
+    qk = N**-0.5 * math.log2(math.e)
+    a1 = (q, *arrays2, *arrays4, po, pm, pl, G, n2, S2, n4, S4, 1 / SHIFT, qk)
+    a2 = (po, pm, pl, q, tk, th, z, St, S2, T, G, 1 / SHIFT, qk)
     grid = (S2 * G + S4 * 2 * G) * B
 
     def fn():
-        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-            attn((grid,), (256,), tuple(a1), shared_mem=smem)
-            comb((B * H, 8), (256,), tuple(a2))
+        mod.launch(name, grid, 256, a1, smem)
+        mod.launch(kern["combine_paper"], (B * H, 8), 256, a2)
         return z
 
     return fn
 
 
 def runner(kern: dict, level: str, arrays, q, B: int, L: int, S: int, parts: str = "both"):
-    import cupy
-    import numpy as np
-
-    attn, smem, nw = kern[level]
-    comb = kern["combine"]
+    name, smem, nw = kern[level]
+    mod = kern["mod"]
     rw = LEVELS[level][2]
-    kc, km, lc, lm = arrays
     po = torch.empty(B, H, S, rw, device="cuda")
     pm = torch.empty(B, H, S, device="cuda")
     pl = torch.empty(B, H, S, device="cuda")
     z = torch.empty(B, H, rw, device="cuda")
-    qk = np.float32(N**-0.5 * math.log2(math.e))
-    ptrs = [t.data_ptr() for t in (q, kc, km, lc, lm, po, pm, pl)]
+    qk = N**-0.5 * math.log2(math.e)
 
     def fn():
-        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-            if parts != "comb":
-                args = (*ptrs, np.int32(G), np.int32(L), np.int32(S), np.int32(rw), np.float32(1 / SHIFT), qk)
-                attn((S, G * rw // RANK, B), (32 * nw,), args, shared_mem=smem)
-            if parts != "attn":
-                args = (po.data_ptr(), pm.data_ptr(), pl.data_ptr(), z.data_ptr(), np.int32(S), np.int32(rw))
-                comb((B * H, rw // 64), (256,), (*args, np.float32(1 / SHIFT)))
+        if parts != "comb":
+            args = (q, *arrays, po, pm, pl, G, L, S, rw, 1 / SHIFT, qk)
+            mod.launch(name, (S, G * rw // RANK, B), 32 * nw, args, smem)
+        if parts != "attn":
+            mod.launch(kern["combine"], (B * H, rw // 64), 256, (po, pm, pl, z, S, rw, 1 / SHIFT))
         return z
 
     return fn
