@@ -278,6 +278,10 @@ def runner(kern: dict, level: str, arrays, q, B: int, L: int, S: int, parts: str
     return fn
 
 
+def table_row(*cells) -> None:
+    print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
+
+
 def splits_for(B: int, L: int, level: str, sms: int) -> int:
     halves = LEVELS[level][2] // RANK
     return max(1, min(L // 32 // LEVELS[level][3], round(sms / (B * G * halves))))
@@ -390,12 +394,7 @@ def main() -> int:
             S = splits_for(B, n, lv, sms)
             ts = {s: bd.timeit(runner(kern, lv, arrays, q, B, n, S)) for s, kern in variants.items()}
             best = min(ts.values())
-            print(
-                f"| {ctx // 1024}K | {B} | {n} | {mb:.1f} | {pct(tt)} | "
-                + " | ".join(pct(t) for t in ts.values())
-                + f" | {tt / best:.2f}x |",
-                flush=True,
-            )
+            table_row(f"{ctx // 1024}K", B, n, f"{mb:.1f}", pct(tt), *map(pct, ts.values()), f"{tt / best:.2f}x")
             kern = variants[min(ts, key=ts.get)]
             probes = {p: bd.timeit(runner(kern, lv, arrays, q, B, n, S, p)) for p in ("attn", "comb")}
             nw = LEVELS[lv][3]
@@ -433,11 +432,15 @@ def whole_call(variants: dict, a, bw: float, sms: int) -> None:
         S2, S4 = call_splits(B, n2, n4, sms)
         ts = {s: bd.timeit(runner_call(k, a2, a4, q, tk, th, B, n2, n4, S2, S4)) for s, k in variants.items()}
         best = min(ts.values())
-        print(
-            f"| {ctx // 1024}K | {B} | {mb:.1f} | {pct(tt)} | "
-            + " | ".join(pct(t) for t in ts.values())
-            + f" | {ts_sdpa:.1f} | {tt / best:.2f}x | {ts_sdpa / best:.2f}x |",
-            flush=True,
+        table_row(
+            f"{ctx // 1024}K",
+            B,
+            f"{mb:.1f}",
+            pct(tt),
+            *map(pct, ts.values()),
+            f"{ts_sdpa:.1f}",
+            f"{tt / best:.2f}x",
+            f"{ts_sdpa / best:.2f}x",
         )
         del a2, a4
 

@@ -481,6 +481,29 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     }
 }
 
+// one step of a running log-sum-exp merge: (M, acc, Ls) absorbs a part with max ms, output os and sum ls
+__device__ __forceinline__ void lse_step(float& M, float& acc, float& Ls, float ms, float os, float ls) {
+    const float n = fmaxf(M, ms);
+    const float a = n == -INFINITY ? 0.f : ex2(M - n), b = n == -INFINITY ? 0.f : ex2(ms - n);
+    acc = acc * a + os * b;
+    Ls = Ls * a + ls * b;
+    M = n;
+}
+
+// the 4 threads of channel c merged through shared memory: sum_i 2^(m_i - M) o_i / sum_i 2^(m_i - M) l_i
+__device__ __forceinline__ float lse_merge4(const float (*sm_m)[64], const float (*sm_l)[64],
+                                            const float (*sm_o)[64], int c) {
+    const float Mx = fmaxf(fmaxf(sm_m[0][c], sm_m[1][c]), fmaxf(sm_m[2][c], sm_m[3][c]));
+    float A = 0.f, Lt = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float a = Mx == -INFINITY ? 0.f : ex2(sm_m[i][c] - Mx);
+        A += a * sm_o[i][c];
+        Lt += a * sm_l[i][c];
+    }
+    return Lt > 0.f ? A / Lt : 0.f;
+}
+
 // merge the S partials of each (batch, head): z = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s, times shift_inv.
 // grid (B * H, RW / 64): 64 channels per CTA; thread (channel, k) merges splits k, k + 4, ... on its own (their
 // max, sum and output loaded together: one round trip to L2), then the 4 threads of a channel merge through
@@ -496,29 +519,12 @@ extern "C" __global__ void __launch_bounds__(256)
     const float* o = po + (size_t)r * S * RW + ch;
     float M = -INFINITY, acc = 0.f, Ls = 0.f;
 #pragma unroll 4
-    for (int s = k; s < S; s += 4) {
-        const float ms = m[s], ls = l[s], os = o[(size_t)s * RW];
-        const float n = fmaxf(M, ms);
-        const float a = n == -INFINITY ? 0.f : ex2(M - n), b = n == -INFINITY ? 0.f : ex2(ms - n);
-        acc = acc * a + os * b;
-        Ls = Ls * a + ls * b;
-        M = n;
-    }
+    for (int s = k; s < S; s += 4) lse_step(M, acc, Ls, m[s], o[(size_t)s * RW], l[s]);
     sm_m[k][c] = M;
     sm_l[k][c] = Ls;
     sm_o[k][c] = acc;
     __syncthreads();
-    if (k == 0) {
-        float Mx = fmaxf(fmaxf(sm_m[0][c], sm_m[1][c]), fmaxf(sm_m[2][c], sm_m[3][c]));
-        float A = 0.f, Lt = 0.f;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const float a = Mx == -INFINITY ? 0.f : ex2(sm_m[i][c] - Mx);
-            A += a * sm_o[i][c];
-            Lt += a * sm_l[i][c];
-        }
-        z[(size_t)r * RW + ch] = Lt > 0.f ? A / Lt * shift_inv : 0.f;
-    }
+    if (k == 0) z[(size_t)r * RW + ch] = lse_merge4(sm_m, sm_l, sm_o, c) * shift_inv;
 }
 
 // the paper preset's merge: the St partials of each (batch, head) (the first S2 of them hold channels 0..255 only,
@@ -555,35 +561,15 @@ extern "C" __global__ void __launch_bounds__(256)
     float M = -INFINITY, acc = 0.f, Ls = 0.f;
 #pragma unroll 4
     for (int s = k; s < St; s += 4) {
-        const float ms = m[s], ls = l[s], os = (s < S2 && ch >= 256) ? 0.f : o[(size_t)s * 512] * shift_inv;
-        const float n = fmaxf(M, ms);
-        const float a = n == -INFINITY ? 0.f : ex2(M - n), bb = n == -INFINITY ? 0.f : ex2(ms - n);
-        acc = acc * a + os * bb;
-        Ls = Ls * a + ls * bb;
-        M = n;
+        lse_step(M, acc, Ls, m[s], (s < S2 && ch >= 256) ? 0.f : o[(size_t)s * 512] * shift_inv, l[s]);
     }
-    for (int s = k; s < T; s += 4) {
-        const float ms = st_s[s];
+    for (int s = k; s < T; s += 4) {  // tail slots: one more part each, with sum 1
         const float os = __int_as_float((u32)th[(((size_t)b * G + gr) * T + s) * 512 + ch] << 16);
-        const float n = fmaxf(M, ms);
-        const float a = ex2(M - n), bb = ex2(ms - n);
-        acc = acc * a + os * bb;
-        Ls = Ls * a + bb;
-        M = n;
+        lse_step(M, acc, Ls, st_s[s], os, 1.f);
     }
     sm_m[k][c] = M;
     sm_l[k][c] = Ls;
     sm_o[k][c] = acc;
     __syncthreads();
-    if (k == 0) {
-        float Mx = fmaxf(fmaxf(sm_m[0][c], sm_m[1][c]), fmaxf(sm_m[2][c], sm_m[3][c]));
-        float A = 0.f, Lt = 0.f;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const float a = Mx == -INFINITY ? 0.f : ex2(sm_m[i][c] - Mx);
-            A += a * sm_o[i][c];
-            Lt += a * sm_l[i][c];
-        }
-        z[(size_t)r * 512 + ch] = Lt > 0.f ? A / Lt : 0.f;
-    }
+    if (k == 0) z[(size_t)r * 512 + ch] = lse_merge4(sm_m, sm_l, sm_o, c);
 }
