@@ -61,9 +61,8 @@ def kernels(subn: int = 1, abatch: int = 4, src: str = SRC) -> dict:
         mod.function(name, smem)
         out[level] = (name, smem, nw)
     smem = max(out[lv][1] for lv in LEVELS)
-    for name in ("paper", "paper_fused"):
-        mod.function(f"tale_attn_{name}", smem)
-        out[name] = (f"tale_attn_{name}", smem, 8)
+    mod.function("tale_attn_paper", smem)
+    out["paper"] = ("tale_attn_paper", smem, 8)
     return out
 
 
@@ -233,14 +232,11 @@ def call_splits(B: int, n2: int, n4: int, sms: int) -> tuple[int, int]:
     f2 = b2 / max(b2 + b4, 1)
     s2 = max(1, min(max(n2 // 32 // 8, 1), round(sms * f2 / (B * G))))
     s4 = max(1, min(max(n4 // 32 // 5, 1), round(sms * (1 - f2) / (B * 2 * G))))
-    while (s2 * G + s4 * 2 * G) * B > sms and s2 > 1:  # one wave (the one-launch call needs it)
-        s2 -= 1
     return s2, s4
 
 
-def runner_call(kern: dict, arrays2, arrays4, q, tk, th, B: int, n2: int, n4: int, S2: int, S4: int, fused=False):
-    """The whole call: the levels' launch, then the merge launch (which also scores the 16-bit tail); or (fused) one
-    launch with a grid barrier before the merge (every CTA resident: at most one per SM)."""
+def runner_call(kern: dict, arrays2, arrays4, q, tk, th, B: int, n2: int, n4: int, S2: int, S4: int):
+    """The whole call: the levels' launch, then the merge launch (which also scores the 16-bit tail)."""
     name, smem, _ = kern["paper"]
     mod = kern["mod"]
     St, T = S2 + S4, tk.shape[2]
@@ -252,20 +248,11 @@ def runner_call(kern: dict, arrays2, arrays4, q, tk, th, B: int, n2: int, n4: in
     a1 = (q, *arrays2, *arrays4, po, pm, pl, G, n2, S2, n4, S4, 1 / SHIFT, qk)
     a2 = (po, pm, pl, q, tk, th, z, St, S2, T, G, 1 / SHIFT, qk)
     grid = (S2 * G + S4 * 2 * G) * B
-    sync = torch.zeros(2, dtype=torch.int32, device="cuda")  # arrivals; barriers that gave up
-    a3 = (*a1, tk, th, z, T, sync)
-    if fused and grid > torch.cuda.get_device_properties(0).multi_processor_count:
-        raise ValueError(f"the one-launch call needs every CTA resident: {grid} CTAs for fewer SMs")
 
     def fn():
-        if fused:
-            mod.launch(kern["paper_fused"][0], grid, 256, a3, smem)
-        else:
-            mod.launch(name, grid, 256, a1, smem)
-            mod.launch(kern["combine_paper"], (B * H, 8), 256, a2)
+        mod.launch(name, grid, 256, a1, smem)
+        mod.launch(kern["combine_paper"], (B * H, 8), 256, a2)
         return z
-
-    fn.gave_up = lambda: int(sync[1].item())
 
     return fn
 
@@ -363,19 +350,15 @@ def main() -> int:
         a2, a4 = pack(*lv2, 2, 2), pack(*lv4, 4, 4)
         for s, kern in variants.items():
             for S2, S4 in {call_splits(B, n2, n4, sms), (1, 1), (3, 2)}:
-                for fused in (False, True):
-                    fn = runner_call(kern, a2, a4, q, tk, th, B, n2, n4, S2, S4, fused)
-                    for rep in range(2):  # twice: the one-launch call's arrival count carries over
-                        bd.poison()
-                        got = fn().clone()
-                        e = bd.rel(got, ref)
-                        good = e <= 5e-3 and bool(torch.isfinite(got).all()) and fn.gave_up() == 0
-                        ok &= good
-                        print(
-                            f"check call {s} B={B} ctx={ctx} S={S2},{S4} one-launch={fused} #{rep}: rel err {e:.2e} "
-                            f"{'ok' if good else 'FAIL'}",
-                            flush=True,
-                        )
+                bd.poison()
+                got = runner_call(kern, a2, a4, q, tk, th, B, n2, n4, S2, S4)().clone()
+                e = bd.rel(got, ref)
+                good = e <= 5e-3 and bool(torch.isfinite(got).all())
+                ok &= good
+                print(
+                    f"check call {s} B={B} ctx={ctx} S={S2},{S4}: rel err {e:.2e} {'ok' if good else 'FAIL'}",
+                    flush=True,
+                )
     if not ok:
         print("correctness failed: no timings", flush=True)
         return 1
@@ -429,10 +412,10 @@ def whole_call(variants: dict, a, bw: float, sms: int) -> None:
 
     print(
         "\n| context | B | cache MB | Triton us (% copy) | "
-        + " | ".join(f"CUDA {s}{f} us (% copy)" for f in ("", " one-launch") for s in variants)
+        + " | ".join(f"CUDA {s} us (% copy)" for s in variants)
         + " | SDPA bf16 us | CUDA vs Triton | CUDA vs SDPA |"
     )
-    print("|---|---|---|---|" + "---|" * (2 * len(variants)) + "---|---|---|")
+    print("|---|---|---|---|" + "---|" * len(variants) + "---|---|---|")
     rows = [(1, int(c)) for c in a.contexts.split(",")] + [(4, 131072)]
     for B, ctx in rows:
         v = bd.synth_view(B, ctx)
@@ -448,8 +431,6 @@ def whole_call(variants: dict, a, bw: float, sms: int) -> None:
         del lv2, lv4
         S2, S4 = call_splits(B, n2, n4, sms)
         ts = {s: bd.timeit(runner_call(k, a2, a4, q, tk, th, B, n2, n4, S2, S4)) for s, k in variants.items()}
-        for s, k in variants.items():
-            ts[f"{s} one-launch"] = bd.timeit(runner_call(k, a2, a4, q, tk, th, B, n2, n4, S2, S4, True))
         best = min(ts.values())
         table_row(
             f"{ctx // 1024}K",

@@ -531,19 +531,15 @@ extern "C" __global__ void __launch_bounds__(256)
 // the 2-bit level's rank) and the 16-bit tail (sinks, residual and the new token: T slots, keys tk [B, K, T, 128]
 // and latents th [B, G, T, 512], bf16), whose scores this kernel computes itself: each tail slot is one more
 // "split" with sum 1. grid (B * H, 8), 256 threads: 64 channels per CTA.
-// one merge item of the paper call: batch-head row r, channels 64 cy .. 64 cy + 63 (256 threads); sm: 832 floats
-__device__ __forceinline__ void merge_item(const float* __restrict__ po, const float* __restrict__ pm,
-                                           const float* __restrict__ pl, const unsigned short* __restrict__ q,
-                                           const unsigned short* __restrict__ tk, const unsigned short* __restrict__ th,
-                                           float* __restrict__ z, int St, int S2, int T, int G, float shift_inv,
-                                           float qk_scale, int r, int cy, float* sm) {
-    float(*sm_m)[64] = (float(*)[64])sm;
-    float(*sm_l)[64] = (float(*)[64])(sm + 256);
-    float(*sm_o)[64] = (float(*)[64])(sm + 512);
-    float* st_s = sm + 768;
-    const int tid = threadIdx.x, c = tid & 63, k = tid >> 6, lane = tid & 31, w = tid >> 5;
+extern "C" __global__ void __launch_bounds__(256)
+    tale_combine_paper(const float* __restrict__ po, const float* __restrict__ pm, const float* __restrict__ pl,
+                       const unsigned short* __restrict__ q, const unsigned short* __restrict__ tk,
+                       const unsigned short* __restrict__ th, float* __restrict__ z, int St, int S2, int T, int G,
+                       float shift_inv, float qk_scale) {
+    __shared__ float sm_m[4][64], sm_l[4][64], sm_o[4][64], st_s[64];
+    const int r = blockIdx.x, tid = threadIdx.x, c = tid & 63, k = tid >> 6, lane = tid & 31, w = tid >> 5;
     const int H = G * 16, b = r / H, h = r % H, kv = h / 4, gr = h / 16;
-    const int ch = cy * 64 + c;
+    const int ch = blockIdx.y * 64 + c;
     // tail scores: warp w takes slots w, w + 8, ...; lanes split the 128 dims
     const unsigned short* qh = q + (size_t)r * 128;
     float qv[4];
@@ -565,9 +561,7 @@ __device__ __forceinline__ void merge_item(const float* __restrict__ po, const f
     float M = -INFINITY, acc = 0.f, Ls = 0.f;
 #pragma unroll 4
     for (int s = k; s < St; s += 4) {
-        // __ldcg: in the one-launch call these were written by other CTAs of the same launch (L2, not a stale L1)
-        const float os = (s < S2 && ch >= 256) ? 0.f : __ldcg(o + (size_t)s * 512) * shift_inv;
-        lse_step(M, acc, Ls, __ldcg(m + s), os, __ldcg(l + s));
+        lse_step(M, acc, Ls, m[s], (s < S2 && ch >= 256) ? 0.f : o[(size_t)s * 512] * shift_inv, l[s]);
     }
     for (int s = k; s < T; s += 4) {  // tail slots: one more part each, with sum 1
         const float os = __int_as_float((u32)th[(((size_t)b * G + gr) * T + s) * 512 + ch] << 16);
@@ -578,61 +572,4 @@ __device__ __forceinline__ void merge_item(const float* __restrict__ po, const f
     sm_o[k][c] = acc;
     __syncthreads();
     if (k == 0) z[(size_t)r * 512 + ch] = lse_merge4(sm_m, sm_l, sm_o, c);
-}
-
-extern "C" __global__ void __launch_bounds__(256)
-    tale_combine_paper(const float* __restrict__ po, const float* __restrict__ pm, const float* __restrict__ pl,
-                       const unsigned short* __restrict__ q, const unsigned short* __restrict__ tk,
-                       const unsigned short* __restrict__ th, float* __restrict__ z, int St, int S2, int T, int G,
-                       float shift_inv, float qk_scale) {
-    __shared__ float sm[832];
-    merge_item(po, pm, pl, q, tk, th, z, St, S2, T, G, shift_inv, qk_scale, blockIdx.x, blockIdx.y, sm);
-}
-
-// the paper call in one launch: the levels' CTAs as in tale_attn_paper, then a grid-wide barrier (every CTA must be
-// resident: one per SM and no more CTAs than SMs, which the caller checks), then each CTA takes merge items
-// i, i + gridDim.x, ... of the B H 8. sync[0] counts arrivals across launches (never reset): a CTA waits until the
-// count reaches the next multiple of gridDim.x. A barrier that has not opened after 2^24 polls gives up and counts
-// itself in sync[1] (the output is then wrong, and the caller's check says so) instead of hanging the GPU.
-extern "C" __global__ void __launch_bounds__(256, 1)
-    tale_attn_paper_fused(const unsigned short* __restrict__ q, const char* __restrict__ kc2,
-                          const char* __restrict__ km2, const char* __restrict__ lc2, const char* __restrict__ lm2,
-                          const char* __restrict__ kc4, const char* __restrict__ km4, const char* __restrict__ lc4,
-                          const char* __restrict__ lm4, float* __restrict__ po, float* __restrict__ pm,
-                          float* __restrict__ pl, int G, int L2, int S2, int L4, int S4, float shift_inv,
-                          float qk_scale, const unsigned short* __restrict__ tk, const unsigned short* __restrict__ th,
-                          float* __restrict__ z, int T, unsigned int* __restrict__ sync) {
-    const int B = gridDim.x / (S2 * G + S4 * 2 * G);
-    int bid = blockIdx.x;
-    if (bid < S2 * G * B) {
-        attn_body<2, 2, 8>(q, kc2, km2, lc2, lm2, po, pm, pl, G, L2, S2, 512, shift_inv, qk_scale, bid % S2,
-                           (bid / S2) % G, 0, bid / (S2 * G), S2 + S4, 0);
-    } else {
-        bid -= S2 * G * B;
-        const int gh = (bid / S4) % (2 * G);
-        attn_body<4, 4, 5>(q, kc4, km4, lc4, lm4, po, pm, pl, G, L4, S4, 512, shift_inv, qk_scale, bid % S4, gh >> 1,
-                           gh & 1, bid / (S4 * 2 * G), S2 + S4, S2);
-    }
-    __threadfence();  // this CTA's partials are visible before it arrives
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned int target = (atomicAdd(sync, 1u) / gridDim.x + 1) * gridDim.x;
-        unsigned int now;
-        int polls = 0;
-        do {
-            asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(now) : "l"(sync));
-            if (++polls > (1 << 24)) {
-                atomicAdd(sync + 1, 1u);
-                break;
-            }
-        } while ((int)(now - target) < 0);
-        __threadfence();
-    }
-    __syncthreads();
-    extern __shared__ __align__(16) unsigned char smem_merge[];  // the same dynamic shared memory, free again
-    for (int it = blockIdx.x; it < B * G * 16 * 8; it += gridDim.x) {
-        merge_item(po, pm, pl, q, tk, th, z, S2 + S4, S2, T, G, shift_inv, qk_scale, it >> 3, it & 7,
-                   (float*)smem_merge);
-        __syncthreads();
-    }
 }
