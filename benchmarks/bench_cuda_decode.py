@@ -188,11 +188,13 @@ def dequantize(kcode, ks, kz, lcode, ls, lz) -> tuple[torch.Tensor, torch.Tensor
     return kcode.float() * sk + zk, lcode.float() * sl + zl
 
 
-def attend(q, keys, lat) -> torch.Tensor:
-    """float32 decode attention in latent space: z [B, H, R]."""
+def attend(q, keys, lat, valid=None) -> torch.Tensor:
+    """float32 decode attention in latent space: z [B, H, R]; valid [B, L] masks slots out."""
     B, _, L, _ = keys.shape
     qf = q.float().view(B, K, H // K, N)
     logits = torch.einsum("bkrn,bkln->bkrl", qf, keys).reshape(B, H, L) * N**-0.5
+    if valid is not None:
+        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     p = logits.softmax(-1).view(B, G, H // G, L)
     return torch.einsum("bgrl,bglc->bgrc", p, lat).reshape(B, H, lat.shape[-1])
 
@@ -205,24 +207,44 @@ def reference(q, kcode, ks, kz, lcode, ls, lz) -> torch.Tensor:
 # -- the whole paper-preset call: sinks | 2-bit level | 4-bit level | residual, and the new token -----------------
 
 
-def random_call(B: int, ctx: int, seed: int = 0, device: str = "cuda"):
-    """(q, 2-bit level, 4-bit level, tail keys [B, K, T, N], tail latents [B, G, T, 512]) for a cache of ctx tokens;
-    the tail (16-bit sinks, residual and the new token) in one tensor each."""
+def random_call(B: int, ctx: int, seed: int = 0, device: str = "cuda", pad=None, extra: int = 0):
+    """A cache of ctx tokens per row as the kernel reads it: dict with q, the two levels (codes and scales, capacity
+    used + `extra` slots), their positions pos2 / pos4 [B, capacity] and used lengths n2 / n4, the tail (16-bit
+    sinks, residual and the new token: keys tk [B, K, T, N], latents th [B, G, T, 512], positions tpos [B, T]) and
+    npos (the new token's position). `pad[b]` leading positions of row b are padding (-1)."""
     sinks, n2, n4, res = bd.region_lengths(ctx)
-    lv2 = random_level(B, n2, "2bit", seed, device)
-    lv4 = random_level(B, n4, "4bit", seed + 1, device)
+    lv2 = random_level(B, n2 + extra, "2bit", seed, device)
+    lv4 = random_level(B, n4 + extra, "4bit", seed + 1, device)
     gen = torch.Generator(device=device).manual_seed(seed + 2)
     T = sinks + res + 1
     tk = (torch.randn(B, K, T, N, device=device, generator=gen) * 0.5).bfloat16()
     th = (torch.randn(B, G, T, 512, device=device, generator=gen) * 0.3).bfloat16()
-    return lv2[0], lv2[1:], lv4[1:], tk, th
+
+    def positions(start: int, used: int, cap: int) -> torch.Tensor:
+        p = torch.full((B, cap), -1, dtype=torch.int32, device=device)
+        p[:, :used] = torch.arange(start, start + used, dtype=torch.int32, device=device)
+        return p
+
+    pos2, pos4 = positions(sinks, n2, n2 + extra), positions(sinks + n2, n4, n4 + extra)
+    tpos = torch.cat([positions(0, sinks, sinks), positions(sinks + n2 + n4, res, res), positions(ctx, 1, 1)], 1)
+    for b, pb in enumerate(pad or []):
+        for p in (pos2, pos4, tpos):
+            p[b][(p[b] >= 0) & (p[b] < pb)] = -1
+    return dict(
+        q=lv2[0], lv2=lv2[1:], lv4=lv4[1:], tk=tk, th=th, pos2=pos2, pos4=pos4, tpos=tpos, n2=n2, n4=n4, npos=ctx
+    )
 
 
-def reference_call(q, lv2, lv4, tk, th) -> torch.Tensor:
-    k2, h2 = dequantize(*lv2)
-    k4, h4 = dequantize(*lv4)
+def reference_call(c: dict, window: int = 0) -> torch.Tensor:
+    n2, n4 = c["n2"], c["n4"]
+    k2, h2 = dequantize(*c["lv2"])
+    k4, h4 = dequantize(*c["lv4"])
     h2 = torch.nn.functional.pad(h2, (0, 512 - h2.shape[-1]))  # the 2-bit level's rank 256 of 512
-    return attend(q, torch.cat([k2, k4, tk.float()], 2), torch.cat([h2, h4, th.float()], 2))
+    keys = torch.cat([k2[:, :, :n2], k4[:, :, :n4], c["tk"].float()], 2)
+    lat = torch.cat([h2[:, :, :n2], h4[:, :, :n4], c["th"].float()], 2)
+    pos = torch.cat([c["pos2"][:, :n2], c["pos4"][:, :n4], c["tpos"]], 1)
+    valid = (pos >= 0) & ((c["npos"] - pos < window) if window > 0 else True)
+    return attend(c["q"], keys, lat, valid)
 
 
 def call_splits(B: int, n2: int, n4: int, sms: int) -> tuple[int, int]:
@@ -235,32 +257,42 @@ def call_splits(B: int, n2: int, n4: int, sms: int) -> tuple[int, int]:
     return s2, s4
 
 
-def runner_call(kern: dict, arrays2, arrays4, q, tk, th, B: int, n2: int, n4: int, S2: int, S4: int):
-    """The whole call: the levels' launch, then the merge launch (which also scores the 16-bit tail)."""
+def runner_call(kern: dict, c: dict, S2: int, S4: int, window: int = 0):
+    """The whole call over random_call's cache `c`: the levels' launch, then the merge launch (which also scores the
+    16-bit tail). Lengths and the new token's position travel as device tensors, as a static cache holds them."""
     name, smem, _ = kern["paper"]
     mod = kern["mod"]
-    St, T = S2 + S4, tk.shape[2]
+    q, tk, th = c["q"], c["tk"], c["th"]
+    a2, a4 = c["packed"]
+    B, T = q.shape[0], tk.shape[2]
+    cap2, cap4 = c["pos2"].shape[1], c["pos4"].shape[1]
+    St = S2 + S4
     po = torch.empty(B, H, St, 512, device="cuda")
     pm = torch.empty(B, H, St, device="cuda")
     pl = torch.empty(B, H, St, device="cuda")
     z = torch.empty(B, H, 512, device="cuda")
+    dev = lambda v: torch.tensor([v], dtype=torch.int32, device="cuda")  # noqa: E731
+    len2, len4, npos = dev(c["n2"]), dev(c["n4"]), dev(c["npos"])
     qk = N**-0.5 * math.log2(math.e)
-    a1 = (q, *arrays2, *arrays4, po, pm, pl, G, n2, S2, n4, S4, 1 / SHIFT, qk)
-    a2 = (po, pm, pl, q, tk, th, z, St, S2, T, G, 1 / SHIFT, qk)
+    a1 = (q, *a2, *a4, po, pm, pl, G, cap2, S2, cap4, S4, 1 / SHIFT, qk, c["pos2"], len2, c["pos4"], len4, npos, window)
+    a3 = (po, pm, pl, q, tk, th, z, St, S2, T, G, 1 / SHIFT, qk, c["tpos"], npos, window)
     grid = (S2 * G + S4 * 2 * G) * B
 
     def fn():
         mod.launch(name, grid, 256, a1, smem)
-        mod.launch(kern["combine_paper"], (B * H, 8), 256, a2)
+        mod.launch(kern["combine_paper"], (B * H, 8), 256, a3)
         return z
 
     return fn
 
 
 def runner(kern: dict, level: str, arrays, q, B: int, L: int, S: int, parts: str = "both"):
+    """One level alone: L used slots (the whole capacity), no padding, no window."""
     name, smem, nw = kern[level]
     mod = kern["mod"]
     rw = LEVELS[level][2]
+    pos = torch.arange(L, dtype=torch.int32, device="cuda").expand(B, L).contiguous()
+    ln = torch.tensor([L], dtype=torch.int32, device="cuda")
     po = torch.empty(B, H, S, rw, device="cuda")
     pm = torch.empty(B, H, S, device="cuda")
     pl = torch.empty(B, H, S, device="cuda")
@@ -269,7 +301,7 @@ def runner(kern: dict, level: str, arrays, q, B: int, L: int, S: int, parts: str
 
     def fn():
         if parts != "comb":
-            args = (q, *arrays, po, pm, pl, G, L, S, rw, 1 / SHIFT, qk)
+            args = (q, *arrays, po, pm, pl, G, L, S, rw, 1 / SHIFT, qk, pos, ln, ln, 0)
             mod.launch(name, (S, G * rw // RANK, B), 32 * nw, args, smem)
         if parts != "attn":
             mod.launch(kern["combine"], (B * H, rw // 64), 256, (po, pm, pl, z, S, rw, 1 / SHIFT))
@@ -342,21 +374,28 @@ def main() -> int:
                     good = e <= 5e-3 and bool(torch.isfinite(got).all())
                     ok &= good
                     print(f"check {lv} {s} B={B} L={L} S={S}: rel err {e:.2e} {'ok' if good else 'FAIL'}", flush=True)
-    # the whole paper call: both levels in one launch, the 16-bit tail in the merge
-    for B, ctx in ((1, 8192), (3, 20000), (1, 131072)):
-        q, lv2, lv4, tk, th = random_call(B, ctx, seed=ctx + B)
-        n2, n4 = lv2[0].shape[2], lv4[0].shape[2]
-        ref = reference_call(q, lv2, lv4, tk, th)
-        a2, a4 = pack(*lv2, 2, 2), pack(*lv4, 4, 4)
+    # the whole paper call: both levels in one launch, the 16-bit tail in the merge; left padding, sliding windows,
+    # capacities past the used lengths (lengths and the position on the device)
+    cases = [
+        (1, 8192, None, 0, 0),
+        (3, 20000, [0, 1000, 5000], 64, 6000),
+        (1, 131072, None, 64, 4096),
+        (2, 131072, [0, 70000], 0, 0),
+    ]
+    for B, ctx, pad, extra, window in cases:
+        c = random_call(B, ctx, seed=ctx + B, pad=pad, extra=extra)
+        ref = reference_call(c, window)
+        c["packed"] = pack(*c["lv2"], 2, 2), pack(*c["lv4"], 4, 4)
         for s, kern in variants.items():
-            for S2, S4 in {call_splits(B, n2, n4, sms), (1, 1), (3, 2)}:
+            for S2, S4 in {call_splits(B, c["n2"], c["n4"], sms), (1, 1), (3, 2)}:
                 bd.poison()
-                got = runner_call(kern, a2, a4, q, tk, th, B, n2, n4, S2, S4)().clone()
+                got = runner_call(kern, c, S2, S4, window)().clone()
                 e = bd.rel(got, ref)
                 good = e <= 5e-3 and bool(torch.isfinite(got).all())
                 ok &= good
                 print(
-                    f"check call {s} B={B} ctx={ctx} S={S2},{S4}: rel err {e:.2e} {'ok' if good else 'FAIL'}",
+                    f"check call {s} B={B} ctx={ctx} pad={pad} extra={extra} window={window} S={S2},{S4}: "
+                    f"rel err {e:.2e} {'ok' if good else 'FAIL'}",
                     flush=True,
                 )
     if not ok:
@@ -425,12 +464,10 @@ def whole_call(variants: dict, a, bw: float, sms: int) -> None:
         tt = bd.timeit(lambda q=qn, k=kn, h=hn, v=v: tale_kernels.latent_attention(q, k, h, v, N**-0.5))
         del v
         ts_sdpa, _ = bd.best_sdpa(B, ctx)
-        q, lv2, lv4, tk, th = random_call(B, ctx, seed=1)
-        n2, n4 = lv2[0].shape[2], lv4[0].shape[2]
-        a2, a4 = pack(*lv2, 2, 2), pack(*lv4, 4, 4)
-        del lv2, lv4
-        S2, S4 = call_splits(B, n2, n4, sms)
-        ts = {s: bd.timeit(runner_call(k, a2, a4, q, tk, th, B, n2, n4, S2, S4)) for s, k in variants.items()}
+        c = random_call(B, ctx, seed=1)
+        c["packed"] = pack(*c.pop("lv2"), 2, 2), pack(*c.pop("lv4"), 4, 4)
+        S2, S4 = call_splits(B, c["n2"], c["n4"], sms)
+        ts = {s: bd.timeit(runner_call(k, c, S2, S4)) for s, k in variants.items()}
         best = min(ts.values())
         table_row(
             f"{ctx // 1024}K",
@@ -442,7 +479,7 @@ def whole_call(variants: dict, a, bw: float, sms: int) -> None:
             f"{tt / best:.2f}x",
             f"{ts_sdpa / best:.2f}x",
         )
-        del a2, a4
+        del c
 
 
 if __name__ == "__main__":

@@ -8,7 +8,10 @@
 //   tale_attn_k4l4: the 4-bit recent level (4-bit keys, rank-512 latents at 4 bits), 5 warps per CTA; each CTA
 //     handles one half of the 512 latent channels (blockIdx.y = 2 g + half), so the keys are read twice (their
 //     accumulators would not fit otherwise: 16 x 512 float32 per warp).
-// Lengths are whole key groups ("blocks" of 32 slots); no position masks yet.
+// Each level's used length is whole key groups ("blocks" of 32 slots), read from the device (len[0]); slots are
+// masked by their positions (pos < 0: padding; a sliding window against npos[0]). A masked slot's scores become
+// -inf; its latents still enter the product with p = 0, so its latent scales/zeros must be finite (the cache
+// writes zeros into padding).
 //
 // What differs from the Triton kernel (docs/kernels.md, "What limits it"):
 // - each warp owns whole 32-slot blocks and runs its own online softmax: no cross-warp reductions or barriers in
@@ -74,6 +77,11 @@ __device__ __forceinline__ uint4 lds128(u32 addr) {
     asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
     return v;
 }
+__device__ __forceinline__ uint2 lds64(u32 addr) {
+    uint2 v;
+    asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+    return v;
+}
 __device__ __forceinline__ void sts64(u32 addr, u32 a, u32 b) {
     asm volatile("st.shared.v2.b32 [%0], {%1,%2};\n" ::"r"(addr), "r"(a), "r"(b));
 }
@@ -120,7 +128,8 @@ struct Cfg {
     static constexpr int KM = 2048;             // key scales/zeros
     static constexpr int LC = 32 * 256 * LB / 8;  // latent codes of 256 channels
     static constexpr int LM = 1024;             // latent scales/zeros of 256 channels
-    static constexpr int STAGE = KC + KM + LC + LM;
+    static constexpr int PS = 128;              // the block's 32 slot positions (int32)
+    static constexpr int STAGE = KC + KM + LC + LM + PS;
     static constexpr int WARP = 2 * STAGE + ATILE_B + AZERO_B;
     static constexpr int SMEM = NW * WARP + QT_B;
     static constexpr int NT = NW * 32;
@@ -134,10 +143,14 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
                                           const char* __restrict__ km, const char* __restrict__ lc,
                                           const char* __restrict__ lm, float* __restrict__ po,
                                           float* __restrict__ pm, float* __restrict__ pl, int G, int L, int S,
-                                          int RW, float shift_inv, float qk_scale, int sp, int g, int half, int b,
-                                          int St, int soff) {
-    // this CTA: split sp of S over the level's L slots, latent group g, channel half `half`, batch row b; its
+                                          int RW, float shift_inv, float qk_scale, const int* __restrict__ pos,
+                                          const int* __restrict__ len, const int* __restrict__ npos, int window,
+                                          int sp, int g, int half, int b, int St, int soff) {
+    // this CTA: split sp of S over the level's used slots, latent group g, channel half `half`, batch row b; its
     // partial is split soff + sp of St in po / pm / pl. Warps NW and up (when blockDim holds more) sit it out.
+    // L is the capacity (the arrays' stride); len[0] the used slots (whole blocks), read here, so a captured graph
+    // follows the cache; pos [B, L] the slots' positions (-1: padding); a slot counts when pos >= 0 and, with a
+    // window, npos[0] - pos < window.
     using C = Cfg<KB, LB, NW>;
     constexpr int HALVES = LB == 4 ? 2 : 1;  // CTAs per latent group (256 latent channels each)
     extern __shared__ __align__(16) unsigned char smem[];
@@ -150,9 +163,11 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
     const u32 atile = wbase + 2 * C::STAGE;
 
     // blocks of this CTA and warp
-    const int nblk = L >> 5;
-    const int per = (nblk + S - 1) / S;
-    const int c0 = min(nblk, sp * per), c1 = min(nblk, c0 + per);
+    const int nblk = L >> 5, nused = min(nblk, len[0] >> 5);
+    const int next = npos[0];
+    const int* posb = pos + (size_t)b * L;
+    const int per = (nused + S - 1) / S;
+    const int c0 = min(nused, sp * per), c1 = min(nused, c0 + per);
     const int wper = (c1 - c0 + NW - 1) / NW;
     const int w0 = active ? min(c1, c0 + w * wper) : 0, w1 = active ? min(c1, w0 + wper) : 0;
 
@@ -177,6 +192,7 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
 #pragma unroll
         for (int i = 0; i < C::LM / 512; i++)
             cp16(st + C::KC + C::KM + C::LC + (i * 32 + lane) * 16, l1 + (i * 32 + lane) * 16);
+        if (lane < 8) cp16(st + C::KC + C::KM + C::LC + C::LM + lane * 16, posb + blk * 32 + lane * 4);
         cp_commit();
     };
 
@@ -324,12 +340,18 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
         const float o1 = off[0] * qk_scale, o2 = off[2] * qk_scale;
 #endif
         float mx1 = -INFINITY, mx2 = -INFINITY;
+        const u32 pss = st + C::KC + C::KM + C::LC + C::LM;
 #pragma unroll
         for (int nt = 0; nt < 4; nt++) {
-            Sc[nt][0] = Sc[nt][0] * ks - o1 + b1;
-            Sc[nt][1] = Sc[nt][1] * ks - o1 + b1;
-            Sc[nt][2] = Sc[nt][2] * ks - o2 + b2;
-            Sc[nt][3] = Sc[nt][3] * ks - o2 + b2;
+            // this thread's two slots of the n-tile: masked by position (padding) and window
+            const uint2 pp = lds64(pss + (8 * nt + 2 * t) * 4);
+            const int q0 = (int)pp.x, q1 = (int)pp.y;
+            const bool v0 = q0 >= 0 && (window <= 0 || next - q0 < window);
+            const bool v1 = q1 >= 0 && (window <= 0 || next - q1 < window);
+            Sc[nt][0] = v0 ? Sc[nt][0] * ks - o1 + b1 : -INFINITY;
+            Sc[nt][1] = v1 ? Sc[nt][1] * ks - o1 + b1 : -INFINITY;
+            Sc[nt][2] = v0 ? Sc[nt][2] * ks - o2 + b2 : -INFINITY;
+            Sc[nt][3] = v1 ? Sc[nt][3] * ks - o2 + b2 : -INFINITY;
             mx1 = fmaxf(mx1, fmaxf(Sc[nt][0], Sc[nt][1]));
             mx2 = fmaxf(mx2, fmaxf(Sc[nt][2], Sc[nt][3]));
         }
@@ -353,10 +375,12 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
             m2 = n2;
         }
         u32 pa[2][4];
+        // a row with no valid slot yet keeps m = -inf: exponentiate against 0 there (its scores are -inf: p = 0)
+        const float e1 = m1 == -INFINITY ? 0.f : m1, e2 = m2 == -INFINITY ? 0.f : m2;
 #pragma unroll
         for (int nt = 0; nt < 4; nt++) {
-            const float p0 = ex2(Sc[nt][0] - m1), p1 = ex2(Sc[nt][1] - m1);
-            const float p2 = ex2(Sc[nt][2] - m2), p3 = ex2(Sc[nt][3] - m2);
+            const float p0 = ex2(Sc[nt][0] - e1), p1 = ex2(Sc[nt][1] - e1);
+            const float p2 = ex2(Sc[nt][2] - e2), p3 = ex2(Sc[nt][3] - e2);
             l1 += p0 + p1;
             l2 += p2 + p3;
             pa[nt >> 1][(nt & 1) * 2 + 0] = f2h(p0, p1);
@@ -449,8 +473,9 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
 #define ATTN_ARGS                                                                                                   \
     const unsigned short *__restrict__ q, const char *__restrict__ kc, const char *__restrict__ km,                 \
         const char *__restrict__ lc, const char *__restrict__ lm, float *__restrict__ po, float *__restrict__ pm,   \
-        float *__restrict__ pl, int G, int L, int S, int RW, float shift_inv, float qk_scale
-#define ATTN_PASS q, kc, km, lc, lm, po, pm, pl, G, L, S, RW, shift_inv, qk_scale
+        float *__restrict__ pl, int G, int L, int S, int RW, float shift_inv, float qk_scale,                     \
+        const int *__restrict__ pos, const int *__restrict__ len, const int *__restrict__ npos, int window
+#define ATTN_PASS q, kc, km, lc, lm, po, pm, pl, G, L, S, RW, shift_inv, qk_scale, pos, len, npos, window
 
 // the 2-bit middle level alone: 8 warps (216 KB of shared memory); grid (S, G, B)
 extern "C" __global__ void __launch_bounds__(256, 1) tale_attn_k2l2(ATTN_ARGS) {
@@ -467,16 +492,20 @@ extern "C" __global__ void __launch_bounds__(256, 1)
                     const char* __restrict__ lc2, const char* __restrict__ lm2, const char* __restrict__ kc4,
                     const char* __restrict__ km4, const char* __restrict__ lc4, const char* __restrict__ lm4,
                     float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl, int G, int L2, int S2,
-                    int L4, int S4, float shift_inv, float qk_scale) {
+                    int L4, int S4, float shift_inv, float qk_scale, const int* __restrict__ pos2,
+                    const int* __restrict__ len2, const int* __restrict__ pos4, const int* __restrict__ len4,
+                    const int* __restrict__ npos, int window) {
     const int B = gridDim.x / (S2 * G + S4 * 2 * G);
     int bid = blockIdx.x;
     if (bid < S2 * G * B) {
-        attn_body<2, 2, 8>(q, kc2, km2, lc2, lm2, po, pm, pl, G, L2, S2, 512, shift_inv, qk_scale, bid % S2,
+        attn_body<2, 2, 8>(q, kc2, km2, lc2, lm2, po, pm, pl, G, L2, S2, 512, shift_inv, qk_scale, pos2, len2, npos,
+                           window, bid % S2,
                            (bid / S2) % G, 0, bid / (S2 * G), S2 + S4, 0);
     } else {
         bid -= S2 * G * B;
         const int gh = (bid / S4) % (2 * G);
-        attn_body<4, 4, 5>(q, kc4, km4, lc4, lm4, po, pm, pl, G, L4, S4, 512, shift_inv, qk_scale, bid % S4, gh >> 1,
+        attn_body<4, 4, 5>(q, kc4, km4, lc4, lm4, po, pm, pl, G, L4, S4, 512, shift_inv, qk_scale, pos4, len4, npos,
+                           window, bid % S4, gh >> 1,
                            gh & 1, bid / (S4 * 2 * G), S2 + S4, S2);
     }
 }
@@ -535,7 +564,8 @@ extern "C" __global__ void __launch_bounds__(256)
     tale_combine_paper(const float* __restrict__ po, const float* __restrict__ pm, const float* __restrict__ pl,
                        const unsigned short* __restrict__ q, const unsigned short* __restrict__ tk,
                        const unsigned short* __restrict__ th, float* __restrict__ z, int St, int S2, int T, int G,
-                       float shift_inv, float qk_scale) {
+                       float shift_inv, float qk_scale, const int* __restrict__ tpos, const int* __restrict__ npos,
+                       int window) {
     __shared__ float sm_m[4][64], sm_l[4][64], sm_o[4][64], st_s[64];
     const int r = blockIdx.x, tid = threadIdx.x, c = tid & 63, k = tid >> 6, lane = tid & 31, w = tid >> 5;
     const int H = G * 16, b = r / H, h = r % H, kv = h / 4, gr = h / 16;
@@ -552,7 +582,9 @@ extern "C" __global__ void __launch_bounds__(256)
         for (int i = 0; i < 4; i++) d += qv[i] * __int_as_float((u32)kk[i] << 16);
 #pragma unroll
         for (int o = 16; o; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-        if (lane == 0) st_s[s] = d * qk_scale;
+        const int ps = tpos[b * T + s];  // the tail slot's position: padding and window as in the levels
+        const bool valid = ps >= 0 && (window <= 0 || npos[0] - ps < window);
+        if (lane == 0) st_s[s] = valid ? d * qk_scale : -INFINITY;
     }
     __syncthreads();
     const float* m = pm + (size_t)r * St;
@@ -564,6 +596,7 @@ extern "C" __global__ void __launch_bounds__(256)
         lse_step(M, acc, Ls, m[s], (s < S2 && ch >= 256) ? 0.f : o[(size_t)s * 512] * shift_inv, l[s]);
     }
     for (int s = k; s < T; s += 4) {  // tail slots: one more part each, with sum 1
+        if (st_s[s] == -INFINITY) continue;  // masked: whatever the slot holds stays out
         const float os = __int_as_float((u32)th[(((size_t)b * G + gr) * T + s) * 512 + ch] << 16);
         lse_step(M, acc, Ls, st_s[s], os, 1.f);
     }
