@@ -43,7 +43,7 @@ def level_bytes(level: str) -> int:
 
 
 def stage_bytes(kb: int, lb: int) -> int:
-    return 32 * kb * 64 + 2048 + 32 * RANK * lb // 8 + 1024
+    return 32 * kb * 64 + 2048 + 32 * RANK * lb // 8 + 1024 + 128  # codes, scales/zeros, the 32 positions
 
 
 def kernels(subn: int = 1, abatch: int = 4, src: str = SRC) -> dict:
