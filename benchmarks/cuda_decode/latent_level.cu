@@ -162,14 +162,6 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
     const u32 wbase = sbase + QT_B + w * C::WARP;
     const u32 atile = wbase + 2 * C::STAGE;
 
-    // the query's loads go out first, so their latency and the length's overlap (the range needs the length)
-    constexpr int QPT = 16;  // query values per thread, for blockDim >= 128
-    unsigned short qbits[QPT];
-#pragma unroll
-    for (int k = 0; k < QPT; k++) {
-        const int i = tid + k * NT;
-        qbits[k] = i < 16 * 128 ? q[((size_t)b * H + g * 16 + (i >> 7)) * 128 + (i & 127)] : 0;
-    }
     // blocks of this CTA and warp
     const int nblk = L >> 5, nused = min(nblk, len[0] >> 5);
     const int next = npos[0];
@@ -204,15 +196,13 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
         cp_commit();
     };
 
-    // the first block's bytes are requested before the query table is written
+    // the first block's bytes are requested before the query table is loaded (the two latencies overlap)
     if (w0 < w1) issue(w0, wbase);
     constexpr float ROWCOMP = KB == 2 ? 0.25f : 0.0625f;  // rows 8..15 multiply the b1 operands: one field higher
-#pragma unroll
-    for (int k = 0; k < QPT; k++) {
-        const int i = tid + k * NT, j = i >> 7, ch = i & 127;
-        if (i < 16 * 128)
-            qt[j * 136 + (ch >> 6) * 68 + (ch & 63)] =
-                __int_as_float((u32)qbits[k] << 16) * (j >= 8 ? ROWCOMP : 1.0f) * shift_inv;
+    for (int i = tid; i < 16 * 128; i += NT) {
+        int j = i >> 7, ch = i & 127;
+        u32 bits = (u32)q[((size_t)b * H + g * 16 + j) * 128 + ch] << 16;
+        qt[j * 136 + (ch >> 6) * 68 + (ch & 63)] = __int_as_float(bits) * (j >= 8 ? ROWCOMP : 1.0f) * shift_inv;
     }
     // the block-diagonal A tile: zeros outside each row's own head, written once
     if (active) {
