@@ -257,7 +257,7 @@ def call_splits(B: int, n2: int, n4: int, sms: int) -> tuple[int, int]:
     return s2, s4
 
 
-def runner_call(kern: dict, c: dict, S2: int, S4: int, window: int = 0):
+def runner_call(kern: dict, c: dict, S2: int, S4: int, window: int = 0, pdl: bool = False):
     """The whole call over random_call's cache `c`: the levels' launch, then the merge launch (which also scores the
     16-bit tail). Lengths and the new token's position travel as device tensors, as a static cache holds them."""
     name, smem, _ = kern["paper"]
@@ -280,7 +280,7 @@ def runner_call(kern: dict, c: dict, S2: int, S4: int, window: int = 0):
 
     def fn():
         mod.launch(name, grid, 256, a1, smem)
-        mod.launch(kern["combine_paper"], (B * H, 8), 256, a3)
+        mod.launch(kern["combine_paper"], (B * H, 8), 256, a3, pdl=pdl)
         return z
 
     return fn
@@ -388,16 +388,17 @@ def main() -> int:
         c["packed"] = pack(*c["lv2"], 2, 2), pack(*c["lv4"], 4, 4)
         for s, kern in variants.items():
             for S2, S4 in {call_splits(B, c["n2"], c["n4"], sms), (1, 1), (3, 2)}:
-                bd.poison()
-                got = runner_call(kern, c, S2, S4, window)().clone()
-                e = bd.rel(got, ref)
-                good = e <= 5e-3 and bool(torch.isfinite(got).all())
-                ok &= good
-                print(
-                    f"check call {s} B={B} ctx={ctx} pad={pad} extra={extra} window={window} S={S2},{S4}: "
-                    f"rel err {e:.2e} {'ok' if good else 'FAIL'}",
-                    flush=True,
-                )
+                for pdl in (False, True):
+                    bd.poison()
+                    got = runner_call(kern, c, S2, S4, window, pdl)().clone()
+                    e = bd.rel(got, ref)
+                    good = e <= 5e-3 and bool(torch.isfinite(got).all())
+                    ok &= good
+                    print(
+                        f"check call {s} B={B} ctx={ctx} pad={pad} extra={extra} window={window} S={S2},{S4} "
+                        f"pdl={pdl}: rel err {e:.2e} {'ok' if good else 'FAIL'}",
+                        flush=True,
+                    )
     if not ok:
         print("correctness failed: no timings", flush=True)
         return 1
@@ -451,10 +452,10 @@ def whole_call(variants: dict, a, bw: float, sms: int) -> None:
 
     print(
         "\n| context | B | cache MB | Triton us (% copy) | "
-        + " | ".join(f"CUDA {s} us (% copy)" for s in variants)
+        + " | ".join(f"CUDA {s}{f} us (% copy)" for f in ("", " pdl") for s in variants)
         + " | SDPA bf16 us | CUDA vs Triton | CUDA vs SDPA |"
     )
-    print("|---|---|---|---|" + "---|" * len(variants) + "---|---|---|")
+    print("|---|---|---|---|" + "---|" * (2 * len(variants)) + "---|---|---|")
     rows = [(1, int(c)) for c in a.contexts.split(",")] + [(4, 131072)]
     for B, ctx in rows:
         v = bd.synth_view(B, ctx)
@@ -468,6 +469,8 @@ def whole_call(variants: dict, a, bw: float, sms: int) -> None:
         c["packed"] = pack(*c.pop("lv2"), 2, 2), pack(*c.pop("lv4"), 4, 4)
         S2, S4 = call_splits(B, c["n2"], c["n4"], sms)
         ts = {s: bd.timeit(runner_call(k, c, S2, S4)) for s, k in variants.items()}
+        for s, k in variants.items():
+            ts[f"{s} pdl"] = bd.timeit(runner_call(k, c, S2, S4, pdl=True))
         best = min(ts.values())
         table_row(
             f"{ctx // 1024}K",

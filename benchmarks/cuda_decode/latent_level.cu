@@ -420,6 +420,8 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
         __syncwarp();
     }
 
+    // the merge launch (programmatic dependent launch) may start now: it scores the tail, then waits for this grid
+    asm volatile("griddepcontrol.launch_dependents;");
     // 5. merge the warps' partials through shared memory (the stage buffers are free now)
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
@@ -587,6 +589,7 @@ extern "C" __global__ void __launch_bounds__(256)
         if (lane == 0) st_s[s] = valid ? d * qk_scale : -INFINITY;
     }
     __syncthreads();
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // the levels' partials are written (no-op without PDL)
     const float* m = pm + (size_t)r * St;
     const float* l = pl + (size_t)r * St;
     const float* o = po + (size_t)r * St * 512 + ch;

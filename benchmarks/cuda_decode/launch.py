@@ -20,6 +20,20 @@ import torch
 
 CACHE = os.environ.get("TALE_CUDA_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "tale_cuda"))
 _ATTR_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_LAUNCH_PDL = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, pad to 8, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [
+        *[(n, ctypes.c_uint) for n in ("gx", "gy", "gz", "bx", "by", "bz", "smem")],
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttr)),
+        ("num_attrs", ctypes.c_uint),
+    ]
 
 
 def _driver() -> ctypes.CDLL:
@@ -29,6 +43,7 @@ def _driver() -> ctypes.CDLL:
     lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
     lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 
@@ -86,8 +101,10 @@ class Module:
             _check(self.lib, rc, f"{name}: {max_dynamic_shared} bytes of shared memory")
         return self.funcs[name]
 
-    def launch(self, name: str, grid, block, args, shared: int = 0) -> None:
-        """Launch `name` on torch's current stream. grid/block: int or up to 3 ints."""
+    def launch(self, name: str, grid, block, args, shared: int = 0, pdl: bool = False) -> None:
+        """Launch `name` on torch's current stream. grid/block: int or up to 3 ints. pdl: programmatic dependent
+        launch (the kernel may start before the previous one ends; it must `griddepcontrol.wait` before reading
+        what that one wrote)."""
         g = (tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)) + (1, 1)
         b = (tuple(block) if isinstance(block, (tuple, list)) else (block,)) + (1, 1)
         vals = []
@@ -102,7 +119,11 @@ class Module:
                 vals.append(ctypes.c_float(a))
         params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        rc = self.lib.cuLaunchKernel(
-            self.function(name), *g[:3], *b[:3], shared, stream, ctypes.cast(params, ctypes.c_void_p), None
-        )
+        pparams = ctypes.cast(params, ctypes.c_void_p)
+        if pdl:
+            attr = _LaunchAttr(id=_LAUNCH_PDL, value=(1).to_bytes(4, "little") + bytes(60))
+            cfg = _LaunchConfig(*g[:3], *b[:3], shared, stream, ctypes.pointer(attr), 1)
+            rc = self.lib.cuLaunchKernelEx(ctypes.byref(cfg), self.function(name), pparams, None)
+        else:
+            rc = self.lib.cuLaunchKernel(self.function(name), *g[:3], *b[:3], shared, stream, pparams, None)
         _check(self.lib, rc, f"launching {name}")
