@@ -36,14 +36,36 @@ SHIFT = 2.0**-8  # 16-bit scales/zeros of a bf16 cache are stored as float16 tim
 LEVELS = {"2bit": (2, 2, 256, 8, 1), "4bit": (4, 4, 512, 5, 2)}
 
 
+def key_bytes(kb: int) -> int:
+    """Key bytes per slot and latent group: codes, then fp16 scale and zero per channel and key group."""
+    return GS * N * kb // 8 + GS * N * 4 // KG
+
+
 def level_bytes(level: str) -> int:
-    """Cache bytes per slot and latent group: key codes, key scales/zeros, latent codes, latent scales/zeros."""
+    """Cache bytes per slot and latent group: keys, latent codes, latent scales/zeros."""
     kb, lb, rank, _, _ = LEVELS[level]
-    return GS * N * kb // 8 + GS * N * 4 // KG + rank * lb // 8 + rank // VG * 4
+    return key_bytes(kb) + rank * lb // 8 + rank // VG * 4
 
 
-def stage_bytes(kb: int, lb: int) -> int:
-    return 32 * kb * 64 + 2048 + 32 * RANK * lb // 8 + 1024 + 128  # codes, scales/zeros, the 32 positions
+def smem_bytes(kb: int, lb: int, nw: int) -> int:
+    """Dynamic shared memory of a CTA of nw warps (the .cu's Cfg::SMEM): per warp two stages (a 32-slot block's
+    codes and scales/zeros of 256 latent channels, and its 32 positions), the A tile and its zero rows; the query."""
+    stage = 32 * key_bytes(kb) + 32 * RANK * lb // 8 + 32 * RANK // VG * 4 + 128
+    return nw * (2 * stage + 8192 + 128) + 8704
+
+
+def pct(t: float, mb: float, bw: float) -> str:
+    """Microseconds and the share of the copy bandwidth `bw` (GB/s) that moving `mb` MB in them is."""
+    return f"{t:.1f} ({mb * 1e6 / (t * 1e-6) / 1e9 / bw * 100:.0f}%)"
+
+
+def triton_us(B: int, ctx: int, only: str | None = None) -> tuple[float, float]:
+    """The Triton kernel on bench_decode's view of a ctx-token cache (or one region of it): (us, cache MB)."""
+    import tale_kernels
+
+    v = bd.synth_view(B, ctx, only=only)
+    q, k, h = bd.new_token(B)
+    return bd.timeit(lambda: tale_kernels.latent_attention(q, k, h, v, N**-0.5)), bd.view_bytes(v) / 1e6
 
 
 def kernels(subn: int = 1, abatch: int = 4, src: str = SRC) -> dict:
@@ -56,7 +78,7 @@ def kernels(subn: int = 1, abatch: int = 4, src: str = SRC) -> dict:
     mod = Module(src, opts)
     out = {"mod": mod, "combine": "tale_combine", "combine_paper": "tale_combine_paper"}
     for level, (kb, lb, _, nw, _) in LEVELS.items():
-        smem = nw * (2 * stage_bytes(kb, lb) + 8192 + 128) + 8704
+        smem = smem_bytes(kb, lb, nw)
         name = f"tale_attn_k{kb}l{lb}"
         mod.function(name, smem)
         out[level] = (name, smem, nw)
@@ -250,7 +272,7 @@ def reference_call(c: dict, window: int = 0) -> torch.Tensor:
 def call_splits(B: int, n2: int, n4: int, sms: int) -> tuple[int, int]:
     """Splits of the two levels so that their CTAs share one wave in proportion to the bytes they read (the 4-bit
     level's keys twice)."""
-    b2, b4 = n2 * level_bytes("2bit"), n4 * (level_bytes("4bit") + GS * N * 4 // 8 + GS * N * 4 // KG)
+    b2, b4 = n2 * level_bytes("2bit"), n4 * (level_bytes("4bit") + key_bytes(LEVELS["4bit"][0]))
     f2 = b2 / max(b2 + b4, 1)
     s2 = max(1, min(max(n2 // 32 // 8, 1), round(sms * f2 / (B * G))))
     s4 = max(1, min(max(n4 // 32 // 5, 1), round(sms * (1 - f2) / (B * 2 * G))))
@@ -417,16 +439,7 @@ def main() -> int:
         for B, ctx in rows:
             n = bd.region_lengths(ctx)[LEVELS[lv][4]] // 32 * 32
             mb = B * G * n * level_bytes(lv) / 1e6
-            pct = lambda t, mb=mb: f"{t:.1f} ({mb * 1e6 / (t * 1e-6) / 1e9 / bw * 100:.0f}%)"  # noqa: E731
-            if a.no_triton:
-                tt = float("nan")
-            else:
-                import tale_kernels
-
-                v = bd.synth_view(B, ctx, only=lv)
-                qn, kn, hn = bd.new_token(B)
-                tt = bd.timeit(lambda q=qn, k=kn, h=hn, v=v: tale_kernels.latent_attention(q, k, h, v, N**-0.5))
-                del v
+            tt = float("nan") if a.no_triton else triton_us(B, ctx, lv)[0]
             data = random_level(B, n, lv, seed=1)
             arrays = pack(*data[1:], *LEVELS[lv][:2])
             q = data[0]
@@ -434,7 +447,8 @@ def main() -> int:
             S = splits_for(B, n, lv, sms)
             ts = {s: bd.timeit(runner(kern, lv, arrays, q, B, n, S)) for s, kern in variants.items()}
             best = min(ts.values())
-            table_row(f"{ctx // 1024}K", B, n, f"{mb:.1f}", pct(tt), *map(pct, ts.values()), f"{tt / best:.2f}x")
+            cells = [pct(t, mb, bw) for t in (tt, *ts.values())]
+            table_row(f"{ctx // 1024}K", B, n, f"{mb:.1f}", *cells, f"{tt / best:.2f}x")
             kern = variants[min(ts, key=ts.get)]
             probes = {p: bd.timeit(runner(kern, lv, arrays, q, B, n, S, p)) for p in ("attn", "comb")}
             nw = LEVELS[lv][3]
@@ -448,8 +462,6 @@ def main() -> int:
 
 def whole_call(variants: dict, a, bw: float, sms: int) -> None:
     """The whole paper-preset call (all regions and the new token) against the Triton kernel and SDPA."""
-    import tale_kernels
-
     print(
         "\n| context | B | cache MB | Triton us (% copy) | "
         + " | ".join(f"CUDA {s}{f} us (% copy)" for f in ("", " pdl") for s in variants)
@@ -458,12 +470,7 @@ def whole_call(variants: dict, a, bw: float, sms: int) -> None:
     print("|---|---|---|---|" + "---|" * (2 * len(variants)) + "---|---|---|")
     rows = [(1, int(c)) for c in a.contexts.split(",")] + [(4, 131072)]
     for B, ctx in rows:
-        v = bd.synth_view(B, ctx)
-        mb = bd.view_bytes(v) / 1e6
-        pct = lambda t, mb=mb: f"{t:.1f} ({mb * 1e6 / (t * 1e-6) / 1e9 / bw * 100:.0f}%)"  # noqa: E731
-        qn, kn, hn = bd.new_token(B)
-        tt = bd.timeit(lambda q=qn, k=kn, h=hn, v=v: tale_kernels.latent_attention(q, k, h, v, N**-0.5))
-        del v
+        tt, mb = triton_us(B, ctx)
         ts_sdpa, _ = bd.best_sdpa(B, ctx)
         c = random_call(B, ctx, seed=1)
         c["packed"] = pack(*c.pop("lv2"), 2, 2), pack(*c.pop("lv4"), 4, 4)
@@ -476,8 +483,7 @@ def whole_call(variants: dict, a, bw: float, sms: int) -> None:
             f"{ctx // 1024}K",
             B,
             f"{mb:.1f}",
-            pct(tt),
-            *map(pct, ts.values()),
+            *[pct(t, mb, bw) for t in (tt, *ts.values())],
             f"{ts_sdpa:.1f}",
             f"{tt / best:.2f}x",
             f"{ts_sdpa / best:.2f}x",

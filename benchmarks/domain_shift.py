@@ -75,14 +75,14 @@ def main() -> None:
     full_art = work / "all"
     if not args.table_only:
         convert(full_art, None, args.preset)
-        jobs: list[tuple[subprocess.Popen | None, Path, Path, Path]] = []
+        jobs: list[tuple[Path, Path, Path]] = []  # (artifact, text, rows file)
         for L in corpora:
             rest = [p for p in tale_calib.calib_paths() if p != L]
             art = work / L.stem / "art"
             convert(art, [corpus_jsonl(rest, work / L.stem / "calib.jsonl")], args.preset)
-            jobs += [(None, art, L, work / L.stem / "loo.jsonl"), (None, full_art, L, work / L.stem / "in.jsonl")]
+            jobs += [(art, L, work / L.stem / "loo.jsonl"), (full_art, L, work / L.stem / "in.jsonl")]
         running: list[subprocess.Popen] = []
-        for _, art, L, out in jobs:
+        for art, L, out in jobs:
             while len(running) >= args.jobs:
                 running.pop(0).wait()
             p = search(art, args.variants, L, out, args.windows)

@@ -44,7 +44,6 @@
 #define QT_B 8704    // [16][136] float: rows padded, halves at 0 and 68, so the A build's loads hit distinct banks
 
 typedef unsigned int u32;
-typedef unsigned long long u64;
 
 __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile(
