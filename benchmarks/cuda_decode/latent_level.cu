@@ -155,6 +155,9 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
     extern __shared__ __align__(16) unsigned char smem[];
     const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, NT = blockDim.x;
     const bool active = w < NW;
+    u32 dyn_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+    if (dyn_smem < C::SMEM) __trap();  // the launch gave less shared memory than this layout uses: stop, never corrupt
     const int H = G * 16;
     const u32 sbase = (u32)__cvta_generic_to_shared(smem);
     float* qt = (float*)smem;  // [16][136]: q * rowcomp * shift_inv (rowcomp 2^-KB for rows 8..15: the a3 half)
