@@ -410,7 +410,7 @@ def new_cache(
         int(arch["latent_rank"]),
     )
     if static:
-        return StaticTaleCache(*args, max_length=max_length)
+        return StaticTaleCache(*args, max_length=max_length, num_heads=cfg.num_attention_heads)
     return TaleCache(*args, keep=keep, key_basis=getattr(model, "tale_key_basis", None))
 
 

@@ -13,7 +13,9 @@ Per layer (B batch rows, K KV heads, n head dim, G groups, R = g*n latent width,
               scales the codes channel-major (a transposed view of [B, G, r_i*b/8, C_i']: the kernel's dot layout)
               fp8 scales/zeros (key_meta, value_meta "8/16", "8/8"): one bias per buffer, a device scalar
               (a captured graph reads the current one) mirrored on the host; a write with a smaller bias
-              re-biases the buffer first (as quant.cat does), one with a larger bias is re-biased to the buffer's
+              re-biases the buffer first (as quant.cat does), one with a larger bias is re-biased to the buffer's;
+              layout "frag": the paper preset's levels on the shapes of tale_kernels' CUDA decode kernel, held as
+              frag.FragLevel (the same bytes permuted into mma fragments; flushes and demotions convert)
               a ring of C_i slots (whole key groups): tokens enter at the write counter w_i and
               leave (demoted) from the read counter r_i; level 0 never wraps
     residual  keys [B, K, residual, n], latents [B, G, residual, R]   16-bit, the newest tokens
@@ -42,6 +44,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .artifact import Schedule
 from .cache import band_index, demote_level, quant_level
+from .frag import FragLevel, FragRegion
+from .frag import supports as frag_supports
 from .placement import demotions, fill_counts, flush_count
 from .quant import FP8, Bands, QTensor, _rebias, cat, meta_format
 from .regions import LayerView, Region
@@ -242,11 +246,19 @@ class StaticTaleLayer(CacheLayerMixin):
         kw = dict(dtype=dtype, device=device)
         self.sink_k = torch.zeros(B, K, S, n, **kw)
         self.sink_h = torch.zeros(B, G, S, R, **kw)
-        self.keys = [self._empty_keys(lv, B, C, dtype, device) for lv, C in zip(s.levels, caps)]
-        self.lat = [
-            _empty_q((B, G), C, r, lv.bits, s.value_group, -1, dtype, device, s.value_meta)
-            for lv, C, r in zip(s.levels, caps, self.ranks)
-        ]
+        if c.layout == "frag":
+            self.frag = [
+                FragLevel.empty(B, G, C, lv.key_bits, lv.bits, r, dtype, device)
+                for lv, C, r in zip(s.levels, caps, self.ranks)
+            ]
+            self.keys, self.lat = [], []
+        else:
+            self.frag = []
+            self.keys = [self._empty_keys(lv, B, C, dtype, device) for lv, C in zip(s.levels, caps)]
+            self.lat = [
+                _empty_q((B, G), C, r, lv.bits, s.value_group, -1, dtype, device, s.value_meta)
+                for lv, C, r in zip(s.levels, caps, self.ranks)
+            ]
         self.bias = {}
         self.res_k = torch.zeros(B, K, s.residual, n, **kw)
         self.res_h = torch.zeros(B, G, s.residual, R, **kw)
@@ -270,7 +282,7 @@ class StaticTaleLayer(CacheLayerMixin):
         out = [self.sink_k, self.sink_h, self.res_k, self.res_h]
         for q in self._qbufs():
             out += [t for t in (q.data, q.scale, q.zero) if t is not None]
-        return out
+        return out + [t for f in self.frag for t in f.tensors()]
 
     def nbytes(self) -> int:
         """Bytes of the slots holding tokens (packed codes, scales, zero points, sinks, residual)."""
@@ -289,6 +301,7 @@ class StaticTaleLayer(CacheLayerMixin):
                     if t is not None:
                         rows = cnt * t.shape[-2] // q.data.shape[-2]  # token groups for key scales
                         total += rows * t.element_size() * t[0].numel() // t.shape[-2]
+        total += sum(cnt * f.slot_nbytes() for f, cnt in zip(self.frag, b.counts())) // B
         return total * B + fp8
 
     def capacity_nbytes(self) -> int:
@@ -304,6 +317,8 @@ class StaticTaleLayer(CacheLayerMixin):
             regions = [Region(_raw(self.sink_k), _raw(self.sink_h), c.R, c.pos[0], c.lens[0])]
             for i, (k, h) in enumerate(zip(self.keys, self.lat)):
                 regions.append(Region(k, h, self.ranks[i], c.pos[1 + i], c.lens[1 + i]))
+            for i, f in enumerate(self.frag):
+                regions.append(FragRegion(f, self.ranks[i], c.pos[1 + i], c.lens[1 + i]))
             regions.append(Region(_raw(self.res_k), _raw(self.res_h), c.R, c.pos[-1], c.lens[-1]))
             self._view = LayerView(regions, c.next_pos, self.window)
         self._view.window = self.window
@@ -331,8 +346,7 @@ class StaticTaleLayer(CacheLayerMixin):
                 if cnt:
                     k_, h_ = k[:, :, t : t + cnt], h[:, :, t : t + cnt]
                     keys, lat = quant_level(c.schedule, i, self.ranks[i], k_, h_, self.order)
-                    self._put(self.keys[i], keys, op.fill_start[i], 0, cnt)
-                    self._put(self.lat[i], lat, op.fill_start[i], 0, cnt)
+                    self._put_level(i, keys, lat, op.fill_start[i], 0, cnt)
                 t += cnt
         if op.n_res:
             a = op.res_start
@@ -345,8 +359,7 @@ class StaticTaleLayer(CacheLayerMixin):
         L = len(self.keys) - 1
         keys, lat = quant_level(c.schedule, L, self.ranks[L], self.res_k[:, :, :q], self.res_h[:, :, :q], self.order)
         for slot, off, n in _spans(w, q, c.caps[L]):
-            self._put(self.keys[L], keys, slot, off, n)
-            self._put(self.lat[L], lat, slot, off, n)
+            self._put_level(L, keys, lat, slot, off, n)
         left = c.book.res_len  # tokens after the flushed ones (chunks only)
         if left:
             self.res_k[:, :, :left] = self.res_k[:, :, q : q + left].clone()
@@ -356,13 +369,26 @@ class StaticTaleLayer(CacheLayerMixin):
         """Move m tokens from level i (read counter r) to level i - 1 (write counter w): dequantize,
         truncate to the lower rank, requantize at the lower bits (cache.demote_level, as the dynamic cache)."""
         c = self.cache
-        spans = _spans(r, m, c.caps[i])
-        kq = cat([self._take(self.keys[i], slot, n) for slot, _, n in spans])
-        hq = cat([self._take(self.lat[i], slot, n) for slot, _, n in spans])
+        parts = [self._take_level(i, slot, n) for slot, _, n in _spans(r, m, c.caps[i])]
+        kq, hq = cat([k for k, _ in parts]), cat([h for _, h in parts])
         keys, lat = demote_level(c.schedule, i - 1, kq, hq, self.ranks[i - 1], self.order)
         for slot, off, n in _spans(w, m, c.caps[i - 1]):
-            self._put(self.keys[i - 1], keys, slot, off, n)
-            self._put(self.lat[i - 1], lat, slot, off, n)
+            self._put_level(i - 1, keys, lat, slot, off, n)
+
+    def _put_level(self, i: int, keys, lat, slot: int, off: int, n: int) -> None:
+        """Tokens [off, off + n) of a level's keys and latents into its slots [slot, slot + n)."""
+        if self.frag:
+            self.frag[i].put(slot, *(replace(q, data=d, scale=s_, zero=z) for q in (keys, lat) for d, s_, z in
+                                     [_rows(q, off, off + n)]))
+            return
+        self._put(self.keys[i], keys, slot, off, n)
+        self._put(self.lat[i], lat, slot, off, n)
+
+    def _take_level(self, i: int, slot: int, n: int):
+        """Slots [slot, slot + n) of level i: (keys, latents) in the row layout."""
+        if self.frag:
+            return self.frag[i].take_keys(slot, n), self.frag[i].take_lat(slot, n)
+        return self._take(self.keys[i], slot, n), self._take(self.lat[i], slot, n)
 
     def _put(self, dst: QTensor | Bands, src: QTensor | Bands, slot: int, off: int, n: int) -> None:
         """src's tokens [off, off + n) into dst's slots [slot, slot + n)."""
@@ -432,7 +458,11 @@ class StaticTaleCache(Cache):
         num_groups: int,
         latent_rank: int,
         max_length: int | None = None,
+        layout: str = "auto",
+        num_heads: int | None = None,
     ):
+        if layout not in ("auto", "row", "frag"):
+            raise ValueError(f"static cache layout must be 'auto', 'row' or 'frag', not {layout!r}")
         if any(lv.key_axis != "channel" for lv in schedule.levels):  # its key buffers hold whole token groups
             raise ValueError(
                 "the static cache holds per-channel keys (key_axis 'channel'); this schedule has per-token keys: "
@@ -442,6 +472,9 @@ class StaticTaleCache(Cache):
             raise ValueError("the static cache holds keys after RoPE; key_rope 'pre' needs new_cache(model) (dynamic)")
         self.schedule = schedule
         self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank
+        self.layout_arg = layout
+        self.num_heads = num_heads  # query heads: "auto" picks "frag" only for the kernel's 4 per KV head
+        self.layout = "row"  # the one in use, fixed at the prefill (_allocate)
         self.max_length = max_length
         self.num_layers = num_layers
         self.capturing = False  # inside a CUDA graph capture: host bookkeeping is left to the caller
@@ -488,6 +521,7 @@ class StaticTaleCache(Cache):
         probe.add(s, T)
         self.caps = capacities(s, probe, max_length)
         self.book = book
+        self.layout = self._layout(k)
         for layer in self.layers:
             layer.allocate(B, k.dtype, dev)
         i32 = dict(dtype=torch.int32, device=dev)
@@ -497,6 +531,30 @@ class StaticTaleCache(Cache):
         self.next_pos = torch.zeros((), dtype=torch.int64, device=dev)
         self.res_slot = torch.zeros(1, dtype=torch.int64, device=dev)
         self._valid0 = valid
+
+    def _layout(self, k: torch.Tensor) -> str:
+        """The layout of the quantized levels: "frag" where the CUDA kernel reads this cache (auto: on a GPU it runs
+        on, with 4 query heads per KV head), else "row"; a "frag" asked for that does not fit is refused."""
+        s = self.schedule
+        lv = [(x.key_bits, x.bits, r) for x, r in zip(s.levels, s.ranks[0])]
+        fits = (
+            all(list(r) == list(s.ranks[0]) for r in s.ranks)
+            and not any(x.key_hi_bits or x.key_rank for x in s.levels)
+            and frag_supports(self.n, self.K, self.G, lv, s.key_group, s.value_group, (s.key_meta, s.value_meta),
+                              k.dtype)
+        )
+        if self.layout_arg == "frag":
+            if not fits:
+                raise ValueError(
+                    "static cache layout 'frag' covers head dim 128, groups of 4 KV heads, 16-bit bf16 scales and "
+                    "the paper preset's two levels (2-bit rank 256, 4-bit rank 512) with groups of 32: not this cache"
+                )
+            return "frag"
+        if self.layout_arg == "row" or not fits or not k.is_cuda or self.num_heads != 4 * self.K:
+            return "row"
+        from tale_kernels.mma_attention import available
+
+        return "frag" if available(k.device) else "row"
 
     def _append(self, layer: StaticTaleLayer, k: torch.Tensor, h: torch.Tensor, valid) -> None:
         if layer.layer_idx == 0:
@@ -599,6 +657,8 @@ class StaticTaleCache(Cache):
             for obj, names in [(layer, ("sink_k", "sink_h", "res_k", "res_h"))]:
                 for nm in names:
                     setattr(obj, nm, getattr(obj, nm).repeat_interleave(repeats, dim=0))
+            for f in layer.frag:
+                f.repeat_interleave(repeats)
             for q in layer._qbufs():
                 q.data = q.data.repeat_interleave(repeats, dim=0)
                 if q.scale is not None:

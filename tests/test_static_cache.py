@@ -54,13 +54,14 @@ SCHEDULES = {
 def contents(view, b: int) -> dict[int, tuple]:
     """Row b of a layer view: cache position -> (key bits, latent bits, rank, key [n], latent [R])."""
     out = {}
+    width = max(r.rank for r in view.regions)  # the latent width R (the sinks' rank)
     for r in view.regions:
         keys, lat = dequantize(r.keys, torch.float32), dequantize(r.lat, torch.float32)
         used = torch.arange(r.capacity) < r.length
         for slot in torch.nonzero(used & (r.pos[b] >= 0)).flatten().tolist():
             p = int(r.pos[b, slot])
             assert p not in out, f"position {p} cached twice"
-            h = torch.zeros(R)
+            h = torch.zeros(width)
             h[: lat.shape[-1]] = lat[b, 0, slot]
             out[p] = (r.keys.bits, r.lat.bits, r.rank, keys[b, :, slot], h)
     return out

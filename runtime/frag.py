@@ -1,0 +1,316 @@
+"""The mma-fragment layout of a quantized level: what tale_kernels' CUDA decode kernel reads (docs/kernels.md).
+
+A static cache of the shapes that kernel covers (`supports`) holds its quantized levels this way (static_cache.py).
+The codes, 16-bit scales and zeros are those of runtime/quant.py's layout, permuted per 32-slot block so that each
+thread's 32-bit word already holds its `mma.m16n8k16` operands. `FragLevel.put` / `take` convert whole blocks both
+ways without loss, so flushes and demotions read and write QTensors as in the row layout.
+
+Shapes fixed by the kernel: head dim 128, latent groups of 4 KV heads with 4 query heads each (16 query rows),
+key and value groups of 32, 16-bit scales/zeros, latents in halves of 256 channels. Per batch row b and latent
+group g, a level of C slots (a multiple of 32) with kb-bit keys and lb-bit latents of rank r (r / 256 halves):
+
+    kc [B, G, C, 16 kb]                int32  one slot's key codes, 4 heads x 128 channels; word order swizzled by
+                                              the slot's parity (bank conflicts)
+    km [B, G, C/32, 4, 32, 8]          16-bit a block's key scale and zero: per head, quad c of channels 4c..4c+3
+                                              (scales, then zeros), stored at c ^ ((2 head + c // 16) & 7)
+    lc [B, G, r/256, C/32, 8 lb * 32]  int32  a block's latent codes of 256 channels: lane-major fragments
+    lm [B, G, r/256, C/32, 8, 2, 4, 8] 16-bit a block's latent scale/zero pairs per (value group, k-chunk, lane % 4)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import torch
+
+from .quant import QTensor, meta_format, pack, unpack
+
+N, GS, BLOCK, HALF = 128, 4, 32, 256  # head dim, KV heads per latent group, slots per block, channels per half
+
+
+def supports(n: int, K: int, G: int, levels: list[tuple[int, int, int]], key_group: int, value_group: int,
+             meta: tuple[str, str], dtype: torch.dtype) -> bool:
+    """Whether the layout covers a cache of these shapes: levels as (key bits, latent bits, rank) per level, the
+    paper preset's two: (2, 2, 256) and (4, 4, 512). (The kernel also needs 4 query heads per KV head.)"""
+    return (
+        n == N
+        and K == GS * G
+        and levels == [(2, 2, 256), (4, 4, 512)]
+        and key_group == value_group == BLOCK
+        and meta == ("16", "16")
+        and dtype == torch.bfloat16
+    )
+
+
+# -- index tables: word w's field f holds the code at index table[w, f] of the source ---------------------------
+
+
+def _fields(bits: int, q: int) -> tuple[int, int, int]:
+    """Field q of a 16-bit half (bits * q ..): (byte, field in byte, fields per byte)."""
+    fb = 8 // bits
+    return q // fb, q % fb, fb
+
+
+@lru_cache
+def key_table(kb: int) -> torch.Tensor:
+    """[2 slot parities, 16 kb words, 32 / kb fields] -> index head * 128 + channel of one slot's key code. Thread
+    t = lane % 4 owns words t * 4 kb ..; fields 16 / kb .. are the high half of its operand pair."""
+    kw, nf = 4 * kb, 16 // kb
+    idx = torch.empty(4 * kw, 2 * nf, dtype=torch.long)
+    for t in range(4):
+        for j in range(kw):
+            for pos in range(2 * nf):
+                e, q = pos // nf, pos % nf
+                byte, fi, fb = _fields(kb, q)
+                ci, r = byte * (fb // 2) + fi // 2, fi % 2
+                head, ch = t // 2 + 2 * r, 4 * ((8 // kb) * j + ci) + 2 * (t % 2) + e
+                idx[kw * t + j, pos] = head * N + ch
+    out = torch.empty(2, 4 * kw, 2 * nf, dtype=torch.long)
+    for par in (0, 1):  # 16-byte quad u of thread t stored at u ^ (par) (2-bit) or u ^ (2 par + t // 2) (4-bit)
+        sw = [
+            kw * t + 4 * ((u ^ (par if kb == 2 else 2 * par + t // 2)) % (kw // 4)) + jj
+            for t in range(4)
+            for u in range(kw // 4)
+            for jj in range(4)
+        ]
+        out[par] = idx[torch.tensor(sw).argsort()]
+    return out
+
+
+@lru_cache
+def key_meta_table() -> torch.Tensor:
+    """[4 heads * 32 quads * 8] -> index into [scale | zero, head, channel] (2 * 4 * 128) of a block's key meta."""
+    idx = torch.empty(GS, 32, 8, dtype=torch.long)
+    for h in range(GS):
+        for c in range(32):
+            src = c ^ ((2 * h + c // 16) & 7)  # an involution within each half of 16 quads
+            for e in range(8):
+                idx[h, c, e] = (e // 4) * GS * N + h * N + 4 * src + e % 4
+    return idx.flatten()
+
+
+@lru_cache
+def lat_table(lb: int) -> torch.Tensor:
+    """[lb * 256 words, 32 / lb fields] -> index slot * 256 + channel of a block's latent code (256 channels)."""
+    lw, nf = 8 * lb, 16 // lb
+    idx = torch.empty(32 * lw, 2 * nf, dtype=torch.long)
+    for lane in range(32):
+        n, t = lane // 4, lane % 4
+        for w in range(lw):
+            for pos in range(2 * nf):
+                el, q = pos // nf, pos % nf
+                byte, fi, _ = _fields(lb, q)
+                nt, kc, r = (2 * w + byte, fi // 2, fi % 2) if lb == 2 else (w, byte, fi)
+                ch, slot = 8 * nt + n, 16 * kc + 8 * r + 2 * t + el
+                idx[((w // 4) * 32 + lane) * 4 + w % 4, pos] = slot * HALF + ch
+    return idx
+
+
+@lru_cache
+def lat_meta_table() -> torch.Tensor:
+    """[8 value groups * 2 k-chunks * 4 t * 8] -> index into [scale | zero, slot, value group] (2 * 32 * 8): per
+    (group, chunk, t) the scales of slots 16 kc + 2t + (0, 1, 8, 9), then their zeros."""
+    idx = torch.empty(8, 2, 4, 8, dtype=torch.long)
+    for cg in range(8):
+        for kc in range(2):
+            for t in range(4):
+                slots = (16 * kc + 2 * t, 16 * kc + 2 * t + 1, 16 * kc + 2 * t + 8, 16 * kc + 2 * t + 9)
+                for e in range(8):
+                    idx[cg, kc, t, e] = (e // 4) * 256 + slots[e % 4] * 8 + cg
+    return idx.flatten()
+
+
+@lru_cache
+def _on(device: str, name: str, *args) -> torch.Tensor:
+    """A table on `device`, built once per device (the decode loop's flushes gather with it)."""
+    return TABLES[name](*args).to(device)
+
+
+TABLES = {"key": key_table, "key_meta": key_meta_table, "lat": lat_table, "lat_meta": lat_meta_table}
+
+
+def to_words(codes: torch.Tensor, table: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [..., M] gathered by table [W, F] into int32 words [..., W] (field f at bit bits * f)."""
+    t = table
+    g = codes[..., t].long()  # [..., W, F]
+    w = (g << (bits * torch.arange(t.shape[1], device=codes.device))).sum(-1)
+    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+
+
+def from_words(words: torch.Tensor, table: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of to_words: int32 words [..., W] -> uint8 codes [..., W * F]."""
+    t = table
+    sh = bits * torch.arange(t.shape[1], device=words.device)
+    f = (words.long()[..., None] >> sh) & ((1 << bits) - 1)  # [..., W, F]
+    out = torch.empty(*words.shape[:-1], t.numel(), dtype=torch.uint8, device=words.device)
+    out[..., t.flatten()] = f.flatten(-2).to(torch.uint8)
+    return out
+
+
+def _unpermute(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    out[..., table] = x
+    return out
+
+
+# -- whole blocks both ways --------------------------------------------------------------------------------------
+
+
+def pack_keys(keys: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys QTensor [B, K, C, 128] (C a multiple of 32, the first slot's parity even) -> kc, km."""
+    B, K, C, _ = keys.shape
+    G, nb = K // GS, C // BLOCK
+    codes = unpack(keys.data, keys.bits).view(B, G, GS, C, N).transpose(2, 3).reshape(B, G, C, GS * N)
+    kt = _on(str(codes.device), "key", keys.bits)
+    kc = torch.empty(B, G, C, 16 * keys.bits, dtype=torch.int32, device=codes.device)
+    kc[:, :, 0::2] = to_words(codes[:, :, 0::2], kt[0], keys.bits)
+    kc[:, :, 1::2] = to_words(codes[:, :, 1::2], kt[1], keys.bits)
+    meta = torch.cat(
+        [t.view(B, G, GS, nb, N).transpose(2, 3).reshape(B, G, nb, GS * N) for t in (keys.scale, keys.zero)], -1
+    )
+    return kc, meta[..., _on(str(meta.device), "key_meta")].view(B, G, nb, GS, 32, 8)
+
+
+def unpack_keys(kc: torch.Tensor, km: torch.Tensor, proto: QTensor) -> QTensor:
+    """kc, km -> the keys QTensor [B, 4 G, C, 128] (bits, group, meta and shift of `proto`)."""
+    B, G, C, _ = kc.shape
+    nb, kb = C // BLOCK, proto.bits
+    kt = _on(str(kc.device), "key", kb)
+    codes = torch.empty(B, G, C, GS * N, dtype=torch.uint8, device=kc.device)
+    codes[:, :, 0::2] = from_words(kc[:, :, 0::2], kt[0], kb)
+    codes[:, :, 1::2] = from_words(kc[:, :, 1::2], kt[1], kb)
+    codes = codes.view(B, G, C, GS, N).transpose(2, 3).reshape(B, G * GS, C, N)
+    meta = _unpermute(km.reshape(B, G, nb, 2 * GS * N), _on(str(km.device), "key_meta")).view(B, G, nb, 2, GS, N)
+    scale, zero = (meta[:, :, :, i].transpose(2, 3).reshape(B, G * GS, nb, N) for i in (0, 1))
+    return replace(proto, data=pack(codes, kb), scale=scale, zero=zero)
+
+
+def pack_lat(lat: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latents QTensor [B, G, C, r] (r a multiple of 256) -> lc, lm."""
+    B, G, C, r = lat.shape
+    nb, halves = C // BLOCK, r // HALF
+    codes = unpack(lat.data, lat.bits).view(B, G, nb, BLOCK, halves, HALF).permute(0, 1, 4, 2, 3, 5)
+    lc = to_words(codes.reshape(B, G, halves, nb, BLOCK * HALF), _on(str(codes.device), "lat", lat.bits), lat.bits)
+    meta = torch.cat(
+        [t.view(B, G, nb, BLOCK, halves, 8).permute(0, 1, 4, 2, 3, 5).reshape(B, G, halves, nb, 256)
+         for t in (lat.scale, lat.zero)],
+        -1,
+    )
+    return lc, meta[..., _on(str(meta.device), "lat_meta")].view(B, G, halves, nb, 8, 2, 4, 8)
+
+
+def unpack_lat(lc: torch.Tensor, lm: torch.Tensor, proto: QTensor) -> QTensor:
+    """lc, lm -> the latents QTensor [B, G, C, r] (bits, group, meta and shift of `proto`)."""
+    B, G, halves, nb, _ = lc.shape
+    C, r = nb * BLOCK, halves * HALF
+    codes = from_words(lc, _on(str(lc.device), "lat", proto.bits), proto.bits).view(B, G, halves, nb, BLOCK, HALF)
+    codes = codes.permute(0, 1, 3, 4, 2, 5).reshape(B, G, C, r)
+    meta = _unpermute(lm.reshape(B, G, halves, nb, 512), _on(str(lm.device), "lat_meta")).view(B, G, halves, nb, 2, BLOCK, 8)
+    scale, zero = (meta[..., i, :, :].permute(0, 1, 3, 4, 2, 5).reshape(B, G, C, halves * 8) for i in (0, 1))
+    return replace(proto, data=pack(codes, proto.bits), scale=scale, zero=zero)
+
+
+@dataclass
+class FragLevel:
+    """One quantized level of one layer in the fragment layout: C slots (a ring of whole blocks)."""
+
+    kc: torch.Tensor
+    km: torch.Tensor
+    lc: torch.Tensor
+    lm: torch.Tensor
+    key_proto: QTensor  # the format of the keys and latents it takes and gives (data/scale/zero unused)
+    lat_proto: QTensor
+
+    @classmethod
+    def empty(cls, B: int, G: int, C: int, kb: int, lb: int, rank: int, dtype, device) -> FragLevel:
+        if C % BLOCK or rank % HALF:
+            raise ValueError(f"fragment layout: capacity {C} and rank {rank} must be multiples of {BLOCK}, {HALF}")
+        mdt, shift = meta_format(dtype)
+        nb, halves = C // BLOCK, rank // HALF
+        z = dict(device=device)
+        return cls(
+            torch.zeros(B, G, C, 16 * kb, dtype=torch.int32, **z),
+            torch.zeros(B, G, nb, GS, 32, 8, dtype=mdt, **z),
+            torch.zeros(B, G, halves, nb, 8 * lb * 32, dtype=torch.int32, **z),
+            torch.zeros(B, G, halves, nb, 8, 2, 4, 8, dtype=mdt, **z),
+            QTensor(torch.empty(0), None, None, kb, BLOCK, -2, "16", 1.0, shift),
+            QTensor(torch.empty(0), None, None, lb, BLOCK, -1, "16", 1.0, shift),
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.kc.shape[2]
+
+    @property
+    def rank(self) -> int:
+        return self.lc.shape[2] * HALF
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.kc, self.km, self.lc, self.lm]
+
+    def slot_nbytes(self) -> int:
+        """Cache bytes per slot, all batch rows: the same as the row layout's (codes, scales, zeros)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors()) // self.capacity
+
+    def _check(self, slot: int, n: int) -> None:
+        if slot % BLOCK or n % BLOCK or slot + n > self.capacity:
+            raise ValueError(f"fragment layout: slots [{slot}, {slot + n}) are not whole blocks of {self.capacity}")
+
+    def put(self, slot: int, keys: QTensor, lat: QTensor) -> None:
+        """Write tokens (keys [B, K, n, 128], latents [B, G, n, r], in this level's format) at slots slot.."""
+        n = keys.shape[-2]
+        self._check(slot, n)
+        for src, proto in ((keys, self.key_proto), (lat, self.lat_proto)):
+            if (src.bits, src.group, src.meta, src.shift) != (proto.bits, proto.group, proto.meta, proto.shift):
+                raise ValueError("fragment layout: tokens quantized in another format than the level's")
+        b0, b1 = slot // BLOCK, (slot + n) // BLOCK
+        kc, km = pack_keys(keys)
+        lc, lm = pack_lat(lat)
+        self.kc[:, :, slot : slot + n] = kc
+        self.km[:, :, b0:b1] = km
+        self.lc[:, :, :, b0:b1] = lc
+        self.lm[:, :, :, b0:b1] = lm
+
+    def take_keys(self, slot: int, n: int) -> QTensor:
+        """Slots [slot, slot + n)'s keys as a row-layout QTensor."""
+        self._check(slot, n)
+        b0, b1 = slot // BLOCK, (slot + n) // BLOCK
+        return unpack_keys(self.kc[:, :, slot : slot + n], self.km[:, :, b0:b1], self.key_proto)
+
+    def take_lat(self, slot: int, n: int) -> QTensor:
+        """Slots [slot, slot + n)'s latents as a row-layout QTensor."""
+        self._check(slot, n)
+        b0, b1 = slot // BLOCK, (slot + n) // BLOCK
+        return unpack_lat(self.lc[:, :, :, b0:b1], self.lm[:, :, :, b0:b1], self.lat_proto)
+
+    def index_select_(self, index: torch.Tensor) -> None:
+        """Beam search: pick batch rows in place."""
+        for t in self.tensors():
+            t.copy_(t.index_select(0, index.to(t.device)))
+
+    def repeat_interleave(self, repeats: int) -> None:
+        self.kc, self.km, self.lc, self.lm = (t.repeat_interleave(repeats, dim=0) for t in self.tensors())
+
+
+class FragRegion:
+    """A fragment-layout level as a regions.Region: the kernel reads `frag`; `keys` and `lat` unpack the whole
+    level on each access (the torch reference and other readers of the row layout)."""
+
+    rope = None
+    basis = None
+
+    def __init__(self, frag: FragLevel, rank: int, pos: torch.Tensor, length):
+        self.frag, self.rank, self.pos, self.length = frag, rank, pos, length
+
+    @property
+    def capacity(self) -> int:
+        return self.frag.capacity
+
+    @property
+    def keys(self) -> QTensor:
+        return self.frag.take_keys(0, self.capacity)
+
+    @property
+    def lat(self) -> QTensor:
+        return self.frag.take_lat(0, self.capacity)

@@ -1,0 +1,94 @@
+"""The fragment layout of the CUDA decode kernel (runtime/frag.py) on the CPU: a lossless permutation of the row
+layout's bytes, and a static cache held in it keeps exactly the tokens of the dynamic cache (bf16, Llama-3.1-8B's
+attention shapes per latent group: 4 KV heads of dim 128, the paper preset's ranks 256 / 512)."""
+
+import pytest
+import torch
+from test_static_cache import assert_same
+
+from tale_runtime import frag
+from tale_runtime.artifact import Level, Schedule
+from tale_runtime.attention import latent_attention
+from tale_runtime.model import TaleCache
+from tale_runtime.quant import quantize
+from tale_runtime.static_cache import StaticTaleCache
+
+K, n, G, R = 4, 128, 1, 512
+PAPER = Schedule(ranks=[[256, 512]], key_group=32, value_group=32, residual=32)
+
+
+@pytest.mark.parametrize("kb", [2, 4])
+def test_tables_are_permutations(kb):
+    for t, size in ((frag.key_table(kb)[0], 512), (frag.key_table(kb)[1], 512), (frag.lat_table(kb), 8192),
+                    (frag.key_meta_table(), 1024), (frag.lat_meta_table(), 512)):
+        assert torch.equal(t.flatten().sort().values, torch.arange(size))
+    assert not torch.equal(frag.key_table(kb)[0], frag.key_table(kb)[1])  # the parity swizzle moves words
+
+
+@pytest.mark.parametrize("kb,rank", [(2, 256), (4, 512)])
+def test_pack_unpack_round_trip(kb, rank):
+    gen = torch.Generator().manual_seed(kb)
+    B, C = 2, 96
+    keys = quantize(torch.randn(B, 2 * K, C, n, generator=gen).bfloat16(), kb, 32, -2)
+    lat = quantize(torch.randn(B, 2 * G, C, rank, generator=gen).bfloat16(), kb, 32, -1)
+    kc, km = frag.pack_keys(keys)
+    lc, lm = frag.pack_lat(lat)
+    assert kc.shape == (B, 2 * G, C, 16 * kb) and lc.shape == (B, 2 * G, rank // 256, C // 32, 256 * kb)
+    k2, l2 = frag.unpack_keys(kc, km, keys), frag.unpack_lat(lc, lm, lat)
+    for a, b in ((k2, keys), (l2, lat)):
+        assert torch.equal(a.data, b.data) and torch.equal(a.scale, b.scale) and torch.equal(a.zero, b.zero)
+    # the words really are permuted: a word of the first slot differs from the row layout's bytes read as int32
+    assert not torch.equal(kc[0, 0, 0], keys.data[0, :K, 0].reshape(-1).view(torch.int32))
+
+
+def test_level_refuses_partial_blocks():
+    lvl = frag.FragLevel.empty(1, G, 64, 2, 2, 256, torch.bfloat16, "cpu")
+    keys = quantize(torch.randn(1, K, 32, n).bfloat16(), 2, 32, -2)
+    lat = quantize(torch.randn(1, G, 32, 256).bfloat16(), 2, 32, -1)
+    with pytest.raises(ValueError, match="not whole blocks"):
+        lvl.put(16, keys, lat)
+    with pytest.raises(ValueError, match="another format"):
+        lvl.put(0, quantize(torch.randn(1, K, 32, n).bfloat16(), 4, 32, -2), lat)
+    lvl.put(32, keys, lat)
+    assert torch.equal(lvl.take_keys(32, 32).data, keys.data) and torch.equal(lvl.take_lat(32, 32).zero, lat.zero)
+
+
+@pytest.mark.parametrize("prompt,pad", [(150, 0), (40, 7)])
+def test_frag_static_cache_holds_the_dynamic_caches_tokens(prompt, pad):
+    """Through flushes, demotions (4-bit rank 512 -> 2-bit rank 256) and ring wrap-arounds: the same codes."""
+    B, steps = 2, 140
+    gen = torch.Generator().manual_seed(0)
+    dyn = TaleCache(PAPER, 1, K, n, G, R)
+    sta = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=prompt + steps, layout="frag")
+    row = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=prompt + steps, layout="row")
+    k = torch.randn(B, K, prompt, n, generator=gen).bfloat16()
+    h = torch.randn(B, G, prompt, R, generator=gen).bfloat16()
+    valid = torch.ones(B, prompt, dtype=torch.bool)
+    valid[1, :pad] = False
+    for c in (dyn, sta, row):
+        c.layers[0].append(k, h, valid)
+    assert sta.layout == "frag" and sta.layers[0].frag and not sta.layers[0].keys
+    assert_same(dyn, sta, B)
+    for t in range(steps):
+        k, h = torch.randn(B, K, 1, n, generator=gen).bfloat16(), torch.randn(B, G, 1, R, generator=gen).bfloat16()
+        for c in (dyn, sta, row):
+            c.layers[0].append(k, h)
+        if t % 29 == 0 or t == steps - 1:
+            assert_same(dyn, sta, B)
+    q, kn, hn = torch.randn(B, 16, 1, n).bfloat16(), torch.randn(B, K, 1, n).bfloat16(), torch.randn(B, G, 1, R).bfloat16()
+    # the torch reference reads the fragment layout (unpacked) exactly as the row layout of the same cache
+    assert row.layout == "row"
+    assert torch.equal(latent_attention(q, kn, hn, row.layers[0].view(), 0.1),
+                       latent_attention(q, kn, hn, sta.layers[0].view(), 0.1))
+
+
+def test_frag_layout_refused_where_it_does_not_fit():
+    s = Schedule(ranks=[[128, 512]], key_group=32, value_group=32, residual=32)
+    c = StaticTaleCache(s, 1, K, n, G, R, max_length=100, layout="frag")
+    with pytest.raises(ValueError, match="layout 'frag' covers head dim 128"):
+        c.layers[0].append(torch.randn(1, K, 40, n).bfloat16(), torch.randn(1, G, 40, R).bfloat16())
+    with pytest.raises(ValueError, match="must be 'auto', 'row' or 'frag'"):
+        StaticTaleCache(PAPER, 1, K, n, G, R, layout="mma")
+    auto = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=100, num_heads=16)  # auto: the CPU keeps rows
+    auto.layers[0].append(torch.randn(1, K, 40, n).bfloat16(), torch.randn(1, G, 40, R).bfloat16())
+    assert auto.layout == "row"
