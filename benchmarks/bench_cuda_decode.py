@@ -1,14 +1,13 @@
-"""Prototype CUDA decode kernels for TALE's quantized levels (issue #10), against the Triton kernel in one run.
+"""The CUDA decode kernel (tale_kernels.mma_attention, kernels/cuda/latent_level.cu) alone, against the Triton kernel.
 
-benchmarks/cuda_decode/latent_level.cu holds the kernel (design notes at its top), one template for the paper
-preset's two levels: the 2-bit middle (2-bit keys, rank-256 latents at 2 bits) and the 4-bit recent level (4-bit
-keys, rank-512 latents at 4 bits). This script packs a random level of Llama-3.1-8B shapes (8 KV heads, head dim
-128, latent groups of 4 heads, key and value groups of 32) into the kernel's layout, checks the output against a
-float32 torch reference (every input dequantized from the same codes), then times it (median of CUDA-graph
-replays, L2 flushed before each) next to the Triton kernel on a view of the same level and size
-(`bench_decode.synth_view(..., only=...)`) and a device-to-device copy. It needs nvcc (on the device image;
-cuda_decode/launch.py compiles once per option set and launches through the driver API); nothing here is imported
-by the runtime.
+One template covers the paper preset's two levels: the 2-bit middle (2-bit keys, rank-256 latents at 2 bits) and the
+4-bit recent level (4-bit keys, rank-512 latents at 4 bits). This script packs a random level of Llama-3.1-8B shapes
+(8 KV heads, head dim 128, latent groups of 4 heads, key and value groups of 32) into the kernel's layout
+(runtime/frag.py), checks the output against a float32 torch reference (every input dequantized from the same
+codes), then times it (median of CUDA-graph replays, L2 flushed before each) next to the Triton kernel on a view of
+the same level and size (`bench_decode.synth_view(..., only=...)`) and a device-to-device copy. The kernel is built
+by tale_kernels.cuda_module (NVRTC or nvcc, once per option set) and launched through the driver API. The runtime's
+own path (a StaticTaleCache in the fragment layout) is timed by `bench_decode.py --presets`.
 
     python benchmarks/bench_cuda_decode.py                  # check, then 32K / 128K / 512K at B=1 and 128K B=4
     TALE_CUDA_LINEINFO=1 ncu --set full --kernel-name tale_attn_k2l2 --launch-skip 2 --launch-count 1 \
@@ -24,10 +23,14 @@ import sys
 
 import torch
 
+from tale_kernels import mma_attention as ma
+from tale_runtime import frag
+from tale_runtime.quant import QTensor
+from tale_runtime.quant import pack as qpack
+
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_decode as bd  # noqa: E402
 
-SRC = os.path.join(os.path.dirname(__file__), "cuda_decode", "latent_level.cu")
 K, N, GS, KG, VG = 8, 128, 4, 32, 32
 G, H = K // GS, 32
 RANK = 256  # latent channels per CTA (the 2-bit level's rank; the 4-bit level's 512 in two halves)
@@ -36,22 +39,9 @@ SHIFT = 2.0**-8  # 16-bit scales/zeros of a bf16 cache are stored as float16 tim
 LEVELS = {"2bit": (2, 2, 256, 8, 1), "4bit": (4, 4, 512, 5, 2)}
 
 
-def key_bytes(kb: int) -> int:
-    """Key bytes per slot and latent group: codes, then fp16 scale and zero per channel and key group."""
-    return GS * N * kb // 8 + GS * N * 4 // KG
-
-
 def level_bytes(level: str) -> int:
     """Cache bytes per slot and latent group: keys, latent codes, latent scales/zeros."""
-    kb, lb, rank, _, _ = LEVELS[level]
-    return key_bytes(kb) + rank * lb // 8 + rank // VG * 4
-
-
-def smem_bytes(kb: int, lb: int, nw: int) -> int:
-    """Dynamic shared memory of a CTA of nw warps (the .cu's Cfg::SMEM): per warp two stages (a 32-slot block's
-    codes and scales/zeros of 256 latent channels, and its 32 positions), the A tile and its zero rows; the query."""
-    stage = 32 * key_bytes(kb) + 32 * RANK * lb // 8 + 32 * RANK // VG * 4 + 128
-    return nw * (2 * stage + 8192 + 128) + 8704
+    return ma.LEVEL_BYTES[LEVELS[level][0]]
 
 
 def pct(t: float, mb: float, bw: float) -> str:
@@ -68,120 +58,25 @@ def triton_us(B: int, ctx: int, only: str | None = None) -> tuple[float, float]:
     return bd.timeit(lambda: tale_kernels.latent_attention(q, k, h, v, N**-0.5)), bd.view_bytes(v) / 1e6
 
 
-def kernels(subn: int = 1, abatch: int = 4, src: str = SRC) -> dict:
-    """The compiled module ("mod") and per kernel: {level: (name, shared bytes, warps)}, the whole paper call's
-    ("paper": both levels in one launch) and the two merges' names."""
-    from cuda_decode.launch import Module
-
+def kernels(subn: int = 1, abatch: int = 4, src: str = ma.SRC) -> dict:
+    """The compiled module ("mod") and per level: {level: (name, shared bytes, warps)}, the whole paper call's
+    ("paper": both levels in one launch) and the merge's name."""
     opts = ("--use_fast_math", f"-DSUBN={subn}", f"-DABATCH={abatch}")
     opts += ("-lineinfo",) if os.environ.get("TALE_CUDA_LINEINFO") else ()
-    mod = Module(src, opts)
-    out = {"mod": mod, "combine": "tale_combine", "combine_paper": "tale_combine_paper"}
+    mod = ma.module(options=opts, src=src)
+    out = {"mod": mod, "combine": "tale_combine"}
     for level, (kb, lb, _, nw, _) in LEVELS.items():
-        smem = smem_bytes(kb, lb, nw)
-        name = f"tale_attn_k{kb}l{lb}"
-        mod.function(name, smem)
-        out[level] = (name, smem, nw)
-    smem = max(out[lv][1] for lv in LEVELS)
-    mod.function("tale_attn_paper", smem)
-    out["paper"] = ("tale_attn_paper", smem, 8)
+        out[level] = (f"tale_attn_k{kb}l{lb}", ma.smem_bytes(kb, lb, nw), nw)
+    out["paper"] = ("tale_attn_paper", ma.PAPER_SMEM, 8)
     return out
 
 
-# -- the kernel's layout (see the .cu header) -------------------------------------------------------------------
-
-
-def _fields(bits: int, q: int) -> tuple[int, int, int]:
-    """Field q of a 16-bit half (bits * q .. ): (byte, field in byte, fields per byte)."""
-    fb = 8 // bits
-    return q // fb, q % fb, fb
-
-
-def _key_index(kb: int) -> torch.Tensor:
-    """[kb * 16 words, 32 / kb fields] -> index h * 128 + channel of the code at bits kb * field of that word
-    (logical word order: thread t's words t * 4 kb .. ; fields 16 / kb .. are the high half)."""
-    kw, nf = 4 * kb, 16 // kb
-    idx = torch.empty(4 * kw, 2 * nf, dtype=torch.long)
-    for t in range(4):
-        for j in range(kw):
-            for pos in range(2 * nf):
-                e, q = pos // nf, pos % nf
-                byte, fi, fb = _fields(kb, q)
-                ci, r = byte * (fb // 2) + fi // 2, fi % 2
-                head, ch = t // 2 + 2 * r, 4 * ((8 // kb) * j + ci) + 2 * (t % 2) + e
-                idx[kw * t + j, pos] = head * 128 + ch
-    return idx
-
-
-def _lat_index(lb: int) -> torch.Tensor:
-    """[lb * 256 words, 32 / lb fields] -> index slot * 256 + channel within a 32-slot block of 256 channels."""
-    lw, nf = 8 * lb, 16 // lb
-    idx = torch.empty(32 * lw, 2 * nf, dtype=torch.long)
-    for lane in range(32):
-        n, t = lane // 4, lane % 4
-        for w in range(lw):
-            for pos in range(2 * nf):
-                el, q = pos // nf, pos % nf
-                byte, fi, _ = _fields(lb, q)
-                if lb == 2:
-                    nt, kc, r = 2 * w + byte, fi // 2, fi % 2
-                else:
-                    nt, kc, r = w, byte, fi
-                ch, slot = 8 * nt + n, 16 * kc + 8 * r + 2 * t + el
-                idx[((w // 4) * 32 + lane) * 4 + w % 4, pos] = slot * 256 + ch
-    return idx
-
-
-def _words(codes: torch.Tensor, idx: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes [..., M] gathered by idx [W, 32 / bits] into int32 words [..., W] (field f at bits * f)."""
-    g = codes[..., idx.to(codes.device)].long()  # [..., W, fields]
-    sh = (bits * torch.arange(idx.shape[1], device=codes.device)).long()
-    w = (g << sh).sum(-1)
-    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
-
-
 def pack(kcode, ks, kz, lcode, ls, lz, kb: int = 2, lb: int = 2):
-    """Reference-layout tensors -> the kernel's four arrays. kcode [B, K, L, 128] (codes), ks/kz [B, K, L/32, 128]
-    (fp16, stored), lcode [B, G, L, R] (codes), ls/lz [B, G, L, R/32] (fp16, stored); R = 256 halves per CTA."""
-    B, _, L, _ = kcode.shape
-    nb, R = L // 32, lcode.shape[-1]
-    halves = R // RANK
-    kflat = kcode.view(B, G, GS, L, N).permute(0, 1, 3, 2, 4).reshape(B, G, L, GS * N)
-    kc = _words(kflat, _key_index(kb), kb)  # [B, G, L, 16 kb]
-    # 16-byte quads of thread t's words, swizzled against bank conflicts: 2-bit quad u at u ^ (slot & 1),
-    # 4-bit at u ^ (2 (slot & 1) + t // 2)
-    kw = 4 * kb
-    for par in (0, 1):
-        sw = [
-            kw * t + 4 * ((u ^ (par if kb == 2 else 2 * par + t // 2)) % (kw // 4)) + jj
-            for t in range(4)
-            for u in range(kw // 4)
-            for jj in range(4)
-        ]
-        inv = torch.tensor(sw, device=kc.device).argsort()
-        kc[:, :, par::2] = kc[:, :, par::2][..., inv]
-    km = torch.cat(
-        [t.view(B, G, GS, nb, 32, 4).permute(0, 1, 3, 2, 4, 5) for t in (ks, kz)], -1
-    )  # [B, G, nb, 4, 32, 8]
-    # quad c of head h stored at c ^ ((2h + c // 16) & 7): the A build's 8 distinct addresses hit distinct banks
-    src = torch.tensor([[c ^ ((2 * h + c // 16) & 7) for c in range(32)] for h in range(GS)], device=km.device)
-    km = km.gather(4, src.argsort(-1).view(1, 1, 1, GS, 32, 1).expand_as(km)).contiguous()
-    # latents: per (batch, group, half of 256 channels, block)
-    lflat = lcode.view(B, G, nb, 32, halves, RANK).permute(0, 1, 4, 2, 3, 5).reshape(B, G, halves, nb, 32 * RANK)
-    lc = _words(lflat, _lat_index(lb), lb)
-    slots = torch.tensor(
-        [
-            [[16 * kc_ + 2 * t, 16 * kc_ + 2 * t + 1, 16 * kc_ + 2 * t + 8, 16 * kc_ + 2 * t + 9] for t in range(4)]
-            for kc_ in range(2)
-        ],
-        device=ls.device,
-    )  # [2, 4, 4]
-    parts = []
-    for t in (ls, lz):
-        x = t.view(B, G, nb, 32, halves, 8).permute(0, 1, 4, 2, 5, 3)  # [B, G, halves, nb, cg, 32 slots]
-        parts.append(x[..., slots])  # [B, G, halves, nb, cg, 2, 4, 4]
-    lm = torch.cat(parts, -1).contiguous()  # [B, G, halves, nb, 8, 2, 4, 8]
-    return kc.contiguous(), km, lc.contiguous(), lm
+    """Reference-layout tensors -> the kernel's four arrays (runtime/frag.py). kcode [B, K, L, 128] (codes), ks/kz
+    [B, K, L/32, 128] (fp16, stored), lcode [B, G, L, R] (codes), ls/lz [B, G, L, R/32] (fp16, stored)."""
+    keys = QTensor(qpack(kcode, kb), ks, kz, kb, KG, -2, "16", 1.0, SHIFT)
+    lat = QTensor(qpack(lcode, lb), ls, lz, lb, VG, -1, "16", 1.0, SHIFT)
+    return (*frag.pack_keys(keys), *frag.pack_lat(lat))
 
 
 def random_level(B: int, L: int, level: str = "2bit", seed: int = 0, device: str = "cuda"):
@@ -269,43 +164,23 @@ def reference_call(c: dict, window: int = 0) -> torch.Tensor:
     return attend(c["q"], keys, lat, valid)
 
 
-def call_splits(B: int, n2: int, n4: int, sms: int) -> tuple[int, int]:
-    """Splits of the two levels so that their CTAs share one wave in proportion to the bytes they read (the 4-bit
-    level's keys twice)."""
-    b2, b4 = n2 * level_bytes("2bit"), n4 * (level_bytes("4bit") + key_bytes(LEVELS["4bit"][0]))
-    f2 = b2 / max(b2 + b4, 1)
-    s2 = max(1, min(max(n2 // 32 // 8, 1), round(sms * f2 / (B * G))))
-    s4 = max(1, min(max(n4 // 32 // 5, 1), round(sms * (1 - f2) / (B * 2 * G))))
-    return s2, s4
-
-
 def runner_call(kern: dict, c: dict, S2: int, S4: int, window: int = 0, pdl: bool = False):
-    """The whole call over random_call's cache `c`: the levels' launch, then the merge launch (which also scores the
-    16-bit tail). Lengths and the new token's position travel as device tensors, as a static cache holds them."""
-    name, smem, _ = kern["paper"]
-    mod = kern["mod"]
-    q, tk, th = c["q"], c["tk"], c["th"]
+    """The whole call over random_call's cache `c` through mma_attention.launch: the levels' launch, then the merge
+    launch (which also scores the 16-bit tail: here its sinks and residual as one segment, then the new token).
+    Lengths and the new token's position travel as device tensors, as a static cache holds them."""
+    q, tk, th, tpos = c["q"], c["tk"], c["th"], c["tpos"]
+    dev = lambda v, dt=torch.int32: torch.tensor([v], dtype=dt, device="cuda")  # noqa: E731
+    len2, len4, npos = dev(c["n2"]), dev(c["n4"]), dev(c["npos"], torch.int64)
     a2, a4 = c["packed"]
-    B, T = q.shape[0], tk.shape[2]
-    cap2, cap4 = c["pos2"].shape[1], c["pos4"].shape[1]
-    St = S2 + S4
-    po = torch.empty(B, H, St, 512, device="cuda")
-    pm = torch.empty(B, H, St, device="cuda")
-    pl = torch.empty(B, H, St, device="cuda")
-    z = torch.empty(B, H, 512, device="cuda")
-    dev = lambda v: torch.tensor([v], dtype=torch.int32, device="cuda")  # noqa: E731
-    len2, len4, npos = dev(c["n2"]), dev(c["n4"]), dev(c["npos"])
-    qk = N**-0.5 * math.log2(math.e)
-    a1 = (q, *a2, *a4, po, pm, pl, G, cap2, S2, cap4, S4, 1 / SHIFT, qk, c["pos2"], len2, c["pos4"], len4, npos, window)
-    a3 = (po, pm, pl, q, tk, th, z, St, S2, T, G, 1 / SHIFT, qk, c["tpos"], npos, window)
-    grid = (S2 * G + S4 * 2 * G) * B
-
-    def fn():
-        mod.launch(name, grid, 256, a1, smem)
-        mod.launch(kern["combine_paper"], (B * H, 8), 256, a3, pdl=pdl)
-        return z
-
-    return fn
+    lv2, lv4 = (*a2, c["pos2"], len2), (*a4, c["pos4"], len4)
+    T = tk.shape[2]
+    empty = tk[:, :, :0], th[:, :, :0], tpos[:, :0]
+    tail = (
+        (tk[:, :, : T - 1].contiguous(), th[:, :, : T - 1].contiguous(), tpos[:, : T - 1].contiguous()),
+        empty,
+        (tk[:, :, T - 1 :].contiguous(), th[:, :, T - 1 :].contiguous()),
+    )
+    return lambda: ma.launch(kern["mod"], q, lv2, lv4, tail, npos, window, N**-0.5, SHIFT, S2, S4, pdl)
 
 
 def runner(kern: dict, level: str, arrays, q, B: int, L: int, S: int, parts: str = "both"):
@@ -315,6 +190,7 @@ def runner(kern: dict, level: str, arrays, q, B: int, L: int, S: int, parts: str
     rw = LEVELS[level][2]
     pos = torch.arange(L, dtype=torch.int32, device="cuda").expand(B, L).contiguous()
     ln = torch.tensor([L], dtype=torch.int32, device="cuda")
+    npos = torch.tensor([L], dtype=torch.int64, device="cuda")
     po = torch.empty(B, H, S, rw, device="cuda")
     pm = torch.empty(B, H, S, device="cuda")
     pl = torch.empty(B, H, S, device="cuda")
@@ -323,7 +199,7 @@ def runner(kern: dict, level: str, arrays, q, B: int, L: int, S: int, parts: str
 
     def fn():
         if parts != "comb":
-            args = (q, *arrays, po, pm, pl, G, L, S, rw, 1 / SHIFT, qk, pos, ln, ln, 0)
+            args = (q, *arrays, po, pm, pl, G, L, S, rw, 1 / SHIFT, qk, pos, ln, npos, 0)
             mod.launch(name, (S, G * rw // RANK, B), 32 * nw, args, smem)
         if parts != "attn":
             mod.launch(kern["combine"], (B * H, rw // 64), 256, (po, pm, pl, z, S, rw, 1 / SHIFT))
@@ -409,7 +285,7 @@ def main() -> int:
         ref = reference_call(c, window)
         c["packed"] = pack(*c["lv2"], 2, 2), pack(*c["lv4"], 4, 4)
         for s, kern in variants.items():
-            for S2, S4 in {call_splits(B, c["n2"], c["n4"], sms), (1, 1), (3, 2)}:
+            for S2, S4 in {ma.splits(B, G, c["n2"], c["n4"], sms), (1, 1), (3, 2)}:
                 for pdl in (False, True):
                     bd.poison()
                     got = runner_call(kern, c, S2, S4, window, pdl)().clone()
@@ -474,7 +350,7 @@ def whole_call(variants: dict, a, bw: float, sms: int) -> None:
         ts_sdpa, _ = bd.best_sdpa(B, ctx)
         c = random_call(B, ctx, seed=1)
         c["packed"] = pack(*c.pop("lv2"), 2, 2), pack(*c.pop("lv4"), 4, 4)
-        S2, S4 = call_splits(B, c["n2"], c["n4"], sms)
+        S2, S4 = ma.splits(B, G, c["n2"], c["n4"], sms)
         ts = {s: bd.timeit(runner_call(k, c, S2, S4)) for s, k in variants.items()}
         for s, k in variants.items():
             ts[f"{s} pdl"] = bd.timeit(runner_call(k, c, S2, S4, pdl=True))

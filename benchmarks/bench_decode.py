@@ -472,14 +472,17 @@ def preset_schedule(name: str) -> Schedule:
 def presets(contexts: list[int], batches: str, copy_bw: float, cfg: dict) -> bool:
     """The kernel over real caches of each preset (a static cache filled by a prefill of random keys and latents,
     then 40 decode steps: flushes and demotions): correctness against the reference, time of one layer's decode
-    attention (CUDA-graph replays, as a captured decode step runs it), and SDPA on the same shapes."""
+    attention (CUDA-graph replays, as a captured decode step runs it), and SDPA on the same shapes. The paper preset
+    twice: in the row layout (the Triton kernel) and in the fragment layout (runtime/frag.py: the CUDA kernel of
+    tale_kernels.mma_attention, what a static cache picks on Hopper)."""
+    from tale_kernels import mma_attention
     from tale_runtime.static_cache import StaticTaleCache
 
     scale, ok = N**-0.5, True
     for L in contexts:
         for B in (int(x) for x in batches.split(",")):
-            for name in ("paper", "tale"):
-                c = StaticTaleCache(preset_schedule(name), 1, K, N, G, R, max_length=L + 64)
+            for name, layout in (("paper", "row"), ("paper", "frag"), ("tale", "row")):
+                c = StaticTaleCache(preset_schedule(name), 1, K, N, G, R, max_length=L + 64, layout=layout)
                 layer = c.layers[0]
                 layer.append(
                     torch.randn(B, K, L, N, device=DEV, dtype=DT) * 2, torch.randn(B, G, L, R, device=DEV, dtype=DT)
@@ -489,7 +492,8 @@ def presets(contexts: list[int], batches: str, copy_bw: float, cfg: dict) -> boo
                     layer.append(k, h)
                 q, k, h = new_token(B)
                 v = layer.view()
-                assert kattn.supported(q, k, h, v), name
+                assert (mma_attention if layout == "frag" else kattn).supported(q, k, h, v), (name, layout)
+                name = f"{name}-cuda" if layout == "frag" else name
                 e = rel(tale_kernels.latent_attention(q, k, h, v, scale, **cfg), ref_attention(q, k, h, v, scale))
                 ok &= e <= TOL
                 t = timeit(lambda v=v, q=q, k=k, h=h: tale_kernels.latent_attention(q, k, h, v, scale, **cfg))

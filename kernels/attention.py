@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from tale_runtime.cache import latent_attention as reference
+from tale_runtime.frag import FragRegion
 from tale_runtime.quant import FP8, META_SHIFT, Bands, QTensor, meta_format
 from tale_runtime.regions import LayerView, Region
 
@@ -928,6 +929,8 @@ def supported(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, cache) 
     if not is_pow2(n) or n < 16 or H % K or K % G or k_new.dtype != q.dtype or h_new.dtype != q.dtype:
         return False
     view = _view(cache)
+    if any(isinstance(r, FragRegion) for r in view.regions):  # the CUDA kernel's layout (mma_attention)
+        return False
     if not all(_region_ok(r, B, K, G, n, q.dtype) for r in view.regions):
         return False
     if any(r.rope is not None or r.basis is not None for r in view.regions):  # keys before RoPE, low-rank keys
@@ -1152,6 +1155,7 @@ def latent_attention(
     maxnreg: int | None = None,
     split: bool | dict = False,
     dot: torch.dtype | None = None,
+    cuda: bool = True,
 ) -> torch.Tensor:
     """Drop-in for tale_runtime.cache.latent_attention: z [B, T, H, R] (float32).
 
@@ -1166,6 +1170,10 @@ def latent_attention(
     instead of holding them in registers (3-bit keys always do). `split` runs the two-pass kernel of attention_split.py instead (True, or a dict of its
     options: `k_tiles`, `k_warps`, ...).
 
+    `cuda`: calls that mma_attention.supported accepts (the paper preset's static caches in the fragment layout, on
+    Hopper) run the CUDA kernel of kernels/cuda/ instead; cuda=False sends them to the torch reference (that layout
+    is not the Triton kernel's).
+
     `dot` is the type the one-pass kernel's operands (queries, dequantized keys and latents, probabilities) enter
     the tensor cores in. float32 caches: always float32. None: float16 for a bfloat16 cache whose 16-bit scales and
     zeros are stored in float16 (runtime/quant.py meta_format: what quantize writes), else the cache's dtype.
@@ -1179,6 +1187,11 @@ def latent_attention(
     if dot not in (None, torch.float16, torch.bfloat16):
         raise ValueError(f"dot must be None, torch.float16 or torch.bfloat16, not {dot}")
     view = _view(cache)
+    if cuda:
+        from . import mma_attention
+
+        if mma_attention.supported(q, k_new, h_new, view):
+            return mma_attention.latent_attention(q, k_new, h_new, view, scaling)
     if dot == torch.bfloat16 and q.dtype == torch.bfloat16 and _half_meta(view):
         raise ValueError(
             "dot=torch.bfloat16 would round this cache's float16 scales/zeros to bfloat16 (~1e-2 from the reference):"

@@ -29,8 +29,16 @@ from .quant import QTensor, meta_format, pack, unpack
 N, GS, BLOCK, HALF = 128, 4, 32, 256  # head dim, KV heads per latent group, slots per block, channels per half
 
 
-def supports(n: int, K: int, G: int, levels: list[tuple[int, int, int]], key_group: int, value_group: int,
-             meta: tuple[str, str], dtype: torch.dtype) -> bool:
+def supports(
+    n: int,
+    K: int,
+    G: int,
+    levels: list[tuple[int, int, int]],
+    key_group: int,
+    value_group: int,
+    meta: tuple[str, str],
+    dtype: torch.dtype,
+) -> bool:
     """Whether the layout covers a cache of these shapes: levels as (key bits, latent bits, rank) per level, the
     paper preset's two: (2, 2, 256) and (4, 4, 512). (The kernel also needs 4 query heads per KV head.)"""
     return (
@@ -193,8 +201,10 @@ def pack_lat(lat: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = unpack(lat.data, lat.bits).view(B, G, nb, BLOCK, halves, HALF).permute(0, 1, 4, 2, 3, 5)
     lc = to_words(codes.reshape(B, G, halves, nb, BLOCK * HALF), _on(str(codes.device), "lat", lat.bits), lat.bits)
     meta = torch.cat(
-        [t.view(B, G, nb, BLOCK, halves, 8).permute(0, 1, 4, 2, 3, 5).reshape(B, G, halves, nb, 256)
-         for t in (lat.scale, lat.zero)],
+        [
+            t.view(B, G, nb, BLOCK, halves, 8).permute(0, 1, 4, 2, 3, 5).reshape(B, G, halves, nb, 256)
+            for t in (lat.scale, lat.zero)
+        ],
         -1,
     )
     return lc, meta[..., _on(str(meta.device), "lat_meta")].view(B, G, halves, nb, 8, 2, 4, 8)
@@ -206,7 +216,9 @@ def unpack_lat(lc: torch.Tensor, lm: torch.Tensor, proto: QTensor) -> QTensor:
     C, r = nb * BLOCK, halves * HALF
     codes = from_words(lc, _on(str(lc.device), "lat", proto.bits), proto.bits).view(B, G, halves, nb, BLOCK, HALF)
     codes = codes.permute(0, 1, 3, 4, 2, 5).reshape(B, G, C, r)
-    meta = _unpermute(lm.reshape(B, G, halves, nb, 512), _on(str(lm.device), "lat_meta")).view(B, G, halves, nb, 2, BLOCK, 8)
+    meta = _unpermute(lm.reshape(B, G, halves, nb, 512), _on(str(lm.device), "lat_meta")).view(
+        B, G, halves, nb, 2, BLOCK, 8
+    )
     scale, zero = (meta[..., i, :, :].permute(0, 1, 3, 4, 2, 5).reshape(B, G, C, halves * 8) for i in (0, 1))
     return replace(proto, data=pack(codes, proto.bits), scale=scale, zero=zero)
 

@@ -378,8 +378,10 @@ class StaticTaleLayer(CacheLayerMixin):
     def _put_level(self, i: int, keys, lat, slot: int, off: int, n: int) -> None:
         """Tokens [off, off + n) of a level's keys and latents into its slots [slot, slot + n)."""
         if self.frag:
-            self.frag[i].put(slot, *(replace(q, data=d, scale=s_, zero=z) for q in (keys, lat) for d, s_, z in
-                                     [_rows(q, off, off + n)]))
+            self.frag[i].put(
+                slot,
+                *(replace(q, data=d, scale=s_, zero=z) for q in (keys, lat) for d, s_, z in [_rows(q, off, off + n)]),
+            )
             return
         self._put(self.keys[i], keys, slot, off, n)
         self._put(self.lat[i], lat, slot, off, n)
@@ -540,8 +542,9 @@ class StaticTaleCache(Cache):
         fits = (
             all(list(r) == list(s.ranks[0]) for r in s.ranks)
             and not any(x.key_hi_bits or x.key_rank for x in s.levels)
-            and frag_supports(self.n, self.K, self.G, lv, s.key_group, s.value_group, (s.key_meta, s.value_meta),
-                              k.dtype)
+            and frag_supports(
+                self.n, self.K, self.G, lv, s.key_group, s.value_group, (s.key_meta, s.value_meta), k.dtype
+            )
         )
         if self.layout_arg == "frag":
             if not fits:

@@ -7,7 +7,7 @@ import torch
 from test_static_cache import assert_same
 
 from tale_runtime import frag
-from tale_runtime.artifact import Level, Schedule
+from tale_runtime.artifact import Schedule
 from tale_runtime.attention import latent_attention
 from tale_runtime.model import TaleCache
 from tale_runtime.quant import quantize
@@ -19,8 +19,13 @@ PAPER = Schedule(ranks=[[256, 512]], key_group=32, value_group=32, residual=32)
 
 @pytest.mark.parametrize("kb", [2, 4])
 def test_tables_are_permutations(kb):
-    for t, size in ((frag.key_table(kb)[0], 512), (frag.key_table(kb)[1], 512), (frag.lat_table(kb), 8192),
-                    (frag.key_meta_table(), 1024), (frag.lat_meta_table(), 512)):
+    for t, size in (
+        (frag.key_table(kb)[0], 512),
+        (frag.key_table(kb)[1], 512),
+        (frag.lat_table(kb), 8192),
+        (frag.key_meta_table(), 1024),
+        (frag.lat_meta_table(), 512),
+    ):
         assert torch.equal(t.flatten().sort().values, torch.arange(size))
     assert not torch.equal(frag.key_table(kb)[0], frag.key_table(kb)[1])  # the parity swizzle moves words
 
@@ -75,11 +80,16 @@ def test_frag_static_cache_holds_the_dynamic_caches_tokens(prompt, pad):
             c.layers[0].append(k, h)
         if t % 29 == 0 or t == steps - 1:
             assert_same(dyn, sta, B)
-    q, kn, hn = torch.randn(B, 16, 1, n).bfloat16(), torch.randn(B, K, 1, n).bfloat16(), torch.randn(B, G, 1, R).bfloat16()
+    q, kn, hn = (
+        torch.randn(B, 16, 1, n).bfloat16(),
+        torch.randn(B, K, 1, n).bfloat16(),
+        torch.randn(B, G, 1, R).bfloat16(),
+    )
     # the torch reference reads the fragment layout (unpacked) exactly as the row layout of the same cache
     assert row.layout == "row"
-    assert torch.equal(latent_attention(q, kn, hn, row.layers[0].view(), 0.1),
-                       latent_attention(q, kn, hn, sta.layers[0].view(), 0.1))
+    assert torch.equal(
+        latent_attention(q, kn, hn, row.layers[0].view(), 0.1), latent_attention(q, kn, hn, sta.layers[0].view(), 0.1)
+    )
 
 
 def test_frag_layout_refused_where_it_does_not_fit():

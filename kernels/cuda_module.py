@@ -1,20 +1,23 @@
-"""CUDA C++ kernels for torch tensors without an extension build: nvcc -> cubin (cached), the driver API via ctypes.
+"""CUDA C++ kernels for torch tensors without an extension build: source -> cubin (cached), the driver API via ctypes.
 
-The prototype kernels of benchmarks/cuda_decode/ need no CuPy and no torch C++ extension: `Module(src, defines)`
-compiles the source once per set of options with the nvcc on PATH (for the current GPU's architecture, `sm_90a`
-on Hopper) into a cache directory, loads the cubin with `cuModuleLoadData`, and `Module.launch` calls
-`cuLaunchKernel` on torch's current stream, so launches are captured by `torch.cuda.graph` like any other. Arguments
-are torch tensors (passed as device pointers) or Python ints (int32) and floats (float32), in the kernel's order.
+The kernels of kernels/cuda/ need no CuPy and no torch C++ extension: `Module(src, options)` compiles the source once
+per set of options for the current GPU's architecture (`sm_90a` on Hopper) with NVRTC (the libnvrtc that CUDA builds
+of torch install; no toolkit needed) or, without it, the nvcc on PATH, into a cache directory; loads the cubin with
+`cuModuleLoadData`; and `Module.launch` calls `cuLaunchKernel(Ex)` on torch's current stream, so launches are
+captured by `torch.cuda.graph` like any other. Arguments are torch tensors (passed as device pointers) or Python
+ints (int32) and floats (float32), in the kernel's order. TALE_CUDA_COMPILER=nvcc|nvrtc picks the compiler.
 """
 
 from __future__ import annotations
 
 import ctypes
+import glob
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
+from functools import lru_cache
 
 import torch
 
@@ -54,28 +57,102 @@ def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:
         raise RuntimeError(f"{what}: CUDA driver error {rc} ({(msg.value or b'?').decode()})")
 
 
+@lru_cache(maxsize=1)
+def nvrtc() -> ctypes.CDLL | None:
+    """libnvrtc: the one torch's CUDA wheels install (nvidia/*/lib), else the system's; None without either."""
+    roots = [os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "nvidia")]
+    names = sorted(glob.glob(os.path.join(roots[0], "**", "libnvrtc.so*"), recursive=True), key=len)
+    for name in [n for n in names if "builtins" not in n] + ["libnvrtc.so"]:
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        lib.nvrtcCreateProgram.argtypes = [
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_char_p,
+            ctypes.c_char_p,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
+        lib.nvrtcCompileProgram.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        for f in ("nvrtcGetProgramLogSize", "nvrtcGetCUBINSize"):
+            getattr(lib, f).argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
+        for f in ("nvrtcGetProgramLog", "nvrtcGetCUBIN"):
+            getattr(lib, f).argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        lib.nvrtcDestroyProgram.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        return lib
+    return None
+
+
+def _nvrtc_compile(lib: ctypes.CDLL, src: str, code: bytes, arch: str, options: tuple[str, ...]) -> bytes:
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), code, os.path.basename(src).encode(), 0, None, None):
+        raise RuntimeError(f"NVRTC could not take {src}")
+    try:
+        opts = [f"--gpu-architecture={arch}", "-std=c++17", *(o for o in options if o != "-O3")]
+        arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        if rc:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            lines = [x for x in log.value.decode(errors="replace").splitlines() if x.strip()]
+            raise RuntimeError(f"NVRTC failed on {src}: {lines[:1]}")
+        size = ctypes.c_size_t()
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        out = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetCUBIN(prog, out)
+        return out.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _nvcc_compile(nvcc: str, src: str, arch: str, options: tuple[str, ...], tmp: str) -> None:
+    gencode = f"-gencode=arch=compute_{arch[3:]},code={arch}"
+    res = subprocess.run(
+        [nvcc, "-cubin", gencode, "-O3", "-std=c++17", *options, "-o", tmp, src], capture_output=True, text=True
+    )
+    if res.returncode != 0:
+        raise RuntimeError(f"nvcc failed on {src}: {res.stderr.strip().splitlines()[-1:]}")
+
+
+def compiler() -> str | None:
+    """The compiler builds use: TALE_CUDA_COMPILER, else NVRTC when found, else nvcc on PATH; None without any."""
+    want = os.environ.get("TALE_CUDA_COMPILER")
+    if want not in (None, "", "nvrtc", "nvcc"):
+        raise RuntimeError(f"TALE_CUDA_COMPILER={want!r}: use nvrtc or nvcc")
+    if want != "nvcc" and nvrtc() is not None:
+        return "nvrtc"
+    return "nvcc" if want != "nvrtc" and shutil.which("nvcc") else None
+
+
 def compile_cubin(src: str, options: tuple[str, ...], arch: str | None = None) -> bytes:
-    """The cubin of `src` for `arch` (default: the current GPU's), from the cache or built with nvcc (a one-line
-    error without it)."""
+    """The cubin of `src` for `arch` (default: the current GPU's), from the cache or built (a one-line error
+    without a compiler)."""
     if arch is None:
         major, minor = torch.cuda.get_device_capability()
         arch = f"sm_{major}{minor}{'a' if major == 9 else ''}"
     code = open(src, "rb").read()
-    key = hashlib.sha256(code + repr((arch, options)).encode()).hexdigest()[:20]
+    how = compiler()
+    if how is None:
+        raise RuntimeError(f"neither NVRTC nor nvcc found: one is needed once to build {src} for {arch}")
+    key = hashlib.sha256(code + repr((arch, options, how)).encode()).hexdigest()[:20]
     path = os.path.join(CACHE, f"{os.path.basename(src)}.{key}.cubin")
     if not os.path.exists(path):
-        nvcc = shutil.which("nvcc")
-        if nvcc is None:
-            raise RuntimeError(f"nvcc not found on PATH: needed once to build {src} for {arch}")
         os.makedirs(CACHE, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=CACHE, suffix=".cubin")
         os.close(fd)
-        gencode = f"-gencode=arch=compute_{arch[3:]},code={arch}"
-        cmd = [nvcc, "-cubin", gencode, "-O3", "-std=c++17", *options, "-o", tmp, src]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
+        try:
+            if how == "nvrtc":
+                with open(tmp, "wb") as f:
+                    f.write(_nvrtc_compile(nvrtc(), src, code, arch, options))
+            else:
+                _nvcc_compile(shutil.which("nvcc"), src, arch, options, tmp)
+        except BaseException:
             os.unlink(tmp)
-            raise RuntimeError(f"nvcc failed on {src}: {res.stderr.strip().splitlines()[-1:]}")
+            raise
         os.replace(tmp, path)  # atomic: a concurrent build never sees half a file
     return open(path, "rb").read()
 

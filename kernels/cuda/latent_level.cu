@@ -1,6 +1,7 @@
-// Prototype (issue #10): one-pass decode attention over one quantized TALE level in CUDA, with a per-warp online
-// softmax. Not wired into the runtime: benchmarks/bench_cuda_decode.py packs a level into this layout, checks the
-// result against a float32 torch reference and times it against the Triton kernel in the same run.
+// One-pass decode attention over TALE's quantized levels in CUDA, with a per-warp online softmax (issue #10).
+// tale_kernels.mma_attention compiles it (NVRTC, or nvcc) and runs it for static caches in the fragment layout
+// (runtime/frag.py writes it); benchmarks/bench_cuda_decode.py checks it against a float32 torch reference and
+// times it against the Triton kernel in the same run.
 //
 // Shapes fixed (Llama-3.1-8B, paper preset): head dim 128, 4 KV heads per latent group (16 query heads, GQA 4), key
 // group 32 slots (per-channel scale/zero), latent group 32 channels (per-slot scale/zero). Two levels, one template:
@@ -8,8 +9,8 @@
 //   tale_attn_k4l4: the 4-bit recent level (4-bit keys, rank-512 latents at 4 bits), 5 warps per CTA; each CTA
 //     handles one half of the 512 latent channels (blockIdx.y = 2 g + half), so the keys are read twice (their
 //     accumulators would not fit otherwise: 16 x 512 float32 per warp).
-// Each level's used length is whole key groups ("blocks" of 32 slots), read from the device (len[0]); slots are
-// masked by their positions (pos < 0: padding; a sliding window against npos[0]). A masked slot's scores become
+// Each level's used length is read from the device (len[0]) and rounded up to whole key groups ("blocks" of 32
+// slots): a slot never written holds position -1, like padding. Slots are masked by their positions (pos < 0: padding; a sliding window against npos[0]). A masked slot's scores become
 // -inf; its latents still enter the product with p = 0, so its latent scales/zeros must be finite (the cache
 // writes zeros into padding).
 //
@@ -25,7 +26,7 @@
 //   applied per pair with two fma.f16x2 (they vary per slot);
 // - a cp.async double buffer per warp keeps the next block's bytes in flight.
 //
-// Layout per (batch b, latent group g, block of 32 slots), built by bench_cuda_decode.pack(); t = lane % 4:
+// Layout per (batch b, latent group g, block of 32 slots), written by runtime/frag.py; t = lane % 4:
 //   kc  [32 slots][KB * 16 words]  key codes: thread t's KB * 4 words of a slot hold its pairs of all 32 chunks
 //                                  (2-bit: 4 chunks per word, 4-bit: 2); 16-byte quads swizzled against conflicts
 //   km  [4 heads][32 quads][s0..3 z0..3]  key scale/zero (fp16, times `shift`), 4 channels per quad, swizzled
@@ -33,6 +34,9 @@
 //                                  2w, 2w+1 (2-bit) or w (4-bit), both k-chunks
 //   lm  [8 cg][2 kc][4 t][s_b0 s_b1 z_b0 z_b1]  latent scale/zero pairs (fp16, times `shift`), per 256 channels
 
+#ifndef INFINITY  // NVRTC compiles without the C headers
+#define INFINITY __int_as_float(0x7f800000)
+#endif
 #ifndef ABATCH
 #define ABATCH 4
 #endif
@@ -143,8 +147,8 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
                                           const char* __restrict__ lm, float* __restrict__ po,
                                           float* __restrict__ pm, float* __restrict__ pl, int G, int L, int S,
                                           int RW, float shift_inv, float qk_scale, const int* __restrict__ pos,
-                                          const int* __restrict__ len, const int* __restrict__ npos, int window,
-                                          int sp, int g, int half, int b, int St, int soff) {
+                                          const int* __restrict__ len, const long long* __restrict__ npos,
+                                          int window, int sp, int g, int half, int b, int St, int soff) {
     // this CTA: split sp of S over the level's used slots, latent group g, channel half `half`, batch row b; its
     // partial is split soff + sp of St in po / pm / pl. Warps NW and up (when blockDim holds more) sit it out.
     // L is the capacity (the arrays' stride); len[0] the used slots (whole blocks), read here, so a captured graph
@@ -165,8 +169,8 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
     const u32 atile = wbase + 2 * C::STAGE;
 
     // blocks of this CTA and warp
-    const int nblk = L >> 5, nused = min(nblk, len[0] >> 5);
-    const int next = npos[0];
+    const int nblk = L >> 5, nused = min(nblk, (len[0] + 31) >> 5);
+    const int next = (int)npos[0];
     const int* posb = pos + (size_t)b * L;
     const int per = (nused + S - 1) / S;
     const int c0 = min(nused, sp * per), c1 = min(nused, c0 + per);
@@ -478,7 +482,7 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
     const unsigned short *__restrict__ q, const char *__restrict__ kc, const char *__restrict__ km,                 \
         const char *__restrict__ lc, const char *__restrict__ lm, float *__restrict__ po, float *__restrict__ pm,   \
         float *__restrict__ pl, int G, int L, int S, int RW, float shift_inv, float qk_scale,                     \
-        const int *__restrict__ pos, const int *__restrict__ len, const int *__restrict__ npos, int window
+        const int *__restrict__ pos, const int *__restrict__ len, const long long *__restrict__ npos, int window
 #define ATTN_PASS q, kc, km, lc, lm, po, pm, pl, G, L, S, RW, shift_inv, qk_scale, pos, len, npos, window
 
 // the 2-bit middle level alone: 8 warps (216 KB of shared memory); grid (S, G, B)
@@ -498,7 +502,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
                     float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl, int G, int L2, int S2,
                     int L4, int S4, float shift_inv, float qk_scale, const int* __restrict__ pos2,
                     const int* __restrict__ len2, const int* __restrict__ pos4, const int* __restrict__ len4,
-                    const int* __restrict__ npos, int window) {
+                    const long long* __restrict__ npos, int window) {
     const int B = gridDim.x / (S2 * G + S4 * 2 * G);
     int bid = blockIdx.x;
     if (bid < S2 * G * B) {
@@ -561,49 +565,74 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // the paper preset's merge: the St partials of each (batch, head) (the first S2 of them hold channels 0..255 only,
-// the 2-bit level's rank) and the 16-bit tail (sinks, residual and the new token: T slots, keys tk [B, K, T, 128]
-// and latents th [B, G, T, 512], bf16), whose scores this kernel computes itself: each tail slot is one more
-// "split" with sum 1. grid (B * H, 8), 256 threads: 64 channels per CTA.
+// the 2-bit level's rank) and the 16-bit tail, whose scores this kernel computes itself: each tail slot is one more
+// "split" with sum 1. The tail is three segments of bf16 keys [B, K, cap, 128] and latents [B, G, cap, 512]: the
+// sinks (cap S, positions spos [B, S]), the residual (cap Rc, positions rpos [B, Rc]) and the new token (cap 1, at
+// position npos[0]); a position < 0 (padding, an empty slot) or outside the window masks a slot. grid (B * H, 8),
+// 256 threads: 64 channels per CTA; the tail in chunks of 256 slots.
+#define TAIL_CHUNK 256
 extern "C" __global__ void __launch_bounds__(256)
     tale_combine_paper(const float* __restrict__ po, const float* __restrict__ pm, const float* __restrict__ pl,
-                       const unsigned short* __restrict__ q, const unsigned short* __restrict__ tk,
-                       const unsigned short* __restrict__ th, float* __restrict__ z, int St, int S2, int T, int G,
-                       float shift_inv, float qk_scale, const int* __restrict__ tpos, const int* __restrict__ npos,
-                       int window) {
-    __shared__ float sm_m[4][64], sm_l[4][64], sm_o[4][64], st_s[64];
+                       const unsigned short* __restrict__ q, const unsigned short* __restrict__ sk,
+                       const unsigned short* __restrict__ sh, const int* __restrict__ spos, int S,
+                       const unsigned short* __restrict__ rk, const unsigned short* __restrict__ rh,
+                       const int* __restrict__ rpos, int Rc, const unsigned short* __restrict__ nk,
+                       const unsigned short* __restrict__ nh, float* __restrict__ z, int St, int S2, int G,
+                       float shift_inv, float qk_scale, const long long* __restrict__ npos, int window) {
+    __shared__ float sm_m[4][64], sm_l[4][64], sm_o[4][64], st_s[TAIL_CHUNK];
     const int r = blockIdx.x, tid = threadIdx.x, c = tid & 63, k = tid >> 6, lane = tid & 31, w = tid >> 5;
     const int H = G * 16, b = r / H, h = r % H, kv = h / 4, gr = h / 16;
-    const int ch = blockIdx.y * 64 + c;
-    // tail scores: warp w takes slots w, w + 8, ...; lanes split the 128 dims
+    const int ch = blockIdx.y * 64 + c, T = S + Rc + 1, next = (int)npos[0];
+    // tail slot s -> its segment's row base (slot index within the segment's capacity) and position
+    auto slot = [&](int s, const unsigned short*& kp, const unsigned short*& hp, int& cap, int& ss, int& ps) {
+        if (s < S) {
+            kp = sk, hp = sh, cap = S, ss = s, ps = spos[b * S + s];
+        } else if (s < S + Rc) {
+            kp = rk, hp = rh, cap = Rc, ss = s - S, ps = rpos[b * Rc + s - S];
+        } else {
+            kp = nk, hp = nh, cap = 1, ss = 0, ps = next;
+        }
+    };
     const unsigned short* qh = q + (size_t)r * 128;
     float qv[4];
 #pragma unroll
     for (int i = 0; i < 4; i++) qv[i] = __int_as_float((u32)qh[lane * 4 + i] << 16);
-    for (int s = w; s < T; s += 8) {
-        const unsigned short* kk = tk + (((size_t)b * (G * 4) + kv) * T + s) * 128 + lane * 4;
-        float d = 0.f;
-#pragma unroll
-        for (int i = 0; i < 4; i++) d += qv[i] * __int_as_float((u32)kk[i] << 16);
-#pragma unroll
-        for (int o = 16; o; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-        const int ps = tpos[b * T + s];  // the tail slot's position: padding and window as in the levels
-        const bool valid = ps >= 0 && (window <= 0 || npos[0] - ps < window);
-        if (lane == 0) st_s[s] = valid ? d * qk_scale : -INFINITY;
-    }
-    __syncthreads();
-    asm volatile("griddepcontrol.wait;" ::: "memory");  // the levels' partials are written (no-op without PDL)
-    const float* m = pm + (size_t)r * St;
-    const float* l = pl + (size_t)r * St;
-    const float* o = po + (size_t)r * St * 512 + ch;
     float M = -INFINITY, acc = 0.f, Ls = 0.f;
+    for (int base = 0; base < T; base += TAIL_CHUNK) {
+        const int n = min(TAIL_CHUNK, T - base);
+        // tail scores: warp w takes slots w, w + 8, ...; lanes split the 128 dims
+        for (int s = w; s < n; s += 8) {
+            const unsigned short *kp, *hp;
+            int cap, ss, ps;
+            slot(base + s, kp, hp, cap, ss, ps);
+            const unsigned short* kk = kp + (((size_t)b * (G * 4) + kv) * cap + ss) * 128 + lane * 4;
+            float d = 0.f;
+#pragma unroll
+            for (int i = 0; i < 4; i++) d += qv[i] * __int_as_float((u32)kk[i] << 16);
+#pragma unroll
+            for (int o = 16; o; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+            const bool valid = ps >= 0 && (window <= 0 || next - ps < window);
+            if (lane == 0) st_s[s] = valid ? d * qk_scale : -INFINITY;
+        }
+        __syncthreads();
+        if (base == 0) {
+            asm volatile("griddepcontrol.wait;" ::: "memory");  // the levels' partials are written (no-op without PDL)
+            const float* m = pm + (size_t)r * St;
+            const float* l = pl + (size_t)r * St;
+            const float* o = po + (size_t)r * St * 512 + ch;
 #pragma unroll 4
-    for (int s = k; s < St; s += 4) {
-        lse_step(M, acc, Ls, m[s], (s < S2 && ch >= 256) ? 0.f : o[(size_t)s * 512] * shift_inv, l[s]);
-    }
-    for (int s = k; s < T; s += 4) {  // tail slots: one more part each, with sum 1
-        if (st_s[s] == -INFINITY) continue;  // masked: whatever the slot holds stays out
-        const float os = __int_as_float((u32)th[(((size_t)b * G + gr) * T + s) * 512 + ch] << 16);
-        lse_step(M, acc, Ls, st_s[s], os, 1.f);
+            for (int s = k; s < St; s += 4)
+                lse_step(M, acc, Ls, m[s], (s < S2 && ch >= 256) ? 0.f : o[(size_t)s * 512] * shift_inv, l[s]);
+        }
+        for (int s = k; s < n; s += 4) {  // tail slots: one more part each, with sum 1
+            if (st_s[s] == -INFINITY) continue;  // masked: whatever the slot holds stays out
+            const unsigned short *kp, *hp;
+            int cap, ss, ps;
+            slot(base + s, kp, hp, cap, ss, ps);
+            const float os = __int_as_float((u32)hp[(((size_t)b * G + gr) * cap + ss) * 512 + ch] << 16);
+            lse_step(M, acc, Ls, st_s[s], os, 1.f);
+        }
+        __syncthreads();  // st_s is rewritten by the next chunk
     }
     sm_m[k][c] = M;
     sm_l[k][c] = Ls;

@@ -1,0 +1,153 @@
+"""The CUDA decode kernel (tale_kernels.mma_attention) on static caches in the fragment layout: against the torch
+reference on the same cache, and end to end (greedy tokens with the kernel on and off, inside CUDA graphs). Needs a
+Hopper GPU and NVRTC or nvcc; the layout itself is tested on the CPU (test_frag.py, test_cuda_layout.py)."""
+
+import pytest
+import torch
+from tale_helpers import talify
+
+from tale_runtime import new_cache
+from tale_runtime.artifact import Schedule
+from tale_runtime.attention import latent_attention as reference
+from tale_runtime.static_cache import StaticTaleCache
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+pytestmark = pytest.mark.skipif(not HOPPER, reason="the CUDA decode kernel runs on Hopper GPUs")
+
+K, n, G, R, H = 8, 128, 2, 512, 32  # Llama-3.1-8B's attention, group 4
+PAPER = Schedule(ranks=[[256, 512]], key_group=32, value_group=32, residual=32)
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def poison():
+    """NaN into the memory the caching allocator hands out next: an output the kernel leaves unwritten shows."""
+    x = torch.full((64 << 20,), float("nan"), device="cuda")
+    del x
+
+
+def filled(B: int, prompt: int, steps: int, pad: int = 0, max_extra: int = 64, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    c = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=prompt + steps + max_extra, num_heads=H)
+    valid = torch.ones(B, prompt, dtype=torch.bool, device="cuda")
+    valid[-1, :pad] = False
+    k = torch.randn(B, K, prompt, n, device="cuda", generator=gen).bfloat16() * 2
+    h = torch.randn(B, G, prompt, R, device="cuda", generator=gen).bfloat16()
+    c.layers[0].append(k, h, valid)
+    for _ in range(steps):
+        c.layers[0].append(
+            torch.randn(B, K, 1, n, device="cuda", generator=gen).bfloat16() * 2,
+            torch.randn(B, G, 1, R, device="cuda", generator=gen).bfloat16(),
+        )
+    return c, gen
+
+
+@pytest.mark.parametrize(
+    "B,prompt,steps,pad,window",
+    [
+        (1, 3000, 0, 0, None),
+        (1, 1000, 77, 0, None),
+        (4, 5003, 45, 0, None),
+        (3, 2500, 33, 700, None),
+        (2, 4100, 20, 0, 1500),
+        (16, 300, 9, 0, None),
+        (1, 5, 3, 0, None),
+        (1, 40, 1, 0, None),
+    ],
+)
+def test_matches_the_reference(B, prompt, steps, pad, window):
+    """Fresh random caches after a prefill and decode steps (flushes, demotions, odd residual lengths), batch 1 to 16,
+    left padding, sliding windows, levels still empty: within 5e-3 of the float32 reference on the same bytes."""
+    from tale_kernels import latent_attention, mma_attention
+
+    c, gen = filled(B, prompt, steps, pad)
+    assert c.layout == "frag"
+    layer = c.layers[0]
+    layer.window = window
+    v = layer.view()
+    q = torch.randn(B, H, 1, n, device="cuda", generator=gen).bfloat16()
+    kn = torch.randn(B, K, 1, n, device="cuda", generator=gen).bfloat16() * 2
+    hn = torch.randn(B, G, 1, R, device="cuda", generator=gen).bfloat16()
+    assert mma_attention.supported(q, kn, hn, v)
+    want = reference(q, kn, hn, v, n**-0.5)
+    for pdl in (False, True):
+        poison()
+        got = mma_attention.latent_attention(q, kn, hn, v, n**-0.5, pdl=pdl)
+        assert torch.isfinite(got).all() and rel(got, want) <= 5e-3, (pdl, rel(got, want))
+    poison()
+    assert rel(latent_attention(q, kn, hn, v, n**-0.5), want) <= 5e-3  # tale_kernels routes the call here
+    # cuda=False: the fragment layout is not the Triton kernel's, so the reference serves it
+    assert torch.equal(latent_attention(q, kn, hn, v, n**-0.5, cuda=False), want)
+
+
+def test_not_taken_where_it_does_not_apply():
+    from tale_kernels import mma_attention
+
+    c, gen = filled(1, 200, 0)
+    v = c.layers[0].view()
+    q = torch.randn(1, H, 1, n, device="cuda").bfloat16()
+    kn, hn = torch.randn(1, K, 1, n, device="cuda").bfloat16(), torch.randn(1, G, 1, R, device="cuda").bfloat16()
+    assert mma_attention.supported(q, kn, hn, v)
+    assert not mma_attention.supported(q.float(), kn, hn, v)  # float32 queries
+    assert not mma_attention.supported(q.expand(1, H, 2, n), kn, hn, v)  # a chunk of 2 tokens
+    row = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=300, layout="row", num_heads=H)
+    row.layers[0].append(
+        torch.randn(1, K, 200, n, device="cuda").bfloat16(), torch.randn(1, G, 200, R, device="cuda").bfloat16()
+    )
+    assert row.layout == "row" and not mma_attention.supported(q, kn, hn, row.layers[0].view())
+    auto = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=300, num_heads=64)  # 8 query heads per KV head
+    auto.layers[0].append(
+        torch.randn(1, K, 200, n, device="cuda").bfloat16(), torch.randn(1, G, 200, R, device="cuda").bfloat16()
+    )
+    assert auto.layout == "row"
+
+
+def model_8b_shapes():
+    """Two decoder layers of Llama-3.1-8B's attention shapes (tiny MLP and vocabulary), as a bf16 TALE model with
+    the paper preset at groups of 32."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        "llama",
+        hidden_size=512,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=H,
+        num_key_value_heads=K,
+        head_dim=n,
+        vocab_size=320,
+        max_position_embeddings=4096,
+    )
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
+    sched = Schedule(ranks=[[256, 512]] * 2, key_group=32, value_group=32, residual=32)
+    return talify(base, 4, sched).to(device="cuda", dtype=torch.bfloat16)
+
+
+def test_greedy_tokens_with_the_kernel_on_and_off():
+    """generate() on a static cache: CUDA graphs over the CUDA kernel (fragment layout), the same cache type with the
+    torch reference, and the Triton kernel on the row layout give the same tokens."""
+    from tale_runtime.load import tale_class, use_kernels
+    from tale_runtime.model import cache_arg
+
+    tm = model_8b_shapes()
+    tm.__class__ = tale_class(type(tm))
+    ids = torch.randint(1, 320, (2, 700), generator=torch.Generator().manual_seed(3)).cuda()
+    kw = dict(max_new_tokens=80, do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+    def run(layout: str, kernels: bool):
+        use_kernels(tm, kernels)
+        cache = new_cache(tm, static=True)
+        cache.layout_arg = layout
+        out = tm.generate(ids, **cache_arg(cache), **kw)
+        assert cache.layout == layout
+        return out, cache
+
+    on, cache = run("frag", True)
+    assert cache.decoder is not None and cache.decoder.graph is not None and cache.decoder.error is None
+    off, _ = run("frag", False)
+    triton, _ = run("row", True)
+    assert torch.equal(on.sequences, off.sequences) and torch.equal(on.sequences, triton.sequences)
+    assert all(rel(a, b) < 2e-2 for a, b in zip(on.logits, off.logits))
