@@ -49,6 +49,7 @@ from tale_runtime.load import tale_class
 from tale_runtime.model import TaleAttention, cache_arg
 
 GiB = 2**30
+LAYOUT = "auto"  # --layout: the TALE static caches' (runtime/static_cache.py)
 T0 = time.perf_counter()
 
 
@@ -360,7 +361,7 @@ def _batches(
 
 def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadline: float, frac: float):
     use(model, tale)
-    cache = new_cache(model, static=True, max_length=ctx + 8 * (n + 2) + 8)
+    cache = new_cache(model, static=True, max_length=ctx + 8 * (n + 2) + 8, layout=LAYOUT)
     free()
     first, pre_s = prefill(model, cache, ctx)
     row_bytes = cache.capacity_nbytes()
@@ -756,7 +757,10 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="TALE rows only (no HF eager or static rows)")
     ap.add_argument("--out", default=None, help="append the table to this markdown file")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--layout", default="auto", help="static cache layout: auto (frag on Hopper), row or frag")
     args = ap.parse_args()
+    global LAYOUT
+    LAYOUT = args.layout
 
     device = "cpu" if args.quick else "cuda"
     graphs = device == "cuda"
@@ -819,8 +823,11 @@ def main() -> None:
     # so that Triton's compilation of the quantization kernels and cuBLAS/SDPA set-up are not in the timed rows
     warm = 4096 if graphs else 64
     use(model, tale)
-    cache = new_cache(model, static=True, max_length=warm + 80)
+    cache = new_cache(model, static=True, max_length=warm + 80, layout=LAYOUT)
     first, pre_s = prefill(model, cache, warm)
+    if cache.layout == "frag":  # a Hopper GPU with the paper preset: the static cache took the CUDA kernel's layout
+        attention = "CUDA kernel (tale_kernels.mma_attention) on the fragment layout"
+    log("static cache layout:", cache.layout, "; attention:", attention)
     step = tale_step(model, cache, graphs)
     ms, _ = decode(step, first, warm, 70)
     row(

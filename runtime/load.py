@@ -388,6 +388,7 @@ def new_cache(
     static: bool = False,
     max_length: int | None = None,
     keep: str = "recent",
+    layout: str = "auto",
 ) -> TaleCache | StaticTaleCache:
     """A fresh TALE cache for `model` (pass as past_key_values to forward/generate).
 
@@ -396,7 +397,11 @@ def new_cache(
     when max_length is None); its decode step can be captured as a CUDA graph (runtime/decode.py).
     keep: which key groups the levels above level 0 keep, "recent" or "salient" (the most attended by the
     last queries; tale_runtime.cache; dynamic cache only).
+    layout (static only): how the quantized levels are held, "auto" (the CUDA kernel's fragment layout where it
+    runs: Hopper, the paper preset at head dim 128 with 4 query heads per KV head; else rows), "row" or "frag".
     """
+    if not static and layout != "auto":
+        raise ValueError(f'layout="{layout}" is a static cache\'s: pass static=True')
     if static and keep != "recent":
         raise ValueError(f'keep="{keep}" needs the dynamic cache (the static cache places by recency)')
     arch = model.tale_manifest["architecture"]
@@ -410,7 +415,7 @@ def new_cache(
         int(arch["latent_rank"]),
     )
     if static:
-        return StaticTaleCache(*args, max_length=max_length, num_heads=cfg.num_attention_heads)
+        return StaticTaleCache(*args, max_length=max_length, layout=layout, num_heads=cfg.num_attention_heads)
     return TaleCache(*args, keep=keep, key_basis=getattr(model, "tale_key_basis", None))
 
 

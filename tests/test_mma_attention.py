@@ -126,13 +126,31 @@ def model_8b_shapes():
     return talify(base, 4, sched).to(device="cuda", dtype=torch.bfloat16)
 
 
-def test_greedy_tokens_with_the_kernel_on_and_off():
+def same_until_a_tie(out, ref, prompt: int) -> None:
+    """Greedy tokens equal to the reference's, row by row, up to a step where the reference itself sits on a tie (its
+    top two logits within 2 bf16 steps: random models fall into such loops); logits close at every step before."""
+    for b in range(ref.sequences.shape[0]):
+        diff = (out.sequences[b, prompt:] != ref.sequences[b, prompt:]).nonzero()
+        end = int(diff[0]) if len(diff) else len(ref.logits)
+        for i in range(end):
+            assert rel(out.logits[i][b], ref.logits[i][b]) < 1e-2, (b, i)
+        if end < len(ref.logits):
+            top = ref.logits[end][b].float().topk(2).values
+            ulp = 2.0 ** (torch.floor(torch.log2(top[0].abs())) - 7)
+            assert float(top[0] - top[1]) <= 2 * float(ulp), f"row {b} differs at step {end} without a tie"
+
+
+def test_greedy_tokens_with_the_kernel_on_and_off(monkeypatch):
     """generate() on a static cache: CUDA graphs over the CUDA kernel (fragment layout), the same cache type with the
-    torch reference, and the Triton kernel on the row layout give the same tokens."""
+    torch reference, and the Triton kernel on the row layout give the same tokens (up to ties of the reference)."""
+    from tale_kernels import mma_attention
     from tale_runtime.load import tale_class, use_kernels
     from tale_runtime.model import cache_arg
 
+    calls, kernel = [], mma_attention.latent_attention
+    monkeypatch.setattr(mma_attention, "latent_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     tm = model_8b_shapes()
+    tm.lm_head.weight.data *= 8  # peaked logits: fewer exact ties in bf16
     tm.__class__ = tale_class(type(tm))
     ids = torch.randint(1, 320, (2, 700), generator=torch.Generator().manual_seed(3)).cuda()
     kw = dict(max_new_tokens=80, do_sample=False, output_logits=True, return_dict_in_generate=True)
@@ -141,13 +159,15 @@ def test_greedy_tokens_with_the_kernel_on_and_off():
         use_kernels(tm, kernels)
         cache = new_cache(tm, static=True)
         cache.layout_arg = layout
-        out = tm.generate(ids, **cache_arg(cache), **kw)
+        out = tm.generate(ids, attention_mask=torch.ones_like(ids), **cache_arg(cache), **kw)
         assert cache.layout == layout
         return out, cache
 
     on, cache = run("frag", True)
+    assert calls, "the CUDA kernel was not used"
     assert cache.decoder is not None and cache.decoder.graph is not None and cache.decoder.error is None
     off, _ = run("frag", False)
     triton, _ = run("row", True)
-    assert torch.equal(on.sequences, off.sequences) and torch.equal(on.sequences, triton.sequences)
-    assert all(rel(a, b) < 2e-2 for a, b in zip(on.logits, off.logits))
+    same_until_a_tie(on, off, ids.shape[1])
+    same_until_a_tie(triton, off, ids.shape[1])
+    assert (on.sequences == off.sequences).float().mean() > 0.9
