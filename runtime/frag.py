@@ -129,30 +129,54 @@ def lat_meta_table() -> torch.Tensor:
     return idx.flatten()
 
 
+def _inverse(table: torch.Tensor) -> torch.Tensor:
+    """Per logical index, w * F + f of the field that holds it (table [..., W, F] over a permutation)."""
+    flat = table.flatten(-2)
+    inv = torch.empty_like(flat)
+    inv.scatter_(-1, flat, torch.arange(flat.shape[-1]).expand_as(flat).contiguous())
+    return inv
+
+
+TABLES = {
+    "key": key_table,
+    "key_meta": key_meta_table,
+    "lat": lat_table,
+    "lat_meta": lat_meta_table,
+    "key_inv": lambda kb: _inverse(key_table(kb)),
+    "lat_inv": lambda lb: _inverse(lat_table(lb)),
+}
+
+
 @lru_cache
-def _on(device: str, name: str, *args) -> torch.Tensor:
-    """A table on `device`, built once per device (the decode loop's flushes gather with it)."""
+def on_device(device: str, name: str, *args) -> torch.Tensor:
+    """TABLES[name](*args) on `device`, built once per device (flushes and demotions gather with it)."""
     return TABLES[name](*args).to(device)
 
 
-TABLES = {"key": key_table, "key_meta": key_meta_table, "lat": lat_table, "lat_meta": lat_meta_table}
+def _kernels(t: torch.Tensor):
+    """tale_kernels.frag_pack for CUDA tensors (Triton installed), else None: the torch path below."""
+    if not t.is_cuda:
+        return None
+    try:
+        from tale_kernels import frag_pack
+    except ImportError:
+        return None
+    return frag_pack
 
 
 def to_words(codes: torch.Tensor, table: torch.Tensor, bits: int) -> torch.Tensor:
     """codes [..., M] gathered by table [W, F] into int32 words [..., W] (field f at bit bits * f)."""
-    t = table
-    g = codes[..., t].long()  # [..., W, F]
-    w = (g << (bits * torch.arange(t.shape[1], device=codes.device))).sum(-1)
+    g = codes[..., table].long()  # [..., W, F]
+    w = (g << (bits * torch.arange(table.shape[1], device=codes.device))).sum(-1)
     return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
 
 
 def from_words(words: torch.Tensor, table: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of to_words: int32 words [..., W] -> uint8 codes [..., W * F]."""
-    t = table
-    sh = bits * torch.arange(t.shape[1], device=words.device)
+    sh = bits * torch.arange(table.shape[1], device=words.device)
     f = (words.long()[..., None] >> sh) & ((1 << bits) - 1)  # [..., W, F]
-    out = torch.empty(*words.shape[:-1], t.numel(), dtype=torch.uint8, device=words.device)
-    out[..., t.flatten()] = f.flatten(-2).to(torch.uint8)
+    out = torch.empty(*words.shape[:-1], table.numel(), dtype=torch.uint8, device=words.device)
+    out[..., table.flatten()] = f.flatten(-2).to(torch.uint8)
     return out
 
 
@@ -162,65 +186,79 @@ def _unpermute(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# -- whole blocks both ways --------------------------------------------------------------------------------------
+def _out(dst: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return x if dst is None else dst.copy_(x)
 
 
-def pack_keys(keys: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys QTensor [B, K, C, 128] (C a multiple of 32, the first slot's parity even) -> kc, km."""
+# -- whole blocks both ways (on CUDA the codes move in one Triton launch each: tale_kernels.frag_pack) -------------
+
+
+def pack_keys(keys: QTensor, kc: torch.Tensor | None = None, km: torch.Tensor | None = None):
+    """Keys QTensor [B, K, C, 128] (C a multiple of 32, the first slot's parity even) -> (kc, km), written into
+    the given views of a level's buffers, else new tensors."""
     B, K, C, _ = keys.shape
-    G, nb = K // GS, C // BLOCK
-    codes = unpack(keys.data, keys.bits).view(B, G, GS, C, N).transpose(2, 3).reshape(B, G, C, GS * N)
-    kt = _on(str(codes.device), "key", keys.bits)
-    kc = torch.empty(B, G, C, 16 * keys.bits, dtype=torch.int32, device=codes.device)
-    kc[:, :, 0::2] = to_words(codes[:, :, 0::2], kt[0], keys.bits)
-    kc[:, :, 1::2] = to_words(codes[:, :, 1::2], kt[1], keys.bits)
-    meta = torch.cat(
-        [t.view(B, G, GS, nb, N).transpose(2, 3).reshape(B, G, nb, GS * N) for t in (keys.scale, keys.zero)], -1
-    )
-    return kc, meta[..., _on(str(meta.device), "key_meta")].view(B, G, nb, GS, 32, 8)
+    G, nb, kb, dev = K // GS, C // BLOCK, keys.bits, keys.data.device
+    meta = torch.stack((keys.scale, keys.zero)).view(2, B, G, GS, nb, N).permute(1, 2, 4, 0, 3, 5)
+    meta = meta.reshape(B, G, nb, 2 * GS * N)[..., on_device(str(dev), "key_meta")].view(B, G, nb, GS, 32, 8)
+    k = _kernels(keys.data)
+    if k is not None:
+        kc = torch.empty(B, G, C, 16 * kb, dtype=torch.int32, device=dev) if kc is None else kc
+        k.pack_key_codes(keys.data, kb, kc)
+        return kc, _out(km, meta)
+    codes = unpack(keys.data, kb).view(B, G, GS, C, N).transpose(2, 3).reshape(B, G, C, GS * N)
+    kt = on_device(str(dev), "key", kb)
+    words = torch.empty(B, G, C, 16 * kb, dtype=torch.int32, device=dev)
+    words[:, :, 0::2] = to_words(codes[:, :, 0::2], kt[0], kb)
+    words[:, :, 1::2] = to_words(codes[:, :, 1::2], kt[1], kb)
+    return _out(kc, words), _out(km, meta)
 
 
 def unpack_keys(kc: torch.Tensor, km: torch.Tensor, proto: QTensor) -> QTensor:
-    """kc, km -> the keys QTensor [B, 4 G, C, 128] (bits, group, meta and shift of `proto`)."""
+    """kc, km (from an even slot) -> the keys QTensor [B, 4 G, C, 128] (bits, group, meta, shift of `proto`)."""
     B, G, C, _ = kc.shape
-    nb, kb = C // BLOCK, proto.bits
-    kt = _on(str(kc.device), "key", kb)
-    codes = torch.empty(B, G, C, GS * N, dtype=torch.uint8, device=kc.device)
+    nb, kb, dev = C // BLOCK, proto.bits, kc.device
+    meta = _unpermute(km.reshape(B, G, nb, 2 * GS * N), on_device(str(dev), "key_meta")).view(B, G, nb, 2, GS, N)
+    scale, zero = (meta[:, :, :, i].transpose(2, 3).reshape(B, G * GS, nb, N) for i in (0, 1))
+    k = _kernels(kc)
+    if k is not None:
+        return replace(proto, data=k.unpack_key_codes(kc, kb), scale=scale, zero=zero)
+    kt = on_device(str(dev), "key", kb)
+    codes = torch.empty(B, G, C, GS * N, dtype=torch.uint8, device=dev)
     codes[:, :, 0::2] = from_words(kc[:, :, 0::2], kt[0], kb)
     codes[:, :, 1::2] = from_words(kc[:, :, 1::2], kt[1], kb)
     codes = codes.view(B, G, C, GS, N).transpose(2, 3).reshape(B, G * GS, C, N)
-    meta = _unpermute(km.reshape(B, G, nb, 2 * GS * N), _on(str(km.device), "key_meta")).view(B, G, nb, 2, GS, N)
-    scale, zero = (meta[:, :, :, i].transpose(2, 3).reshape(B, G * GS, nb, N) for i in (0, 1))
     return replace(proto, data=pack(codes, kb), scale=scale, zero=zero)
 
 
-def pack_lat(lat: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Latents QTensor [B, G, C, r] (r a multiple of 256) -> lc, lm."""
+def pack_lat(lat: QTensor, lc: torch.Tensor | None = None, lm: torch.Tensor | None = None):
+    """Latents QTensor [B, G, C, r] (r a multiple of 256) -> (lc, lm), written into the given views, else new."""
     B, G, C, r = lat.shape
-    nb, halves = C // BLOCK, r // HALF
-    codes = unpack(lat.data, lat.bits).view(B, G, nb, BLOCK, halves, HALF).permute(0, 1, 4, 2, 3, 5)
-    lc = to_words(codes.reshape(B, G, halves, nb, BLOCK * HALF), _on(str(codes.device), "lat", lat.bits), lat.bits)
-    meta = torch.cat(
-        [
-            t.view(B, G, nb, BLOCK, halves, 8).permute(0, 1, 4, 2, 3, 5).reshape(B, G, halves, nb, 256)
-            for t in (lat.scale, lat.zero)
-        ],
-        -1,
-    )
-    return lc, meta[..., _on(str(meta.device), "lat_meta")].view(B, G, halves, nb, 8, 2, 4, 8)
+    nb, halves, lb, dev = C // BLOCK, r // HALF, lat.bits, lat.data.device
+    meta = torch.stack((lat.scale, lat.zero)).view(2, B, G, nb, BLOCK, halves, 8).permute(1, 2, 5, 3, 0, 4, 6)
+    meta = meta.reshape(B, G, halves, nb, 512)[..., on_device(str(dev), "lat_meta")].view(B, G, halves, nb, 8, 2, 4, 8)
+    k = _kernels(lat.data)
+    if k is not None:
+        lc = torch.empty(B, G, halves, nb, 256 * lb, dtype=torch.int32, device=dev) if lc is None else lc
+        k.pack_lat_codes(lat.data, lb, lc)
+        return lc, _out(lm, meta)
+    codes = unpack(lat.data, lb).view(B, G, nb, BLOCK, halves, HALF).permute(0, 1, 4, 2, 3, 5)
+    words = to_words(codes.reshape(B, G, halves, nb, BLOCK * HALF), on_device(str(dev), "lat", lb), lb)
+    return _out(lc, words), _out(lm, meta)
 
 
 def unpack_lat(lc: torch.Tensor, lm: torch.Tensor, proto: QTensor) -> QTensor:
     """lc, lm -> the latents QTensor [B, G, C, r] (bits, group, meta and shift of `proto`)."""
     B, G, halves, nb, _ = lc.shape
-    C, r = nb * BLOCK, halves * HALF
-    codes = from_words(lc, _on(str(lc.device), "lat", proto.bits), proto.bits).view(B, G, halves, nb, BLOCK, HALF)
-    codes = codes.permute(0, 1, 3, 4, 2, 5).reshape(B, G, C, r)
-    meta = _unpermute(lm.reshape(B, G, halves, nb, 512), _on(str(lm.device), "lat_meta")).view(
-        B, G, halves, nb, 2, BLOCK, 8
-    )
+    C, r, lb, dev = nb * BLOCK, halves * HALF, proto.bits, lc.device
+    meta = _unpermute(lm.reshape(B, G, halves, nb, 512), on_device(str(dev), "lat_meta"))
+    meta = meta.view(B, G, halves, nb, 2, BLOCK, 8)
     scale, zero = (meta[..., i, :, :].permute(0, 1, 3, 4, 2, 5).reshape(B, G, C, halves * 8) for i in (0, 1))
-    return replace(proto, data=pack(codes, proto.bits), scale=scale, zero=zero)
+    k = _kernels(lc)
+    if k is not None:
+        return replace(proto, data=k.unpack_lat_codes(lc, lb), scale=scale, zero=zero)
+    codes = from_words(lc, on_device(str(dev), "lat", lb), lb).view(B, G, halves, nb, BLOCK, HALF)
+    codes = codes.permute(0, 1, 3, 4, 2, 5).reshape(B, G, C, r)
+    return replace(proto, data=pack(codes, lb), scale=scale, zero=zero)
 
 
 @dataclass
@@ -277,12 +315,8 @@ class FragLevel:
             if (src.bits, src.group, src.meta, src.shift) != (proto.bits, proto.group, proto.meta, proto.shift):
                 raise ValueError("fragment layout: tokens quantized in another format than the level's")
         b0, b1 = slot // BLOCK, (slot + n) // BLOCK
-        kc, km = pack_keys(keys)
-        lc, lm = pack_lat(lat)
-        self.kc[:, :, slot : slot + n] = kc
-        self.km[:, :, b0:b1] = km
-        self.lc[:, :, :, b0:b1] = lc
-        self.lm[:, :, :, b0:b1] = lm
+        pack_keys(keys, self.kc[:, :, slot : slot + n], self.km[:, :, b0:b1])
+        pack_lat(lat, self.lc[:, :, :, b0:b1], self.lm[:, :, :, b0:b1])
 
     def take_keys(self, slot: int, n: int) -> QTensor:
         """Slots [slot, slot + n)'s keys as a row-layout QTensor."""

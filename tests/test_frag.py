@@ -102,3 +102,25 @@ def test_frag_layout_refused_where_it_does_not_fit():
     auto = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=100, num_heads=16)  # auto: the CPU keeps rows
     auto.layers[0].append(torch.randn(1, K, 40, n).bfloat16(), torch.randn(1, G, 40, R).bfloat16())
     assert auto.layout == "row"
+
+
+@pytest.mark.parametrize("kb,rank", [(2, 256), (4, 512)])
+def test_triton_pack_kernels_match_the_torch_path(kb, rank):
+    """tale_kernels.frag_pack (one launch per direction; the CUDA path of flushes and demotions) against the torch
+    path: the same words from the same row-layout bytes, and back (CPU interpreter in CI, the GPU on CUDA)."""
+    from tale_kernels import frag_pack
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(7)
+    B, C = 2, 64
+    keys = quantize(torch.randn(B, 2 * K, C, n, generator=gen).bfloat16(), kb, 32, -2)
+    lat = quantize(torch.randn(B, 2 * G, C, rank, generator=gen).bfloat16(), kb, 32, -1)
+    kc, _ = frag.pack_keys(keys)  # CPU tensors: the torch path
+    lc, _ = frag.pack_lat(lat)
+    got_kc = torch.zeros(B, 2 * G, C + 32, 16 * kb, dtype=torch.int32, device=dev)  # written at slots 32..
+    frag_pack.pack_key_codes(keys.data.to(dev), kb, got_kc[:, :, 32:], slot0=32)
+    got_lc = torch.zeros_like(lc, device=dev)
+    frag_pack.pack_lat_codes(lat.data.to(dev), kb, got_lc)
+    assert torch.equal(got_kc[:, :, 32:].cpu(), kc) and torch.equal(got_lc.cpu(), lc)
+    assert torch.equal(frag_pack.unpack_key_codes(kc.to(dev), kb).cpu(), keys.data)
+    assert torch.equal(frag_pack.unpack_lat_codes(lc.to(dev), kb).cpu(), lat.data)

@@ -1,0 +1,138 @@
+"""Triton kernels that move packed codes between the row layout (runtime/quant.py) and the fragment layout of the
+CUDA decode kernel (runtime/frag.py): one launch per level and direction instead of ~20 torch ops, so that a static
+cache's flushes and demotions cost no more host time in the fragment layout than in rows.
+
+Both directions read runtime/frag.py's tables: word w's field f holds the code at logical index table[w, f] (keys:
+head * 128 + channel of one slot; latents: slot * 256 + channel of a 32-slot block's half); `inverse_*` give, per
+logical index, w * F + f. A row-layout code c of a row of NB bytes sits in byte c % NB at bit (c // NB) * BITS.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from tale_runtime import frag
+
+
+@triton.jit
+def _pack_kernel(
+    src, out, tab, slot0, n, G, H2,
+    sB, sG, sT, oB, oG, oT, oH,
+    LAT: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr, W: tl.constexpr, F: tl.constexpr,
+):  # fmt: skip
+    # program: keys, one slot (b, g, t) of n; latents, one block-half (b, g, half, blk) of n blocks and H2 halves
+    u = tl.program_id(0)
+    w = tl.arange(0, W)[:, None]
+    f = tl.arange(0, F)[None, :]
+    if LAT:
+        blk = u % n
+        half = (u // n) % H2
+        g = (u // (n * H2)) % G
+        b = u // (n * H2 * G)
+        idx = tl.load(tab + w * F + f)
+        c = half * 256 + idx % 256
+        addr = src + b * sB + g * sG + (blk * 32 + idx // 256) * sT + c % NB
+        dst = out + b * oB + g * oG + half * oH + blk * oT + tl.arange(0, W)
+    else:
+        t = u % n
+        g = (u // n) % G
+        b = u // (n * G)
+        idx = tl.load(tab + ((slot0 + t) % 2) * W * F + w * F + f)  # the slot's parity picks the word swizzle
+        c = idx % 128
+        addr = src + b * sB + (g * 4 + idx // 128) * sG + t * sT + c % NB
+        dst = out + b * oB + g * oG + t * oT + tl.arange(0, W)
+    code = (tl.load(addr).to(tl.uint32) >> ((c // NB) * BITS).to(tl.uint32)) & ((1 << BITS) - 1)
+    word = tl.sum(code << (f * BITS).to(tl.uint32), axis=1)  # disjoint fields: the sum is their OR
+    tl.store(dst, word.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _unpack_kernel(
+    words, out, inv, slot0, n, G,
+    wB, wG, wT, wH, oB, oG, oT,
+    LAT: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, F: tl.constexpr,
+):  # fmt: skip
+    # program: keys, one slot (b, g, t): 4 heads x NB bytes; latents, one slot (b, g, s) of n: its NB bytes
+    u = tl.program_id(0)
+    t = u % n
+    g = (u // n) % G
+    b = u // (n * G)
+    j = tl.arange(0, ROWS * NB)[:, None]
+    p = tl.arange(0, 8 // BITS)[None, :]
+    c = p * NB + j % NB  # the logical channel of plane p of byte j
+    if LAT:
+        iv = tl.load(inv + (t % 32) * 256 + c % 256)
+        src = words + b * wB + g * wG + (c // 256) * wH + (t // 32) * wT + iv // F
+        dst = out + b * oB + g * oG + t * oT + tl.arange(0, ROWS * NB)
+    else:
+        iv = tl.load(inv + ((slot0 + t) % 2) * 512 + (j // NB) * 128 + c)
+        src = words + b * wB + g * wG + t * wT + iv // F
+        dst = out + b * oB + (g * 4 + tl.arange(0, ROWS * NB) // NB) * oG + t * oT + tl.arange(0, ROWS * NB) % NB
+    code = (tl.load(src).to(tl.uint32, bitcast=True) >> ((iv % F) * BITS).to(tl.uint32)) & ((1 << BITS) - 1)
+    byte = tl.sum(code << (p * BITS).to(tl.uint32), axis=1)
+    tl.store(dst, byte.to(tl.uint8))
+
+
+def _table(name: str, device, *args) -> torch.Tensor:
+    """A runtime/frag.py table as int32 on `device` (built once)."""
+    return _int32(str(device), name, *args)
+
+
+@functools.lru_cache
+def _int32(device: str, name: str, *args) -> torch.Tensor:
+    return frag.on_device(device, name, *args).to(torch.int32).contiguous()
+
+
+def pack_key_codes(data: torch.Tensor, bits: int, out: torch.Tensor, slot0: int = 0) -> None:
+    """Row-layout key bytes [B, K, n, 128 bits / 8] -> out [B, G, n, 16 bits] int32: a level's slots slot0.. (a
+    view starting there; slot0's parity picks the word swizzle)."""
+    B, K, n, NB = data.shape
+    G = K // 4
+    tab = _table("key", data.device, bits)
+    _pack_kernel[(B * G * n,)](
+        data, out, tab, slot0, n, G, 1,
+        data.stride(0), data.stride(1), data.stride(2), out.stride(0), out.stride(1), out.stride(2), 0,
+        LAT=False, BITS=bits, NB=NB, W=16 * bits, F=32 // bits,
+    )  # fmt: skip
+
+
+def pack_lat_codes(data: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """Row-layout latent bytes [B, G, 32 m, r bits / 8] -> out [B, G, r / 256, m, 256 bits] int32."""
+    B, G, n, NB = data.shape
+    halves, m = out.shape[2], n // 32
+    tab = _table("lat", data.device, bits)
+    _pack_kernel[(B * G * halves * m,)](
+        data, out, tab, 0, m, G, halves,
+        data.stride(0), data.stride(1), data.stride(2), out.stride(0), out.stride(1), out.stride(3), out.stride(2),
+        LAT=True, BITS=bits, NB=NB, W=256 * bits, F=32 // bits,
+    )  # fmt: skip
+
+
+def unpack_key_codes(kc: torch.Tensor, bits: int, slot0: int = 0) -> torch.Tensor:
+    """kc [B, G, n, 16 bits] int32 (a level's slots slot0..) -> row-layout key bytes [B, 4 G, n, 128 bits / 8]."""
+    B, G, n, _ = kc.shape
+    NB = 128 * bits // 8
+    out = torch.empty(B, 4 * G, n, NB, dtype=torch.uint8, device=kc.device)
+    _unpack_kernel[(B * G * n,)](
+        kc, out, _table("key_inv", kc.device, bits), slot0 % 2, n, G,
+        kc.stride(0), kc.stride(1), kc.stride(2), 0, out.stride(0), out.stride(1), out.stride(2),
+        LAT=False, BITS=bits, NB=NB, ROWS=4, F=32 // bits,
+    )  # fmt: skip
+    return out
+
+
+def unpack_lat_codes(lc: torch.Tensor, bits: int) -> torch.Tensor:
+    """lc [B, G, r / 256, m, 256 bits] int32 -> row-layout latent bytes [B, G, 32 m, r bits / 8]."""
+    B, G, halves, m, _ = lc.shape
+    NB = 256 * halves * bits // 8
+    out = torch.empty(B, G, 32 * m, NB, dtype=torch.uint8, device=lc.device)
+    _unpack_kernel[(B * G * 32 * m,)](
+        lc, out, _table("lat_inv", lc.device, bits), 0, 32 * m, G,
+        lc.stride(0), lc.stride(1), lc.stride(3), lc.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        LAT=True, BITS=bits, NB=NB, ROWS=1, F=32 // bits,
+    )  # fmt: skip
+    return out
