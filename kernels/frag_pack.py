@@ -22,6 +22,7 @@ from tale_runtime import frag
 def _pack_kernel(
     src, out, tab, slot0, n, G, H2,
     sB, sG, sT, oB, oG, oT, oH,
+    scale, zero, mout, mtab, mB, mG, mT, qB, qG, qT, qH,
     LAT: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr, W: tl.constexpr, F: tl.constexpr,
 ):  # fmt: skip
     # program: keys, one slot (b, g, t) of n; latents, one block-half (b, g, half, blk) of n blocks and H2 halves
@@ -37,6 +38,12 @@ def _pack_kernel(
         c = half * 256 + idx % 256
         addr = src + b * sB + g * sG + (blk * 32 + idx // 256) * sT + c % NB
         dst = out + b * oB + g * oG + half * oH + blk * oT + tl.arange(0, W)
+        # the block-half's scale/zero pairs: entry i holds (scale | zero, slot, value group) = mtab[i]
+        i = tl.arange(0, 512)
+        mi = tl.load(mtab + i)
+        off = b * mB + g * mG + (blk * 32 + (mi // 8) % 32) * mT + half * 8 + mi % 8
+        m = tl.where(mi < 256, tl.load(scale + off), tl.load(zero + off))
+        tl.store(mout + b * qB + g * qG + half * qH + blk * qT + i, m)
     else:
         t = u % n
         g = (u // n) % G
@@ -45,6 +52,12 @@ def _pack_kernel(
         c = idx % 128
         addr = src + b * sB + (g * 4 + idx // 128) * sG + t * sT + c % NB
         dst = out + b * oB + g * oG + t * oT + tl.arange(0, W)
+        if t % 32 == 0:  # the block's scale/zero: entry i holds (scale | zero, head, channel) = mtab[i]
+            i = tl.arange(0, 1024)
+            mi = tl.load(mtab + i)
+            off = b * mB + (g * 4 + (mi // 128) % 4) * mG + (t // 32) * mT + mi % 128
+            m = tl.where(mi < 512, tl.load(scale + off), tl.load(zero + off))
+            tl.store(mout + b * qB + g * qG + (t // 32) * qT + i, m)
     code = (tl.load(addr).to(tl.uint32) >> ((c // NB) * BITS).to(tl.uint32)) & ((1 << BITS) - 1)
     word = tl.sum(code << (f * BITS).to(tl.uint32), axis=1)  # disjoint fields: the sum is their OR
     tl.store(dst, word.to(tl.int32, bitcast=True))
@@ -54,7 +67,9 @@ def _pack_kernel(
 def _unpack_kernel(
     words, out, inv, slot0, n, G,
     wB, wG, wT, wH, oB, oG, oT,
+    meta, scale, zero, minv, qB, qG, qT, qH, mB, mG, mT,
     LAT: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, F: tl.constexpr,
+    H2: tl.constexpr,
 ):  # fmt: skip
     # program: keys, one slot (b, g, t): 4 heads x NB bytes; latents, one slot (b, g, s) of n: its NB bytes
     u = tl.program_id(0)
@@ -68,10 +83,23 @@ def _unpack_kernel(
         iv = tl.load(inv + (t % 32) * 256 + c % 256)
         src = words + b * wB + g * wG + (c // 256) * wH + (t // 32) * wT + iv // F
         dst = out + b * oB + g * oG + t * oT + tl.arange(0, ROWS * NB)
+        if t % 32 == 0:  # the block's scale/zero pairs back: logical entry j (scale | zero, slot, group) per half
+            j = tl.arange(0, H2 * 512)
+            jj = j % 512
+            m = tl.load(meta + b * qB + g * qG + (j // 512) * qH + (t // 32) * qT + tl.load(minv + jj))
+            off = b * mB + g * mG + (t + (jj // 8) % 32) * mT + (j // 512) * 8 + jj % 8
+            tl.store(scale + off, m, mask=jj < 256)
+            tl.store(zero + off, m, mask=jj >= 256)
     else:
         iv = tl.load(inv + ((slot0 + t) % 2) * 512 + (j // NB) * 128 + c)
         src = words + b * wB + g * wG + t * wT + iv // F
         dst = out + b * oB + (g * 4 + tl.arange(0, ROWS * NB) // NB) * oG + t * oT + tl.arange(0, ROWS * NB) % NB
+        if t % 32 == 0:  # the block's scale/zero back: logical entry j = (scale | zero, head, channel)
+            j = tl.arange(0, 1024)
+            m = tl.load(meta + b * qB + g * qG + (t // 32) * qT + tl.load(minv + j))
+            off = b * mB + (g * 4 + (j // 128) % 4) * mG + (t // 32) * mT + j % 128
+            tl.store(scale + off, m, mask=j < 512)
+            tl.store(zero + off, m, mask=j >= 512)
     code = (tl.load(src).to(tl.uint32, bitcast=True) >> ((iv % F) * BITS).to(tl.uint32)) & ((1 << BITS) - 1)
     byte = tl.sum(code << (p * BITS).to(tl.uint32), axis=1)
     tl.store(dst, byte.to(tl.uint8))
@@ -87,52 +115,70 @@ def _int32(device: str, name: str, *args) -> torch.Tensor:
     return frag.on_device(device, name, *args).to(torch.int32).contiguous()
 
 
-def pack_key_codes(data: torch.Tensor, bits: int, out: torch.Tensor, slot0: int = 0) -> None:
-    """Row-layout key bytes [B, K, n, 128 bits / 8] -> out [B, G, n, 16 bits] int32: a level's slots slot0.. (a
-    view starting there; slot0's parity picks the word swizzle)."""
+def pack_keys(keys, kc: torch.Tensor, km: torch.Tensor, slot0: int = 0) -> None:
+    """A keys QTensor [B, K, n, 128] (row layout, 16-bit scale/zero [B, K, n / 32, 128]) -> kc [B, G, n, 16 bits]
+    int32 and km [B, G, n / 32, 4, 32, 8]: views of a level's buffers starting at slot slot0 (its parity picks the
+    word swizzle; n and slot0 multiples of 32)."""
+    data, bits = keys.data, keys.bits
     B, K, n, NB = data.shape
     G = K // 4
-    tab = _table("key", data.device, bits)
+    sc, ze = keys.scale, keys.zero
     _pack_kernel[(B * G * n,)](
-        data, out, tab, slot0, n, G, 1,
-        data.stride(0), data.stride(1), data.stride(2), out.stride(0), out.stride(1), out.stride(2), 0,
+        data, kc, _table("key", data.device, bits), slot0, n, G, 1,
+        data.stride(0), data.stride(1), data.stride(2), kc.stride(0), kc.stride(1), kc.stride(2), 0,
+        sc, ze, km, _table("key_meta", data.device), sc.stride(0), sc.stride(1), sc.stride(2),
+        km.stride(0), km.stride(1), km.stride(2), 0,
         LAT=False, BITS=bits, NB=NB, W=16 * bits, F=32 // bits,
     )  # fmt: skip
 
 
-def pack_lat_codes(data: torch.Tensor, bits: int, out: torch.Tensor) -> None:
-    """Row-layout latent bytes [B, G, 32 m, r bits / 8] -> out [B, G, r / 256, m, 256 bits] int32."""
+def pack_lat(lat, lc: torch.Tensor, lm: torch.Tensor) -> None:
+    """A latents QTensor [B, G, 32 m, r] (row layout, scale/zero [B, G, 32 m, r / 32]) -> lc [B, G, r / 256, m,
+    256 bits] int32 and lm [B, G, r / 256, m, 8, 2, 4, 8] (views of a level's buffers)."""
+    data, bits = lat.data, lat.bits
     B, G, n, NB = data.shape
-    halves, m = out.shape[2], n // 32
-    tab = _table("lat", data.device, bits)
+    halves, m = lc.shape[2], n // 32
+    sc, ze = lat.scale, lat.zero
     _pack_kernel[(B * G * halves * m,)](
-        data, out, tab, 0, m, G, halves,
-        data.stride(0), data.stride(1), data.stride(2), out.stride(0), out.stride(1), out.stride(3), out.stride(2),
+        data, lc, _table("lat", data.device, bits), 0, m, G, halves,
+        data.stride(0), data.stride(1), data.stride(2), lc.stride(0), lc.stride(1), lc.stride(3), lc.stride(2),
+        sc, ze, lm, _table("lat_meta", data.device), sc.stride(0), sc.stride(1), sc.stride(2),
+        lm.stride(0), lm.stride(1), lm.stride(3), lm.stride(2),
         LAT=True, BITS=bits, NB=NB, W=256 * bits, F=32 // bits,
     )  # fmt: skip
 
 
-def unpack_key_codes(kc: torch.Tensor, bits: int, slot0: int = 0) -> torch.Tensor:
-    """kc [B, G, n, 16 bits] int32 (a level's slots slot0..) -> row-layout key bytes [B, 4 G, n, 128 bits / 8]."""
+def unpack_keys(kc: torch.Tensor, km: torch.Tensor, bits: int, mdtype: torch.dtype, slot0: int = 0):
+    """kc [B, G, n, 16 bits], km [B, G, n / 32, 4, 32, 8] (a level's slots slot0..) -> row-layout key bytes
+    [B, 4 G, n, 128 bits / 8], scale and zero [B, 4 G, n / 32, 128] (mdtype)."""
     B, G, n, _ = kc.shape
     NB = 128 * bits // 8
     out = torch.empty(B, 4 * G, n, NB, dtype=torch.uint8, device=kc.device)
+    sc = torch.empty(B, 4 * G, n // 32, 128, dtype=mdtype, device=kc.device)
+    ze = torch.empty_like(sc)
     _unpack_kernel[(B * G * n,)](
         kc, out, _table("key_inv", kc.device, bits), slot0 % 2, n, G,
         kc.stride(0), kc.stride(1), kc.stride(2), 0, out.stride(0), out.stride(1), out.stride(2),
-        LAT=False, BITS=bits, NB=NB, ROWS=4, F=32 // bits,
+        km, sc, ze, _table("key_meta_inv", kc.device), km.stride(0), km.stride(1), km.stride(2), 0,
+        sc.stride(0), sc.stride(1), sc.stride(2),
+        LAT=False, BITS=bits, NB=NB, ROWS=4, F=32 // bits, H2=1,
     )  # fmt: skip
-    return out
+    return out, sc, ze
 
 
-def unpack_lat_codes(lc: torch.Tensor, bits: int) -> torch.Tensor:
-    """lc [B, G, r / 256, m, 256 bits] int32 -> row-layout latent bytes [B, G, 32 m, r bits / 8]."""
+def unpack_lat(lc: torch.Tensor, lm: torch.Tensor, bits: int, mdtype: torch.dtype):
+    """lc [B, G, r / 256, m, 256 bits], lm [B, G, r / 256, m, 8, 2, 4, 8] -> row-layout latent bytes
+    [B, G, 32 m, r bits / 8], scale and zero [B, G, 32 m, r / 32] (mdtype)."""
     B, G, halves, m, _ = lc.shape
     NB = 256 * halves * bits // 8
     out = torch.empty(B, G, 32 * m, NB, dtype=torch.uint8, device=lc.device)
+    sc = torch.empty(B, G, 32 * m, 8 * halves, dtype=mdtype, device=lc.device)
+    ze = torch.empty_like(sc)
     _unpack_kernel[(B * G * 32 * m,)](
         lc, out, _table("lat_inv", lc.device, bits), 0, 32 * m, G,
         lc.stride(0), lc.stride(1), lc.stride(3), lc.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        LAT=True, BITS=bits, NB=NB, ROWS=1, F=32 // bits,
+        lm, sc, ze, _table("lat_meta_inv", lc.device), lm.stride(0), lm.stride(1), lm.stride(3), lm.stride(2),
+        sc.stride(0), sc.stride(1), sc.stride(2),
+        LAT=True, BITS=bits, NB=NB, ROWS=1, F=32 // bits, H2=halves,
     )  # fmt: skip
-    return out
+    return out, sc, ze

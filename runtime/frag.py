@@ -144,6 +144,8 @@ TABLES = {
     "lat_meta": lat_meta_table,
     "key_inv": lambda kb: _inverse(key_table(kb)),
     "lat_inv": lambda lb: _inverse(lat_table(lb)),
+    "key_meta_inv": lambda: key_meta_table().argsort(),
+    "lat_meta_inv": lambda: lat_meta_table().argsort(),
 }
 
 
@@ -198,13 +200,14 @@ def pack_keys(keys: QTensor, kc: torch.Tensor | None = None, km: torch.Tensor | 
     the given views of a level's buffers, else new tensors."""
     B, K, C, _ = keys.shape
     G, nb, kb, dev = K // GS, C // BLOCK, keys.bits, keys.data.device
-    meta = torch.stack((keys.scale, keys.zero)).view(2, B, G, GS, nb, N).permute(1, 2, 4, 0, 3, 5)
-    meta = meta.reshape(B, G, nb, 2 * GS * N)[..., on_device(str(dev), "key_meta")].view(B, G, nb, GS, 32, 8)
     k = _kernels(keys.data)
     if k is not None:
         kc = torch.empty(B, G, C, 16 * kb, dtype=torch.int32, device=dev) if kc is None else kc
-        k.pack_key_codes(keys.data, kb, kc)
-        return kc, _out(km, meta)
+        km = torch.empty(B, G, nb, GS, 32, 8, dtype=keys.scale.dtype, device=dev) if km is None else km
+        k.pack_keys(keys, kc, km)
+        return kc, km
+    meta = torch.stack((keys.scale, keys.zero)).view(2, B, G, GS, nb, N).permute(1, 2, 4, 0, 3, 5)
+    meta = meta.reshape(B, G, nb, 2 * GS * N)[..., on_device(str(dev), "key_meta")].view(B, G, nb, GS, 32, 8)
     codes = unpack(keys.data, kb).view(B, G, GS, C, N).transpose(2, 3).reshape(B, G, C, GS * N)
     kt = on_device(str(dev), "key", kb)
     words = torch.empty(B, G, C, 16 * kb, dtype=torch.int32, device=dev)
@@ -217,11 +220,12 @@ def unpack_keys(kc: torch.Tensor, km: torch.Tensor, proto: QTensor) -> QTensor:
     """kc, km (from an even slot) -> the keys QTensor [B, 4 G, C, 128] (bits, group, meta, shift of `proto`)."""
     B, G, C, _ = kc.shape
     nb, kb, dev = C // BLOCK, proto.bits, kc.device
-    meta = _unpermute(km.reshape(B, G, nb, 2 * GS * N), on_device(str(dev), "key_meta")).view(B, G, nb, 2, GS, N)
-    scale, zero = (meta[:, :, :, i].transpose(2, 3).reshape(B, G * GS, nb, N) for i in (0, 1))
     k = _kernels(kc)
     if k is not None:
-        return replace(proto, data=k.unpack_key_codes(kc, kb), scale=scale, zero=zero)
+        data, scale, zero = k.unpack_keys(kc, km, kb, km.dtype)
+        return replace(proto, data=data, scale=scale, zero=zero)
+    meta = _unpermute(km.reshape(B, G, nb, 2 * GS * N), on_device(str(dev), "key_meta")).view(B, G, nb, 2, GS, N)
+    scale, zero = (meta[:, :, :, i].transpose(2, 3).reshape(B, G * GS, nb, N) for i in (0, 1))
     kt = on_device(str(dev), "key", kb)
     codes = torch.empty(B, G, C, GS * N, dtype=torch.uint8, device=dev)
     codes[:, :, 0::2] = from_words(kc[:, :, 0::2], kt[0], kb)
@@ -234,13 +238,14 @@ def pack_lat(lat: QTensor, lc: torch.Tensor | None = None, lm: torch.Tensor | No
     """Latents QTensor [B, G, C, r] (r a multiple of 256) -> (lc, lm), written into the given views, else new."""
     B, G, C, r = lat.shape
     nb, halves, lb, dev = C // BLOCK, r // HALF, lat.bits, lat.data.device
-    meta = torch.stack((lat.scale, lat.zero)).view(2, B, G, nb, BLOCK, halves, 8).permute(1, 2, 5, 3, 0, 4, 6)
-    meta = meta.reshape(B, G, halves, nb, 512)[..., on_device(str(dev), "lat_meta")].view(B, G, halves, nb, 8, 2, 4, 8)
     k = _kernels(lat.data)
     if k is not None:
         lc = torch.empty(B, G, halves, nb, 256 * lb, dtype=torch.int32, device=dev) if lc is None else lc
-        k.pack_lat_codes(lat.data, lb, lc)
-        return lc, _out(lm, meta)
+        lm = torch.empty(B, G, halves, nb, 8, 2, 4, 8, dtype=lat.scale.dtype, device=dev) if lm is None else lm
+        k.pack_lat(lat, lc, lm)
+        return lc, lm
+    meta = torch.stack((lat.scale, lat.zero)).view(2, B, G, nb, BLOCK, halves, 8).permute(1, 2, 5, 3, 0, 4, 6)
+    meta = meta.reshape(B, G, halves, nb, 512)[..., on_device(str(dev), "lat_meta")].view(B, G, halves, nb, 8, 2, 4, 8)
     codes = unpack(lat.data, lb).view(B, G, nb, BLOCK, halves, HALF).permute(0, 1, 4, 2, 3, 5)
     words = to_words(codes.reshape(B, G, halves, nb, BLOCK * HALF), on_device(str(dev), "lat", lb), lb)
     return _out(lc, words), _out(lm, meta)
@@ -250,12 +255,13 @@ def unpack_lat(lc: torch.Tensor, lm: torch.Tensor, proto: QTensor) -> QTensor:
     """lc, lm -> the latents QTensor [B, G, C, r] (bits, group, meta and shift of `proto`)."""
     B, G, halves, nb, _ = lc.shape
     C, r, lb, dev = nb * BLOCK, halves * HALF, proto.bits, lc.device
+    k = _kernels(lc)
+    if k is not None:
+        data, scale, zero = k.unpack_lat(lc, lm, lb, lm.dtype)
+        return replace(proto, data=data, scale=scale, zero=zero)
     meta = _unpermute(lm.reshape(B, G, halves, nb, 512), on_device(str(dev), "lat_meta"))
     meta = meta.view(B, G, halves, nb, 2, BLOCK, 8)
     scale, zero = (meta[..., i, :, :].permute(0, 1, 3, 4, 2, 5).reshape(B, G, C, halves * 8) for i in (0, 1))
-    k = _kernels(lc)
-    if k is not None:
-        return replace(proto, data=k.unpack_lat_codes(lc, lb), scale=scale, zero=zero)
     codes = from_words(lc, on_device(str(dev), "lat", lb), lb).view(B, G, halves, nb, BLOCK, HALF)
     codes = codes.permute(0, 1, 3, 4, 2, 5).reshape(B, G, C, r)
     return replace(proto, data=pack(codes, lb), scale=scale, zero=zero)

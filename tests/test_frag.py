@@ -2,6 +2,8 @@
 layout's bytes, and a static cache held in it keeps exactly the tokens of the dynamic cache (bf16, Llama-3.1-8B's
 attention shapes per latent group: 4 KV heads of dim 128, the paper preset's ranks 256 / 512)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from test_static_cache import assert_same
@@ -106,8 +108,9 @@ def test_frag_layout_refused_where_it_does_not_fit():
 
 @pytest.mark.parametrize("kb,rank", [(2, 256), (4, 512)])
 def test_triton_pack_kernels_match_the_torch_path(kb, rank):
-    """tale_kernels.frag_pack (one launch per direction; the CUDA path of flushes and demotions) against the torch
-    path: the same words from the same row-layout bytes, and back (CPU interpreter in CI, the GPU on CUDA)."""
+    """tale_kernels.frag_pack (one launch per level and direction: the CUDA path of flushes and demotions) against
+    the torch path: the same words and scale/zero entries from the same QTensors, written at slot 32 of a larger
+    buffer, and back (CPU interpreter in CI, the GPU on CUDA)."""
     from tale_kernels import frag_pack
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -115,12 +118,21 @@ def test_triton_pack_kernels_match_the_torch_path(kb, rank):
     B, C = 2, 64
     keys = quantize(torch.randn(B, 2 * K, C, n, generator=gen).bfloat16(), kb, 32, -2)
     lat = quantize(torch.randn(B, 2 * G, C, rank, generator=gen).bfloat16(), kb, 32, -1)
-    kc, _ = frag.pack_keys(keys)  # CPU tensors: the torch path
-    lc, _ = frag.pack_lat(lat)
-    got_kc = torch.zeros(B, 2 * G, C + 32, 16 * kb, dtype=torch.int32, device=dev)  # written at slots 32..
-    frag_pack.pack_key_codes(keys.data.to(dev), kb, got_kc[:, :, 32:], slot0=32)
-    got_lc = torch.zeros_like(lc, device=dev)
-    frag_pack.pack_lat_codes(lat.data.to(dev), kb, got_lc)
-    assert torch.equal(got_kc[:, :, 32:].cpu(), kc) and torch.equal(got_lc.cpu(), lc)
-    assert torch.equal(frag_pack.unpack_key_codes(kc.to(dev), kb).cpu(), keys.data)
-    assert torch.equal(frag_pack.unpack_lat_codes(lc.to(dev), kb).cpu(), lat.data)
+    kc, km = frag.pack_keys(keys)  # CPU tensors: the torch path
+    lc, lm = frag.pack_lat(lat)
+
+    def to(q):
+        return replace(q, data=q.data.to(dev), scale=q.scale.to(dev), zero=q.zero.to(dev))
+
+    got_kc = torch.zeros(B, 2 * G, C + 32, 16 * kb, dtype=torch.int32, device=dev)
+    got_km = torch.zeros(B, 2 * G, C // 32 + 1, 4, 32, 8, dtype=km.dtype, device=dev)
+    frag_pack.pack_keys(to(keys), got_kc[:, :, 32:], got_km[:, :, 1:], slot0=32)
+    assert torch.equal(got_kc[:, :, 32:].cpu(), kc) and torch.equal(got_km[:, :, 1:].cpu(), km)
+    assert not got_kc[:, :, :32].any() and not got_km[:, :, :1].any()  # nothing written outside the view
+    got_lc, got_lm = torch.zeros_like(lc, device=dev), torch.zeros_like(lm, device=dev)
+    frag_pack.pack_lat(to(lat), got_lc, got_lm)
+    assert torch.equal(got_lc.cpu(), lc) and torch.equal(got_lm.cpu(), lm)
+    back = frag_pack.unpack_keys(kc.to(dev), km.to(dev), kb, km.dtype)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(back, (keys.data, keys.scale, keys.zero)))
+    back = frag_pack.unpack_lat(lc.to(dev), lm.to(dev), kb, lm.dtype)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(back, (lat.data, lat.scale, lat.zero)))
