@@ -83,23 +83,23 @@ def _unpack_kernel(
         iv = tl.load(inv + (t % 32) * 256 + c % 256)
         src = words + b * wB + g * wG + (c // 256) * wH + (t // 32) * wT + iv // F
         dst = out + b * oB + g * oG + t * oT + tl.arange(0, ROWS * NB)
-        if t % 32 == 0:  # the block's scale/zero pairs back: logical entry j (scale | zero, slot, group) per half
-            j = tl.arange(0, H2 * 512)
-            jj = j % 512
-            m = tl.load(meta + b * qB + g * qG + (j // 512) * qH + (t // 32) * qT + tl.load(minv + jj))
-            off = b * mB + g * mG + (t + (jj // 8) % 32) * mT + (j // 512) * 8 + jj % 8
+        if t % 32 == 0:  # the block's scale/zero pairs back: logical entry e (scale | zero, slot, group) per half
+            e = tl.arange(0, H2 * 512)  # (a name of its own: Triton types a name once per scope)
+            jj = e % 512
+            m = tl.load(meta + b * qB + g * qG + (e // 512) * qH + (t // 32) * qT + tl.load(minv + jj))
+            off = b * mB + g * mG + (t + (jj // 8) % 32) * mT + (e // 512) * 8 + jj % 8
             tl.store(scale + off, m, mask=jj < 256)
             tl.store(zero + off, m, mask=jj >= 256)
     else:
         iv = tl.load(inv + ((slot0 + t) % 2) * 512 + (j // NB) * 128 + c)
         src = words + b * wB + g * wG + t * wT + iv // F
         dst = out + b * oB + (g * 4 + tl.arange(0, ROWS * NB) // NB) * oG + t * oT + tl.arange(0, ROWS * NB) % NB
-        if t % 32 == 0:  # the block's scale/zero back: logical entry j = (scale | zero, head, channel)
-            j = tl.arange(0, 1024)
-            m = tl.load(meta + b * qB + g * qG + (t // 32) * qT + tl.load(minv + j))
-            off = b * mB + (g * 4 + (j // 128) % 4) * mG + (t // 32) * mT + j % 128
-            tl.store(scale + off, m, mask=j < 512)
-            tl.store(zero + off, m, mask=j >= 512)
+        if t % 32 == 0:  # the block's scale/zero back: logical entry e = (scale | zero, head, channel)
+            e = tl.arange(0, 1024)
+            m = tl.load(meta + b * qB + g * qG + (t // 32) * qT + tl.load(minv + e))
+            off = b * mB + (g * 4 + (e // 128) % 4) * mG + (t // 32) * mT + e % 128
+            tl.store(scale + off, m, mask=e < 512)
+            tl.store(zero + off, m, mask=e >= 512)
     code = (tl.load(src).to(tl.uint32, bitcast=True) >> ((iv % F) * BITS).to(tl.uint32)) & ((1 << BITS) - 1)
     byte = tl.sum(code << (p * BITS).to(tl.uint32), axis=1)
     tl.store(dst, byte.to(tl.uint8))
