@@ -336,11 +336,6 @@ class FragLevel:
         b0, b1 = slot // BLOCK, (slot + n) // BLOCK
         return unpack_lat(self.lc[:, :, :, b0:b1], self.lm[:, :, :, b0:b1], self.lat_proto)
 
-    def index_select_(self, index: torch.Tensor) -> None:
-        """Beam search: pick batch rows in place."""
-        for t in self.tensors():
-            t.copy_(t.index_select(0, index.to(t.device)))
-
     def repeat_interleave(self, repeats: int) -> None:
         self.kc, self.km, self.lc, self.lm = (t.repeat_interleave(repeats, dim=0) for t in self.tensors())
 

@@ -1,11 +1,11 @@
-"""The CUDA prototype's packed layout (benchmarks/cuda_decode/latent_level.cu), checked on the CPU.
+"""The CUDA decode kernel's packed layout (kernels/cuda/latent_level.cu, runtime/frag.py), checked on the CPU.
 
-The kernel reads each thread's mma fragments straight out of words that benchmarks/bench_cuda_decode.pack lays
-out. This test replays the kernel's per-lane arithmetic for one 32-slot block (the query-scale build with its
+The kernel reads each thread's mma fragments straight out of words that runtime/frag.py (through
+benchmarks/bench_cuda_decode.pack) lays out. This test replays the kernel's per-lane arithmetic for one 32-slot block (the query-scale build with its
 shared-memory addresses and swizzles, ldmatrix.x4, the mask / mask-or unpack, mma.m16n8k16's fragment layout) in
 numpy and compares the scores and the latent output with a float32 reference of the same codes. A wrong index in
 the packer or a wrong constant in this replay moves the error from ~3e-4 (float16 rounding) to O(1). The GPU run
-of the real kernel is benchmarks/bench_cuda_decode.py (docs/kernels.md, "CUDA prototype").
+of the real kernel: tests/test_mma_attention.py and benchmarks/bench_cuda_decode.py (docs/kernels.md, "CUDA kernel").
 """
 
 from __future__ import annotations
