@@ -29,6 +29,7 @@ class GenStats:
     cache_bytes: int  # TaleCache.nbytes(): every cached tensor
     baseline_bytes: int  # 16-bit K+V of the same tokens
     nominal_ratio: float | None  # artifact.nominal_ratio of the schedule: no sinks, scales, zeros, residual
+    attention: str = ""  # the decode attention backend (attention_backend)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -47,7 +48,20 @@ class GenStats:
             f"prefill {self.prefill_s:.2f} s, decode {speed} | "
             f"cache {_mib(self.cache_bytes)} vs 16-bit K+V {_mib(self.baseline_bytes)}: "
             f"measured {self.ratio:.2f}x (nominal {nominal})"
+            + (f" | attention: {self.attention}" if self.attention else "")
         )
+
+
+def attention_backend(model, cache) -> str:
+    """Which decode attention serves `cache` ("cuda kernel", "triton kernel", "torch reference"), from the model's
+    installed backend and the cache's layout; a call the kernel does not cover still falls back per call."""
+    fn = model.model.layers[0].self_attn.attention_fn
+    fn = getattr(fn, "func", fn)  # use_kernels(..., **options) installs a partial
+    if getattr(fn, "__module__", "").startswith("tale_kernels"):
+        if isinstance(cache, StaticTaleCache) and cache.layout == "frag":
+            return "cuda kernel (fragment layout)"
+        return "triton kernel"
+    return "torch reference"
 
 
 def _mib(n: int) -> str:
@@ -200,5 +214,6 @@ def generate(
         cache_bytes=cache.nbytes(),
         baseline_bytes=cache.baseline_nbytes(),
         nominal_ratio=schedule_nominal_ratio(model, cache.schedule),
+        attention=attention_backend(model, cache),
     )
     return out, stats

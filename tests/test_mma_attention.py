@@ -9,6 +9,7 @@ from tale_helpers import talify
 from tale_runtime import new_cache
 from tale_runtime.artifact import Schedule
 from tale_runtime.attention import latent_attention as reference
+from tale_runtime.generate import generate
 from tale_runtime.static_cache import StaticTaleCache
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -171,3 +172,6 @@ def test_greedy_tokens_with_the_kernel_on_and_off(monkeypatch):
     same_until_a_tie(on, off, ids.shape[1])
     same_until_a_tie(triton, off, ids.shape[1])
     assert (on.sequences == off.sequences).float().mean() > 0.9
+    use_kernels(tm, True)  # tale-run's stats line names the backend that served the decode
+    _, stats = generate(tm, ids[0].tolist(), max_new_tokens=4)
+    assert stats.attention == "cuda kernel (fragment layout)"

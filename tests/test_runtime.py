@@ -230,6 +230,7 @@ def test_generate_loop_matches_hf_generate_and_reports_stats():
     arch = tm.tale_manifest["architecture"]
     assert stats.nominal_ratio == pytest.approx(nominal_ratio(tm.tale_schedule, arch["head_dim"], 2))
     assert "measured" in stats.line() and "nominal" in stats.line()
+    assert stats.attention == "torch reference" and stats.line().endswith("attention: torch reference")
 
 
 def test_generate_loop_sampling():
