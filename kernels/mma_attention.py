@@ -24,10 +24,6 @@ SRC = os.path.join(os.path.dirname(__file__), "cuda", "latent_level.cu")
 OPTIONS = ("--use_fast_math", "-DSUBN=1", "-DABATCH=4")
 NW = {2: 8, 4: 5}  # warps per CTA of each level (the paper launch's CTAs have 8; 4-bit ones use 5)
 RANK = 256  # latent channels per CTA
-# merge CTAs per (batch row, head): 512 / Y channels each, Y / 2 threads per channel. 16 where the rows are few
-# (H100, whole call with PDL: 32K B=1 36.4 -> 34.2 us, 128K B=1 65-67 -> 64), 8 beyond (128K B=4: 180-185 against
-# 185-190 us with 16; B=3: 45 against 48); 32 was slower everywhere (docs/kernels.md)
-MERGE_Y = None
 KEY_BYTES = {kb: 4 * 128 * kb // 8 + 4 * 128 * 4 // 32 for kb in (2, 4)}  # per slot and group: codes, scale/zero
 LEVEL_BYTES = {2: KEY_BYTES[2] + 256 * 2 // 8 + 256 // 32 * 4, 4: KEY_BYTES[4] + 512 * 4 // 8 + 512 // 32 * 4}
 
@@ -168,7 +164,7 @@ def launch(
     )
     mod.launch(
         "tale_combine_paper",
-        (B * H, MERGE_Y or (16 if B * H * 16 <= 4 * _sms(dev) else 8)),
+        (B * H, 8),
         256,
         (
             po,

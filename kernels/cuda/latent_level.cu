@@ -568,8 +568,8 @@ extern "C" __global__ void __launch_bounds__(256)
 // the 2-bit level's rank) and the 16-bit tail, whose scores this kernel computes itself: each tail slot is one more
 // "split" with sum 1. The tail is three segments of bf16 keys [B, K, cap, 128] and latents [B, G, cap, 512]: the
 // sinks (cap S, positions spos [B, S]), the residual (cap Rc, positions rpos [B, Rc]) and the new token (cap 1, at
-// position npos[0]); a position < 0 (padding, an empty slot) or outside the window masks a slot. grid (B * H, Y),
-// Y in 8, 16, 32: 512 / Y channels per CTA of 256 threads; the tail in chunks of 256 slots.
+// position npos[0]); a position < 0 (padding, an empty slot) or outside the window masks a slot. grid (B * H, 8),
+// 256 threads: 64 channels per CTA; the tail in chunks of 256 slots.
 #define TAIL_CHUNK 256
 extern "C" __global__ void __launch_bounds__(256)
     tale_combine_paper(const float* __restrict__ po, const float* __restrict__ pm, const float* __restrict__ pl,
@@ -579,12 +579,10 @@ extern "C" __global__ void __launch_bounds__(256)
                        const int* __restrict__ rpos, int Rc, const unsigned short* __restrict__ nk,
                        const unsigned short* __restrict__ nh, float* __restrict__ z, int St, int S2, int G,
                        float shift_inv, float qk_scale, const long long* __restrict__ npos, int window) {
-    // gridDim.y CTAs per row: CH = 512 / gridDim.y channels each, MK = 256 / CH threads per channel
-    __shared__ float sm_m[256], sm_l[256], sm_o[256], st_s[TAIL_CHUNK];
-    const int CH = 512 / gridDim.y, MK = 256 / CH;
-    const int r = blockIdx.x, tid = threadIdx.x, c = tid % CH, k = tid / CH, lane = tid & 31, w = tid >> 5;
+    __shared__ float sm_m[4][64], sm_l[4][64], sm_o[4][64], st_s[TAIL_CHUNK];
+    const int r = blockIdx.x, tid = threadIdx.x, c = tid & 63, k = tid >> 6, lane = tid & 31, w = tid >> 5;
     const int H = G * 16, b = r / H, h = r % H, kv = h / 4, gr = h / 16;
-    const int ch = blockIdx.y * CH + c, T = S + Rc + 1, next = (int)npos[0];
+    const int ch = blockIdx.y * 64 + c, T = S + Rc + 1, next = (int)npos[0];
     // tail slot s -> its segment's row base (slot index within the segment's capacity) and position
     auto slot = [&](int s, const unsigned short*& kp, const unsigned short*& hp, int& cap, int& ss, int& ps) {
         if (s < S) {
@@ -599,7 +597,6 @@ extern "C" __global__ void __launch_bounds__(256)
     float qv[4];
 #pragma unroll
     for (int i = 0; i < 4; i++) qv[i] = __int_as_float((u32)qh[lane * 4 + i] << 16);
-    // the tail first: it does not depend on the levels' launch, so with PDL its loads overlap that launch's end
     float M = -INFINITY, acc = 0.f, Ls = 0.f;
     for (int base = 0; base < T; base += TAIL_CHUNK) {
         const int n = min(TAIL_CHUNK, T - base);
@@ -618,7 +615,16 @@ extern "C" __global__ void __launch_bounds__(256)
             if (lane == 0) st_s[s] = valid ? d * qk_scale : -INFINITY;
         }
         __syncthreads();
-        for (int s = k; s < n; s += MK) {  // tail slots: one more part each, with sum 1
+        if (base == 0) {
+            asm volatile("griddepcontrol.wait;" ::: "memory");  // the levels' partials are written (no-op without PDL)
+            const float* m = pm + (size_t)r * St;
+            const float* l = pl + (size_t)r * St;
+            const float* o = po + (size_t)r * St * 512 + ch;
+#pragma unroll 4
+            for (int s = k; s < St; s += 4)
+                lse_step(M, acc, Ls, m[s], (s < S2 && ch >= 256) ? 0.f : o[(size_t)s * 512] * shift_inv, l[s]);
+        }
+        for (int s = k; s < n; s += 4) {  // tail slots: one more part each, with sum 1
             if (st_s[s] == -INFINITY) continue;  // masked: whatever the slot holds stays out
             const unsigned short *kp, *hp;
             int cap, ss, ps;
@@ -628,29 +634,9 @@ extern "C" __global__ void __launch_bounds__(256)
         }
         __syncthreads();  // st_s is rewritten by the next chunk
     }
-    asm volatile("griddepcontrol.wait;" ::: "memory");  // the levels' partials are written (no-op without PDL)
-    {
-        const float* m = pm + (size_t)r * St;
-        const float* l = pl + (size_t)r * St;
-        const float* o = po + (size_t)r * St * 512 + ch;
-        float M2 = -INFINITY, acc2 = 0.f, Ls2 = 0.f;
-#pragma unroll 4
-        for (int s = k; s < St; s += MK)
-            lse_step(M2, acc2, Ls2, m[s], (s < S2 && ch >= 256) ? 0.f : o[(size_t)s * 512] * shift_inv, l[s]);
-        lse_step(M, acc, Ls, M2, acc2, Ls2);  // the levels' state joins the tail's as one more part
-    }
-    sm_m[tid] = M;
-    sm_l[tid] = Ls;
-    sm_o[tid] = acc;
+    sm_m[k][c] = M;
+    sm_l[k][c] = Ls;
+    sm_o[k][c] = acc;
     __syncthreads();
-    if (k == 0) {  // the MK threads of channel c: sum_i 2^(m_i - M) o_i / sum_i 2^(m_i - M) l_i
-        float Mx = -INFINITY, A = 0.f, Lt = 0.f;
-        for (int i = 0; i < MK; i++) Mx = fmaxf(Mx, sm_m[i * CH + c]);
-        for (int i = 0; i < MK; i++) {
-            const float a = Mx == -INFINITY ? 0.f : ex2(sm_m[i * CH + c] - Mx);
-            A += a * sm_o[i * CH + c];
-            Lt += a * sm_l[i * CH + c];
-        }
-        z[(size_t)r * 512 + ch] = Lt > 0.f ? A / Lt : 0.f;
-    }
+    if (k == 0) z[(size_t)r * 512 + ch] = lse_merge4(sm_m, sm_l, sm_o, c);
 }
