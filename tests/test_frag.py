@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_static_cache import assert_same
+from test_static_cache import assert_same, contents
 
 from tale_runtime import frag
 from tale_runtime.artifact import Schedule
@@ -136,3 +136,25 @@ def test_triton_pack_kernels_match_the_torch_path(kb, rank):
     assert all(torch.equal(a.cpu(), b) for a, b in zip(back, (keys.data, keys.scale, keys.zero)))
     back = frag_pack.unpack_lat(lc.to(dev), lm.to(dev), kb, lm.dtype)
     assert all(torch.equal(a.cpu(), b) for a, b in zip(back, (lat.data, lat.scale, lat.zero)))
+
+
+def test_frag_rows_repeat_and_reorder_like_the_row_layout():
+    """batch_repeat_interleave (HF's num_return_sequences) and reorder_cache (beam search) move the fragment
+    buffers' rows like the row layout's: the same contents afterwards, then through more decode steps."""
+    gen = torch.Generator().manual_seed(3)
+    caches = [StaticTaleCache(PAPER, 1, K, n, G, R, max_length=400, layout=lay) for lay in ("frag", "row")]
+    k, h = torch.randn(2, K, 150, n, generator=gen).bfloat16(), torch.randn(2, G, 150, R, generator=gen).bfloat16()
+    for c in caches:
+        c.layers[0].append(k, h)
+        c.batch_repeat_interleave(2)  # rows 0, 0, 1, 1
+        c.layers[0].reorder_cache(torch.tensor([3, 0, 2, 1]))
+    for _ in range(70):
+        k, h = torch.randn(4, K, 1, n, generator=gen).bfloat16(), torch.randn(4, G, 1, R, generator=gen).bfloat16()
+        for c in caches:
+            c.layers[0].append(k, h)
+    f, r = (c.layers[0].view() for c in caches)
+    for b in range(4):
+        cf, cr = contents(f, b), contents(r, b)
+        assert cf.keys() == cr.keys()
+        assert all(torch.equal(cf[p][3], cr[p][3]) and torch.equal(cf[p][4], cr[p][4]) for p in cf)
+    assert caches[0].nbytes() == caches[1].nbytes()
