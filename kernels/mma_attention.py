@@ -218,7 +218,8 @@ def latent_attention(
     lv4 = (*f4.tensors(), l4.pos, l4.length.view(1))
     window = 0 if view.window is None else int(view.window)
     mod = module(q.device)
-    z = launch(
-        mod, q.contiguous().view(B, H, 128), lv2, lv4, tail, npos, window, scaling, f2.key_proto.shift, S2, S4, pdl
-    )
+    with torch.cuda.device(q.device):  # the driver launches on the current device's stream: q's
+        z = launch(
+            mod, q.contiguous().view(B, H, 128), lv2, lv4, tail, npos, window, scaling, f2.key_proto.shift, S2, S4, pdl
+        )
     return z.view(B, 1, H, 512)
