@@ -158,3 +158,29 @@ def test_frag_rows_repeat_and_reorder_like_the_row_layout():
         assert cf.keys() == cr.keys()
         assert all(torch.equal(cf[p][3], cr[p][3]) and torch.equal(cf[p][4], cr[p][4]) for p in cf)
     assert caches[0].nbytes() == caches[1].nbytes()
+
+
+def test_kernel_dispatch_of_a_fragment_view(monkeypatch):
+    """tale_kernels.latent_attention: a fragment-layout view goes to the CUDA kernel where mma_attention.supported
+    says so, else to the torch reference (the Triton kernel does not read the layout); CPU: the routing only."""
+    from tale_kernels import attention, mma_attention
+
+    sta = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=300, layout="frag")
+    gen = torch.Generator().manual_seed(5)
+    sta.layers[0].append(
+        torch.randn(1, K, 200, n, generator=gen).bfloat16(), torch.randn(1, G, 200, R, generator=gen).bfloat16()
+    )
+    v = sta.layers[0].view()
+    q, kn, hn = (
+        torch.randn(1, 16, 1, n).bfloat16(),
+        torch.randn(1, K, 1, n).bfloat16(),
+        torch.randn(1, G, 1, R).bfloat16(),
+    )
+    assert not mma_attention.supported(q, kn, hn, v)  # CPU tensors
+    assert not attention.supported(q, kn, hn, v)  # the Triton kernel refuses the layout, even in the interpreter
+    want = latent_attention(q, kn, hn, v, 0.1)
+    assert torch.equal(attention.latent_attention(q, kn, hn, v, 0.1), want)
+    monkeypatch.setattr(mma_attention, "supported", lambda *a: True)
+    monkeypatch.setattr(mma_attention, "latent_attention", lambda *a, **k: "cuda kernel")
+    assert attention.latent_attention(q, kn, hn, v, 0.1) == "cuda kernel"
+    assert torch.equal(attention.latent_attention(q, kn, hn, v, 0.1, cuda=False), want)
