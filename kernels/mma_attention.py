@@ -24,6 +24,9 @@ SRC = os.path.join(os.path.dirname(__file__), "cuda", "latent_level.cu")
 OPTIONS = ("--use_fast_math", "-DSUBN=1", "-DABATCH=4")
 NW = {2: 8, 4: 5}  # warps per CTA of each level (the paper launch's CTAs have 8; 4-bit ones use 5)
 RANK = 256  # latent channels per CTA
+# the levels' launch as a programmatic dependent launch too: its CTAs request their first block while the kernel
+# before it (the query's) ends, and wait for it only before reading the query (docs/kernels.md)
+PDL_MAIN = True
 KEY_BYTES = {kb: 4 * 128 * kb // 8 + 4 * 128 * 4 // 32 for kb in (2, 4)}  # per slot and group: codes, scale/zero
 LEVEL_BYTES = {2: KEY_BYTES[2] + 256 * 2 // 8 + 256 // 32 * 4, 4: KEY_BYTES[4] + 512 * 4 // 8 + 512 // 32 * 4}
 
@@ -161,6 +164,7 @@ def launch(
             window,
         ),
         PAPER_SMEM,
+        pdl=pdl and PDL_MAIN,
     )
     mod.launch(
         "tale_combine_paper",

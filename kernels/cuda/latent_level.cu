@@ -204,6 +204,10 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
 
     // the first block's bytes are requested before the query table is loaded (the two latencies overlap)
     if (w0 < w1) issue(w0, wbase);
+    // launched as a programmatic dependent of the kernel before it (mma_attention.PDL_MAIN), this CTA may start while
+    // that kernel ends: the cache's bytes, lengths and positions are not written by it (flushes run between steps),
+    // so the first block is requested above; the query is, so it is read only after the wait (a no-op otherwise)
+    asm volatile("griddepcontrol.wait;" ::: "memory");
     constexpr float ROWCOMP = KB == 2 ? 0.25f : 0.0625f;  // rows 8..15 multiply the b1 operands: one field higher
     for (int i = tid; i < 16 * 128; i += NT) {
         int j = i >> 7, ch = i & 127;
