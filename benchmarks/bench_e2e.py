@@ -825,7 +825,7 @@ def main() -> None:
     use(model, tale)
     cache = new_cache(model, static=True, max_length=warm + 80, layout=LAYOUT)
     first, pre_s = prefill(model, cache, warm)
-    if cache.layout == "frag":  # a Hopper GPU with the paper preset: the static cache took the CUDA kernel's layout
+    if kernel and cache.layout == "frag":  # Hopper, the paper preset: the static cache took the CUDA kernel's layout
         attention = "CUDA kernel (tale_kernels.mma_attention) on the fragment layout"
     log("static cache layout:", cache.layout, "; attention:", attention)
     step = tale_step(model, cache, graphs)

@@ -99,7 +99,7 @@ def _nvrtc_compile(lib: ctypes.CDLL, src: str, code: bytes, arch: str, options: 
             log = ctypes.create_string_buffer(size.value)
             lib.nvrtcGetProgramLog(prog, log)
             lines = [x for x in log.value.decode(errors="replace").splitlines() if x.strip()]
-            raise RuntimeError(f"NVRTC failed on {src}: {lines[:1]}")
+            raise RuntimeError(f"NVRTC failed on {src}: {next((x for x in lines if 'error' in x), '?')}")
         size = ctypes.c_size_t()
         lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
         out = ctypes.create_string_buffer(size.value)
@@ -115,7 +115,10 @@ def _nvcc_compile(nvcc: str, src: str, arch: str, options: tuple[str, ...], tmp:
         [nvcc, "-cubin", gencode, "-O3", "-std=c++17", *options, "-o", tmp, src], capture_output=True, text=True
     )
     if res.returncode != 0:
-        raise RuntimeError(f"nvcc failed on {src}: {res.stderr.strip().splitlines()[-1:]}")
+        lines = res.stderr.strip().splitlines()
+        raise RuntimeError(
+            f"nvcc failed on {src}: {next((x for x in lines if 'error' in x), lines[-1] if lines else '?')}"
+        )
 
 
 def compiler() -> str | None:
@@ -191,6 +194,8 @@ class Module:
             elif isinstance(a, bool) or not isinstance(a, (int, float)):
                 raise TypeError(f"{name}: argument {a!r} is neither a tensor, an int nor a float")
             elif isinstance(a, int):
+                if not -(2**31) <= a < 2**31:
+                    raise ValueError(f"{name}: argument {a} does not fit the kernel's int32")
                 vals.append(ctypes.c_int32(a))
             else:
                 vals.append(ctypes.c_float(a))

@@ -26,7 +26,7 @@ def _pack_kernel(
     LAT: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr, W: tl.constexpr, F: tl.constexpr,
 ):  # fmt: skip
     # program: keys, one slot (b, g, t) of n; latents, one block-half (b, g, half, blk) of n blocks and H2 halves
-    u = tl.program_id(0)
+    u = tl.program_id(0)  # int32 offsets: a level buffer of one layer stays far below 2^31 elements on one GPU
     w = tl.arange(0, W)[:, None]
     f = tl.arange(0, F)[None, :]
     if LAT:
@@ -72,7 +72,7 @@ def _unpack_kernel(
     H2: tl.constexpr,
 ):  # fmt: skip
     # program: keys, one slot (b, g, t): 4 heads x NB bytes; latents, one slot (b, g, s) of n: its NB bytes
-    u = tl.program_id(0)
+    u = tl.program_id(0)  # int32 offsets: a level buffer of one layer stays far below 2^31 elements on one GPU
     t = u % n
     g = (u // n) % G
     b = u // (n * G)
@@ -105,6 +105,12 @@ def _unpack_kernel(
     tl.store(dst, byte.to(tl.uint8))
 
 
+def _inner(*ts: torch.Tensor) -> None:
+    """The kernels address the last dim with stride 1 (views of whole rows, as the static cache hands them)."""
+    if any(t.stride(-1) != 1 for t in ts):
+        raise ValueError("frag_pack: every tensor's last dim must be contiguous")
+
+
 def _table(name: str, device, *args) -> torch.Tensor:
     """A runtime/frag.py table as int32 on `device` (built once)."""
     return _int32(str(device), name, *args)
@@ -123,6 +129,7 @@ def pack_keys(keys, kc: torch.Tensor, km: torch.Tensor, slot0: int = 0) -> None:
     B, K, n, NB = data.shape
     G = K // 4
     sc, ze = keys.scale, keys.zero
+    _inner(data, sc, ze, kc, km)
     _pack_kernel[(B * G * n,)](
         data, kc, _table("key", data.device, bits), slot0, n, G, 1,
         data.stride(0), data.stride(1), data.stride(2), kc.stride(0), kc.stride(1), kc.stride(2), 0,
@@ -139,6 +146,7 @@ def pack_lat(lat, lc: torch.Tensor, lm: torch.Tensor) -> None:
     B, G, n, NB = data.shape
     halves, m = lc.shape[2], n // 32
     sc, ze = lat.scale, lat.zero
+    _inner(data, sc, ze, lc, lm)
     _pack_kernel[(B * G * halves * m,)](
         data, lc, _table("lat", data.device, bits), 0, m, G, halves,
         data.stride(0), data.stride(1), data.stride(2), lc.stride(0), lc.stride(1), lc.stride(3), lc.stride(2),
@@ -152,6 +160,7 @@ def unpack_keys(kc: torch.Tensor, km: torch.Tensor, bits: int, mdtype: torch.dty
     """kc [B, G, n, 16 bits], km [B, G, n / 32, 4, 32, 8] (a level's slots slot0..) -> row-layout key bytes
     [B, 4 G, n, 128 bits / 8], scale and zero [B, 4 G, n / 32, 128] (mdtype)."""
     B, G, n, _ = kc.shape
+    _inner(kc, km)
     NB = 128 * bits // 8
     out = torch.empty(B, 4 * G, n, NB, dtype=torch.uint8, device=kc.device)
     sc = torch.empty(B, 4 * G, n // 32, 128, dtype=mdtype, device=kc.device)
@@ -170,6 +179,7 @@ def unpack_lat(lc: torch.Tensor, lm: torch.Tensor, bits: int, mdtype: torch.dtyp
     """lc [B, G, r / 256, m, 256 bits], lm [B, G, r / 256, m, 8, 2, 4, 8] -> row-layout latent bytes
     [B, G, 32 m, r bits / 8], scale and zero [B, G, 32 m, r / 32] (mdtype)."""
     B, G, halves, m, _ = lc.shape
+    _inner(lc, lm)
     NB = 256 * halves * bits // 8
     out = torch.empty(B, G, 32 * m, NB, dtype=torch.uint8, device=lc.device)
     sc = torch.empty(B, G, 32 * m, 8 * halves, dtype=mdtype, device=lc.device)

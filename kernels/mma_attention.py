@@ -76,7 +76,9 @@ def available(device: torch.device) -> bool:
 
         _FAILED[idx] = str(e)
         warnings.warn(
-            f"tale_kernels: the CUDA decode kernel is not available ({e}); using the Triton kernel", stacklevel=2
+            f"tale_kernels: the CUDA decode kernel is not available ({e}); static caches keep the row layout "
+            "(the Triton kernel)",
+            stacklevel=2,
         )
         return False
     return True
@@ -96,7 +98,9 @@ def _levels(view: LayerView):
 
 def supported(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, view) -> bool:
     """One new token of a bf16 model with head dim 128 and 16 query heads per latent group, over the view of a
-    fragment-layout StaticTaleCache (device lengths and positions), on a GPU where the kernel is available."""
+    fragment-layout StaticTaleCache (device lengths and positions), on a GPU where the kernel is available.
+    The kernel masks slots by position only: a cache must hold -1 at every slot at or past a region's length (the
+    static cache does: slots never written, emptied by a flush or left by a demotion)."""
     if not isinstance(view, LayerView) or not q.is_cuda or q.dtype != torch.bfloat16:
         return False
     B, H, T, n = q.shape

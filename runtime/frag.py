@@ -298,10 +298,6 @@ class FragLevel:
     def capacity(self) -> int:
         return self.kc.shape[2]
 
-    @property
-    def rank(self) -> int:
-        return self.lc.shape[2] * HALF
-
     def tensors(self) -> list[torch.Tensor]:
         return [self.kc, self.km, self.lc, self.lm]
 

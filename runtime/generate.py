@@ -54,14 +54,21 @@ class GenStats:
 
 def attention_backend(model, cache) -> str:
     """Which decode attention serves `cache` ("cuda kernel", "triton kernel", "torch reference"), from the model's
-    installed backend and the cache's layout; a call the kernel does not cover still falls back per call."""
+    installed backend, the cache's layout and the device; a call a kernel does not cover still falls back per call."""
+    from .load import _cuda_kernel_installed
+
+    frag = isinstance(cache, StaticTaleCache) and cache.layout == "frag"
     fn = model.model.layers[0].self_attn.attention_fn
-    fn = getattr(fn, "func", fn)  # use_kernels(..., **options) installs a partial
-    if getattr(fn, "__module__", "").startswith("tale_kernels"):
-        if isinstance(cache, StaticTaleCache) and cache.layout == "frag":
-            return "cuda kernel (fragment layout)"
+    if not getattr(getattr(fn, "func", fn), "__module__", "").startswith("tale_kernels"):
+        return "torch reference" + (" (fragment layout)" if frag else "")
+    if not frag:
         return "triton kernel"
-    return "torch reference"
+    from tale_kernels import mma_attention
+
+    device = next(model.parameters()).device
+    if _cuda_kernel_installed(model) and cache.num_heads == 4 * cache.K and mma_attention.available(device):
+        return "cuda kernel (fragment layout)"
+    return "torch reference (fragment layout)"
 
 
 def _mib(n: int) -> str:

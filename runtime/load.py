@@ -415,8 +415,18 @@ def new_cache(
         int(arch["latent_rank"]),
     )
     if static:
+        if layout == "auto" and not _cuda_kernel_installed(model):  # the fragment layout serves only that kernel
+            layout = "row"
         return StaticTaleCache(*args, max_length=max_length, layout=layout, num_heads=cfg.num_attention_heads)
     return TaleCache(*args, keep=keep, key_basis=getattr(model, "tale_key_basis", None))
+
+
+def _cuda_kernel_installed(model) -> bool:
+    """Whether decode attention goes through tale_kernels with its CUDA kernel allowed (use_kernels, cuda not False)."""
+    fn = model.model.layers[0].self_attn.attention_fn
+    kw = getattr(fn, "keywords", {}) or {}
+    fn = getattr(fn, "func", fn)  # use_kernels(..., **options) installs a partial
+    return getattr(fn, "__module__", "").startswith("tale_kernels") and kw.get("cuda", True) is not False
 
 
 def set_output_path(model, path: str) -> None:

@@ -356,7 +356,7 @@ class StaticTaleLayer(CacheLayerMixin):
     def _flush(self, q: int, w: int) -> None:
         """Quantize the first q residual tokens into the top level at its write counter w."""
         c = self.cache
-        L = len(self.keys) - 1
+        L = len(c.schedule.levels) - 1
         keys, lat = quant_level(c.schedule, L, self.ranks[L], self.res_k[:, :, :q], self.res_h[:, :, :q], self.order)
         for slot, off, n in _spans(w, q, c.caps[L]):
             self._put_level(L, keys, lat, slot, off, n)
@@ -521,9 +521,9 @@ class StaticTaleCache(Cache):
         book = Book(sink_cap=pad + s.sinks, residual_cap=s.residual, w=[0] * len(s.levels), r=[0] * len(s.levels))
         probe = copy.deepcopy(book)
         probe.add(s, T)
+        self.layout = self._layout(k)  # may refuse: before anything marks the cache as filled
         self.caps = capacities(s, probe, max_length)
         self.book = book
-        self.layout = self._layout(k)
         for layer in self.layers:
             layer.allocate(B, k.dtype, dev)
         i32 = dict(dtype=torch.int32, device=dev)

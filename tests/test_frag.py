@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_static_cache import assert_same, contents
 
-from tale_runtime import frag
+from tale_runtime import frag, new_cache
 from tale_runtime.artifact import Schedule
 from tale_runtime.attention import latent_attention
 from tale_runtime.model import TaleCache
@@ -99,6 +99,9 @@ def test_frag_layout_refused_where_it_does_not_fit():
     c = StaticTaleCache(s, 1, K, n, G, R, max_length=100, layout="frag")
     with pytest.raises(ValueError, match="layout 'frag' covers head dim 128"):
         c.layers[0].append(torch.randn(1, K, 40, n).bfloat16(), torch.randn(1, G, 40, R).bfloat16())
+    assert c.book is None and not c.layers[0].is_initialized  # refused before anything was filled: refused again
+    with pytest.raises(ValueError, match="layout 'frag' covers head dim 128"):
+        c.layers[0].append(torch.randn(1, K, 40, n).bfloat16(), torch.randn(1, G, 40, R).bfloat16())
     with pytest.raises(ValueError, match="must be 'auto', 'row' or 'frag'"):
         StaticTaleCache(PAPER, 1, K, n, G, R, layout="mma")
     auto = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=100, num_heads=16)  # auto: the CPU keeps rows
@@ -184,3 +187,31 @@ def test_kernel_dispatch_of_a_fragment_view(monkeypatch):
     monkeypatch.setattr(mma_attention, "latent_attention", lambda *a, **k: "cuda kernel")
     assert attention.latent_attention(q, kn, hn, v, 0.1) == "cuda kernel"
     assert torch.equal(attention.latent_attention(q, kn, hn, v, 0.1, cuda=False), want)
+
+
+def test_the_backend_named_and_the_layout_new_cache_picks(monkeypatch):
+    """generate()'s stats name the backend that serves a cache; new_cache keeps rows unless tale_kernels' CUDA kernel
+    is installed (the fragment layout would only make the torch reference unpack it at every step)."""
+    import functools
+
+    from tale_helpers import talify, tiny_model
+
+    from tale_kernels import latent_attention as kernel_fn
+    from tale_runtime.generate import attention_backend
+    from tale_runtime.load import _cuda_kernel_installed
+
+    tm = talify(tiny_model("llama"), 2)
+    frag_cache = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=100, layout="frag", num_heads=16)
+    frag_cache.layout = "frag"
+    assert not _cuda_kernel_installed(tm) and attention_backend(tm, frag_cache) == "torch reference (fragment layout)"
+    for layer in tm.model.layers:
+        layer.self_attn.attention_fn = kernel_fn
+    assert _cuda_kernel_installed(tm)
+    assert attention_backend(tm, frag_cache) == "torch reference (fragment layout)"  # no Hopper GPU here
+    assert attention_backend(tm, new_cache(tm, static=True)) == "triton kernel"
+    for layer in tm.model.layers:
+        layer.self_attn.attention_fn = functools.partial(kernel_fn, cuda=False)
+    assert not _cuda_kernel_installed(tm)
+    assert new_cache(tm, static=True).layout_arg == "row"
+    with pytest.raises(ValueError, match="static cache's: pass static=True"):
+        new_cache(tm, layout="frag")
