@@ -7,6 +7,7 @@ windows, are the in-domain control. Neither the dev text nor the test texts are 
 table uses only calibration text.
 
     python benchmarks/domain_shift.py VARIANTS.json --work /tmp/loo --preset lowrank --jobs 2
+    python benchmarks/domain_shift.py VARIANTS.json --work /tmp/loo-s01 --convert-args "--shrink 0.1"
 
 Writes WORK/DOMAIN/{loo,in}.jsonl (a re-run adds only the variants they lack) and prints a markdown table (delta against "full" on the same windows).
 """
@@ -25,10 +26,10 @@ import tale_calib
 HERE = Path(__file__).resolve().parent
 
 
-def convert(out: Path, calib: list[Path] | None, preset: str) -> None:
+def convert(out: Path, calib: list[Path] | None, preset: str, extra: list[str]) -> None:
     if (out / "tale_config.json").is_file():
         return
-    cmd = ["tale-convert", "smollm2", "--group", "3", "--preset", preset, "--out", str(out), "--overwrite"]
+    cmd = ["tale-convert", "smollm2", "--group", "3", "--preset", preset, "--out", str(out), "--overwrite", *extra]
     for f in calib or []:
         cmd += ["--calib", str(f)]
     subprocess.run(cmd, check=True, env=os.environ | {"OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
@@ -63,10 +64,14 @@ def main() -> None:
     ap.add_argument("variants")
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--preset", default="lowrank")
+    ap.add_argument(
+        "--convert-args", default="", help="more tale-convert options for every conversion, e.g. '--shrink 0.1'"
+    )
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--only", default=None, help="comma list of corpora (file stems), default all six")
     ap.add_argument("--table-only", action="store_true")
+    ap.add_argument("--left-out-only", action="store_true", help="skip the in-domain control (its artifact and rows)")
     args = ap.parse_args()
     corpora = tale_calib.calib_paths()
     if args.only:
@@ -74,13 +79,17 @@ def main() -> None:
     work = args.work
     full_art = work / "all"
     if not args.table_only:
-        convert(full_art, None, args.preset)
+        extra = args.convert_args.split()
+        if not args.left_out_only:
+            convert(full_art, None, args.preset, extra)
         jobs: list[tuple[Path, Path, Path]] = []  # (artifact, text, rows file)
         for L in corpora:
             rest = [p for p in tale_calib.calib_paths() if p != L]
             art = work / L.stem / "art"
-            convert(art, [corpus_jsonl(rest, work / L.stem / "calib.jsonl")], args.preset)
-            jobs += [(art, L, work / L.stem / "loo.jsonl"), (full_art, L, work / L.stem / "in.jsonl")]
+            convert(art, [corpus_jsonl(rest, work / L.stem / "calib.jsonl")], args.preset, extra)
+            jobs.append((art, L, work / L.stem / "loo.jsonl"))
+            if not args.left_out_only:
+                jobs.append((full_art, L, work / L.stem / "in.jsonl"))
         running: list[subprocess.Popen] = []
         for art, L, out in jobs:
             while len(running) >= args.jobs:

@@ -49,6 +49,9 @@ def run(
     samples: int = typer.Option(D.samples, help="calibration sequences"),
     seq_len: int = typer.Option(D.seq_len, help="tokens per calibration sequence"),
     seed: int = typer.Option(D.seed, help="seed for sampling the calibration sequences"),
+    shrink: float = typer.Option(
+        D.shrink, help="shrink the calibration covariance toward a scaled identity before whitening (0..1; 0: as is)"
+    ),
     device: str = typer.Option(D.device, help="where layers run: auto, cpu, cuda, cuda:1, ..."),
     dtype: str = typer.Option(D.dtype, help="stored tensor dtype: bf16, fp16, fp32 or auto (the checkpoint's)"),
     sinks: int = typer.Option(D.sinks, help="sink tokens kept at 16 bits (alpha)"),
@@ -97,6 +100,7 @@ def run(
         samples=samples,
         seq_len=seq_len,
         seed=seed,
+        shrink=shrink,
         device=device,
         dtype=dtype,
         sinks=sinks,
@@ -156,6 +160,8 @@ def check_inputs(out: Path, opts: Options) -> None:
     ):
         if v is not None and v < least:  # None: the preset's
             raise ConvertError(f"{name} must be >= {least}, got {v}")
+    if not 0 <= opts.shrink <= 1:
+        raise ConvertError(f"--shrink must be in [0, 1], got {opts.shrink:g}")
     if opts.preset not in rank_policy.PRESETS:
         raise ConvertError(f"unknown --preset {opts.preset!r}: use one of {', '.join(rank_policy.PRESETS)}")
     if opts.target_ratio is not None and opts.target_ratio <= 1:

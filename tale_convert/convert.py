@@ -54,6 +54,7 @@ class Options:
     samples: int = 64
     seq_len: int = 512
     seed: int = 0
+    shrink: float = 0.0  # covariance shrinkage before whitening (tale_convert.whiten.shrunk; 0: SVD-LLM as is)
     device: str = "auto"
     dtype: str = "bf16"  # of the stored tensors; "auto": the checkpoint's
     sinks: int = 4
@@ -189,6 +190,8 @@ def convert(
     shard_size = write.parse_size(opts.shard_size)
     if opts.samples < 1 or opts.seq_len < 2:
         raise ConvertError("--samples must be >= 1 and --seq-len >= 2")
+    if not 0 <= opts.shrink <= 1:
+        raise ConvertError(f"--shrink must be in [0, 1], got {opts.shrink:g}")
 
     src = source.resolve(model)
     config, arch = source.load_config(src, opts.group)
@@ -224,6 +227,7 @@ def convert(
         "tool": __version__,
         "model": base_files,
         "group": arch.g,
+        "shrink": opts.shrink,
         "tokens": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(),
     }
 
@@ -252,7 +256,7 @@ def convert(
             on_shard=lambda f, h: partial.save_shard(plan, f, h),
             pending_bytes=layer_bytes,
         )
-        layers = _stream(ckpt, skeleton, tokens, device, arch, schedule, partial, writer, dtype, on_layer)
+        layers = _stream(ckpt, skeleton, tokens, device, arch, schedule, partial, writer, dtype, on_layer, opts.shrink)
         if opts.policy != "uniform":
             schedule, layers = _rank_policy(opts, schedule, layers, src, tokens, arch, partial, log)
         if opts.target_ratio:
@@ -345,7 +349,12 @@ def _manifest(src, base_files, arch, schedule, layers, calib_info, opts, dtype, 
         "dtype": str(dtype).removeprefix("torch."),
         "architecture": arch.to_manifest(),
         "schedule": schedule.to_dict(),
-        "svd": {"method": "svd-llm-whitened", "compute_dtype": "float64", "whitening_eps": [lr.eps for lr in layers]},
+        "svd": {
+            "method": "svd-llm-whitened",
+            "compute_dtype": "float64",
+            "shrink": opts.shrink,
+            "whitening_eps": [lr.eps for lr in layers],
+        },
         "calibration": {
             **calib_info,
             "samples": opts.samples,
@@ -398,7 +407,9 @@ def _plan(ckpt, arch, dtype) -> list[write.Entry]:
     return entries
 
 
-def _stream(ckpt, skeleton, tokens, device, arch, schedule, partial, writer, dtype, on_layer) -> list[LayerReport]:
+def _stream(
+    ckpt, skeleton, tokens, device, arch, schedule, partial, writer, dtype, on_layer, shrink: float
+) -> list[LayerReport]:
     """One pass over the layers: read a layer's weights, run the calibration set through it on the
     device (accumulating the covariance of its v_proj input), whiten + factor its v_proj, write
     its artifact tensors, drop it.
@@ -448,7 +459,7 @@ def _stream(ckpt, skeleton, tokens, device, arch, schedule, partial, writer, dty
                 try:
                     C = calibrate.run_layer(layer, hidden, rope, i, covariance=i not in done)
                     if C is not None:
-                        f = whiten(C, layer.self_attn.v_proj.weight.T, arch.g, arch.n)
+                        f = whiten(C, layer.self_attn.v_proj.weight.T, arch.g, arch.n, shrink)
                         del C
                         partial.save_layer(i, f, time.perf_counter() - t)
                 finally:

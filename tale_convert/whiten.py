@@ -36,12 +36,23 @@ def cholesky(C: torch.Tensor) -> tuple[torch.Tensor, float]:
             )
 
 
-def whiten(C: torch.Tensor, W: torch.Tensor, g: int, n: int) -> Factors:
-    """C: [d, d] covariance of the v_proj input; W: [d, K*n] value projection (row-vector layout).
+def shrunk(C: torch.Tensor, alpha: float) -> torch.Tensor:
+    """(1 - alpha) C + alpha mean(diag C) I: the covariance pulled toward a scaled identity. A calibration corpus
+    estimates the low-variance directions worst, and the rank cut is fitted to them: shrinking hedges the basis
+    toward the weights' own (alpha = 1: a plain SVD of W) for text the corpus did not cover."""
+    if alpha == 0:
+        return C
+    eye = torch.eye(len(C), dtype=C.dtype, device=C.device)
+    return (1 - alpha) * C + alpha * C.diagonal().mean() * eye
+
+
+def whiten(C: torch.Tensor, W: torch.Tensor, g: int, n: int, shrink: float = 0.0) -> Factors:
+    """C: [d, d] covariance of the v_proj input; W: [d, K*n] value projection (row-vector layout); shrink: see
+    `shrunk` (0: SVD-LLM as is).
 
     Per group c: L^T W_c = U S V^T, A_c = L^{-T} U S^{1/2}, B_c = S^{1/2} V^T. Truncating
     both to the first r columns/rows is then the best rank-r fit in ||X (W_c - A_r B_r)||_F."""
-    C, W = C.double(), W.to(device=C.device, dtype=torch.float64)
+    C, W = shrunk(C.double(), shrink), W.to(device=C.device, dtype=torch.float64)
     L, eps = cholesky(C)
     d, R = W.shape[0], g * n
     Wg = W.view(d, -1, R).transpose(0, 1)  # [G, d, R]: group c = KV heads c*g .. c*g+g-1

@@ -203,6 +203,24 @@ def test_cholesky_jitter():
     assert torch.all(f.S[:, :-1] >= f.S[:, 1:])
 
 
+def test_shrunk_whitening_keeps_the_identity():
+    """--shrink pulls the covariance toward mean(diag C) I: the factors still give W exactly at any shrink, and at 1
+    the whitening is gone (a plain SVD of W, scaled by sqrt(mean diag C))."""
+    from tale_convert.whiten import shrunk, whiten
+
+    X = torch.randn(300, 8, dtype=torch.float64) * torch.linspace(0.1, 5, 8, dtype=torch.float64)
+    C, W = X.T @ X, torch.randn(8, 4, dtype=torch.float64)
+    assert shrunk(C, 0.0) is C
+    m = C.diagonal().mean()
+    assert torch.allclose(shrunk(C, 0.25), 0.75 * C + 0.25 * m * torch.eye(8, dtype=torch.float64))
+    for a in (0.0, 0.3, 1.0):
+        f = whiten(C, W, g=2, n=2, shrink=a)
+        assert torch.allclose(f.A[0] @ f.B[0], W, atol=1e-10)
+    plain = whiten(C, W, g=2, n=2, shrink=1.0)
+    assert torch.allclose(plain.S[0], torch.linalg.svdvals(W) * m.sqrt())
+    assert not torch.allclose(whiten(C, W, g=2, n=2).S[0] / m.sqrt(), torch.linalg.svdvals(W), rtol=0.05)
+
+
 def test_layout_check_refuses_other_attention(tiny_model_dir):
     src = source.resolve(str(tiny_model_dir("llama")))
     _, arch = source.load_config(src, 2)

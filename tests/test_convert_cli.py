@@ -191,3 +191,13 @@ def test_key_bands_write_the_calibration_order(llama, tmp_path, capsys):
     assert isinstance(cache.layers[0].levels[0].keys, Bands)
     assert_bad([llama, "--out", tmp_path / "x", "--key-bands", "3:7", *TINY_ARGS], capsys, tmp_path, "--key-bands 3:7")
     assert_bad([llama, "--out", tmp_path / "x", "--key-bands", "3", *TINY_ARGS], capsys, tmp_path, "BITS:CHANNELS")
+
+
+def test_shrink_is_recorded_and_checked(llama, tmp_path, capsys):
+    import json
+
+    out = tmp_path / "s"
+    code, _, err = run([llama, "--out", out, "--group", "2", "--shrink", "0.2", *TINY_ARGS], capsys)
+    assert code == 0, err
+    assert json.loads((out / "tale_config.json").read_text())["svd"]["shrink"] == 0.2
+    assert_bad([llama, "--out", tmp_path / "x", "--shrink", "1.5", *TINY_ARGS], capsys, tmp_path, "--shrink must be")
