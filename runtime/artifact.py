@@ -16,7 +16,8 @@ FORMAT = "tale"
 # major.minor: readers reject another major (2.0: every file hashed, v_proj.weight kept; 2.1: key bands,
 # schedule fields a 2.0 reader refuses by name, written only when used; 2.2: key_basis.safetensors and
 # Level.key_rank, which older readers refuse by name)
-FORMAT_VERSION = "2.2"
+# 2.3: the schedule field latent_rotation (latents rotated in blocks at conversion), written only when used
+FORMAT_VERSION = "2.3"
 TOOL_NAME = "tale-kv"
 
 # Per-layer tensor names (prefix: the attention module, e.g. "model.layers.3.self_attn.")
@@ -72,6 +73,10 @@ class Schedule:
     # per layer, per KV head: the head's key channels, most important first (E[q_c^2] E[range_c^2] over
     # the calibration corpus, tale_convert.stats); read by levels with key_hi_bits
     key_order: list[list[list[int]]] | None = None
+    # > 0: the latent channels were rotated at conversion by a normalized Hadamard matrix in blocks of this many
+    # (A Q, Q^T B: the same values, latents spread evenly over each quantization group); a rank cut inside a block
+    # would mix truncated channels in, so every rank must be a multiple of it
+    latent_rotation: int = 0
 
     def unit(self, level: int) -> int:
         """Tokens a level's key groups span: stores of that level hold multiples of it."""
@@ -163,6 +168,14 @@ class Schedule:
                     raise ArtifactError(f"layer {li}: rank {r} is not a multiple of value_group {self.value_group}")
                 if lv.bits == 3 and r % 8:
                     raise ArtifactError(f"layer {li}: 3-bit latents need ranks that are multiples of 8, got {r}")
+        if q := self.latent_rotation:
+            if q < 2 or q & (q - 1) or R % q:
+                raise ArtifactError(f"latent_rotation must be a power of two >= 2 dividing R={R}, got {q}")
+            for li, rs in enumerate(self.ranks):
+                if any(r % q for r in rs):
+                    raise ArtifactError(
+                        f"layer {li}: ranks {rs} cut inside the latents' rotation blocks of {q} (use multiples of {q})"
+                    )
 
     def to_dict(self) -> dict:
         """Fields added in format 2.1 (key bands) and later (key_rope) are written only when used, so older readers
@@ -172,6 +185,8 @@ class Schedule:
             del d["key_order"]
         if d["key_rope"] == "post":  # written only when used
             del d["key_rope"]
+        if not d["latent_rotation"]:
+            del d["latent_rotation"]
         for lv in d["levels"]:
             if not lv["key_hi_bits"]:
                 del lv["key_hi_bits"], lv["key_hi_channels"]

@@ -52,6 +52,12 @@ def run(
     shrink: float = typer.Option(
         D.shrink, help="shrink the calibration covariance toward a scaled identity before whitening (0..1; 0: as is)"
     ),
+    rotate_latents: Optional[bool] = typer.Option(
+        None,
+        "--rotate-latents/--no-rotate-latents",
+        help="rotate the latents by a Hadamard matrix in blocks of --value-group channels (same values, less "
+        "quantization error; default: the preset's)",
+    ),
     device: str = typer.Option(D.device, help="where layers run: auto, cpu, cuda, cuda:1, ..."),
     dtype: str = typer.Option(D.dtype, help="stored tensor dtype: bf16, fp16, fp32 or auto (the checkpoint's)"),
     sinks: int = typer.Option(D.sinks, help="sink tokens kept at 16 bits (alpha)"),
@@ -101,6 +107,7 @@ def run(
         seq_len=seq_len,
         seed=seed,
         shrink=shrink,
+        rotate_latents=rotate_latents,
         device=device,
         dtype=dtype,
         sinks=sinks,

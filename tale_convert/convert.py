@@ -35,7 +35,7 @@ from . import ConvertError, __version__, calibrate, resume, source, stats, write
 from . import policy as rank_policy
 from .card import render_card
 from .fuse import fuse
-from .whiten import energy_kept, whiten
+from .whiten import energy_kept, rotate_latents, whiten
 
 DTYPES = {
     "bf16": torch.bfloat16,
@@ -55,6 +55,8 @@ class Options:
     seq_len: int = 512
     seed: int = 0
     shrink: float = 0.0  # covariance shrinkage before whitening (tale_convert.whiten.shrunk; 0: SVD-LLM as is)
+    # None: the preset's; True: latents rotated in blocks of value_group channels (tale_convert.whiten.rotate_latents)
+    rotate_latents: bool | None = None
     device: str = "auto"
     dtype: str = "bf16"  # of the stored tensors; "auto": the checkpoint's
     sinks: int = 4
@@ -96,6 +98,9 @@ class Options:
     def wants_basis(self) -> bool:
         """Whether the artifact gets a key basis: --key-basis, or a preset with low-rank keys."""
         return self.key_basis or any(rank_policy.PRESETS.get(self.preset, {}).get("key_rank", ()))
+
+    def _rotate_latents(self, preset: dict) -> bool:
+        return preset.get("rotate_latents", False) if self.rotate_latents is None else self.rotate_latents
 
     def schedule(self, R: int, num_layers: int, kv_dim: int | None = None) -> Schedule:
         """The schedule of the options; kv_dim (K n: the joined keys of a layer) sizes a preset's low-rank keys."""
@@ -144,6 +149,7 @@ class Options:
             value_meta=p["value_meta"],
             key_channel_group=n,
             key_rope=p.get("key_rope", "post"),
+            latent_rotation=self.value_group if self._rotate_latents(p) else 0,
         )
         try:
             schedule.validate(R, num_layers)
@@ -228,6 +234,7 @@ def convert(
         "model": base_files,
         "group": arch.g,
         "shrink": opts.shrink,
+        "latent_rotation": schedule.latent_rotation,
         "tokens": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(),
     }
 
@@ -461,6 +468,8 @@ def _stream(
                     if C is not None:
                         f = whiten(C, layer.self_attn.v_proj.weight.T, arch.g, arch.n, shrink)
                         del C
+                        if schedule.latent_rotation:
+                            f = rotate_latents(f, schedule.latent_rotation)
                         partial.save_layer(i, f, time.perf_counter() - t)
                 finally:
                     layer.to_empty(device="meta")  # frees the device copy; the skeleton stays

@@ -63,6 +63,22 @@ def whiten(C: torch.Tensor, W: torch.Tensor, g: int, n: int, shrink: float = 0.0
     return Factors(A, B, S, eps)
 
 
+def rotate_latents(f: Factors, block: int) -> Factors:
+    """A Q and Q^T B with Q block-diagonal normalized Hadamard matrices of `block` channels: the same A B (values
+    unchanged), but each block's latents carry its channels' energy evenly instead of the first channel most, so a
+    per-token quantization group of `block` channels loses less (docs/quality.md, "Rotated latents"). Truncation
+    at multiples of `block` stays the whitened SVD truncation (the blocks do not cross it); S stays as it was."""
+    from tale_runtime.model import hadamard
+
+    R = f.A.shape[-1]
+    if block < 2 or block & (block - 1) or R % block:
+        raise ConvertError(f"latent rotation blocks must be a power of two >= 2 dividing R={R}, got {block}")
+    h = hadamard(block, f.A.device, torch.float64)
+    A = (f.A.unflatten(-1, (R // block, block)) @ h).flatten(-2)  # [G, d, R]
+    B = (h.T @ f.B.unflatten(-2, (R // block, block))).flatten(-3, -2)  # [G, R, R]
+    return Factors(A, B, f.S, f.eps)
+
+
 def energy_kept(S: torch.Tensor, r: int) -> float:
     """Fraction of ||X W||_F^2 (over all groups of the layer) kept at rank r."""
     e = S.double() ** 2

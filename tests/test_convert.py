@@ -221,6 +221,25 @@ def test_shrunk_whitening_keeps_the_identity():
     assert not torch.allclose(whiten(C, W, g=2, n=2).S[0] / m.sqrt(), torch.linalg.svdvals(W), rtol=0.05)
 
 
+def test_rotated_latents_keep_values_and_truncation():
+    """A Q, Q^T B: A B and every block-aligned truncation A_r B_r unchanged; on the calibration activations the
+    latents of a block carry its singular values' mean each (the whitened latents are uncorrelated)."""
+    from tale_convert.whiten import rotate_latents, whiten
+
+    X = torch.randn(400, 16, dtype=torch.float64) @ torch.randn(16, 16, dtype=torch.float64)
+    W = torch.randn(16, 16, dtype=torch.float64)
+    f = whiten(X.T @ X, W, g=2, n=8)
+    r = rotate_latents(f, 4)
+    assert torch.equal(r.S, f.S)
+    for k in (4, 8, 12, 16):
+        assert torch.allclose(r.A[0, :, :k] @ r.B[0, :k], f.A[0, :, :k] @ f.B[0, :k], atol=1e-9)
+    assert not torch.allclose(r.A[0, :, :6] @ r.B[0, :6], f.A[0, :, :6] @ f.B[0, :6], atol=1e-3)  # inside a block
+    assert torch.allclose((X @ f.A[0]).square().sum(0), f.S[0], rtol=1e-8)
+    assert torch.allclose((X @ r.A[0]).square().sum(0), f.S[0].view(4, 4).mean(1).repeat_interleave(4), rtol=1e-8)
+    with pytest.raises(ConvertError, match="power of two"):
+        rotate_latents(f, 6)
+
+
 def test_layout_check_refuses_other_attention(tiny_model_dir):
     src = source.resolve(str(tiny_model_dir("llama")))
     _, arch = source.load_config(src, 2)

@@ -201,3 +201,44 @@ def test_shrink_is_recorded_and_checked(llama, tmp_path, capsys):
     assert code == 0, err
     assert json.loads((out / "tale_config.json").read_text())["svd"]["shrink"] == 0.2
     assert_bad([llama, "--out", tmp_path / "x", "--shrink", "1.5", *TINY_ARGS], capsys, tmp_path, "--shrink must be")
+
+
+def test_rotated_latents_give_the_same_values(llama, tmp_path, capsys):
+    """--rotate-latents: the schedule says so (format 2.3), full-rank 16-bit latents decode as the unrotated artifact's
+    (the values are the same), quantized ones differ (the rotation is what changes their error), and a rank that
+    cuts inside a rotation block is refused."""
+    import json
+
+    import torch
+
+    from tale_runtime import load, new_cache
+    from tale_runtime.load import override_schedule
+
+    plain, rot = tmp_path / "plain", tmp_path / "rot"
+    for out, extra in ((plain, []), (rot, ["--rotate-latents"])):
+        code, _, err = run([llama, "--out", out, "--group", "2", *extra, *TINY_ARGS], capsys)
+        assert code == 0, err
+    m = json.loads((rot / "tale_config.json").read_text())
+    assert m["schedule"]["latent_rotation"] == TINY_OPTS["value_group"] and m["format_version"] == FORMAT_VERSION
+    assert "latent_rotation" not in json.loads((plain / "tale_config.json").read_text())["schedule"]
+    ids = torch.randint(1, 300, (1, 70), generator=torch.Generator().manual_seed(0))
+
+    def decode(path, exact: bool):
+        model, _ = load(path, device="cpu", dtype=torch.float32)
+        s, L = model.tale_schedule, model.config.num_hidden_layers
+        R = int(model.tale_manifest["architecture"]["latent_rank"])
+        sched = override_schedule(s, R, L, ranks=1.0, bits=16, key_bits=16) if exact else s
+        cache, out = new_cache(model, sched), []
+        with torch.no_grad():
+            model(ids[:, :40], **cache_arg(cache))
+            for t in range(40, 70):
+                out.append(model(ids[:, t : t + 1], **cache_arg(cache)).logits)
+        return torch.cat(out, 1), model
+
+    a, _ = decode(plain, exact=True)
+    b, model = decode(rot, exact=True)
+    assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(decode(plain, exact=False)[0], decode(rot, exact=False)[0], atol=1e-4)
+    R = int(model.tale_manifest["architecture"]["latent_rank"])
+    with pytest.raises(ValueError, match="rotation blocks"):
+        override_schedule(model.tale_schedule, R, model.config.num_hidden_layers, ranks=[12, R], bits=16)
