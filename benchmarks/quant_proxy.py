@@ -431,6 +431,8 @@ def main():
     from tale_eval.perplexity import heldout_windows
 
     model, tok = load(args.artifact, device="cpu", dtype=torch.bfloat16)
+    if model.tale_schedule.latent_rotation:  # the formats below scale latent channels by S: the SVD basis itself
+        raise SystemExit("quant_proxy reads unrotated latents: convert with --no-rotate-latents")
     ids = heldout_windows(tok, args.ctx, args.window + 1)[args.window :]
     import os
 

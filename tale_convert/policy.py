@@ -33,6 +33,7 @@ PRESETS = {
         residual=None,
         key_meta="16",
         value_meta="16",
+        rotate_latents=True,
     ),
     # the best measured per byte on SmolLM2 (docs/quality.md, "Key bands"; dev text): 2-bit middle keys with
     # the most important half of each KV head's key channels at 3 bits, r0 = R/2, fp8 scales
@@ -46,6 +47,7 @@ PRESETS = {
         key_meta="8/16",
         value_meta="8/8",
         key_bands=(3, 0.5),  # (bits, share of the head dim): 32 of 64 channels per KV head at 3 bits
+        rotate_latents=True,
     ),
     # low-rank keys (docs/quality.md, "Low-rank keys"): the middle level's keys before RoPE as 5/12 of the joined key
     # dim (80 of 192 on SmolLM2) in coefficients on the calibrated key basis at 4 bits, 3-bit latents at r0 = 2R/3,
@@ -64,14 +66,16 @@ PRESETS = {
         value_meta="8/8",
         key_rope="pre",
         key_rank=(5 / 12, 0, 0),  # per level, a fraction of the joined key dim K n (0: plain keys)
+        rotate_latents=True,
     ),
 }
 
 
 def singular_values(v_v: torch.Tensor) -> torch.Tensor:
-    """Whitened singular values [G, R] from an artifact's right factors B_c = S^(1/2) V^T ([G, R, R]):
-    the squared norm of row i of B_c is s_i (rows of V^T are orthonormal)."""
-    return v_v.double().pow(2).sum(-1)
+    """Whitened singular values [G, R], descending, from an artifact's right factors B_c = S^(1/2) V^T
+    ([G, R, R]): the squared singular values of B_c. Rotated latents (Q^T B, Q orthogonal) have the same ones,
+    and a rank cut at whole rotation blocks keeps exactly the first r of them."""
+    return torch.linalg.svdvals(v_v.double()).pow(2)
 
 
 def energy_rank(S: torch.Tensor, keep: float, value_group: int) -> int:

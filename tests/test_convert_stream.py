@@ -17,7 +17,8 @@ from tale_convert import ConvertError, calibrate, resume, source, write
 from tale_convert import convert as convert_mod
 from tale_convert.convert import Options, convert
 from tale_convert.fuse import fuse
-from tale_convert.whiten import whiten
+from tale_convert.policy import PRESETS
+from tale_convert.whiten import rotate_latents, whiten
 from tale_runtime.artifact import O_FUSED, U_V, V_V, read_manifest
 from tale_runtime.model import cache_arg
 
@@ -49,11 +50,15 @@ def reference(model_dir, opts: Options, dtype: torch.dtype) -> dict[str, torch.T
     n = cfg.head_dim
     hidden = torch.cat([hf.model.embed_tokens(t).float() for t in tokens.split(max(1, 4096 // opts.seq_len))])
     rope = hf.model.rotary_emb(torch.zeros(1), torch.arange(opts.seq_len)[None])
+    preset = PRESETS[opts.preset].get("rotate_latents", False)
+    rotate = preset if opts.rotate_latents is None else opts.rotate_latents  # latents rotated as tale-convert does
     out = {}
     for i, layer in enumerate(hf.model.layers):
         layer.float()
         C = calibrate.run_layer(layer, hidden, rope, i, covariance=True)
         f = whiten(C, layer.self_attn.v_proj.weight.T, opts.group, n)
+        if rotate:
+            f = rotate_latents(f, opts.value_group)
         p = f"model.layers.{i}.self_attn."
         out[p + U_V], out[p + V_V] = f.A.to(dtype), f.B.to(dtype)
         out[p + O_FUSED] = fuse(f.B, layer.self_attn.o_proj.weight.T.double(), H).T.to(dtype)

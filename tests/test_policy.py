@@ -43,6 +43,8 @@ def test_singular_values_from_factors():
     V = torch.linalg.qr(torch.randn(G, R, R, dtype=torch.float64)).Q
     B = S.sqrt()[..., None] * V.transpose(-1, -2)  # B_c = S^1/2 V^T
     torch.testing.assert_close(policy.singular_values(B), S.double())
+    Q = torch.block_diag(*[torch.linalg.qr(torch.randn(4, 4, dtype=torch.float64)).Q] * 3)  # rotated latents
+    torch.testing.assert_close(policy.singular_values(Q.T @ B), S.double())
 
 
 def test_budget_ranks_proportional_bounded_and_exact():
