@@ -54,7 +54,8 @@ PRESETS = {
     # fp8 scales and zeros, newest tokens at 8 bits per token. r0 = 2R/3, not the dev text's R/2: the least loss on
     # calibration domains left out of the calibration (docs/quality.md, "Domain shift"; a rank cut fitted to the
     # calibration loses more on other text). The torch path reads it (dynamic cache); the Triton kernel and the
-    # static cache do not yet
+    # static cache do not yet. Every preset rotates its latents (docs/quality.md, "Rotated latents": same values,
+    # less quantization error; the rank cut on left-out domains was chosen again with them)
     "lowrank": dict(
         bits=(3, 4, 8),
         key_bits=(4, 4, 8),
