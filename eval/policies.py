@@ -403,12 +403,19 @@ class Palu(Policy):
         """Per-layer value ranks (at most R); budget-matched ones at `match_pattern` (else `pattern`)."""
         d = Dims.of(model)
         if self.rank is not None:
-            return [min(self.rank, d.R)] * d.layers
-        pattern = self.match_pattern or pattern
-        if pattern is None:
-            return None
-        target = tale_bytes(model, (self.match or Tale()).resolve(model), pattern)
-        return palu_ranks(d, model.tale_schedule, self, target, pattern)
+            ranks = [min(self.rank, d.R)] * d.layers
+        else:
+            pattern = self.match_pattern or pattern
+            if pattern is None:
+                return None
+            target = tale_bytes(model, (self.match or Tale()).resolve(model), pattern)
+            ranks = palu_ranks(d, model.tale_schedule, self, target, pattern)
+        q = model.tale_schedule.latent_rotation  # rotated factors truncate exactly only at whole blocks
+        if q and any(r % q for r in ranks):
+            raise ValueError(
+                f"palu rank {ranks[0]}: the artifact's latents are rotated in blocks of {q}; use multiples"
+            )
+        return ranks
 
     def build(self, model, pattern):
         d, s = Dims.of(model), model.tale_schedule

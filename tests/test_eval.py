@@ -188,6 +188,17 @@ def kivi_bytes(B, K, n, L, q, res, key_bits, value_bits, kg, vg, es, value_width
     return L * (keys + values)
 
 
+def test_palu_refuses_a_rank_inside_a_rotation_block(pair, monkeypatch):
+    """Rotated factors (tale-convert --rotate-latents) truncate exactly only at whole blocks."""
+    from dataclasses import replace
+
+    _, model = pair()
+    monkeypatch.setattr(model, "tale_schedule", replace(model.tale_schedule, latent_rotation=8))
+    assert policies.Palu(16, 2).ranks(model) == [16] * model.config.num_hidden_layers
+    with pytest.raises(ValueError, match="rotated in blocks of 8"):
+        policies.Palu(12, 2).ranks(model)
+
+
 def test_kivi_and_palu_byte_accounting(pair):
     _, model = pair()
     L, K, n, G = 2, 4, 16, 2
