@@ -204,7 +204,7 @@ def test_shrink_is_recorded_and_checked(llama, tmp_path, capsys):
 
 
 def test_rotated_latents_give_the_same_values(llama, tmp_path, capsys):
-    """--rotate-latents: the schedule says so (format 2.3), full-rank 16-bit latents decode as the unrotated artifact's
+    """Rotated latents (every preset's default): the schedule says so (format 2.3), full-rank 16-bit latents decode as the unrotated artifact's
     (the values are the same), quantized ones differ (the rotation is what changes their error), and a rank that
     cuts inside a rotation block is refused."""
     import json
@@ -215,7 +215,7 @@ def test_rotated_latents_give_the_same_values(llama, tmp_path, capsys):
     from tale_runtime.load import override_schedule
 
     plain, rot = tmp_path / "plain", tmp_path / "rot"
-    for out, extra in ((plain, []), (rot, ["--rotate-latents"])):
+    for out, extra in ((plain, ["--no-rotate-latents"]), (rot, [])):  # rotated: the presets' default
         code, _, err = run([llama, "--out", out, "--group", "2", *extra, *TINY_ARGS], capsys)
         assert code == 0, err
     m = json.loads((rot / "tale_config.json").read_text())
