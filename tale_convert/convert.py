@@ -99,8 +99,13 @@ class Options:
         """Whether the artifact gets a key basis: --key-basis, or a preset with low-rank keys."""
         return self.key_basis or any(rank_policy.PRESETS.get(self.preset, {}).get("key_rank", ()))
 
-    def _rotate_latents(self, preset: dict) -> bool:
-        return preset.get("rotate_latents", False) if self.rotate_latents is None else self.rotate_latents
+    def _rotate_latents(self, preset: dict, R: int) -> bool:
+        """Asked for: rotate (a group size the blocks cannot follow is refused by the schedule); by the preset: only
+        where the latent groups can be rotation blocks (a power of two dividing R), else the SVD basis as it is."""
+        if self.rotate_latents is not None:
+            return self.rotate_latents
+        q = self.value_group
+        return preset.get("rotate_latents", False) and q >= 2 and not q & (q - 1) and R % q == 0
 
     def schedule(self, R: int, num_layers: int, kv_dim: int | None = None) -> Schedule:
         """The schedule of the options; kv_dim (K n: the joined keys of a layer) sizes a preset's low-rank keys."""
@@ -149,7 +154,7 @@ class Options:
             value_meta=p["value_meta"],
             key_channel_group=n,
             key_rope=p.get("key_rope", "post"),
-            latent_rotation=self.value_group if self._rotate_latents(p) else 0,
+            latent_rotation=self.value_group if self._rotate_latents(p, R) else 0,
         )
         try:
             schedule.validate(R, num_layers)

@@ -242,3 +242,12 @@ def test_rotated_latents_give_the_same_values(llama, tmp_path, capsys):
     R = int(model.tale_manifest["architecture"]["latent_rank"])
     with pytest.raises(ValueError, match="rotation blocks"):
         override_schedule(model.tale_schedule, R, model.config.num_hidden_layers, ranks=[12, R], bits=16)
+    # latent groups that cannot be rotation blocks (48 channels of R = 192): the preset's default keeps the SVD basis,
+    # asking for the rotation is refused in one line
+    from tale_convert import ConvertError
+    from tale_convert.convert import Options
+
+    assert Options(group=3, value_group=48).schedule(192, 2).latent_rotation == 0
+    assert Options(group=3, value_group=64).schedule(192, 2).latent_rotation == 64
+    with pytest.raises(ConvertError, match="latent_rotation must be a power of two"):
+        Options(group=3, value_group=48, rotate_latents=True).schedule(192, 2)
