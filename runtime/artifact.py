@@ -169,7 +169,7 @@ class Schedule:
                 if lv.bits == 3 and r % 8:
                     raise ArtifactError(f"layer {li}: 3-bit latents need ranks that are multiples of 8, got {r}")
         if q := self.latent_rotation:
-            if q < 2 or q & (q - 1) or R % q:
+            if not rotation_fits(q, R):
                 raise ArtifactError(f"latent_rotation must be a power of two >= 2 dividing R={R}, got {q}")
             for li, rs in enumerate(self.ranks):
                 if any(r % q for r in rs):
@@ -209,6 +209,12 @@ class Schedule:
     def shares(self) -> list[float]:
         rest = 1.0 - sum(lv.share for lv in self.levels[1:])
         return [rest] + [lv.share for lv in self.levels[1:]]
+
+
+def rotation_fits(block: int, R: int) -> bool:
+    """Whether latents of rank R can be rotated in Hadamard blocks of `block` channels (Schedule.latent_rotation):
+    a power of two >= 2 dividing R."""
+    return block >= 2 and not block & (block - 1) and R % block == 0
 
 
 def uniform_ranks(

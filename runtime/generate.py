@@ -55,11 +55,10 @@ class GenStats:
 def attention_backend(model, cache) -> str:
     """Which decode attention serves `cache` ("cuda kernel", "triton kernel", "torch reference"), from the model's
     installed backend, the cache's layout and the device; a call a kernel does not cover still falls back per call."""
-    from .load import _cuda_kernel_installed
+    from .load import _cuda_kernel_installed, _installed_kernels
 
     frag = isinstance(cache, StaticTaleCache) and cache.layout == "frag"
-    fn = model.model.layers[0].self_attn.attention_fn
-    if not getattr(getattr(fn, "func", fn), "__module__", "").startswith("tale_kernels"):
+    if _installed_kernels(model) is None:
         return "torch reference" + (" (fragment layout)" if frag else "")
     if not frag:
         return "triton kernel"

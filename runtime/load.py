@@ -422,12 +422,19 @@ def new_cache(
     return TaleCache(*args, keep=keep, key_basis=getattr(model, "tale_key_basis", None))
 
 
-def _cuda_kernel_installed(model) -> bool:
-    """Whether decode attention goes through tale_kernels with its CUDA kernel allowed (use_kernels, cuda not False)."""
+def _installed_kernels(model) -> dict | None:
+    """The options tale_kernels' decode attention was installed with (use_kernels), or None where the model's
+    attention is not tale_kernels' (the torch reference)."""
     fn = model.model.layers[0].self_attn.attention_fn
     kw = getattr(fn, "keywords", {}) or {}
     fn = getattr(fn, "func", fn)  # use_kernels(..., **options) installs a partial
-    return getattr(fn, "__module__", "").startswith("tale_kernels") and kw.get("cuda", True) is not False
+    return dict(kw) if getattr(fn, "__module__", "").startswith("tale_kernels") else None
+
+
+def _cuda_kernel_installed(model) -> bool:
+    """Whether decode attention goes through tale_kernels with its CUDA kernel allowed (use_kernels, cuda not False)."""
+    opts = _installed_kernels(model)
+    return opts is not None and opts.get("cuda", True) is not False
 
 
 def set_output_path(model, path: str) -> None:

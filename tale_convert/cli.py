@@ -167,8 +167,6 @@ def check_inputs(out: Path, opts: Options) -> None:
     ):
         if v is not None and v < least:  # None: the preset's
             raise ConvertError(f"{name} must be >= {least}, got {v}")
-    if not 0 <= opts.shrink <= 1:
-        raise ConvertError(f"--shrink must be in [0, 1], got {opts.shrink:g}")
     if opts.preset not in rank_policy.PRESETS:
         raise ConvertError(f"unknown --preset {opts.preset!r}: use one of {', '.join(rank_policy.PRESETS)}")
     if opts.target_ratio is not None and opts.target_ratio <= 1:

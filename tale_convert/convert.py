@@ -27,6 +27,7 @@ from tale_runtime.artifact import (
     Schedule,
     hash_files,
     nominal_ratio,
+    rotation_fits,
     uniform_ranks,
     write_json,
 )
@@ -104,8 +105,7 @@ class Options:
         where the latent groups can be rotation blocks (a power of two dividing R), else the SVD basis as it is."""
         if self.rotate_latents is not None:
             return self.rotate_latents
-        q = self.value_group
-        return preset.get("rotate_latents", False) and q >= 2 and not q & (q - 1) and R % q == 0
+        return preset.get("rotate_latents", False) and rotation_fits(self.value_group, R)
 
     def schedule(self, R: int, num_layers: int, kv_dim: int | None = None) -> Schedule:
         """The schedule of the options; kv_dim (K n: the joined keys of a layer) sizes a preset's low-rank keys."""

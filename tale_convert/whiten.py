@@ -68,10 +68,11 @@ def rotate_latents(f: Factors, block: int) -> Factors:
     unchanged), but each block's latents carry its channels' energy evenly instead of the first channel most, so a
     per-token quantization group of `block` channels loses less (docs/quality.md, "Rotated latents"). Truncation
     at multiples of `block` stays the whitened SVD truncation (the blocks do not cross it); S stays as it was."""
+    from tale_runtime.artifact import rotation_fits
     from tale_runtime.model import hadamard
 
     R = f.A.shape[-1]
-    if block < 2 or block & (block - 1) or R % block:
+    if not rotation_fits(block, R):
         raise ConvertError(f"latent rotation blocks must be a power of two >= 2 dividing R={R}, got {block}")
     h = hadamard(block, f.A.device, torch.float64)
     A = (f.A.unflatten(-1, (R // block, block)) @ h).flatten(-2)  # [G, d, R]
