@@ -7,6 +7,7 @@ does). The prefill's own prediction is not scored: it reads only exact states.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 from tale_calib import TEST_FILES, documents, text_path
+from tale_runtime.generate import NonFiniteLogits
 from tale_runtime.model import cache_arg
 
 
@@ -48,6 +50,8 @@ def decode_nll(model, ids: torch.Tensor, cache: Cache, prefill: int, chunk: int)
         logits = model(ids[:, s : s + T], **cache_arg(cache), use_cache=True).logits
         target = ids[:, s + 1 : s + T + 1]
         nll += F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), reduction="sum").item()
+        if not math.isfinite(nll):  # NaN would otherwise become a NaN perplexity in a table
+            raise NonFiniteLogits(f"the decode call at token {s}")
         count += target.numel()
         s += T
     return nll, count

@@ -129,7 +129,7 @@ def run(
     import torch
 
     from .artifact import ArtifactError
-    from .generate import generate
+    from .generate import NonFiniteLogits, generate
     from .load import load, set_output_path
 
     try:
@@ -160,18 +160,22 @@ def run(
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    _, stats = generate(
-        m,
-        ids,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        tokenizer=tok,
-        on_text=emit,
-        static=False if dynamic else None,
-        compile=not no_compile,
-    )
+    try:
+        _, stats = generate(
+            m,
+            ids,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            tokenizer=tok,
+            on_text=emit,
+            static=False if dynamic else None,
+            compile=not no_compile,
+        )
+    except NonFiniteLogits as e:
+        sys.stdout.write("\n")
+        raise CliError(str(e)) from None
     sys.stdout.write("\n")
     sys.stdout.flush()
     err.print(stats.line(), style="dim", markup=False)

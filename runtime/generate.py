@@ -125,10 +125,34 @@ def eos_ids(model, tokenizer) -> set[int]:
     return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
 
-def _next_token(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> int:
-    """logits [V] (float32) -> token id: greedy at temperature 0, else nucleus sampling."""
+class NonFiniteLogits(RuntimeError):
+    """A forward pass gave inf or NaN logits: a number format overflowed on the way (e.g. float16 key scales or
+    the CUDA kernel's fp16 query-times-scale operand past 65504). Refused, because argmax would pick a token
+    anyway and the run would look fine."""
+
+    def __init__(self, where: str):
+        super().__init__(
+            f"the logits of {where} are not finite (inf or NaN): a number format overflowed in the cache or "
+            "attention; try --dtype fp32 or another attention backend"
+        )
+
+
+def check_finite(logits: torch.Tensor, where: str) -> None:
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteLogits(where)
+
+
+def _next_token(
+    logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None, step: int = 0
+) -> int:
+    """logits [V] (float32) -> token id: greedy at temperature 0, else nucleus sampling. Non-finite logits are
+    refused (NonFiniteLogits); greedy checks them in the same device-to-host copy as the token."""
     if temperature <= 0:
-        return int(logits.argmax())
+        tok, finite = torch.stack([logits.argmax(), torch.isfinite(logits).all().long()]).tolist()
+        if not finite:
+            raise NonFiniteLogits(f"generated token {step + 1}")
+        return tok
+    check_finite(logits, f"generated token {step + 1}")
     probs = (logits / temperature).softmax(-1)
     if top_p < 1.0:
         sp, si = probs.sort(descending=True)
@@ -195,7 +219,7 @@ def generate(
     pos = torch.full((1, 1), ids.shape[1], dtype=torch.long, device=device)
     t1 = time.perf_counter()
     while len(out) < max_new_tokens:
-        tok = _next_token(logits[0, -1].float(), temperature, top_p, gen)
+        tok = _next_token(logits[0, -1].float(), temperature, top_p, gen, len(out))
         out.append(tok)
         if stream is not None and tok not in stop and (text := stream.push(tok)):
             on_text(text)

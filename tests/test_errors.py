@@ -364,6 +364,28 @@ def test_nucleus_keeps_the_top_token(built):
     assert "generated 3 tok" in r.stderr
 
 
+@pytest.mark.parametrize("temperature", ["0", "1"])
+def test_non_finite_logits_end_the_run_in_one_line(built, monkeypatch, temperature):
+    """inf/NaN logits (a number format overflowed in the cache or attention) are refused whether greedy or
+    sampling: argmax would otherwise pick a token and the run would look fine."""
+    import importlib
+
+    load_mod = importlib.import_module("tale_runtime.load")  # the package exports a function of that name
+    real = load_mod.load
+
+    def poisoned(*a, **k):
+        m, tok = real(*a, **k)
+        with torch.no_grad():
+            m.lm_head.weight[3] = float("nan")
+        return m, tok
+
+    monkeypatch.setattr(load_mod, "load", poisoned)
+    r = invoke(run_cli.main, [built, "-p", "hi", "--temperature", temperature, "--max-new-tokens", "3"])
+    assert r.exit_code == 2, r.output
+    assert r.stderr.startswith("error: the logits of generated token 1 are not finite"), r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.output
+
+
 def test_unmodified_artifact_verifies_every_file(built):
     names = verify_files(built)
     assert {

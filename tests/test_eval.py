@@ -61,6 +61,24 @@ def test_full_cache_decode_ppl_equals_a_plain_forward(chunk, pair):
     assert math.exp(nll / count) == pytest.approx(ref, rel=1e-5)
 
 
+def test_non_finite_logits_are_refused_not_scored(pair):
+    """A decode call whose logits hold NaN (an overflow in the cache or attention) stops the measurement: a NaN
+    perplexity must never reach a table."""
+    from tale_runtime.generate import NonFiniteLogits
+
+    _, model = pair()
+    head = model.lm_head.weight
+    saved = head[7].clone()
+    try:
+        with torch.no_grad():
+            head[7] = float("nan")
+        with pytest.raises(NonFiniteLogits, match="decode call at token 10"):
+            perplexity.decode_nll(model, ids_of(1, 30), caches.full_cache(1), prefill=10, chunk=3)
+    finally:
+        with torch.no_grad():
+            head[7] = saved
+
+
 # one compressing setting per registered family that fits the tiny models (head dim 16, groups of 8)
 TINY_SETTINGS = {
     "full": policies.Full(),
