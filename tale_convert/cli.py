@@ -52,11 +52,6 @@ def run(
     shrink: float = typer.Option(
         D.shrink, help="shrink the calibration covariance toward a scaled identity before whitening (0..1; 0: as is)"
     ),
-    output_aware: bool = typer.Option(
-        D.output_aware,
-        "--output-aware/--no-output-aware",
-        help="fit the latent rank cut to the error the output projection passes on, not the values' own",
-    ),
     rotate_latents: Optional[bool] = typer.Option(
         None,
         "--rotate-latents/--no-rotate-latents",
@@ -112,7 +107,6 @@ def run(
         seq_len=seq_len,
         seed=seed,
         shrink=shrink,
-        output_aware=output_aware,
         rotate_latents=rotate_latents,
         device=device,
         dtype=dtype,

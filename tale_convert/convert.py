@@ -56,7 +56,6 @@ class Options:
     seq_len: int = 512
     seed: int = 0
     shrink: float = 0.0  # covariance shrinkage before whitening (tale_convert.whiten.shrunk; 0: SVD-LLM as is)
-    output_aware: bool = False  # weight the fit by the output projection (tale_convert.whiten.output_weight)
     # None: the preset's; True: latents rotated in blocks of value_group channels (tale_convert.whiten.rotate_latents)
     rotate_latents: bool | None = None
     device: str = "auto"
@@ -240,7 +239,6 @@ def convert(
         "model": base_files,
         "group": arch.g,
         "shrink": opts.shrink,
-        "output_aware": opts.output_aware,
         "latent_rotation": schedule.latent_rotation,
         "tokens": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(),
     }
@@ -270,7 +268,7 @@ def convert(
             on_shard=lambda f, h: partial.save_shard(plan, f, h),
             pending_bytes=layer_bytes,
         )
-        layers = _stream(ckpt, skeleton, tokens, device, arch, schedule, partial, writer, dtype, on_layer, opts)
+        layers = _stream(ckpt, skeleton, tokens, device, arch, schedule, partial, writer, dtype, on_layer, opts.shrink)
         if opts.policy != "uniform":
             schedule, layers = _rank_policy(opts, schedule, layers, src, tokens, arch, partial, log)
         if opts.target_ratio:
@@ -367,7 +365,6 @@ def _manifest(src, base_files, arch, schedule, layers, calib_info, opts, dtype, 
             "method": "svd-llm-whitened",
             "compute_dtype": "float64",
             "shrink": opts.shrink,
-            "output_aware": opts.output_aware,
             "whitening_eps": [lr.eps for lr in layers],
         },
         "calibration": {
@@ -423,7 +420,7 @@ def _plan(ckpt, arch, dtype) -> list[write.Entry]:
 
 
 def _stream(
-    ckpt, skeleton, tokens, device, arch, schedule, partial, writer, dtype, on_layer, opts: Options
+    ckpt, skeleton, tokens, device, arch, schedule, partial, writer, dtype, on_layer, shrink: float
 ) -> list[LayerReport]:
     """One pass over the layers: read a layer's weights, run the calibration set through it on the
     device (accumulating the covariance of its v_proj input), whiten + factor its v_proj, write
@@ -474,8 +471,7 @@ def _stream(
                 try:
                     C = calibrate.run_layer(layer, hidden, rope, i, covariance=i not in done)
                     if C is not None:
-                        W_O = layer.self_attn.o_proj.weight.T if opts.output_aware else None
-                        f = whiten(C, layer.self_attn.v_proj.weight.T, arch.g, arch.n, opts.shrink, W_O)
+                        f = whiten(C, layer.self_attn.v_proj.weight.T, arch.g, arch.n, shrink)
                         del C
                         if schedule.latent_rotation:
                             f = rotate_latents(f, schedule.latent_rotation)

@@ -46,48 +46,20 @@ def shrunk(C: torch.Tensor, alpha: float) -> torch.Tensor:
     return (1 - alpha) * C + alpha * C.diagonal().mean() * eye
 
 
-def output_weight(W_O: torch.Tensor, K: int, g: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """M and M^{-1}, [G, R, R] block-diagonal: per KV head m, M_m = (sum over the query heads q reading m of
-    O_q O_q^T)^{1/2} with O_q = W_O[q n:(q+1) n] ([H n, d], row-vector layout). ||dv_m M_m||^2 is then the summed
-    squared error that a value error dv_m puts into its query heads' outputs: a rank cut on W M instead of W keeps
-    the value directions the output projection passes on, not the ones it damps."""
-    rep = W_O.shape[0] // n // K
-    O = W_O.double().view(K, rep, n, -1)  # [K, rep, n, d]: the query heads of KV head m
-    P = torch.einsum("mqid,mqjd->mij", O, O)  # [K, n, n]
-    lam, V = torch.linalg.eigh(P)
-    if (lam <= lam.amax(-1, keepdim=True) * 1e-10).any():
-        raise ConvertError("the output projection is rank-deficient on a KV head: cannot weight the fit by it")
-    M, Minv = V * lam.sqrt()[:, None] @ V.mT, V * lam.rsqrt()[:, None] @ V.mT
-
-    def blocks(X: torch.Tensor) -> torch.Tensor:  # [K, n, n] -> [G, R, R] block-diagonal
-        return torch.stack([torch.block_diag(*X[c * g : (c + 1) * g]) for c in range(K // g)])
-
-    return blocks(M), blocks(Minv)
-
-
-def whiten(
-    C: torch.Tensor, W: torch.Tensor, g: int, n: int, shrink: float = 0.0, W_O: torch.Tensor | None = None
-) -> Factors:
+def whiten(C: torch.Tensor, W: torch.Tensor, g: int, n: int, shrink: float = 0.0) -> Factors:
     """C: [d, d] covariance of the v_proj input; W: [d, K*n] value projection (row-vector layout); shrink: see
-    `shrunk` (0: SVD-LLM as is); W_O: [H n, d] output projection (row-vector layout) to weight the fit by what the
-    output projection passes on (`output_weight`; None: the values' own error).
+    `shrunk` (0: SVD-LLM as is).
 
-    Per group c: L^T W_c M_c = U S V^T, A_c = L^{-T} U S^{1/2}, B_c = S^{1/2} V^T M_c^{-1} (M = I without W_O).
-    Truncating both to the first r columns/rows is then the best rank-r fit in ||X (W_c - A_r B_r) M_c||_F."""
+    Per group c: L^T W_c = U S V^T, A_c = L^{-T} U S^{1/2}, B_c = S^{1/2} V^T. Truncating
+    both to the first r columns/rows is then the best rank-r fit in ||X (W_c - A_r B_r)||_F."""
     C, W = shrunk(C.double(), shrink), W.to(device=C.device, dtype=torch.float64)
     L, eps = cholesky(C)
     d, R = W.shape[0], g * n
     Wg = W.view(d, -1, R).transpose(0, 1)  # [G, d, R]: group c = KV heads c*g .. c*g+g-1
-    M = Minv = None
-    if W_O is not None:
-        M, Minv = output_weight(W_O.to(W), W.shape[1] // n, g, n)
-        Wg = Wg @ M
     U, S, Vh = torch.linalg.svd(L.T @ Wg, full_matrices=False)
     s = S.sqrt()
     A = torch.linalg.solve_triangular(L.T, U * s[:, None, :], upper=True)  # L^{-T} U S^{1/2}, no inverse
     B = s[:, :, None] * Vh
-    if Minv is not None:
-        B = B @ Minv
     return Factors(A, B, S, eps)
 
 
