@@ -1,6 +1,7 @@
 """Decode attention of one layer on Llama-3.1-8B shapes: the TALE kernel against cuDNN/flash SDPA.
 
-Shapes: 32 query heads, 8 KV heads, head dim 128, head groups g = 4 (R = 512, r0 = 256); the
+Shapes: 32 query heads, 8 KV heads, head dim 128, head groups g = 4 (R = 512, r0 = 256); `--shape 70b`:
+Llama-3.1-70B's 64 query heads over the same 8 KV heads (8 query heads per KV head). The
 paper's schedule: 4 sinks, recent share p = 0.1 at 4 bits and full rank, the middle at 2 bits
 and rank r0, key and value groups of 32, a 16-bit residual under 32 tokens. bf16. Inputs are
 random (real weights cannot travel) with real shapes and region lengths, read through a
@@ -20,6 +21,7 @@ device-to-device copy measured in the same run (bytes read + written over its ti
 
     python benchmarks/bench_decode.py --out docs/speed.md
     python benchmarks/bench_decode.py --presets --no-check --contexts 131072 --batches 1   # paper vs tale caches
+    python benchmarks/bench_decode.py --shape 70b                 # Llama-3.1-70B's attention shapes
 """
 
 from __future__ import annotations
@@ -46,12 +48,27 @@ from tale_runtime.cache import latent_attention as ref_attention
 from tale_runtime.quant import QTensor, meta_format
 from tale_runtime.regions import LayerView, Region
 
-H, K, N, GS = 32, 8, 128, 4
-G, R, R0, REP = K // GS, GS * N, GS * N // 2, H // K
+# name: (model, query heads H, KV heads K, head dim N, KV heads per latent group GS)
+SHAPES = {"8b": ("Llama-3.1-8B", 32, 8, 128, 4), "70b": ("Llama-3.1-70B", 64, 8, 128, 4)}
 SINKS, P, KG, VG = 4, 0.1, 32, 32
-SCHED = Schedule(
-    sinks=SINKS, levels=[Level(2, 2, None), Level(4, 4, P)], ranks=[[R0, R]], key_group=KG, value_group=VG, residual=KG
-)
+
+
+def set_shape(name: str) -> None:
+    """The module's shape constants (read by every function below) for one of SHAPES."""
+    global MODEL, H, K, N, GS, G, R, R0, REP, SCHED
+    MODEL, H, K, N, GS = SHAPES[name]
+    G, R, R0, REP = K // GS, GS * N, GS * N // 2, H // K
+    SCHED = Schedule(
+        sinks=SINKS,
+        levels=[Level(2, 2, None), Level(4, 4, P)],
+        ranks=[[R0, R]],
+        key_group=KG,
+        value_group=VG,
+        residual=KG,
+    )
+
+
+set_shape("8b")
 DEV = "cuda"
 DT = torch.bfloat16
 TOL = 5e-3
@@ -554,8 +571,8 @@ def markdown(rows, copy_bw, cfg, cmd, env) -> str:
         "",
         f"Measured on {env}. Command (from the repo root): `{cmd}`",
         "",
-        "Llama-3.1-8B attention shapes (H=32, K=8, head dim 128, g=4: R=512, r0=256), bf16, the paper schedule "
-        "(4 sinks, p=0.1 at 4 bits full rank, the middle at 2 bits rank 256, key/value groups 32, 16-bit residual), "
+        f"{MODEL} attention shapes (H={H}, K={K}, head dim {N}, g={GS}: R={R}, r0={R0}), bf16, the paper schedule "
+        f"(4 sinks, p=0.1 at 4 bits full rank, the middle at 2 bits rank {R0}, key/value groups 32, 16-bit residual), "
         "random inputs of real shapes read through a LayerView. Kernel launch config: "
         f"{cfg or 'the defaults of tale_kernels.latent_attention'}. Medians of CUDA-graph replays, L2 flushed before "
         f"each. Copy bandwidth measured in the same run: {copy_bw:.0f} GB/s (read + write). GB/s = bytes of the cache "
@@ -581,6 +598,7 @@ def markdown(rows, copy_bw, cfg, cmd, env) -> str:
 def main() -> int:
     global FLUSH
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=list(SHAPES), default="8b", help="attention shapes of this model")
     ap.add_argument("--contexts", default="32768,131072,524288")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness checks")
@@ -594,6 +612,7 @@ def main() -> int:
         "--presets", action="store_true", help="time the paper and tale presets' real (static) caches, then SDPA"
     )
     args = ap.parse_args()
+    set_shape(args.shape)
     FLUSH = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
     torch.manual_seed(0)
     random.seed(0)
