@@ -1,7 +1,8 @@
 """Decode attention of one layer on Llama-3.1-8B shapes: the TALE kernel against cuDNN/flash SDPA.
 
 Shapes: 32 query heads, 8 KV heads, head dim 128, head groups g = 4 (R = 512, r0 = 256); `--shape 70b`:
-Llama-3.1-70B's 64 query heads over the same 8 KV heads (8 query heads per KV head). The
+Llama-3.1-70B's 64 query heads over the same 8 KV heads (8 query heads per KV head); `--shape 70b-g2`: the
+same with latent groups of 2 KV heads (16 query rows per group, as the 8B shapes have). The
 paper's schedule: 4 sinks, recent share p = 0.1 at 4 bits and full rank, the middle at 2 bits
 and rank r0, key and value groups of 32, a 16-bit residual under 32 tokens. bf16. Inputs are
 random (real weights cannot travel) with real shapes and region lengths, read through a
@@ -49,7 +50,11 @@ from tale_runtime.quant import QTensor, meta_format
 from tale_runtime.regions import LayerView, Region
 
 # name: (model, query heads H, KV heads K, head dim N, KV heads per latent group GS)
-SHAPES = {"8b": ("Llama-3.1-8B", 32, 8, 128, 4), "70b": ("Llama-3.1-70B", 64, 8, 128, 4)}
+SHAPES = {
+    "8b": ("Llama-3.1-8B", 32, 8, 128, 4),
+    "70b": ("Llama-3.1-70B", 64, 8, 128, 4),
+    "70b-g2": ("Llama-3.1-70B, latent groups of 2 KV heads (tale-convert --group 2)", 64, 8, 128, 2),
+}
 SINKS, P, KG, VG = 4, 0.1, 32, 32
 
 
