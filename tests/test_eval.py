@@ -73,7 +73,9 @@ def test_non_finite_logits_are_refused_not_scored(pair):
         with torch.no_grad():
             head[7] = float("nan")
         with pytest.raises(NonFiniteLogits, match="decode call at token 10"):
-            perplexity.decode_nll(model, ids_of(1, 30), caches.full_cache(1), prefill=10, chunk=3)
+            perplexity.decode_nll(
+                model, ids_of(1, 30), caches.full_cache(model.config.num_hidden_layers), prefill=10, chunk=3
+            )
     finally:
         with torch.no_grad():
             head[7] = saved
