@@ -173,9 +173,9 @@ def run(
             static=False if dynamic else None,
             compile=not no_compile,
         )
-    except NonFiniteLogits as e:
+    except NonFiniteLogits:  # one line on stderr (a UserError); end the streamed text's line first
         sys.stdout.write("\n")
-        raise CliError(str(e)) from None
+        raise
     sys.stdout.write("\n")
     sys.stdout.flush()
     err.print(stats.line(), style="dim", markup=False)

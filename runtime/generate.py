@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .artifact import nominal_ratio
+from .console import UserError
 from .decode import CudaGraphDecoder
 from .load import new_cache
 from .model import TaleCache, cache_arg
@@ -125,10 +126,11 @@ def eos_ids(model, tokenizer) -> set[int]:
     return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
 
-class NonFiniteLogits(RuntimeError):
+class NonFiniteLogits(UserError):
     """A forward pass gave inf or NaN logits: a number format overflowed on the way (e.g. float16 key scales or
     the CUDA kernel's fp16 query-times-scale operand past 65504). Refused, because argmax would pick a token
-    anyway and the run would look fine."""
+    anyway and the run would look fine; the CLIs print it in one line with exit code 2 (the user can change the
+    dtype or the backend)."""
 
     def __init__(self, where: str):
         super().__init__(

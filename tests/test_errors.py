@@ -364,10 +364,10 @@ def test_nucleus_keeps_the_top_token(built):
     assert "generated 3 tok" in r.stderr
 
 
-@pytest.mark.parametrize("temperature", ["0", "1"])
-def test_non_finite_logits_end_the_run_in_one_line(built, monkeypatch, temperature):
-    """inf/NaN logits (a number format overflowed in the cache or attention) are refused whether greedy or
-    sampling: argmax would otherwise pick a token and the run would look fine."""
+@pytest.mark.parametrize("how", ["run greedy", "run sampling", "eval"])
+def test_non_finite_logits_end_the_run_in_one_line(built, monkeypatch, how):
+    """inf/NaN logits (a number format overflowed in the cache or attention) are refused, greedy or sampling, and
+    by tale-eval: argmax would otherwise pick a token and the run would look fine, and a perplexity would be NaN."""
     import importlib
 
     load_mod = importlib.import_module("tale_runtime.load")  # the package exports a function of that name
@@ -380,9 +380,17 @@ def test_non_finite_logits_end_the_run_in_one_line(built, monkeypatch, temperatu
         return m, tok
 
     monkeypatch.setattr(load_mod, "load", poisoned)
-    r = invoke(run_cli.main, [built, "-p", "hi", "--temperature", temperature, "--max-new-tokens", "3"])
+    monkeypatch.setattr(eval_cli, "load", poisoned)
+    if how == "eval":
+        argv = [built, "--dtype", "fp32", "--ctx", "32", "--windows", "1", "--prefill", "8", "--passkey-lengths", ""]
+        r = invoke(eval_cli.main, [*argv, "--policies", "full", "--threads", "1"])
+        start = "error: the logits of the decode call at token 8 are not finite"
+    else:
+        t = "0" if how == "run greedy" else "1"
+        r = invoke(run_cli.main, [built, "-p", "hi", "--temperature", t, "--max-new-tokens", "3"])
+        start = "error: the logits of generated token 1 are not finite"
     assert r.exit_code == 2, r.output
-    assert r.stderr.startswith("error: the logits of generated token 1 are not finite"), r.stderr
+    assert r.stderr.startswith(start), r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.output
 
 
