@@ -139,22 +139,18 @@ class NonFiniteLogits(UserError):
         )
 
 
-def check_finite(logits: torch.Tensor, where: str) -> None:
-    if not bool(torch.isfinite(logits).all()):
-        raise NonFiniteLogits(where)
-
-
 def _next_token(
     logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None, step: int = 0
 ) -> int:
     """logits [V] (float32) -> token id: greedy at temperature 0, else nucleus sampling. Non-finite logits are
     refused (NonFiniteLogits); greedy checks them in the same device-to-host copy as the token."""
+    finite = torch.isfinite(logits).all()
     if temperature <= 0:
-        tok, finite = torch.stack([logits.argmax(), torch.isfinite(logits).all().long()]).tolist()
-        if not finite:
-            raise NonFiniteLogits(f"generated token {step + 1}")
+        tok, finite = torch.stack([logits.argmax(), finite.long()]).tolist()
+    if not finite:
+        raise NonFiniteLogits(f"generated token {step + 1}")
+    if temperature <= 0:
         return tok
-    check_finite(logits, f"generated token {step + 1}")
     probs = (logits / temperature).softmax(-1)
     if top_p < 1.0:
         sp, si = probs.sort(descending=True)
