@@ -21,6 +21,7 @@ Triton kernel) and the cache writes stay ordinary calls, captured with the rest.
 from __future__ import annotations
 
 import time
+import types
 import warnings
 
 import torch
@@ -58,6 +59,13 @@ def _head(model, x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return model.lm_head(model.model.norm(x + d))[:, -1]  # [B, V]
 
 
+def _own_copy(f):
+    """f with a code object of its own. Dynamo keeps compiled graphs per code object, up to its recompile limit (8):
+    shared by every DecodeStep, the fifth model of another shape in a process failed to compile (fullgraph); copied,
+    each step's graphs are its own and go with it."""
+    return types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+
+
 class DecodeStep:
     """`step(ids, position_ids)` -> logits [B, V]: the model's forward over a TALE cache (T new tokens after a
     prefill), layer by layer, with the pieces between the matmuls and attention compiled (see the module
@@ -69,7 +77,9 @@ class DecodeStep:
             raise ValueError("DecodeStep needs Llama-style decoder layers with TALE attention")
         self.model, self.cache = model, cache
         kw = dict(backend=backend, fullgraph=True)
-        self.embed, self.pre, self.post, self.head = (torch.compile(f, **kw) for f in (_embed, _pre, _post, _head))
+        self.embed, self.pre, self.post, self.head = (
+            torch.compile(_own_copy(f), **kw) for f in (_embed, _pre, _post, _head)
+        )
 
     def warm(self, ids: torch.Tensor, position_ids: torch.Tensor) -> None:
         """Compile every piece on these shapes without touching the cache: layer 0's pieces with and without the

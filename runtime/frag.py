@@ -5,7 +5,7 @@ The codes, 16-bit scales and zeros are those of runtime/quant.py's layout, permu
 thread's 32-bit word already holds its `mma.m16n8k16` operands. `FragLevel.put` / `take` convert whole blocks both
 ways without loss, so flushes and demotions read and write QTensors as in the row layout.
 
-Shapes fixed by the kernel: head dim 128, latent groups of 4 KV heads with 4 query heads each (16 query rows),
+Shapes fixed by the kernel: head dim 128, latent groups of 4 KV heads with 4 or 8 query heads each,
 key and value groups of 32, 16-bit scales/zeros, latents in halves of 256 channels. Per batch row b and latent
 group g, a level of C slots (a multiple of 32) with kb-bit keys and lb-bit latents of rank r (r / 256 halves):
 
@@ -40,7 +40,7 @@ def supports(
     dtype: torch.dtype,
 ) -> bool:
     """Whether the layout covers a cache of these shapes: levels as (key bits, latent bits, rank) per level, the
-    paper preset's two: (2, 2, 256) and (4, 4, 512). (The kernel also needs 4 query heads per KV head.)"""
+    paper preset's two: (2, 2, 256) and (4, 4, 512). (The kernel also needs `kernel_heads`.)"""
     return (
         n == N
         and K == GS * G
@@ -49,6 +49,11 @@ def supports(
         and meta == ("16", "16")
         and dtype == torch.bfloat16
     )
+
+
+def kernel_heads(num_heads: int, num_kv_heads: int) -> bool:
+    """Whether the CUDA kernel serves this many query heads: 4 or 8 per KV head (one or two CTAs of 16 rows)."""
+    return num_heads in (4 * num_kv_heads, 8 * num_kv_heads)
 
 
 # -- index tables: word w's field f holds the code at index table[w, f] of the source ---------------------------

@@ -16,6 +16,7 @@ import torch
 from .artifact import nominal_ratio
 from .console import UserError
 from .decode import CudaGraphDecoder
+from .frag import kernel_heads
 from .load import new_cache
 from .model import TaleCache, cache_arg
 from .static_cache import StaticTaleCache
@@ -66,7 +67,7 @@ def attention_backend(model, cache) -> str:
     from tale_kernels import mma_attention
 
     device = next(model.parameters()).device
-    if _cuda_kernel_installed(model) and cache.num_heads == 4 * cache.K and mma_attention.available(device):
+    if _cuda_kernel_installed(model) and kernel_heads(cache.num_heads, cache.K) and mma_attention.available(device):
         return "cuda kernel (fragment layout)"
     return "torch reference (fragment layout)"
 

@@ -44,7 +44,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .artifact import Schedule
 from .cache import band_index, demote_level, quant_level
-from .frag import FragLevel, FragRegion
+from .frag import FragLevel, FragRegion, kernel_heads
 from .frag import supports as frag_supports
 from .placement import demotions, fill_counts, flush_count
 from .quant import FP8, Bands, QTensor, _rebias, cat, meta_format
@@ -475,7 +475,7 @@ class StaticTaleCache(Cache):
         self.schedule = schedule
         self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank
         self.layout_arg = layout
-        self.num_heads = num_heads  # query heads: "auto" picks "frag" only for the kernel's 4 per KV head
+        self.num_heads = num_heads  # query heads: "auto" picks "frag" only for the kernel's 4 or 8 per KV head
         self.layout = "row"  # the one in use, fixed at the prefill (_allocate)
         self.max_length = max_length
         self.num_layers = num_layers
@@ -536,7 +536,7 @@ class StaticTaleCache(Cache):
 
     def _layout(self, k: torch.Tensor) -> str:
         """The layout of the quantized levels: "frag" where the CUDA kernel reads this cache (auto: on a GPU it runs
-        on, with 4 query heads per KV head), else "row"; a "frag" asked for that does not fit is refused."""
+        on, with 4 or 8 query heads per KV head), else "row"; a "frag" asked for that does not fit is refused."""
         s = self.schedule
         lv = [(x.key_bits, x.bits, r) for x, r in zip(s.levels, s.ranks[0])]
         fits = (
@@ -553,7 +553,7 @@ class StaticTaleCache(Cache):
                     "the paper preset's two levels (2-bit rank 256, 4-bit rank 512) with groups of 32: not this cache"
                 )
             return "frag"
-        if self.layout_arg == "row" or not fits or not k.is_cuda or self.num_heads != 4 * self.K:
+        if self.layout_arg == "row" or not fits or not k.is_cuda or not kernel_heads(self.num_heads, self.K):
             return "row"
         from tale_kernels.mma_attention import available
 

@@ -113,6 +113,20 @@ def test_warm_compiles_every_piece_and_leaves_the_cache_alone():
     assert counters["stats"]["unique_graphs"] == 5
 
 
+def test_many_models_in_one_process_each_compile():
+    """Dynamo's recompile limit (8 graphs per code object) counts per DecodeStep, not per process: models of six
+    shapes and dtypes in a row all compile (with the pieces shared, the fifth failed under fullgraph)."""
+    for i, (arch, dtype) in enumerate(
+        [(a, d) for a in ("llama", "mistral", "qwen2") for d in (torch.float32, torch.bfloat16)]
+    ):
+        tm = talify(tiny_model(arch, seed=i), 1 + i % 2).to(dtype)
+        cache = new_cache(tm, static=True, max_length=20)
+        ids = torch.randint(1, 100, (1, 8), generator=torch.Generator().manual_seed(i))
+        with torch.inference_mode():
+            tm(input_ids=ids, **cache_arg(cache), use_cache=True)
+            DecodeStep(tm, cache, backend="eager").warm(ids[:, -1:], torch.tensor([[8]]))
+
+
 def cache_tensors(cache):
     """Every tensor the static cache holds: its device counters and its layers' codes, scales and positions."""
 

@@ -208,6 +208,13 @@ def test_the_backend_named_and_the_layout_new_cache_picks(monkeypatch):
         layer.self_attn.attention_fn = kernel_fn
     assert _cuda_kernel_installed(tm)
     assert attention_backend(tm, frag_cache) == "torch reference (fragment layout)"  # no Hopper GPU here
+    from tale_kernels import mma_attention
+
+    monkeypatch.setattr(mma_attention, "available", lambda device: True)
+    for per_kv, want in ((4, "cuda"), (8, "cuda"), (3, "torch reference"), (16, "torch reference")):
+        frag_cache.num_heads = per_kv * K  # the kernel serves 4 or 8 query heads per KV head (8B, 70B shapes)
+        assert attention_backend(tm, frag_cache).startswith(want), per_kv
+    monkeypatch.undo()
     assert attention_backend(tm, new_cache(tm, static=True)) == "triton kernel"
     for layer in tm.model.layers:
         layer.self_attn.attention_fn = functools.partial(kernel_fn, cuda=False)

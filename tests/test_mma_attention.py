@@ -15,7 +15,7 @@ from tale_runtime.static_cache import StaticTaleCache
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = pytest.mark.skipif(not HOPPER, reason="the CUDA decode kernel runs on Hopper GPUs")
 
-K, n, G, R, H = 8, 128, 2, 512, 32  # Llama-3.1-8B's attention, group 4
+K, n, G, R, H = 8, 128, 2, 512, 32  # Llama-3.1-8B's attention, group 4 (Llama-3.1-70B's: H = 64)
 PAPER = Schedule(ranks=[[256, 512]], key_group=32, value_group=32, residual=32)
 
 
@@ -29,9 +29,9 @@ def poison():
     del x
 
 
-def filled(B: int, prompt: int, steps: int, pad: int = 0, max_extra: int = 64, seed: int = 0):
+def filled(B: int, prompt: int, steps: int, pad: int = 0, max_extra: int = 64, seed: int = 0, heads: int = H):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    c = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=prompt + steps + max_extra, num_heads=H)
+    c = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=prompt + steps + max_extra, num_heads=heads)
     valid = torch.ones(B, prompt, dtype=torch.bool, device="cuda")
     valid[-1, :pad] = False
     k = torch.randn(B, K, prompt, n, device="cuda", generator=gen).bfloat16() * 2
@@ -45,6 +45,7 @@ def filled(B: int, prompt: int, steps: int, pad: int = 0, max_extra: int = 64, s
     return c, gen
 
 
+@pytest.mark.parametrize("heads", [H, 2 * H])  # 4 and 8 query heads per KV head (Llama-3.1-8B, -70B)
 @pytest.mark.parametrize(
     "B,prompt,steps,pad,window",
     [
@@ -58,17 +59,17 @@ def filled(B: int, prompt: int, steps: int, pad: int = 0, max_extra: int = 64, s
         (1, 40, 1, 0, None),
     ],
 )
-def test_matches_the_reference(B, prompt, steps, pad, window):
+def test_matches_the_reference(B, prompt, steps, pad, window, heads):
     """Fresh random caches after a prefill and decode steps (flushes, demotions, odd residual lengths), batch 1 to 16,
     left padding, sliding windows, levels still empty: within 5e-3 of the float32 reference on the same bytes."""
     from tale_kernels import latent_attention, mma_attention
 
-    c, gen = filled(B, prompt, steps, pad)
+    c, gen = filled(B, prompt, steps, pad, heads=heads)
     assert c.layout == "frag"
     layer = c.layers[0]
     layer.window = window
     v = layer.view()
-    q = torch.randn(B, H, 1, n, device="cuda", generator=gen).bfloat16()
+    q = torch.randn(B, heads, 1, n, device="cuda", generator=gen).bfloat16()
     kn = torch.randn(B, K, 1, n, device="cuda", generator=gen).bfloat16() * 2
     hn = torch.randn(B, G, 1, R, device="cuda", generator=gen).bfloat16()
     assert mma_attention.supported(q, kn, hn, v)
@@ -98,16 +99,17 @@ def test_not_taken_where_it_does_not_apply():
         torch.randn(1, K, 200, n, device="cuda").bfloat16(), torch.randn(1, G, 200, R, device="cuda").bfloat16()
     )
     assert row.layout == "row" and not mma_attention.supported(q, kn, hn, row.layers[0].view())
-    auto = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=300, num_heads=64)  # 8 query heads per KV head
+    assert not mma_attention.supported(q[:, : 3 * K], kn, hn, v)  # 3 query heads per KV head
+    auto = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=300, num_heads=3 * K)
     auto.layers[0].append(
         torch.randn(1, K, 200, n, device="cuda").bfloat16(), torch.randn(1, G, 200, R, device="cuda").bfloat16()
     )
     assert auto.layout == "row"
 
 
-def model_8b_shapes():
-    """Two decoder layers of Llama-3.1-8B's attention shapes (tiny MLP and vocabulary), as a bf16 TALE model with
-    the paper preset at groups of 32."""
+def model_of_shapes(heads: int):
+    """Two decoder layers of Llama-3.1-8B's (heads 32) or -70B's (heads 64, 8 KV heads) attention shapes (tiny MLP
+    and vocabulary), as a bf16 TALE model with the paper preset at groups of 32."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(
@@ -115,7 +117,7 @@ def model_8b_shapes():
         hidden_size=512,
         intermediate_size=512,
         num_hidden_layers=2,
-        num_attention_heads=H,
+        num_attention_heads=heads,
         num_key_value_heads=K,
         head_dim=n,
         vocab_size=320,
@@ -141,7 +143,8 @@ def same_until_a_tie(out, ref, prompt: int) -> None:
             assert float(top[0] - top[1]) <= 2 * float(ulp), f"row {b} differs at step {end} without a tie"
 
 
-def test_greedy_tokens_with_the_kernel_on_and_off(monkeypatch):
+@pytest.mark.parametrize("heads", [H, 2 * H])
+def test_greedy_tokens_with_the_kernel_on_and_off(monkeypatch, heads):
     """generate() on a static cache: CUDA graphs over the CUDA kernel (fragment layout), the same cache type with the
     torch reference, and the Triton kernel on the row layout give the same tokens (up to ties of the reference)."""
     from tale_kernels import mma_attention
@@ -150,7 +153,7 @@ def test_greedy_tokens_with_the_kernel_on_and_off(monkeypatch):
 
     calls, kernel = [], mma_attention.latent_attention
     monkeypatch.setattr(mma_attention, "latent_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    tm = model_8b_shapes()
+    tm = model_of_shapes(heads)
     tm.lm_head.weight.data *= 8  # peaked logits: fewer exact ties in bf16
     tm.__class__ = tale_class(type(tm))
     ids = torch.randint(1, 320, (2, 700), generator=torch.Generator().manual_seed(3)).cuda()

@@ -3,7 +3,8 @@
 // (runtime/frag.py writes it); benchmarks/bench_cuda_decode.py checks it against a float32 torch reference and
 // times it against the Triton kernel in the same run.
 //
-// Shapes fixed (Llama-3.1-8B, paper preset): head dim 128, 4 KV heads per latent group (16 query heads, GQA 4), key
+// Shapes fixed (Llama-3.1-8B and -70B, paper preset): head dim 128, 4 KV heads per latent group, 4 or 8 query heads
+// per KV head (GQA 4: one CTA's 16 rows are the group's query heads; GQA 8: two CTAs of 16 rows each), key
 // group 32 slots (per-channel scale/zero), latent group 32 channels (per-slot scale/zero). Two levels, one template:
 //   tale_attn_k2l2: the 2-bit middle (2-bit keys, rank-256 latents at 2 bits), 8 warps per CTA;
 //   tale_attn_k4l4: the 4-bit recent level (4-bit keys, rank-512 latents at 4 bits), 5 warps per CTA; each CTA
@@ -148,9 +149,13 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
                                           float* __restrict__ pm, float* __restrict__ pl, int G, int L, int S,
                                           int RW, float shift_inv, float qk_scale, const int* __restrict__ pos,
                                           const int* __restrict__ len, const long long* __restrict__ npos,
-                                          int window, int sp, int g, int half, int b, int St, int soff) {
-    // this CTA: split sp of S over the level's used slots, latent group g, channel half `half`, batch row b; its
-    // partial is split soff + sp of St in po / pm / pl. Warps NW and up (when blockDim holds more) sit it out.
+                                          int window, int sp, int g, int half, int b, int St, int soff, int GQA,
+                                          int qs) {
+    // this CTA: split sp of S over the level's used slots, latent group g, channel half `half`, batch row b, query
+    // set qs; its partial is split soff + sp of St in po / pm / pl. Warps NW and up (when blockDim holds more) sit it
+    // out. GQA query heads per KV head (4 or 8): its 16 rows are query heads 4 qs .. 4 qs + 3 of each of the group's
+    // 4 KV heads (row j: KV head 4 g + j / 4), so with GQA 8 two CTAs (qs 0, 1) read the same bytes, adjacent in the
+    // grid so that the second read mostly hits L2.
     // L is the capacity (the arrays' stride); len[0] the used slots (whole blocks), read here, so a captured graph
     // follows the cache; pos [B, L] the slots' positions (-1: padding); a slot counts when pos >= 0 and, with a
     // window, npos[0] - pos < window.
@@ -162,7 +167,9 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
     u32 dyn_smem;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
     if (dyn_smem < C::SMEM) __trap();  // the launch gave less shared memory than this layout uses: stop, never corrupt
-    const int H = G * 16;
+    const int H = G * 4 * GQA;
+    // query head of row j (0..15) of this CTA
+    auto qhead = [&](int j) { return (g * 4 + (j >> 2)) * GQA + qs * 4 + (j & 3); };
     const u32 sbase = (u32)__cvta_generic_to_shared(smem);
     float* qt = (float*)smem;  // [16][136]: q * rowcomp * shift_inv (rowcomp 2^-KB for rows 8..15: the a3 half)
     const u32 wbase = sbase + QT_B + w * C::WARP;
@@ -211,7 +218,7 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
     constexpr float ROWCOMP = KB == 2 ? 0.25f : 0.0625f;  // rows 8..15 multiply the b1 operands: one field higher
     for (int i = tid; i < 16 * 128; i += NT) {
         int j = i >> 7, ch = i & 127;
-        u32 bits = (u32)q[((size_t)b * H + g * 16 + j) * 128 + ch] << 16;
+        u32 bits = (u32)q[((size_t)b * H + qhead(j)) * 128 + ch] << 16;
         qt[j * 136 + (ch >> 6) * 68 + (ch & 63)] = __int_as_float(bits) * (j >= 8 ? ROWCOMP : 1.0f) * shift_inv;
     }
     // the block-diagonal A tile: zeros outside each row's own head, written once
@@ -473,7 +480,7 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
             acc.z += a * x.z;
             acc.w += a * x.w;
         }
-        const size_t hrow = ((size_t)b * H + g * 16 + row) * St + soff + sp;
+        const size_t hrow = ((size_t)b * H + qhead(row)) * St + soff + sp;
         *(float4*)(po + hrow * RW + half * 256 + chb) = acc;
         if ((o & 63) == 0) {
             pm[hrow] = M;
@@ -491,14 +498,15 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
 
 // the 2-bit middle level alone: 8 warps (216 KB of shared memory); grid (S, G, B)
 extern "C" __global__ void __launch_bounds__(256, 1) tale_attn_k2l2(ATTN_ARGS) {
-    attn_body<2, 2, 8>(ATTN_PASS, blockIdx.x, blockIdx.y, 0, blockIdx.z, S, 0);
+    attn_body<2, 2, 8>(ATTN_PASS, blockIdx.x, blockIdx.y, 0, blockIdx.z, S, 0, 4, 0);
 }
 // the 4-bit recent level alone: 5 warps (its blocks are 15 KB; 199 KB of shared memory); grid (S, 2 G, B)
 extern "C" __global__ void __launch_bounds__(160, 1) tale_attn_k4l4(ATTN_ARGS) {
-    attn_body<4, 4, 5>(ATTN_PASS, blockIdx.x, blockIdx.y >> 1, blockIdx.y & 1, blockIdx.z, S, 0);
+    attn_body<4, 4, 5>(ATTN_PASS, blockIdx.x, blockIdx.y >> 1, blockIdx.y & 1, blockIdx.z, S, 0, 4, 0);
 }
 // both levels of the paper preset in one launch of 8-warp CTAs (the 4-bit CTAs use 5 of them): CTAs 0 .. S2 G B - 1
-// take the 2-bit level (partials 0 .. S2 - 1, channels 0..255), the next S4 2 G B the 4-bit level (partials S2 ..)
+// take the 2-bit level (partials 0 .. S2 - 1, channels 0..255), the next S4 2 G B the 4-bit level (partials S2 ..);
+// each of them GQA / 4 times (adjacent CTAs: one per query set, the same bytes)
 extern "C" __global__ void __launch_bounds__(256, 1)
     tale_attn_paper(const unsigned short* __restrict__ q, const char* __restrict__ kc2, const char* __restrict__ km2,
                     const char* __restrict__ lc2, const char* __restrict__ lm2, const char* __restrict__ kc4,
@@ -506,19 +514,20 @@ extern "C" __global__ void __launch_bounds__(256, 1)
                     float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl, int G, int L2, int S2,
                     int L4, int S4, float shift_inv, float qk_scale, const int* __restrict__ pos2,
                     const int* __restrict__ len2, const int* __restrict__ pos4, const int* __restrict__ len4,
-                    const long long* __restrict__ npos, int window) {
-    const int B = gridDim.x / (S2 * G + S4 * 2 * G);
-    int bid = blockIdx.x;
+                    const long long* __restrict__ npos, int window, int GQA) {
+    const int QS = GQA >> 2, B = gridDim.x / (QS * (S2 * G + S4 * 2 * G));
+    const int qs = blockIdx.x % QS;
+    int bid = blockIdx.x / QS;
     if (bid < S2 * G * B) {
         attn_body<2, 2, 8>(q, kc2, km2, lc2, lm2, po, pm, pl, G, L2, S2, 512, shift_inv, qk_scale, pos2, len2, npos,
                            window, bid % S2,
-                           (bid / S2) % G, 0, bid / (S2 * G), S2 + S4, 0);
+                           (bid / S2) % G, 0, bid / (S2 * G), S2 + S4, 0, GQA, qs);
     } else {
         bid -= S2 * G * B;
         const int gh = (bid / S4) % (2 * G);
         attn_body<4, 4, 5>(q, kc4, km4, lc4, lm4, po, pm, pl, G, L4, S4, 512, shift_inv, qk_scale, pos4, len4, npos,
                            window, bid % S4, gh >> 1,
-                           gh & 1, bid / (S4 * 2 * G), S2 + S4, S2);
+                           gh & 1, bid / (S4 * 2 * G), S2 + S4, S2, GQA, qs);
     }
 }
 
@@ -572,7 +581,8 @@ extern "C" __global__ void __launch_bounds__(256)
 // the 2-bit level's rank) and the 16-bit tail, whose scores this kernel computes itself: each tail slot is one more
 // "split" with sum 1. The tail is three segments of bf16 keys [B, K, cap, 128] and latents [B, G, cap, 512]: the
 // sinks (cap S, positions spos [B, S]), the residual (cap Rc, positions rpos [B, Rc]) and the new token (cap 1, at
-// position npos[0]); a position < 0 (padding, an empty slot) or outside the window masks a slot. grid (B * H, 8),
+// position npos[0]); a position < 0 (padding, an empty slot) or outside the window masks a slot; GQA query heads
+// per KV head. grid (B * H, 8),
 // 256 threads: 64 channels per CTA; the tail in chunks of 256 slots.
 #define TAIL_CHUNK 256
 extern "C" __global__ void __launch_bounds__(256)
@@ -582,10 +592,11 @@ extern "C" __global__ void __launch_bounds__(256)
                        const unsigned short* __restrict__ rk, const unsigned short* __restrict__ rh,
                        const int* __restrict__ rpos, int Rc, const unsigned short* __restrict__ nk,
                        const unsigned short* __restrict__ nh, float* __restrict__ z, int St, int S2, int G,
-                       float shift_inv, float qk_scale, const long long* __restrict__ npos, int window) {
+                       float shift_inv, float qk_scale, const long long* __restrict__ npos, int window,
+                       int GQA) {
     __shared__ float sm_m[4][64], sm_l[4][64], sm_o[4][64], st_s[TAIL_CHUNK];
     const int r = blockIdx.x, tid = threadIdx.x, c = tid & 63, k = tid >> 6, lane = tid & 31, w = tid >> 5;
-    const int H = G * 16, b = r / H, h = r % H, kv = h / 4, gr = h / 16;
+    const int H = G * 4 * GQA, b = r / H, h = r % H, kv = h / GQA, gr = kv / 4;
     const int ch = blockIdx.y * 64 + c, T = S + Rc + 1, next = (int)npos[0];
     // tail slot s -> its segment's row base (slot index within the segment's capacity) and position
     auto slot = [&](int s, const unsigned short*& kp, const unsigned short*& hp, int& cap, int& ss, int& ps) {
