@@ -527,6 +527,10 @@ def presets(contexts: list[int], batches: str, copy_bw: float, cfg: dict) -> boo
                     f"rel err {e:.1e} {'ok' if e <= TOL else 'FAIL'}",
                     flush=True,
                 )
+                if layout == "frag" and REP == 8:  # the same bytes read by 4 query heads per KV head: the cost of 8
+                    q4 = q[:, ::2].contiguous()
+                    t4 = timeit(lambda v=v, q4=q4, k=k, h=h: tale_kernels.latent_attention(q4, k, h, v, scale, **cfg))
+                    print(f"preset {name} {L // 1024}K B={B}, 4 query heads per KV head: {t4:.1f} us", flush=True)
                 del c, layer, v
                 torch.cuda.empty_cache()
             t, be = best_sdpa(B, L)
