@@ -54,6 +54,8 @@ SHAPES = {
     "8b": ("Llama-3.1-8B", 32, 8, 128, 4),
     "70b": ("Llama-3.1-70B", 64, 8, 128, 4),
     "70b-g2": ("Llama-3.1-70B, latent groups of 2 KV heads (tale-convert --group 2)", 64, 8, 128, 2),
+    "qwen2.5-7b": ("Qwen2.5-7B", 28, 4, 128, 4),
+    "405b": ("Llama-3.1-405B", 128, 8, 128, 4),
 }
 SINKS, P, KG, VG = 4, 0.1, 32, 32
 
@@ -527,8 +529,8 @@ def presets(contexts: list[int], batches: str, copy_bw: float, cfg: dict) -> boo
                     f"rel err {e:.1e} {'ok' if e <= TOL else 'FAIL'}",
                     flush=True,
                 )
-                if layout == "frag" and REP == 8:  # the same bytes read by 4 query heads per KV head: the cost of 8
-                    q4 = q[:, ::2].contiguous()
+                if layout == "frag" and REP > 4:  # the same bytes read by 4 query heads per KV head: what more cost
+                    q4 = q.view(B, K, REP, 1, N)[:, :, :4].reshape(B, 4 * K, 1, N)
                     t4 = timeit(lambda v=v, q4=q4, k=k, h=h: tale_kernels.latent_attention(q4, k, h, v, scale, **cfg))
                     print(f"preset {name} {L // 1024}K B={B}, 4 query heads per KV head: {t4:.1f} us", flush=True)
                 del c, layer, v

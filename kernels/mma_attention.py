@@ -5,8 +5,9 @@ each CTA a split of a level's slots for one (batch row, latent group[, half of t
 a programmatic dependent launch, which scores the 16-bit sinks, residual and new token while the first grid ends
 and merges everything by log-sum-exp. Design, measurements and limits: docs/kernels.md ("CUDA kernel").
 
-`supported` says when a call qualifies (one new token, bf16, head dim 128, 4 or 8 query heads per KV head, the view
-of a fragment-layout StaticTaleCache; with 8, each CTA runs twice, once per set of 4 query heads, on the same bytes);
+`supported` says when a call qualifies (one new token, bf16, head dim 128, 4 or more query heads per KV head, the
+view of a fragment-layout StaticTaleCache; with more than 4, each CTA runs once per set of 4 query heads, on the same
+bytes);
 tale_kernels.latent_attention routes those calls here and the rest to the Triton kernel or the torch reference.
 """
 
@@ -97,7 +98,7 @@ def _levels(view: LayerView):
 
 
 def supported(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, view) -> bool:
-    """One new token of a bf16 model with head dim 128 and 4 or 8 query heads per KV head, over the view of a
+    """One new token of a bf16 model with head dim 128 and 4 or more query heads per KV head, over the view of a
     fragment-layout StaticTaleCache (device lengths and positions), on a GPU where the kernel is available.
     The kernel masks slots by position only: a cache must hold -1 at every slot at or past a region's length (the
     static cache does: slots never written, emptied by a flush or left by a demotion)."""
@@ -115,9 +116,14 @@ def supported(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, view) -
     return available(q.device)
 
 
+def query_sets(H: int, G: int) -> int:
+    """CTAs per level split: sets of 4 query heads per KV head (the last one padded with empty rows)."""
+    return (H // (4 * G) + 3) // 4
+
+
 def splits(B: int, G: int, n2: int, n4: int, sms: int) -> tuple[int, int]:
     """Splits of the two levels (slots n2, n4) so that their CTAs share one wave in proportion to the bytes they
-    read (the 4-bit level's keys twice: once per channel half). B counts batch rows times query sets (GQA / 4)."""
+    read (the 4-bit level's keys twice: once per channel half). B counts batch rows times query sets."""
     b2, b4 = n2 * LEVEL_BYTES[2], n4 * (LEVEL_BYTES[4] + KEY_BYTES[4])
     f2 = b2 / max(b2 + b4, 1)
     s2 = max(1, min(max(n2 // 32 // NW[2], 1), round(sms * f2 / (B * G))))
@@ -133,7 +139,7 @@ def launch(
     [B, K, cap, 128] and latents [B, G, cap, 512] bf16, contiguous; npos [1] int64. Returns z [B, H, 512] float32."""
     B, H = q.shape[0], q.shape[1]
     G = lv2[0].shape[1]
-    gqa = H // (4 * G)  # 4 or 8: one or two CTAs of 16 query rows per level split
+    gqa = H // (4 * G)  # query heads per KV head: ceil(gqa / 4) CTAs of 16 query rows per level split
     (sk, sh, sp), (rk, rh, rp), (nk, nh) = tail
     St = S2 + S4
     dev = q.device
@@ -145,7 +151,7 @@ def launch(
     cap2, cap4 = lv2[4].shape[1], lv4[4].shape[1]
     mod.launch(
         "tale_attn_paper",
-        (S2 * G + S4 * 2 * G) * B * (gqa // 4),
+        (S2 * G + S4 * 2 * G) * B * query_sets(H, G),
         256,
         (
             q,
@@ -218,7 +224,7 @@ def latent_attention(
     G = h_new.shape[1]
     sinks, l2, l4, res = _levels(view)
     f2, f4 = l2.frag, l4.frag
-    S2, S4 = splits(B * H // (16 * G), G, f2.capacity, f4.capacity, _sms(q.device))
+    S2, S4 = splits(B * query_sets(H, G), G, f2.capacity, f4.capacity, _sms(q.device))
     npos = view.next_pos.view(1)
     tail = (
         (sinks.keys.data, sinks.lat.data, sinks.pos),

@@ -475,7 +475,7 @@ class StaticTaleCache(Cache):
         self.schedule = schedule
         self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank
         self.layout_arg = layout
-        self.num_heads = num_heads  # query heads: "auto" picks "frag" only for the kernel's 4 or 8 per KV head
+        self.num_heads = num_heads  # query heads: "auto" picks "frag" only where kernel_heads holds
         self.layout = "row"  # the one in use, fixed at the prefill (_allocate)
         self.max_length = max_length
         self.num_layers = num_layers
@@ -536,7 +536,7 @@ class StaticTaleCache(Cache):
 
     def _layout(self, k: torch.Tensor) -> str:
         """The layout of the quantized levels: "frag" where the CUDA kernel reads this cache (auto: on a GPU it runs
-        on, with 4 or 8 query heads per KV head), else "row"; a "frag" asked for that does not fit is refused."""
+        on, with 4 or more query heads per KV head), else "row"; a "frag" asked for that does not fit is refused."""
         s = self.schedule
         lv = [(x.key_bits, x.bits, r) for x, r in zip(s.levels, s.ranks[0])]
         fits = (

@@ -211,9 +211,15 @@ def test_the_backend_named_and_the_layout_new_cache_picks(monkeypatch):
     from tale_kernels import mma_attention
 
     monkeypatch.setattr(mma_attention, "available", lambda device: True)
-    for per_kv, want in ((4, "cuda"), (8, "cuda"), (3, "torch reference"), (16, "torch reference")):
-        frag_cache.num_heads = per_kv * K  # the kernel serves 4 or 8 query heads per KV head (8B, 70B shapes)
-        assert attention_backend(tm, frag_cache).startswith(want), per_kv
+    for heads, want in (
+        (4 * K, "cuda"),
+        (5 * K, "cuda"),
+        (8 * K, "cuda"),
+        (3 * K, "torch reference"),
+        (4 * K + 1, "torch reference"),
+    ):
+        frag_cache.num_heads = heads  # the kernel serves 4 or more query heads per KV head (8B, 70B, Qwen2.5 shapes)
+        assert attention_backend(tm, frag_cache).startswith(want), heads
     monkeypatch.undo()
     assert attention_backend(tm, new_cache(tm, static=True)) == "triton kernel"
     for layer in tm.model.layers:

@@ -45,7 +45,8 @@ def filled(B: int, prompt: int, steps: int, pad: int = 0, max_extra: int = 64, s
     return c, gen
 
 
-@pytest.mark.parametrize("heads", [H, 2 * H])  # 4 and 8 query heads per KV head (Llama-3.1-8B, -70B)
+# query heads per KV head: 4 (Llama-3.1-8B), 5 (Qwen2.5-14B), 7 (Qwen2.5-7B), 8 (Llama-3.1-70B), 16 (Llama-3.1-405B)
+@pytest.mark.parametrize("heads", [4 * K, 5 * K, 7 * K, 8 * K, 16 * K])
 @pytest.mark.parametrize(
     "B,prompt,steps,pad,window",
     [
@@ -108,13 +109,13 @@ def test_not_taken_where_it_does_not_apply():
 
 
 def model_of_shapes(heads: int):
-    """Two decoder layers of Llama-3.1-8B's (heads 32) or -70B's (heads 64, 8 KV heads) attention shapes (tiny MLP
-    and vocabulary), as a bf16 TALE model with the paper preset at groups of 32."""
+    """Two decoder layers of Llama-3.1-8B's attention shapes (8 KV heads of 128 channels; heads 32, or 64 as in
+    Llama-3.1-70B; tiny MLP and vocabulary), as a bf16 TALE model with the paper preset at groups of 32."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(
         "llama",
-        hidden_size=512,
+        hidden_size=640,  # a multiple of every head count tested
         intermediate_size=512,
         num_hidden_layers=2,
         num_attention_heads=heads,
@@ -143,7 +144,7 @@ def same_until_a_tie(out, ref, prompt: int) -> None:
             assert float(top[0] - top[1]) <= 2 * float(ulp), f"row {b} differs at step {end} without a tie"
 
 
-@pytest.mark.parametrize("heads", [H, 2 * H])
+@pytest.mark.parametrize("heads", [4 * K, 5 * K, 8 * K])
 def test_greedy_tokens_with_the_kernel_on_and_off(monkeypatch, heads):
     """generate() on a static cache: CUDA graphs over the CUDA kernel (fragment layout), the same cache type with the
     torch reference, and the Triton kernel on the row layout give the same tokens (up to ties of the reference)."""

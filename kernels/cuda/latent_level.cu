@@ -3,8 +3,9 @@
 // (runtime/frag.py writes it); benchmarks/bench_cuda_decode.py checks it against a float32 torch reference and
 // times it against the Triton kernel in the same run.
 //
-// Shapes fixed (Llama-3.1-8B and -70B, paper preset): head dim 128, 4 KV heads per latent group, 4 or 8 query heads
-// per KV head (GQA 4: one CTA's 16 rows are the group's query heads; GQA 8: two CTAs of 16 rows each), key
+// Shapes fixed (Llama-3.1-8B and -70B, paper preset): head dim 128, 4 KV heads per latent group, 4 query heads
+// per KV head or more (GQA 4: one CTA's 16 rows are the group's query heads; GQA 5-8: two CTAs of 16 rows, the
+// rows past GQA left empty; and so on), key
 // group 32 slots (per-channel scale/zero), latent group 32 channels (per-slot scale/zero). Two levels, one template:
 //   tale_attn_k2l2: the 2-bit middle (2-bit keys, rank-256 latents at 2 bits), 8 warps per CTA;
 //   tale_attn_k4l4: the 4-bit recent level (4-bit keys, rank-512 latents at 4 bits), 5 warps per CTA; each CTA
@@ -153,8 +154,9 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
                                           int qs) {
     // this CTA: split sp of S over the level's used slots, latent group g, channel half `half`, batch row b, query
     // set qs; its partial is split soff + sp of St in po / pm / pl. Warps NW and up (when blockDim holds more) sit it
-    // out. GQA query heads per KV head (4 or 8): its 16 rows are query heads 4 qs .. 4 qs + 3 of each of the group's
-    // 4 KV heads (row j: KV head 4 g + j / 4), so with GQA 8 two CTAs (qs 0, 1) read the same bytes; the second read
+    // out. GQA query heads per KV head (4 or more): its 16 rows are query heads 4 qs .. 4 qs + 3 of each of the
+    // group's 4 KV heads (row j: KV head 4 g + j / 4; a row past GQA is empty: zero query, no output), so with GQA 5-8
+    // two CTAs (qs 0, 1) read the same bytes; the second read
     // mostly hits L2, as all CTAs of the launch share one wave and advance at the same rate (docs/kernels.md).
     // L is the capacity (the arrays' stride); len[0] the used slots (whole blocks), read here, so a captured graph
     // follows the cache; pos [B, L] the slots' positions (-1: padding); a slot counts when pos >= 0 and, with a
@@ -168,8 +170,9 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
     if (dyn_smem < C::SMEM) __trap();  // the launch gave less shared memory than this layout uses: stop, never corrupt
     const int H = G * 4 * GQA;
-    // query head of row j (0..15) of this CTA
+    // query head of row j (0..15) of this CTA, for the rows that hold one (qs * 4 + (j & 3) < GQA)
     auto qhead = [&](int j) { return (g * 4 + (j >> 2)) * GQA + qs * 4 + (j & 3); };
+    auto real = [&](int j) { return qs * 4 + (j & 3) < GQA; };
     const u32 sbase = (u32)__cvta_generic_to_shared(smem);
     float* qt = (float*)smem;  // [16][136]: q * rowcomp * shift_inv (rowcomp 2^-KB for rows 8..15: the a3 half)
     const u32 wbase = sbase + QT_B + w * C::WARP;
@@ -218,7 +221,7 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
     constexpr float ROWCOMP = KB == 2 ? 0.25f : 0.0625f;  // rows 8..15 multiply the b1 operands: one field higher
     for (int i = tid; i < 16 * 128; i += NT) {
         int j = i >> 7, ch = i & 127;
-        u32 bits = (u32)q[((size_t)b * H + qhead(j)) * 128 + ch] << 16;
+        u32 bits = real(j) ? (u32)q[((size_t)b * H + qhead(j)) * 128 + ch] << 16 : 0u;
         qt[j * 136 + (ch >> 6) * 68 + (ch & 63)] = __int_as_float(bits) * (j >= 8 ? ROWCOMP : 1.0f) * shift_inv;
     }
     // the block-diagonal A tile: zeros outside each row's own head, written once
@@ -464,6 +467,7 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
     // thread -> (row, 4 channels), looping over the 16 x 64 quads
     for (int o = tid; o < 16 * 64; o += NT) {
         const int row = o >> 6, chb = (o & 63) * 4;
+        if (!real(row)) continue;  // an empty row: its index would be another KV head's query head
         float M = -INFINITY;
 #pragma unroll
         for (int v = 0; v < NW; v++) M = fmaxf(M, ((const float*)(smem + QT_B + v * C::WARP))[16 * 256 + row]);
@@ -506,7 +510,7 @@ extern "C" __global__ void __launch_bounds__(160, 1) tale_attn_k4l4(ATTN_ARGS) {
 }
 // both levels of the paper preset in one launch of 8-warp CTAs (the 4-bit CTAs use 5 of them): CTAs 0 .. S2 G B - 1
 // take the 2-bit level (partials 0 .. S2 - 1, channels 0..255), the next S4 2 G B the 4-bit level (partials S2 ..);
-// each of them GQA / 4 times (adjacent CTAs: one per query set, the same bytes)
+// each of them ceil(GQA / 4) times (adjacent CTAs: one per query set, the same bytes)
 extern "C" __global__ void __launch_bounds__(256, 1)
     tale_attn_paper(const unsigned short* __restrict__ q, const char* __restrict__ kc2, const char* __restrict__ km2,
                     const char* __restrict__ lc2, const char* __restrict__ lm2, const char* __restrict__ kc4,
@@ -515,7 +519,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
                     int L4, int S4, float shift_inv, float qk_scale, const int* __restrict__ pos2,
                     const int* __restrict__ len2, const int* __restrict__ pos4, const int* __restrict__ len4,
                     const long long* __restrict__ npos, int window, int GQA) {
-    const int QS = GQA >> 2, B = gridDim.x / (QS * (S2 * G + S4 * 2 * G));
+    const int QS = (GQA + 3) >> 2, B = gridDim.x / (QS * (S2 * G + S4 * 2 * G));
     const int qs = blockIdx.x % QS;
     int bid = blockIdx.x / QS;
     if (bid < S2 * G * B) {
