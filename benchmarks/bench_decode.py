@@ -56,6 +56,7 @@ SHAPES = {
     "70b-g2": ("Llama-3.1-70B, latent groups of 2 KV heads (tale-convert --group 2)", 64, 8, 128, 2),
     "qwen2.5-7b": ("Qwen2.5-7B", 28, 4, 128, 4),
     "405b": ("Llama-3.1-405B", 128, 8, 128, 4),
+    "llama2-7b": ("Llama-2-7B (no GQA)", 32, 32, 128, 4),
 }
 SINKS, P, KG, VG = 4, 0.1, 32, 32
 

@@ -5,9 +5,9 @@ each CTA a split of a level's slots for one (batch row, latent group[, half of t
 a programmatic dependent launch, which scores the 16-bit sinks, residual and new token while the first grid ends
 and merges everything by log-sum-exp. Design, measurements and limits: docs/kernels.md ("CUDA kernel").
 
-`supported` says when a call qualifies (one new token, bf16, head dim 128, 4 or more query heads per KV head, the
-view of a fragment-layout StaticTaleCache; with more than 4, each CTA runs once per set of 4 query heads, on the same
-bytes);
+`supported` says when a call qualifies (one new token, bf16, head dim 128, a whole number of query heads per KV head,
+the view of a fragment-layout StaticTaleCache; with more than 4, each CTA runs once per set of 4 query heads, on the
+same bytes);
 tale_kernels.latent_attention routes those calls here and the rest to the Triton kernel or the torch reference.
 """
 
@@ -98,7 +98,7 @@ def _levels(view: LayerView):
 
 
 def supported(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, view) -> bool:
-    """One new token of a bf16 model with head dim 128 and 4 or more query heads per KV head, over the view of a
+    """One new token of a bf16 model with head dim 128 and a whole number of query heads per KV head, over the view of a
     fragment-layout StaticTaleCache (device lengths and positions), on a GPU where the kernel is available.
     The kernel masks slots by position only: a cache must hold -1 at every slot at or past a region's length (the
     static cache does: slots never written, emptied by a flush or left by a demotion)."""

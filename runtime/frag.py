@@ -5,7 +5,7 @@ The codes, 16-bit scales and zeros are those of runtime/quant.py's layout, permu
 thread's 32-bit word already holds its `mma.m16n8k16` operands. `FragLevel.put` / `take` convert whole blocks both
 ways without loss, so flushes and demotions read and write QTensors as in the row layout.
 
-Shapes fixed by the kernel: head dim 128, latent groups of 4 KV heads with 4 or more query heads each,
+Shapes fixed by the kernel: head dim 128, latent groups of 4 KV heads, any whole number of query heads per KV head,
 key and value groups of 32, 16-bit scales/zeros, latents in halves of 256 channels. Per batch row b and latent
 group g, a level of C slots (a multiple of 32) with kb-bit keys and lb-bit latents of rank r (r / 256 halves):
 
@@ -51,10 +51,11 @@ def supports(
     )
 
 
-def kernel_heads(num_heads: int, num_kv_heads: int) -> bool:
-    """Whether the CUDA kernel serves this many query heads: 4 or more per KV head (ceil(GQA / 4) CTAs of 16 rows:
-    Llama-3.1-8B's 4, Qwen2.5-14B's 5, Qwen2.5-7B's 7, Llama-3.1-70B's 8, Llama-3.1-405B's 16)."""
-    return num_heads % num_kv_heads == 0 and num_heads // num_kv_heads >= 4
+def kernel_heads(num_heads: int | None, num_kv_heads: int) -> bool:
+    """Whether the CUDA kernel serves this many query heads: a whole number per KV head (GQA), run as ceil(GQA / 4)
+    CTAs of 16 rows, 4 per KV head (rows past GQA left empty): Llama-2-7B's 1, Llama-3.1-8B's 4, Qwen2.5-14B's 5,
+    Qwen2.5-7B's 7, Llama-3.1-70B's 8, Llama-3.1-405B's 16. None (a cache not told its query heads): no."""
+    return num_heads is not None and num_heads >= num_kv_heads > 0 and num_heads % num_kv_heads == 0
 
 
 # -- index tables: word w's field f holds the code at index table[w, f] of the source ---------------------------

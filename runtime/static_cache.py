@@ -536,7 +536,7 @@ class StaticTaleCache(Cache):
 
     def _layout(self, k: torch.Tensor) -> str:
         """The layout of the quantized levels: "frag" where the CUDA kernel reads this cache (auto: on a GPU it runs
-        on, with 4 or more query heads per KV head), else "row"; a "frag" asked for that does not fit is refused."""
+        on: frag.kernel_heads), else "row"; a "frag" asked for that does not fit is refused."""
         s = self.schedule
         lv = [(x.key_bits, x.bits, r) for x, r in zip(s.levels, s.ranks[0])]
         fits = (

@@ -212,13 +212,15 @@ def test_the_backend_named_and_the_layout_new_cache_picks(monkeypatch):
 
     monkeypatch.setattr(mma_attention, "available", lambda device: True)
     for heads, want in (
+        (K, "cuda"),
         (4 * K, "cuda"),
         (5 * K, "cuda"),
         (8 * K, "cuda"),
-        (3 * K, "torch reference"),
         (4 * K + 1, "torch reference"),
+        (K - 1, "torch reference"),
+        (None, "torch reference"),  # a static cache built without num_heads
     ):
-        frag_cache.num_heads = heads  # the kernel serves 4 or more query heads per KV head (8B, 70B, Qwen2.5 shapes)
+        frag_cache.num_heads = heads  # the kernel serves a whole number of query heads per KV head
         assert attention_backend(tm, frag_cache).startswith(want), heads
     monkeypatch.undo()
     assert attention_backend(tm, new_cache(tm, static=True)) == "triton kernel"

@@ -3,9 +3,9 @@
 // (runtime/frag.py writes it); benchmarks/bench_cuda_decode.py checks it against a float32 torch reference and
 // times it against the Triton kernel in the same run.
 //
-// Shapes fixed (Llama-3.1-8B and -70B, paper preset): head dim 128, 4 KV heads per latent group, 4 query heads
-// per KV head or more (GQA 4: one CTA's 16 rows are the group's query heads; GQA 5-8: two CTAs of 16 rows, the
-// rows past GQA left empty; and so on), key
+// Shapes fixed (paper preset): head dim 128, 4 KV heads per latent group, any number of query heads per KV head
+// (GQA 4, Llama-3.1-8B: one CTA's 16 rows are the group's query heads; GQA 1-3: one CTA, the rows past GQA left
+// empty; GQA 5-8, Llama-3.1-70B: two CTAs of 16 rows; and so on), key
 // group 32 slots (per-channel scale/zero), latent group 32 channels (per-slot scale/zero). Two levels, one template:
 //   tale_attn_k2l2: the 2-bit middle (2-bit keys, rank-256 latents at 2 bits), 8 warps per CTA;
 //   tale_attn_k4l4: the 4-bit recent level (4-bit keys, rank-512 latents at 4 bits), 5 warps per CTA; each CTA
@@ -154,7 +154,7 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
                                           int qs) {
     // this CTA: split sp of S over the level's used slots, latent group g, channel half `half`, batch row b, query
     // set qs; its partial is split soff + sp of St in po / pm / pl. Warps NW and up (when blockDim holds more) sit it
-    // out. GQA query heads per KV head (4 or more): its 16 rows are query heads 4 qs .. 4 qs + 3 of each of the
+    // out. GQA query heads per KV head (any): its 16 rows are query heads 4 qs .. 4 qs + 3 of each of the
     // group's 4 KV heads (row j: KV head 4 g + j / 4; a row past GQA is empty: zero query, no output), so with GQA 5-8
     // two CTAs (qs 0, 1) read the same bytes; the second read
     // mostly hits L2, as all CTAs of the launch share one wave and advance at the same rate (docs/kernels.md).
