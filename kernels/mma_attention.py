@@ -7,8 +7,8 @@ and merges everything by log-sum-exp. Design, measurements and limits: docs/kern
 
 `supported` says when a call qualifies (one new token, bf16, head dim 128, a whole number of query heads per KV head,
 the view of a fragment-layout StaticTaleCache; with more than 4, each CTA runs once per set of 4 query heads, on the
-same bytes);
-tale_kernels.latent_attention routes those calls here and the rest to the Triton kernel or the torch reference.
+same bytes); tale_kernels.latent_attention routes those calls here and the rest to the Triton kernel or the torch
+reference.
 """
 
 from __future__ import annotations

@@ -399,7 +399,8 @@ def new_cache(
     keep: which key groups the levels above level 0 keep, "recent" or "salient" (the most attended by the
     last queries; tale_runtime.cache; dynamic cache only).
     layout (static only): how the quantized levels are held, "auto" (the CUDA kernel's fragment layout where it
-    runs: Hopper, the paper preset at head dim 128 with a whole number of query heads per KV head; else rows), "row" or "frag".
+    runs: Hopper, the paper preset at head dim 128 with a whole number of query heads per KV head; else rows),
+    "row" or "frag".
     """
     if not static and layout != "auto":
         raise ValueError(f'layout="{layout}" is a static cache\'s: pass static=True')

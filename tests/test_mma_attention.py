@@ -110,8 +110,9 @@ def test_not_taken_where_it_does_not_apply():
 
 
 def model_of_shapes(heads: int):
-    """Two decoder layers of Llama-3.1-8B's attention shapes (8 KV heads of 128 channels; heads 32, or 64 as in
-    Llama-3.1-70B; tiny MLP and vocabulary), as a bf16 TALE model with the paper preset at groups of 32."""
+    """Two decoder layers of Llama-3.1-8B's attention shapes (8 KV heads of 128 channels) with `heads` query heads
+    (32 as in Llama-3.1-8B, 64 as in -70B; tiny MLP and vocabulary), as a bf16 TALE model with the paper preset at
+    groups of 32."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(

@@ -154,10 +154,10 @@ __device__ __forceinline__ void attn_body(const unsigned short* __restrict__ q, 
                                           int qs) {
     // this CTA: split sp of S over the level's used slots, latent group g, channel half `half`, batch row b, query
     // set qs; its partial is split soff + sp of St in po / pm / pl. Warps NW and up (when blockDim holds more) sit it
-    // out. GQA query heads per KV head (any): its 16 rows are query heads 4 qs .. 4 qs + 3 of each of the
-    // group's 4 KV heads (row j: KV head 4 g + j / 4; a row past GQA is empty: zero query, no output), so with GQA 5-8
-    // two CTAs (qs 0, 1) read the same bytes; the second read
-    // mostly hits L2, as all CTAs of the launch share one wave and advance at the same rate (docs/kernels.md).
+    // out. GQA query heads per KV head (any): its 16 rows are query heads 4 qs .. 4 qs + 3 of each of the group's
+    // 4 KV heads (row j: KV head 4 g + j / 4; a row past GQA is empty: zero query, no output). With GQA 5-8 two CTAs
+    // (qs 0, 1) read the same bytes; the second read mostly hits L2, as all CTAs of the launch share one wave and
+    // advance at the same rate (docs/kernels.md).
     // L is the capacity (the arrays' stride); len[0] the used slots (whole blocks), read here, so a captured graph
     // follows the cache; pos [B, L] the slots' positions (-1: padding); a slot counts when pos >= 0 and, with a
     // window, npos[0] - pos < window.
