@@ -115,10 +115,10 @@ def build(quick: bool, device: str, layers: int | None = None, dtype: torch.dtyp
             tale.append(att)
     L = config.num_hidden_layers
     vg = 8 if quick else 32
-    model.tale_schedule = Schedule(
+    model.tale_spec.schedule = Schedule(
         ranks=uniform_ranks(R, L, 0.5, value_group=vg), key_group=vg, value_group=vg, residual=vg
     )
-    model.tale_manifest = {"architecture": {"head_dim": n, "num_groups": G, "latent_rank": R, "group_size": g}}
+    model.tale_spec.manifest = {"architecture": {"head_dim": n, "num_groups": G, "latent_rank": R, "group_size": g}}
     return model, orig, tale
 
 

@@ -41,7 +41,7 @@ def capture(model, ids: torch.Tensor) -> list[tuple]:
 
     for layer in model.model.layers:
         layer.self_attn.attention_fn = grab
-    sched = model.tale_schedule
+    sched = model.tale_spec.schedule
     exact = Schedule(
         sinks=1,
         levels=[Level(16, 16, None)],
@@ -431,7 +431,7 @@ def main():
     from tale_eval.perplexity import heldout_windows
 
     model, tok = load(args.artifact, device="cpu", dtype=torch.bfloat16)
-    if model.tale_schedule.latent_rotation:  # the formats below scale latent channels by S: the SVD basis itself
+    if model.tale_spec.schedule.latent_rotation:  # the formats below scale latent channels by S: the SVD basis itself
         raise SystemExit("quant_proxy reads unrotated latents: convert with --no-rotate-latents")
     ids = heldout_windows(tok, args.ctx, args.window + 1)[args.window :]
     import os

@@ -43,17 +43,17 @@ def main():
     if args.only:
         variants = {k: variants[k] for k in args.only.split(",")}
     model, tok = load(args.artifact, device="cpu", dtype=torch.bfloat16)
-    order = model.tale_schedule.key_order  # an artifact converted with --key-bands carries it
+    order = model.tale_spec.schedule.key_order  # an artifact converted with --key-bands carries it
     # else computed on the runtime's own attention, before prepare()
     if order is None and any("key_bands" in kw for kw in variants.values()):
         t = time.perf_counter()
         order = stats.key_order(
-            stats.key_importance(model, stats.calibration_batches(tok), model.tale_schedule.key_group)
+            stats.key_importance(model, stats.calibration_batches(tok), model.tale_spec.schedule.key_group)
         )
         print(f"key order from the calibration corpus: {time.perf_counter() - t:.0f} s", flush=True)
     prepare(model)
-    R = int(model.tale_manifest["architecture"]["latent_rank"])
-    base = model.tale_schedule
+    R = int(model.tale_spec.manifest["architecture"]["latent_rank"])
+    base = model.tale_spec.schedule
     ids = perplexity.heldout_windows(tok, args.ctx, args.windows, args.text)
     samples = [] if args.no_passkey else passkey.load_samples()
     pattern = perplexity.pattern(args.ctx, 128, 4)

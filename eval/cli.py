@@ -228,10 +228,10 @@ def run(
         )
         formats = {k: v for k, v in formats.items() if v is not None}
         if formats or any(x is not None for x in (sinks, recent, r0, bits_l, key_bits_l)):
-            s = model.tale_schedule
-            model.tale_schedule = override_schedule(
+            s = model.tale_spec.schedule
+            model.tale_spec.schedule = override_schedule(
                 s,
-                int(model.tale_manifest["architecture"]["latent_rank"]),
+                model.tale_spec.arch.latent_rank,
                 len(s.ranks),
                 sinks=sinks,
                 recent=recent,
@@ -248,7 +248,7 @@ def run(
     except (ArtifactError, ValueError) as e:
         fail(str(e))
     prepare(model)
-    sched = model.tale_schedule
+    sched = model.tale_spec.schedule
     log = err_console.print
     pols = [replace(pol, match_pattern=ppl_pattern) if isinstance(pol, policies.Palu) else pol for pol in pols]
     for name, rs in _rank_schedules(model, tok, sched, ranks, energy, log).items():
@@ -279,7 +279,7 @@ def run(
 
     config = {
         "artifact": str(artifact),
-        "model": model.tale_manifest.get("base", {}).get("id"),
+        "model": model.tale_spec.manifest.get("base", {}).get("id"),
         "preset": preset,
         "frontier": frontier,
         "texts": list(texts),

@@ -47,16 +47,8 @@ class Dims:
 
     @classmethod
     def of(cls, model) -> Dims:
-        arch = model.tale_manifest["architecture"]
-        return cls(
-            model.config.num_hidden_layers,
-            model.config.num_key_value_heads,
-            int(arch["head_dim"]),
-            int(arch["num_groups"]),
-            int(arch["group_size"]),
-            int(arch["latent_rank"]),
-            model.dtype,
-        )
+        a = model.tale_spec.arch
+        return cls(a.num_layers, a.num_kv_heads, a.head_dim, a.num_groups, a.group_size, a.latent_rank, model.dtype)
 
     def baseline_nbytes(self, batch: int, tokens: int) -> int:
         """16-bit K+V bytes of `tokens` positions of `batch` rows: the reference of every ratio."""
@@ -160,7 +152,7 @@ class Tale(Policy):
     def resolve(self, model) -> Schedule:
         if self.schedule is not None:
             return self.schedule
-        s = model.tale_schedule
+        s = model.tale_spec.schedule
         if not self.overrides:
             return s
         kw = dict(self.overrides)
@@ -176,7 +168,7 @@ class Tale(Policy):
                 raise ValueError(f"key_hi takes BITS/CHANNELS, got {key_hi}")
             s = with_key_bands(s, s.key_order, {0: tuple(key_hi)})
             s.validate(d.R, d.layers)
-        if why := key_basis.missing(s.levels, getattr(model, "tale_key_basis", None)):
+        if why := key_basis.missing(s.levels, model.tale_spec.key_basis):
             raise ValueError(f"schedule override: {why}")
         return s
 
@@ -409,8 +401,8 @@ class Palu(Policy):
             if pattern is None:
                 return None
             target = tale_bytes(model, (self.match or Tale()).resolve(model), pattern)
-            ranks = palu_ranks(d, model.tale_schedule, self, target, pattern)
-        q = model.tale_schedule.latent_rotation  # rotated factors truncate exactly only at whole blocks
+            ranks = palu_ranks(d, model.tale_spec.schedule, self, target, pattern)
+        q = model.tale_spec.schedule.latent_rotation  # rotated factors truncate exactly only at whole blocks
         if q and any(r % q for r in ranks):
             raise ValueError(
                 f"palu rank {ranks[0]}: the artifact's latents are rotated in blocks of {q}; use multiples"
@@ -418,7 +410,7 @@ class Palu(Policy):
         return ranks
 
     def build(self, model, pattern):
-        d, s = Dims.of(model), model.tale_schedule
+        d, s = Dims.of(model), model.tale_spec.schedule
         return caches.palu_cache(
             self.ranks(model, pattern),
             d.K,

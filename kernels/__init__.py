@@ -1,7 +1,9 @@
-"""Triton kernels for the TALE runtime: decode attention over the mixed cache, KIVI quantize/pack.
+"""Decode-attention kernels for the TALE runtime (Triton, and CUDA on Hopper), KIVI quantize/pack.
 
-`latent_attention` has the signature of tale_runtime.cache.latent_attention and falls back to it
-for what the kernel does not cover (prefill chunks T > 1, CPU tensors unless TRITON_INTERPRET=1).
+They register as attention backends of tale_runtime ("triton", "cuda": plugin.py, through the entry point group
+"tale_runtime.backends"); the runtime imports nothing from here. `latent_attention` has the signature of
+tale_runtime.attention.latent_attention (plus a TritonConfig) and falls back to it for what the kernel does not cover
+(prefill chunks T > 1, CPU tensors unless TRITON_INTERPRET=1).
 
 Imports are lazy: from a checkout's root this folder is also visible as a top-level `kernels`,
 which transformers probes (for the Hub `kernels` package) by importing it mid-import; an eager
@@ -11,6 +13,7 @@ import of tale_runtime here would make that probe circular.
 import importlib
 
 _EXPORTS = {
+    "TritonConfig": ".attention",
     "latent_attention": ".attention",
     "supported": ".attention",
     "dequantize": ".quant",

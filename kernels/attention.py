@@ -23,14 +23,14 @@ programs past a region's length write an empty partial.
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from tale_runtime.cache import latent_attention as reference
+from tale_runtime.attention import latent_attention as reference
 from tale_runtime.frag import FragRegion
 from tale_runtime.quant import FP8, META_SHIFT, Bands, QTensor, meta_format
 from tale_runtime.regions import LayerView, Region
@@ -813,31 +813,12 @@ def _query_kernel(q_ptr, s_qb, s_qh, idx_ptr, out_ptr, sh, H, N: tl.constexpr):
 # -- host side -------------------------------------------------------------------------------
 
 NREG = 4  # region slots of one launch
-_QFIELDS = {"data", "scale", "zero", "bits", "group", "dim", "meta", "bias", "shift"}
 _METAS = {"16": 0, "8/16": 1, "8/8": 2}  # scale/zero storage (runtime/quant.py META) -> the kernel's KMETA/HMETA
 
 
 def _meta_code(t: QTensor) -> int:
     """KMETA / HMETA of a quantized tensor: _METAS, + 3 where its 16-bit scale/zero are float16 times 2^-8."""
     return _METAS[t.meta] + (3 if t.shift == META_SHIFT else 0)
-
-
-def _known_qtensor(t) -> bool:
-    """A QTensor of the fields the kernel knows: any field added since (a new metadata format) must still hold
-    its default, otherwise the kernel declines."""
-    if type(t) is not QTensor:
-        return False
-    for f in dataclasses.fields(t):
-        if f.name in _QFIELDS:
-            continue
-        default = (
-            f.default
-            if f.default is not dataclasses.MISSING
-            else (f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
-        )
-        if default is dataclasses.MISSING or getattr(t, f.name) != default:
-            return False
-    return True
 
 
 def _key_parts(keys) -> list[tuple[QTensor, torch.Tensor | None]]:
@@ -874,7 +855,7 @@ def _meta_ok(t: QTensor, dtype: torch.dtype, device: torch.device) -> bool:
 def _region_ok(r: Region, B: int, K: int, G: int, n: int, dtype: torch.dtype) -> bool:
     hq = r.lat
     parts = _key_parts(r.keys)
-    if len(parts) > 2 or not _known_qtensor(hq) or not all(_known_qtensor(kq) for kq, _ in parts):
+    if len(parts) > 2 or type(hq) is not QTensor or not all(type(kq) is QTensor for kq, _ in parts):
         return False
     if hq.bits not in (2, 4, 8, 16):
         return False
@@ -1126,7 +1107,7 @@ def _combine(pm, pl, pacc, rk, n_slots: int, q, k_new, h_new, qk: float, rep: in
 
 
 def _widths_and_groups(asm, q: torch.Tensor, regions) -> tuple[tuple[int, ...], int, int]:
-    """What both decode kernels derive from their options and cache: the code widths unpacked by inline PTX
+    """What the decode kernel derives from its options and cache: the code widths unpacked by inline PTX
     (`asm`: True = 2, 3 and 4 bits; none in the interpreter or for float32), and the key / latent quantization
     groups (one each per view: `supported`)."""
     widths = (2, 3, 4) if asm is True else tuple(asm or ())
@@ -1137,76 +1118,80 @@ def _widths_and_groups(asm, q: torch.Tensor, regions) -> tuple[tuple[int, ...], 
     return widths, KG, VG
 
 
+@dataclass(frozen=True)
+class TritonConfig:
+    """The Triton decode kernel's tuning knobs (the "triton" backend's config; tale_runtime.set_backend takes one).
+
+    split_tokens: slots per split (tests); otherwise the regions share about `waves` programs per SM, at least
+    `min_split` slots each. block_t: slots per tile. asm: unpack 2/3/4-bit codes of 16-bit caches with inline PTX
+    (True: all three widths; or a tuple of the widths that use it: docs/kernels.md compares them); compiled GPU runs
+    only: the interpreter and float32 caches take the plain Triton path, as does asm=False. maxnreg: caps the
+    registers per thread (more programs per SM, at the price of spills). q_in_loop: reload the query planes per tile
+    (from a query converted once per call) instead of holding them in registers (3-bit keys always do).
+
+    dot: the type the operands (queries, dequantized keys and latents, probabilities) enter the tensor cores in.
+    float32 caches: always float32. None: float16 for a bfloat16 cache whose 16-bit scales and zeros are stored in
+    float16 (runtime/quant.py meta_format: what quantize writes), else the cache's dtype. torch.float16 for a bfloat16
+    cache rounds the dequantized values with 11 significant bits instead of 8: every operand is scaled by 2^-8 into
+    float16's range (exact; undone in float32 on the logits and the accumulators), so values up to 1.6e7 in magnitude
+    are safe; float16 metadata is stored so scaled and read as it is (docs/kernels.md: about 8x less error against
+    the float32 reference than bfloat16 operands). torch.bfloat16 is refused for such caches (it would round their
+    metadata again: ~1e-2 error); it serves bf16 tensors built with bfloat16 metadata, where torch.float16 converts
+    every scale and zero per tile (4-36% more time).
+    """
+
+    block_t: int = 64
+    split_tokens: int | None = None
+    min_split: int = 64
+    waves: float = 2.0
+    num_warps: int = 4
+    num_stages: int = 2
+    q_in_loop: bool = False
+    asm: bool | tuple[int, ...] = True
+    maxnreg: int | None = None
+    dot: torch.dtype | None = None
+
+    def __post_init__(self):
+        if self.dot not in (None, torch.float16, torch.bfloat16):
+            raise ValueError(f"dot must be None, torch.float16 or torch.bfloat16, not {self.dot}")
+
+
+DEFAULT = TritonConfig()
+
+
 def latent_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
     h_new: torch.Tensor,
     cache,
     scaling: float,
-    *,
-    block_t: int = 64,
-    split_tokens: int | None = None,
-    min_split: int = 64,
-    waves: float = 2.0,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    q_in_loop: bool = False,
-    asm: bool | tuple[int, ...] = True,
-    maxnreg: int | None = None,
-    split: bool | dict = False,
-    dot: torch.dtype | None = None,
-    cuda: bool = True,
+    window: int | None = None,
+    config: TritonConfig | None = None,
 ) -> torch.Tensor:
-    """Drop-in for tale_runtime.cache.latent_attention: z [B, T, H, R] (float32).
+    """tale_runtime.attention.latent_attention's result, z [B, T, H, R] (float32), by the Triton kernel.
 
-    `cache` is a TaleLayerCache or a LayerView. Decode steps (T = 1) run the Triton kernels;
-    anything else (prefill chunks, CPU tensors unless TRITON_INTERPRET=1, formats the kernel
-    does not read) runs the torch reference. `split_tokens` fixes the slots per split (tests);
-    otherwise the regions share about `waves` programs per SM, at least `min_split` slots each.
-    `asm` unpacks 2/3/4-bit codes of 16-bit caches with inline PTX (True: all three widths; or a tuple of the
-    widths that use it: docs/kernels.md compares them). Compiled GPU runs only: the interpreter and float32 caches
-    take the plain Triton path, as does asm=False. `maxnreg` caps the registers per thread (more programs per SM,
-    at the price of spills). `q_in_loop` reloads the query planes per tile (from a query converted once per call)
-    instead of holding them in registers (3-bit keys always do). `split` runs the two-pass kernel of attention_split.py instead (True, or a dict of its
-    options: `k_tiles`, `k_warps`, ...).
-
-    `cuda`: calls that mma_attention.supported accepts (the paper preset's static caches in the fragment layout, on
-    Hopper) run the CUDA kernel of kernels/cuda/ instead; cuda=False sends them to the torch reference (that layout
-    is not the Triton kernel's).
-
-    `dot` is the type the one-pass kernel's operands (queries, dequantized keys and latents, probabilities) enter
-    the tensor cores in. float32 caches: always float32. None: float16 for a bfloat16 cache whose 16-bit scales and
-    zeros are stored in float16 (runtime/quant.py meta_format: what quantize writes), else the cache's dtype.
-    torch.float16 for a bfloat16 cache rounds the dequantized values with 11 significant bits instead of 8: every
-    operand is scaled by 2^-8 into float16's range (exact; undone in float32 on the logits and the accumulators),
-    so values up to 1.6e7 in magnitude are safe; float16 metadata is stored so scaled and read as it is.
-    docs/kernels.md: about 8x less error against the float32 reference than bfloat16 operands. torch.bfloat16 is
-    refused for such caches (it would round their metadata again: ~1e-2 error); it serves bf16 tensors built with
-    bfloat16 metadata, where torch.float16 converts every scale and zero per tile (4-36% more time).
+    `cache` is a TaleLayerCache or a LayerView. Decode steps (T = 1) run the Triton kernels; anything else (prefill
+    chunks, CPU tensors unless TRITON_INTERPRET=1, formats the kernel does not read: `supported`) runs the torch
+    reference. `config`: the tuning knobs (TritonConfig; None: the defaults).
     """
-    if dot not in (None, torch.float16, torch.bfloat16):
-        raise ValueError(f"dot must be None, torch.float16 or torch.bfloat16, not {dot}")
+    cfg = config or DEFAULT
+    block_t, split_tokens, min_split, waves = cfg.block_t, cfg.split_tokens, cfg.min_split, cfg.waves
+    num_warps, num_stages, q_in_loop, asm, maxnreg, dot = (
+        cfg.num_warps,
+        cfg.num_stages,
+        cfg.q_in_loop,
+        cfg.asm,
+        cfg.maxnreg,
+        cfg.dot,
+    )
     view = _view(cache)
-    if cuda:
-        from . import mma_attention
-
-        if mma_attention.supported(q, k_new, h_new, view):
-            return mma_attention.latent_attention(q, k_new, h_new, view, scaling)
     if dot == torch.bfloat16 and q.dtype == torch.bfloat16 and _half_meta(view):
         raise ValueError(
             "dot=torch.bfloat16 would round this cache's float16 scales/zeros to bfloat16 (~1e-2 from the reference):"
             " use the default (float16)"
         )
     if not supported(q, k_new, h_new, view):
-        return reference(q, k_new, h_new, view, scaling)
-    if split:
-        from .attention_split import latent_attention_split, supported_split
-
-        if supported_split(view):  # otherwise (key bands, fp8 metadata, 3-bit keys) the one-pass kernel below
-            kw = dict(block_t=block_t, split_tokens=split_tokens, min_split=min_split, waves=waves, asm=asm)
-            return latent_attention_split(
-                q, k_new, h_new, view, scaling, **{**kw, **(split if isinstance(split, dict) else {})}
-            )
+        return reference(q, k_new, h_new, view, scaling, window)
     B, H, _, n = q.shape
     K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
     rep, g = H // K, K // G
@@ -1223,7 +1208,7 @@ def latent_attention(
     BT = max(32, block_t)  # 16-token tiles gave wrong results compiled (Triton 3.6, H200); not understood
     splits = _splits(view, B, G, n, K, _num_sms(dev), waves, min_split, split_tokens)
     n_slots, (pm, pl, pacc, rk) = _partials(B, H, R, splits, dev)
-    npos, win = view.next_pos, view.window
+    npos, win = view.next_pos, window
     QGP = max(16, pow2(g * rep))
     # 3-bit keys have 8 sub-planes: more than the 4 query planes held in registers, so reloaded per tile
     q_in_loop = q_in_loop or any(kq.bits == 3 for r in regions for kq, _ in _key_parts(r.keys))

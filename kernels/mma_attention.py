@@ -5,10 +5,9 @@ each CTA a split of a level's slots for one (batch row, latent group[, half of t
 a programmatic dependent launch, which scores the 16-bit sinks, residual and new token while the first grid ends
 and merges everything by log-sum-exp. Design, measurements and limits: docs/kernels.md ("CUDA kernel").
 
-`supported` says when a call qualifies (one new token, bf16, head dim 128, a whole number of query heads per KV head,
-the view of a fragment-layout StaticTaleCache; with more than 4, each CTA runs once per set of 4 query heads, on the
-same bytes); tale_kernels.latent_attention routes those calls here and the rest to the Triton kernel or the torch
-reference.
+The "cuda" attention backend (kernels/plugin.py) serves static caches in the fragment layout with it; `supported`
+says when a call qualifies (one new token, bf16, head dim 128, a whole number of query heads per KV head, the view of
+a fragment-layout StaticTaleCache; with more than 4, each CTA runs once per set of 4 query heads, on the same bytes).
 """
 
 from __future__ import annotations
@@ -217,7 +216,14 @@ def _sms(device: torch.device) -> int:
 
 
 def latent_attention(
-    q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, view: LayerView, scaling: float, *, pdl: bool = True
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    h_new: torch.Tensor,
+    view: LayerView,
+    scaling: float,
+    window: int | None = None,
+    *,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """z [B, 1, H, 512] float32 (tale_runtime.attention.latent_attention's result) for a call `supported` accepts."""
     B, H = q.shape[0], q.shape[1]
@@ -233,7 +239,7 @@ def latent_attention(
     )
     lv2 = (*f2.tensors(), l2.pos, l2.length.view(1))
     lv4 = (*f4.tensors(), l4.pos, l4.length.view(1))
-    window = 0 if view.window is None else int(view.window)
+    window = 0 if window is None else int(window)
     mod = module(q.device)
     with torch.cuda.device(q.device):  # the driver launches on the current device's stream: q's
         z = launch(

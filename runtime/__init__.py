@@ -1,14 +1,21 @@
 """TALE runtime: load a tale-convert artifact and generate with the token-adaptive lazy cache."""
 
+from . import backends
 from .artifact import ArtifactError, Level, Schedule
-from .cache import TaleLayerCache, latent_attention
-from .load import load, new_cache, resolve, set_output_path, use_kernels
+from .attention import latent_attention
+from .cache import TaleLayerCache
+from .load import load, new_cache, resolve, set_backend, set_output_path
 from .model import TaleAttention, TaleCache
+from .spec import Arch, CacheSpec, TaleSpec
 from .static_cache import StaticTaleCache
 
 __version__ = "0.1.0"
 __all__ = [
+    "Arch",
     "ArtifactError",
+    "CacheSpec",
+    "TaleSpec",
+    "backends",
     "Level",
     "Schedule",
     "StaticTaleCache",
@@ -19,6 +26,6 @@ __all__ = [
     "load",
     "new_cache",
     "resolve",
+    "set_backend",
     "set_output_path",
-    "use_kernels",
 ]

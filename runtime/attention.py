@@ -1,9 +1,8 @@
 """Decode attention over a cache's region view, summed in latent space (DESIGN.md 4): the torch reference.
 
-Every backend has this signature, `(q, k_new, h_new, view, scaling) -> z [B, T, H, R]`, and reads the
-cache only through `regions.LayerView`, so it works on the dynamic cache (cache.py) and on the static
+Every backend (tale_runtime.backends) has this signature, `(q, k_new, h_new, view, scaling, window) -> z [B, T, H, R]`,
+and reads the cache only through `regions.LayerView`, so it works on the dynamic cache (cache.py) and on the static
 one (static_cache.py, fixed capacities, lengths on the device: no host sync, capturable in a CUDA graph).
-The Triton kernel (tale_kernels) is the CUDA backend; TaleAttention.attention_fn picks one.
 """
 
 from __future__ import annotations
@@ -14,13 +13,15 @@ from .quant import dequantize
 from .regions import LayerView
 
 
-def latent_attention(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, view, scaling: float) -> torch.Tensor:
+def latent_attention(
+    q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, view, scaling: float, window: int | None = None
+) -> torch.Tensor:
     """Attention of T new queries over the cached (compressed) tokens plus the T new exact tokens
     (causal among themselves), summed in latent space. Returns z [B, T, H, R] with
     z_q = sum_t s_{q,t} pad_R(h_t[:r_t]) (DESIGN.md 4). Computed in float32.
 
     q: [B, H, T, n]; k_new: [B, K, T, n]; h_new: [B, G, T, R]; view: a LayerView (or a layer cache with
-    .view()). Every region is read over its whole capacity and masked (slot >= length or pos < 0), so
+    .view()); window: a sliding-window layer's (a query sees keys less than `window` positions back). Every region is read over its whole capacity and masked (slot >= length or pos < 0), so
     shapes do not depend on how full the cache is.
     """
     if not isinstance(view, LayerView):
@@ -36,10 +37,10 @@ def latent_attention(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, 
     old = (pos >= 0)[:, None, :].expand(B, T, Lc)  # [B, T, Lc]
     t = torch.arange(T, device=dev)
     new = (t[:, None] >= t[None, :]).expand(B, T, T)  # causal among the new tokens
-    if view.window is not None:
+    if window is not None:
         back = (view.next_pos + t)[None, :, None] - pos[:, None, :]  # [B, T, Lc]
-        old = old & (back < view.window)
-        new = new & ((t[:, None] - t[None, :]) < view.window)
+        old = old & (back < window)
+        new = new & ((t[:, None] - t[None, :]) < window)
     mask = torch.cat([old, new], dim=-1)  # [B, T, Lc + T]
 
     qf = q.to(f32).view(B, K, rep, T, n)

@@ -29,12 +29,70 @@ from dataclasses import dataclass
 
 import torch
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from . import key_basis
 from .artifact import Schedule
+from .attention import apply_rope, cached_keys, key_mass
+from .backends import TORCH, AttentionBackend
 from .key_basis import KeyBasis
 from .placement import demotions, fill_counts, flush_count
 from .quant import Bands, QTensor, cat, dequantize, quantize, quantize_bands, requantize, split, take
 from .regions import LayerView, Region
+
+
+class CacheStep:
+    """What both TALE caches (model.TaleCache, static_cache.StaticTaleCache) share around a forward pass.
+
+    - `backend`: the decode-attention backend chosen when the cache was made (tale_runtime.backends); `attend` runs
+      it over a layer's view, `layout` is the static layout it reads.
+    - The step: whoever runs the model over the cache (the model's forward, DecodeStep, the CUDA-graph decoder) opens
+      one per forward pass of T new tokens (`with cache.step(T):`); every layer's `update` writes inside it and the
+      cache settles its bookkeeping when it closes. `graph=True`: the step is being captured into a CUDA graph (the
+      host bookkeeping then waits for `advance()` after each replay). The dynamic cache needs no bookkeeping.
+    """
+
+    backend: AttentionBackend = TORCH
+    _step = None
+
+    def attend(self, layer_idx: int, q, k_new, h_new, scaling: float, window: int | None = None):
+        """Latent attention of the new tokens over layer `layer_idx`'s cached tokens: z [B, T, H, R] float32."""
+        return self.backend(q, k_new, h_new, self.layers[layer_idx].view(), scaling, window)
+
+    @property
+    def backend_name(self) -> str:
+        """The backend in use, as the stats line names it."""
+        return self.backend.describe(getattr(self, "layout", "row"))
+
+    def begin_step(self, T: int, graph: bool = False) -> None:
+        if self._step is not None:
+            raise RuntimeError("a step over this cache is already open (one forward pass at a time)")
+        self._step = _Open(T, graph)
+
+    def end_step(self) -> None:
+        self._step = None
+
+    def abort_step(self) -> None:
+        """A forward pass that failed: forget the step without settling it."""
+        self._step = None
+
+    @contextmanager
+    def step(self, T: int, graph: bool = False) -> Iterator[None]:
+        self.begin_step(T, graph)
+        try:
+            yield
+        except BaseException:
+            self.abort_step()
+            raise
+        self.end_step()
+
+
+@dataclass
+class _Open:
+    T: int
+    graph: bool
+    op: object = None  # the static cache's plan of the writes, made at the first write
 
 
 @dataclass
@@ -204,7 +262,6 @@ class TaleLayerCache:
         # keep="salient": the last `key_group` queries (times the attention scaling) and their positions
         self.q_obs: torch.Tensor | None = None  # [B, H, W, n]
         self.q_pos: torch.Tensor | None = None  # [W] int64
-        self.window: int | None = None  # sliding-window layers: a query sees keys less than `window` positions back
         # key_rope "pre": the tables of RoPE at every cached position, shared with the cache's other layers
         self.rope = RopeTables() if rope is None else rope
 
@@ -428,7 +485,7 @@ class TaleLayerCache:
         """The cached tokens as regions (sinks, levels, residual) for decode attention; each slot's `pos` is
         its token's cache position (a level's tokens need not be in order: keep="salient")."""
         if self.valid is None:
-            return LayerView([], 0, self.window)
+            return LayerView([], 0)
         B, kappa = self.valid.shape
         pos = torch.arange(kappa, dtype=torch.int32, device=self.valid.device).expand(B, kappa)
         pos = pos.masked_fill(~self.valid, -1)  # [B, kappa]
@@ -436,13 +493,9 @@ class TaleLayerCache:
         for keys, lat, rank, pre, basis, p in self._parts():
             rope = self.rope.at(p) if pre else None  # sinks and the tail stay exact, after RoPE
             regions.append(Region(keys, lat, rank, pos[:, p.to(pos.device)], keys.shape[-2], rope, basis))
-        return LayerView(regions, kappa, self.window)
+        return LayerView(regions, kappa)
 
 
 def _raw(t: torch.Tensor) -> QTensor:
     """An exact (16-bit) tensor as a region's QTensor."""
     return QTensor(t, None, None, 16, 1, -2)
-
-
-# latent_attention: the torch reference, kept importable from here
-from .attention import apply_rope, cached_keys, key_mass, latent_attention  # noqa: E402,F401

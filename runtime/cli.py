@@ -96,6 +96,9 @@ def run(
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:1, ..."),
     dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32"),
     output_path: str = typer.Option("fused", "--output-path", help="fused (O^r) or factored (B then W_O)"),
+    backend: str = typer.Option(
+        "auto", "--backend", help="decode attention: auto (the fastest that serves the cache), torch, triton, cuda"
+    ),
     dynamic: bool = typer.Option(
         False, "--dynamic", help="growing cache, eager steps (default on CUDA: static cache, CUDA-graph decode)"
     ),
@@ -133,7 +136,7 @@ def run(
     from .load import load, set_output_path
 
     try:
-        m, tok = load(model, device=dev, dtype=getattr(torch, DTYPES[dtype]), **overrides)
+        m, tok = load(model, device=dev, dtype=getattr(torch, DTYPES[dtype]), backend=backend, **overrides)
     except (ArtifactError, ValueError) as e:
         raise CliError(str(e)) from None
     if tok is None:
@@ -148,7 +151,7 @@ def run(
         max_new_tokens = ctx - len(ids)
         err.print(f"note: --max-new-tokens capped to {max_new_tokens} by the model's context ({ctx})", style="dim")
     set_output_path(m, output_path)
-    if dev.type == "cuda" and not m.tale_schedule.fast_path():
+    if dev.type == "cuda" and not m.tale_spec.schedule.fast_path():
         err.print(
             "note: the GPU kernel and the static cache do not read this schedule (keys before RoPE, low-rank keys, "
             "per-token keys or 3-bit latents): decoding through the torch reference on the dynamic cache, far slower "

@@ -14,8 +14,13 @@ output projection + residual add + RMSNorm + MLP after it) as two torch.compile 
 layer shares (the layer's modules are graph inputs: one compile for all layers). Attention (the
 Triton kernel) and the cache writes stay ordinary calls, captured with the rest.
 
+Each call opens one step on the cache (`cache.step(T)`, runtime/cache.py) around the layers' writes; a captured step
+is opened with graph=True, and the decoder calls `cache.advance()` after each replay.
+
     decoder = CudaGraphDecoder(model, cache)     # after the prefill filled `cache`
     logits = decoder(ids, position_ids)          # [B, V]; valid until the next call
+    decoder = graph_decoder(model, cache)        # the model's decoder for `cache` (made once, remade when the
+                                                 # cache's buffers change): what model.generate uses
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import time
 import types
 import warnings
+import weakref
 
 import torch
 
@@ -75,11 +81,18 @@ class DecodeStep:
     def __init__(self, model, cache, backend: str = "inductor"):
         if not supports_step(model):
             raise ValueError("DecodeStep needs Llama-style decoder layers with TALE attention")
-        self.model, self.cache = model, cache
+        self.model, self._cache = model, weakref.ref(cache)
         kw = dict(backend=backend, fullgraph=True)
         self.embed, self.pre, self.post, self.head = (
             torch.compile(_own_copy(f), **kw) for f in (_embed, _pre, _post, _head)
         )
+
+    @property
+    def cache(self):
+        c = self._cache()
+        if c is None:
+            raise RuntimeError("the cache this decoder ran over was freed")
+        return c
 
     def warm(self, ids: torch.Tensor, position_ids: torch.Tensor) -> None:
         """Compile every piece on these shapes without touching the cache: layer 0's pieces with and without the
@@ -94,19 +107,20 @@ class DecodeStep:
         z = torch.zeros(*ids.shape, a.H, a.R, dtype=torch.float32, device=x.device)  # [B, T, H, R]
         self.head(m, *self.post(layer, x1, z))
 
-    def __call__(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, position_ids: torch.Tensor, graph: bool = False) -> torch.Tensor:
+        """One forward pass over the cache, in a step of its own (graph: being captured)."""
         m, cache = self.model, self.cache
         x, cos, sin = self.embed(m, ids, position_ids)
         layers = m.model.layers
         Q = rotation(cache, layers[0].self_attn.head_dim, x.device)
         d = None
-        for layer, cl in zip(layers, cache.layers):
-            a = layer.self_attn
-            x, q, k, h = self.pre(layer, x, d, cos, sin, Q)
-            cl.window = a.sliding_window
-            z = a.attention_fn(q, k, h, cl.view(), a.scaling)  # [B, T, H, R] float32
-            cl.append(k, h)
-            x, d = self.post(layer, x, z)
+        with cache.step(ids.shape[1], graph=graph):
+            for i, layer in enumerate(layers):
+                a = layer.self_attn
+                x, q, k, h = self.pre(layer, x, d, cos, sin, Q)
+                z = cache.attend(i, q, k, h, a.scaling, a.sliding_window)  # [B, T, H, R] float32
+                cache.update(k, h, i)
+                x, d = self.post(layer, x, z)
         return self.head(m, x, d)
 
 
@@ -133,7 +147,8 @@ class CudaGraphDecoder:
     def __init__(self, model, cache: StaticTaleCache, compile: bool = True):
         if not isinstance(cache, StaticTaleCache) or cache.book is None:
             raise ValueError("CudaGraphDecoder needs a StaticTaleCache filled by a prefill")
-        self.model, self.cache = model, cache
+        self.model, self._cache = model, weakref.ref(cache)  # weak: graph_decoder's table is keyed by the cache
+        self.generation = cache.generation  # the buffers the graph reads: remade when they change
         self.graph: torch.cuda.CUDAGraph | None = None
         self.warm = False  # one plain step ran eagerly (on a side stream) before the capture
         self.ids = self.pos = self.logits = None
@@ -142,6 +157,13 @@ class CudaGraphDecoder:
         self.compiled = False  # the step's graphs were compiled (by _compile, before any step touched the cache)
         self.compile_s = 0.0  # seconds _compile took (dynamo + inductor + Triton; 0 from the caches when warm)
         self.compile_error: str | None = None
+
+    @property
+    def cache(self):
+        c = self._cache()
+        if c is None:
+            raise RuntimeError("the cache this decoder ran over was freed")
+        return c
 
     def _compile(self, ids: torch.Tensor, position_ids: torch.Tensor) -> None:
         """Compile the step's pieces on this batch's shapes without touching the cache (a failure leaves the cache
@@ -158,20 +180,21 @@ class CudaGraphDecoder:
         self.compiled = True
         self.compile_s = time.perf_counter() - t
 
-    def _forward(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, position_ids: torch.Tensor, graph: bool = False) -> torch.Tensor:
         if self.step is not None:
             if not self.compiled:
                 self._compile(ids, position_ids)
             if self.step is not None:
-                return self.step(ids, position_ids)
+                return self.step(ids, position_ids, graph)
         out = self.model(
-            input_ids=ids, position_ids=position_ids, **cache_arg(self.cache), use_cache=True, logits_to_keep=1
+            input_ids=ids,
+            position_ids=position_ids,
+            **cache_arg(self.cache),
+            use_cache=True,
+            logits_to_keep=1,
+            tale_graph=graph,
         )
         return out.logits[:, -1]
-
-    def _plain(self) -> bool:
-        b = self.cache.book
-        return b.sink_len == b.sink_cap and b.res_len < b.residual_cap
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -183,7 +206,7 @@ class CudaGraphDecoder:
         # capture and in eager steps (HF hands in slices of growing tensors, whose strides would trigger recompiles)
         self.ids.copy_(ids)
         self.pos.copy_(position_ids)
-        plain = self._plain()
+        plain = self.cache.capturable()
         if not plain or not self.warm or self.error:  # eager; the first plain step warms up on a side stream
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
@@ -194,18 +217,31 @@ class CudaGraphDecoder:
             return logits
         if self.graph is None:
             self.graph = torch.cuda.CUDAGraph()
-            self.cache.capturing = True
             try:
                 # a recompile inside the capture would compile and benchmark kernels there: fail at once instead
                 with torch._dynamo.config.patch(error_on_recompile=True), torch.cuda.graph(self.graph):
-                    self.logits = self._forward(self.ids, self.pos)
+                    self.logits = self._forward(self.ids, self.pos, graph=True)
             except Exception as e:  # noqa: BLE001  (the captured work never ran; the host counts did not move)
                 self.graph, self.error = None, f"{type(e).__name__}: {e}"
                 warnings.warn(f"CUDA graph capture failed, decoding eagerly: {self.error}", stacklevel=2)
-                self.cache._sync_device()  # device counters from the host's, should anything of the capture have run
+                self.cache.sync_device()  # device counters from the host's, should anything of the capture have run
                 return self(ids, position_ids)
-            finally:
-                self.cache.capturing = False
         self.graph.replay()
         self.cache.advance()
         return self.logits
+
+
+# The graph decoders of model.generate (load.TaleGenerationMixin), per static cache and model. Weak keys, and decoders
+# hold their cache weakly: an entry lives as long as its cache, and keeps it alive no longer.
+_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def graph_decoder(model, cache: StaticTaleCache, compile: bool = True) -> CudaGraphDecoder:
+    """The decoder of `model` over `cache`: made at the first decode step, remade when the cache's buffers changed
+    (a new prefill, reset, batch_repeat_interleave) or for another model."""
+    per_model = _DECODERS.setdefault(cache, {})
+    key = (id(model), compile)
+    dec = per_model.get(key)
+    if dec is None or dec.model is not model or dec.generation != cache.generation:
+        dec = per_model[key] = CudaGraphDecoder(model, cache, compile=compile)
+    return dec

@@ -1,6 +1,6 @@
 """The mma-fragment layout of a quantized level: what tale_kernels' CUDA decode kernel reads (docs/kernels.md).
 
-A static cache of the shapes that kernel covers (`supports`) holds its quantized levels this way (static_cache.py).
+A static cache of the shapes that kernel covers (`fits`) holds its quantized levels this way (static_cache.py).
 The codes, 16-bit scales and zeros are those of runtime/quant.py's layout, permuted per 32-slot block so that each
 thread's 32-bit word already holds its `mma.m16n8k16` operands. `FragLevel.put` / `take` convert whole blocks both
 ways without loss, so flushes and demotions read and write QTensors as in the row layout.
@@ -29,26 +29,23 @@ from .quant import QTensor, meta_format, pack, unpack
 N, GS, BLOCK, HALF = 128, 4, 32, 256  # head dim, KV heads per latent group, slots per block, channels per half
 
 
-def supports(
-    n: int,
-    K: int,
-    G: int,
-    levels: list[tuple[int, int, int]],
-    key_group: int,
-    value_group: int,
-    meta: tuple[str, str],
-    dtype: torch.dtype,
-) -> bool:
-    """Whether the layout covers a cache of these shapes: levels as (key bits, latent bits, rank) per level, the
-    paper preset's two: (2, 2, 256) and (4, 4, 512). (The kernel also needs `kernel_heads`.)"""
-    return (
-        n == N
-        and K == GS * G
-        and levels == [(2, 2, 256), (4, 4, 512)]
-        and key_group == value_group == BLOCK
-        and meta == ("16", "16")
-        and dtype == torch.bfloat16
-    )
+def fits(schedule, n: int, K: int, G: int, dtype: torch.dtype) -> str | None:
+    """None if the layout holds a cache of this schedule and these shapes, else why not: head dim 128, latent groups
+    of 4 KV heads, the paper preset's two levels (2-bit keys and latents at rank 256, 4-bit at rank 512) in every layer,
+    key and value groups of 32, 16-bit scales/zeros, bfloat16. (The CUDA kernel also needs `kernel_heads`.)"""
+    s = schedule
+    levels = [(lv.key_bits, lv.bits, r) for lv, r in zip(s.levels, s.ranks[0])] if s.ranks else []
+    if n != N or K != GS * G:
+        return f"the fragment layout needs head dim {N} and latent groups of {GS} KV heads (got {n}, {K // max(G, 1)})"
+    if any(lv.key_hi_bits or lv.key_rank or lv.key_axis != "channel" for lv in s.levels) or s.key_rope != "post":
+        return "the fragment layout holds whole per-channel keys after RoPE (no bands, no low-rank keys)"
+    if levels != [(2, 2, 256), (4, 4, 512)] or any(list(r) != list(s.ranks[0]) for r in s.ranks):
+        return "the fragment layout holds the paper preset's levels (2-bit rank 256, 4-bit rank 512) in every layer"
+    if s.key_group != BLOCK or s.value_group != BLOCK or (s.key_meta, s.value_meta) != ("16", "16"):
+        return "the fragment layout needs key and value groups of 32 and 16-bit scales/zeros"
+    if dtype != torch.bfloat16:
+        return f"the fragment layout holds bfloat16 caches, not {dtype}"
+    return None
 
 
 def kernel_heads(num_heads: int | None, num_kv_heads: int) -> bool:
@@ -163,14 +160,12 @@ def on_device(device: str, name: str, *args) -> torch.Tensor:
 
 
 def _kernels(t: torch.Tensor):
-    """tale_kernels.frag_pack for CUDA tensors (Triton installed), else None: the torch path below."""
+    """The registered "frag_pack" op (tale_runtime.backends) for CUDA tensors, else None: the torch path below."""
     if not t.is_cuda:
         return None
-    try:
-        from tale_kernels import frag_pack
-    except ImportError:
-        return None
-    return frag_pack
+    from .backends import op
+
+    return op("frag_pack")
 
 
 def to_words(codes: torch.Tensor, table: torch.Tensor, bits: int) -> torch.Tensor:

@@ -13,10 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .artifact import nominal_ratio
 from .console import UserError
-from .decode import CudaGraphDecoder
-from .frag import kernel_heads
+from .decode import graph_decoder
 from .load import new_cache
 from .model import TaleCache, cache_arg
 from .static_cache import StaticTaleCache
@@ -31,7 +29,7 @@ class GenStats:
     cache_bytes: int  # TaleCache.nbytes(): every cached tensor
     baseline_bytes: int  # 16-bit K+V of the same tokens
     nominal_ratio: float | None  # artifact.nominal_ratio of the schedule: no sinks, scales, zeros, residual
-    attention: str = ""  # the decode attention backend (attention_backend)
+    attention: str = ""  # the decode attention backend (cache.backend_name)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -52,24 +50,6 @@ class GenStats:
             f"measured {self.ratio:.2f}x (nominal {nominal})"
             + (f" | attention: {self.attention}" if self.attention else "")
         )
-
-
-def attention_backend(model, cache) -> str:
-    """Which decode attention serves `cache` ("cuda kernel", "triton kernel", "torch reference"), from the model's
-    installed backend, the cache's layout and the device; a call a kernel does not cover still falls back per call."""
-    from .load import _cuda_kernel_installed, _installed_kernels
-
-    frag = isinstance(cache, StaticTaleCache) and cache.layout == "frag"
-    if _installed_kernels(model) is None:
-        return "torch reference" + (" (fragment layout)" if frag else "")
-    if not frag:
-        return "triton kernel"
-    from tale_kernels import mma_attention
-
-    device = next(model.parameters()).device
-    if _cuda_kernel_installed(model) and kernel_heads(cache.num_heads, cache.K) and mma_attention.available(device):
-        return "cuda kernel (fragment layout)"
-    return "torch reference (fragment layout)"
 
 
 def _mib(n: int) -> str:
@@ -108,14 +88,6 @@ class TextStream:
         out = text[self.printed :]
         self.ids, self.printed = [], 0
         return out
-
-
-def schedule_nominal_ratio(model, schedule) -> float | None:
-    """artifact.nominal_ratio of the schedule in use (overrides included)."""
-    arch = getattr(model, "tale_manifest", {}).get("architecture", {})
-    if "head_dim" not in arch or "group_size" not in arch:
-        return None
-    return nominal_ratio(schedule, int(arch["head_dim"]), int(arch["group_size"]), model.config.num_key_value_heads)
 
 
 def eos_ids(model, tokenizer) -> set[int]:
@@ -198,7 +170,7 @@ def generate(
     ids = ids.to(device)
     if cache is None:
         if static is None:  # the static cache + CUDA graphs, where the Triton kernel reads every level
-            static = device.type == "cuda" and model.tale_schedule.fast_path()
+            static = device.type == "cuda" and model.tale_spec.schedule.fast_path()
         cache = new_cache(model, static=static, max_length=ids.shape[1] + max_new_tokens if static else None)
     graphed = isinstance(cache, StaticTaleCache) and device.type == "cuda"
     stop = (
@@ -214,7 +186,7 @@ def generate(
     logits = model(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1).logits
     _sync(device)
     prefill_s = time.perf_counter() - t0
-    decoder = CudaGraphDecoder(model, cache, compile=compile) if graphed else None
+    decoder = graph_decoder(model, cache, compile=compile) if graphed else None
     pos = torch.full((1, 1), ids.shape[1], dtype=torch.long, device=device)
     t1 = time.perf_counter()
     while len(out) < max_new_tokens:
@@ -242,7 +214,7 @@ def generate(
         decode_s=decode_s,
         cache_bytes=cache.nbytes(),
         baseline_bytes=cache.baseline_nbytes(),
-        nominal_ratio=schedule_nominal_ratio(model, cache.schedule),
-        attention=attention_backend(model, cache),
+        nominal_ratio=model.tale_spec.nominal_ratio(cache.schedule),
+        attention=cache.backend_name,
     )
     return out, stats

@@ -5,16 +5,16 @@ from __future__ import annotations
 import functools
 import json
 import os
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from . import key_basis
+from . import backends, key_basis
 from .artifact import ArtifactError, Level, Schedule, read_manifest, schedule_of, verify_files
-from .model import CACHE_KW, TaleAttention, TaleCache, cache_arg
+from .model import CACHE_KW, TALE_CACHES, TaleAttention, TaleCache, cache_arg
+from .spec import Arch, CacheSpec, TaleSpec
 from .static_cache import StaticTaleCache
 
 SUPPORTED = ("llama", "mistral", "qwen2")
@@ -191,9 +191,14 @@ def load(
     schedule: Schedule | None = None,
     verify: bool = True,
     revision: str | None = None,
+    backend: str = "auto",
+    backend_config=None,
     **overrides,
 ):
     """Return (model, tokenizer) with TALE attention in every layer.
+
+    `backend`: the decode-attention backend the model's new caches ask for ("auto": the fastest that serves each
+    cache; "torch", "triton", "cuda": see tale_runtime.backends), with `backend_config` its tuning knobs.
 
     `schedule` replaces the artifact's; `overrides` (sinks, recent, ranks, bits, key_bits, key_group,
     value_group, residual, key_axis, key_meta, value_meta, key_channel_group, rotate, key_rope, key_rank) then change
@@ -207,11 +212,6 @@ def load(
     manifest = read_manifest(root)
     # only verified files are read below: the shards come from the index, and each must be in the manifest
     verified = verify_files(root, manifest) if verify else None
-    arch = manifest["architecture"]
-    try:
-        g, R = int(arch["group_size"]), int(arch["latent_rank"])
-    except (KeyError, TypeError, ValueError):
-        raise ArtifactError(f"{root}: manifest architecture lacks group_size/latent_rank") from None
     model_type = _model_type(root)
     if model_type not in SUPPORTED:
         raise ArtifactError(f"{root}: model_type {model_type!r} is not supported (only {', '.join(SUPPORTED)})")
@@ -220,6 +220,11 @@ def load(
 
     config = AutoConfig.from_pretrained(root)
     config._attn_implementation = "sdpa"
+    try:
+        arch = Arch.from_manifest(manifest, config)
+    except ArtifactError as e:
+        raise ArtifactError(f"{root}: {e}") from None
+    g, R = arch.group_size, arch.latent_rank
     try:
         sched = schedule or schedule_of(manifest)
     except (KeyError, TypeError) as e:
@@ -259,18 +264,13 @@ def load(
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
     model.to(device).eval()
 
-    model.tale_manifest = manifest
-    model.tale_schedule = sched
     # low-rank keys (Level.key_rank): the artifact's key basis, if it has one (verify_files refused it unlisted)
-    model.tale_key_basis = key_basis.load_file(
-        root, config.num_hidden_layers, config.num_key_value_heads, int(arch["head_dim"]), device
-    )
-    if why := key_basis.missing(sched.levels, model.tale_key_basis):
+    basis = key_basis.load_file(root, arch.num_layers, arch.num_kv_heads, arch.head_dim, device)
+    if why := key_basis.missing(sched.levels, basis):
         raise ArtifactError(f"{root}: the schedule's low-rank keys: {why}")
-    model.tale_path = root
+    model.tale_spec = TaleSpec(arch, sched, basis, manifest, root)
     model.__class__ = tale_class(type(model))
-    if device.type == "cuda":
-        use_kernels(model)
+    set_backend(model, backend, backend_config)
 
     tok = None
     if any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
@@ -279,12 +279,21 @@ def load(
 
 
 class TaleGenerationMixin:
-    """generate() for TALE models, through transformers' own hooks:
-    - without past_key_values it gets a fresh TaleCache instead of HF's DynamicCache (TALE attention does
-      not fill a DynamicCache: decoding would see no past at all);
+    """forward() and generate() for TALE models, through transformers' own hooks:
+    - forward() over a TALE cache opens one step on it around the layers' writes (runtime/cache.py CacheStep);
+    - generate() without a cache gets a fresh TALE cache (new_cache) instead of transformers' DynamicCache (a
+      DynamicCache passed explicitly runs the base model: the 16-bit baseline);
     - a StaticTaleCache made without max_length is sized for the call (prompt + max_new_tokens);
     - with a StaticTaleCache on CUDA, the decode steps that generate() would hand to torch.compile replay
       a CUDA graph instead (runtime/decode.py; `disable_compile=True` keeps them eager)."""
+
+    def forward(self, input_ids=None, *args, tale_graph: bool = False, **kwargs):
+        cache = kwargs.get(CACHE_KW, kwargs.get("past_key_values"))
+        if not isinstance(cache, TALE_CACHES):
+            return super().forward(input_ids, *args, **kwargs)
+        x = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        with cache.step(x.shape[1], graph=tale_graph):
+            return super().forward(input_ids, *args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         cache = model_kwargs.get(CACHE_KW)
@@ -315,14 +324,12 @@ def _graphed_call(model, compiled, input_ids=None, position_ids=None, **kwargs):
         return model(input_ids=input_ids, position_ids=position_ids, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from .decode import CudaGraphDecoder
+    from .decode import graph_decoder
 
-    dec = getattr(cache, "decoder", None)
-    if dec is None or dec.model is not model:
-        dec = cache.decoder = CudaGraphDecoder(model, cache)
     if position_ids is None:  # what the model itself would use: the cache position
         position_ids = torch.full_like(input_ids, cache.get_seq_length())
-    return CausalLMOutputWithPast(logits=dec(input_ids, position_ids)[:, None], **cache_arg(cache))
+    logits = graph_decoder(model, cache)(input_ids, position_ids)
+    return CausalLMOutputWithPast(logits=logits[:, None], **cache_arg(cache))
 
 
 _TALE_CLASSES: dict[type, type] = {}
@@ -389,7 +396,8 @@ def new_cache(
     static: bool = False,
     max_length: int | None = None,
     keep: str = "recent",
-    layout: str = "auto",
+    backend: str | backends.AttentionBackend | None = None,
+    layout: str | None = None,
 ) -> TaleCache | StaticTaleCache:
     """A fresh TALE cache for `model` (pass as past_key_values to forward/generate).
 
@@ -398,44 +406,38 @@ def new_cache(
     when max_length is None); its decode step can be captured as a CUDA graph (runtime/decode.py).
     keep: which key groups the levels above level 0 keep, "recent" or "salient" (the most attended by the
     last queries; tale_runtime.cache; dynamic cache only).
-    layout (static only): how the quantized levels are held, "auto" (the CUDA kernel's fragment layout where it
-    runs: Hopper, the paper preset at head dim 128 with a whole number of query heads per KV head; else rows),
-    "row" or "frag".
+    backend: the decode-attention backend (None: the model's, `load(backend=...)`; "auto": the fastest that serves
+    this cache; see tale_runtime.backends; or a backend object, used as it is). The cache carries it (`cache.backend`); a static cache holds its levels
+    in the layout that backend reads, or in `layout` ("row" or "frag") if given.
     """
-    if not static and layout != "auto":
+    if not static and layout is not None:
         raise ValueError(f'layout="{layout}" is a static cache\'s: pass static=True')
     if static and keep != "recent":
         raise ValueError(f'keep="{keep}" needs the dynamic cache (the static cache places by recency)')
-    arch = model.tale_manifest["architecture"]
-    cfg = model.config
-    args = (
-        schedule or model.tale_schedule,
-        cfg.num_hidden_layers,
-        cfg.num_key_value_heads,
-        int(arch["head_dim"]),
-        int(arch["num_groups"]),
-        int(arch["latent_rank"]),
-    )
+    spec: TaleSpec = model.tale_spec
+    a = spec.arch
+    sched = schedule or spec.schedule
+    cs = CacheSpec(a, sched, static, next(model.parameters()).device, next(model.parameters()).dtype)
+    if isinstance(backend, backends.AttentionBackend):
+        chosen = backend
+    else:
+        want = backend or spec.backend
+        chosen = backends.choose(cs, want, spec.backend_config if want == spec.backend else None)
+    shapes = (sched, a.num_layers, a.num_kv_heads, a.head_dim, a.num_groups, a.latent_rank)
     if static:
-        if layout == "auto" and not _cuda_kernel_installed(model):  # the fragment layout serves only that kernel
-            layout = "row"
-        return StaticTaleCache(*args, max_length=max_length, layout=layout, num_heads=cfg.num_attention_heads)
-    return TaleCache(*args, keep=keep, key_basis=getattr(model, "tale_key_basis", None))
+        return StaticTaleCache(*shapes, max_length=max_length, layout=layout, num_heads=a.num_heads, backend=chosen)
+    return TaleCache(*shapes, keep=keep, key_basis=spec.key_basis, backend=chosen)
 
 
-def _installed_kernels(model) -> dict | None:
-    """The options tale_kernels' decode attention was installed with (use_kernels), or None where the model's
-    attention is not tale_kernels' (the torch reference)."""
-    fn = model.model.layers[0].self_attn.attention_fn
-    kw = getattr(fn, "keywords", {}) or {}
-    fn = getattr(fn, "func", fn)  # use_kernels(..., **options) installs a partial
-    return dict(kw) if getattr(fn, "__module__", "").startswith("tale_kernels") else None
-
-
-def _cuda_kernel_installed(model) -> bool:
-    """Whether decode attention goes through tale_kernels with its CUDA kernel allowed (use_kernels, cuda not False)."""
-    opts = _installed_kernels(model)
-    return opts is not None and opts.get("cuda", True) is not False
+def set_backend(model, name: str = "auto", config=None) -> None:
+    """The decode-attention backend the model's new caches ask for: "auto" (the fastest that serves each cache), or
+    a registered name (tale_runtime.backends.registered()); `config` its tuning knobs (the backend's config class,
+    e.g. tale_kernels.TritonConfig). Caches made before keep theirs. An unknown name or config is refused here."""
+    if name != "auto":
+        backends.get(name).configure(config)
+    elif config is not None:
+        raise ValueError("a backend config needs a backend name (set_backend(model, 'triton', config))")
+    model.tale_spec.backend, model.tale_spec.backend_config = name, config
 
 
 def set_output_path(model, path: str) -> None:
@@ -443,32 +445,3 @@ def set_output_path(model, path: str) -> None:
         raise ValueError(f"output path must be 'fused' or 'factored', got {path!r}")
     for layer in model.model.layers:
         layer.self_attn.output_path = path
-
-
-def use_kernels(model, enable: bool = True, **options) -> bool:
-    """Route decode attention through the Triton kernel (CUDA) or back to the torch reference. `options` go to
-    every call of the kernel (tale_kernels.latent_attention's keywords, e.g. asm=False); an unknown one is refused
-    here."""
-    import inspect
-
-    from .attention import latent_attention
-
-    if options and not enable:
-        raise ValueError(f"use_kernels: options {sorted(options)} given with enable=False (the reference takes none)")
-    fn = latent_attention
-    if enable:
-        try:
-            from tale_kernels import latent_attention as kernel_fn  # noqa: F401
-        except Exception:  # Triton missing or no kernel for this setup: keep the reference
-            kernel_fn = None
-        # the backend is handed a regions.LayerView; a kernel module from before the view (it reads
-        # TaleLayerCache fields) is not used
-        if kernel_fn is not None and "LayerView" not in vars(sys.modules[kernel_fn.__module__]):
-            kernel_fn = None
-        fn = kernel_fn or latent_attention
-        if kernel_fn is not None and options:
-            inspect.signature(kernel_fn).bind_partial(**options)  # TypeError names an unknown option
-            fn = functools.partial(kernel_fn, **options)
-    for layer in model.model.layers:
-        layer.self_attn.attention_fn = fn
-    return fn is not latent_attention

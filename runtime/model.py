@@ -11,7 +11,6 @@ new exact tokens, summed in latent space, output through O^r (fused) or B then W
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -21,8 +20,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .artifact import Schedule
-from .attention import apply_rope, latent_attention
-from .cache import RopeTables, TaleLayerCache
+from .attention import apply_rope
+from .backends import TORCH, AttentionBackend
+from .cache import CacheStep, RopeTables, TaleLayerCache
 from .static_cache import StaticTaleCache
 
 # transformers 5.24 renamed the cache argument of forward() and generate(), and the output field, from
@@ -33,12 +33,6 @@ CACHE_KW = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ els
 def cache_arg(cache) -> dict:
     """The keyword that hands `cache` to forward()/generate() in the installed transformers."""
     return {CACHE_KW: cache}
-
-
-# Decode attention backend: (q [B, H, T, n], k_new [B, K, T, n], h_new [B, G, T, R], view: regions.LayerView,
-# scaling) -> z [B, T, H, R] float32. The runtime swaps in the Triton kernel on CUDA (tale_kernels), the torch
-# reference (attention.py) elsewhere. It must not sync with the host: a static cache's step is a CUDA graph.
-AttentionFn = Callable[..., torch.Tensor]
 
 
 _HADAMARD: dict = {}
@@ -78,8 +72,12 @@ class TaleLayer(TaleLayerCache, CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states) -> None:  # regions are created on append
         pass
 
-    def update(self, *args, **kwargs):
-        raise RuntimeError("TaleCache is filled by TaleAttention; it does not take full key/value states")
+    def update(self, key_states, value_states, valid=None, queries=None, rope=None):
+        """transformers' cache-layer update, as TALE caches it: post-RoPE keys [B, K, T, n] and the latents
+        h = x A [B, G, T, R] of T new exact tokens (`append`); returns them unchanged (attention over the cached
+        tokens reads view(), the new ones are passed to it apart)."""
+        self.append(key_states, value_states, valid, queries, rope)
+        return key_states, value_states
 
     def get_seq_length(self) -> int:
         return self.kappa
@@ -124,8 +122,8 @@ class TaleLayer(TaleLayerCache, CacheLayerMixin):
         pass
 
 
-class TaleCache(Cache):
-    """The TALE cache for a whole model: one TaleLayer per decoder layer."""
+class TaleCache(CacheStep, Cache):
+    """The TALE cache for a whole model: one TaleLayer per decoder layer; `backend` serves its decode attention."""
 
     def __init__(
         self,
@@ -137,6 +135,7 @@ class TaleCache(Cache):
         latent_rank: int,
         keep: str = "recent",
         key_basis: list | None = None,
+        backend: AttentionBackend = TORCH,
     ):
         layers = []
         self.rope = RopeTables()  # key_rope "pre": one table of RoPE per position for all layers
@@ -147,6 +146,7 @@ class TaleCache(Cache):
             layers.append(layer)
         super().__init__(layers=layers)
         self.schedule = schedule
+        self.backend = backend
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
@@ -199,7 +199,6 @@ class TaleAttention(nn.Module):
         # sum to 1), so later calls add it after attention.
         self.v_proj = orig.v_proj
         self.output_path = "fused"  # or "factored"
-        self.attention_fn: AttentionFn = latent_attention
 
     # -- projections --------------------------------------------------------------------
 
@@ -249,64 +248,46 @@ class TaleAttention(nn.Module):
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    def _observed(self, layer, q_c: torch.Tensor) -> dict:
-        """append()'s q= for a keep="salient" cache (the queries it scores key groups with, scaled like the
-        logits); nothing for other caches (the static one takes no queries)."""
-        return {"q": q_c * self.scaling} if getattr(layer, "keep", "recent") == "salient" else {}
+    def exact(self, hidden_states, q, k, attention_mask, cache=None, **kwargs):
+        """The base model's attention, bit for bit: v = x W_V with the original v_proj, the model's attention function,
+        output through W_O. `cache`: any transformers cache (e.g. DynamicCache, the 16-bit baseline) stores k and v."""
+        B, T, _ = hidden_states.shape
+        v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        return self.attend_exact(q, k, v, attention_mask, **kwargs)
 
-    @staticmethod
-    def _rope(layer, position_embeddings) -> dict:
-        """append()'s rope= for a cache that holds keys before RoPE (Schedule.key_rope "pre"): the cos, sin the
-        keys were rotated by, so the cache undoes and redoes exactly the model's rotation, whatever the positions."""
-        return {"rope": position_embeddings} if getattr(layer, "s", None) and layer.s.key_rope == "pre" else {}
+    def attend_exact(self, q, k, v, attention_mask, **kwargs):
+        """q [B, H, T, n] over k, v [B, K, L, n] through the model's attention function, output through W_O."""
+        B, _, T, _ = q.shape
+        attn = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+        if attn is None:
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward as attn
+        out, weights = attn(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+        return self.o_proj(out.reshape(B, T, -1).contiguous()), weights
 
     def forward(
         self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, cache=None, **kwargs
     ):
-        past_key_values = cache if cache is not None else past_key_values  # transformers >= 5.24 passes `cache`
-        B, T, _ = hidden_states.shape
+        cache = cache if cache is not None else past_key_values  # transformers >= 5.24 passes `cache`
         q, k = self.qk(hidden_states, *position_embeddings)
+        if not isinstance(cache, TALE_CACHES):  # no cache, or a transformers one: the base model
+            return self.exact(hidden_states, q, k, attention_mask, cache, **kwargs)
 
-        layer = None
-        if isinstance(past_key_values, TALE_CACHES):
-            layer = past_key_values.layers[self.layer_idx]
-            layer.window = self.sliding_window
-        elif past_key_values is not None:
-            # HF hands a fresh DynamicCache to a plain forward; fine once, but TALE attention never fills
-            # it, so reusing it for a second call would silently drop the past.
-            seen = past_key_values.__dict__.setdefault("_tale_layers_seen", set())
-            if self.layer_idx in seen or past_key_values.get_seq_length(self.layer_idx) > 0:
-                raise TypeError(
-                    f"TALE models need a TaleCache (tale_runtime.new_cache(model)), not {type(past_key_values).__name__}"
-                )
-            seen.add(self.layer_idx)
-
-        Q = rotation(past_key_values, self.head_dim, k.device) if layer is not None else None
-        k_c = rotate(k, Q)
-
-        if layer is None or layer.kappa == 0:
-            # exact prefill: the base model's own v_proj and attention function, bit for bit
-            v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
-            attn = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
-            if attn is None:
-                from transformers.integrations.sdpa_attention import sdpa_attention_forward as attn
-            out, weights = attn(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
-            out = self.o_proj(out.reshape(B, T, -1).contiguous())
-            if layer is not None:  # h = x A only fills the cache
-                valid = _valid_from_mask(attention_mask, B, T, hidden_states.device)
-                layer.append(
-                    k_c,
-                    self.latents(hidden_states),
-                    valid,
-                    **self._observed(layer, rotate(q, Q)),
-                    **self._rope(layer, position_embeddings),
-                )
+        Q = rotation(cache, self.head_dim, k.device)
+        q_c, k_c = rotate(q, Q), rotate(k, Q)
+        # what a cache layer may read besides keys and latents: the queries (keep="salient") and the RoPE tables
+        # the keys were rotated by (keys held before RoPE)
+        extra = dict(queries=q_c * self.scaling, rope=position_embeddings)
+        if cache.get_seq_length(self.layer_idx) == 0:  # exact prefill; h = x A only fills the cache
+            out, weights = self.exact(hidden_states, q, k, attention_mask, None, **kwargs)
+            B, T, _ = hidden_states.shape
+            valid = _valid_from_mask(attention_mask, B, T, hidden_states.device)
+            cache.update(k_c, self.latents(hidden_states), self.layer_idx, valid=valid, **extra)
             return out, weights
-
         h = self.latents(hidden_states)
-        q_c = rotate(q, Q)
-        z = self.attention_fn(q_c, k_c, h, layer.view(), self.scaling)
-        layer.append(k_c, h, **self._observed(layer, q_c), **self._rope(layer, position_embeddings))
+        z = cache.attend(self.layer_idx, q_c, k_c, h, self.scaling, self.sliding_window)
+        cache.update(k_c, h, self.layer_idx, **extra)
         return self.output(z), None
 
 

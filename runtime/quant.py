@@ -142,7 +142,6 @@ BITS = (1, 2, 3, 4, 8)
 FP8 = torch.float8_e4m3fn
 _FP8_TABLE: torch.Tensor | None = None
 
-_KERNELS = None
 META_SHIFT = 2.0**-8
 
 
@@ -155,16 +154,12 @@ def meta_format(dtype: torch.dtype, meta: str = "16") -> tuple[torch.dtype, floa
 
 
 def _kernels(t: torch.Tensor):
-    """tale_kernels.quant for CUDA tensors, or None (CPU tensor, or Triton missing)."""
-    global _KERNELS
+    """The registered "quant" op (tale_runtime.backends: Triton quantize/pack) for CUDA tensors, or None."""
     if not t.is_cuda:
         return None
-    if _KERNELS is None:
-        try:
-            from tale_kernels import quant as _KERNELS
-        except ImportError:
-            _KERNELS = False
-    return _KERNELS or None
+    from .backends import op
+
+    return op("quant")
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

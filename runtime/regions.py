@@ -37,4 +37,3 @@ class Region:
 class LayerView:
     regions: list[Region]
     next_pos: int | torch.Tensor  # cache position of the first new token (same for every row)
-    window: int | None = None  # sliding-window layers: a query sees keys less than `window` positions back

@@ -43,9 +43,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .artifact import Schedule
-from .cache import band_index, demote_level, quant_level
-from .frag import FragLevel, FragRegion, kernel_heads
-from .frag import supports as frag_supports
+from .backends import TORCH, AttentionBackend
+from .cache import CacheStep, band_index, demote_level, quant_level
+from .frag import FragLevel, FragRegion, fits
 from .placement import demotions, fill_counts, flush_count
 from .quant import FP8, Bands, QTensor, _rebias, cat, meta_format
 from .regions import LayerView, Region
@@ -192,7 +192,6 @@ class StaticTaleLayer(CacheLayerMixin):
         ko = cache.schedule.key_order
         self.order = None if ko is None else ko[layer_idx]
         self.bias: dict[int, float] = {}  # id(fp8 buffer) -> its bias on the host (the device scalar's value)
-        self.window: int | None = None
         self._view: LayerView | None = None
 
     # -- HF cache layer interface ------------------------------------------------------
@@ -204,8 +203,12 @@ class StaticTaleLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states) -> None:
         pass
 
-    def update(self, *args, **kwargs):
-        raise RuntimeError("StaticTaleCache is filled by TaleAttention; it does not take full key/value states")
+    def update(self, key_states, value_states, valid=None, queries=None, rope=None):
+        """transformers' cache-layer update, as TALE caches it: post-RoPE keys [B, K, T, n] and latents [B, G, T, R]
+        of the step's T new tokens, written where the step's plan puts them (`valid` [B, T]: real tokens, read at the
+        prefill). The static cache reads neither queries nor RoPE tables (it places by recency, keys after RoPE)."""
+        self.cache._write(self, key_states, value_states, valid)
+        return key_states, value_states
 
     def get_seq_length(self) -> int:
         return self.kappa
@@ -320,16 +323,21 @@ class StaticTaleLayer(CacheLayerMixin):
             for i, f in enumerate(self.frag):
                 regions.append(FragRegion(f, self.ranks[i], c.pos[1 + i], c.lens[1 + i]))
             regions.append(Region(_raw(self.res_k), _raw(self.res_h), c.R, c.pos[-1], c.lens[-1]))
-            self._view = LayerView(regions, c.next_pos, self.window)
-        self._view.window = self.window
+            self._view = LayerView(regions, c.next_pos)
         return self._view
 
     # -- writes (host-planned spans; every layer does the same ones) -------------------------
 
     def append(self, k: torch.Tensor, h: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Cache T new exact tokens: k [B, K, T, n] (post-RoPE), h [B, G, T, R]; `valid` [B, T] marks real
-        tokens (read at the prefill only)."""
-        self.cache._append(self, k, h, valid)
+        """Cache T new exact tokens: inside the open step, or (a one-layer cache) in a step of their own."""
+        c = self.cache
+        if c._step is not None:
+            self.update(k, h, valid)
+            return
+        if c.num_layers != 1:
+            raise RuntimeError("StaticTaleCache: write every layer inside one step (with cache.step(T): ...)")
+        with c.step(k.shape[-2]):
+            self.update(k, h, valid)
 
     def _write_new(self, op, k: torch.Tensor, h: torch.Tensor) -> None:
         c = self.cache
@@ -441,12 +449,14 @@ class _Op:
     res_start: int = 0
 
 
-class StaticTaleCache(Cache):
+class StaticTaleCache(CacheStep, Cache):
     """The TALE cache in preallocated buffers for `max_length` tokens per row (allocated at the prefill).
 
     Pass as `past_key_values` to forward/generate like TaleCache; `runtime/decode.py` captures its decode
     step as a CUDA graph. The prefill must be the first call; later calls take one token each (or short
-    chunks that fit in the residual).
+    chunks that fit in the residual). `backend` serves decode attention (tale_runtime.backends); the quantized
+    levels are held in the layout it reads (`layout` None), or in the one given ("row", or "frag": the CUDA kernel's,
+    which the torch reference reads too).
     """
 
     is_compileable = False
@@ -460,11 +470,13 @@ class StaticTaleCache(Cache):
         num_groups: int,
         latent_rank: int,
         max_length: int | None = None,
-        layout: str = "auto",
+        layout: str | None = None,
         num_heads: int | None = None,
+        backend: AttentionBackend = TORCH,
     ):
-        if layout not in ("auto", "row", "frag"):
-            raise ValueError(f"static cache layout must be 'auto', 'row' or 'frag', not {layout!r}")
+        layout = backend.layout if layout is None else layout
+        if layout not in ("row", "frag"):
+            raise ValueError(f"static cache layout must be 'row' or 'frag', not {layout!r}")
         if any(lv.key_axis != "channel" for lv in schedule.levels):  # its key buffers hold whole token groups
             raise ValueError(
                 "the static cache holds per-channel keys (key_axis 'channel'); this schedule has per-token keys: "
@@ -472,22 +484,27 @@ class StaticTaleCache(Cache):
             )
         if schedule.key_rope != "post":
             raise ValueError("the static cache holds keys after RoPE; key_rope 'pre' needs new_cache(model) (dynamic)")
+        if layout == "frag" and (why := fits(schedule, head_dim, num_kv_heads, num_groups, torch.bfloat16)):
+            raise ValueError(f"static cache layout 'frag': {why}")
+        if backend.layout != layout and backend.name != TORCH.name:  # the reference reads both
+            raise ValueError(f"the {backend.name} backend reads the {backend.layout} layout, not {layout!r}")
         self.schedule = schedule
         self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank
-        self.layout_arg = layout
-        self.num_heads = num_heads  # query heads: "auto" picks "frag" only where kernel_heads holds
-        self.layout = "row"  # the one in use, fixed at the prefill (_allocate)
+        self.layout = layout
+        self.num_heads = num_heads
+        self.backend = backend
         self.max_length = max_length
         self.num_layers = num_layers
-        self.capturing = False  # inside a CUDA graph capture: host bookkeeping is left to the caller
         self.book: Book | None = None
         self.caps: list[int] = []
-        self.decoder = None  # a CudaGraphDecoder of generate() (load.TaleGenerationMixin); dropped with the buffers
+        # counts buffer allocations: a CUDA graph captured over this cache's buffers (decode.CudaGraphDecoder) is valid
+        # while it is unchanged
+        self.generation = 0
         super().__init__(layers=[StaticTaleLayer(self, i) for i in range(num_layers)])
 
     def reset(self) -> None:
         self.book = None
-        self.decoder = None
+        self.generation += 1
 
     # -- sizes ----------------------------------------------------------------------------
 
@@ -519,10 +536,12 @@ class StaticTaleCache(Cache):
             raise ValueError(f"static cache: the prompt ({T} tokens) is longer than max_length ({max_length})")
         s = self.schedule
         book = Book(sink_cap=pad + s.sinks, residual_cap=s.residual, w=[0] * len(s.levels), r=[0] * len(s.levels))
+        if self.layout == "frag" and k.dtype != torch.bfloat16:
+            raise ValueError(f"static cache layout 'frag' holds bfloat16 caches, not {k.dtype}")
         probe = copy.deepcopy(book)
         probe.add(s, T)
-        self.layout = self._layout(k)  # may refuse: before anything marks the cache as filled
         self.caps = capacities(s, probe, max_length)
+        self.generation += 1
         self.book = book
         for layer in self.layers:
             layer.allocate(B, k.dtype, dev)
@@ -534,50 +553,41 @@ class StaticTaleCache(Cache):
         self.res_slot = torch.zeros(1, dtype=torch.int64, device=dev)
         self._valid0 = valid
 
-    def _layout(self, k: torch.Tensor) -> str:
-        """The layout of the quantized levels: "frag" where the CUDA kernel reads this cache (auto: on a GPU it runs
-        on: frag.kernel_heads), else "row"; a "frag" asked for that does not fit is refused."""
-        s = self.schedule
-        lv = [(x.key_bits, x.bits, r) for x, r in zip(s.levels, s.ranks[0])]
-        fits = (
-            all(list(r) == list(s.ranks[0]) for r in s.ranks)
-            and not any(x.key_hi_bits or x.key_rank for x in s.levels)
-            and frag_supports(
-                self.n, self.K, self.G, lv, s.key_group, s.value_group, (s.key_meta, s.value_meta), k.dtype
-            )
-        )
-        if self.layout_arg == "frag":
-            if not fits:
-                raise ValueError(
-                    "static cache layout 'frag' covers head dim 128, groups of 4 KV heads, 16-bit bf16 scales and "
-                    "the paper preset's two levels (2-bit rank 256, 4-bit rank 512) with groups of 32: not this cache"
-                )
-            return "frag"
-        if self.layout_arg == "row" or not fits or not k.is_cuda or not kernel_heads(self.num_heads, self.K):
-            return "row"
-        from tale_kernels.mma_attention import available
-
-        return "frag" if available(k.device) else "row"
-
-    def _append(self, layer: StaticTaleLayer, k: torch.Tensor, h: torch.Tensor, valid) -> None:
-        if layer.layer_idx == 0:
+    def _write(self, layer: StaticTaleLayer, k: torch.Tensor, h: torch.Tensor, valid) -> None:
+        """A layer's update inside the open step: the first write allocates (the prefill) and plans the step's spans,
+        the same for every layer; end_step settles them."""
+        st = self._step
+        if st is None:
+            raise RuntimeError("StaticTaleCache: writes happen inside a step (with cache.step(T): model forward)")
+        if st.op is None:
             if self.book is None:
                 self._allocate(k, valid)
-            self._op = self._plan(k.shape[-2])
-        layer._write_new(self._op, k, h)
-        if layer.layer_idx == self.num_layers - 1:
-            self._commit(self._op, k.shape[-2])
+            st.op = self._plan(st.T, st.graph)
+        layer._write_new(st.op, k, h)
 
-    def _plan(self, T: int) -> _Op:
+    def end_step(self) -> None:
+        """After every layer wrote the step's tokens: positions and counters, then flush and demotions (a captured
+        step: the device part only; `advance()` does the host's after each replay)."""
+        st, self._step = self._step, None
+        if st is not None and st.op is not None:
+            self._commit(st.op, st.T, st.graph)
+
+    def capturable(self) -> bool:
+        """Whether the next one-token step is a plain decode step (the token goes into the residual at a device-held
+        slot): what a CUDA graph can capture."""
+        b = self.book
+        return b is not None and b.sink_len == b.sink_cap and b.res_len < b.residual_cap
+
+    def _plan(self, T: int, graph: bool = False) -> _Op:
         b = self.book
         if T == 1 and b.sink_len == b.sink_cap and b.res_len < b.residual_cap:
             return _Op(decode=True)
-        if self.capturing:
+        if graph:
             raise RuntimeError("static cache: only a plain decode step (one token into the residual) can be captured")
         take, fill, n_res = copy.deepcopy(b).add(self.schedule, T)  # _commit advances the real bookkeeping
         return _Op(False, take, b.sink_len, fill, list(b.w) if fill else None, n_res, b.res_len)
 
-    def _commit(self, op: _Op, T: int) -> None:
+    def _commit(self, op: _Op, T: int, graph: bool = False) -> None:
         """After the last layer wrote the new tokens: positions, counters, then flush and demotions."""
         b = self.book
         if op.decode:
@@ -586,7 +596,7 @@ class StaticTaleCache(Cache):
             self.next_pos += 1
             self.res_slot += 1
             self.lens[-1:] += 1
-            if not self.capturing:
+            if not graph:
                 self.advance()
             return
         p0, B = b.kappa, self.pos[0].shape[0]
@@ -603,7 +613,7 @@ class StaticTaleCache(Cache):
             self.pos[-1][:, op.res_start : op.res_start + op.n_res] = pos[:, t:]
         b.add(self.schedule, T)
         self._maintain()
-        self._sync_device()
+        self.sync_device()
 
     def advance(self) -> None:
         """Host side of a decode step (after a captured step's replay): count the token, then flush and
@@ -612,7 +622,7 @@ class StaticTaleCache(Cache):
         b.kappa += 1
         b.res_len += 1
         if self._maintain():
-            self._sync_device()
+            self.sync_device()
 
     def _maintain(self) -> bool:
         b = self.book
@@ -640,8 +650,9 @@ class StaticTaleCache(Cache):
                 src[:, slot : slot + n] = -1
         return bool(q or moves)
 
-    def _sync_device(self) -> None:
-        """Device lengths and counters from the host bookkeeping (fills: no host sync)."""
+    def sync_device(self) -> None:
+        """Device lengths and counters from the host bookkeeping (fills: no host sync); also what a decoder calls
+        after a failed capture, should anything of it have run."""
         b = self.book
         lens = [b.sink_len, *(min(w, c) for w, c in zip(b.w, self.caps)), b.res_len]
         for j, v in enumerate(lens):
@@ -655,7 +666,7 @@ class StaticTaleCache(Cache):
         """Every batch row repeated `repeats` times (HF Cache API; new buffers: recapture graphs after)."""
         if self.book is None:
             return
-        self.decoder = None
+        self.generation += 1
         for layer in self.layers:
             for obj, names in [(layer, ("sink_k", "sink_h", "res_k", "res_h"))]:
                 for nm in names:

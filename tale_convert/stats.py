@@ -9,13 +9,30 @@ first `key_hi_channels` of each head's order more bits (docs/quality.md, "key ba
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from tale_runtime.artifact import Level, Schedule
-from tale_runtime.attention import latent_attention
+from tale_runtime.backends import TORCH, AttentionBackend
 from tale_runtime.model import cache_arg
+
+
+@dataclass(frozen=True)
+class _Observe(AttentionBackend):
+    """The torch reference, handing every call's new queries and keys (as cached) to `see(layer, q, k)` first. Layers
+    attend in order within a forward pass, so the call count tells the layer."""
+
+    name: str = "observe"
+    label: str = "torch reference"
+    layers: int = 1
+    see: object = None
+    calls: list = field(default_factory=lambda: [0])
+
+    def __call__(self, q, k_new, h_new, view, scaling, window=None):
+        self.see(self.calls[0] % self.layers, q, k_new)
+        self.calls[0] += 1
+        return TORCH.run(q, k_new, h_new, view, scaling, window)
 
 
 @torch.inference_mode()
@@ -28,24 +45,19 @@ def key_importance(model, batches: list[torch.Tensor], key_group: int = 32) -> l
     r2 = [0.0] * len(layers)
     nq = [0] * len(layers)
     nr = [0] * len(layers)
-    saved = [layer.self_attn.attention_fn for layer in layers]
 
-    def hook(i):
-        def grab(q, k, h, view, scaling):  # q [B, H, T, n], k [B, K, T, n]: the new tokens, as cached
-            B, H, T, n = q.shape
-            K = k.shape[1]
-            qf = q.double().view(B, K, H // K, T, n)
-            q2[i] = q2[i] + qf.pow(2).sum((0, 2, 3))
-            nq[i] += B * (H // K) * T
-            m = T // key_group * key_group
-            kg = k[:, :, :m].double().reshape(B, K, m // key_group, key_group, n)
-            r2[i] = r2[i] + (kg.amax(3) - kg.amin(3)).pow(2).sum((0, 2))
-            nr[i] += B * (m // key_group)
-            return latent_attention(q, k, h, view, scaling)
+    def see(i: int, q: torch.Tensor, k: torch.Tensor) -> None:  # q [B, H, T, n], k [B, K, T, n]: new tokens, as cached
+        B, H, T, n = q.shape
+        K = k.shape[1]
+        qf = q.double().view(B, K, H // K, T, n)
+        q2[i] = q2[i] + qf.pow(2).sum((0, 2, 3))
+        nq[i] += B * (H // K) * T
+        m = T // key_group * key_group
+        kg = k[:, :, :m].double().reshape(B, K, m // key_group, key_group, n)
+        r2[i] = r2[i] + (kg.amax(3) - kg.amin(3)).pow(2).sum((0, 2))
+        nr[i] += B * (m // key_group)
 
-        return grab
-
-    s = model.tale_schedule
+    s = model.tale_spec.schedule
     R = max(rs[-1] for rs in s.ranks)
     exact = Schedule(  # nothing compressed: the statistic sees exact keys (rotated as the schedule rotates them)
         sinks=1,
@@ -56,16 +68,11 @@ def key_importance(model, batches: list[torch.Tensor], key_group: int = 32) -> l
         residual=1,
         rotate=s.rotate,
     )
-    try:
-        for i, layer in enumerate(layers):
-            layer.self_attn.attention_fn = hook(i)
-        for ids in batches:
-            cache = new_cache(model, exact)
-            model(ids[:, :1], **cache_arg(cache))  # the exact prefill does not call attention_fn
-            model(ids[:, 1:], **cache_arg(cache))
-    finally:
-        for layer, fn in zip(layers, saved):
-            layer.self_attn.attention_fn = fn
+    observe = _Observe(layers=len(layers), see=see)
+    for ids in batches:
+        cache = new_cache(model, exact, backend=observe)
+        model(ids[:, :1], **cache_arg(cache))  # the exact prefill does not call attention
+        model(ids[:, 1:], **cache_arg(cache))
     return [(a / c) * (b / d) for a, c, b, d in zip(q2, nq, r2, nr)]
 
 

@@ -8,7 +8,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tale_runtime.artifact import Level, Schedule, uniform_ranks
+from tale_runtime.load import tale_class
 from tale_runtime.model import TaleAttention
+from tale_runtime.spec import Arch, TaleSpec
 
 TINY = dict(
     llama=dict(
@@ -101,8 +103,9 @@ def talify(model, group: int, schedule: Schedule | None = None):
         layer.self_attn = att
     L = cfg.num_hidden_layers
     sched = schedule or Schedule(ranks=uniform_ranks(R, L, 0.5, value_group=8), value_group=8, key_group=8, residual=8)
-    tm.tale_manifest = {"architecture": {"head_dim": n, "num_groups": G, "latent_rank": R, "group_size": group}}
-    tm.tale_schedule = sched
+    manifest = {"architecture": {"head_dim": n, "num_groups": G, "latent_rank": R, "group_size": group}}
+    tm.tale_spec = TaleSpec(Arch.from_manifest(manifest, cfg), sched, None, manifest)
+    tm.__class__ = tale_class(type(tm))
     return tm
 
 
@@ -159,15 +162,15 @@ def save_artifact(tm, path, tokenizer=None):
     save_file(state, path / "model.safetensors")
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
-    arch = dict(tm.tale_manifest["architecture"], model_type=tm.config.model_type)
+    arch = dict(tm.tale_spec.manifest["architecture"], model_type=tm.config.model_type)
     write_json(
         path / MANIFEST,
         {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "architecture": arch,
-            "schedule": tm.tale_schedule.to_dict(),
-            "nominal_ratio": nominal_ratio(tm.tale_schedule, arch["head_dim"], arch["group_size"]),
+            "schedule": tm.tale_spec.schedule.to_dict(),
+            "nominal_ratio": nominal_ratio(tm.tale_spec.schedule, arch["head_dim"], arch["group_size"]),
             "files": hash_files(path),  # every file, as the converter writes it
         },
     )

@@ -112,7 +112,7 @@ def test_one_level_with_no_recent_shares(llama, tmp_path, capsys):
     assert code == 0, err
     from tale_runtime import load
 
-    s = load(tmp_path / "one", device="cpu")[0].tale_schedule
+    s = load(tmp_path / "one", device="cpu")[0].tale_spec.schedule
     assert [lv.bits for lv in s.levels] == [4] and [lv.share for lv in s.levels] == [None]
 
 
@@ -181,7 +181,7 @@ def test_key_bands_write_the_calibration_order(llama, tmp_path, capsys):
     m = json.loads((out / "tale_config.json").read_text())
     assert m["format_version"] == FORMAT_VERSION and m["schedule"]["levels"][0]["key_hi_bits"] == 3
     model, _ = load(out, device="cpu", dtype=torch.float32)
-    s, cfg = model.tale_schedule, model.config
+    s, cfg = model.tale_spec.schedule, model.config
     assert s.levels[0].key_hi_channels == 8 and len(s.key_order) == cfg.num_hidden_layers
     assert all(sorted(h) == list(range(cfg.head_dim)) for heads in s.key_order for h in heads)
     assert len(s.key_order[0]) == cfg.num_key_value_heads
@@ -225,8 +225,8 @@ def test_rotated_latents_give_the_same_values(llama, tmp_path, capsys):
 
     def decode(path, exact: bool):
         model, _ = load(path, device="cpu", dtype=torch.float32)
-        s, L = model.tale_schedule, model.config.num_hidden_layers
-        R = int(model.tale_manifest["architecture"]["latent_rank"])
+        s, L = model.tale_spec.schedule, model.config.num_hidden_layers
+        R = int(model.tale_spec.manifest["architecture"]["latent_rank"])
         sched = override_schedule(s, R, L, ranks=1.0, bits=16, key_bits=16) if exact else s
         cache, out = new_cache(model, sched), []
         with torch.no_grad():
@@ -239,9 +239,9 @@ def test_rotated_latents_give_the_same_values(llama, tmp_path, capsys):
     b, model = decode(rot, exact=True)
     assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(decode(plain, exact=False)[0], decode(rot, exact=False)[0], atol=1e-4)
-    R = int(model.tale_manifest["architecture"]["latent_rank"])
+    R = int(model.tale_spec.manifest["architecture"]["latent_rank"])
     with pytest.raises(ValueError, match="rotation blocks"):
-        override_schedule(model.tale_schedule, R, model.config.num_hidden_layers, ranks=[12, R], bits=16)
+        override_schedule(model.tale_spec.schedule, R, model.config.num_hidden_layers, ranks=[12, R], bits=16)
     # latent groups that cannot be rotation blocks (48 channels of R = 192): the preset's default keeps the SVD basis,
     # asking for the rotation is refused in one line
     from tale_convert import ConvertError

@@ -213,7 +213,7 @@ def test_palu_refuses_a_rank_inside_a_rotation_block(pair, monkeypatch):
     from dataclasses import replace
 
     _, model = pair()
-    monkeypatch.setattr(model, "tale_schedule", replace(model.tale_schedule, latent_rotation=8))
+    monkeypatch.setattr(model, "tale_schedule", replace(model.tale_spec.schedule, latent_rotation=8))
     assert policies.Palu(16, 2).ranks(model) == [16] * model.config.num_hidden_layers
     with pytest.raises(ValueError, match="rotated in blocks of 8"):
         policies.Palu(12, 2).ranks(model)
@@ -261,12 +261,12 @@ def test_tale_dry_run_bytes_equal_a_real_run(pair):
     pol = policies.Tale()
     cache = pol.build(model, pattern)
     perplexity.decode_nll(model, ids_of(3, 70), cache, 20, 3)
-    assert pol.nbytes(cache) == 3 * policies.tale_bytes(model, model.tale_schedule, pattern)
+    assert pol.nbytes(cache) == 3 * policies.tale_bytes(model, model.tale_spec.schedule, pattern)
 
 
 def test_streaming_and_palu_match_tale_bytes(pair):
     _, model = pair()
-    s = model.tale_schedule
+    s = model.tale_spec.schedule
     d = policies.Dims.of(model)
     pattern = perplexity.pattern(200, 40, 4)
     pols = {"tale": policies.Tale(), "streaming": policies.Streaming(), "palu": policies.Palu(match_pattern=pattern)}

@@ -52,11 +52,11 @@ def test_load_by_repo_id_round_trip(art, hub, tmp_path):
     local = publish(art, tmp_path)
     m_local, tok_local = load(local, device="cpu", dtype=torch.float32)
     m_hub, tok_hub = load(REPO, device="cpu", dtype=torch.float32)
-    assert str(m_hub.tale_path).startswith(str(tmp_path / "hf-cache" / "models--alice--tiny-tale" / "snapshots"))
+    assert str(m_hub.tale_spec.path).startswith(str(tmp_path / "hf-cache" / "models--alice--tiny-tale" / "snapshots"))
     assert ("GET", f"/api/models/{REPO}/revision/main") in hub.requests
     a, b = m_local.state_dict(), m_hub.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert m_hub.tale_schedule == m_local.tale_schedule
+    assert m_hub.tale_spec.schedule == m_local.tale_spec.schedule
     assert tok_hub.get_vocab() == tok_local.get_vocab()
     assert greedy(m_hub, tok_hub) == greedy(m_local, tok_local)
 
@@ -68,7 +68,7 @@ def test_offline_loads_from_the_cache(art, hub, tmp_path, monkeypatch):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     assert resolve(REPO) == online
     model, tok = load(REPO, device="cpu", dtype=torch.float32)
-    assert tok is not None and model.tale_manifest["files"]
+    assert tok is not None and model.tale_spec.manifest["files"]
     with pytest.raises(ArtifactError, match="not in the local cache"):
         resolve("alice/never-pushed")
 
@@ -76,7 +76,7 @@ def test_offline_loads_from_the_cache(art, hub, tmp_path, monkeypatch):
 def test_load_by_revision(art, hub, tmp_path):
     publish(art, tmp_path, "--revision", "dev")
     model, _ = load(REPO, revision="dev", device="cpu", dtype=torch.float32)
-    assert model.tale_manifest["nominal_ratio"] > 1
+    assert model.tale_spec.manifest["nominal_ratio"] > 1
     with pytest.raises(ArtifactError, match="not a TALE artifact"):  # main holds only .gitattributes
         load(REPO, device="cpu")
     with pytest.raises(ArtifactError, match="no revision 'nope'"):

@@ -158,7 +158,7 @@ def test_through_the_model_exact_levels_match_and_static_refuses():
     from tale_runtime import new_cache
 
     tm = talify(tiny_model("llama"), 1)
-    R, L = tm.tale_manifest["architecture"]["latent_rank"], tm.config.num_hidden_layers
+    R, L = tm.tale_spec.manifest["architecture"]["latent_rank"], tm.config.num_hidden_layers
     ids = torch.randint(0, 200, (1, 70), generator=torch.Generator().manual_seed(7))
 
     def decode(schedule, keep):
@@ -175,7 +175,7 @@ def test_through_the_model_exact_levels_match_and_static_refuses():
     b, cb = decode(ex, "salient")
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert cb.layers[0].q_obs.shape[-2] == ex.key_group
-    comp = copy.deepcopy(tm.tale_schedule)
+    comp = copy.deepcopy(tm.tale_spec.schedule)
     comp.levels[1].share = 0.3  # several groups in level 1, so there is a choice
     _, cr = decode(comp, "recent")
     _, cs = decode(comp, "salient")

@@ -69,18 +69,18 @@ def test_full_rank_16_bit_low_rank_keys_decode_like_the_base_model(arch):
     s = exact_schedule(32, L)
     tm = talify(base, 2, s)
     C = tm.config.num_key_value_heads * tm.model.layers[0].self_attn.head_dim
-    tm.tale_key_basis = fitted(tm, [ids_for(40, seed=9)])
+    tm.tale_spec.key_basis = fitted(tm, [ids_for(40, seed=9)])
     ids = ids_for(60)
     with torch.no_grad():
         ref = base(ids).logits[:, 9:-1]
     for ranks in ((C, C), (C, 0)):  # the middle and recent level low-rank; the recent one plain (demotion converts)
-        tm.tale_schedule = low_rank(s, *ranks)
+        tm.tale_spec.schedule = low_rank(s, *ranks)
         assert rel(decode_logits(tm, ids, 10), ref) < 1e-4, ranks
         assert rel(decode_logits(tm, ids, 10, chunks=[9, 1, 13, 2, 25]), ref) < 1e-4, ranks
     kw = dict(max_new_tokens=8, num_beams=3, do_sample=False, pad_token_id=0)
     with torch.no_grad():  # beam search reorders the coefficient stores and the shared rope table
         assert torch.equal(tm.generate(ids[:, :20], **cache_arg(new_cache(tm)), **kw), base.generate(ids[:, :20], **kw))
-    tm.tale_schedule = low_rank(s, 8, 8)  # truncation must show: the test can fail
+    tm.tale_spec.schedule = low_rank(s, 8, 8)  # truncation must show: the test can fail
     assert rel(decode_logits(tm, ids, 10), ref) > 1e-3
 
 
@@ -178,7 +178,7 @@ def test_refusals_and_the_manifest_round_trip():
         new_cache(tm)
     from tale_eval.policies import Tale
 
-    tm.tale_schedule = s
+    tm.tale_spec.schedule = s
     with pytest.raises(ValueError, match="schedule override: key_rank 16 needs the artifact's key basis"):
         Tale({"key_rope": "pre", "key_rank": [16, 0]}).resolve(tm)
 
@@ -190,8 +190,8 @@ def test_tale_convert_writes_a_verified_basis_that_load_reads(tiny_model_dir, tm
     assert FILE in files
     model, _ = load(out, device="cpu", dtype=torch.float32, key_rope="pre", key_rank=[16, 0])
     C = model.config.num_key_value_heads * model.model.layers[0].self_attn.head_dim
-    assert len(model.tale_key_basis) == model.config.num_hidden_layers
-    assert model.tale_key_basis[0].enc.shape == (C, C)
+    assert len(model.tale_spec.key_basis) == model.config.num_hidden_layers
+    assert model.tale_spec.key_basis[0].enc.shape == (C, C)
     ids = ids_for(50)
     exact = dict(device="cpu", dtype=torch.float32, bits=16, ranks=1.0, key_rope="pre")
     full, _ = load(out, key_rank=C, **exact)
@@ -229,7 +229,7 @@ def test_tale_convert_writes_a_verified_basis_that_load_reads(tiny_model_dir, tm
     save_file(t, out / FILE)
     m["files"] = hash_files(out)
     write_json(out / MANIFEST, m)
-    assert load(out, device="cpu", key_rope="pre", key_rank=[8, 0])[0].tale_key_basis[0].enc.shape == (C, 8)
+    assert load(out, device="cpu", key_rope="pre", key_rank=[8, 0])[0].tale_spec.key_basis[0].enc.shape == (C, 8)
     with pytest.raises(ArtifactError, match="key_rank 16 exceeds the key basis \\(8 directions\\)"):
         load(out, device="cpu", key_rope="pre", key_rank=[16, 0])
 
@@ -247,9 +247,9 @@ def test_key_bands_and_the_key_basis_come_from_one_load_of_the_artifact(tiny_mod
     assert len(loads) == 1, loads
     assert any(ln.startswith("key bands (") and "key basis (" in ln for ln in logs), logs
     model, _ = load(out, device="cpu", dtype=torch.float32)
-    assert model.tale_schedule.levels[0].key_hi_bits == 3 and model.tale_key_basis is not None
-    assert sorted(model.tale_schedule.key_order[0][0]) == list(range(model.model.layers[0].self_attn.head_dim))
-    assert model.tale_schedule.key_order[0][0] != sorted(model.tale_schedule.key_order[0][0])  # calibrated, not 0..n
+    assert model.tale_spec.schedule.levels[0].key_hi_bits == 3 and model.tale_spec.key_basis is not None
+    assert sorted(model.tale_spec.schedule.key_order[0][0]) == list(range(model.model.layers[0].self_attn.head_dim))
+    assert model.tale_spec.schedule.key_order[0][0] != sorted(model.tale_spec.schedule.key_order[0][0])  # calibrated, not 0..n
 
 
 def test_the_lowrank_preset_converts_with_its_basis_and_holds_fewer_bytes(tiny_model_dir, tmp_path):
@@ -260,10 +260,10 @@ def test_the_lowrank_preset_converts_with_its_basis_and_holds_fewer_bytes(tiny_m
     opts = dict(TINY_OPTS, residual=None)
     convert(src, out, Options(group=2, preset="lowrank", **opts))
     model, _ = load(out, device="cpu", dtype=torch.float32)
-    s = model.tale_schedule
+    s = model.tale_spec.schedule
     C = model.config.num_key_value_heads * model.model.layers[0].self_attn.head_dim
     assert s.key_rope == "pre" and [lv.key_rank for lv in s.levels] == [round(5 / 12 * C / 8) * 8, 0, 0]
-    assert (out / FILE).is_file() and model.tale_key_basis is not None
+    assert (out / FILE).is_file() and model.tale_spec.key_basis is not None
     card = (out / "README.md").read_text()
     assert f"4 ({s.levels[0].key_rank} coefficients of {C})" in card and "key_basis.safetensors" in card
     convert(src, tmp_path / "p", Options(group=2, **TINY_OPTS))
@@ -318,13 +318,13 @@ def test_low_rank_keys_on_cuda_match_the_cpu_with_kernels_on_and_off():
     from tale_runtime.load import use_kernels
 
     tm = talify(tiny_model("llama"), 2)
-    tm.tale_schedule = low_rank(tm.tale_schedule, 16, 0)
-    tm.tale_key_basis = fitted(tm, [ids_for(40, seed=9)])
+    tm.tale_spec.schedule = low_rank(tm.tale_spec.schedule, 16, 0)
+    tm.tale_spec.key_basis = fitted(tm, [ids_for(40, seed=9)])
     ids = ids_for(90, seed=3)
     cpu = decode_logits(tm, ids, 60)
     tm = tm.cuda()
-    tm.tale_key_basis = [
-        dc_replace(b, enc=b.enc.cuda(), dec=b.dec.cuda(), mean=b.mean.cuda()) for b in tm.tale_key_basis
+    tm.tale_spec.key_basis = [
+        dc_replace(b, enc=b.enc.cuda(), dec=b.dec.cuda(), mean=b.mean.cuda()) for b in tm.tale_spec.key_basis
     ]
     use_kernels(tm, False)
     off = decode_logits(tm, ids.cuda(), 60)

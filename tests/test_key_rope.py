@@ -43,7 +43,7 @@ def test_left_padded_rows_and_beams_read_their_own_rotations():
     for i, r in enumerate(rows):
         assert torch.equal(batch[i], hf_greedy(base, r[None])[0]), i
     lossy = talify(base, 2)
-    lossy.tale_schedule = pre(lossy.tale_schedule)
+    lossy.tale_spec.schedule = pre(lossy.tale_spec.schedule)
     batch = hf_greedy(lossy, ids, mask, new_cache(lossy))
     assert torch.equal(batch[1], hf_greedy(lossy, rows[1][None], cache=new_cache(lossy))[0])
     kw = dict(max_new_tokens=12, num_beams=3, do_sample=False, pad_token_id=0)
@@ -148,7 +148,7 @@ def test_the_kernel_leaves_keys_before_rope_to_the_reference():
     from tale_runtime.load import use_kernels
 
     tm = talify(tiny_model("llama"), 2)
-    tm.tale_schedule = pre(tm.tale_schedule)
+    tm.tale_spec.schedule = pre(tm.tale_spec.schedule)
     tm = tm.cuda()
     ids = torch.randint(1, 320, (1, 90), generator=torch.Generator().manual_seed(3)).cuda()
     use_kernels(tm, False)

@@ -195,7 +195,7 @@ def test_rotation_leaves_exact_decoding_unchanged_and_the_prefill_bit_identical(
         rotate="hadamard",
         key_channel_group=16,
     )
-    tm.tale_schedule = lossy
+    tm.tale_spec.schedule = lossy
     with torch.no_grad():
         cache = new_cache(tm)
         tm(ids[:, :12], **cache_arg(cache))

@@ -42,13 +42,13 @@ def decode_logits(tm, ids: torch.Tensor, prefix: int, chunks: list[int] | None =
 
 
 def schedule_for(tm, **kw) -> Schedule:
-    L, R = tm.config.num_hidden_layers, tm.tale_manifest["architecture"]["latent_rank"]
+    L, R = tm.config.num_hidden_layers, tm.tale_spec.manifest["architecture"]["latent_rank"]
     kw = dict(ranks=uniform_ranks(R, L, 0.5, value_group=8), key_group=8, value_group=8, residual=8) | kw
     return Schedule(**kw)
 
 
 def with_schedule(tm, sched: Schedule):
-    tm.tale_schedule = sched
+    tm.tale_spec.schedule = sched
     return tm
 
 
@@ -64,10 +64,10 @@ def test_exact_settings_reproduce_the_original_model(arch, g):
     tm = talify(base, g, exact_schedule(R, L))
     assert rel(decode_logits(tm, ids, 12), ref) < 1e-4
     # paper-style lossy schedule, but alpha >= kappa: every token is a sink
-    tm.tale_schedule = schedule_for(tm, sinks=48)
+    tm.tale_spec.schedule = schedule_for(tm, sinks=48)
     assert rel(decode_logits(tm, ids, 12), ref) < 1e-4
     # the same lossy schedule with 4 sinks does compress: the test can tell
-    tm.tale_schedule = schedule_for(tm)
+    tm.tale_spec.schedule = schedule_for(tm)
     assert rel(decode_logits(tm, ids, 12), ref) > 1e-3
 
 
@@ -227,8 +227,8 @@ def test_generate_loop_matches_hf_generate_and_reports_stats():
     assert stats.cache_bytes == cache.nbytes() and stats.baseline_bytes == cache.baseline_nbytes()
     assert stats.baseline_bytes == 2 * 2 * 2 * 4 * (30 + 40 - 1) * 16  # K+V, 2 bytes, 2 layers, 4 KV heads
     assert stats.ratio == pytest.approx(stats.baseline_bytes / stats.cache_bytes)
-    arch = tm.tale_manifest["architecture"]
-    assert stats.nominal_ratio == pytest.approx(nominal_ratio(tm.tale_schedule, arch["head_dim"], 2))
+    arch = tm.tale_spec.manifest["architecture"]
+    assert stats.nominal_ratio == pytest.approx(nominal_ratio(tm.tale_spec.schedule, arch["head_dim"], 2))
     assert "measured" in stats.line() and "nominal" in stats.line()
     assert stats.attention == "torch reference" and stats.line().endswith("attention: torch reference")
 
@@ -292,7 +292,7 @@ def tiny_artifact(tmp_path_factory):
 def test_load_reproduces_the_in_memory_model(tiny_artifact):
     tm, path = tiny_artifact
     model, tok = load(path, device="cpu", dtype=torch.float32)
-    assert tok is not None and model.tale_schedule == tm.tale_schedule
+    assert tok is not None and model.tale_spec.schedule == tm.tale_spec.schedule
     ids = ids_for(30)
     assert torch.equal(decode_logits(model, ids, 10), decode_logits(tm, ids, 10))
     bf16, _ = load(path, device="cpu")
@@ -305,21 +305,28 @@ def test_generate_without_a_cache_gets_a_tale_cache(tmp_path):
     ids = ids_for(20)
     with_cache = hf_greedy(model, ids, cache=new_cache(model))
     assert torch.equal(hf_greedy(model, ids), with_cache)
-    # what load() avoids: HF's default DynamicCache, which TALE attention leaves empty, is refused
-    with pytest.raises(TypeError, match="need a TaleCache"):
-        hf_greedy(tm, ids)
 
 
-def test_reusing_a_dynamic_cache_is_refused():
+def test_a_dynamic_cache_runs_the_base_model():
+    """transformers' DynamicCache given to a TALE model is the 16-bit baseline: the base model's tokens and logits,
+    over several forward passes (TALE attention fills it as the base model would)."""
     from transformers import DynamicCache
 
-    tm = talify(tiny_model("llama"), 2)
-    cache = DynamicCache(config=tm.config)
-    ids = ids_for(8)
+    base = tiny_model("llama")
+    tm = talify(base, 2)
+    ids = ids_for(20)
+    want = hf_greedy(base, ids, cache=DynamicCache(config=base.config))
+    got = hf_greedy(tm, ids, cache=DynamicCache(config=tm.config))
+    assert torch.equal(got, want)
+    assert not torch.equal(got, hf_greedy(tm, ids))  # the TALE cache (default) decodes differently here
     with torch.no_grad():
-        tm(ids, **cache_arg(cache))  # a plain forward may get HF's fresh cache: allowed
-        with pytest.raises(TypeError, match="need a TaleCache"):
-            tm(ids[:, -1:], **cache_arg(cache))
+        caches = [DynamicCache(config=m.config) for m in (base, tm)]
+        for m, c in zip((base, tm), caches):
+            m(ids, **cache_arg(c))
+        step = ids[:, -1:]
+        a, b = (m(step, **cache_arg(c)).logits for m, c in zip((base, tm), caches))
+    torch.testing.assert_close(b, a)
+    assert caches[1].get_seq_length() == ids.shape[1] + 1
 
 
 def copy_artifact(src, dst):
@@ -413,7 +420,7 @@ def test_schedule_overrides():
 def test_load_applies_overrides(tiny_artifact):
     _, path = tiny_artifact
     model, _ = load(path, device="cpu", sinks=2, recent=[0.1, 0.1], bits=[2, 4, 8], ranks=[0.5, 0.75, 1.0])
-    s = model.tale_schedule
+    s = model.tale_spec.schedule
     assert s.sinks == 2 and len(s.levels) == 3 and s.ranks[0] == [16, 24, 32]
     assert len(new_cache(model).layers[0].levels) == 3
     with pytest.raises(ValueError, match="schedule override"):
@@ -434,7 +441,7 @@ def test_smollm2_answers_paris(smollm2_artifact):
     text = tok.decode(out, skip_special_tokens=True)
     print(f"\nanswer: {text!r}\n{stats.line()}")
     assert "Paris" in text
-    assert math.isclose(stats.nominal_ratio, model.tale_manifest["nominal_ratio"], rel_tol=1e-3)
+    assert math.isclose(stats.nominal_ratio, model.tale_spec.manifest["nominal_ratio"], rel_tol=1e-3)
 
 
 def test_a_transformers_release_past_the_tested_ones_is_refused(tmp_path, monkeypatch):

@@ -172,7 +172,7 @@ def tale_schedule(model) -> Schedule:
 def test_decode_loop_static_equals_dynamic(preset):
     base = tiny_model("llama")
     tm = talify(base, 2, tale_schedule(base) if preset == "tale" else None)
-    assert tm.tale_schedule.fast_path()
+    assert tm.tale_spec.schedule.fast_path()
     ids = torch.randint(1, 320, (30,), generator=torch.Generator().manual_seed(4))
     a, sa = generate(tm, ids, max_new_tokens=40, static=False, eos_token_id=[])
     b, sb = generate(tm, ids, max_new_tokens=40, static=True, eos_token_id=[])
@@ -204,7 +204,7 @@ def test_cuda_graph_steps_equal_eager_steps(preset):
 
     base = tiny_model("llama")
     tm = talify(base, 2, tale_schedule(base) if preset == "tale" else None).cuda()
-    assert tm.tale_schedule.fast_path()
+    assert tm.tale_spec.schedule.fast_path()
     use_kernels(tm)
     tm.__class__ = tale_class(type(tm))
     ids = torch.randint(1, 320, (2, 30), generator=torch.Generator().manual_seed(5)).cuda()

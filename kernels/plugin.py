@@ -1,0 +1,104 @@
+"""tale_kernels' attention backends, registered with tale_runtime.backends (entry point "tale_runtime.backends").
+
+- "cuda": the CUDA decode kernel (mma_attention) over a static cache in the fragment layout: Hopper, bf16, the paper
+  preset at head dim 128, latent groups of 4 KV heads, any whole number of query heads per KV head.
+- "triton": the Triton decode kernel (attention.py) over the row layout, dynamic or static: keys after RoPE at
+  2/3/4/8/16 bits (whole or in bands), latents at 2/4/8/16 bits, any scale/zero format.
+
+Each `supports` reads only the cache's spec (shapes, schedule, device): the decision is made once, when the cache is
+made. A call a kernel still declines (a format it does not read) runs on the torch reference inside the kernel's
+entry point, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tale_runtime import backends, frag
+from tale_runtime.spec import CacheSpec
+
+
+def _triton_reason(spec: CacheSpec) -> str | None:
+    from ._common import TL_DTYPE, interpreting, is_pow2
+
+    s, a = spec.schedule, spec.arch
+    if spec.device.type != "cuda" and not interpreting():
+        return "needs a CUDA device (or TRITON_INTERPRET=1)"
+    if spec.dtype not in TL_DTYPE:
+        return f"reads float16, bfloat16 or float32 caches, not {spec.dtype}"
+    if not is_pow2(a.head_dim) or a.head_dim < 16:
+        return f"needs a power-of-two head dim >= 16, not {a.head_dim}"
+    if s.key_rope != "post":
+        return "keys held before RoPE (key_rope 'pre') are read by the torch reference only"
+    if any(lv.key_rank for lv in s.levels):
+        return "low-rank keys (key_rank) are read by the torch reference only"
+    if any(lv.key_axis != "channel" for lv in s.levels):
+        return "per-token keys (key_axis 'token') are read by the torch reference only"
+    if any(lv.bits == 3 for lv in s.levels):
+        return "3-bit latents are read by the torch reference only"
+    return None
+
+
+@dataclass(frozen=True)
+class TritonBackend(backends.AttentionBackend):
+    name: str = "triton"
+    label: str = "triton kernel"
+    priority: int = 20
+
+    def supports(self, spec: CacheSpec) -> str | None:
+        return _triton_reason(spec)
+
+    def run(self, q, k_new, h_new, view, scaling, window):
+        from .attention import latent_attention
+
+        return latent_attention(q, k_new, h_new, view, scaling, window, config=self.config)
+
+
+def _cuda_reason(spec: CacheSpec) -> str | None:
+    import torch
+
+    s, a = spec.schedule, spec.arch
+    if not spec.static:
+        return "reads static caches only (new_cache(model, static=True))"
+    if spec.dtype != torch.bfloat16:
+        return f"reads bfloat16 caches, not {spec.dtype}"
+    if not frag.kernel_heads(a.num_heads, a.num_kv_heads):
+        return f"needs a whole number of query heads per KV head ({a.num_heads} over {a.num_kv_heads})"
+    if why := frag.fits(s, a.head_dim, a.num_kv_heads, a.num_groups, spec.dtype):
+        return why
+    if spec.device.type != "cuda":
+        return "needs a CUDA device"
+    from . import mma_attention
+
+    if not mma_attention.available(spec.device):
+        return "needs a Hopper GPU (sm_90) and NVRTC or nvcc for its first build"
+    return None
+
+
+@dataclass(frozen=True)
+class CudaBackend(backends.AttentionBackend):
+    name: str = "cuda"
+    label: str = "cuda kernel"
+    priority: int = 30
+    layout: str = "frag"
+
+    def supports(self, spec: CacheSpec) -> str | None:
+        return _cuda_reason(spec)
+
+    def run(self, q, k_new, h_new, view, scaling, window):
+        from . import mma_attention
+
+        if not mma_attention.supported(q, k_new, h_new, view):  # float32 queries, a view of another layout
+            return backends.TORCH.run(q, k_new, h_new, view, scaling, window)
+        return mma_attention.latent_attention(q, k_new, h_new, view, scaling, window)
+
+
+def register() -> None:
+    """Entry point: import what Triton needs (ImportError without it: nothing registered) and register."""
+    import triton  # noqa: F401
+
+    from . import frag_pack, quant
+    from .attention import TritonConfig
+
+    backends.register(TritonBackend(config=TritonConfig()), ops={"quant": quant, "frag_pack": frag_pack})
+    backends.register(CudaBackend())
