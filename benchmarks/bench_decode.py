@@ -304,7 +304,6 @@ def check(cfg: dict) -> bool:
     for window in (None, 1000):
         B, L0 = 2, 3000
         c = TaleLayerCache(SCHED, 0, K, N, G, R)
-        c.window = window
         valid = torch.ones(B, L0, dtype=torch.bool, device=DEV)
         valid[1, :37] = False
         c.append(
@@ -315,7 +314,11 @@ def check(cfg: dict) -> bool:
             q, k, h = new_token(B)
             poison()
             worst = max(
-                worst, rel(tale_kernels.latent_attention(q, k, h, c, scale, **cfg), ref_attention(q, k, h, c, scale))
+                worst,
+                rel(
+                    tale_kernels.latent_attention(q, k, h, c, scale, window, config=cfg),
+                    ref_attention(q, k, h, c, scale, window),
+                ),
             )
             c.append(k, h)
         ok &= worst <= TOL

@@ -236,6 +236,12 @@ class CudaGraphDecoder:
 _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def decoder_of(model, cache: StaticTaleCache, compile: bool = True) -> CudaGraphDecoder | None:
+    """The decoder graph_decoder made for `model` over `cache`, if any (None once the cache's buffers changed)."""
+    dec = _DECODERS.get(cache, {}).get((id(model), compile))
+    return dec if dec is not None and dec.model is model and dec.generation == cache.generation else None
+
+
 def graph_decoder(model, cache: StaticTaleCache, compile: bool = True) -> CudaGraphDecoder:
     """The decoder of `model` over `cache`: made at the first decode step, remade when the cache's buffers changed
     (a new prefill, reset, batch_repeat_interleave) or for another model."""

@@ -8,11 +8,12 @@ import pytest
 import torch
 from test_static_cache import assert_same, contents
 
-from tale_runtime import frag, new_cache
+from tale_runtime import backends, frag, new_cache, set_backend
 from tale_runtime.artifact import Schedule
 from tale_runtime.attention import latent_attention
 from tale_runtime.model import TaleCache
 from tale_runtime.quant import quantize
+from tale_runtime.spec import Arch, CacheSpec
 from tale_runtime.static_cache import StaticTaleCache
 
 K, n, G, R = 4, 128, 1, 512
@@ -96,76 +97,22 @@ def test_frag_static_cache_holds_the_dynamic_caches_tokens(prompt, pad):
 
 def test_frag_layout_refused_where_it_does_not_fit():
     s = Schedule(ranks=[[128, 512]], key_group=32, value_group=32, residual=32)
-    c = StaticTaleCache(s, 1, K, n, G, R, max_length=100, layout="frag")
-    with pytest.raises(ValueError, match="layout 'frag' covers head dim 128"):
-        c.layers[0].append(torch.randn(1, K, 40, n).bfloat16(), torch.randn(1, G, 40, R).bfloat16())
-    assert c.book is None and not c.layers[0].is_initialized  # refused before anything was filled: refused again
-    with pytest.raises(ValueError, match="layout 'frag' covers head dim 128"):
-        c.layers[0].append(torch.randn(1, K, 40, n).bfloat16(), torch.randn(1, G, 40, R).bfloat16())
-    with pytest.raises(ValueError, match="must be 'auto', 'row' or 'frag'"):
+    with pytest.raises(ValueError, match="layout 'frag': the fragment layout holds the paper preset's levels"):
+        StaticTaleCache(s, 1, K, n, G, R, max_length=100, layout="frag")
+    with pytest.raises(ValueError, match="must be 'row' or 'frag'"):
         StaticTaleCache(PAPER, 1, K, n, G, R, layout="mma")
-    auto = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=100, num_heads=16)  # auto: the CPU keeps rows
-    auto.layers[0].append(torch.randn(1, K, 40, n).bfloat16(), torch.randn(1, G, 40, R).bfloat16())
-    assert auto.layout == "row"
+    c = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=100, layout="frag")
+    with pytest.raises(ValueError, match="holds bfloat16 caches"):
+        c.layers[0].append(torch.randn(1, K, 40, n), torch.randn(1, G, 40, R))
+    assert c.book is None and not c.layers[0].is_initialized  # refused before anything was filled
+    plain = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=100, num_heads=16)  # the reference's default: rows
+    plain.layers[0].append(torch.randn(1, K, 40, n).bfloat16(), torch.randn(1, G, 40, R).bfloat16())
+    assert plain.layout == "row"
 
 
-@pytest.mark.parametrize("kb,rank", [(2, 256), (4, 512)])
-def test_triton_pack_kernels_match_the_torch_path(kb, rank):
-    """tale_kernels.frag_pack (one launch per level and direction: the CUDA path of flushes and demotions) against
-    the torch path: the same words and scale/zero entries from the same QTensors, written at slot 32 of a larger
-    buffer, and back (CPU interpreter in CI, the GPU on CUDA)."""
-    from tale_kernels import frag_pack
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator().manual_seed(7)
-    B, C = 2, 64
-    keys = quantize(torch.randn(B, 2 * K, C, n, generator=gen).bfloat16(), kb, 32, -2)
-    lat = quantize(torch.randn(B, 2 * G, C, rank, generator=gen).bfloat16(), kb, 32, -1)
-    kc, km = frag.pack_keys(keys)  # CPU tensors: the torch path
-    lc, lm = frag.pack_lat(lat)
-
-    def to(q):
-        return replace(q, data=q.data.to(dev), scale=q.scale.to(dev), zero=q.zero.to(dev))
-
-    got_kc = torch.zeros(B, 2 * G, C + 32, 16 * kb, dtype=torch.int32, device=dev)
-    got_km = torch.zeros(B, 2 * G, C // 32 + 1, 4, 32, 8, dtype=km.dtype, device=dev)
-    frag_pack.pack_keys(to(keys), got_kc[:, :, 32:], got_km[:, :, 1:], slot0=32)
-    assert torch.equal(got_kc[:, :, 32:].cpu(), kc) and torch.equal(got_km[:, :, 1:].cpu(), km)
-    assert not got_kc[:, :, :32].any() and not got_km[:, :, :1].any()  # nothing written outside the view
-    got_lc, got_lm = torch.zeros_like(lc, device=dev), torch.zeros_like(lm, device=dev)
-    frag_pack.pack_lat(to(lat), got_lc, got_lm)
-    assert torch.equal(got_lc.cpu(), lc) and torch.equal(got_lm.cpu(), lm)
-    back = frag_pack.unpack_keys(kc.to(dev), km.to(dev), kb, km.dtype)
-    assert all(torch.equal(a.cpu(), b) for a, b in zip(back, (keys.data, keys.scale, keys.zero)))
-    back = frag_pack.unpack_lat(lc.to(dev), lm.to(dev), kb, lm.dtype)
-    assert all(torch.equal(a.cpu(), b) for a, b in zip(back, (lat.data, lat.scale, lat.zero)))
-
-
-def test_frag_rows_repeat_and_reorder_like_the_row_layout():
-    """batch_repeat_interleave (HF's num_return_sequences) and reorder_cache (beam search) move the fragment
-    buffers' rows like the row layout's: the same contents afterwards, then through more decode steps."""
-    gen = torch.Generator().manual_seed(3)
-    caches = [StaticTaleCache(PAPER, 1, K, n, G, R, max_length=400, layout=lay) for lay in ("frag", "row")]
-    k, h = torch.randn(2, K, 150, n, generator=gen).bfloat16(), torch.randn(2, G, 150, R, generator=gen).bfloat16()
-    for c in caches:
-        c.layers[0].append(k, h)
-        c.batch_repeat_interleave(2)  # rows 0, 0, 1, 1
-        c.layers[0].reorder_cache(torch.tensor([3, 0, 2, 1]))
-    for _ in range(70):
-        k, h = torch.randn(4, K, 1, n, generator=gen).bfloat16(), torch.randn(4, G, 1, R, generator=gen).bfloat16()
-        for c in caches:
-            c.layers[0].append(k, h)
-    f, r = (c.layers[0].view() for c in caches)
-    for b in range(4):
-        cf, cr = contents(f, b), contents(r, b)
-        assert cf.keys() == cr.keys()
-        assert all(torch.equal(cf[p][3], cr[p][3]) and torch.equal(cf[p][4], cr[p][4]) for p in cf)
-    assert caches[0].nbytes() == caches[1].nbytes()
-
-
-def test_kernel_dispatch_of_a_fragment_view(monkeypatch):
-    """tale_kernels.latent_attention: a fragment-layout view goes to the CUDA kernel where mma_attention.supported
-    says so, else to the torch reference (the Triton kernel does not read the layout); CPU: the routing only."""
+def test_the_kernels_decline_what_they_do_not_read():
+    """The CUDA kernel declines a fragment view of CPU tensors and the Triton kernel any fragment view (even in the
+    interpreter): each then gives the torch reference's result; the cuda backend object falls back the same way."""
     from tale_kernels import attention, mma_attention
 
     sta = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=300, layout="frag")
@@ -180,53 +127,53 @@ def test_kernel_dispatch_of_a_fragment_view(monkeypatch):
         torch.randn(1, G, 1, R).bfloat16(),
     )
     assert not mma_attention.supported(q, kn, hn, v)  # CPU tensors
-    assert not attention.supported(q, kn, hn, v)  # the Triton kernel refuses the layout, even in the interpreter
+    assert not attention.supported(q, kn, hn, v)
     want = latent_attention(q, kn, hn, v, 0.1)
     assert torch.equal(attention.latent_attention(q, kn, hn, v, 0.1), want)
-    monkeypatch.setattr(mma_attention, "supported", lambda *a: True)
-    monkeypatch.setattr(mma_attention, "latent_attention", lambda *a, **k: "cuda kernel")
-    assert attention.latent_attention(q, kn, hn, v, 0.1) == "cuda kernel"
-    assert torch.equal(attention.latent_attention(q, kn, hn, v, 0.1, cuda=False), want)
+    assert torch.equal(backends.get("cuda")(q, kn, hn, v, 0.1), want)
 
 
-def test_the_backend_named_and_the_layout_new_cache_picks(monkeypatch):
-    """generate()'s stats name the backend that serves a cache; new_cache keeps rows unless tale_kernels' CUDA kernel
-    is installed (the fragment layout would only make the torch reference unpack it at every step)."""
-    import functools
+def spec_of(heads, schedule=PAPER, static=True, device="cuda", dtype=torch.bfloat16):
+    return CacheSpec(Arch("llama", 1, 2048, heads, K, n, 4, G, R), schedule, static, torch.device(device), dtype)
 
+
+def test_the_backend_is_chosen_once_from_the_cache_spec(monkeypatch):
+    """backends.choose: on a GPU the fastest backend that serves the cache (the CUDA kernel for paper-preset static
+    caches of a whole number of query heads per KV head on Hopper, else the Triton kernel, else the reference); on
+    the CPU the reference; a named backend that does not serve the cache is refused with its reason. new_cache hands
+    the choice to the cache, whose layout follows from it, and generate()'s stats name it."""
     from tale_helpers import talify, tiny_model
 
-    from tale_kernels import latent_attention as kernel_fn
-    from tale_runtime.generate import attention_backend
-    from tale_runtime.load import _cuda_kernel_installed
-
-    tm = talify(tiny_model("llama"), 2)
-    frag_cache = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=100, layout="frag", num_heads=16)
-    frag_cache.layout = "frag"
-    assert not _cuda_kernel_installed(tm) and attention_backend(tm, frag_cache) == "torch reference (fragment layout)"
-    for layer in tm.model.layers:
-        layer.self_attn.attention_fn = kernel_fn
-    assert _cuda_kernel_installed(tm)
-    assert attention_backend(tm, frag_cache) == "torch reference (fragment layout)"  # no Hopper GPU here
     from tale_kernels import mma_attention
 
     monkeypatch.setattr(mma_attention, "available", lambda device: True)
-    for heads, want in (
-        (K, "cuda"),
-        (4 * K, "cuda"),
-        (5 * K, "cuda"),
-        (8 * K, "cuda"),
-        (4 * K + 1, "torch reference"),
-        (K - 1, "torch reference"),
-        (None, "torch reference"),  # a static cache built without num_heads
-    ):
-        frag_cache.num_heads = heads  # the kernel serves a whole number of query heads per KV head
-        assert attention_backend(tm, frag_cache).startswith(want), heads
+    for heads, want in ((K, "cuda"), (4 * K, "cuda"), (5 * K, "cuda"), (8 * K, "cuda"), (4 * K + 1, "triton")):
+        assert backends.choose(spec_of(heads)).name == want, heads
+    assert backends.choose(spec_of(16, static=False)).name == "triton"  # the CUDA kernel reads static caches only
+    assert backends.choose(spec_of(16, dtype=torch.float32)).name == "triton"
+    lowrank = replace(PAPER, key_rope="pre")
+    assert backends.choose(spec_of(16, lowrank, static=False)).name == "torch"
+    assert backends.choose(spec_of(16, device="cpu")).name == "torch"
+    with pytest.raises(ValueError, match="'cuda' does not serve this cache: reads static caches only"):
+        backends.choose(spec_of(16, static=False), "cuda")
+    with pytest.raises(ValueError, match="no attention backend 'flash'"):
+        backends.choose(spec_of(16), "flash")
+    monkeypatch.setattr(mma_attention, "available", lambda device: False)
+    assert backends.choose(spec_of(16)).name == "triton"
+    assert "Hopper" in backends.reasons(spec_of(16))["cuda"]
     monkeypatch.undo()
-    assert attention_backend(tm, new_cache(tm, static=True)) == "triton kernel"
-    for layer in tm.model.layers:
-        layer.self_attn.attention_fn = functools.partial(kernel_fn, cuda=False)
-    assert not _cuda_kernel_installed(tm)
-    assert new_cache(tm, static=True).layout_arg == "row"
+
+    tm = talify(tiny_model("llama"), 2)  # CPU: the reference, rows
+    c = new_cache(tm, static=True)
+    assert c.backend.name == "torch" and c.layout == "row" and c.backend_name == "torch reference"
+    c = new_cache(tm, static=True, backend="triton")  # the interpreter: by name only
+    assert c.backend.name == "triton" and c.layout == "row" and c.backend_name == "triton kernel"
     with pytest.raises(ValueError, match="static cache's: pass static=True"):
         new_cache(tm, layout="frag")
+    from tale_runtime.generate import generate
+
+    set_backend(tm, "triton")
+    _, stats = generate(tm, list(range(1, 40)), max_new_tokens=3, static=True)
+    assert stats.attention == "triton kernel"
+    with pytest.raises(ValueError, match="no attention backend"):
+        set_backend(tm, "flash")

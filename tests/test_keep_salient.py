@@ -33,7 +33,6 @@ def toks(T, seed, B=1):
 
 def run(s, keep, k, h, q, prefill, step=1, window=None):
     c = TaleLayerCache(s, 0, K, n, G, R, keep=keep)
-    c.window = window
     c.append(k[..., :prefill, :], h[..., :prefill, :], q=q[..., :prefill, :])
     for t in range(prefill, k.shape[-2], step):
         sl = slice(t, t + step)
@@ -89,15 +88,13 @@ def test_exact_levels_give_exact_attention_whatever_the_membership(window):
     assert c.levels[1].pos.tolist() != sorted(c.levels[1].pos.tolist()) or c.levels[0].pos.tolist() != list(
         range(s.sinks, s.sinks + c.levels[0].length)
     )  # out of order somewhere
-    c.window = window
     kn, hn, qn = toks(2, 3)
-    z = latent_attention(qn, kn, hn, c.view(), 1.0)
+    z = latent_attention(qn, kn, hn, c.view(), 1.0, window)
     # exact reference: all T cached tokens in order, then the new ones
     ref = TaleLayerCache(sched(bits=(16, 16), share=0.3, sinks=T), 0, K, n, G, R)
     ref.ranks = [32, 32]
-    ref.window = window
     ref.append(k, h)
-    torch.testing.assert_close(z, latent_attention(qn, kn, hn, ref.view(), 1.0))
+    torch.testing.assert_close(z, latent_attention(qn, kn, hn, ref.view(), 1.0, window))
 
 
 def test_key_mass_is_the_windows_softmax_mass():

@@ -21,7 +21,7 @@ if not CUDA and "triton" not in sys.modules:
 triton = pytest.importorskip("triton")
 
 import tale_kernels  # noqa: E402
-from tale_kernels import attention, quant  # noqa: E402
+from tale_kernels import TritonConfig, attention, quant  # noqa: E402
 
 if _PREV is None:  # the kernels are built; other modules' tests keep the torch paths on CPU
     os.environ.pop("TRITON_INTERPRET", None)
@@ -30,11 +30,11 @@ else:
 
 from tale_helpers import talify, tiny_model  # noqa: E402
 
-from tale_runtime import new_cache, use_kernels  # noqa: E402
+from tale_runtime import new_cache, set_backend  # noqa: E402
 from tale_runtime import quant as ref_quant  # noqa: E402
 from tale_runtime.artifact import Level, Schedule, uniform_ranks  # noqa: E402
 from tale_runtime.cache import TaleLayerCache  # noqa: E402
-from tale_runtime.cache import latent_attention as ref_attention  # noqa: E402
+from tale_runtime.attention import latent_attention as ref_attention  # noqa: E402
 from tale_runtime.model import cache_arg  # noqa: E402
 from tale_runtime.regions import LayerView, Region  # noqa: E402
 
@@ -258,7 +258,7 @@ def test_decode_attention_matches_reference(case, dtype):
         k = torch.randn(B, K, 1, n, device=DEVICE, dtype=dtype)
         h = torch.randn(B, G, 1, R, device=DEVICE, dtype=dtype)
         assert attention.supported(q, k, h, c)  # the kernel, not the reference it falls back to
-        z = tale_kernels.latent_attention(q, k, h, c, n**-0.5, **kw)
+        z = tale_kernels.latent_attention(q, k, h, c, n**-0.5, config=TritonConfig(**kw))
         assert z.shape == (B, 1, H, R) and z.dtype == torch.float32
         assert rel(z, ref_attention(q, k, h, c, n**-0.5)) < TOL[dtype]
         seen.add(tuple(c.lengths().values()))
@@ -279,7 +279,7 @@ def test_both_combine_launches_match_reference(rows, monkeypatch):
     q = torch.randn(2, 8, 1, 64, device=DEVICE, dtype=dtype)
     k = torch.randn(2, 4, 1, 64, device=DEVICE, dtype=dtype)
     h = torch.randn(2, 2, 1, 128, device=DEVICE, dtype=dtype)
-    z = tale_kernels.latent_attention(q, k, h, c, 0.125, split_tokens=16)
+    z = tale_kernels.latent_attention(q, k, h, c, 0.125, config=TritonConfig(split_tokens=16))
     assert rel(z, ref_attention(q, k, h, c, 0.125)) < TOL[dtype]
 
 
@@ -293,7 +293,7 @@ def held_meta(v: LayerView, dt: torch.dtype, shift: float) -> LayerView:
             t, scale=(t.meta_float(t.scale) * shift).to(dt), zero=(t.meta_float(t.zero) * shift).to(dt), shift=shift
         )
 
-    return LayerView([Region(f(r.keys), f(r.lat), r.rank, r.pos, r.length) for r in v.regions], v.next_pos, v.window)
+    return LayerView([Region(f(r.keys), f(r.lat), r.rank, r.pos, r.length) for r in v.regions], v.next_pos)
 
 
 def _bf16_step(L0=150, scale=(2.0, 1.0)):
@@ -329,7 +329,7 @@ def test_float16_operands_round_finer_than_bfloat16():
 def test_dot_option_is_checked():
     c, q, k, h, s = _bf16_step(L0=40)
     with pytest.raises(ValueError, match="dot must be"):
-        tale_kernels.latent_attention(q, k, h, c, s, dot=torch.int8)
+        tale_kernels.latent_attention(q, k, h, c, s, config=TritonConfig(dot=torch.int8))
 
 
 def test_bfloat16_values_beyond_float16_range():
@@ -337,7 +337,7 @@ def test_bfloat16_values_beyond_float16_range():
     right: the 2^-8 shift keeps them in range (without it they overflow to inf and the output is NaN)."""
     c, q, k, h, s = _bf16_step(scale=(3e4, 2e5))
     want = ref_attention(q, k, h, c, s * 1e-4)  # logits of a usual size: the keys' scale undone in the scaling
-    got = tale_kernels.latent_attention(q, k, h, c, s * 1e-4, dot=torch.float16)
+    got = tale_kernels.latent_attention(q, k, h, c, s * 1e-4, config=TritonConfig(dot=torch.float16))
     assert torch.isfinite(got).all() and want.abs().max() > 1e5
     assert rel(got, want) < TOL[torch.bfloat16]
 
@@ -348,16 +348,14 @@ def test_sliding_window_matches_reference(dtype):
     c = layer_cache(2, 8, 4, 2, 64, 150, dtype, pad=[0, 9])
     G, R = 2, 128
     for window in (40, 100, 7):
-        c.window = window
         q, k, h = (
             torch.randn(2, 8, 1, 64, device=DEVICE, dtype=dtype),
             torch.randn(2, 4, 1, 64, device=DEVICE, dtype=dtype),
             torch.randn(2, G, 1, R, device=DEVICE, dtype=dtype),
         )
-        z = tale_kernels.latent_attention(q, k, h, c, 0.125, split_tokens=32)
-        want = ref_attention(q, k, h, c, 0.125)
+        z = tale_kernels.latent_attention(q, k, h, c, 0.125, window, config=TritonConfig(split_tokens=32))
+        want = ref_attention(q, k, h, c, 0.125, window)
         assert rel(z, want) < TOL[dtype]
-        c.window = None
         assert rel(ref_attention(q, k, h, c, 0.125), want) > 0.05  # the window matters here
         c.append(k, h)
 
@@ -407,14 +405,14 @@ def test_view_with_capacity_device_lengths_and_any_order(dtype):
             torch.zeros(1, dtype=torch.int32, device=DEVICE),
         )
     )
-    view = LayerView(regions[::-1], torch.tensor(v.next_pos, dtype=torch.int32, device=DEVICE), None)
+    view = LayerView(regions[::-1], torch.tensor(v.next_pos, dtype=torch.int32, device=DEVICE))
     q, k, h = (
         torch.randn(2, 8, 1, 64, device=DEVICE, dtype=dtype),
         torch.randn(2, 4, 1, 64, device=DEVICE, dtype=dtype),
         torch.randn(2, 2, 1, 128, device=DEVICE, dtype=dtype),
     )
     assert attention.supported(q, k, h, view)
-    z = tale_kernels.latent_attention(q, k, h, view, 0.125, split_tokens=32)
+    z = tale_kernels.latent_attention(q, k, h, view, 0.125, config=TritonConfig(split_tokens=32))
     want = ref_attention(q, k, h, c, 0.125)
     assert torch.isfinite(z).all()
     assert rel(ref_attention(q, k, h, view, 0.125), want) < 1e-5  # the oracle reads the view alike
@@ -439,13 +437,13 @@ def test_channel_major_latents_read_like_row_major(dtype, group):
         d = t.data.transpose(-1, -2).contiguous().transpose(-1, -2)
         return t if t.bits >= 8 else replace(t, data=d)
 
-    view = LayerView([replace(r, lat=cm(r.lat)) for r in v.regions], v.next_pos, None)
+    view = LayerView([replace(r, lat=cm(r.lat)) for r in v.regions], v.next_pos)
     packed = [r for r in view.regions if r.lat.bits < 8]
     assert {r.lat.bits for r in packed} == {2, 4} and all(r.lat.data.stride(-2) == 1 for r in packed)
     assert all(attention._region_args(r, q, 4, 64, 2, group, 64, 1, ())[1][14] for r in packed)  # read in place
     assert attention.supported(q, k, h, view)
-    z = tale_kernels.latent_attention(q, k, h, view, 0.125, split_tokens=32)
-    assert rel(z, tale_kernels.latent_attention(q, k, h, v, 0.125, split_tokens=32)) < 1e-5  # k order may differ
+    z = tale_kernels.latent_attention(q, k, h, view, 0.125, config=TritonConfig(split_tokens=32))
+    assert rel(z, tale_kernels.latent_attention(q, k, h, v, 0.125, config=TritonConfig(split_tokens=32))) < 1e-5  # k order may differ
     assert rel(z, ref_attention(q, k, h, v, 0.125)) < TOL[dtype]
 
 
@@ -476,10 +474,10 @@ def test_bfloat16_cache_metadata_formats():
     assert packed and all((t.scale.dtype, t.zero.dtype, t.shift) == (torch.float16,) * 2 + (2.0**-8,) for t in packed)
     want = ref_attention(q, k, h, v, 0.2)
     z = tale_kernels.latent_attention(q, k, h, v, 0.2)
-    assert torch.equal(z, tale_kernels.latent_attention(q, k, h, v, 0.2, dot=torch.float16))
+    assert torch.equal(z, tale_kernels.latent_attention(q, k, h, v, 0.2, config=TritonConfig(dot=torch.float16)))
     assert rel(z, want) < 5e-3
     with pytest.raises(ValueError, match="round this cache's float16 scales"):
-        tale_kernels.latent_attention(q, k, h, v, 0.2, dot=bf)
+        tale_kernels.latent_attention(q, k, h, v, 0.2, config=TritonConfig(dot=bf))
     vb = held_meta(v, bf, 1.0)
     assert attention.supported(q, k, h, vb)
     if CUDA:  # the interpreter has no bfloat16 dots (test_float16_operands_round_finer_than_bfloat16)
@@ -563,6 +561,7 @@ def test_generation_with_kernels_matches_reference(arch, g, preset):
     @torch.no_grad()
     def greedy(steps=6):
         cache, x, toks, logits = new_cache(tm), ids, [], []
+        assert cache.backend.name == tm.tale_spec.backend
         for _ in range(steps):
             out = tm(x, **cache_arg(cache)).logits[:, -1]
             x = out.argmax(-1, keepdim=True)
@@ -570,32 +569,32 @@ def test_generation_with_kernels_matches_reference(arch, g, preset):
             logits.append(out)
         return torch.cat(toks, 1), torch.stack(logits, 1)
 
-    assert use_kernels(tm, False) is False
+    set_backend(tm, "torch")
     t_ref, l_ref = greedy()
-    assert use_kernels(tm) is True
+    set_backend(tm, "triton")
     t_k, l_k = greedy()
     assert torch.equal(t_k, t_ref)
     assert rel(l_k, l_ref) < (5e-3 if CUDA else 1e-4)
-    if preset == "paper":  # kernel options reach every call; an unknown one is refused at install
-        assert use_kernels(tm, dot=torch.float16) is True
-        assert tm.model.layers[0].self_attn.attention_fn.keywords == {"dot": torch.float16}
+    if preset == "paper":  # the backend's config reaches every call; a config of another backend is refused
+        set_backend(tm, "triton", TritonConfig(dot=torch.float16))
+        assert new_cache(tm).backend.config == TritonConfig(dot=torch.float16)
         t16, l16 = greedy()
         assert torch.equal(t16, t_ref) and rel(l16, l_ref) < (5e-3 if CUDA else 1e-4)
-        with pytest.raises(TypeError, match="colour"):
-            use_kernels(tm, colour=1)
-        with pytest.raises(ValueError, match="enable=False"):
-            use_kernels(tm, False, dot=torch.float16)
+        with pytest.raises(ValueError, match="takes no configuration"):
+            set_backend(tm, "torch", TritonConfig())
+        with pytest.raises(ValueError, match="needs a backend name"):
+            set_backend(tm, "auto", TritonConfig())
 
 
-@pytest.mark.skipif(not CUDA, reason="load() installs the kernel on CUDA only")
-def test_load_on_cuda_installs_the_kernel(tmp_path):
+@pytest.mark.skipif(not CUDA, reason="the kernels serve caches on CUDA only")
+def test_load_on_cuda_chooses_the_kernel(tmp_path):
     from tale_helpers import save_artifact
 
     from tale_runtime import load
 
     save_artifact(talify(tiny_model("llama"), 2), tmp_path / "art")
     model, _ = load(tmp_path / "art", device="cuda", dtype=torch.float32)
-    assert all(layer.self_attn.attention_fn is tale_kernels.latent_attention for layer in model.model.layers)
+    assert new_cache(model).backend.name == "triton"
     ids = torch.randint(1, 320, (1, 40), generator=torch.Generator().manual_seed(2)).cuda()
 
     @torch.no_grad()
@@ -605,7 +604,7 @@ def test_load_on_cuda_installs_the_kernel(tmp_path):
         return torch.cat([model(ids[:, t : t + 1], **cache_arg(cache)).logits for t in range(30, 40)], 1)
 
     got = logits()
-    use_kernels(model, False)
+    set_backend(model, "torch")
     want = logits()
     assert torch.equal(got.argmax(-1), want.argmax(-1)) and rel(got, want) < 5e-3
 
@@ -670,7 +669,7 @@ def test_formats_beyond_the_plain_layout_match_reference(fmt, dtype):
         # the mixed view also with the opt-in 3-bit PTX unpack (compiled runs; the interpreter takes the plain path)
         for view, kw in ((v, dict(split_tokens=32, q_in_loop=step != 1)), (mixed, {}), (mixed, dict(asm=(2, 3, 4)))):
             assert attention.supported(q, k, h, view)
-            z = tale_kernels.latent_attention(q, k, h, view, n**-0.5, **kw)
+            z = tale_kernels.latent_attention(q, k, h, view, n**-0.5, config=TritonConfig(**kw))
             assert rel(z, ref_attention(q, k, h, view, n**-0.5)) < TOL[dtype]
         c.append(k, h)
     want_bands = fmt.startswith("bands")

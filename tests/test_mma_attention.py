@@ -2,14 +2,17 @@
 reference on the same cache, and end to end (greedy tokens with the kernel on and off, inside CUDA graphs). Needs a
 Hopper GPU and NVRTC or nvcc; the layout itself is tested on the CPU (test_frag.py, test_cuda_layout.py)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from tale_helpers import talify
 
-from tale_runtime import new_cache
+from tale_runtime import backends, new_cache
 from tale_runtime.artifact import Schedule
 from tale_runtime.attention import latent_attention as reference
 from tale_runtime.generate import generate
+from tale_runtime.spec import Arch, CacheSpec
 from tale_runtime.static_cache import StaticTaleCache
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -31,7 +34,8 @@ def poison():
 
 def filled(B: int, prompt: int, steps: int, pad: int = 0, max_extra: int = 64, seed: int = 0, heads: int = H):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    c = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=prompt + steps + max_extra, num_heads=heads)
+    cuda = backends.get("cuda")
+    c = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=prompt + steps + max_extra, num_heads=heads, backend=cuda)
     valid = torch.ones(B, prompt, dtype=torch.bool, device="cuda")
     valid[-1, :pad] = False
     k = torch.randn(B, K, prompt, n, device="cuda", generator=gen).bfloat16() * 2
@@ -69,21 +73,21 @@ def test_matches_the_reference(B, prompt, steps, pad, window, heads):
     c, gen = filled(B, prompt, steps, pad, heads=heads)
     assert c.layout == "frag"
     layer = c.layers[0]
-    layer.window = window
     v = layer.view()
     q = torch.randn(B, heads, 1, n, device="cuda", generator=gen).bfloat16()
     kn = torch.randn(B, K, 1, n, device="cuda", generator=gen).bfloat16() * 2
     hn = torch.randn(B, G, 1, R, device="cuda", generator=gen).bfloat16()
     assert mma_attention.supported(q, kn, hn, v)
-    want = reference(q, kn, hn, v, n**-0.5)
+    want = reference(q, kn, hn, v, n**-0.5, window)
     for pdl in (False, True):
         poison()
-        got = mma_attention.latent_attention(q, kn, hn, v, n**-0.5, pdl=pdl)
+        got = mma_attention.latent_attention(q, kn, hn, v, n**-0.5, window, pdl=pdl)
         assert torch.isfinite(got).all() and rel(got, want) <= 5e-3, (pdl, rel(got, want))
     poison()
-    assert rel(latent_attention(q, kn, hn, v, n**-0.5), want) <= 5e-3  # tale_kernels routes the call here
-    # cuda=False: the fragment layout is not the Triton kernel's, so the reference serves it
-    assert torch.equal(latent_attention(q, kn, hn, v, n**-0.5, cuda=False), want)
+    assert c.backend.name == "cuda"  # new_cache chose it; the cache's own call runs it
+    assert rel(c.attend(0, q, kn, hn, n**-0.5, window), want) <= 5e-3
+    # the fragment layout is not the Triton kernel's: it declines and the reference serves it
+    assert torch.equal(latent_attention(q, kn, hn, v, n**-0.5, window), want)
 
 
 def test_not_taken_where_it_does_not_apply():
@@ -102,11 +106,9 @@ def test_not_taken_where_it_does_not_apply():
     )
     assert row.layout == "row" and not mma_attention.supported(q, kn, hn, row.layers[0].view())
     assert not mma_attention.supported(q[:, : 3 * K + 1], kn, hn, v)  # not a whole number per KV head
-    auto = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=300, num_heads=3 * K + 1)
-    auto.layers[0].append(
-        torch.randn(1, K, 200, n, device="cuda").bfloat16(), torch.randn(1, G, 200, R, device="cuda").bfloat16()
-    )
-    assert auto.layout == "row"
+    spec = CacheSpec(Arch("llama", 1, 4096, 3 * K + 1, K, n, 4, G, R), PAPER, True, torch.device("cuda"))
+    assert backends.choose(spec).name == "triton" and "whole number" in backends.get("cuda").supports(spec)
+    assert backends.choose(replace(spec, arch=replace(spec.arch, num_heads=4 * K))).name == "cuda"
 
 
 def model_of_shapes(heads: int):
@@ -151,33 +153,30 @@ def test_greedy_tokens_with_the_kernel_on_and_off(monkeypatch, heads):
     """generate() on a static cache: CUDA graphs over the CUDA kernel (fragment layout), the same cache type with the
     torch reference, and the Triton kernel on the row layout give the same tokens (up to ties of the reference)."""
     from tale_kernels import mma_attention
-    from tale_runtime.load import tale_class, use_kernels
+    from tale_runtime.decode import decoder_of
     from tale_runtime.model import cache_arg
 
     calls, kernel = [], mma_attention.latent_attention
     monkeypatch.setattr(mma_attention, "latent_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     tm = model_of_shapes(heads)
     tm.lm_head.weight.data *= 8  # peaked logits: fewer exact ties in bf16
-    tm.__class__ = tale_class(type(tm))
     ids = torch.randint(1, 320, (2, 700), generator=torch.Generator().manual_seed(3)).cuda()
     kw = dict(max_new_tokens=80, do_sample=False, output_logits=True, return_dict_in_generate=True)
 
-    def run(layout: str, kernels: bool):
-        use_kernels(tm, kernels)
-        cache = new_cache(tm, static=True)
-        cache.layout_arg = layout
+    def run(layout: str, backend: str):
+        cache = new_cache(tm, static=True, backend=backend, layout=layout)
         out = tm.generate(ids, attention_mask=torch.ones_like(ids), **cache_arg(cache), **kw)
-        assert cache.layout == layout
+        assert cache.layout == layout and cache.backend.name == backend
         return out, cache
 
-    on, cache = run("frag", True)
+    on, cache = run("frag", "cuda")
     assert calls, "the CUDA kernel was not used"
-    assert cache.decoder is not None and cache.decoder.graph is not None and cache.decoder.error is None
-    off, _ = run("frag", False)
-    triton, _ = run("row", True)
+    dec = decoder_of(tm, cache)
+    assert dec is not None and dec.graph is not None and dec.error is None
+    off, _ = run("frag", "torch")
+    triton, _ = run("row", "triton")
     same_until_a_tie(on, off, ids.shape[1])
     same_until_a_tie(triton, off, ids.shape[1])
     assert (on.sequences == off.sequences).float().mean() > 0.9
-    use_kernels(tm, True)  # tale-run's stats line names the backend that served the decode
     _, stats = generate(tm, ids[0].tolist(), max_new_tokens=4)
     assert stats.attention == "cuda kernel (fragment layout)"

@@ -114,9 +114,8 @@ def test_attention_over_both_views_agrees(name):
         c.layers[0].append(k, h)
     q, kn, hn = torch.randn(1, 4, 1, n), torch.randn(1, K, 1, n), torch.randn(1, G, 1, R)
     for window in (None, 40):
-        dyn.layers[0].window = sta.layers[0].window = window
-        want = latent_attention(q, kn, hn, dyn.layers[0].view(), 0.25)
-        got = latent_attention(q, kn, hn, sta.layers[0].view(), 0.25)
+        want = latent_attention(q, kn, hn, dyn.layers[0].view(), 0.25, window)
+        got = latent_attention(q, kn, hn, sta.layers[0].view(), 0.25, window)
         assert (got - want).abs().max() < 1e-6
 
 
