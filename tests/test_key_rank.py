@@ -311,11 +311,11 @@ def test_nominal_ratio_counts_key_bands_and_low_rank_keys():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs CUDA")
 def test_low_rank_keys_on_cuda_match_the_cpu_with_kernels_on_and_off():
-    """On CUDA the kernel leaves low-rank keys to the reference: kernels on and off give the same logits, and both
-    match the CPU run (float32)."""
+    """On CUDA the backend choice leaves low-rank keys to the reference ("triton" by name is refused): the same logits
+    as the reference named, and both match the CPU run (float32)."""
     from dataclasses import replace as dc_replace
 
-    from tale_runtime.load import use_kernels
+    from tale_runtime import new_cache, set_backend
 
     tm = talify(tiny_model("llama"), 2)
     tm.tale_spec.schedule = low_rank(tm.tale_spec.schedule, 16, 0)
@@ -326,10 +326,13 @@ def test_low_rank_keys_on_cuda_match_the_cpu_with_kernels_on_and_off():
     tm.tale_spec.key_basis = [
         dc_replace(b, enc=b.enc.cuda(), dec=b.dec.cuda(), mean=b.mean.cuda()) for b in tm.tale_spec.key_basis
     ]
-    use_kernels(tm, False)
+    set_backend(tm, "torch")
     off = decode_logits(tm, ids.cuda(), 60)
-    use_kernels(tm)
+    set_backend(tm, "auto")
+    assert new_cache(tm).backend.name == "torch"
     assert torch.equal(decode_logits(tm, ids.cuda(), 60), off)
+    with pytest.raises(ValueError, match="low-rank keys"):
+        new_cache(tm, backend="triton")
     assert rel(off.cpu(), cpu) < 1e-4
 
 

@@ -142,21 +142,22 @@ def test_refusals_and_the_manifest_round_trip():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs CUDA")
 def test_the_kernel_leaves_keys_before_rope_to_the_reference():
-    """With kernels on, a key_rope "pre" model decodes through the reference (the kernel would read the stored keys
-    as post-RoPE ones): the same tokens and logits as with kernels off; generate() takes the dynamic cache."""
+    """On CUDA a key_rope "pre" model's caches get the reference (the kernel would read the stored keys as post-RoPE
+    ones): the same tokens and logits as the reference named; generate() takes the dynamic cache."""
+    from tale_runtime import new_cache, set_backend
     from tale_runtime.generate import generate
-    from tale_runtime.load import use_kernels
 
     tm = talify(tiny_model("llama"), 2)
     tm.tale_spec.schedule = pre(tm.tale_spec.schedule)
     tm = tm.cuda()
     ids = torch.randint(1, 320, (1, 90), generator=torch.Generator().manual_seed(3)).cuda()
-    use_kernels(tm, False)
+    set_backend(tm, "torch")
     ref = decode_logits(tm, ids, 60)
-    use_kernels(tm)
+    set_backend(tm, "auto")
+    assert new_cache(tm).backend.name == "torch"
     assert torch.equal(decode_logits(tm, ids, 60), ref)
     a, _ = generate(tm, ids[0], max_new_tokens=20, eos_token_id=[])
-    use_kernels(tm, False)
+    set_backend(tm, "torch")
     b, _ = generate(tm, ids[0], max_new_tokens=20, eos_token_id=[])
     assert a == b
 

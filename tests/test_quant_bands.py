@@ -193,7 +193,7 @@ def test_key_importance_matches_the_base_models_own_q_and_k():
 def test_bands_on_cuda_match_the_cpu():
     """On CUDA the banded cache must hold the same codes as on the CPU (2-bit low band through the Triton
     quantizer, 3-bit high band through torch) and decode to the same logits (the kernel reads the bands)."""
-    from tale_runtime.load import use_kernels
+    from tale_runtime import set_backend
 
     x = keys(T=96)
     hi, lo = band_index(orders()[0], 8)
@@ -219,7 +219,7 @@ def test_bands_on_cuda_match_the_cpu():
     out = {}
     for dev, kernel in (("cpu", False), ("cuda", False), ("cuda", True)):
         tm = talify(base, 2, s).to(dev)
-        use_kernels(tm, kernel)
+        set_backend(tm, "triton" if kernel else "torch")
         i = ids.to(dev)
         with torch.no_grad():
             cache = new_cache(tm)
