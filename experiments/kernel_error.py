@@ -1,6 +1,6 @@
 """The decode kernel's error against the float32 torch reference, per preset, draw and operand type (GPU).
 
-    PYTHONPATH=/tmp/pk python3 benchmarks/kernel_error.py [--draws 3]
+    PYTHONPATH=/tmp/pk python3 experiments/kernel_error.py [--draws 3]
 
 For each preset's static cache (bench_decode.preset_schedule: a prefill of L random tokens, keys x 2, then 40
 decode steps) at 128K batch 1 and 32K batch 4: the kernel (float16 operands: bf16 caches store float16 metadata)
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import bench_decode as bd  # noqa: E402
 
 import tale_kernels  # noqa: E402
