@@ -28,33 +28,15 @@ import sys
 import time
 from pathlib import Path
 
+import harness
 import torch
+from harness import GIB
 
 from tale_runtime.model import cache_arg
 
-LLAMA_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    num_hidden_layers=32,
-    vocab_size=128256,
-    max_position_embeddings=131072,
-    rope_theta=500000.0,
-)
-LLAMA_70B = dict(LLAMA_8B, hidden_size=8192, intermediate_size=28672, num_attention_heads=64)
-# --smoke: the same script on the CPU with small shapes (a check of the script, not a measurement)
-SMOKE_8B = dict(
-    LLAMA_8B,
-    hidden_size=256,
-    intermediate_size=512,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    num_hidden_layers=4,
-    vocab_size=512,
-)
+LLAMA_8B, LLAMA_70B = harness.LLAMA_8B, harness.LLAMA_70B
+SMOKE_8B = harness.SMOKE
 SMOKE_70B = dict(SMOKE_8B, hidden_size=512, num_attention_heads=8)
-GIB = 2**30
 DEVICE = "cuda"
 
 

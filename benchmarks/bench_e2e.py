@@ -38,7 +38,10 @@ import sys
 import time
 import traceback
 
+import harness
 import torch
+from harness import GIB as GiB
+from harness import sync
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from tale_runtime import new_cache, set_output_path, use_kernels
@@ -48,7 +51,6 @@ from tale_runtime.decode import CudaGraphDecoder, DecodeStep
 from tale_runtime.load import tale_class
 from tale_runtime.model import TaleAttention, cache_arg
 
-GiB = 2**30
 LAYOUT = "auto"  # --layout: the TALE static caches' (runtime/static_cache.py)
 T0 = time.perf_counter()
 
@@ -60,28 +62,12 @@ def log(*a):
 def build(quick: bool, device: str, layers: int | None = None, dtype: torch.dtype | None = None):
     """The random base model, and its TALE attention modules (sharing q/k/o projections)."""
     if quick:
-        cfg = dict(
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=2,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=32,
-            vocab_size=512,
-        )
+        cfg = dict(harness.SMOKE, num_hidden_layers=2, head_dim=32)
     else:
-        cfg = dict(
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=49152,
-        )
+        cfg = dict(harness.LLAMA_8B, head_dim=128, vocab_size=49152)
     if layers:
         cfg["num_hidden_layers"] = layers
-    config = AutoConfig.for_model("llama", max_position_embeddings=1 << 20, rope_theta=500000.0, **cfg)
+    config = AutoConfig.for_model("llama", **(cfg | dict(max_position_embeddings=1 << 20)))
     dtype = dtype or (torch.float32 if quick else torch.bfloat16)
     torch.manual_seed(0)
     with torch.device(device):
@@ -131,11 +117,6 @@ def free():
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def peak_reset():
@@ -799,16 +780,7 @@ def main() -> None:
     # (the factored path reads W_O, not O^r; decode reads one embedding row)
     bw = 3.35e12  # H100 SXM HBM3 datasheet; replaced by a measured copy below on CUDA
     if graphs:
-        x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-        y = torch.empty_like(x)
-        y.copy_(x)
-        sync()
-        t = time.perf_counter()
-        for _ in range(10):
-            y.copy_(x)
-        sync()
-        bw = 2 * 10 * x.numel() / (time.perf_counter() - t)
-        del x, y
+        bw = harness.copy_bandwidth() * 1e9
         free()
     log(f"copy bandwidth {bw / 1e9:.0f} GB/s; weights read per token {weight_bytes / GiB:.2f} GiB")
 
