@@ -11,7 +11,7 @@ own path (a StaticTaleCache in the fragment layout) is timed by `bench_decode.py
 
     python benchmarks/bench_cuda_decode.py                  # check, then 32K / 128K / 512K at B=1 and 128K B=4
     TALE_CUDA_LINEINFO=1 ncu --set full --kernel-name tale_attn_k2l2 --launch-skip 2 --launch-count 1 \
-        python benchmarks/bench_cuda_decode.py --ncu 524288 --variants 1:4      # the profile of docs/kernels.md
+        python benchmarks/bench_cuda_decode.py --ncu 524288 --variants 1:4      # a Nsight Compute profile of one launch
 """
 
 from __future__ import annotations

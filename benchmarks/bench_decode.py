@@ -20,7 +20,7 @@ medians of CUDA-graph replays with L2 flushed (256 MB written) before each; band
 the cache tensors read (packed codes, scales, zeros, sinks, residual) over the time, against a
 device-to-device copy measured in the same run (bytes read + written over its time).
 
-    python benchmarks/bench_decode.py --out docs/speed.md
+    python benchmarks/bench_decode.py --out decode.md
     python benchmarks/bench_decode.py --presets --no-check --contexts 131072 --batches 1   # paper vs tale caches
     python benchmarks/bench_decode.py --shape 70b                 # Llama-3.1-70B's attention shapes
 """
@@ -343,7 +343,7 @@ def row(B: int, L: int, cfg: dict, copy_bw: float) -> dict:
     return r
 
 
-# candidates of --sweep (earlier sweeps of block_t / warps / stages / waves: docs/kernels.md)
+# candidates of --sweep (earlier sweeps of block_t / warps / stages / waves: docs/notes.md)
 SWEEP = (
     {},
     {"asm": False},

@@ -22,7 +22,7 @@ filled by repeating the prefilled rows (`Cache.batch_repeat_interleave`): decode
 on the values. ms/token = wall time of N decode steps (greedy, argmax on the device, no host sync per
 step; flush/demotion work included) / N. Peak = torch.cuda.max_memory_allocated during the decode.
 
-    python benchmarks/bench_e2e.py --deadline 465 --out docs/speed.md   # one device call, ~7 minutes on an H100
+    python benchmarks/bench_e2e.py --deadline 465 --out e2e.md   # one device call, ~7 minutes on an H100
     python benchmarks/bench_e2e.py --quick                      # tiny model, CPU: checks the script runs
 """
 
@@ -398,7 +398,7 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
             pos = torch.full((1, 1), pos0, dtype=torch.long, device=first.device)
             k_hf, t_hf = launches(lambda: hf_step(model, c)(first, pos))
             # a fresh [B, 1] tensor: the [:, -1:] slice of the tokens has another stride and storage offset, which
-            # recompiles the embedding (the 32K count of the run in docs/speed.md includes that autotuning)
+            # recompiles the embedding (the 32K count of the run in docs/performance.md includes that autotuning)
             ids1 = first.clone(memory_format=torch.contiguous_format)
             k_st, t_st = launches(lambda: DecodeStep(model, c)(ids1, pos + 1))
             pos0 += 2

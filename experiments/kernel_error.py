@@ -6,7 +6,7 @@ For each preset's static cache (bench_decode.preset_schedule: a prefill of L ran
 decode steps) at 128K batch 1 and 32K batch 4: the kernel (float16 operands: bf16 caches store float16 metadata)
 against the reference; on the first draw of the paper preset also the reference run on the
 view with keys and/or latents dequantized to bf16 (or fp16) first, i.e. what a kernel with those operands must
-compute at best. docs/speed.md ("Float16 metadata and operands") has the numbers.
+compute at best. docs/notes.md ("float16 metadata") has the numbers.
 """
 
 import argparse
