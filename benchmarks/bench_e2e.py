@@ -42,7 +42,7 @@ import harness
 import torch
 from harness import GIB as GiB
 from harness import sync
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 from tale_runtime import new_cache, set_output_path, use_kernels
 from tale_runtime.artifact import Schedule, uniform_ranks
@@ -67,11 +67,9 @@ def build(quick: bool, device: str, layers: int | None = None, dtype: torch.dtyp
         cfg = dict(harness.LLAMA_8B, head_dim=128, vocab_size=49152)
     if layers:
         cfg["num_hidden_layers"] = layers
-    config = AutoConfig.for_model("llama", **(cfg | dict(max_position_embeddings=1 << 20)))
     dtype = dtype or (torch.float32 if quick else torch.bfloat16)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+    model = harness.random_llama(cfg | dict(max_position_embeddings=1 << 20), device, dtype)
+    config = model.config
     model.__class__ = tale_class(type(model))  # what tale_runtime.load does: generate() knows TALE caches
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0

@@ -8,8 +8,11 @@ Importing it needs no GPU; the timing functions do.
 
 from __future__ import annotations
 
+import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -38,6 +41,57 @@ SMOKE = dict(
     num_hidden_layers=4,
     vocab_size=512,
 )
+
+
+def random_llama(cfg: dict, device: str, dtype: torch.dtype, seed: int = 0, attn: str = "sdpa"):
+    """A Hugging Face Llama of config `cfg` with transformers' random initialization, built on `device` in `dtype`
+    (what bench_e2e.py times)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", **cfg)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn).eval()
+
+
+def write_random_llama(path: Path, cfg: dict, seed: int = 0, device: str = "cuda") -> Path:
+    """A random bf16 Llama checkpoint: one safetensors shard per tensor group, an index, a tokenizer.
+    Weights ~ N(0, 0.02) (transformers' initializer_range), norms 1, drawn on `device`; one group in memory at a time
+    (what bench_convert.py converts)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tale_helpers import byte_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = byte_tokenizer()
+    config = LlamaConfig(**cfg, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id, dtype="bfloat16")
+    with torch.device("meta"):
+        names = {n: t.shape for n, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    L = cfg["num_hidden_layers"]
+    groups = [[n for n in names if not n.startswith("model.layers.") and "embed" in n]]
+    groups += [[n for n in names if n.startswith(f"model.layers.{i}.")] for i in range(L)]
+    groups += [[n for n in names if not n.startswith("model.layers.") and "embed" not in n]]
+    gen = torch.Generator(device).manual_seed(seed)
+    weight_map = {}
+    for k, group in enumerate(groups):
+        f = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {}
+        for n in group:
+            if n.endswith("norm.weight"):
+                t = torch.ones(names[n], dtype=torch.bfloat16)
+            else:
+                t = torch.randn(names[n], generator=gen, device=device, dtype=torch.bfloat16).mul_(0.02).cpu()
+            tensors[n] = t
+            weight_map[n] = f
+        save_file(tensors, path / f, metadata={"format": "pt"})
+        del tensors
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
 
 # -- timing --------------------------------------------------------------------------------------------------------
 
