@@ -28,72 +28,21 @@ import sys
 import time
 from pathlib import Path
 
+import harness
 import torch
+from harness import GIB
 
 from tale_runtime.model import cache_arg
 
-LLAMA_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    num_hidden_layers=32,
-    vocab_size=128256,
-    max_position_embeddings=131072,
-    rope_theta=500000.0,
-)
-LLAMA_70B = dict(LLAMA_8B, hidden_size=8192, intermediate_size=28672, num_attention_heads=64)
-# --smoke: the same script on the CPU with small shapes (a check of the script, not a measurement)
-SMOKE_8B = dict(
-    LLAMA_8B,
-    hidden_size=256,
-    intermediate_size=512,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    num_hidden_layers=4,
-    vocab_size=512,
-)
+LLAMA_8B, LLAMA_70B = harness.LLAMA_8B, harness.LLAMA_70B
+SMOKE_8B = harness.SMOKE
 SMOKE_70B = dict(SMOKE_8B, hidden_size=512, num_attention_heads=8)
-GIB = 2**30
 DEVICE = "cuda"
 
 
 def write_random_llama(path: Path, cfg: dict, seed: int = 0) -> Path:
-    """A random bf16 Llama checkpoint: one safetensors shard per tensor group, an index, a tokenizer.
-    Weights ~ N(0, 0.02) (transformers' initializer_range), norms 1; one group in memory at a time."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from tale_helpers import byte_tokenizer
-
-    path.mkdir(parents=True, exist_ok=True)
-    tok = byte_tokenizer()
-    config = LlamaConfig(**cfg, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id, dtype="bfloat16")
-    with torch.device("meta"):
-        names = {n: t.shape for n, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
-    L = cfg["num_hidden_layers"]
-    groups = [[n for n in names if not n.startswith("model.layers.") and "embed" in n]]
-    groups += [[n for n in names if n.startswith(f"model.layers.{i}.")] for i in range(L)]
-    groups += [[n for n in names if not n.startswith("model.layers.") and "embed" not in n]]
-    gen = torch.Generator(DEVICE).manual_seed(seed)
-    weight_map = {}
-    for k, group in enumerate(groups):
-        f = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
-        tensors = {}
-        for n in group:
-            if n.endswith("norm.weight"):
-                t = torch.ones(names[n], dtype=torch.bfloat16)
-            else:
-                t = torch.randn(names[n], generator=gen, device=DEVICE, dtype=torch.bfloat16).mul_(0.02).cpu()
-            tensors[n] = t
-            weight_map[n] = f
-        save_file(tensors, path / f, metadata={"format": "pt"})
-        del tensors
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    config.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    """harness.write_random_llama on DEVICE (read at call time: --smoke and the memory test set it to "cpu")."""
+    return harness.write_random_llama(path, cfg, seed, device=DEVICE)
 
 
 def first_layers(src: Path, dst: Path, layers: int) -> Path:

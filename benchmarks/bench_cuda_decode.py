@@ -11,7 +11,7 @@ own path (a StaticTaleCache in the fragment layout) is timed by `bench_decode.py
 
     python benchmarks/bench_cuda_decode.py                  # check, then 32K / 128K / 512K at B=1 and 128K B=4
     TALE_CUDA_LINEINFO=1 ncu --set full --kernel-name tale_attn_k2l2 --launch-skip 2 --launch-count 1 \
-        python benchmarks/bench_cuda_decode.py --ncu 524288 --variants 1:4      # the profile of docs/kernels.md
+        python benchmarks/bench_cuda_decode.py --ncu 524288 --variants 1:4      # a Nsight Compute profile of one launch
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ from tale_runtime.quant import pack as qpack
 
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_decode as bd  # noqa: E402
+import harness  # noqa: E402
+from harness import pct  # noqa: E402
+from harness import print_row as table_row  # noqa: E402
 
 K, N, GS, KG, VG = 8, 128, 4, 32, 32
 G, H = K // GS, 32
@@ -44,18 +47,13 @@ def level_bytes(level: str) -> int:
     return ma.LEVEL_BYTES[LEVELS[level][0]]
 
 
-def pct(t: float, mb: float, bw: float) -> str:
-    """Microseconds and the share of the copy bandwidth `bw` (GB/s) that moving `mb` MB in them is."""
-    return f"{t:.1f} ({mb * 1e6 / (t * 1e-6) / 1e9 / bw * 100:.0f}%)"
-
-
 def triton_us(B: int, ctx: int, only: str | None = None) -> tuple[float, float]:
     """The Triton kernel on bench_decode's view of a ctx-token cache (or one region of it): (us, cache MB)."""
     import tale_kernels
 
     v = bd.synth_view(B, ctx, only=only)
     q, k, h = bd.new_token(B)
-    return bd.timeit(lambda: tale_kernels.latent_attention(q, k, h, v, N**-0.5)), bd.view_bytes(v) / 1e6
+    return harness.timeit(lambda: tale_kernels.latent_attention(q, k, h, v, N**-0.5)), bd.view_bytes(v) / 1e6
 
 
 def kernels(subn: int = 1, abatch: int = 4, src: str = ma.SRC) -> dict:
@@ -208,10 +206,6 @@ def runner(kern: dict, level: str, arrays, q, B: int, L: int, S: int, parts: str
     return fn
 
 
-def table_row(*cells) -> None:
-    print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
-
-
 def splits_for(B: int, L: int, level: str, sms: int) -> int:
     halves = LEVELS[level][2] // RANK
     return max(1, min(L // 32 // LEVELS[level][3], round(sms / (B * G * halves))))
@@ -239,7 +233,7 @@ def main() -> int:
     )
     a = ap.parse_args()
     torch.manual_seed(0)
-    bd.FLUSH = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
+    harness.init_flush()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     # a variant "PATH=subn:abatch..." compiles another source (an older version, for an A/B in one process)
     variants = {
@@ -300,7 +294,7 @@ def main() -> int:
     if not ok:
         print("correctness failed: no timings", flush=True)
         return 1
-    bw = bd.copy_bandwidth()
+    bw = harness.copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
     if a.call:
         whole_call(variants, a, bw, sms)
@@ -321,16 +315,16 @@ def main() -> int:
             q = data[0]
             del data
             S = splits_for(B, n, lv, sms)
-            ts = {s: bd.timeit(runner(kern, lv, arrays, q, B, n, S)) for s, kern in variants.items()}
+            ts = {s: harness.timeit(runner(kern, lv, arrays, q, B, n, S)) for s, kern in variants.items()}
             best = min(ts.values())
             cells = [pct(t, mb, bw) for t in (tt, *ts.values())]
             table_row(f"{ctx // 1024}K", B, n, f"{mb:.1f}", *cells, f"{tt / best:.2f}x")
             kern = variants[min(ts, key=ts.get)]
-            probes = {p: bd.timeit(runner(kern, lv, arrays, q, B, n, S, p)) for p in ("attn", "comb")}
+            probes = {p: harness.timeit(runner(kern, lv, arrays, q, B, n, S, p)) for p in ("attn", "comb")}
             nw = LEVELS[lv][3]
-            probes["attn, 1 block/warp"] = bd.timeit(runner(kern, lv, arrays, q, B, nw * S * 32, S, "attn"))
+            probes["attn, 1 block/warp"] = harness.timeit(runner(kern, lv, arrays, q, B, nw * S * 32, S, "attn"))
             x1 = torch.zeros(1, device="cuda")
-            probes["floor: a 1-element kernel"] = bd.timeit(lambda x1=x1: torch.add(x1, 1, out=x1))
+            probes["floor: a 1-element kernel"] = harness.timeit(lambda x1=x1: torch.add(x1, 1, out=x1))
             print("    probes (best variant): " + ", ".join(f"{k} {v:.1f} us" for k, v in probes.items()), flush=True)
             del arrays
     return 0
@@ -351,9 +345,9 @@ def whole_call(variants: dict, a, bw: float, sms: int) -> None:
         c = random_call(B, ctx, seed=1)
         c["packed"] = pack(*c.pop("lv2"), 2, 2), pack(*c.pop("lv4"), 4, 4)
         S2, S4 = ma.splits(B, G, c["n2"], c["n4"], sms)
-        ts = {s: bd.timeit(runner_call(k, c, S2, S4)) for s, k in variants.items()}
+        ts = {s: harness.timeit(runner_call(k, c, S2, S4)) for s, k in variants.items()}
         for s, k in variants.items():
-            ts[f"{s} pdl"] = bd.timeit(runner_call(k, c, S2, S4, pdl=True))
+            ts[f"{s} pdl"] = harness.timeit(runner_call(k, c, S2, S4, pdl=True))
         best = min(ts.values())
         table_row(
             f"{ctx // 1024}K",

@@ -20,7 +20,7 @@ medians of CUDA-graph replays with L2 flushed (256 MB written) before each; band
 the cache tensors read (packed codes, scales, zeros, sinks, residual) over the time, against a
 device-to-device copy measured in the same run (bytes read + written over its time).
 
-    python benchmarks/bench_decode.py --out docs/speed.md
+    python benchmarks/bench_decode.py --out decode.md
     python benchmarks/bench_decode.py --presets --no-check --contexts 131072 --batches 1   # paper vs tale caches
     python benchmarks/bench_decode.py --shape 70b                 # Llama-3.1-70B's attention shapes
 """
@@ -31,13 +31,13 @@ import argparse
 import dataclasses
 import json
 import random
-import statistics
 import sys
-import time
 import traceback
 
+import harness
 import torch
 import torch.nn.functional as F
+from harness import copy_bandwidth, fmt, graphed, timeit
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tale_kernels
@@ -80,56 +80,6 @@ set_shape("8b")
 DEV = "cuda"
 DT = torch.bfloat16
 TOL = 5e-3
-FLUSH = None
-
-
-# -- timing ------------------------------------------------------------------------------
-
-
-def graphed(fn):
-    """A CUDA graph of fn (warmed up on a side stream), returned as its replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        out = fn()
-    return gr, out
-
-
-def timeit(fn, graph: bool = True, budget_ms: float = 100.0) -> float:
-    """Median microseconds of fn (a CUDA-graph replay of it when graph=True), L2 flushed before each."""
-    fn()
-    torch.cuda.synchronize()
-    run = fn
-    if graph:
-        gr, _ = graphed(fn)
-        run = gr.replay
-    t0 = time.perf_counter()
-    run()
-    torch.cuda.synchronize()
-    est = max(time.perf_counter() - t0, 1e-5) * 1e3
-    reps = int(min(40, max(7, budget_ms / est)))
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in ev:
-        FLUSH.zero_()
-        a.record()
-        run()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev) * 1e3
-
-
-def copy_bandwidth() -> float:
-    """GB/s of a 4 GiB device-to-device copy, read + written bytes."""
-    x = torch.randn(1 << 30, device=DEV)
-    y = torch.empty_like(x)
-    t = timeit(lambda x=x, y=y: y.copy_(x), graph=False, budget_ms=200)
-    bw = 2 * x.numel() * 4 / (t * 1e-6) / 1e9
-    del x, y
-    return bw
 
 
 # -- caches as views -----------------------------------------------------------------------
@@ -396,7 +346,7 @@ def row(B: int, L: int, cfg: dict, copy_bw: float) -> dict:
     return r
 
 
-# candidates of --sweep (earlier sweeps of block_t / warps / stages / waves: docs/kernels.md)
+# candidates of --sweep (earlier sweeps of block_t / warps / stages / waves: docs/notes.md)
 SWEEP = (
     {},
     {"asm": False},
@@ -576,10 +526,6 @@ def kernel_resources() -> None:
             print("compiled kernel info unavailable:", ex)
 
 
-def fmt(x, p=1):
-    return "n/a" if x != x else f"{x:.{p}f}"
-
-
 def markdown(rows, copy_bw, cfg, cmd, env) -> str:
     out = [
         "## Decode attention kernel (one layer, one decode step)",
@@ -611,7 +557,6 @@ def markdown(rows, copy_bw, cfg, cmd, env) -> str:
 
 
 def main() -> int:
-    global FLUSH
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=list(SHAPES), default="8b", help="attention shapes of this model")
     ap.add_argument("--contexts", default="32768,131072,524288")
@@ -628,14 +573,11 @@ def main() -> int:
     )
     args = ap.parse_args()
     set_shape(args.shape)
-    FLUSH = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
+    harness.init_flush(device=DEV)
     torch.manual_seed(0)
     random.seed(0)
     cfg = kernel_cfg(json.loads(args.config)) if args.config else {}
-    props = torch.cuda.get_device_properties(0)
-    import triton
-
-    env = f"{props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, triton {triton.__version__}"
+    env = harness.device_name()
     print(env, flush=True)
     ok = True
     if args.sweep:  # first, so that the checks run on the chosen parameters

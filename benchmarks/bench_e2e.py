@@ -22,7 +22,7 @@ filled by repeating the prefilled rows (`Cache.batch_repeat_interleave`): decode
 on the values. ms/token = wall time of N decode steps (greedy, argmax on the device, no host sync per
 step; flush/demotion work included) / N. Peak = torch.cuda.max_memory_allocated during the decode.
 
-    python benchmarks/bench_e2e.py --deadline 465 --out docs/speed.md   # one device call, ~7 minutes on an H100
+    python benchmarks/bench_e2e.py --deadline 465 --out e2e.md   # one device call, ~7 minutes on an H100
     python benchmarks/bench_e2e.py --quick                      # tiny model, CPU: checks the script runs
 """
 
@@ -38,8 +38,11 @@ import sys
 import time
 import traceback
 
+import harness
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from harness import GIB as GiB
+from harness import sync
+from transformers import DynamicCache
 
 from tale_runtime import new_cache, set_output_path, use_kernels
 from tale_runtime.artifact import Schedule, uniform_ranks
@@ -48,7 +51,6 @@ from tale_runtime.decode import CudaGraphDecoder, DecodeStep
 from tale_runtime.load import tale_class
 from tale_runtime.model import TaleAttention, cache_arg
 
-GiB = 2**30
 LAYOUT = "auto"  # --layout: the TALE static caches' (runtime/static_cache.py)
 T0 = time.perf_counter()
 
@@ -60,32 +62,14 @@ def log(*a):
 def build(quick: bool, device: str, layers: int | None = None, dtype: torch.dtype | None = None):
     """The random base model, and its TALE attention modules (sharing q/k/o projections)."""
     if quick:
-        cfg = dict(
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=2,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=32,
-            vocab_size=512,
-        )
+        cfg = dict(harness.SMOKE, num_hidden_layers=2, head_dim=32)
     else:
-        cfg = dict(
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=49152,
-        )
+        cfg = dict(harness.LLAMA_8B, head_dim=128, vocab_size=49152)
     if layers:
         cfg["num_hidden_layers"] = layers
-    config = AutoConfig.for_model("llama", max_position_embeddings=1 << 20, rope_theta=500000.0, **cfg)
     dtype = dtype or (torch.float32 if quick else torch.bfloat16)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+    model = harness.random_llama(cfg | dict(max_position_embeddings=1 << 20), device, dtype)
+    config = model.config
     model.__class__ = tale_class(type(model))  # what tale_runtime.load does: generate() knows TALE caches
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
@@ -131,11 +115,6 @@ def free():
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def peak_reset():
@@ -417,7 +396,7 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
             pos = torch.full((1, 1), pos0, dtype=torch.long, device=first.device)
             k_hf, t_hf = launches(lambda: hf_step(model, c)(first, pos))
             # a fresh [B, 1] tensor: the [:, -1:] slice of the tokens has another stride and storage offset, which
-            # recompiles the embedding (the 32K count of the run in docs/speed.md includes that autotuning)
+            # recompiles the embedding (the 32K count of the run in docs/performance.md includes that autotuning)
             ids1 = first.clone(memory_format=torch.contiguous_format)
             k_st, t_st = launches(lambda: DecodeStep(model, c)(ids1, pos + 1))
             pos0 += 2
@@ -799,16 +778,7 @@ def main() -> None:
     # (the factored path reads W_O, not O^r; decode reads one embedding row)
     bw = 3.35e12  # H100 SXM HBM3 datasheet; replaced by a measured copy below on CUDA
     if graphs:
-        x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-        y = torch.empty_like(x)
-        y.copy_(x)
-        sync()
-        t = time.perf_counter()
-        for _ in range(10):
-            y.copy_(x)
-        sync()
-        bw = 2 * 10 * x.numel() / (time.perf_counter() - t)
-        del x, y
+        bw = harness.copy_bandwidth() * 1e9
         free()
     log(f"copy bandwidth {bw / 1e9:.0f} GB/s; weights read per token {weight_bytes / GiB:.2f} GiB")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from harness import median_us
 
 from tale_convert.policy import PRESETS
 from tale_runtime.artifact import Level, Schedule, uniform_ranks
@@ -42,20 +43,6 @@ def tables(L: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
     ang = torch.arange(L, device=dev).float()[:, None] * inv
     ang = torch.cat([ang, ang], -1)[None]
     return ang.cos().bfloat16(), ang.sin().bfloat16()
-
-
-def median_us(fn, *a, reps: int = 30) -> float:
-    for _ in range(10):
-        fn(*a)
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn(*a)
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) * 1000)
-    return sorted(times)[len(times) // 2]
 
 
 def main():

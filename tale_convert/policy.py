@@ -35,7 +35,7 @@ PRESETS = {
         value_meta="16",
         rotate_latents=True,
     ),
-    # the best measured per byte on SmolLM2 (docs/quality.md, "Key bands"; dev text): 2-bit middle keys with
+    # the best measured per byte on SmolLM2 (docs/notes.md, "key bands"; dev text): 2-bit middle keys with
     # the most important half of each KV head's key channels at 3 bits, r0 = R/2, fp8 scales
     "tale": dict(
         bits=(2, 4),
@@ -49,12 +49,12 @@ PRESETS = {
         key_bands=(3, 0.5),  # (bits, share of the head dim): 32 of 64 channels per KV head at 3 bits
         rotate_latents=True,
     ),
-    # low-rank keys (docs/quality.md, "Low-rank keys"): the middle level's keys before RoPE as 5/12 of the joined key
+    # low-rank keys (docs/notes.md, "low-rank keys before RoPE"): the middle level's keys before RoPE as 5/12 of the joined key
     # dim (80 of 192 on SmolLM2) in coefficients on the calibrated key basis at 4 bits, 3-bit latents at r0 = 2R/3,
     # fp8 scales and zeros, newest tokens at 8 bits per token. r0 = 2R/3, not the dev text's R/2: the least loss on
-    # calibration domains left out of the calibration (docs/quality.md, "Domain shift"; a rank cut fitted to the
+    # calibration domains left out of the calibration (docs/notes.md, "the latent rank chosen on left-out domains"; a rank cut fitted to the
     # calibration loses more on other text). The torch path reads it (dynamic cache); the Triton kernel and the
-    # static cache do not yet. Every preset rotates its latents (docs/quality.md, "Rotated latents": same values,
+    # static cache do not yet. Every preset rotates its latents (docs/notes.md, "rotated latents": same values,
     # less quantization error; the rank cut on left-out domains was chosen again with them)
     "lowrank": dict(
         bits=(3, 4, 8),

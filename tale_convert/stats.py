@@ -4,7 +4,7 @@ A key channel c quantized per channel over a group of tokens errs by up to range
 and moves a logit by q_c times that: its weight is E[q_c^2] E[range_c^2] (queries of the KV head's
 group, ranges over groups of `key_group` tokens), measured on the keys as the cache holds them (after
 RoPE, and after the Hadamard rotation when the schedule rotates). Levels with `key_hi_bits` give the
-first `key_hi_channels` of each head's order more bits (docs/quality.md, "key bands").
+first `key_hi_channels` of each head's order more bits (docs/notes.md, "key bands").
 """
 
 from __future__ import annotations

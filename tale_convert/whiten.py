@@ -66,7 +66,7 @@ def whiten(C: torch.Tensor, W: torch.Tensor, g: int, n: int, shrink: float = 0.0
 def rotate_latents(f: Factors, block: int) -> Factors:
     """A Q and Q^T B with Q block-diagonal normalized Hadamard matrices of `block` channels: the same A B (values
     unchanged), but each block's latents carry its channels' energy evenly instead of the first channel most, so a
-    per-token quantization group of `block` channels loses less (docs/quality.md, "Rotated latents"). Truncation
+    per-token quantization group of `block` channels loses less (docs/notes.md, "rotated latents"). Truncation
     at multiples of `block` stays the whitened SVD truncation (the blocks do not cross it); S stays as it was."""
     from tale_runtime.artifact import rotation_fits
     from tale_runtime.model import hadamard

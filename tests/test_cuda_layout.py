@@ -5,7 +5,7 @@ benchmarks/bench_cuda_decode.pack) lays out. This test replays the kernel's per-
 shared-memory addresses and swizzles, ldmatrix.x4, the mask / mask-or unpack, mma.m16n8k16's fragment layout) in
 numpy and compares the scores and the latent output with a float32 reference of the same codes. A wrong index in
 the packer or a wrong constant in this replay moves the error from ~3e-4 (float16 rounding) to O(1). The GPU run
-of the real kernel: tests/test_mma_attention.py and benchmarks/bench_cuda_decode.py (docs/kernels.md, "CUDA kernel").
+of the real kernel: tests/test_mma_attention.py and benchmarks/bench_cuda_decode.py (docs/kernels.md, "The CUDA kernel").
 """
 
 from __future__ import annotations

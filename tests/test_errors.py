@@ -1,4 +1,4 @@
-"""The error contract of the four CLIs (docs/errors.md, issue 12), as one table of bad inputs.
+"""The error contract of the four CLIs (docs/errors.md), as one table of bad inputs.
 
 Every case runs a console-script entry point in-process and must end with exit code 2 and exactly one
 stderr line `error: ...` containing its fragment: no traceback, no "internal error", nothing on stdout
@@ -100,7 +100,7 @@ def flip_byte(path: Path):
     path.write_bytes(bytes(data))
 
 
-# id: (cli, setup(ctx) -> None, argv(ctx) -> list, fragment). The registry the issue asks for, by class.
+# id: (cli, setup(ctx) -> None, argv(ctx) -> list, fragment). The registry of bad inputs, by class.
 CASES = {
     # --- usage errors: one line instead of click's box
     "convert-unknown-option": ("convert", None, lambda c: [c.model, "--out", c.out, "--bogus"], "No such option"),

@@ -337,7 +337,7 @@ def test_passkey_samples_are_shipped_and_well_formed():
 
 
 def test_heldout_windows_of_a_text_file(tmp_path):
-    """A path reads the file's documents as the named texts are read (benchmarks/domain_shift.py evaluates
+    """A path reads the file's documents as the named texts are read (experiments/domain_shift.py evaluates
     calibration corpora so); a name that is neither a text nor a file is refused."""
     tok = byte_tokenizer()
     named = perplexity.heldout_windows(tok, 64, 3, "botchan")

@@ -1,4 +1,4 @@
-"""benchmarks/frontier_merge.py reads a frontier table back (the record when the JSON files of earlier runs are
+"""experiments/frontier_merge.py reads a frontier table back (the record when the JSON files of earlier runs are
 gone): the table it reads writes out again unchanged, merged JSON rows join it, and a JSON measured against
 another full cache is refused."""
 
@@ -21,7 +21,7 @@ def row(family, setting, ratio, da, db, pk=None, s=5.0):
 
 def merge(tmp_path, *files):
     out = tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "frontier_merge.py"), str(out), *map(str, files)]
+    cmd = [sys.executable, str(ROOT / "experiments" / "frontier_merge.py"), str(out), *map(str, files)]
     return subprocess.run(cmd, capture_output=True, text=True), out.with_suffix(".md")
 
 

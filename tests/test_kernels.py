@@ -223,7 +223,7 @@ def layer_cache(B, H, K, g, n, L0, dtype, sched=None, pad=None, r0=0.5, group=16
     return c
 
 
-# bfloat16: issue #10's bound, met by the float16 operands bf16 caches get by default (float16 metadata)
+# bfloat16: the 5e-3 bound, met by the float16 operands bf16 caches get by default (float16 metadata)
 TOL = {torch.float32: 5e-3 if CUDA else 1e-5, torch.float16: 5e-3, torch.bfloat16: 5e-3}
 
 # (B, H, K, g, n, prompt, pad, kwargs): GQA and MHA, g = 1/2/4, rep = 3, odd lengths, left

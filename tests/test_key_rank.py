@@ -289,7 +289,7 @@ def test_a_preset_with_per_level_key_layouts_refuses_another_level_count():
         Options(preset="lowrank", bits=(2, 4), recent=(0.1,)).schedule(64, 2, kv_dim=64)
     s = Options(preset="lowrank", bits=(2, 4, 8), recent=(0.1, 0.0)).schedule(64, 2, kv_dim=192)
     assert [lv.key_rank for lv in s.levels] == [80, 0, 0] and s.levels[-1].key_axis == "token"
-    # its middle latents keep 2R/3 (the least loss on left-out calibration domains, docs/quality.md "Domain shift")
+    # its middle latents keep 2R/3 (the least loss on left-out calibration domains, docs/notes.md, "the latent rank chosen on left-out domains")
     assert Options(preset="lowrank").schedule(192, 2, kv_dim=192).ranks == [[128, 192, 192]] * 2
     s = Options(preset="tale", bits=(2, 4, 4), recent=(0.1, 0.1)).schedule(64, 2)
     assert [lv.key_axis for lv in s.levels] == ["channel"] * 3 and not any(lv.key_rank for lv in s.levels)

@@ -6,9 +6,9 @@ runs causal attention in latent space, maps it through O^r and reports the relat
 attention output (queries after `--from`) against the exact one. Seconds per format instead of
 minutes per tale-eval run; use it to rank formats, then confirm the winners with tale-eval.
 
-    python benchmarks/quant_proxy.py out/smollm2-tale --threads 1
+    python experiments/quant_proxy.py out/smollm2-tale --threads 1
 
---screen picks a table of docs/quality.md (keys, groups, latents, prerope, oaware). Environment: ONLY=TEXT runs
+--screen picks a screen of docs/notes.md (keys, groups, latents, prerope, oaware). Environment: ONLY=TEXT runs
 the formats whose name contains TEXT; ORACLE_FROM=FILE (oaware) adds latents whose basis is fitted on another
 window, a file saved by capture().
 """
@@ -424,7 +424,7 @@ def main():
         "--screen",
         default="formats",
         choices=("formats", "keys", "groups", "latents", "prerope", "oaware", "keyrank"),
-        help="formats: the table of docs/quality.md",
+        help="formats: a screen of docs/notes.md",
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -1,6 +1,6 @@
-"""A per-KV-head key basis, for comparing with the joined one (docs/quality.md, seventh pass).
+"""A per-KV-head key basis, for comparing with the joined one (docs/notes.md, "A per-head key basis").
 
-    python benchmarks/perhead_basis.py out/smollm2-lr out/smollm2-lrph   # a copy of SRC with the per-head basis
+    python experiments/perhead_basis.py out/smollm2-lr out/smollm2-lrph   # a copy of SRC with the per-head basis
 
 Each head gets its own query-weighted directions (tale_runtime.key_basis.fit on its diagonal block of the joined
 statistics, from the same calibration samples as tale-convert --key-basis); the basis is block-diagonal, directions

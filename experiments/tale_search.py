@@ -1,7 +1,7 @@
 """Evaluate several TALE schedules on one loaded model with tale-eval's own functions (decode-mode ppl on
 the dev text calib/corpus_heldout.txt, measured ratio, pass-key), one JSON line per variant.
 
-    python benchmarks/tale_search.py out/smollm2-tale VARIANTS.json --out rows.jsonl --threads 1
+    python experiments/tale_search.py out/smollm2-tale VARIANTS.json --out rows.jsonl --threads 1
 
 VARIANTS.json: {"name": {override_schedule kwargs}, ...}; "ranks0": [per-layer level-0 ranks] sets ranks per
 layer; "key_bands": {"LEVEL": [hi_bits, hi_channels]} adds key bands, the channel order computed from the

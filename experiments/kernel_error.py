@@ -1,12 +1,12 @@
 """The decode kernel's error against the float32 torch reference, per preset, draw and operand type (GPU).
 
-    PYTHONPATH=/tmp/pk python3 benchmarks/kernel_error.py [--draws 3]
+    PYTHONPATH=/tmp/pk python3 experiments/kernel_error.py [--draws 3]
 
 For each preset's static cache (bench_decode.preset_schedule: a prefill of L random tokens, keys x 2, then 40
 decode steps) at 128K batch 1 and 32K batch 4: the kernel (float16 operands: bf16 caches store float16 metadata)
 against the reference; on the first draw of the paper preset also the reference run on the
 view with keys and/or latents dequantized to bf16 (or fp16) first, i.e. what a kernel with those operands must
-compute at best. docs/speed.md ("Float16 metadata and operands") has the numbers.
+compute at best. docs/notes.md ("float16 metadata") has the numbers.
 """
 
 import argparse
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import bench_decode as bd  # noqa: E402
 
 import tale_kernels  # noqa: E402

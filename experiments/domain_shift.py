@@ -1,13 +1,13 @@
 """Leave-one-domain-out: how a schedule's loss grows on text of a style the calibration did not cover.
 
 For each calibration corpus L (calib/corpus_*.txt), convert SmolLM2 with the other five (`--preset PRESET`),
-then measure decode-mode ppl on L's own text with benchmarks/tale_search.py for every variant of VARIANTS.json
+then measure decode-mode ppl on L's own text with experiments/tale_search.py for every variant of VARIANTS.json
 ("full" is the 16-bit cache). The same variants on the artifact calibrated with all six corpora, on the same
 windows, are the in-domain control. Neither the dev text nor the test texts are read: a selection made on this
 table uses only calibration text.
 
-    python benchmarks/domain_shift.py VARIANTS.json --work /tmp/loo --preset lowrank --jobs 2
-    python benchmarks/domain_shift.py VARIANTS.json --work /tmp/loo-s01 --convert-args "--shrink 0.1"
+    python experiments/domain_shift.py VARIANTS.json --work /tmp/loo --preset lowrank --jobs 2
+    python experiments/domain_shift.py VARIANTS.json --work /tmp/loo-s01 --convert-args "--shrink 0.1"
 
 Writes WORK/DOMAIN/{loo,in}.jsonl (a re-run adds only the variants they lack) and prints a markdown table (delta against "full" on the same windows).
 """

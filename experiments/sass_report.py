@@ -4,14 +4,14 @@ Uses the Triton of the environment (the venv has 3.9; the device runs 3.6, whose
 a few %) with ptxas/cuobjdump from its wheel, at Llama-3.1-8B shapes (g = 4, rep = 4, head dim 128, groups
 of 32), bf16, pointers and strides marked divisible by 16 as the JIT specializes them on real shapes.
 
-    python benchmarks/sass_report.py keys 4 2 2      # kernel (keys | lat | keysall | latall | onepass | onepassall
+    python experiments/sass_report.py keys 4 2 2      # kernel (keys | lat | keysall | latall | onepass | onepassall
                                                      # | onepasstale), warps,
                                                      # stages, bits (ignored by the *all kinds), [slots per tile]
-    QREG=1 python benchmarks/sass_report.py keys 4 2 2 ; HASM=0 python benchmarks/sass_report.py lat 8 2 4
-    ASM=2,3,4 python benchmarks/sass_report.py onepasstale 4 2 3  # the widths the one-pass kernel unpacks in PTX
-    DOT=bf16 python benchmarks/sass_report.py onepass 4 2 2  # one-pass operands in bf16 (default fp16, as
+    QREG=1 python experiments/sass_report.py keys 4 2 2 ; HASM=0 python experiments/sass_report.py lat 8 2 4
+    ASM=2,3,4 python experiments/sass_report.py onepasstale 4 2 3  # the widths the one-pass kernel unpacks in PTX
+    DOT=bf16 python experiments/sass_report.py onepass 4 2 2  # one-pass operands in bf16 (default fp16, as
                                                              # latent_attention on caches of float16 metadata)
-    CM=0 python benchmarks/sass_report.py onepass 4 2 2      # latents row-major (default: channel-major, as the
+    CM=0 python experiments/sass_report.py onepass 4 2 2      # latents row-major (default: channel-major, as the
                                                              # static cache holds them)
 
 Writes OUTDIR/<args>.sass and .ttgir (OUTDIR: $SASS_OUT or /tmp; the TTGIR shows which loads the software
@@ -91,7 +91,7 @@ TYPES = {
 def onepass_kernel(which, bits):
     """Compile _attn_kernel with the runtime/constexpr tuples that latent_attention builds for a CPU copy of the
     benchmark's view (bench_decode.synth_view / preset_schedule), typed as the JIT would type them."""
-    sys.path.insert(0, os.path.dirname(__file__))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
     import bench_decode as bd
 
     bd.DEV = "cpu"

@@ -1,15 +1,16 @@
 """Packed latents channel-major (the static cache's layout with 16-bit scales) against row-major: the same codes and
 caches, one device run, correctness against the torch reference first, then CUDA-graph times alternating twice
-(docs/kernels.md, "packed latents channel-major").
+(docs/notes.md, "Packed latents channel-major").
 
-    PYTHONPATH=/tmp/pk python3 benchmarks/bench_latent_layout.py
+    PYTHONPATH=/tmp/pk python3 experiments/bench_latent_layout.py
 """
 
 import sys
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_decode as bd  # noqa: E402
 
 import tale_kernels  # noqa: E402

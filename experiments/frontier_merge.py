@@ -1,13 +1,13 @@
 """Merge `tale-eval --frontier --json` files of several processes (each with the same deterministic `full`
 row) into one table and plot, as one run would write them (docs/quality.md, "The frontier").
 
-    python benchmarks/frontier_merge.py docs/frontier a.json b1.json b2.json "c.json:key-bands artifact: "
+    python experiments/frontier_merge.py docs/frontier a.json b1.json b2.json "c.json:key-bands artifact: "
 
 FILE:PREFIX puts PREFIX before the settings of that file's rows (e.g. rows run on another artifact). A FILE.md is a
 table this script (or tale-eval) wrote, read back as rows at its printed precision: the record of earlier runs whose
 JSON files are gone; it goes first, and its full cache's ppl (the footer) must match the JSON files' to 3 decimals.
 
-    python benchmarks/frontier_merge.py docs/frontier docs/frontier.md new.json
+    python experiments/frontier_merge.py docs/frontier docs/frontier.md new.json
 """
 
 from __future__ import annotations
