@@ -41,11 +41,13 @@ from harness import copy_bandwidth, fmt, graphed, timeit
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tale_kernels
+from tale_kernels import TritonConfig
 from tale_kernels import attention as kattn
+from tale_runtime import backends
 from tale_runtime import quant as rquant
 from tale_runtime.artifact import Level, Schedule, ceil_share
+from tale_runtime.attention import latent_attention as ref_attention
 from tale_runtime.cache import TaleLayerCache
-from tale_runtime.cache import latent_attention as ref_attention
 from tale_runtime.quant import QTensor, meta_format
 from tale_runtime.regions import LayerView, Region
 
@@ -114,7 +116,7 @@ def qrand(lead, cap, used, C, bits, group, dim) -> QTensor:
 
 
 def synth_view(
-    B: int, L: int, pad=None, extra: int = 0, tensor_len: bool = False, window=None, only=None, shuffle: bool = False
+    B: int, L: int, pad=None, extra: int = 0, tensor_len: bool = False, only=None, shuffle: bool = False
 ) -> LayerView:
     """A LayerView of a cache of L positions per row: sinks | 2-bit level | 4-bit level | residual.
     `pad[b]` leading positions of row b are padding (pos -1); every region gets `extra` unused
@@ -142,7 +144,7 @@ def synth_view(
     if shuffle:
         random.shuffle(regions)
     npos = torch.tensor(L, dtype=torch.int32, device=DEV) if tensor_len else L
-    return LayerView(regions, npos, window)
+    return LayerView(regions, npos)
 
 
 def channel_major(v: LayerView, on: bool = True) -> LayerView:
@@ -155,7 +157,7 @@ def channel_major(v: LayerView, on: bool = True) -> LayerView:
         d = t.data.transpose(-1, -2).contiguous().transpose(-1, -2) if on else t.data.contiguous()
         return dataclasses.replace(t, data=d)
 
-    return LayerView([dataclasses.replace(r, lat=lay(r.lat)) for r in v.regions], v.next_pos, v.window)
+    return LayerView([dataclasses.replace(r, lat=lay(r.lat)) for r in v.regions], v.next_pos)
 
 
 def view_bytes(v: LayerView, part: str = "all") -> int:
@@ -177,15 +179,26 @@ def new_token(B: int):
     )
 
 
-def kernel_cfg(cfg: dict) -> dict:
-    """latent_attention options from JSON: `dot` by name ("bfloat16", "float16"); another name exits 2."""
+def kernel_cfg(cfg: dict) -> TritonConfig:
+    """The Triton kernel's TritonConfig from JSON: `dot` by name ("bfloat16", "float16"), `asm` a list or a bool; an
+    unknown name or field exits 2."""
     if isinstance(cfg.get("dot"), str):
         dt = getattr(torch, cfg["dot"], None)
         if not isinstance(dt, torch.dtype):
             print(f'bench_decode.py: unknown dot {cfg["dot"]!r}: use "bfloat16" or "float16"', file=sys.stderr)
             sys.exit(2)
         cfg = {**cfg, "dot": dt}
-    return cfg
+    if isinstance(cfg.get("asm"), list):
+        cfg = {**cfg, "asm": tuple(cfg["asm"])}
+    try:
+        return TritonConfig(**cfg)
+    except (TypeError, ValueError) as e:
+        print(f"bench_decode.py: bad --config: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def triton(q, k, h, v, scale, cfg: TritonConfig, window=None):
+    return tale_kernels.latent_attention(q, k, h, v, scale, window, config=cfg)
 
 
 def rel(a, b) -> float:
@@ -201,16 +214,16 @@ def poison() -> None:
 # -- correctness on real shapes ------------------------------------------------------------
 
 
-def check(cfg: dict) -> bool:
+def check(cfg: TritonConfig) -> bool:
     ok = True
     scale = N**-0.5
 
-    def one(name, v, B):
+    def one(name, v, B, window=None):
         nonlocal ok
         q, k, h = new_token(B)
         poison()
-        got = tale_kernels.latent_attention(q, k, h, v, scale, **cfg)
-        e = rel(got, ref_attention(q, k, h, v, scale))
+        got = triton(q, k, h, v, scale, cfg, window)
+        e = rel(got, ref_attention(q, k, h, v, scale, window))
         good = e <= TOL and bool(torch.isfinite(got).all())
         ok &= good
         print(f"check {name}: rel err {e:.2e} {'ok' if good else 'FAIL'}", flush=True)
@@ -220,7 +233,7 @@ def check(cfg: dict) -> bool:
     for B, L in ((1, 4099), (4, 33333), (16, 20001)):
         pad = [0] + [L // 7 * (i % 3) for i in range(1, B)]
         one(f"B={B} L={L} padded rows", synth_view(B, L, pad=pad), B)
-        one(f"B={B} L={L} window {L // 3}", synth_view(B, L, pad=pad, window=L // 3), B)
+        one(f"B={B} L={L} window {L // 3}", synth_view(B, L, pad=pad), B, L // 3)
         one(
             f"B={B} L={L} capacity +96, device lengths, shuffled",
             synth_view(B, L, pad=pad, extra=96, tensor_len=True, shuffle=True),
@@ -228,12 +241,12 @@ def check(cfg: dict) -> bool:
         )
     one("B=2 L=37 (no level 0: empty region)", synth_view(2, 37), 2)
     one("B=1 L=1 (sinks only)", synth_view(1, 1), 1)
-    one("B=1 L=131077 window 4096", synth_view(1, 131077, window=4096), 1)
+    one("B=1 L=131077 window 4096", synth_view(1, 131077), 1, 4096)
     # a CUDA-graph replay: lengths, positions and next_pos on the device, changed between replays
     # (the quantized levels lose their last 64 slots, then get them back)
-    v = synth_view(4, 20000, extra=256, tensor_len=True, window=5000)
+    v = synth_view(4, 20000, extra=256, tensor_len=True)
     q, k, h = new_token(4)
-    gr, out = graphed(lambda: tale_kernels.latent_attention(q, k, h, v, scale, **cfg))
+    gr, out = graphed(lambda: triton(q, k, h, v, scale, cfg, 5000))
     saved = [(r.length.clone(), r.pos.clone()) for r in v.regions]
     for shrink in (64, 0):
         for r, (ln, pos) in zip(v.regions, saved):
@@ -245,7 +258,7 @@ def check(cfg: dict) -> bool:
         for t in (q, k, h):
             t.normal_()
         gr.replay()
-        e = rel(out, ref_attention(q, k, h, v, scale))
+        e = rel(out, ref_attention(q, k, h, v, scale, 5000))
         ok &= e <= TOL
         print(
             f"check graph replay, levels shrunk by {shrink}: rel err {e:.2e} {'ok' if e <= TOL else 'FAIL'}", flush=True
@@ -266,7 +279,7 @@ def check(cfg: dict) -> bool:
             worst = max(
                 worst,
                 rel(
-                    tale_kernels.latent_attention(q, k, h, c, scale, window, config=cfg),
+                    triton(q, k, h, c, scale, cfg, window),
                     ref_attention(q, k, h, c, scale, window),
                 ),
             )
@@ -324,13 +337,13 @@ def best_sdpa(B: int, L: int) -> tuple[float, str]:
     return best
 
 
-def row(B: int, L: int, cfg: dict, copy_bw: float) -> dict:
+def row(B: int, L: int, cfg: TritonConfig, copy_bw: float) -> dict:
     r = {"L": L, "B": B}
     scale = N**-0.5
     q, k, h = new_token(B)
     for key, only in (("all", None), ("2bit", "2bit"), ("4bit", "4bit")):
         v = synth_view(B, L, only=only)
-        t = timeit(lambda v=v: tale_kernels.latent_attention(q, k, h, v, scale, **cfg))
+        t = timeit(lambda v=v: triton(q, k, h, v, scale, cfg))
         nb = view_bytes(v)
         r[f"{key}_us"], r[f"{key}_bytes"] = t, nb
         r[f"{key}_gbs"] = nb / (t * 1e-6) / 1e9
@@ -366,29 +379,29 @@ def last_compiled() -> str:
         return f"resources unavailable ({ex})"
 
 
-def sweep(cfg: dict) -> dict:
+def sweep(cfg: TritonConfig) -> TritonConfig:
     """Launch parameters at 128K batch 1 (the SWEEP candidates over cfg), best by time among the correct."""
     v = synth_view(1, 131072)
     q, k, h = new_token(1)
     want = ref_attention(q, k, h, v, N**-0.5)
     res = []
     for cand in SWEEP:
-        c = dict(cfg, **cand)
+        c = dataclasses.replace(cfg, **{f: tuple(x) if isinstance(x, list) else x for f, x in cand.items()})
         try:
-            e = rel(tale_kernels.latent_attention(q, k, h, v, N**-0.5, **c), want)
-            t = timeit(lambda c=c: tale_kernels.latent_attention(q, k, h, v, N**-0.5, **c))
+            e = rel(triton(q, k, h, v, N**-0.5, c), want)
+            t = timeit(lambda c=c: triton(q, k, h, v, N**-0.5, c))
         except Exception as ex:
             print(f"sweep {c}: failed: {str(ex).splitlines()[0][:120]}")
             continue
-        print(f"sweep 128K B=1 {json.dumps(c)}: {t:.1f} us, rel err {e:.1e}; {last_compiled()}", flush=True)
+        print(f"sweep 128K B=1 {c}: {t:.1f} us, rel err {e:.1e}; {last_compiled()}", flush=True)
         if e <= TOL:
             res.append((t, c))
     best = min(res, key=lambda x: x[0])[1]
-    print("sweep best:", json.dumps(best), flush=True)
+    print("sweep best:", best, flush=True)
     return best
 
 
-def compare(cfgs: list[dict], contexts: list[int], batches: str, copy_bw: float) -> None:
+def compare(cfgs: list[TritonConfig], contexts: list[int], batches: str, copy_bw: float) -> None:
     """Each launch config at each context and batch (same inputs), then SDPA once: one line each."""
     scale = N**-0.5
     for L in contexts:
@@ -399,14 +412,11 @@ def compare(cfgs: list[dict], contexts: list[int], batches: str, copy_bw: float)
             }
             want = ref_attention(q, k, h, views["all"], scale)
             for c in cfgs:
-                if isinstance(c.get("split"), dict) and c["split"].get("logits_only"):
-                    keys_only(c, q, k, h, views, L, B, copy_bw)
-                    continue
                 try:
-                    e = rel(tale_kernels.latent_attention(q, k, h, views["all"], scale, **c), want)
+                    e = rel(triton(q, k, h, views["all"], scale, c), want)
                     ts = {
                         key: timeit(
-                            lambda v=v, c=c, q=q, k=k, h=h: tale_kernels.latent_attention(q, k, h, v, scale, **c)
+                            lambda v=v, c=c, q=q, k=k, h=h: triton(q, k, h, v, scale, c)
                         )
                         for key, v in views.items()
                     }
@@ -415,7 +425,7 @@ def compare(cfgs: list[dict], contexts: list[int], batches: str, copy_bw: float)
                     continue
                 pct = {key: 100 * view_bytes(views[key]) / (ts[key] * 1e-6) / 1e9 / copy_bw for key in ts}
                 print(
-                    f"compare {L // 1024}K B={B} {json.dumps(c)}: all {ts['all']:.1f} us ({pct['all']:.0f}%), "
+                    f"compare {L // 1024}K B={B} {c}: all {ts['all']:.1f} us ({pct['all']:.0f}%), "
                     f"2-bit {ts['2bit']:.1f} us ({pct['2bit']:.0f}%), 4-bit {ts['4bit']:.1f} us ({pct['4bit']:.0f}%), "
                     f"rel err {e:.1e}",
                     flush=True,
@@ -447,12 +457,13 @@ def preset_schedule(name: str) -> Schedule:
     )
 
 
-def presets(contexts: list[int], batches: str, copy_bw: float, cfg: dict) -> bool:
+def presets(contexts: list[int], batches: str, copy_bw: float, cfg: TritonConfig) -> bool:
     """The kernel over real caches of each preset (a static cache filled by a prefill of random keys and latents,
     then 40 decode steps: flushes and demotions): correctness against the reference, time of one layer's decode
     attention (CUDA-graph replays, as a captured decode step runs it), and SDPA on the same shapes. The paper preset
     twice: in the row layout (the Triton kernel) and in the fragment layout (runtime/frag.py: the CUDA kernel of
-    tale_kernels.mma_attention, what a static cache picks on Hopper)."""
+    tale_kernels.mma_attention, what a static cache picks on Hopper). Each cache runs its own backend (cache.attend),
+    as a decode step does."""
     from tale_kernels import mma_attention
     from tale_runtime.static_cache import StaticTaleCache
 
@@ -460,7 +471,8 @@ def presets(contexts: list[int], batches: str, copy_bw: float, cfg: dict) -> boo
     for L in contexts:
         for B in (int(x) for x in batches.split(",")):
             for name, layout in (("paper", "row"), ("paper", "frag"), ("tale", "row")):
-                c = StaticTaleCache(preset_schedule(name), 1, K, N, G, R, max_length=L + 64, layout=layout)
+                be = backends.get("cuda") if layout == "frag" else backends.get("triton").configure(cfg)
+                c = StaticTaleCache(preset_schedule(name), 1, K, N, G, R, max_length=L + 64, backend=be)
                 layer = c.layers[0]
                 layer.append(
                     torch.randn(B, K, L, N, device=DEV, dtype=DT) * 2, torch.randn(B, G, L, R, device=DEV, dtype=DT)
@@ -472,9 +484,9 @@ def presets(contexts: list[int], batches: str, copy_bw: float, cfg: dict) -> boo
                 v = layer.view()
                 assert (mma_attention if layout == "frag" else kattn).supported(q, k, h, v), (name, layout)
                 name = f"{name}-cuda" if layout == "frag" else name
-                e = rel(tale_kernels.latent_attention(q, k, h, v, scale, **cfg), ref_attention(q, k, h, v, scale))
+                e = rel(c.attend(0, q, k, h, scale), ref_attention(q, k, h, v, scale))
                 ok &= e <= TOL
-                t = timeit(lambda v=v, q=q, k=k, h=h: tale_kernels.latent_attention(q, k, h, v, scale, **cfg))
+                t = timeit(lambda c=c, q=q, k=k, h=h: c.attend(0, q, k, h, scale))
                 nb = layer.nbytes()
                 ratio = 2 * B * K * c.book.kappa * N * 2 / nb
                 print(
@@ -485,7 +497,7 @@ def presets(contexts: list[int], batches: str, copy_bw: float, cfg: dict) -> boo
                 )
                 if layout == "frag" and REP > 4:  # the same bytes read by 4 query heads per KV head: what more cost
                     q4 = q.view(B, K, REP, 1, N)[:, :, :4].reshape(B, 4 * K, 1, N)
-                    t4 = timeit(lambda v=v, q4=q4, k=k, h=h: tale_kernels.latent_attention(q4, k, h, v, scale, **cfg))
+                    t4 = timeit(lambda c=c, q4=q4, k=k, h=h: c.attend(0, q4, k, h, scale))
                     print(f"preset {name} {L // 1024}K B={B}, 4 query heads per KV head: {t4:.1f} us", flush=True)
                 del c, layer, v
                 torch.cuda.empty_cache()
@@ -494,26 +506,8 @@ def presets(contexts: list[int], batches: str, copy_bw: float, cfg: dict) -> boo
     return ok
 
 
-def keys_only(c: dict, q, k, h, views: dict, L: int, B: int, copy_bw: float) -> None:
-    """The first pass of the split kernel alone (keys -> float32 logits): time and share of copy
-    bandwidth on the key bytes read plus the logits written, per view."""
-    scale = N**-0.5
-    out = []
-    for key, v in views.items():
-        try:
-            t = timeit(lambda v=v: tale_kernels.latent_attention(q, k, h, v, scale, **c))
-        except Exception as ex:
-            print(f"compare {L // 1024}K B={B} {c}: failed: {str(ex).splitlines()[0][:160]}", flush=True)
-            return
-        nb = view_bytes(v, "keys") + B * H * sum(int(r.length) for r in v.regions) * 4
-        out.append(f"{key} {t:.1f} us ({100 * nb / (t * 1e-6) / 1e9 / copy_bw:.0f}% on keys + logits)")
-    print(f"compare {L // 1024}K B={B} {json.dumps(c)}: " + ", ".join(out), flush=True)
-
-
 def kernel_resources() -> None:
-    from tale_kernels import attention_split
-
-    for kfn in (kattn._attn_kernel, attention_split._keys_kernel, attention_split._lat_kernel):
+    for kfn in (kattn._attn_kernel,):
         try:
             for _, entry in kfn.device_caches.items():
                 for kern in entry[0].values():
@@ -535,7 +529,7 @@ def markdown(rows, copy_bw, cfg, cmd, env) -> str:
         f"{MODEL} attention shapes (H={H}, K={K}, head dim {N}, g={GS}: R={R}, r0={R0}), bf16, the paper schedule "
         f"(4 sinks, p=0.1 at 4 bits full rank, the middle at 2 bits rank {R0}, key/value groups 32, 16-bit residual), "
         "random inputs of real shapes read through a LayerView. Kernel launch config: "
-        f"{cfg or 'the defaults of tale_kernels.latent_attention'}. Medians of CUDA-graph replays, L2 flushed before "
+        f"{cfg}. Medians of CUDA-graph replays, L2 flushed before "
         f"each. Copy bandwidth measured in the same run: {copy_bw:.0f} GB/s (read + write). GB/s = bytes of the cache "
         "tensors (packed codes, scales, zeros, sinks, residual) over the time; the slot positions (4 bytes per slot "
         "and row, read once per head group) are not counted. 2-bit / 4-bit: a view holding only that level "
@@ -576,7 +570,7 @@ def main() -> int:
     harness.init_flush(device=DEV)
     torch.manual_seed(0)
     random.seed(0)
-    cfg = kernel_cfg(json.loads(args.config)) if args.config else {}
+    cfg = kernel_cfg(json.loads(args.config)) if args.config else TritonConfig()
     env = harness.device_name()
     print(env, flush=True)
     ok = True

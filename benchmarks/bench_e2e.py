@@ -10,8 +10,8 @@ Rows (per context and batch), each measured in this run:
 - TALE static: StaticTaleCache + one CUDA graph per decode step holding DecodeStep (runtime/decode.py: the
   code around attention compiled), flushes and demotions eager between replays; fused and factored output
   both timed, the faster reported; at batch 1 also the model's own forward in the graph (compile off) and
-  the kernels per step of both (torch.profiler); the decode attention is whatever `use_kernels` installs
-  (the Triton kernel when it reads region views, else the torch reference: the `attention` column says which);
+  the kernels per step of both (torch.profiler); the decode attention is the backend the cache was made with
+  (tale_runtime.backends: the CUDA kernel on Hopper, else the Triton kernel; the `attention` column says which);
 - HF eager: the same model with its own attention (SDPA), DynamicCache, eager decode;
 - HF static+compile: `generate` with transformers' StaticCache and its automatic torch.compile of
   the decode step (the best a transformers user gets today), at batch 1 (32K prompt, and 512 tokens into
@@ -44,14 +44,14 @@ from harness import GIB as GiB
 from harness import sync
 from transformers import DynamicCache
 
-from tale_runtime import new_cache, set_output_path, use_kernels
+from tale_runtime import backends, new_cache, set_backend, set_output_path
 from tale_runtime.artifact import Schedule, uniform_ranks
-from tale_runtime.attention import latent_attention as reference
 from tale_runtime.decode import CudaGraphDecoder, DecodeStep
 from tale_runtime.load import tale_class
 from tale_runtime.model import TaleAttention, cache_arg
+from tale_runtime.spec import Arch, TaleSpec
 
-LAYOUT = "auto"  # --layout: the TALE static caches' (runtime/static_cache.py)
+LAYOUT = None  # --layout: the TALE static caches' (None: the backend's; runtime/static_cache.py)
 T0 = time.perf_counter()
 
 
@@ -99,10 +99,9 @@ def build(quick: bool, device: str, layers: int | None = None, dtype: torch.dtyp
             tale.append(att)
     L = config.num_hidden_layers
     vg = 8 if quick else 32
-    model.tale_spec.schedule = Schedule(
-        ranks=uniform_ranks(R, L, 0.5, value_group=vg), key_group=vg, value_group=vg, residual=vg
-    )
-    model.tale_spec.manifest = {"architecture": {"head_dim": n, "num_groups": G, "latent_rank": R, "group_size": g}}
+    sched = Schedule(ranks=uniform_ranks(R, L, 0.5, value_group=vg), key_group=vg, value_group=vg, residual=vg)
+    manifest = {"architecture": {"head_dim": n, "num_groups": G, "latent_rank": R, "group_size": g}}
+    model.tale_spec = TaleSpec(Arch.from_manifest(manifest, config), sched, None, manifest)
     return model, orig, tale
 
 
@@ -219,7 +218,7 @@ def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
     feed = torch.randint(1, V, (2, n_steps), device=dev, generator=gen)
     mask = torch.ones_like(ids)
     ids[1, :37], mask[1, :37] = 0, 0
-    kernel = tale[0].attention_fn is not reference
+    kernel = model.tale_spec.backend != "torch"
     out = {}
     with torch.inference_mode():
         for name, static, graphed, kern in [  # (no kernel on the dynamic cache: its growing regions recompile it)
@@ -229,7 +228,7 @@ def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
             ("static-step", True, "step", True),
             ("static-graph", True, graphs, True),
         ]:
-            use_kernels(model, kern and kernel)
+            set_backend(model, "auto" if kern and kernel else "torch")
             cache = new_cache(model, static=static, max_length=ctx + n_steps + 2)
             model(input_ids=ids, attention_mask=mask, **cache_arg(cache), use_cache=True, logits_to_keep=1)
             pos = mask.sum(-1, keepdim=True)  # positions of the next token, per row
@@ -249,7 +248,7 @@ def check(model, tale, graphs: bool, n_steps: int, label: str, generate: bool):
                 row(kind="tale-graph-error", where="check", error=step.error[:300])
             del cache, step
             free()
-        use_kernels(model, kernel)
+        set_backend(model, "auto" if kernel else "torch")
 
         def rel(a, b):
             return float((out[a] - out[b]).norm() / out[b].norm())
@@ -412,17 +411,15 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
                 launches_compiled=k_st,
                 kernel_ms_compiled=round(t_st, 2),
             )
-        if B == 1 and kernel_fn is not None and ctx == 32768:  # what the kernel brings: the same step, torch reference
-            for t in tale:
-                t.attention_fn = reference
+        if B == 1 and kernel and ctx == 32768:  # what the kernel brings: the same step and cache, the torch reference
+            c.backend, chosen = backends.TORCH, c.backend
             set_output_path(model, best["path"])
             ms, toks = decode(tale_step(model, c, graphs), first, pos0, n)
             measure.last = toks
             row(kind="tale-reference", ctx=ctx, batch=B, path=best["path"], ms_per_token=round(ms, 2))
-            for t in tale:
-                t.attention_fn = kernel_fn
+            c.backend = chosen
 
-    kernel_fn = tale[0].attention_fn if tale[0].attention_fn is not reference else None
+    kernel = cache.backend.name != "torch"
     fixed = torch.cuda.memory_allocated() - row_bytes if torch.cuda.is_available() else 0
     _batches(
         model,
@@ -736,10 +733,10 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="TALE rows only (no HF eager or static rows)")
     ap.add_argument("--out", default=None, help="append the table to this markdown file")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--layout", default="auto", help="static cache layout: auto (frag on Hopper), row or frag")
+    ap.add_argument("--layout", default="auto", help="static cache layout: auto (the backend's), row or frag")
     args = ap.parse_args()
     global LAYOUT
-    LAYOUT = args.layout
+    LAYOUT = None if args.layout == "auto" else args.layout
 
     device = "cpu" if args.quick else "cuda"
     graphs = device == "cuda"
@@ -750,7 +747,7 @@ def main() -> None:
     if not args.no_check:  # float32, 4 layers of the same shapes: the static path must agree to rounding
         small, _, st = build(args.quick, device, layers=4 if not args.quick else None, dtype=torch.float32)
         use(small, st)
-        use_kernels(small, graphs)
+        set_backend(small, "auto" if graphs else "torch")
         try:
             check(small, st, graphs, n_steps=40, label=f"float32, {len(st)} layers", generate=False)
         except Exception as e:  # noqa: BLE001
@@ -760,9 +757,8 @@ def main() -> None:
         free()
     model, orig, tale = build(args.quick, device)
     use(model, tale)
-    kernel = use_kernels(model) if graphs else False
-    attention = "Triton kernel (tale_kernels)" if kernel else "torch reference (runtime/attention.py)"
-    log("model built;", attention)
+    set_backend(model, "auto" if graphs else "torch")
+    log("model built")
     ctxs = [int(c) for c in args.contexts.split(",")]
     if args.quick:
         ctxs = [128, 512]
@@ -795,8 +791,7 @@ def main() -> None:
     use(model, tale)
     cache = new_cache(model, static=True, max_length=warm + 80, layout=LAYOUT)
     first, pre_s = prefill(model, cache, warm)
-    if kernel and cache.layout == "frag":  # Hopper, the paper preset: the static cache took the CUDA kernel's layout
-        attention = "CUDA kernel (tale_kernels.mma_attention) on the fragment layout"
+    attention = cache.backend_name  # tale_runtime.backends chose it for this cache
     log("static cache layout:", cache.layout, "; attention:", attention)
     step = tale_step(model, cache, graphs)
     ms, _ = decode(step, first, warm, 70)

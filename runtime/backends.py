@@ -131,19 +131,26 @@ def op(name: str):
     return _REG.ops.get(name)
 
 
-def choose(spec: CacheSpec, want: str = "auto", config=None) -> AttentionBackend:
+def choose(spec: CacheSpec, want: str = "auto", config=None, layout: str | None = None) -> AttentionBackend:
     """The backend for a cache of `spec`: `want` by name (ValueError with its reason if it does not serve this
     cache), or "auto": on a GPU the fastest that does, elsewhere the torch reference. `config` replaces the chosen
-    backend's knobs."""
+    backend's knobs. `layout`: a static layout asked for ("row" or "frag"): only backends that read it (the torch
+    reference reads both)."""
+
+    def reads(b: AttentionBackend) -> bool:
+        return layout is None or b.layout == layout or b.name == TORCH.name
+
     if want != "auto":
         b = get(want)
         if why := b.supports(spec):
             raise ValueError(f"attention backend {want!r} does not serve this cache: {why}")
+        if not reads(b):
+            raise ValueError(f"attention backend {want!r} reads the {b.layout} layout, not {layout!r}")
         return b.configure(config)
     if spec.device.type != "cuda":  # the kernels are GPU kernels (the interpreter serves tests, by name)
         return TORCH
     for b in registered():
-        if b.auto and b.supports(spec) is None:
+        if b.auto and reads(b) and b.supports(spec) is None:
             if config is not None and b.config is not None and type(config) is type(b.config):
                 return b.configure(config)
             return b

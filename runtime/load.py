@@ -422,7 +422,7 @@ def new_cache(
         chosen = backend
     else:
         want = backend or spec.backend
-        chosen = backends.choose(cs, want, spec.backend_config if want == spec.backend else None)
+        chosen = backends.choose(cs, want, spec.backend_config if want == spec.backend else None, layout)
     shapes = (sched, a.num_layers, a.num_kv_heads, a.head_dim, a.num_groups, a.latent_rank)
     if static:
         return StaticTaleCache(*shapes, max_length=max_length, layout=layout, num_heads=a.num_heads, backend=chosen)
