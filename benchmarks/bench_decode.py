@@ -415,9 +415,7 @@ def compare(cfgs: list[TritonConfig], contexts: list[int], batches: str, copy_bw
                 try:
                     e = rel(triton(q, k, h, views["all"], scale, c), want)
                     ts = {
-                        key: timeit(
-                            lambda v=v, c=c, q=q, k=k, h=h: triton(q, k, h, v, scale, c)
-                        )
+                        key: timeit(lambda v=v, c=c, q=q, k=k, h=h: triton(q, k, h, v, scale, c))
                         for key, v in views.items()
                     }
                 except Exception as ex:

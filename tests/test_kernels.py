@@ -443,7 +443,9 @@ def test_channel_major_latents_read_like_row_major(dtype, group):
     assert all(attention._region_args(r, q, 4, 64, 2, group, 64, 1, ())[1][14] for r in packed)  # read in place
     assert attention.supported(q, k, h, view)
     z = tale_kernels.latent_attention(q, k, h, view, 0.125, config=TritonConfig(split_tokens=32))
-    assert rel(z, tale_kernels.latent_attention(q, k, h, v, 0.125, config=TritonConfig(split_tokens=32))) < 1e-5  # k order may differ
+    assert (
+        rel(z, tale_kernels.latent_attention(q, k, h, v, 0.125, config=TritonConfig(split_tokens=32))) < 1e-5
+    )  # k order may differ
     assert rel(z, ref_attention(q, k, h, v, 0.125)) < TOL[dtype]
 
 

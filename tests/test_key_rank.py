@@ -249,7 +249,9 @@ def test_key_bands_and_the_key_basis_come_from_one_load_of_the_artifact(tiny_mod
     model, _ = load(out, device="cpu", dtype=torch.float32)
     assert model.tale_spec.schedule.levels[0].key_hi_bits == 3 and model.tale_spec.key_basis is not None
     assert sorted(model.tale_spec.schedule.key_order[0][0]) == list(range(model.model.layers[0].self_attn.head_dim))
-    assert model.tale_spec.schedule.key_order[0][0] != sorted(model.tale_spec.schedule.key_order[0][0])  # calibrated, not 0..n
+    assert model.tale_spec.schedule.key_order[0][0] != sorted(
+        model.tale_spec.schedule.key_order[0][0]
+    )  # calibrated, not 0..n
 
 
 def test_the_lowrank_preset_converts_with_its_basis_and_holds_fewer_bytes(tiny_model_dir, tmp_path):
