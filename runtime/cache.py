@@ -25,12 +25,11 @@ region for the whole batch):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from . import key_basis
 from .artifact import Schedule

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_static_cache import assert_same, contents
+from test_static_cache import assert_same
 
 from tale_runtime import backends, frag, new_cache, set_backend
 from tale_runtime.artifact import Schedule

@@ -33,8 +33,8 @@ from tale_helpers import talify, tiny_model  # noqa: E402
 from tale_runtime import new_cache, set_backend  # noqa: E402
 from tale_runtime import quant as ref_quant  # noqa: E402
 from tale_runtime.artifact import Level, Schedule, uniform_ranks  # noqa: E402
-from tale_runtime.cache import TaleLayerCache  # noqa: E402
 from tale_runtime.attention import latent_attention as ref_attention  # noqa: E402
+from tale_runtime.cache import TaleLayerCache  # noqa: E402
 from tale_runtime.model import cache_arg  # noqa: E402
 from tale_runtime.regions import LayerView, Region  # noqa: E402
 
