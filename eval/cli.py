@@ -25,7 +25,7 @@ from tale_convert import policy as rank_policy
 from tale_convert.stats import calibration_batches
 from tale_runtime import ArtifactError, console, load
 from tale_runtime.console import fail
-from tale_runtime.load import override_schedule
+from tale_runtime.schedule import override_schedule, round_rank
 
 from . import frontier as frontier_mod
 from . import passkey, perplexity, policies
@@ -329,7 +329,8 @@ def _rank_schedules(model, tok, sched, names, energy, log) -> dict:
 def _uniform_r0(sched) -> int:
     """The budget: the artifact's mean level-0 rank, rounded down to a quantization group."""
     mean = sum(rs[0] for rs in sched.ranks) / len(sched.ranks)
-    return max(sched.value_group, int(mean) // sched.value_group * sched.value_group)
+    R = max(rs[-1] for rs in sched.ranks)
+    return round_rank(int(mean) / R, R, sched.value_group)
 
 
 def _calib_batches(tok, count: int = 4, length: int = 256, batch: int = 2) -> list[torch.Tensor]:

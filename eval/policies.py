@@ -30,7 +30,7 @@ from tale_convert.stats import with_key_bands
 from tale_runtime import Schedule, key_basis, new_cache
 from tale_runtime.artifact import nominal_ratio
 from tale_runtime.cache import KEEP
-from tale_runtime.load import override_schedule
+from tale_runtime.schedule import override_schedule
 
 from . import caches
 
@@ -125,7 +125,7 @@ class Full(Policy):
 
 @dataclass
 class Tale(Policy):
-    """TALE: the artifact's schedule with `overrides` (tale_runtime.load.override_schedule keywords;
+    """TALE: the artifact's schedule with `overrides` (tale_runtime.schedule.override_schedule keywords;
     `r0` is a fraction of R for level 0, the levels above at full rank). `schedule` replaces the
     artifact's outright (rank-policy rows, the exact setting)."""
 

@@ -220,9 +220,10 @@ def rotation_fits(block: int, R: int) -> bool:
 def uniform_ranks(
     R: int, num_layers: int, r0_frac: float = 0.5, value_group: int = 32, n_levels: int = 2
 ) -> list[list[int]]:
-    """Paper default: level 0 keeps r0 = r0_frac * R (rounded down to a quantization group), others full R."""
-    r0 = max(value_group, int(R * r0_frac) // value_group * value_group)
-    return [[min(r0, R)] + [R] * (n_levels - 1) for _ in range(num_layers)]
+    """Paper default: level 0 keeps r0 = r0_frac * R (schedule.round_rank), others full R."""
+    from .schedule import round_rank
+
+    return [[round_rank(r0_frac, R, value_group)] + [R] * (n_levels - 1) for _ in range(num_layers)]
 
 
 def nominal_ratio(schedule: Schedule, head_dim: int, group: int, kv_heads: int | None = None) -> float:

@@ -41,24 +41,27 @@ def _numbers(name: str, text: str | None, kind: type) -> list | None:
     return out
 
 
-def schedule_overrides(sinks, recent, ranks, bits, key_bits, key_group, value_group, residual) -> dict:
+def schedule_overrides(sinks, recent, ranks, bits, key_bits, key_group, value_group, residual, r0=None) -> dict:
     """CLI strings -> keyword overrides for tale_runtime.load (validated there)."""
     ov = {
         "sinks": _numbers("sinks", sinks, int),
         "recent": _numbers("recent", recent, float),
         "ranks": _numbers("ranks", ranks, None),
+        "r0": _numbers("r0", r0, None),
         "bits": _numbers("bits", bits, int),
         "key_bits": _numbers("key-bits", key_bits, int),
         "key_group": _numbers("key-group", key_group, int),
         "value_group": _numbers("value-group", value_group, int),
         "residual": _numbers("residual", residual, int),
     }
-    for name in ("sinks", "key_group", "value_group", "residual"):
+    for name in ("sinks", "key_group", "value_group", "residual", "r0"):
         if ov[name] is not None:
             if len(ov[name]) != 1:
                 raise CliError(f"--{name.replace('_', '-')} takes one value")
             ov[name] = ov[name][0]
             least = 0 if name == "sinks" else 1
+            if name == "r0" and isinstance(ov[name], float):
+                least = 0.0
             if ov[name] < least:
                 raise CliError(f"--{name.replace('_', '-')} must be >= {least}, got {ov[name]}")
     return {k: v for k, v in ov.items() if v is not None}
@@ -109,6 +112,9 @@ def run(
     recent: Optional[str] = typer.Option(
         None, "--recent", metavar="P[,P..]", help="share p of each level above the middle, oldest first"
     ),
+    r0: Optional[str] = typer.Option(
+        None, "--r0", metavar="R", help="the middle level's rank: a fraction of full rank (0.5) or a rank (96)"
+    ),
     ranks: Optional[str] = typer.Option(
         None, "--ranks", metavar="R,R..", help="rank per level: fraction of full rank (0.5) or absolute (96)"
     ),
@@ -122,7 +128,7 @@ def run(
 ) -> None:
     """Generate from a TALE artifact, streaming the text; a stats line follows on stderr."""
     text = read_prompt(prompt, prompt_file)
-    overrides = schedule_overrides(sinks, recent, ranks, bits, key_bits, key_group, value_group, residual)
+    overrides = schedule_overrides(sinks, recent, ranks, bits, key_bits, key_group, value_group, residual, r0)
     if dtype not in DTYPES:
         raise CliError(f"--dtype must be one of bf16, fp16, fp32; got {dtype!r}")
     if output_path not in ("fused", "factored"):
@@ -155,7 +161,7 @@ def run(
         err.print(
             "note: the GPU kernel and the static cache do not read this schedule (keys before RoPE, low-rank keys, "
             "per-token keys or 3-bit latents): decoding through the torch reference on the dynamic cache, far slower "
-            "(docs/speed.md)",
+            "(docs/performance.md)",
             style="dim",
         )
 

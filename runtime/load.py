@@ -5,15 +5,15 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from . import backends, key_basis
-from .artifact import ArtifactError, Level, Schedule, read_manifest, schedule_of, verify_files
+from .artifact import ArtifactError, Schedule, read_manifest, schedule_of, verify_files
 from .model import CACHE_KW, TALE_CACHES, TaleAttention, TaleCache, cache_arg
+from .schedule import override_schedule
 from .spec import Arch, CacheSpec, TaleSpec
 from .static_cache import StaticTaleCache
 
@@ -54,112 +54,6 @@ def resolve(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
 
 def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16
-
-
-def override_schedule(
-    base: Schedule,
-    R: int,
-    num_layers: int,
-    *,
-    sinks: int | None = None,
-    recent: float | list[float] | None = None,
-    ranks: float | int | list[float | int] | None = None,
-    bits: int | list[int] | None = None,
-    key_bits: int | list[int] | None = None,
-    key_group: int | None = None,
-    value_group: int | None = None,
-    residual: int | None = None,
-    key_axis: str | list[str] | None = None,
-    key_meta: str | None = None,
-    value_meta: str | None = None,
-    key_channel_group: int | None = None,
-    rotate: str | None = None,
-    key_rope: str | None = None,
-    key_rank: int | list[int] | None = None,
-) -> Schedule:
-    """`base` (the artifact's schedule) with some knobs replaced; raises ValueError if the result is invalid.
-
-    recent: the share p of each level above level 0, oldest first (one float: the paper's two levels).
-    ranks: one per level or one for all, a fraction of R (float, rounded down to value_group) or a rank
-      (int); the same for every layer.
-    bits: one per level or one for all, for latents and keys; key_bits then replaces the key bits only.
-    key_axis: "channel" or "token" per level (or one for all); key_rank: per level (or one for all), 0 for plain
-      keys; key_meta, value_meta, key_channel_group, rotate, key_rope: see Schedule.
-    Changing the number of levels needs `bits`; without `ranks`, level 0 keeps its ranks, the others get R.
-    """
-    n_old = len(base.levels)
-    shares = None if recent is None else _listify(recent)
-    n = n_old if shares is None else len(shares) + 1
-    if n != n_old and bits is None:
-        raise ValueError(f"schedule override: {n} levels (from recent) need bits for each level ({n} values)")
-    levels = [replace(lv) for lv in base.levels] if n == n_old else [Level(16, 16, None) for _ in range(n)]
-    if shares is not None:
-        for lv, p in zip(levels[1:], shares):
-            lv.share = float(p)
-    if bits is not None:
-        for lv, b in zip(levels, _per_level("bits", bits, n)):
-            lv.bits = lv.key_bits = int(b)
-    if key_bits is not None:
-        for lv, b in zip(levels, _per_level("key_bits", key_bits, n)):
-            lv.key_bits = int(b)
-    if key_axis is not None:
-        for lv, a in zip(levels, _per_level("key_axis", key_axis, n)):
-            lv.key_axis = a
-    if key_rank is not None:
-        for lv, r in zip(levels, _per_level("key_rank", key_rank, n)):
-            lv.key_rank = int(r)
-
-    vg = base.value_group if value_group is None else value_group
-    if ranks is not None:
-        rs = [_rank(r, R, vg) for r in _per_level("ranks", ranks, n)]
-        layer_ranks = [list(rs) for _ in range(num_layers)]
-    elif n != n_old:
-        layer_ranks = [[rs[0]] + [R] * (n - 1) for rs in base.ranks]
-    else:
-        layer_ranks = [list(rs) for rs in base.ranks]
-
-    sched = Schedule(
-        sinks=base.sinks if sinks is None else sinks,
-        levels=levels,
-        ranks=layer_ranks,
-        key_group=base.key_group if key_group is None else key_group,
-        value_group=vg,
-        residual=base.residual if residual is None else residual,
-        policy=base.policy if ranks is None else "uniform",
-        key_meta=base.key_meta if key_meta is None else key_meta,
-        value_meta=base.value_meta if value_meta is None else value_meta,
-        key_channel_group=base.key_channel_group if key_channel_group is None else key_channel_group,
-        rotate=base.rotate if rotate is None else rotate,
-        key_rope=base.key_rope if key_rope is None else key_rope,
-        key_order=base.key_order,  # the artifact's calibration statistic (levels with key bands read it)
-        latent_rotation=base.latent_rotation,  # how the artifact's factors were written: not a knob
-    )
-    try:
-        sched.validate(R, num_layers)
-    except ArtifactError as e:
-        raise ValueError(f"schedule override: {e}") from None
-    return sched
-
-
-def _listify(v) -> list:
-    return list(v) if isinstance(v, (list, tuple)) else [v]
-
-
-def _per_level(name: str, v, n: int) -> list:
-    vs = _listify(v)
-    if len(vs) == 1:
-        vs = vs * n
-    if len(vs) != n:
-        raise ValueError(f"schedule override: {name} has {len(vs)} values for {n} levels")
-    return vs
-
-
-def _rank(r: float | int, R: int, value_group: int) -> int:
-    if isinstance(r, float):
-        if not 0.0 < r <= 1.0:
-            raise ValueError(f"schedule override: rank fraction {r} must lie in (0, 1]")
-        return min(R, max(value_group, int(r * R + 1e-9) // value_group * value_group))
-    return int(r)
 
 
 # transformers releases the runtime was tested on: 5.24 renamed the cache argument (past_key_values -> cache), which

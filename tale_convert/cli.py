@@ -11,9 +11,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tale_runtime import console
+from tale_runtime.schedule import PRESETS
 
 from . import ConvertError
-from . import policy as rank_policy
 from .calibrate import load_documents
 from .convert import Options, convert
 
@@ -167,8 +167,8 @@ def check_inputs(out: Path, opts: Options) -> None:
     ):
         if v is not None and v < least:  # None: the preset's
             raise ConvertError(f"{name} must be >= {least}, got {v}")
-    if opts.preset not in rank_policy.PRESETS:
-        raise ConvertError(f"unknown --preset {opts.preset!r}: use one of {', '.join(rank_policy.PRESETS)}")
+    if opts.preset not in PRESETS:
+        raise ConvertError(f"unknown --preset {opts.preset!r}: use one of {', '.join(PRESETS)}")
     if opts.target_ratio is not None and opts.target_ratio <= 1:
         raise ConvertError(f"--target-ratio must be > 1 (a compression ratio), got {opts.target_ratio:g}")
     for f in opts.calib or []:

@@ -31,6 +31,7 @@ from tale_runtime.artifact import (
     uniform_ranks,
     write_json,
 )
+from tale_runtime.schedule import PRESETS
 
 from . import ConvertError, __version__, calibrate, resume, source, stats, write
 from . import policy as rank_policy
@@ -91,14 +92,14 @@ class Options:
         (bits, share of the head dim, rounded to a multiple of 8 channels), else None."""
         if self.key_bands:
             return tuple(self.key_bands)
-        p = rank_policy.PRESETS.get(self.preset, {}).get("key_bands")
+        p = PRESETS.get(self.preset, {}).get("key_bands")
         if not p:
             return None
         return p[0], max(8, round(p[1] * head_dim / 8) * 8)
 
     def wants_basis(self) -> bool:
         """Whether the artifact gets a key basis: --key-basis, or a preset with low-rank keys."""
-        return self.key_basis or any(rank_policy.PRESETS.get(self.preset, {}).get("key_rank", ()))
+        return self.key_basis or any(PRESETS.get(self.preset, {}).get("key_rank", ()))
 
     def _rotate_latents(self, preset: dict, R: int) -> bool:
         """Asked for: rotate (a group size the blocks cannot follow is refused by the schedule); by the preset: only
@@ -113,9 +114,9 @@ class Options:
             raise ConvertError(f"unknown --policy {self.policy!r}: use one of {', '.join(rank_policy.POLICIES)}")
         if not 0 < self.energy <= 1:
             raise ConvertError(f"--energy must be a fraction in (0, 1], got {self.energy}")
-        if self.preset not in rank_policy.PRESETS:
-            raise ConvertError(f"unknown --preset {self.preset!r}: use one of {', '.join(rank_policy.PRESETS)}")
-        p = rank_policy.PRESETS[self.preset]
+        if self.preset not in PRESETS:
+            raise ConvertError(f"unknown --preset {self.preset!r}: use one of {', '.join(PRESETS)}")
+        p = PRESETS[self.preset]
         # None: the preset's; anything given is checked, so --r0 0 is refused rather than read as unset
         bits = p["bits"] if self.bits is None else self.bits
         key_bits = self.key_bits if self.key_bits is not None else (p["key_bits"] if self.bits is None else bits)

@@ -18,58 +18,9 @@ from dataclasses import replace
 import torch
 
 from tale_runtime.artifact import Schedule
+from tale_runtime.schedule import PRESETS  # noqa: F401  (tale_convert.policy.PRESETS: the converter's presets)
 
 POLICIES = ("uniform", "energy", "fisher", "progressive")
-
-# tale-convert --preset: the schedule knobs (per level, oldest first). residual None = one key group.
-PRESETS = {
-    # the paper's: alpha 4, p 0.1, r0 = R/2, 2-bit middle, 4-bit recent, KIVI layout with 16-bit scales/zeros
-    "paper": dict(
-        bits=(2, 4),
-        key_bits=(2, 4),
-        recent=(0.1,),
-        r0=0.5,
-        key_axis=("channel", "channel"),
-        residual=None,
-        key_meta="16",
-        value_meta="16",
-        rotate_latents=True,
-    ),
-    # the best measured per byte on SmolLM2 (docs/notes.md, "key bands"; dev text): 2-bit middle keys with
-    # the most important half of each KV head's key channels at 3 bits, r0 = R/2, fp8 scales
-    "tale": dict(
-        bits=(2, 4),
-        key_bits=(2, 4),
-        recent=(0.1,),
-        r0=0.5,
-        key_axis=("channel", "channel"),
-        residual=None,
-        key_meta="8/16",
-        value_meta="8/8",
-        key_bands=(3, 0.5),  # (bits, share of the head dim): 32 of 64 channels per KV head at 3 bits
-        rotate_latents=True,
-    ),
-    # low-rank keys (docs/notes.md, "low-rank keys before RoPE"): the middle level's keys before RoPE as 5/12 of the joined key
-    # dim (80 of 192 on SmolLM2) in coefficients on the calibrated key basis at 4 bits, 3-bit latents at r0 = 2R/3,
-    # fp8 scales and zeros, newest tokens at 8 bits per token. r0 = 2R/3, not the dev text's R/2: the least loss on
-    # calibration domains left out of the calibration (docs/notes.md, "the latent rank chosen on left-out domains"; a rank cut fitted to the
-    # calibration loses more on other text). The torch path reads it (dynamic cache); the Triton kernel and the
-    # static cache do not yet. Every preset rotates its latents (docs/notes.md, "rotated latents": same values,
-    # less quantization error; the rank cut on left-out domains was chosen again with them)
-    "lowrank": dict(
-        bits=(3, 4, 8),
-        key_bits=(4, 4, 8),
-        recent=(0.1, 0.0),
-        r0=2 / 3,
-        key_axis=("channel", "channel", "token"),
-        residual=1,
-        key_meta="8/8",
-        value_meta="8/8",
-        key_rope="pre",
-        key_rank=(5 / 12, 0, 0),  # per level, a fraction of the joined key dim K n (0: plain keys)
-        rotate_latents=True,
-    ),
-}
 
 
 def singular_values(v_v: torch.Tensor) -> torch.Tensor:

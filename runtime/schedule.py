@@ -1,0 +1,184 @@
+"""The rank/bit schedule's knobs in one place: tale-convert's presets, the one rank-rounding rule, and the overrides
+that tale-run's flags, `load(**overrides)` and tale-eval's variants apply to an artifact's schedule.
+
+Schedule and Level themselves are the artifact's (artifact.py: they are written into the manifest). The four CLIs
+share one flag vocabulary for these knobs: --sinks, --recent, --r0, --bits, --key-bits, --key-group, --value-group,
+--residual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .artifact import ArtifactError, Level, Schedule
+
+
+def round_rank(fraction: float, R: int, value_group: int) -> int:
+    """The rank a fraction of the full rank R keeps: rounded down to a whole quantization group, at least one group,
+    at most R (the rule of every preset, policy and override)."""
+    return min(R, max(value_group, int(fraction * R + 1e-9) // value_group * value_group))
+
+
+# tale-convert --preset: the schedule knobs (per level, oldest first). residual None = one key group.
+PRESETS = {
+    # the paper's: alpha 4, p 0.1, r0 = R/2, 2-bit middle, 4-bit recent, KIVI layout with 16-bit scales/zeros
+    "paper": dict(
+        bits=(2, 4),
+        key_bits=(2, 4),
+        recent=(0.1,),
+        r0=0.5,
+        key_axis=("channel", "channel"),
+        residual=None,
+        key_meta="16",
+        value_meta="16",
+        rotate_latents=True,
+    ),
+    # the best measured per byte on SmolLM2 (docs/notes.md, "key bands"; dev text): 2-bit middle keys with
+    # the most important half of each KV head's key channels at 3 bits, r0 = R/2, fp8 scales
+    "tale": dict(
+        bits=(2, 4),
+        key_bits=(2, 4),
+        recent=(0.1,),
+        r0=0.5,
+        key_axis=("channel", "channel"),
+        residual=None,
+        key_meta="8/16",
+        value_meta="8/8",
+        key_bands=(3, 0.5),  # (bits, share of the head dim): 32 of 64 channels per KV head at 3 bits
+        rotate_latents=True,
+    ),
+    # low-rank keys (docs/notes.md, "low-rank keys before RoPE"): the middle level's keys before RoPE as 5/12 of the joined key
+    # dim (80 of 192 on SmolLM2) in coefficients on the calibrated key basis at 4 bits, 3-bit latents at r0 = 2R/3,
+    # fp8 scales and zeros, newest tokens at 8 bits per token. r0 = 2R/3, not the dev text's R/2: the least loss on
+    # calibration domains left out of the calibration (docs/notes.md, "the latent rank chosen on left-out domains"; a rank cut fitted to the
+    # calibration loses more on other text). The torch path reads it (dynamic cache); the Triton kernel and the
+    # static cache do not yet. Every preset rotates its latents (docs/notes.md, "rotated latents": same values,
+    # less quantization error; the rank cut on left-out domains was chosen again with them)
+    "lowrank": dict(
+        bits=(3, 4, 8),
+        key_bits=(4, 4, 8),
+        recent=(0.1, 0.0),
+        r0=2 / 3,
+        key_axis=("channel", "channel", "token"),
+        residual=1,
+        key_meta="8/8",
+        value_meta="8/8",
+        key_rope="pre",
+        key_rank=(5 / 12, 0, 0),  # per level, a fraction of the joined key dim K n (0: plain keys)
+        rotate_latents=True,
+    ),
+}
+
+
+def override_schedule(
+    base: Schedule,
+    R: int,
+    num_layers: int,
+    *,
+    sinks: int | None = None,
+    recent: float | list[float] | None = None,
+    ranks: float | int | list[float | int] | None = None,
+    bits: int | list[int] | None = None,
+    key_bits: int | list[int] | None = None,
+    key_group: int | None = None,
+    value_group: int | None = None,
+    residual: int | None = None,
+    key_axis: str | list[str] | None = None,
+    key_meta: str | None = None,
+    value_meta: str | None = None,
+    key_channel_group: int | None = None,
+    rotate: str | None = None,
+    key_rope: str | None = None,
+    key_rank: int | list[int] | None = None,
+    r0: float | int | None = None,
+) -> Schedule:
+    """`base` (the artifact's schedule) with some knobs replaced; raises ValueError if the result is invalid.
+
+    recent: the share p of each level above level 0, oldest first (one float: the paper's two levels).
+    ranks: one per level or one for all, a fraction of R (float, rounded down to value_group) or a rank
+      (int); the same for every layer.
+    bits: one per level or one for all, for latents and keys; key_bits then replaces the key bits only.
+    key_axis: "channel" or "token" per level (or one for all); key_rank: per level (or one for all), 0 for plain
+      keys; key_meta, value_meta, key_channel_group, rotate, key_rope: see Schedule.
+    r0: level 0's rank in every layer (a fraction of R or a rank, as `ranks`), the other levels keep theirs: what
+      --r0 sets in every CLI (`ranks` sets every level's).
+    Changing the number of levels needs `bits`; without `ranks`, level 0 keeps its ranks, the others get R.
+    """
+    if r0 is not None and ranks is not None:
+        raise ValueError("schedule override: give r0 (level 0) or ranks (every level), not both")
+    n_old = len(base.levels)
+    shares = None if recent is None else _listify(recent)
+    n = n_old if shares is None else len(shares) + 1
+    if n != n_old and bits is None:
+        raise ValueError(f"schedule override: {n} levels (from recent) need bits for each level ({n} values)")
+    levels = [replace(lv) for lv in base.levels] if n == n_old else [Level(16, 16, None) for _ in range(n)]
+    if shares is not None:
+        for lv, p in zip(levels[1:], shares):
+            lv.share = float(p)
+    if bits is not None:
+        for lv, b in zip(levels, _per_level("bits", bits, n)):
+            lv.bits = lv.key_bits = int(b)
+    if key_bits is not None:
+        for lv, b in zip(levels, _per_level("key_bits", key_bits, n)):
+            lv.key_bits = int(b)
+    if key_axis is not None:
+        for lv, a in zip(levels, _per_level("key_axis", key_axis, n)):
+            lv.key_axis = a
+    if key_rank is not None:
+        for lv, r in zip(levels, _per_level("key_rank", key_rank, n)):
+            lv.key_rank = int(r)
+
+    vg = base.value_group if value_group is None else value_group
+    if ranks is not None:
+        rs = [_rank(r, R, vg) for r in _per_level("ranks", ranks, n)]
+        layer_ranks = [list(rs) for _ in range(num_layers)]
+    elif n != n_old:
+        layer_ranks = [[rs[0]] + [R] * (n - 1) for rs in base.ranks]
+    else:
+        layer_ranks = [list(rs) for rs in base.ranks]
+    if r0 is not None:
+        layer_ranks = [[_rank(r0, R, vg)] + rs[1:] for rs in layer_ranks]
+
+    sched = Schedule(
+        sinks=base.sinks if sinks is None else sinks,
+        levels=levels,
+        ranks=layer_ranks,
+        key_group=base.key_group if key_group is None else key_group,
+        value_group=vg,
+        residual=base.residual if residual is None else residual,
+        policy=base.policy if ranks is None and r0 is None else "uniform",
+        key_meta=base.key_meta if key_meta is None else key_meta,
+        value_meta=base.value_meta if value_meta is None else value_meta,
+        key_channel_group=base.key_channel_group if key_channel_group is None else key_channel_group,
+        rotate=base.rotate if rotate is None else rotate,
+        key_rope=base.key_rope if key_rope is None else key_rope,
+        key_order=base.key_order,  # the artifact's calibration statistic (levels with key bands read it)
+        latent_rotation=base.latent_rotation,  # how the artifact's factors were written: not a knob
+    )
+    try:
+        sched.validate(R, num_layers)
+    except ArtifactError as e:
+        raise ValueError(f"schedule override: {e}") from None
+    return sched
+
+
+def _listify(v) -> list:
+    return list(v) if isinstance(v, (list, tuple)) else [v]
+
+
+def _per_level(name: str, v, n: int) -> list:
+    vs = _listify(v)
+    if len(vs) == 1:
+        vs = vs * n
+    if len(vs) != n:
+        raise ValueError(f"schedule override: {name} has {len(vs)} values for {n} levels")
+    return vs
+
+
+def _rank(r: float | int, R: int, value_group: int) -> int:
+    """A rank override: a fraction of R (float, rounded by round_rank) or a rank (int, kept: validate checks it)."""
+    if isinstance(r, float):
+        if not 0.0 < r <= 1.0:
+            raise ValueError(f"schedule override: rank fraction {r} must lie in (0, 1]")
+        return round_rank(r, R, value_group)
+    return int(r)
