@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import CacheLayerMixin
 
 from . import key_basis
 from .artifact import Schedule
@@ -39,6 +40,23 @@ from .key_basis import KeyBasis
 from .placement import demotions, fill_counts, flush_count
 from .quant import Bands, QTensor, cat, dequantize, quantize, quantize_bands, requantize, split, take
 from .regions import LayerView, Region
+
+
+class TaleCacheLayer(CacheLayerMixin):
+    """What transformers asks of a TALE cache layer, from its `kappa` (cached positions): the sequence length and the
+    mask sizes. Regions are made by `update`, not by transformers' lazy initialization."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def get_seq_length(self) -> int:
+        return self.kappa
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.kappa + query_length, 0
 
 
 class CacheStep:

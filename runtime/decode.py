@@ -72,7 +72,20 @@ def _own_copy(f):
     return types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
 
 
-class DecodeStep:
+class _OverCache:
+    """Holds its cache weakly (graph_decoder's table is keyed by the cache: a strong reference would keep it alive)."""
+
+    _cache: weakref.ref
+
+    @property
+    def cache(self):
+        c = self._cache()
+        if c is None:
+            raise RuntimeError("the cache this decoder ran over was freed")
+        return c
+
+
+class DecodeStep(_OverCache):
     """`step(ids, position_ids)` -> logits [B, V]: the model's forward over a TALE cache (T new tokens after a
     prefill), layer by layer, with the pieces between the matmuls and attention compiled (see the module
     docstring). Same result as `model(...)` up to the rounding of fused kernels; `backend` is torch.compile's
@@ -86,13 +99,6 @@ class DecodeStep:
         self.embed, self.pre, self.post, self.head = (
             torch.compile(_own_copy(f), **kw) for f in (_embed, _pre, _post, _head)
         )
-
-    @property
-    def cache(self):
-        c = self._cache()
-        if c is None:
-            raise RuntimeError("the cache this decoder ran over was freed")
-        return c
 
     def warm(self, ids: torch.Tensor, position_ids: torch.Tensor) -> None:
         """Compile every piece on these shapes without touching the cache: layer 0's pieces with and without the
@@ -139,7 +145,7 @@ def supports_step(model) -> bool:
     )
 
 
-class CudaGraphDecoder:
+class CudaGraphDecoder(_OverCache):
     """compile: run the steps as DecodeStep (torch.compile of the code around attention, fewer kernels per
     step) when the model supports it; False: the model's own forward. If compiling fails, the decoder warns and
     uses the model's forward (`compile_error` says why)."""
@@ -157,13 +163,6 @@ class CudaGraphDecoder:
         self.compiled = False  # the step's graphs were compiled (by _compile, before any step touched the cache)
         self.compile_s = 0.0  # seconds _compile took (dynamo + inductor + Triton; 0 from the caches when warm)
         self.compile_error: str | None = None
-
-    @property
-    def cache(self):
-        c = self._cache()
-        if c is None:
-            raise RuntimeError("the cache this decoder ran over was freed")
-        return c
 
     def _compile(self, ids: torch.Tensor, position_ids: torch.Tensor) -> None:
         """Compile the step's pieces on this batch's shapes without touching the cache (a failure leaves the cache

@@ -15,14 +15,14 @@ from dataclasses import replace
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .artifact import Schedule
 from .attention import apply_rope
 from .backends import TORCH, AttentionBackend
-from .cache import CacheStep, RopeTables, TaleLayerCache
+from .cache import CacheStep, RopeTables, TaleCacheLayer, TaleLayerCache
 from .static_cache import StaticTaleCache
 
 # transformers 5.24 renamed the cache argument of forward() and generate(), and the output field, from
@@ -59,18 +59,12 @@ def rotate(t: torch.Tensor, Q: torch.Tensor | None) -> torch.Tensor:
     return t if Q is None else (t.float() @ Q).to(t.dtype)
 
 
-class TaleLayer(TaleLayerCache, CacheLayerMixin):
+class TaleLayer(TaleLayerCache, TaleCacheLayer):
     """One layer of TaleCache, visible to transformers as a cache layer (length, mask sizes)."""
 
-    is_compileable = False
-    is_sliding = False
-
     def __init__(self, *args, **kwargs):
-        CacheLayerMixin.__init__(self)
+        TaleCacheLayer.__init__(self)
         TaleLayerCache.__init__(self, *args, **kwargs)
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # regions are created on append
-        pass
 
     def update(self, key_states, value_states, valid=None, queries=None, rope=None):
         """transformers' cache-layer update, as TALE caches it: post-RoPE keys [B, K, T, n] and the latents
@@ -78,12 +72,6 @@ class TaleLayer(TaleLayerCache, CacheLayerMixin):
         tokens reads view(), the new ones are passed to it apart)."""
         self.append(key_states, value_states, valid, queries, rope)
         return key_states, value_states
-
-    def get_seq_length(self) -> int:
-        return self.kappa
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.kappa + query_length, 0
 
     def get_max_length(self) -> int:
         return -1

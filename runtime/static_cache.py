@@ -40,11 +40,11 @@ import copy
 from dataclasses import dataclass, field, replace
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from .artifact import Schedule
 from .backends import TORCH, AttentionBackend
-from .cache import CacheStep, band_index, demote_level, quant_level
+from .cache import CacheStep, TaleCacheLayer, band_index, demote_level, quant_level
 from .frag import FragLevel, FragRegion, fits
 from .placement import demotions, fill_counts, flush_count
 from .quant import FP8, Bands, QTensor, _rebias, cat, meta_format
@@ -179,11 +179,8 @@ def _empty_q(
     return QTensor(data, scale, zero, bits, group, dim, meta, bias, shift)
 
 
-class StaticTaleLayer(CacheLayerMixin):
+class StaticTaleLayer(TaleCacheLayer):
     """One decoder layer's buffers of a StaticTaleCache (the bookkeeping lives in the cache)."""
-
-    is_compileable = False
-    is_sliding = False
 
     def __init__(self, cache: StaticTaleCache, layer_idx: int):
         super().__init__()
@@ -200,21 +197,12 @@ class StaticTaleLayer(CacheLayerMixin):
     def kappa(self) -> int:
         return self.cache.book.kappa if self.cache.book else 0
 
-    def lazy_initialization(self, key_states, value_states) -> None:
-        pass
-
     def update(self, key_states, value_states, valid=None, queries=None, rope=None):
         """transformers' cache-layer update, as TALE caches it: post-RoPE keys [B, K, T, n] and latents [B, G, T, R]
         of the step's T new tokens, written where the step's plan puts them (`valid` [B, T]: real tokens, read at the
         prefill). The static cache reads neither queries nor RoPE tables (it places by recency, keys after RoPE)."""
         self.cache._write(self, key_states, value_states, valid)
         return key_states, value_states
-
-    def get_seq_length(self) -> int:
-        return self.kappa
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.kappa + query_length, 0
 
     def get_max_length(self) -> int:
         return self.cache.max_length or -1
