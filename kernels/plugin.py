@@ -28,10 +28,10 @@ def _triton_reason(spec: CacheSpec) -> str | None:
         return f"reads float16, bfloat16 or float32 caches, not {spec.dtype}"
     if not is_pow2(a.head_dim) or a.head_dim < 16:
         return f"needs a power-of-two head dim >= 16, not {a.head_dim}"
-    if s.key_rope != "post":
-        return "keys held before RoPE (key_rope 'pre') are read by the torch reference only"
     if any(lv.key_rank for lv in s.levels):
         return "low-rank keys (key_rank) are read by the torch reference only"
+    if s.key_rope != "post":
+        return "keys held before RoPE (key_rope 'pre') are read by the torch reference only"
     if any(lv.key_axis != "channel" for lv in s.levels):
         return "per-token keys (key_axis 'token') are read by the torch reference only"
     if any(lv.bits == 3 for lv in s.levels):
