@@ -213,7 +213,7 @@ def test_palu_refuses_a_rank_inside_a_rotation_block(pair, monkeypatch):
     from dataclasses import replace
 
     _, model = pair()
-    monkeypatch.setattr(model, "tale_schedule", replace(model.tale_spec.schedule, latent_rotation=8))
+    monkeypatch.setattr(model.tale_spec, "schedule", replace(model.tale_spec.schedule, latent_rotation=8))
     assert policies.Palu(16, 2).ranks(model) == [16] * model.config.num_hidden_layers
     with pytest.raises(ValueError, match="rotated in blocks of 8"):
         policies.Palu(12, 2).ranks(model)
