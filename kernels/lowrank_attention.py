@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from tale_runtime.attention import latent_attention as reference
 from tale_runtime.frag import FragRegion
@@ -37,7 +38,7 @@ from tale_runtime.quant import FP8, QTensor
 from tale_runtime.regions import LayerView, Region
 
 from . import attention as _attn
-from ._common import TL_DTYPE, pow2, runnable
+from ._common import TL_DTYPE, interpreting, pow2, runnable
 
 LOG2E = 1.4426950408889634
 
@@ -225,6 +226,7 @@ def _lr_kernel(
     KBP: tl.constexpr,
     ROPE: tl.constexpr,
     RDT: tl.constexpr,
+    PRECISE: tl.constexpr,
     RANK: tl.constexpr,
     LC: tl.constexpr,
     NLC: tl.constexpr,
@@ -311,8 +313,12 @@ def _lr_kernel(
             sin_hi = tl.load(sin_ptr + crow + HALF, mask=cm, other=0.0).to(tl.float32)
         elif ROPE == 2:
             ang = (pv - roff).to(tl.float32)[:, None] * invf[None, :]  # one rounding, as the model's float32 product
-            cos_lo = _round(tl.cos(ang) * rope_scale, RDT)
-            sin_lo = _round(tl.sin(ang) * rope_scale, RDT)
+            if PRECISE:  # libdevice's cosf/sinf: full range reduction (angles reach 1e5 and more), as torch's
+                cos_lo = _round(libdevice.cos(ang) * rope_scale, RDT)
+                sin_lo = _round(libdevice.sin(ang) * rope_scale, RDT)
+            else:  # the interpreter (numpy's)
+                cos_lo = _round(tl.cos(ang) * rope_scale, RDT)
+                sin_lo = _round(tl.sin(ang) * rope_scale, RDT)
             cos_hi = cos_lo
             sin_hi = sin_lo
         logits = tl.zeros([QGP, BT], tl.float32)
@@ -695,6 +701,7 @@ def latent_attention_lowrank(
             KBP=KBP,
             ROPE=mode,
             RDT=TL_DTYPE[q.dtype],
+            PRECISE=not interpreting(),
             RANK=r.rank,
             LC=LC,
             NLC=NLC,
