@@ -13,6 +13,7 @@ import importlib
 _EXPORTS = {
     "latent_attention": ".attention",
     "supported": ".attention",
+    "latent_attention_lowrank": ".lowrank_attention",
     "dequantize": ".quant",
     "quantize": ".quant",
     "requantize": ".quant",

@@ -181,6 +181,7 @@ def _lr_kernel(
     k_bias,
     k_ish,
     dec_ptr,
+    dhi_ptr,
     s_dec,
     mean_ptr,
     cos_ptr,
@@ -216,6 +217,7 @@ def _lr_kernel(
     QGP: tl.constexpr,
     BT: tl.constexpr,
     LOWRANK: tl.constexpr,
+    WIDE: tl.constexpr,
     KC: tl.constexpr,
     KRC: tl.constexpr,
     KBITS: tl.constexpr,
@@ -289,6 +291,16 @@ def _lr_kernel(
         invf = tl.load(invf_ptr + d, mask=dm, other=0.0).to(tl.float32)
         roff = tl.load(roff_ptr + b).to(tl.int32)
 
+    GH: tl.constexpr = GS * NH
+    if LOWRANK and WIDE:  # the group's heads side by side: column j*NH + d is channel d (of a half) of head c*GS + j
+        cols = tl.arange(0, GH)
+        cd = cols % NH
+        sel = rmask[:, None] & ((cols // NH)[None, :] == jrow[:, None]) & (cd < HALF)[None, :]
+        qbd_lo = (tl.load(qrow + cd[None, :], mask=sel, other=0.0).to(tl.float32) * qk_scale).to(DOT)
+        qbd_hi = (tl.load(qrow + HALF + cd[None, :], mask=sel, other=0.0).to(tl.float32) * qk_scale).to(DOT)
+        mlo = tl.load(mean_ptr + c * GH + cols)
+        mhi = tl.load(mean_ptr + (H // QG) * GH + c * GH + cols)  # the hi halves after the G lo blocks
+
     m_i = tl.full([QGP], float("-inf"), tl.float32)
     l_i = tl.zeros([QGP], tl.float32)
     acc0 = tl.zeros([QGP, LC], tl.float32)
@@ -313,7 +325,11 @@ def _lr_kernel(
             sin_hi = tl.load(sin_ptr + crow + HALF, mask=cm, other=0.0).to(tl.float32)
         elif ROPE == 2:
             ang = (pv - roff).to(tl.float32)[:, None] * invf[None, :]  # one rounding, as the model's float32 product
-            if PRECISE:  # libdevice's cosf/sinf: full range reduction (angles reach 1e5 and more), as torch's
+            # reduced to [-pi, pi] in float64 (exact to ~1e-11; then rounded to float32: <= 2e-7 off), so cosf/sinf
+            # take their fast path at any position
+            a64 = ang.to(tl.float64)
+            ang = (a64 - tl.floor(a64 * 0.15915494309189535 + 0.5) * 6.283185307179586).to(tl.float32)
+            if PRECISE:  # libdevice's cosf/sinf (the GPU)
                 cos_lo = _round(libdevice.cos(ang) * rope_scale, RDT)
                 sin_lo = _round(libdevice.sin(ang) * rope_scale, RDT)
             else:  # the interpreter (numpy's)
@@ -322,53 +338,89 @@ def _lr_kernel(
             cos_hi = cos_lo
             sin_hi = sin_lo
         logits = tl.zeros([QGP, BT], tl.float32)
-        for j in tl.static_range(GS):
-            kv = c * GS + j
-            km = ok[:, None] & dm[None, :]
-            if LOWRANK:  # k_pre = mean + c dec[:r], the halves of head kv apart
-                k_lo = tl.zeros([BT, NH], tl.float32) + tl.load(mean_ptr + kv * N + d, mask=dm, other=0.0)[None, :]
-                k_hi = (
-                    tl.zeros([BT, NH], tl.float32) + tl.load(mean_ptr + kv * N + HALF + d, mask=dm, other=0.0)[None, :]
-                )
-                for c0 in range(0, KC, KRC):
-                    ch = c0 + tl.arange(0, KRC)
-                    chm = ch < KC
-                    coef = _deq(
-                        k_ptr,
-                        b * s_kb,
-                        t,
-                        s_kt,
-                        ch,
-                        ok[:, None] & chm[None, :],
-                        ks_ptr,
-                        kz_ptr,
-                        b * s_ksb,
-                        s_kst,
-                        kinv_s,
-                        kinv_z,
-                        KBITS,
-                        KC,
-                        KTG,
-                        KCG,
+        if LOWRANK and WIDE:  # k_pre = mean + c dec[:r] for the group's heads at once: [BT, GS*NH] per half
+            k_lo = tl.zeros([BT, GH], tl.float32) + mlo[None, :]
+            k_hi = tl.zeros([BT, GH], tl.float32) + mhi[None, :]
+            for c0 in range(0, KC, KRC):
+                ch = c0 + tl.arange(0, KRC)
+                chm = ch < KC
+                coef = _deq(
+                    k_ptr,
+                    b * s_kb,
+                    t,
+                    s_kt,
+                    ch,
+                    ok[:, None] & chm[None, :],
+                    ks_ptr,
+                    kz_ptr,
+                    b * s_ksb,
+                    s_kst,
+                    kinv_s,
+                    kinv_z,
+                    KBITS,
+                    KC,
+                    KTG,
+                    KCG,
+                ).to(DOT)
+                drow = ch[:, None] * s_dec + c * GH + cols[None, :]
+                k_lo = _dot(coef, tl.load(dec_ptr + drow, mask=chm[:, None], other=0.0), k_lo, DOT)
+                k_hi = _dot(coef, tl.load(dhi_ptr + drow, mask=chm[:, None], other=0.0), k_hi, DOT)
+            if ROPE != 0:  # x cos + rotate_half(x) sin, rotate_half(x) = (-x_hi, x_lo); the tables per head
+                lo3 = tl.reshape(k_lo, (BT, GS, NH))
+                hi3 = tl.reshape(k_hi, (BT, GS, NH))
+                r_lo = lo3 * cos_lo[:, None, :] - hi3 * sin_lo[:, None, :]
+                r_hi = hi3 * cos_hi[:, None, :] + lo3 * sin_hi[:, None, :]
+                k_lo = tl.reshape(r_lo, (BT, GH))
+                k_hi = tl.reshape(r_hi, (BT, GH))
+            logits = _dot(qbd_lo, tl.trans(k_lo), logits, DOT)
+            logits = _dot(qbd_hi, tl.trans(k_hi), logits, DOT)
+        else:
+            for j in tl.static_range(GS):
+                kv = c * GS + j
+                km = ok[:, None] & dm[None, :]
+                if LOWRANK:  # head by head (WIDE=False): the coefficients dequantized once per head
+                    k_lo = tl.zeros([BT, NH], tl.float32) + tl.load(mean_ptr + kv * NH + d)[None, :]
+                    k_hi = tl.zeros([BT, NH], tl.float32) + tl.load(mean_ptr + (H // QG) * GH + kv * NH + d)[None, :]
+                    for c0 in range(0, KC, KRC):
+                        ch = c0 + tl.arange(0, KRC)
+                        chm = ch < KC
+                        coef = _deq(
+                            k_ptr,
+                            b * s_kb,
+                            t,
+                            s_kt,
+                            ch,
+                            ok[:, None] & chm[None, :],
+                            ks_ptr,
+                            kz_ptr,
+                            b * s_ksb,
+                            s_kst,
+                            kinv_s,
+                            kinv_z,
+                            KBITS,
+                            KC,
+                            KTG,
+                            KCG,
+                        ).to(DOT)
+                        drow = ch[:, None] * s_dec + kv * NH + d[None, :]
+                        k_lo = _dot(coef, tl.load(dec_ptr + drow, mask=chm[:, None], other=0.0), k_lo, DOT)
+                        k_hi = _dot(coef, tl.load(dhi_ptr + drow, mask=chm[:, None], other=0.0), k_hi, DOT)
+                else:
+                    kb = b * s_kb + kv * s_kh
+                    ksb = b * s_ksb + kv * s_ksh
+                    k_lo = _deq(
+                        k_ptr, kb, t, s_kt, d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG
                     )
-                    drow = dec_ptr + ch[:, None] * s_dec + kv * N + d[None, :]
-                    dmm = chm[:, None] & dm[None, :]
-                    k_lo = _dot(coef, tl.load(drow, mask=dmm, other=0.0), k_lo, DOT)
-                    k_hi = _dot(coef, tl.load(drow + HALF, mask=dmm, other=0.0), k_hi, DOT)
-            else:
-                kb = b * s_kb + kv * s_kh
-                ksb = b * s_ksb + kv * s_ksh
-                k_lo = _deq(k_ptr, kb, t, s_kt, d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG)
-                k_hi = _deq(
-                    k_ptr, kb, t, s_kt, HALF + d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG
-                )
-            if ROPE != 0:  # x cos + rotate_half(x) sin, rotate_half(x) = (-x_hi, x_lo)
-                r_lo = k_lo * cos_lo - k_hi * sin_lo
-                k_hi = k_hi * cos_hi + k_lo * sin_hi
-                k_lo = r_lo
-            sel = (jrow == j)[:, None]
-            logits = _dot(tl.where(sel, q_lo, 0.0), tl.trans(k_lo), logits, DOT)
-            logits = _dot(tl.where(sel, q_hi, 0.0), tl.trans(k_hi), logits, DOT)
+                    k_hi = _deq(
+                        k_ptr, kb, t, s_kt, HALF + d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG
+                    )
+                if ROPE != 0:
+                    r_lo = k_lo * cos_lo - k_hi * sin_lo
+                    k_hi = k_hi * cos_hi + k_lo * sin_hi
+                    k_lo = r_lo
+                sel = (jrow == j)[:, None]
+                logits = _dot(tl.where(sel, q_lo, 0.0), tl.trans(k_lo), logits, DOT)
+                logits = _dot(tl.where(sel, q_hi, 0.0), tl.trans(k_hi), logits, DOT)
         logits = tl.where(ok[None, :], logits, float("-inf"))
         # -- online softmax (base 2)
         m_new = tl.maximum(m_i, tl.max(logits, axis=1))
@@ -575,7 +627,8 @@ def latent_attention_lowrank(
     min_split: int = 64,
     waves: float = 2.0,
     split_tokens: int | None = None,
-    num_warps: int = 4,
+    fused_heads: bool = True,
+    num_warps: int = 8,
     num_stages: int = 2,
 ) -> torch.Tensor:
     """Decode attention over a view with keys before RoPE / low-rank keys: z [B, T, H, R] float32, the backend
@@ -585,7 +638,10 @@ def latent_attention_lowrank(
     the model's rotary embedding (model.model.rotary_emb: .inv_freq, .attention_scaling) or a pair
     (inv_freq, attention_scaling) computes them in the kernel at each slot's rope position = cache position minus
     `rope_offset` [B] (default: the row's padding slots, transformers' convention for left-padded batches).
-    `split_tokens` fixes the slots per split (tests); `coef_chunk` the coefficients per rebuild step."""
+    `split_tokens` fixes the slots per split (tests); `coef_chunk` the coefficients per rebuild step. `fused_heads`
+    rebuilds the low-rank keys of a latent group's KV heads in one [block_t, coef_chunk] x [coef_chunk, g n/2] dot per
+    RoPE half and scores them in one block-diagonal dot (the coefficients dequantized once per tile); False: head by
+    head (the coefficients dequantized once per head, small dots)."""
     if not isinstance(view, LayerView):
         view = view.view()
     if supported(q, k_new, h_new, view, rope) is not None:
@@ -620,9 +676,9 @@ def latent_attention_lowrank(
         kd, kst, ks, kz, kss, kbias, kish, (KB, KTG, KCG, KS8, KZ8, KBP) = _qargs(r.keys, KC)
         hd, hst, hs, hz, hss, hbias, hish, (HB, _, HG, HS8, HZ8, HBP) = _qargs(r.lat, r.rank)
         if lowrank:
-            dec, mean = _basis_on(r.basis, dev, torch.float32 if q.dtype == torch.float32 else torch.float16)
+            dec, dhi, mean = _basis_on(r.basis, NH, dev, torch.float32 if q.dtype == torch.float32 else torch.float16)
         else:
-            dec = mean = kd
+            dec = dhi = mean = kd
         if r.rope is None:
             mode, cos, sin = 0, kd, kd
         elif rot is None:
@@ -657,6 +713,7 @@ def latent_attention_lowrank(
             kbias,
             kish,
             dec,
+            dhi,
             dec.stride(0),
             mean,
             cos,
@@ -691,6 +748,7 @@ def latent_attention_lowrank(
             QGP=QGP,
             BT=BT,
             LOWRANK=lowrank,
+            WIDE=fused_heads,
             KC=KC,
             KRC=max(16, coef_chunk),
             KBITS=KB,
@@ -725,18 +783,27 @@ def latent_attention_lowrank(
 _BASIS: dict = {}
 
 
-def _basis_on(basis: KeyBasis, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dec [C, K n], mean [K n]) of `basis` contiguous on `device`: dec in `dtype` (the tensor cores' operand type),
-    mean in float32."""
+def _basis_on(basis: KeyBasis, NH: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dec_lo, dec_hi [C, K NH] in `dtype` (the tensor cores' operand type), mean [2 K NH] float32) of `basis` on
+    `device`: per KV head k, columns k NH + d hold channel d (lo) / n/2 + d (hi) of its key (d < n/2; zero up to
+    NH), so that a latent group's heads are one contiguous block of columns per RoPE half; the mean's lo halves,
+    then its hi halves."""
     import weakref
 
-    key = (id(basis.dec), str(device), dtype)
+    key = (id(basis.dec), NH, str(device), dtype)
     hit = _BASIS.get(key)
     if hit is None:
-        hit = _BASIS[key] = (
-            basis.dec.to(device=device, dtype=dtype).contiguous(),
-            basis.mean.to(device=device, dtype=torch.float32).contiguous(),
-        )
+        K, n = basis.heads, basis.head_dim
+        half = n // 2
+
+        def halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [..., K n] -> lo, hi [..., K NH]
+            x = x.to(device=device, dtype=torch.float32).unflatten(-1, (K, n))
+            pad = lambda y: torch.nn.functional.pad(y, (0, NH - half)).flatten(-2)  # noqa: E731
+            return pad(x[..., :half]), pad(x[..., half:])
+
+        lo, hi = halves(basis.dec)
+        mlo, mhi = halves(basis.mean)
+        hit = _BASIS[key] = (lo.to(dtype).contiguous(), hi.to(dtype).contiguous(), torch.cat([mlo, mhi]).contiguous())
         weakref.finalize(basis.dec, _BASIS.pop, key, None)
     return hit
 

@@ -173,10 +173,11 @@ def check(lay: Layout, tol=None, rope_modes=("tables", "kernel"), **kw):
     tol = tol or (1e-4 if lay.dtype == torch.float32 else 5e-3)
     for mode in rope_modes:
         rope = None if mode == "tables" else rot
-        z = lra.latent_attention_lowrank(q, k, h, view, scaling, rope=rope, split_tokens=32)
-        assert z.shape == ref.shape and torch.isfinite(z).all()
-        e = rel(z, ref)
-        assert e <= tol, (mode, e)
+        for fused in (True, False):  # the group's heads rebuilt in one dot, or head by head
+            z = lra.latent_attention_lowrank(q, k, h, view, scaling, rope=rope, split_tokens=32, fused_heads=fused)
+            assert z.shape == ref.shape and torch.isfinite(z).all()
+            e = rel(z, ref)
+            assert e <= tol, (mode, fused, e)
     return view
 
 
