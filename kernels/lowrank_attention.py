@@ -292,14 +292,18 @@ def _lr_kernel(
         roff = tl.load(roff_ptr + b).to(tl.int32)
 
     GH: tl.constexpr = GS * NH
+    KNH = (H // QG) * GH  # K NH
     if LOWRANK and WIDE:  # the group's heads side by side: column j*NH + d is channel d (of a half) of head c*GS + j
         cols = tl.arange(0, GH)
         cd = cols % NH
         sel = rmask[:, None] & ((cols // NH)[None, :] == jrow[:, None]) & (cd < HALF)[None, :]
         qbd_lo = (tl.load(qrow + cd[None, :], mask=sel, other=0.0).to(tl.float32) * qk_scale).to(DOT)
         qbd_hi = (tl.load(qrow + HALF + cd[None, :], mask=sel, other=0.0).to(tl.float32) * qk_scale).to(DOT)
+        # rows of the basis buffer (K NH each): mean lo, mean hi, column scale lo, column scale hi (_basis_on)
         mlo = tl.load(mean_ptr + c * GH + cols)
-        mhi = tl.load(mean_ptr + (H // QG) * GH + c * GH + cols)  # the hi halves after the G lo blocks
+        mhi = tl.load(mean_ptr + KNH + c * GH + cols)
+        slo = tl.load(mean_ptr + 2 * KNH + c * GH + cols)
+        shi = tl.load(mean_ptr + 3 * KNH + c * GH + cols)
 
     m_i = tl.full([QGP], float("-inf"), tl.float32)
     l_i = tl.zeros([QGP], tl.float32)
@@ -339,8 +343,8 @@ def _lr_kernel(
             sin_hi = sin_lo
         logits = tl.zeros([QGP, BT], tl.float32)
         if LOWRANK and WIDE:  # k_pre = mean + c dec[:r] for the group's heads at once: [BT, GS*NH] per half
-            k_lo = tl.zeros([BT, GH], tl.float32) + mlo[None, :]
-            k_hi = tl.zeros([BT, GH], tl.float32) + mhi[None, :]
+            k_lo = tl.zeros([BT, GH], tl.float32)
+            k_hi = tl.zeros([BT, GH], tl.float32)
             for c0 in range(0, KC, KRC):
                 ch = c0 + tl.arange(0, KRC)
                 chm = ch < KC
@@ -365,6 +369,8 @@ def _lr_kernel(
                 drow = ch[:, None] * s_dec + c * GH + cols[None, :]
                 k_lo = _dot(coef, tl.load(dec_ptr + drow, mask=chm[:, None], other=0.0), k_lo, DOT)
                 k_hi = _dot(coef, tl.load(dhi_ptr + drow, mask=chm[:, None], other=0.0), k_hi, DOT)
+            k_lo = k_lo * slo[None, :] + mlo[None, :]
+            k_hi = k_hi * shi[None, :] + mhi[None, :]
             if ROPE != 0:  # x cos + rotate_half(x) sin, rotate_half(x) = (-x_hi, x_lo); the tables per head
                 lo3 = tl.reshape(k_lo, (BT, GS, NH))
                 hi3 = tl.reshape(k_hi, (BT, GS, NH))
@@ -379,8 +385,8 @@ def _lr_kernel(
                 kv = c * GS + j
                 km = ok[:, None] & dm[None, :]
                 if LOWRANK:  # head by head (WIDE=False): the coefficients dequantized once per head
-                    k_lo = tl.zeros([BT, NH], tl.float32) + tl.load(mean_ptr + kv * NH + d)[None, :]
-                    k_hi = tl.zeros([BT, NH], tl.float32) + tl.load(mean_ptr + (H // QG) * GH + kv * NH + d)[None, :]
+                    k_lo = tl.zeros([BT, NH], tl.float32)
+                    k_hi = tl.zeros([BT, NH], tl.float32)
                     for c0 in range(0, KC, KRC):
                         ch = c0 + tl.arange(0, KRC)
                         chm = ch < KC
@@ -405,6 +411,9 @@ def _lr_kernel(
                         drow = ch[:, None] * s_dec + kv * NH + d[None, :]
                         k_lo = _dot(coef, tl.load(dec_ptr + drow, mask=chm[:, None], other=0.0), k_lo, DOT)
                         k_hi = _dot(coef, tl.load(dhi_ptr + drow, mask=chm[:, None], other=0.0), k_hi, DOT)
+                    hd = kv * NH + d
+                    k_lo = k_lo * tl.load(mean_ptr + 2 * KNH + hd)[None, :] + tl.load(mean_ptr + hd)[None, :]
+                    k_hi = k_hi * tl.load(mean_ptr + 3 * KNH + hd)[None, :] + tl.load(mean_ptr + KNH + hd)[None, :]
                 else:
                     kb = b * s_kb + kv * s_kh
                     ksb = b * s_ksb + kv * s_ksh
@@ -784,10 +793,12 @@ _BASIS: dict = {}
 
 
 def _basis_on(basis: KeyBasis, NH: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dec_lo, dec_hi [C, K NH] in `dtype` (the tensor cores' operand type), mean [2 K NH] float32) of `basis` on
-    `device`: per KV head k, columns k NH + d hold channel d (lo) / n/2 + d (hi) of its key (d < n/2; zero up to
-    NH), so that a latent group's heads are one contiguous block of columns per RoPE half; the mean's lo halves,
-    then its hi halves."""
+    """(dec_lo, dec_hi [C, K NH] in `dtype` (the tensor cores' operand type), rows [4, K NH] float32) of `basis` on
+    `device`. Per KV head k, columns k NH + d hold channel d (lo) / n/2 + d (hi) of its key (d < n/2; zero up to
+    NH), so that a latent group's heads are one contiguous block of columns per RoPE half. Each column is divided by
+    a power of two that brings its largest entry into [0.5, 1] (float16 holds dec whatever its range: a channel the
+    queries barely read has large entries: key_basis.fit divides by their weights); rows: the mean's lo and hi halves, then those
+    powers of two (lo, hi), by which the kernel multiplies the rebuilt keys back (exact)."""
     import weakref
 
     key = (id(basis.dec), NH, str(device), dtype)
@@ -801,9 +812,16 @@ def _basis_on(basis: KeyBasis, NH: int, device, dtype) -> tuple[torch.Tensor, to
             pad = lambda y: torch.nn.functional.pad(y, (0, NH - half)).flatten(-2)  # noqa: E731
             return pad(x[..., :half]), pad(x[..., half:])
 
+        def scaled(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            top = m.abs().amax(0)
+            e = torch.where(top > 0, torch.ceil(torch.log2(top.clamp_min(1e-30))), torch.zeros_like(top))
+            s = torch.exp2(e)
+            return (m / s).to(dtype).contiguous(), s
+
         lo, hi = halves(basis.dec)
+        (lo, slo), (hi, shi) = scaled(lo), scaled(hi)
         mlo, mhi = halves(basis.mean)
-        hit = _BASIS[key] = (lo.to(dtype).contiguous(), hi.to(dtype).contiguous(), torch.cat([mlo, mhi]).contiguous())
+        hit = _BASIS[key] = (lo, hi, torch.stack([mlo, mhi, slo, shi]).contiguous())
         weakref.finalize(basis.dec, _BASIS.pop, key, None)
     return hit
 

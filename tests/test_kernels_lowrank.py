@@ -216,6 +216,21 @@ def test_bf16_16_bit_scales():
     check(Layout(n=64, r=32, dtype=torch.bfloat16), meta="16", lat_bits=4)
 
 
+def test_basis_columns_fit_float16_whatever_their_range():
+    """dec goes to the tensor cores in float16 (16-bit caches) as columns scaled by powers of two, undone exactly."""
+    K, n, C = 2, 16, 32
+    dec = torch.randn(C, K * n)
+    dec[:, 3] *= 2.0**40  # a channel the queries barely read: key_basis.fit divides it by a tiny weight
+    dec[:, 20] *= 2.0**-30
+    bs = KeyBasis(torch.zeros(K * n, C), dec, torch.randn(K * n), K, n)
+    lo, hi, rows = lra._basis_on(bs, n // 2, "cpu", torch.float16)
+    assert lo.abs().max() <= 1 and hi.abs().max() <= 1 and torch.isfinite(lo).all() and torch.isfinite(hi).all()
+    back = torch.stack([lo.float() * rows[2], hi.float() * rows[3]], 1)  # [C, 2, K n / 2]: per head lo | hi
+    want = dec.view(C, K, 2, n // 2).transpose(1, 2).reshape(C, 2, K * n // 2)
+    assert ((back - want).abs() / want.abs().amax(0)).max() <= 2**-11  # float16's rounding, per column's range
+    assert torch.equal(rows[:2].flatten(), bs.mean.view(K, 2, n // 2).transpose(0, 1).flatten())
+
+
 def test_without_rope_scaling_and_supported_reasons():
     lay = Layout(lens=(4, 30, 8, 0, 2))
     rot = rotary(lay.n, scaling=False)
@@ -270,13 +285,13 @@ def test_real_cache_through_a_tiny_model():
     rot = tm.model.rotary_emb
     calls = []
 
-    def kernel(q, k, h, view, scaling):
+    def kernel(q, k, h, view, scaling):  # the backend: the kernel's z drives generation, checked at every call
         ref = ref_attention(q, k, h, view, scaling)
         assert lra.supported(q, k, h, view) is None, lra.supported(q, k, h, view)
-        for rope in (None, rot):
+        for rope in (rot, None):
             z = lra.latent_attention_lowrank(q, k, h, view, scaling, rope=rope, split_tokens=16)
             calls.append(rel(z, ref))
-        return ref
+        return z
 
     for layer in tm.model.layers:
         layer.self_attn.attention_fn = kernel
