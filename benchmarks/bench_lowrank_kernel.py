@@ -272,7 +272,7 @@ def main() -> int:
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument(
         "--sweep",
-        default="32x32x4x2x0,32x32x8x2x1,32x64x8x2x1,64x32x8x2x1,32x32x8x4x1,32x32x4x4x1,16x32x4x4x1,64x64x8x4x1",
+        default="32x32x4x2x0,32x32x8x2x1,32x64x8x2x1,64x32x8x2x1,32x32x8x4x1,32x32x4x4x1,32x32x8x8x1,64x64x8x4x1",
         help="block_t x coef_chunk x num_warps x waves x fused_heads (1/0), swept at 32K B=1; the table takes the fastest",
     )
     a = ap.parse_args()

@@ -677,7 +677,7 @@ def latent_attention_lowrank(
     npos, win = view.next_pos, view.window
     QGP = max(16, pow2(g * rep))
     NH = max(16, n // 2)
-    BT = max(16, block_t)
+    BT = max(32, block_t)  # 16-token tiles gave wrong results compiled (docs/kernels.md, Triton quirks)
     slot0 = 0
     for r, ns in zip(regions, splits):
         lowrank = r.basis is not None
