@@ -16,6 +16,7 @@ _EXPORTS = {
     "TritonConfig": ".attention",
     "latent_attention": ".attention",
     "supported": ".attention",
+    "latent_attention_lowrank": ".lowrank_attention",
     "dequantize": ".quant",
     "quantize": ".quant",
     "requantize": ".quant",

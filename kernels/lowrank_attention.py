@@ -1,0 +1,830 @@
+"""Fused decode attention (T = 1) over a cache whose keys are held before RoPE, low-rank ones included.
+
+The `lowrank` preset (tale_convert/policy.py) caches its middle level's keys as coefficients on the layer's key
+basis (runtime/key_basis.py: c = (k_pre - mean) enc[:, :r], k_pre ~ mean + c dec[:r]), its other levels' keys
+before RoPE (Schedule.key_rope "pre"), and the sinks and the 16-bit tail after RoPE. This module serves such a
+view whole, one launch per region, grid (splits, G, B) like kernels/attention.py, and writes the same split
+partials (max, sum, acc[:rank]) that its `_combine` merges with the new token. Per tile of BT slots, per KV head j
+of the program's latent group:
+
+- keys: low-rank ones rebuilt from the coefficient codes, unpacked and dequantized chunk by chunk
+  ([BT, KRC] of the r coefficients, quantized per coefficient over token groups or per token), times the basis'
+  dec rows of head j on tensor cores ([BT, KRC] x [KRC, n/2], the two RoPE halves apart), plus the mean; plain
+  keys dequantized as they are (per channel over token groups, per token over channel groups, or 16-bit);
+- RoPE for keys held before it, on the halves (rotate_half): cos and sin read from the region's tables, or
+  computed in the kernel from the model's own rotary (inv_freq, attention_scaling: any rope scaling the model
+  applies, llama3 included, is in its inv_freq), at the slot's rope position;
+- scores of the group's query rows of head j (a block-diagonal query tile), online softmax in base 2;
+- latents per token over channel groups (2/3/4/8/16 bits), p @ h in up to four channel chunks.
+
+Codes are read element-wise from the packed planes of runtime/quant.py (element c of a row in byte c % nb at bit
+(c // nb) * bits; 3 bits bit-sliced), so any width the cache writes is read in place; scales and zeros in 16 bits
+(the cache dtype, or float16 times 2^-8 for bf16 tensors) or fp8 times the tensor's bias (a float, or a device
+scalar). Lengths, positions and next_pos may be device tensors and the grid comes from capacities only: no host
+sync, capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from tale_runtime.attention import latent_attention as reference
+from tale_runtime.frag import FragRegion
+from tale_runtime.key_basis import KeyBasis
+from tale_runtime.quant import FP8, QTensor
+from tale_runtime.regions import LayerView, Region
+
+from . import attention as _attn
+from ._common import TL_DTYPE, interpreting, pow2, runnable
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, acc, DOT: tl.constexpr):
+    """acc + a @ b in float32; a and b enter the tensor cores in DOT (float32: full precision, not tf32)."""
+    if DOT == tl.float32:
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        r = tl.dot(a.to(DOT), b.to(DOT), acc)
+    return r
+
+
+@triton.jit
+def _round(x, RDT: tl.constexpr):
+    """float32 x rounded to RDT (to nearest, ties to even) and back: bfloat16 by its bits (Triton's interpreter
+    truncates in .to(bfloat16); this agrees with torch there and on the GPU)."""
+    if RDT == tl.bfloat16:
+        u = x.to(tl.uint32, bitcast=True)
+        u = (u + (0x7FFF + ((u >> 16) & 1))) & 0xFFFF0000
+        y = u.to(tl.float32, bitcast=True)
+    elif RDT == tl.float16:
+        y = x.to(tl.float16).to(tl.float32)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def _inv(arg, BP: tl.constexpr):
+    """1 / an fp8 bias: a float argument, or (BP) a one-element device tensor."""
+    if BP:
+        inv = 1.0 / tl.load(arg).to(tl.float32)
+    else:
+        inv = 1.0 / arg
+    return inv
+
+
+@triton.jit
+def _deq(
+    d_ptr,
+    base,
+    t,
+    s_t,
+    ch,
+    m2,
+    s_ptr,
+    z_ptr,
+    sbase,
+    s_srow,
+    inv_s,
+    inv_z,
+    BITS: tl.constexpr,
+    CT: tl.constexpr,
+    TG: tl.constexpr,
+    CG: tl.constexpr,
+):
+    """Elements ch [C] of slots t [BT] of a (quantized) row-major tensor, float32 [BT, C] (0 where m2 is False).
+
+    Row of slot t at d_ptr + base + t * s_t (elements, or bytes when packed); CT elements per row. Packed codes
+    (runtime/quant.py): element c in byte c % nb at bit (c // nb) * BITS; 3 bits: the low 2 bits so at 2 bits over
+    the first CT / 4 bytes, the high bit at 1 bit over the next CT / 8. Scale and zero of (slot t, element c) at
+    sbase + (t // TG) * s_srow + c // CG (keys per channel over token groups: TG = group, CG = 1; per token over
+    channel groups: TG = 1, CG = group), times inv_s / inv_z (1 / fp8 bias, or 1 / the 16-bit shift)."""
+    rowp = d_ptr + base + t[:, None] * s_t
+    if BITS == 16:
+        x = tl.load(rowp + ch[None, :], mask=m2, other=0.0).to(tl.float32)
+    else:
+        if BITS == 8:
+            code = tl.load(rowp + ch[None, :], mask=m2, other=0).to(tl.int32)
+        elif BITS == 3:
+            NB2: tl.constexpr = CT // 4
+            NB1: tl.constexpr = CT // 8
+            lo = tl.load(rowp + (ch % NB2)[None, :], mask=m2, other=0).to(tl.int32)
+            hi = tl.load(rowp + (NB2 + ch % NB1)[None, :], mask=m2, other=0).to(tl.int32)
+            code = ((lo >> ((ch // NB2) * 2)[None, :]) & 3) | (((hi >> (ch // NB1)[None, :]) & 1) << 2)
+        else:
+            NB: tl.constexpr = CT * BITS // 8
+            byt = tl.load(rowp + (ch % NB)[None, :], mask=m2, other=0).to(tl.int32)
+            code = (byt >> ((ch // NB) * BITS)[None, :]) & ((1 << BITS) - 1)
+        soff = sbase + (t // TG)[:, None] * s_srow + (ch // CG)[None, :]
+        sc = tl.load(s_ptr + soff, mask=m2, other=0.0).to(tl.float32) * inv_s
+        zr = tl.load(z_ptr + soff, mask=m2, other=0.0).to(tl.float32) * inv_z
+        x = code.to(tl.float32) * sc + zr
+    return x
+
+
+@triton.jit
+def _lat_chunk(
+    acc,
+    p,
+    alpha,
+    i: tl.constexpr,
+    h_ptr,
+    hbase,
+    t,
+    s_ht,
+    ok,
+    hs_ptr,
+    hz_ptr,
+    hsbase,
+    s_hst,
+    hinv_s,
+    hinv_z,
+    RANK: tl.constexpr,
+    LC: tl.constexpr,
+    HBITS: tl.constexpr,
+    HG: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    """acc * alpha + p @ latent channels i*LC .. i*LC + LC - 1 of the tile (unused slots: zero)."""
+    ch = i * LC + tl.arange(0, LC)
+    m2 = ok[:, None] & (ch < RANK)[None, :]
+    h = _deq(h_ptr, hbase, t, s_ht, ch, m2, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, HBITS, RANK, 1, HG)
+    return _dot(p, h, acc * alpha[:, None], DOT)
+
+
+@triton.jit
+def _lr_kernel(
+    q_ptr,
+    s_qb,
+    s_qh,
+    qk_scale,
+    pos_ptr,
+    s_pb,
+    len_arg,
+    np_arg,
+    window,
+    roff_ptr,
+    k_ptr,
+    s_kb,
+    s_kh,
+    s_kt,
+    ks_ptr,
+    kz_ptr,
+    s_ksb,
+    s_ksh,
+    s_kst,
+    k_bias,
+    k_ish,
+    dec_ptr,
+    dhi_ptr,
+    s_dec,
+    mean_ptr,
+    cos_ptr,
+    sin_ptr,
+    s_cb,
+    s_ct,
+    invf_ptr,
+    rope_scale,
+    h_ptr,
+    s_hb,
+    s_hg,
+    s_ht,
+    hs_ptr,
+    hz_ptr,
+    s_hsb,
+    s_hsg,
+    s_hst,
+    h_bias,
+    h_ish,
+    pm_ptr,
+    pl_ptr,
+    pacc_ptr,
+    s_acc,
+    rk_ptr,
+    slot0,
+    n_slots,
+    H,
+    ns,
+    N: tl.constexpr,
+    NH: tl.constexpr,
+    GS: tl.constexpr,
+    REP: tl.constexpr,
+    QGP: tl.constexpr,
+    BT: tl.constexpr,
+    LOWRANK: tl.constexpr,
+    WIDE: tl.constexpr,
+    KC: tl.constexpr,
+    KRC: tl.constexpr,
+    KBITS: tl.constexpr,
+    KTG: tl.constexpr,
+    KCG: tl.constexpr,
+    KSF8: tl.constexpr,
+    KZF8: tl.constexpr,
+    KBP: tl.constexpr,
+    ROPE: tl.constexpr,
+    RDT: tl.constexpr,
+    PRECISE: tl.constexpr,
+    RANK: tl.constexpr,
+    LC: tl.constexpr,
+    NLC: tl.constexpr,
+    HBITS: tl.constexpr,
+    HG: tl.constexpr,
+    HSF8: tl.constexpr,
+    HZF8: tl.constexpr,
+    HBP: tl.constexpr,
+    LENP: tl.constexpr,
+    NPP: tl.constexpr,
+    WIN: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    """Program (split sp, latent group c, batch row b) of one region: its partial (m, l, acc[:RANK]) per query head
+    of the group. LOWRANK: keys are [B, 1, cap, KC] coefficients (KC = r), else [B, K, cap, N] keys (KC = N).
+    ROPE 0: keys after RoPE; 1: before, rotated by the tables cos/sin [B, cap, N]; 2: before, rotated by
+    cos/sin(rope position * inv_freq) * rope_scale computed here (rope position = slot position - roff[b]),
+    rounded to RDT as the model's tables are."""
+    sp = tl.program_id(0)
+    c = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    if LENP:
+        L = tl.load(len_arg).to(tl.int32)
+    else:
+        L = len_arg
+    if NPP:
+        next_pos = tl.load(np_arg).to(tl.int32)
+    else:
+        next_pos = np_arg
+    chunk = tl.cdiv(tl.cdiv(L, ns), BT) * BT
+    t_start = sp * chunk
+    t_end = tl.minimum(t_start + chunk, L)
+
+    QG: tl.constexpr = GS * REP
+    HALF: tl.constexpr = N // 2
+    rows = tl.arange(0, QGP)
+    rmask = rows < QG
+    head = c * QG + rows
+    jrow = rows // REP
+    d = tl.arange(0, NH)
+    dm = d < HALF
+    qrow = q_ptr + b * s_qb + head[:, None] * s_qh
+    qm = rmask[:, None] & dm[None, :]
+    q_lo = tl.load(qrow + d[None, :], mask=qm, other=0.0).to(tl.float32) * qk_scale
+    q_hi = tl.load(qrow + HALF + d[None, :], mask=qm, other=0.0).to(tl.float32) * qk_scale
+
+    kinv_s = k_ish
+    kinv_z = k_ish
+    if KSF8:
+        kinv_s = _inv(k_bias, KBP)
+    if KZF8:
+        kinv_z = _inv(k_bias, KBP)
+    hinv_s = h_ish
+    hinv_z = h_ish
+    if HSF8:
+        hinv_s = _inv(h_bias, HBP)
+    if HZF8:
+        hinv_z = _inv(h_bias, HBP)
+    if ROPE == 2:
+        invf = tl.load(invf_ptr + d, mask=dm, other=0.0).to(tl.float32)
+        roff = tl.load(roff_ptr + b).to(tl.int32)
+
+    GH: tl.constexpr = GS * NH
+    KNH = (H // QG) * GH  # K NH
+    if LOWRANK and WIDE:  # the group's heads side by side: column j*NH + d is channel d (of a half) of head c*GS + j
+        cols = tl.arange(0, GH)
+        cd = cols % NH
+        sel = rmask[:, None] & ((cols // NH)[None, :] == jrow[:, None]) & (cd < HALF)[None, :]
+        qbd_lo = (tl.load(qrow + cd[None, :], mask=sel, other=0.0).to(tl.float32) * qk_scale).to(DOT)
+        qbd_hi = (tl.load(qrow + HALF + cd[None, :], mask=sel, other=0.0).to(tl.float32) * qk_scale).to(DOT)
+        # rows of the basis buffer (K NH each): mean lo, mean hi, column scale lo, column scale hi (_basis_on)
+        mlo = tl.load(mean_ptr + c * GH + cols)
+        mhi = tl.load(mean_ptr + KNH + c * GH + cols)
+        slo = tl.load(mean_ptr + 2 * KNH + c * GH + cols)
+        shi = tl.load(mean_ptr + 3 * KNH + c * GH + cols)
+
+    m_i = tl.full([QGP], float("-inf"), tl.float32)
+    l_i = tl.zeros([QGP], tl.float32)
+    acc0 = tl.zeros([QGP, LC], tl.float32)
+    acc1 = tl.zeros([QGP, LC], tl.float32)
+    acc2 = tl.zeros([QGP, LC], tl.float32)
+    acc3 = tl.zeros([QGP, LC], tl.float32)
+    hbase = b * s_hb + c * s_hg
+    hsbase = b * s_hsb + c * s_hsg
+    for t0 in range(t_start, t_end, BT):
+        t = t0 + tl.arange(0, BT)
+        tm = t < t_end
+        pv = tl.load(pos_ptr + b * s_pb + t, mask=tm, other=-1)
+        ok = pv >= 0
+        if WIN:
+            ok = ok & (next_pos - pv < window)
+        if ROPE == 1:
+            cm = ok[:, None] & dm[None, :]
+            crow = b * s_cb + t[:, None] * s_ct + d[None, :]
+            cos_lo = tl.load(cos_ptr + crow, mask=cm, other=0.0).to(tl.float32)
+            cos_hi = tl.load(cos_ptr + crow + HALF, mask=cm, other=0.0).to(tl.float32)
+            sin_lo = tl.load(sin_ptr + crow, mask=cm, other=0.0).to(tl.float32)
+            sin_hi = tl.load(sin_ptr + crow + HALF, mask=cm, other=0.0).to(tl.float32)
+        elif ROPE == 2:
+            ang = (pv - roff).to(tl.float32)[:, None] * invf[None, :]  # one rounding, as the model's float32 product
+            # reduced to [-pi, pi] in float64 (exact to ~1e-11; then rounded to float32: <= 2e-7 off), so cosf/sinf
+            # take their fast path at any position
+            a64 = ang.to(tl.float64)
+            ang = (a64 - tl.floor(a64 * 0.15915494309189535 + 0.5) * 6.283185307179586).to(tl.float32)
+            if PRECISE:  # libdevice's cosf/sinf (the GPU)
+                cos_lo = _round(libdevice.cos(ang) * rope_scale, RDT)
+                sin_lo = _round(libdevice.sin(ang) * rope_scale, RDT)
+            else:  # the interpreter (numpy's)
+                cos_lo = _round(tl.cos(ang) * rope_scale, RDT)
+                sin_lo = _round(tl.sin(ang) * rope_scale, RDT)
+            cos_hi = cos_lo
+            sin_hi = sin_lo
+        logits = tl.zeros([QGP, BT], tl.float32)
+        if LOWRANK and WIDE:  # k_pre = mean + c dec[:r] for the group's heads at once: [BT, GS*NH] per half
+            k_lo = tl.zeros([BT, GH], tl.float32)
+            k_hi = tl.zeros([BT, GH], tl.float32)
+            for c0 in range(0, KC, KRC):
+                ch = c0 + tl.arange(0, KRC)
+                chm = ch < KC
+                coef = _deq(
+                    k_ptr,
+                    b * s_kb,
+                    t,
+                    s_kt,
+                    ch,
+                    ok[:, None] & chm[None, :],
+                    ks_ptr,
+                    kz_ptr,
+                    b * s_ksb,
+                    s_kst,
+                    kinv_s,
+                    kinv_z,
+                    KBITS,
+                    KC,
+                    KTG,
+                    KCG,
+                ).to(DOT)
+                drow = ch[:, None] * s_dec + c * GH + cols[None, :]
+                k_lo = _dot(coef, tl.load(dec_ptr + drow, mask=chm[:, None], other=0.0), k_lo, DOT)
+                k_hi = _dot(coef, tl.load(dhi_ptr + drow, mask=chm[:, None], other=0.0), k_hi, DOT)
+            k_lo = k_lo * slo[None, :] + mlo[None, :]
+            k_hi = k_hi * shi[None, :] + mhi[None, :]
+            if ROPE != 0:  # x cos + rotate_half(x) sin, rotate_half(x) = (-x_hi, x_lo); the tables per head
+                lo3 = tl.reshape(k_lo, (BT, GS, NH))
+                hi3 = tl.reshape(k_hi, (BT, GS, NH))
+                r_lo = lo3 * cos_lo[:, None, :] - hi3 * sin_lo[:, None, :]
+                r_hi = hi3 * cos_hi[:, None, :] + lo3 * sin_hi[:, None, :]
+                k_lo = tl.reshape(r_lo, (BT, GH))
+                k_hi = tl.reshape(r_hi, (BT, GH))
+            logits = _dot(qbd_lo, tl.trans(k_lo), logits, DOT)
+            logits = _dot(qbd_hi, tl.trans(k_hi), logits, DOT)
+        else:
+            for j in tl.static_range(GS):
+                kv = c * GS + j
+                km = ok[:, None] & dm[None, :]
+                if LOWRANK:  # head by head (WIDE=False): the coefficients dequantized once per head
+                    k_lo = tl.zeros([BT, NH], tl.float32)
+                    k_hi = tl.zeros([BT, NH], tl.float32)
+                    for c0 in range(0, KC, KRC):
+                        ch = c0 + tl.arange(0, KRC)
+                        chm = ch < KC
+                        coef = _deq(
+                            k_ptr,
+                            b * s_kb,
+                            t,
+                            s_kt,
+                            ch,
+                            ok[:, None] & chm[None, :],
+                            ks_ptr,
+                            kz_ptr,
+                            b * s_ksb,
+                            s_kst,
+                            kinv_s,
+                            kinv_z,
+                            KBITS,
+                            KC,
+                            KTG,
+                            KCG,
+                        ).to(DOT)
+                        drow = ch[:, None] * s_dec + kv * NH + d[None, :]
+                        k_lo = _dot(coef, tl.load(dec_ptr + drow, mask=chm[:, None], other=0.0), k_lo, DOT)
+                        k_hi = _dot(coef, tl.load(dhi_ptr + drow, mask=chm[:, None], other=0.0), k_hi, DOT)
+                    hd = kv * NH + d
+                    k_lo = k_lo * tl.load(mean_ptr + 2 * KNH + hd)[None, :] + tl.load(mean_ptr + hd)[None, :]
+                    k_hi = k_hi * tl.load(mean_ptr + 3 * KNH + hd)[None, :] + tl.load(mean_ptr + KNH + hd)[None, :]
+                else:
+                    kb = b * s_kb + kv * s_kh
+                    ksb = b * s_ksb + kv * s_ksh
+                    k_lo = _deq(
+                        k_ptr, kb, t, s_kt, d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG
+                    )
+                    k_hi = _deq(
+                        k_ptr, kb, t, s_kt, HALF + d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG
+                    )
+                if ROPE != 0:
+                    r_lo = k_lo * cos_lo - k_hi * sin_lo
+                    k_hi = k_hi * cos_hi + k_lo * sin_hi
+                    k_lo = r_lo
+                sel = (jrow == j)[:, None]
+                logits = _dot(tl.where(sel, q_lo, 0.0), tl.trans(k_lo), logits, DOT)
+                logits = _dot(tl.where(sel, q_hi, 0.0), tl.trans(k_hi), logits, DOT)
+        logits = tl.where(ok[None, :], logits, float("-inf"))
+        # -- online softmax (base 2)
+        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(logits - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+        # -- latents, chunk by chunk
+        acc0 = _lat_chunk(
+            acc0, p, alpha, 0, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK, LC,
+            HBITS, HG, DOT,
+        )  # fmt: skip
+        if NLC > 1:
+            acc1 = _lat_chunk(
+                acc1, p, alpha, 1, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK, LC,
+                HBITS, HG, DOT,
+            )  # fmt: skip
+        if NLC > 2:
+            acc2 = _lat_chunk(
+                acc2, p, alpha, 2, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK, LC,
+                HBITS, HG, DOT,
+            )  # fmt: skip
+            acc3 = _lat_chunk(
+                acc3, p, alpha, 3, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK, LC,
+                HBITS, HG, DOT,
+            )  # fmt: skip
+
+    # -- this split's partial, in kernels/attention.py's layout (channels past RANK are never written)
+    slot = slot0 + sp
+    tl.store(rk_ptr + slot + tl.arange(0, 1), tl.full([1], RANK, tl.int32))
+    prow = (b * H + head) * n_slots + slot
+    tl.store(pm_ptr + prow, m_i, mask=rmask)
+    tl.store(pl_ptr + prow, l_i, mask=rmask)
+    jl = tl.arange(0, LC)
+    base = pacc_ptr + prow[:, None] * s_acc + jl[None, :]
+    tl.store(base, acc0, mask=rmask[:, None] & (jl < RANK)[None, :])
+    if NLC > 1:
+        tl.store(base + LC, acc1, mask=rmask[:, None] & (LC + jl < RANK)[None, :])
+    if NLC > 2:
+        tl.store(base + 2 * LC, acc2, mask=rmask[:, None] & (2 * LC + jl < RANK)[None, :])
+        tl.store(base + 3 * LC, acc3, mask=rmask[:, None] & (3 * LC + jl < RANK)[None, :])
+
+
+# -- host side -------------------------------------------------------------------------------
+
+_BITS_K = (2, 3, 4, 8, 16)
+_BITS_H = (2, 3, 4, 8, 16)
+
+
+def _rotary(rope):
+    """(inv_freq [n/2] float32 tensor, attention_scaling float) of `rope`: the model's rotary embedding module
+    (anything with .inv_freq and .attention_scaling) or such a pair; None: read the regions' tables."""
+    if rope is None:
+        return None
+    if isinstance(rope, tuple):
+        inv, sc = rope
+    else:
+        inv, sc = rope.inv_freq, getattr(rope, "attention_scaling", 1.0)
+    return inv, float(sc)
+
+
+def _qt_reason(t, C: int, lead: tuple, cap: int, dtype: torch.dtype, what: str) -> str | None:
+    """Why the kernel cannot read QTensor t (logical [*lead, cap, C]), or None."""
+    if type(t) is not QTensor:
+        return f"{what} are {type(t).__name__}, not a QTensor (key bands are not read here)"
+    if tuple(t.shape) != (*lead, cap, C):
+        return f"{what} of shape {tuple(t.shape)}, expected {(*lead, cap, C)}"
+    if t.bits == 16:
+        return None if t.data.dtype == dtype else f"16-bit {what} in {t.data.dtype}, not {dtype}"
+    if t.bits not in _BITS_K or t.data.dtype != torch.uint8:
+        return f"{what} at {t.bits} bits"
+    if t.bits == 3 and C % 8:
+        return f"3-bit {what} of {C} channels (not a multiple of 8)"
+    if t.meta not in ("16", "8/16", "8/8") or t.scale is None or t.zero is None:
+        return f"{what}: scale/zero format {t.meta!r}"
+    if t.meta != "16" and not (isinstance(t.bias, float) or (isinstance(t.bias, torch.Tensor) and t.bias.numel() == 1)):
+        return f"{what}: fp8 bias of type {type(t.bias).__name__}"
+    dim = t.dim % 4
+    if dim == 2:  # per channel over token groups
+        if cap % t.group or tuple(t.scale.shape) != (*lead, cap // t.group, C):
+            return f"{what}: scales of shape {tuple(t.scale.shape)}"
+    elif dim == 3:  # per token over channel groups
+        if C % t.group or tuple(t.scale.shape) != (*lead, cap, C // t.group):
+            return f"{what}: scales of shape {tuple(t.scale.shape)}"
+    else:
+        return f"{what} quantized along dim {t.dim}"
+    return None
+
+
+def supported(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, view, rope=None) -> str | None:
+    """None when latent_attention_lowrank serves this call in the kernel, else a one-line reason (it then runs
+    the torch reference). Serves one new token over regions whose keys are after RoPE, before it (region.rope:
+    rotated by the tables, or by `rope` computed in the kernel), or low-rank before it (region.basis), at 2/3/4/8/16
+    bits quantized per channel over token groups or per token over channel groups; latents at 2/3/4/8/16 bits per
+    token over channel groups; scales/zeros in 16 bits or fp8 ("8/16", "8/8")."""
+    B, H, T, n = q.shape
+    if T != 1:
+        return f"{T} new tokens (the kernel decodes one)"
+    if q.dtype not in TL_DTYPE or k_new.dtype != q.dtype or h_new.dtype != q.dtype:
+        return f"dtype {q.dtype}"
+    if not runnable(q, k_new, h_new):
+        return "CPU tensors without TRITON_INTERPRET=1"
+    K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
+    if H % K or K % G or n % 2 or n < 16 or n & (n - 1):
+        return f"heads {H}/{K}/{G} and head dim {n}"
+    view = view if isinstance(view, LayerView) else view.view()
+    npos = view.next_pos
+    if isinstance(npos, torch.Tensor) and (npos.numel() != 1 or npos.dtype not in (torch.int32, torch.int64)):
+        return "next_pos is not a one-element integer tensor"
+    rot = _rotary(rope)
+    if rot is not None and (rot[0].numel() * 2 != n or not runnable(rot[0].to(q.device))):
+        return f"the rotary's inv_freq has {rot[0].numel()} entries (partial rotary?), head dim {n}"
+    for r in view.regions:
+        if isinstance(r, FragRegion):
+            return "a region in the CUDA kernel's fragment layout"
+        cap = r.capacity
+        if cap == 0:
+            continue
+        if r.pos.dtype != torch.int32 or tuple(r.pos.shape) != (B, cap) or r.pos.stride(-1) != 1:
+            return "region positions are not int32 [B, cap]"
+        ln = r.length
+        if isinstance(ln, torch.Tensor) and (ln.numel() != 1 or ln.dtype not in (torch.int32, torch.int64)):
+            return "region length is not a one-element integer tensor"
+        if r.basis is not None:
+            bs = r.basis
+            if not isinstance(bs, KeyBasis) or r.rope is None and rot is None:
+                return "low-rank keys without RoPE tables or a rotary"
+            kr = r.keys.shape[-1]
+            if tuple(bs.dec.shape[1:]) != (K * n,) or bs.dec.shape[0] < kr or tuple(bs.mean.shape) != (K * n,):
+                return f"key basis of shape {tuple(bs.dec.shape)} for {K} x {n} keys at rank {kr}"
+            if why := _qt_reason(r.keys, kr, (B, 1), cap, q.dtype, "low-rank keys"):
+                return why
+        elif why := _qt_reason(r.keys, n, (B, K), cap, q.dtype, "keys"):
+            return why
+        if r.rope is not None and rot is None:
+            cos, sin = r.rope
+            if tuple(cos.shape) != (B, cap, n) or tuple(sin.shape) != (B, cap, n) or cos.stride() != sin.stride():
+                return "RoPE tables are not [B, cap, n]"
+        if r.rank > R or r.rank < 1:
+            return f"latent rank {r.rank} of {R}"
+        if why := _qt_reason(r.lat, r.rank, (B, G), cap, q.dtype, "latents"):
+            return why
+        if r.lat.bits != 16 and r.lat.dim % 4 != 3:
+            return "latents quantized over tokens"
+    return None
+
+
+def _c(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _qargs(t: QTensor, C: int):
+    """(data, its strides [3], scale, zero, scale strides [3], bias arg, 1/shift, constexprs (BITS, TG, CG, SF8,
+    ZF8, BP)) of a region QTensor [X, Y, cap, C]."""
+    data = _c(t.data)
+    if t.bits == 16:
+        return data, data.stride()[:3], data, data, (0, 0, 0), 1.0, 1.0, (16, 1, 1, False, False, False)
+    sc, zr = _c(t.scale), _c(t.zero)
+    per_tok = t.dim % 4 == 3
+    tg, cg = (1, t.group) if per_tok else (t.group, 1)
+    bp = isinstance(t.bias, torch.Tensor)
+    bias = t.bias if bp else float(t.bias)
+    s8, z8 = sc.dtype == FP8, zr.dtype == FP8
+    return data, data.stride()[:3], sc, zr, sc.stride()[:3], bias, 1.0 / t.shift, (t.bits, tg, cg, s8, z8, bp)
+
+
+def _splits(regions: list[Region], B: int, G: int, n: int, K: int, sms: int, waves: float, min_split: int):
+    """Splits per region from capacities only (graph-safe): about `waves` programs per SM shared by the regions in
+    proportion to their work (low-rank keys cost their rebuild: r x n per KV head and slot), >= min_split slots."""
+    cost = []
+    for r in regions:
+        kw = K * (r.keys.shape[-1] * n / 64 if r.basis is not None else n) + G * r.rank
+        cost.append(r.capacity * kw)
+    total = max(1.0, waves * sms / (B * G))
+    return [
+        max(1, min(triton.cdiv(r.capacity, min_split), round(total * w / max(1.0, sum(cost)))))
+        for r, w in zip(regions, cost)
+    ]
+
+
+def _pad_offset(view: LayerView, B: int, device) -> torch.Tensor:
+    """Per row, its padding slots (pos -1 below the length): the rope position of a slot is its cache position
+    minus them (transformers' generate: position_ids = cumsum(attention_mask) - 1). int32 [B], on the device."""
+    off = torch.zeros(B, dtype=torch.int32, device=device)
+    for r in view.regions:
+        if r.capacity:
+            used = torch.arange(r.capacity, device=device) < r.length
+            off += ((r.pos < 0) & used).sum(-1, dtype=torch.int32)
+    return off
+
+
+def latent_attention_lowrank(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    h_new: torch.Tensor,
+    view,
+    scaling: float,
+    window: int | None = None,
+    *,
+    rope=None,
+    rope_offset: torch.Tensor | None = None,
+    block_t: int = 32,
+    coef_chunk: int = 32,
+    min_split: int = 64,
+    waves: float = 2.0,
+    split_tokens: int | None = None,
+    fused_heads: bool = True,
+    num_warps: int = 8,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Decode attention over a view with keys before RoPE / low-rank keys: z [B, T, H, R] float32, the backend
+    signature of tale_runtime.attention.latent_attention (which runs what `supported` declines).
+
+    `rope`: None reads each pre-RoPE region's (cos, sin) tables (exact for any positions, 4 n bytes per slot);
+    the model's rotary embedding (model.model.rotary_emb: .inv_freq, .attention_scaling) or a pair
+    (inv_freq, attention_scaling) computes them in the kernel at each slot's rope position = cache position minus
+    `rope_offset` [B] (default: the row's padding slots, transformers' convention for left-padded batches).
+    `split_tokens` fixes the slots per split (tests); `coef_chunk` the coefficients per rebuild step. `fused_heads`
+    rebuilds the low-rank keys of a latent group's KV heads in one [block_t, coef_chunk] x [coef_chunk, g n/2] dot per
+    RoPE half and scores them in one block-diagonal dot (the coefficients dequantized once per tile); False: head by
+    head (the coefficients dequantized once per head, small dots)."""
+    if not isinstance(view, LayerView):
+        view = view.view()
+    if supported(q, k_new, h_new, view, rope) is not None:
+        return reference(q, k_new, h_new, view, scaling, window)
+    B, H, _, n = q.shape
+    K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
+    rep, g = H // K, K // G
+    dev = q.device
+    q, k_new, h_new = _c(q), _c(k_new), _c(h_new)
+    qk = scaling * LOG2E
+    regions = [r for r in view.regions if r.capacity]
+    sms = _attn._num_sms(dev)
+    if split_tokens:
+        splits = [max(1, triton.cdiv(r.capacity, split_tokens)) for r in regions]
+    else:
+        splits = _splits(regions, B, G, n, K, sms, waves, min_split)
+    n_slots, (pm, pl, pacc, rk) = _attn._partials(B, H, R, splits, dev)
+    dot = tl.float32 if q.dtype == torch.float32 else tl.float16
+    rot = _rotary(rope)
+    if rot is not None:
+        invf = rot[0].to(device=dev, dtype=torch.float32).contiguous()
+        roff = rope_offset if rope_offset is not None else _pad_offset(view, B, dev)
+        roff = roff.to(device=dev, dtype=torch.int32).contiguous()
+    npos, win = view.next_pos, window
+    QGP = max(16, pow2(g * rep))
+    NH = max(16, n // 2)
+    BT = max(32, block_t)  # 16-token tiles gave wrong results compiled (docs/kernels.md, Triton quirks)
+    slot0 = 0
+    for r, ns in zip(regions, splits):
+        lowrank = r.basis is not None
+        KC = r.keys.shape[-1] if lowrank else n
+        kd, kst, ks, kz, kss, kbias, kish, (KB, KTG, KCG, KS8, KZ8, KBP) = _qargs(r.keys, KC)
+        hd, hst, hs, hz, hss, hbias, hish, (HB, _, HG, HS8, HZ8, HBP) = _qargs(r.lat, r.rank)
+        if lowrank:
+            dec, dhi, mean = _basis_on(r.basis, NH, dev, torch.float32 if q.dtype == torch.float32 else torch.float16)
+        else:
+            dec = dhi = mean = kd
+        if r.rope is None:
+            mode, cos, sin = 0, kd, kd
+        elif rot is None:
+            mode, cos, sin = 1, _c(r.rope[0]), _c(r.rope[1])
+        else:
+            mode, cos, sin = 2, kd, kd
+        cstr = cos.stride()[:2] if mode == 1 else (0, 0)
+        LCt = max(16, pow2(r.rank))
+        NLC = 1 if LCt <= 128 else 4 if r.rank % 4 == 0 and LCt >= 256 else 2
+        LC = max(16, pow2(triton.cdiv(r.rank, NLC)))
+        ln = r.length
+        _lr_kernel[(ns, G, B)](
+            q,
+            q.stride(0),
+            q.stride(1),
+            qk,
+            r.pos,
+            r.pos.stride(0),
+            ln,
+            npos,
+            0 if win is None else int(win),
+            roff if mode == 2 else r.pos,
+            kd,
+            kst[0],
+            kst[1],
+            kst[2],
+            ks,
+            kz,
+            kss[0],
+            kss[1],
+            kss[2],
+            kbias,
+            kish,
+            dec,
+            dhi,
+            dec.stride(0),
+            mean,
+            cos,
+            sin,
+            *cstr,
+            invf if mode == 2 else kd,
+            rot[1] if mode == 2 else 1.0,
+            hd,
+            hst[0],
+            hst[1],
+            hst[2],
+            hs,
+            hz,
+            hss[0],
+            hss[1],
+            hss[2],
+            hbias,
+            hish,
+            pm,
+            pl,
+            pacc,
+            pacc.stride(2),
+            rk,
+            slot0,
+            n_slots,
+            H,
+            ns,
+            N=n,
+            NH=NH,
+            GS=g,
+            REP=rep,
+            QGP=QGP,
+            BT=BT,
+            LOWRANK=lowrank,
+            WIDE=fused_heads,
+            KC=KC,
+            KRC=max(16, coef_chunk),
+            KBITS=KB,
+            KTG=KTG,
+            KCG=KCG,
+            KSF8=KS8,
+            KZF8=KZ8,
+            KBP=KBP,
+            ROPE=mode,
+            RDT=TL_DTYPE[q.dtype],
+            PRECISE=not interpreting(),
+            RANK=r.rank,
+            LC=LC,
+            NLC=NLC,
+            HBITS=HB,
+            HG=HG,
+            HSF8=HS8,
+            HZF8=HZ8,
+            HBP=HBP,
+            LENP=isinstance(ln, torch.Tensor),
+            NPP=isinstance(npos, torch.Tensor),
+            WIN=win is not None,
+            DOT=dot,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+        slot0 += ns
+    return _attn._combine(pm, pl, pacc, rk, n_slots if regions else 0, q, k_new, h_new, qk, rep, g)
+
+
+# the key basis in the dots' dtype on the query's device, made once per basis (before any CUDA graph captures a step)
+_BASIS: dict = {}
+
+
+def _basis_on(basis: KeyBasis, NH: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dec_lo, dec_hi [C, K NH] in `dtype` (the tensor cores' operand type), rows [4, K NH] float32) of `basis` on
+    `device`. Per KV head k, columns k NH + d hold channel d (lo) / n/2 + d (hi) of its key (d < n/2; zero up to
+    NH), so that a latent group's heads are one contiguous block of columns per RoPE half. Each column is divided by
+    a power of two that brings its largest entry into [0.5, 1] (float16 holds dec whatever its range: a channel the
+    queries barely read has large entries: key_basis.fit divides by their weights); rows: the mean's lo and hi halves, then those
+    powers of two (lo, hi), by which the kernel multiplies the rebuilt keys back (exact)."""
+    import weakref
+
+    key = (id(basis.dec), NH, str(device), dtype)
+    hit = _BASIS.get(key)
+    if hit is None:
+        K, n = basis.heads, basis.head_dim
+        half = n // 2
+
+        def halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [..., K n] -> lo, hi [..., K NH]
+            x = x.to(device=device, dtype=torch.float32).unflatten(-1, (K, n))
+            pad = lambda y: torch.nn.functional.pad(y, (0, NH - half)).flatten(-2)  # noqa: E731
+            return pad(x[..., :half]), pad(x[..., half:])
+
+        def scaled(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            top = m.abs().amax(0)
+            e = torch.where(top > 0, torch.ceil(torch.log2(top.clamp_min(1e-30))), torch.zeros_like(top))
+            s = torch.exp2(e)
+            return (m / s).to(dtype).contiguous(), s
+
+        lo, hi = halves(basis.dec)
+        (lo, slo), (hi, shi) = scaled(lo), scaled(hi)
+        mlo, mhi = halves(basis.mean)
+        hit = _BASIS[key] = (lo, hi, torch.stack([mlo, mhi, slo, shi]).contiguous())
+        weakref.finalize(basis.dec, _BASIS.pop, key, None)
+    return hit
+
+
+__all__ = ["latent_attention_lowrank", "supported"]

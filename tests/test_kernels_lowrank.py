@@ -1,0 +1,308 @@
+"""The low-rank-key decode kernel (tale_kernels.lowrank_attention) against the torch reference.
+
+Views of the `lowrank` preset's layout (sinks and tail after RoPE at 16 bits; a middle level of low-rank key
+coefficients before RoPE; plain levels before RoPE per channel and per token; fp8 or 16-bit scales) built with
+runtime/quant.py on random data, and a real TaleCache of a tiny model filled through prefill and decode steps.
+RoPE comes from transformers' LlamaRotaryEmbedding with llama3 rope scaling, read from the regions' tables or
+computed in the kernel. On CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, as tests/test_kernels.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+_PREV = os.environ.get("TRITON_INTERPRET")
+if not CUDA and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+
+from tale_kernels import lowrank_attention as lra  # noqa: E402
+
+if _PREV is None:
+    os.environ.pop("TRITON_INTERPRET", None)
+else:
+    os.environ["TRITON_INTERPRET"] = _PREV
+
+from tale_runtime.attention import apply_rope  # noqa: E402
+from tale_runtime.attention import latent_attention as ref_attention  # noqa: E402
+from tale_runtime.key_basis import KeyBasis  # noqa: E402
+from tale_runtime.quant import quantize  # noqa: E402
+from tale_runtime.regions import LayerView, Region  # noqa: E402
+
+DEVICE = "cuda" if CUDA else "cpu"
+
+if not CUDA:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(lra._lr_kernel, InterpretedFunction):
+        pytest.skip("triton was imported without TRITON_INTERPRET=1 before this module", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def rotary(n: int, scaling: bool = True, device=DEVICE):
+    """transformers' LlamaRotaryEmbedding of a config with llama3 rope scaling (or none)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rs = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    rs["original_max_position_embeddings"] = 64  # small, so short test positions cross the scaled bands
+    kw = dict(rope_scaling=dict(rs, rope_theta=500000.0)) if scaling else {}
+    cfg = LlamaConfig(hidden_size=n * 2, num_attention_heads=2, head_dim=n, max_position_embeddings=4096, **kw)
+    rot = LlamaRotaryEmbedding(cfg).to(device)
+    assert rot.rope_type == ("llama3" if scaling else "default")
+    return rot
+
+
+def tables(rot, pos: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, L, n] float32 of rope positions pos [B, L] (as the cache stores them: the model's tables in its
+    dtype, read back in float32)."""
+    x = torch.zeros(1, dtype=dtype, device=pos.device)
+    cos, sin = rot(x, pos.clamp_min(0).long())
+    return cos.float(), sin.float()
+
+
+class Layout:
+    """One test cache layout: the lowrank preset's by default."""
+
+    def __init__(self, B=1, H=8, K=2, G=1, n=32, r=24, r0=None, lens=(4, 70, 24, 16, 3), pad=None, dtype=torch.float32):
+        self.B, self.H, self.K, self.G, self.n, self.r, self.dtype = B, H, K, G, n, r, dtype
+        self.R = (K // G) * n
+        self.r0 = r0 or (2 * self.R // 3) // 8 * 8
+        self.lens, self.pad = lens, pad or [0] * B
+
+
+def make_view(
+    lay: Layout,
+    rot,
+    *,
+    kinds=None,
+    extra=0,
+    tensor_len=False,
+    meta="8/8",
+    lat_bits=3,
+    coef_bits=4,
+    seed=0,
+):
+    """A LayerView: sinks (16-bit, after RoPE) | low-rank coefficients (coef_bits, before RoPE) | 4-bit keys before
+    RoPE per channel | 8-bit keys before RoPE per token | 16-bit tail after RoPE, lengths lay.lens (0: empty,
+    dropped); each region `extra` unused slots (NaN inside, pos -1)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    B, K, G, n, R, dt = lay.B, lay.K, lay.G, lay.n, lay.R, lay.dtype
+    C = K * n
+
+    def rnd(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g) * s).to(DEVICE)
+
+    enc = torch.linalg.qr(torch.randn(C, C, generator=g))[0] * 2.0
+    basis = KeyBasis(enc.to(DEVICE), torch.linalg.inv(enc).to(DEVICE), rnd(C, s=0.5), K, n)
+    kinds = kinds or ["sink", "lowrank", "chan4", "tok8", "tail"]
+    regions, p0 = [], 0
+    for kind, used in zip(kinds, lay.lens):
+        cap = used + extra
+        if kind in ("lowrank", "chan4"):
+            cap = -(-cap // 8) * 8  # whole key groups
+        pos = torch.full((B, cap), -1, dtype=torch.int32, device=DEVICE)
+        pos[:, :used] = torch.arange(p0, p0 + used, dtype=torch.int32, device=DEVICE)
+        for b, pb in enumerate(lay.pad):
+            pos[b][pos[b] < pb] = -1
+        p0 += used
+        if used == 0:
+            continue
+        rpos = pos - torch.tensor(lay.pad, device=DEVICE, dtype=torch.int32)[:, None]  # rope positions
+        cos, sin = tables(rot, rpos, dt)
+        k_pre = rnd(B, K, cap, n, s=2.0)
+        rank = R if kind in ("sink", "tail", "chan4") else lay.r0
+        h = rnd(B, G, cap, R)[..., :rank].contiguous().to(dt)
+        if kind in ("sink", "tail"):
+            keys = quantize(apply_rope(k_pre, cos, sin).to(dt), 16, 1, -2)
+            lat, rope, bs = quantize(h, 16, 1, -1), None, None
+        elif kind == "lowrank":
+            coef = rnd(B, 1, cap, lay.r, s=3.0).to(dt)
+            keys = quantize(coef, coef_bits, 8, -2, meta)
+            lat, rope, bs = quantize(h, lat_bits, 8, -1, meta), (cos, sin), basis
+        elif kind == "chan4":
+            keys = quantize(k_pre.to(dt), 4, 8, -2, meta)
+            lat, rope, bs = quantize(h, 4, 8, -1, meta), (cos, sin), None
+        else:  # tok8
+            keys = quantize(k_pre.to(dt), 8, 8, -1, meta)
+            lat, rope, bs = quantize(h, 8, 8, -1, meta), (cos, sin), None
+        if extra:  # unused slots: garbage that must not leak in
+            if keys.bits == 16:
+                keys.data[..., used:, :] = float("nan")
+            if lat.bits == 16:
+                lat.data[..., used:, :] = float("nan")
+            else:
+                lat.scale[..., used:, :] = float("nan")
+        length = torch.tensor([used], dtype=torch.int32, device=DEVICE) if tensor_len else used
+        regions.append(Region(keys, lat, rank, pos, length, rope, bs))
+    npos = torch.tensor(p0, dtype=torch.int32, device=DEVICE) if tensor_len else p0
+    return LayerView(regions, npos)
+
+
+def new_token(lay: Layout, rot, seed=1):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    B, H, K, G, n, R, dt = lay.B, lay.H, lay.K, lay.G, lay.n, lay.R, lay.dtype
+    q = torch.randn(B, H, 1, n, generator=g).to(DEVICE, dt)
+    k = torch.randn(B, K, 1, n, generator=g).to(DEVICE, dt)
+    h = torch.randn(B, G, 1, R, generator=g).to(DEVICE, dt)
+    return q, k, h
+
+
+def check(lay: Layout, tol=None, rope_modes=("tables", "kernel"), **kw):
+    rot = rotary(lay.n)
+    window = kw.pop("window", None)  # an argument of attention, not part of the view
+    view = make_view(lay, rot, **kw)
+    q, k, h = new_token(lay, rot)
+    scaling = lay.n**-0.5
+    ref = ref_attention(q.float(), k.float(), h.float(), view, scaling, window)
+    assert lra.supported(q, k, h, view) is None, lra.supported(q, k, h, view)
+    tol = tol or (1e-4 if lay.dtype == torch.float32 else 5e-3)
+    for mode in rope_modes:
+        rope = None if mode == "tables" else rot
+        for fused in (True, False):  # the group's heads rebuilt in one dot, or head by head
+            z = lra.latent_attention_lowrank(
+                q, k, h, view, scaling, window, rope=rope, split_tokens=32, fused_heads=fused
+            )
+            assert z.shape == ref.shape and torch.isfinite(z).all()
+            e = rel(z, ref)
+            assert e <= tol, (mode, fused, e)
+    return view
+
+
+@pytest.mark.parametrize("B", [1, 4])
+def test_lowrank_preset_layout(B):
+    check(Layout(B=B, pad=[0, 3, 5, 9][:B]))
+
+
+@pytest.mark.parametrize("H,K,G", [(4, 4, 2), (8, 2, 1), (16, 2, 2), (16, 2, 1)])  # GQA ratios 1, 4, 8
+def test_gqa_ratios(H, K, G):
+    check(Layout(H=H, K=K, G=G, lens=(4, 37, 9, 5, 2)))
+
+
+@pytest.mark.parametrize("n,r", [(64, 16), (64, 48), (128, 80)])
+def test_head_dims_and_key_ranks(n, r):
+    check(Layout(H=4, K=2, G=1, n=n, r=r, lens=(4, 33, 8, 3, 1)))
+
+
+def test_odd_ranks_and_two_bit_codes():
+    """A key rank that is no multiple of the coefficient chunk, 2-bit coefficients and latents, 16-bit scales."""
+    check(Layout(r=20, lens=(3, 41, 0, 7, 5)), coef_bits=2, lat_bits=2, meta="16")
+    check(Layout(r=40, lens=(0, 19, 11, 0, 0)), coef_bits=8, lat_bits=4, meta="8/16")
+
+
+def test_empty_levels_sliding_window_device_lengths_and_unused_slots():
+    lay = Layout(B=2, pad=[0, 6], lens=(8, 64, 0, 9, 4))
+    check(lay, window=40, extra=5, tensor_len=True)
+    check(Layout(lens=(4, 0, 16, 0, 1)))
+
+
+def test_bf16():
+    check(Layout(B=2, H=8, K=2, G=1, n=64, r=40, pad=[0, 2], lens=(4, 75, 16, 8, 3), dtype=torch.bfloat16))
+
+
+def test_bf16_16_bit_scales():
+    check(Layout(n=64, r=32, dtype=torch.bfloat16), meta="16", lat_bits=4)
+
+
+def test_basis_columns_fit_float16_whatever_their_range():
+    """dec goes to the tensor cores in float16 (16-bit caches) as columns scaled by powers of two, undone exactly."""
+    K, n, C = 2, 16, 32
+    dec = torch.randn(C, K * n)
+    dec[:, 3] *= 2.0**40  # a channel the queries barely read: key_basis.fit divides it by a tiny weight
+    dec[:, 20] *= 2.0**-30
+    bs = KeyBasis(torch.zeros(K * n, C), dec, torch.randn(K * n), K, n)
+    lo, hi, rows = lra._basis_on(bs, n // 2, "cpu", torch.float16)
+    assert lo.abs().max() <= 1 and hi.abs().max() <= 1 and torch.isfinite(lo).all() and torch.isfinite(hi).all()
+    back = torch.stack([lo.float() * rows[2], hi.float() * rows[3]], 1)  # [C, 2, K n / 2]: per head lo | hi
+    want = dec.view(C, K, 2, n // 2).transpose(1, 2).reshape(C, 2, K * n // 2)
+    assert ((back - want).abs() / want.abs().amax(0)).max() <= 2**-11  # float16's rounding, per column's range
+    assert torch.equal(rows[:2].flatten(), bs.mean.view(K, 2, n // 2).transpose(0, 1).flatten())
+
+
+def test_without_rope_scaling_and_supported_reasons():
+    lay = Layout(lens=(4, 30, 8, 0, 2))
+    rot = rotary(lay.n, scaling=False)
+    view = make_view(lay, rot)
+    q, k, h = new_token(lay, rot)
+    ref = ref_attention(q, k, h, view, 0.2)
+    assert rel(lra.latent_attention_lowrank(q, k, h, view, 0.2, rope=rot), ref) < 1e-4
+    inv = (rot.inv_freq, rot.attention_scaling)
+    assert rel(lra.latent_attention_lowrank(q, k, h, view, 0.2, rope=inv), ref) < 1e-4
+    assert "one" in lra.supported(q.expand(-1, -1, 2, -1), k, h, view)  # two new tokens: the reference
+    half = (rot.inv_freq[: lay.n // 4], 1.0)
+    assert "inv_freq" in lra.supported(q, k, h, view, rope=half)
+
+
+def test_real_cache_through_a_tiny_model():
+    """A tiny llama talified with the lowrank preset's schedule (a random key basis), filled by a left-padded
+    prefill and decode steps through the model; the kernel as the attention backend matches the reference."""
+    from tale_helpers import talify, tiny_model
+
+    from tale_runtime import new_cache
+    from tale_runtime.artifact import Level, Schedule
+    from tale_runtime.model import cache_arg
+
+    base = tiny_model("llama")
+    cfg = base.config
+    K, n, L = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+    R = 2 * n
+    levels = [
+        Level(3, 4, None, key_rank=24),
+        Level(4, 4, 0.1),
+        Level(8, 8, 0.0, key_axis="token"),
+    ]
+    s = Schedule(
+        sinks=4,
+        levels=levels,
+        ranks=[[16, R, R]] * L,
+        key_group=8,
+        value_group=8,
+        residual=8,
+        key_channel_group=8,
+        key_meta="8/8",
+        value_meta="8/8",
+        key_rope="pre",
+    )
+    tm = talify(base, 2, s).to(DEVICE)
+    g = torch.Generator().manual_seed(3)
+    bases = []
+    for _ in range(L):
+        enc = torch.linalg.qr(torch.randn(K * n, K * n, generator=g))[0]
+        bases.append(KeyBasis(enc.to(DEVICE), enc.T.contiguous().to(DEVICE), torch.zeros(K * n, device=DEVICE), K, n))
+    tm.tale_key_basis = bases
+    rot = tm.model.rotary_emb
+    calls = []
+
+    def kernel(q, k, h, view, scaling):  # the backend: the kernel's z drives generation, checked at every call
+        ref = ref_attention(q, k, h, view, scaling)
+        assert lra.supported(q, k, h, view) is None, lra.supported(q, k, h, view)
+        for rope in (rot, None):
+            z = lra.latent_attention_lowrank(q, k, h, view, scaling, rope=rope, split_tokens=16)
+            calls.append(rel(z, ref))
+        return z
+
+    for layer in tm.model.layers:
+        layer.self_attn.attention_fn = kernel
+    ids = torch.randint(0, cfg.vocab_size, (2, 50), generator=g).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    with torch.no_grad():
+        cache = new_cache(tm)
+        tm.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, **cache_arg(cache))
+    kinds = {(r.basis is not None, r.rope is not None, r.keys.bits) for r in cache.layers[0].view().regions}
+    assert (True, True, 4) in kinds and (False, True, 8) in kinds and (False, False, 16) in kinds, kinds
+    assert len(calls) == 2 * L * 3 and max(calls) < 1e-4, calls
