@@ -4,6 +4,7 @@
   preset at head dim 128, latent groups of 4 KV heads, any whole number of query heads per KV head.
 - "triton": the Triton decode kernel (attention.py) over the row layout, dynamic or static: keys after RoPE at
   2/3/4/8/16 bits (whole or in bands), latents at 2/4/8/16 bits, any scale/zero format.
+- "triton-lowrank": the Triton kernel for keys before RoPE and low-rank keys (lowrank_attention.py), by name only.
 
 Each `supports` reads only the cache's spec (shapes, schedule, device): the decision is made once, when the cache is
 made. A call a kernel still declines (a format it does not read) runs on the torch reference inside the kernel's
@@ -93,6 +94,41 @@ class CudaBackend(backends.AttentionBackend):
         return mma_attention.latent_attention(q, k_new, h_new, view, scaling, window)
 
 
+def _lowrank_reason(spec: CacheSpec) -> str | None:
+    from ._common import TL_DTYPE, interpreting
+
+    s, a = spec.schedule, spec.arch
+    if spec.device.type != "cuda" and not interpreting():
+        return "needs a CUDA device (or TRITON_INTERPRET=1)"
+    if spec.dtype not in TL_DTYPE:
+        return f"reads float16, bfloat16 or float32 caches, not {spec.dtype}"
+    if a.head_dim < 16 or a.head_dim & (a.head_dim - 1):
+        return f"needs a power-of-two head dim >= 16, not {a.head_dim}"
+    if any(lv.key_hi_bits for lv in s.levels):
+        return "key bands (the tale preset) are read by the triton backend"
+    return None
+
+
+@dataclass(frozen=True)
+class LowRankBackend(backends.AttentionBackend):
+    """The Triton kernel for keys before RoPE and low-rank keys (lowrank_attention.py): reads every layout of the
+    lowrank preset, with RoPE from each region's tables. Correct against the reference, but not yet fast (on an H100
+    3-4x the torch reference, 20x SDPA: docs/kernels.md), so "auto" does not pick it: by name only."""
+
+    name: str = "triton-lowrank"
+    label: str = "triton low-rank-key kernel"
+    priority: int = 10
+    auto: bool = False
+
+    def supports(self, spec: CacheSpec) -> str | None:
+        return _lowrank_reason(spec)
+
+    def run(self, q, k_new, h_new, view, scaling, window):
+        from .lowrank_attention import latent_attention_lowrank
+
+        return latent_attention_lowrank(q, k_new, h_new, view, scaling, window)
+
+
 def register() -> None:
     """Entry point: import what Triton needs (ImportError without it: nothing registered) and register."""
     import triton  # noqa: F401
@@ -102,3 +138,4 @@ def register() -> None:
 
     backends.register(TritonBackend(config=TritonConfig()), ops={"quant": quant, "frag_pack": frag_pack})
     backends.register(CudaBackend())
+    backends.register(LowRankBackend())

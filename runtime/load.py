@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 from pathlib import Path
@@ -182,6 +183,7 @@ class TaleGenerationMixin:
       a CUDA graph instead (runtime/decode.py; `disable_compile=True` keeps them eager)."""
 
     def forward(self, input_ids=None, *args, tale_graph: bool = False, **kwargs):
+        # tale_class gives this the signature of the model's own forward: transformers reads it (position_ids, ...)
         cache = kwargs.get(CACHE_KW, kwargs.get("past_key_values"))
         if not isinstance(cache, TALE_CACHES):
             return super().forward(input_ids, *args, **kwargs)
@@ -234,7 +236,15 @@ def tale_class(cls: type) -> type:
     if issubclass(cls, TaleGenerationMixin):
         return cls
     if cls not in _TALE_CLASSES:
-        _TALE_CLASSES[cls] = type(f"Tale{cls.__name__}", (TaleGenerationMixin, cls), {"__module__": __name__})
+
+        def forward(self, *args, **kwargs):
+            return TaleGenerationMixin.forward(self, *args, **kwargs)
+
+        # generate() passes what the forward's signature names (position_ids for left-padded batches, the cache)
+        forward.__signature__ = inspect.signature(cls.forward)
+        forward.__doc__ = cls.forward.__doc__
+        ns = {"__module__": __name__, "forward": forward}
+        _TALE_CLASSES[cls] = type(f"Tale{cls.__name__}", (TaleGenerationMixin, cls), ns)
     return _TALE_CLASSES[cls]
 
 

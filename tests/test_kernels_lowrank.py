@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -252,7 +253,7 @@ def test_real_cache_through_a_tiny_model():
     prefill and decode steps through the model; the kernel as the attention backend matches the reference."""
     from tale_helpers import talify, tiny_model
 
-    from tale_runtime import new_cache
+    from tale_runtime import backends, new_cache
     from tale_runtime.artifact import Level, Schedule
     from tale_runtime.model import cache_arg
 
@@ -283,26 +284,65 @@ def test_real_cache_through_a_tiny_model():
     for _ in range(L):
         enc = torch.linalg.qr(torch.randn(K * n, K * n, generator=g))[0]
         bases.append(KeyBasis(enc.to(DEVICE), enc.T.contiguous().to(DEVICE), torch.zeros(K * n, device=DEVICE), K, n))
-    tm.tale_key_basis = bases
+    tm.tale_spec.key_basis = bases
     rot = tm.model.rotary_emb
     calls = []
 
-    def kernel(q, k, h, view, scaling):  # the backend: the kernel's z drives generation, checked at every call
-        ref = ref_attention(q, k, h, view, scaling)
-        assert lra.supported(q, k, h, view) is None, lra.supported(q, k, h, view)
-        for rope in (rot, None):
-            z = lra.latent_attention_lowrank(q, k, h, view, scaling, rope=rope, split_tokens=16)
-            calls.append(rel(z, ref))
-        return z
+    @dataclass(frozen=True)
+    class Checked(backends.AttentionBackend):  # the kernel's z drives generation, checked at every call
+        name: str = "checked"
+        label: str = "checked"
 
-    for layer in tm.model.layers:
-        layer.self_attn.attention_fn = kernel
+        def run(self, q, k, h, view, scaling, window):
+            ref = ref_attention(q, k, h, view, scaling, window)
+            assert lra.supported(q, k, h, view) is None, lra.supported(q, k, h, view)
+            for rope in (rot, None):
+                z = lra.latent_attention_lowrank(q, k, h, view, scaling, window, rope=rope, split_tokens=16)
+                calls.append(rel(z, ref))
+            return z
+
     ids = torch.randint(0, cfg.vocab_size, (2, 50), generator=g).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
     with torch.no_grad():
-        cache = new_cache(tm)
+        cache = new_cache(tm, backend=Checked())
         tm.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, **cache_arg(cache))
     kinds = {(r.basis is not None, r.rope is not None, r.keys.bits) for r in cache.layers[0].view().regions}
     assert (True, True, 4) in kinds and (False, True, 8) in kinds and (False, False, 16) in kinds, kinds
     assert len(calls) == 2 * L * 3 and max(calls) < 1e-4, calls
+
+
+def test_registered_as_a_named_backend():
+    """The runtime finds the kernel as the "triton-lowrank" backend (by name only: "auto" keeps the reference for
+    low-rank keys), and a cache made with it gives the reference's attention over its own view."""
+    from tale_helpers import talify, tiny_model
+
+    from tale_runtime import backends, new_cache
+    from tale_runtime.artifact import Level, Schedule
+    from tale_runtime.model import cache_arg
+
+    b = backends.get("triton-lowrank")
+    assert not b.auto
+    base = tiny_model("llama")
+    L, nh, K = base.config.num_hidden_layers, base.config.head_dim, base.config.num_key_value_heads
+    s = Schedule(
+        sinks=2,
+        levels=[Level(4, 4, None), Level(4, 4, 0.2)],
+        ranks=[[nh, 2 * nh]] * L,
+        key_group=8,
+        value_group=8,
+        residual=8,
+        key_rope="pre",
+    )
+    tm = talify(base, 2, s)
+    assert new_cache(tm).backend.name == "torch"  # auto on the CPU
+    cache = new_cache(tm, backend="triton-lowrank")
+    assert cache.backend is b
+    ids = torch.randint(1, 320, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        tm(ids, **cache_arg(cache))
+        gen = torch.Generator().manual_seed(1)
+        q = torch.randn(1, tm.config.num_attention_heads, 1, nh, generator=gen)
+        k, h = torch.randn(1, K, 1, nh, generator=gen), torch.randn(1, K // 2, 1, 2 * nh, generator=gen)
+        want = ref_attention(q, k, h, cache.layers[0].view(), nh**-0.5)
+        assert rel(cache.attend(0, q, k, h, nh**-0.5), want) < 1e-4
