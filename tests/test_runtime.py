@@ -139,6 +139,21 @@ def test_hf_generate_greedy_equals_the_original_model_at_exact_settings():
     assert torch.equal(hf_greedy(tm, ids, cache=new_cache(tm)), hf_greedy(base, ids))
 
 
+def test_left_padded_generate_equals_the_original_model_at_exact_settings():
+    """A left-padded batch through model.generate: at exact settings the TALE model gives the base model's tokens.
+    transformers passes position_ids (padding-aware) only to a forward whose signature names them: the TALE class
+    keeps its model's signature."""
+    import inspect
+
+    base = tiny_model("llama")
+    tm = talify(base, 2, exact_schedule(32, 2))
+    assert inspect.signature(tm.forward).parameters.keys() == inspect.signature(base.forward).parameters.keys()
+    ids = ids_for(20).expand(2, -1).clone()
+    mask = torch.ones_like(ids)
+    ids[1, :6], mask[1, :6] = 0, 0
+    assert torch.equal(hf_greedy(tm, ids, mask, cache=new_cache(tm)), hf_greedy(base, ids, mask))
+
+
 def test_the_cache_goes_by_the_installed_releases_name_and_nothing_warns():
     """transformers 5.24 renamed past_key_values to cache (the old name warns until 5.40): generate() and a forward
     with a cache under cache_arg's name raise no deprecation warning, and TALE attention reads the cache under either
