@@ -41,7 +41,7 @@ def _bands(s: str) -> tuple[int, int]:
 @app.command()
 def run(
     model: str = typer.Argument("smollm2", help="`smollm2` (the default), a checkpoint dir, or a Hub id owner/name"),
-    out: Path = typer.Option(..., "--out", "-o", help="artifact directory to write"),
+    out: str = typer.Option(..., "--out", "-o", help="artifact directory to write"),
     group: int = typer.Option(D.group, help="KV heads per latent group g (must divide the KV heads)"),
     calib: Optional[list[Path]] = typer.Option(
         None, help="calibration .txt/.json/.jsonl/.parquet file (repeatable); default: the bundled CC0 corpus"
@@ -132,6 +132,9 @@ def run(
         policy=policy,
         energy=energy,
     )
+    if not out.strip():  # Path("") would be the current directory
+        raise ConvertError("--out is empty: name the artifact directory to write")
+    out = Path(out)
     check_inputs(out, opts)
     _quiet_libraries()
     # stdout: progress and report; stderr: only the error line

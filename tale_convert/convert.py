@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from tale_runtime import console
 from tale_runtime.artifact import (
     FORMAT,
     FORMAT_VERSION,
@@ -196,8 +197,43 @@ def convert(
     layer (plus the tokens), whatever the depth."""
     t0 = time.perf_counter()
     _fixed_mmap_threshold()
+    if not str(out).strip():
+        raise ConvertError("--out is empty: name the artifact directory to write")
     out = Path(out).expanduser().absolute()
     write.check_out(out, opts.overwrite)
+    made = _make_parents(out.parent)  # the lock lives beside --out
+    lock = write.OutLock(out)
+    try:
+        lock.acquire()
+        write.check_out(out, opts.overwrite)  # again, now that no other tale-convert can write it
+        return _convert_locked(model, out, opts, on_layer, log, t0)
+    finally:
+        lock.release()
+        for d in reversed(made):  # parents this run created and left empty (a refusal, an error)
+            try:
+                d.rmdir()
+            except OSError:
+                break
+
+
+def _make_parents(d: Path) -> list[Path]:
+    """mkdir -p, returning the directories it created, outermost first."""
+    made = []
+    while not d.exists() and d != d.parent:
+        made.append(d)
+        d = d.parent
+    made.reverse()
+    for x in made:
+        try:
+            x.mkdir()
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise ConvertError(console.environment_error(e) or f"cannot create {x}: {e.strerror}") from None
+    return made
+
+
+def _convert_locked(model, out: Path, opts: Options, on_layer, log, t0) -> Report:
     shard_size = write.parse_size(opts.shard_size)
     if opts.samples < 1 or opts.seq_len < 2:
         raise ConvertError("--samples must be >= 1 and --seq-len >= 2")
@@ -243,7 +279,6 @@ def convert(
         "tokens": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(),
     }
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     writer = None
     try:
@@ -283,7 +318,7 @@ def convert(
         shutil.rmtree(tmp / resume.DIR)
         if bands or opts.wants_basis():
             _calibrated(tmp, manifest, bands, opts.wants_basis(), tokens, device, base_card, log)
-        write.publish(tmp, out)
+        write.publish(tmp, out, opts.overwrite)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM turned into one by the console layer
         if writer:
             writer.abort()
