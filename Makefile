@@ -50,9 +50,11 @@ test: setup
 eval: setup
 	$(BIN)/tale-eval $(OUT) --preset ci
 
-# quality vs measured compression of every policy, written to docs/frontier.md and docs/frontier.png
+# quality vs measured compression of every policy, written to docs/frontier.md and docs/frontier.png (replaced);
+# tale-eval itself writes out/frontier.md and .png under the current directory unless --frontier-out says otherwise
 frontier: setup
-	$(BIN)/tale-eval $(OUT) --frontier --preset full --threads 1 --json out/frontier.json
+	mkdir -p out
+	$(BIN)/tale-eval $(OUT) --frontier --preset full --threads 1 --frontier-out docs/frontier --json out/frontier.json --overwrite
 
 clean:
 	rm -rf $(VENV) out build *.egg-info
