@@ -21,6 +21,7 @@ app = typer.Typer(
     add_completion=False, pretty_exceptions_enable=False, help="Convert a Llama-family checkpoint into a TALE artifact."
 )
 out_console = Console()
+err_console = Console(stderr=True, soft_wrap=True)
 D = Options()
 
 
@@ -151,8 +152,14 @@ def run(
         def on_layer(lr, total):
             progress.update(task, total=total, advance=1)
 
-        report = convert(model, out, opts, on_layer=on_layer, log=lambda s: progress.console.print(s))
-    _summary(report)
+        warned: list[str] = []
+
+        def warn(msg: str) -> None:
+            warned.append(msg)
+            err_console.print(f"warning: {msg}", markup=False, highlight=False)
+
+        report = convert(model, out, opts, on_layer=on_layer, log=lambda s: progress.console.print(s), warn=warn)
+    _summary(report, few_tokens=any("calibration tokens" in w for w in warned))
 
 
 def check_inputs(out: Path, opts: Options) -> None:
@@ -175,6 +182,8 @@ def check_inputs(out: Path, opts: Options) -> None:
     if opts.target_ratio is not None and opts.target_ratio <= 1:
         raise ConvertError(f"--target-ratio must be > 1 (a compression ratio), got {opts.target_ratio:g}")
     for f in opts.calib or []:
+        if f.is_dir():
+            raise ConvertError(f"--calib {f}: is a directory; give the files (e.g. --calib {f}/a.txt, repeatable)")
         if f.is_file() and f.suffix.lower() != ".parquet":
             console.read_text(f, "--calib")  # empty, binary, not UTF-8: one line naming the file
     if opts.calib:
@@ -197,9 +206,10 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
-def _summary(report) -> None:
+def _summary(report, few_tokens: bool = False) -> None:
     t = Table(title="per layer")
-    for col in ("layer", "energy kept at r0", "whitening eps", "time (s)"):
+    energy = "energy kept at r0" + (" (not meaningful: too few calibration tokens)" if few_tokens else "")
+    for col in ("layer", energy, "whitening eps", "time (s)"):
         t.add_column(col, justify="right")
     for lr in report.layers:
         seconds = f"{lr.seconds:.1f}" + (" (reused)" if lr.reused else "")

@@ -189,6 +189,7 @@ def convert(
     opts: Options,
     on_layer: Callable[[LayerReport, int], None] | None = None,
     log: Callable[[str], None] = lambda s: None,
+    warn: Callable[[str], None] | None = None,
 ) -> Report:
     """Convert MODEL into a TALE artifact at `out`. Raises ConvertError on bad input.
 
@@ -206,7 +207,7 @@ def convert(
     try:
         lock.acquire()
         write.check_out(out, opts.overwrite)  # again, now that no other tale-convert can write it
-        return _convert_locked(model, out, opts, on_layer, log, t0)
+        return _convert_locked(model, out, opts, on_layer, log, warn or (lambda s: log(f"warning: {s}")), t0)
     finally:
         lock.release()
         for d in reversed(made):  # parents this run created and left empty (a refusal, an error)
@@ -233,7 +234,7 @@ def _make_parents(d: Path) -> list[Path]:
     return made
 
 
-def _convert_locked(model, out: Path, opts: Options, on_layer, log, t0) -> Report:
+def _convert_locked(model, out: Path, opts: Options, on_layer, log, warn, t0) -> Report:
     shard_size = write.parse_size(opts.shard_size)
     if opts.samples < 1 or opts.seq_len < 2:
         raise ConvertError("--samples must be >= 1 and --seq-len >= 2")
@@ -258,6 +259,11 @@ def _convert_locked(model, out: Path, opts: Options, on_layer, log, t0) -> Repor
     context = getattr(config, "max_position_embeddings", None)
     if context and opts.seq_len > context:
         raise ConvertError(f"--seq-len {opts.seq_len} exceeds the model's context (max_position_embeddings {context})")
+    for name, v in (("--sinks", schedule.sinks), ("--residual", schedule.residual)):
+        if context and v >= context:  # every token would stay at 16 bits: a measured 1.00x
+            raise ConvertError(
+                f"{name} {v} is not below the model's context ({context} tokens): nothing would be compressed"
+            )
     dtype = _dtype(opts.dtype, config)
     device = _device(opts.device)
     skeleton = source.skeleton(config)
@@ -268,6 +274,13 @@ def _convert_locked(model, out: Path, opts: Options, on_layer, log, t0) -> Repor
     docs, calib_info = calibrate.load_documents(opts.calib)
     tokens = calibrate.sample_tokens(tokenizer, docs, opts.samples, opts.seq_len, opts.seed)
     log(f"calibration: {opts.samples} x {opts.seq_len} tokens from {calib_info['source']}")
+    hidden = getattr(config, "hidden_size", 0)
+    if tokens.numel() < hidden:
+        warn(
+            f"only {tokens.numel()} calibration tokens for hidden size {hidden}: the covariance of the value "
+            "projection's input is rank-deficient, the whitening leans on its regularization and the 'energy kept' "
+            f"figures are not meaningful; use at least {hidden} (--samples x --seq-len), better 10x that"
+        )
     base_files = src.file_hashes()
     # Everything the factors depend on; a partial run is reused only if this matches exactly.
     settings = {
