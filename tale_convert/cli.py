@@ -49,7 +49,7 @@ def run(
     ),
     samples: int = typer.Option(D.samples, help="calibration sequences"),
     seq_len: int = typer.Option(D.seq_len, help="tokens per calibration sequence"),
-    seed: int = typer.Option(D.seed, help="seed for sampling the calibration sequences"),
+    seed: int = typer.Option(D.seed, min=0, max=2**64 - 1, help="seed for sampling the calibration sequences"),
     shrink: float = typer.Option(
         D.shrink, help="shrink the calibration covariance toward a scaled identity before whitening (0..1; 0: as is)"
     ),

@@ -642,12 +642,7 @@ def _dtype(name: str, config) -> torch.dtype:
 
 
 def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConvertError(f"unknown --device {name!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConvertError(f"--device {name}: CUDA is not available")
-    return device
+        return console.check_device(name, "--device")  # the CLIs' rules: cpu:0 is the cpu, no CUDA is refused
+    except ValueError as e:
+        raise ConvertError(str(e)) from None
