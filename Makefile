@@ -12,7 +12,7 @@ OUT    ?= out/smollm2-tale
 PROMPT ?= What is the chemical symbol for gold?
 LONG_PROMPT ?= calib/demo_long_prompt.txt
 
-.PHONY: setup demo convert run run-long test eval frontier bench clean
+.PHONY: setup demo convert run run-long test eval frontier errors bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,11 @@ eval: setup
 frontier: setup
 	mkdir -p out
 	$(BIN)/tale-eval $(OUT) --frontier --preset full --threads 1 --frontier-out docs/frontier --json out/frontier.json --overwrite
+
+# every bad input and fault of the error contract through the installed CLIs, written to docs/errors.md
+# (tests/test_faults.py runs the same cases under pytest)
+errors: setup
+	OMP_NUM_THREADS=1 $(BIN)/python tests/faults.py --out docs/errors.md
 
 clean:
 	rm -rf $(VENV) out build *.egg-info
