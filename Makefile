@@ -11,6 +11,7 @@ OUT    ?= out/smollm2-tale
 # and a ~2K-token document with one fact planted in its middle, asked at the end (docs/quality.md).
 PROMPT ?= What is the chemical symbol for gold?
 LONG_PROMPT ?= calib/demo_long_prompt.txt
+JOBS ?= 2  # make errors: fault cases run at once
 
 .PHONY: setup demo convert run run-long test eval frontier errors bench clean
 
@@ -59,7 +60,7 @@ frontier: setup
 # every bad input and fault of the error contract through the installed CLIs, written to docs/errors.md
 # (tests/test_faults.py runs the same cases under pytest)
 errors: setup
-	OMP_NUM_THREADS=1 $(BIN)/python tests/faults.py --out docs/errors.md
+	OMP_NUM_THREADS=1 $(BIN)/python tests/faults.py --out docs/errors.md --jobs $(JOBS)
 
 clean:
 	rm -rf $(VENV) out build *.egg-info

@@ -1586,6 +1586,7 @@ def main() -> None:
         action="store_true",
         help="keep the passing rows of --rows, run only the failed or missing cases, rewrite the doc",
     )
+    ap.add_argument("--jobs", type=int, default=1, help="cases run at once (each is a subprocess)")
     ap.add_argument(
         "--doc-only",
         action="store_true",
@@ -1613,27 +1614,30 @@ def main() -> None:
             kept = {k: r for k, r in kept.items() if not r["problems"]}
         elif not args.only:
             args.rows.unlink(missing_ok=True)
-        rows = []
-        for c in todo:
-            if c.id in skipped:
-                continue
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        lock = threading.Lock()
+
+        def one(c: Case) -> list[dict]:
             if c.id in kept and (c.id != "sigkill-after-2-layers" or "resume-after-sigkill" in kept):
-                rows.append(kept[c.id])
-                if c.id == "sigkill-after-2-layers":
-                    rows.append(kept["resume-after-sigkill"])
-                continue
+                return [kept[c.id]] + ([kept["resume-after-sigkill"]] if c.id == "sigkill-after-2-layers" else [])
             new = [run_case(c, work)]
             if c.id == "sigkill-after-2-layers":
                 new.append(resume_after_kill(work))
-            for r in new:
-                rows.append(r)
-                with open(args.rows, "a") as f:
-                    f.write(json.dumps({**r, "work": str(work), "bin": str(BIN)}) + "\n")
-                print(
-                    f"{r['id']:40s} exit {r['code']:4d} {r['seconds']:5.1f}s {'; '.join(r['problems']) or 'ok'}"
-                    f"  | {paths(r['message'], work)[:110]}",
-                    flush=True,
-                )
+            with lock:
+                for r in new:
+                    with open(args.rows, "a") as f:
+                        f.write(json.dumps({**r, "work": str(work), "bin": str(BIN)}) + "\n")
+                    print(
+                        f"{r['id']:40s} exit {r['code']:4d} {r['seconds']:5.1f}s {'; '.join(r['problems']) or 'ok'}"
+                        f"  | {paths(r['message'], work)[:110]}",
+                        flush=True,
+                    )
+            return new
+
+        with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # independent subprocesses, each in its own dir
+            rows = [r for new in pool.map(one, [c for c in todo if c.id not in skipped]) for r in new]
         if args.only:
             return
         reused = sum(r in kept.values() for r in rows)
