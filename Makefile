@@ -11,8 +11,9 @@ OUT    ?= out/smollm2-tale
 # and a ~2K-token document with one fact planted in its middle, asked at the end (docs/quality.md).
 PROMPT ?= What is the chemical symbol for gold?
 LONG_PROMPT ?= calib/demo_long_prompt.txt
+JOBS ?= 2  # make errors: fault cases run at once
 
-.PHONY: setup demo convert run run-long test eval frontier bench clean
+.PHONY: setup demo convert run run-long test eval frontier errors bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,9 +51,16 @@ test: setup
 eval: setup
 	$(BIN)/tale-eval $(OUT) --preset ci
 
-# quality vs measured compression of every policy, written to docs/frontier.md and docs/frontier.png
+# quality vs measured compression of every policy, written to docs/frontier.md and docs/frontier.png (replaced);
+# tale-eval itself writes out/frontier.md and .png under the current directory unless --frontier-out says otherwise
 frontier: setup
-	$(BIN)/tale-eval $(OUT) --frontier --preset full --threads 1 --json out/frontier.json
+	mkdir -p out
+	$(BIN)/tale-eval $(OUT) --frontier --preset full --threads 1 --frontier-out docs/frontier --json out/frontier.json --overwrite
+
+# every bad input and fault of the error contract through the installed CLIs, written to docs/errors.md
+# (tests/test_faults.py runs the same cases under pytest)
+errors: setup
+	OMP_NUM_THREADS=1 $(BIN)/python tests/faults.py --out docs/errors.md --jobs $(JOBS)
 
 clean:
 	rm -rf $(VENV) out build *.egg-info

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -56,6 +57,7 @@ class Preset:
 
 
 TEST_TEXTS = tuple(TEST_FILES)
+DEFAULT_FRONTIER_OUT = "out/frontier"  # relative to the current directory; make frontier writes docs/frontier
 PRESETS = {
     # a few minutes on 2 CPU cores
     "ci": Preset(
@@ -116,7 +118,10 @@ def run(
         help="--frontier: TALE points, ';'-separated overrides, e.g. "
         "'-; key_bits=4/4; r0=0.25,key_group=64,value_group=64,residual=64'",
     ),
-    frontier_out: Path = typer.Option(Path("docs/frontier"), help="--frontier: writes PATH.md and PATH.png"),
+    frontier_out: Optional[str] = typer.Option(
+        None,
+        help=f"--frontier: writes PATH.md and PATH.png (default: {DEFAULT_FRONTIER_OUT}, under the current directory)",
+    ),
     ctx: Optional[int] = typer.Option(None, help="tokens per held-out window"),
     windows: Optional[int] = typer.Option(None, help="held-out windows"),
     prefill: Optional[int] = typer.Option(None, help="exact prefix tokens per window"),
@@ -140,17 +145,20 @@ def run(
     dtype: str = typer.Option("bf16", help="compute dtype: bf16 or fp32 (bytes are measured in it)"),
     device: Optional[str] = typer.Option(None, help="cpu, cuda, ... (default: cuda if available)"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="also write the results to this JSON file"),
+    json_out: Optional[str] = typer.Option(
+        None, "--json", help="also write the results to this JSON file (finished rows go to FILE.partial as they come)"
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace existing --json / --frontier-out files"),
 ) -> None:
     table = FRONTIER_PRESETS if frontier else PRESETS
     if preset not in table:
         fail(f"unknown --preset {preset!r}: use {' or '.join(table)}")
     p = table[preset]
-    names = _csv(policy_names) or p.policies
-    ranks = p.rank_policies if rank_policies is None else _csv(rank_policies)
-    lengths = p.lengths if passkey_lengths is None else _csv(passkey_lengths)
-    texts = _csv(text) or p.texts
-    fams = _csv(families) or FAMILIES
+    names = _given("--policies", policy_names) or p.policies
+    ranks = p.rank_policies if rank_policies is None else _csv(rank_policies)  # '': none (documented)
+    lengths = p.lengths if passkey_lengths is None else _csv(passkey_lengths)  # '': skip the task (documented)
+    texts = _given("--text", text) or p.texts
+    fams = _given("--families", families) or FAMILIES
     try:
         depths = p.depths if passkey_depths is None else tuple(float(x) for x in _csv(passkey_depths))
         bits_l = None if bits is None else [int(x) for x in _csv(bits)]
@@ -171,6 +179,9 @@ def run(
     except ValueError as e:
         fail(str(e))
     ctx, windows, prefill, chunk = ctx or p.ctx, windows or p.windows, prefill or p.prefill, chunk or p.chunk
+    for name, v in (("--sinks", sinks), ("--residual", residual)):
+        if v is not None and v >= ctx:  # every token would stay exact: a measured 1.00x that looks like a result
+            fail(f"{name} {v} covers the whole window of --ctx {ctx} tokens: nothing would be compressed")
     pols: list[policies.Policy] = []
     if frontier:
         for f in fams:
@@ -206,9 +217,20 @@ def run(
         fail(f"--prefill ({prefill}) must be smaller than --ctx ({ctx})")
     device = str(console.device(device))
     if json_out is not None:  # checked now, not after the whole evaluation ran
-        console.writable_file(json_out, "--json")
+        json_out = Path(json_out) if json_out.strip() else Path("")
+        console.writable_file(json_out, "--json", overwrite)
+        if json_out.is_file() or not json_out.exists():  # not for /dev/stdout and the like
+            console.writable_file(_partial(json_out), "--json (its FILE.partial)", overwrite=True)
     if frontier:
+        if frontier_out is not None and not frontier_out.strip():
+            fail("--frontier-out is empty: name the path to write (PATH.md and PATH.png)")
+        frontier_out = Path(frontier_out or DEFAULT_FRONTIER_OUT)
+        if art := console.inside_artifact(frontier_out):
+            fail(f"--frontier-out {frontier_out}: inside the TALE artifact {art} (it would no longer load)")
         console.writable_dir(frontier_out.parent, "--frontier-out")
+        for f in (frontier_out.with_suffix(".md"), frontier_out.with_suffix(".png")):
+            if f.exists() and not overwrite:
+                fail(f"--frontier-out: {f} exists (pass --overwrite to replace it)")
     if threads:
         torch.set_num_threads(threads)
 
@@ -255,16 +277,26 @@ def run(
         pols.append(policies.Tale(schedule=rs, tag=name))
 
     rows = []
-    for pol in pols:
-        row = measure(model, tok, pol, ids, prefill, chunk, samples)
-        rows.append(row)
-        log(
-            f"{row['policy']} ({row['setting']}): ppl "
-            + ", ".join(f"{v:.3f}" for v in row["ppl"].values())
-            + f", {row['ratio']:.2f}x"
-            + (f", pass-key {row['passkey']:.0%}" if samples else "")
-            + f" ({row['seconds']:.0f} s)"
-        )
+    partial = _partial(json_out) if json_out and (json_out.is_file() or not json_out.exists()) else None
+    if partial:
+        partial.write_text("")
+    try:
+        for pol in pols:
+            row = measure(model, tok, pol, ids, prefill, chunk, samples)
+            rows.append(row)
+            if partial:  # a finished row survives an interrupt (or a crash) of the rows after it
+                with open(partial, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+            _log_row(log, row, samples)
+    except KeyboardInterrupt:
+        if rows and partial:
+            log(f"interrupted: {len(rows)} finished row(s) of {len(pols)} kept in {partial} (JSON lines)")
+        elif rows:
+            log(f"interrupted: {len(rows)} finished row(s) of {len(pols)} were printed above (--json keeps them)")
+        raise
+    finally:
+        if partial and not rows:
+            partial.unlink(missing_ok=True)
     full = next((r for r in rows if r["policy"] == "full"), None)
     delta_vs = "full"
     if full is not None:
@@ -303,8 +335,40 @@ def run(
         frontier_mod.plot(rows, config, png)
         log(f"wrote {md} and {png}")
     if json_out:
-        json_out.write_text(json.dumps({"config": config, "results": rows}, indent=2) + "\n")
+        tmp = (
+            json_out.with_name(f".{json_out.name}.tmp-{os.getpid()}")
+            if json_out.is_file() or not json_out.exists()
+            else None
+        )
+        target = tmp or json_out  # a regular file is replaced whole (rename); /dev/stdout and the like written to
+        target.write_text(json.dumps({"config": config, "results": rows}, indent=2) + "\n")
+        if tmp:
+            os.replace(tmp, json_out)
+        if partial:
+            partial.unlink(missing_ok=True)
         log(f"wrote {json_out}")
+
+
+def _partial(json_out: Path) -> Path:
+    return json_out.with_name(json_out.name + ".partial")
+
+
+def _given(flag: str, s: str | None) -> tuple[str, ...] | None:
+    """A comma list option; given but empty is refused (it would silently mean the preset's default)."""
+    items = _csv(s)
+    if items is not None and not items:
+        fail(f"{flag} is empty: leave it out for the preset's, or name at least one")
+    return items
+
+
+def _log_row(log, row: dict, samples) -> None:
+    log(
+        f"{row['policy']} ({row['setting']}): ppl "
+        + ", ".join(f"{v:.3f}" for v in row["ppl"].values())
+        + f", {row['ratio']:.2f}x"
+        + (f", pass-key {row['passkey']:.0%}" if samples else "")
+        + f" ({row['seconds']:.0f} s)"
+    )
 
 
 def _rank_schedules(model, tok, sched, names, energy, log) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Optional
@@ -11,14 +12,8 @@ from rich.console import Console
 
 from . import console
 
-DTYPES = {
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-    "fp16": "float16",
-    "float16": "float16",
-    "fp32": "float32",
-    "float32": "float32",
-}
+DTYPES = console.DTYPES
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__)
 err = Console(stderr=True, soft_wrap=True, highlight=False)
@@ -71,7 +66,8 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     if (prompt is None) == (prompt_file is None):
         raise CliError("give exactly one of --prompt and --prompt-file")
     if prompt_file is not None:
-        return console.read_text(prompt_file, "--prompt-file")  # refuses empty and binary files
+        return console.read_text(prompt_file, "--prompt-file")  # refuses empty and binary files, drops a BOM
+    console.check_text(prompt, "--prompt")
     if not prompt.strip():
         raise CliError("--prompt is empty")
     return prompt
@@ -79,9 +75,15 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
 
 def encode(tok, prompt: str, raw: bool) -> list[int]:
     if not raw and tok.chat_template:
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
+        try:
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:  # jinja2's TemplateError (raise_exception, an unknown filter), ValueError, ...
+            raise CliError(
+                f"the artifact's chat template failed ({type(e).__name__}: {console.one_line(e)}); "
+                "pass --raw to feed the prompt without it"
+            ) from None
         return tok(text, add_special_tokens=False)["input_ids"]
     return tok(prompt)["input_ids"]
 
@@ -95,7 +97,7 @@ def run(
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy"),
     top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="nucleus sampling (temperature > 0)"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", min=0, max=SEED_MAX, help="sampling seed (0 to 2**64-1)"),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:1, ..."),
     dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32"),
     output_path: str = typer.Option("fused", "--output-path", help="fused (O^r) or factored (B then W_O)"),
@@ -128,12 +130,23 @@ def run(
 ) -> None:
     """Generate from a TALE artifact, streaming the text; a stats line follows on stderr."""
     text = read_prompt(prompt, prompt_file)
+    for name, v in (("--temperature", temperature), ("--top-p", top_p)):
+        if not math.isfinite(v):  # click's range check lets nan (and inf, for --temperature) through
+            raise CliError(f"{name} must be a finite number, got {v}")
     overrides = schedule_overrides(sinks, recent, ranks, bits, key_bits, key_group, value_group, residual, r0)
-    if dtype not in DTYPES:
+    if dtype not in ("bf16", "fp16", "fp32", "bfloat16", "float16", "float32"):
         raise CliError(f"--dtype must be one of bf16, fp16, fp32; got {dtype!r}")
     if output_path not in ("fused", "factored"):
         raise CliError(f"--output-path must be fused or factored; got {output_path!r}")
     dev = console.device(device)
+    if dev.type != "cuda":
+        used = [f for f, on in (("--dynamic", dynamic), ("--no-compile", no_compile)) if on]
+        if used:
+            err.print(
+                f"note: {' and '.join(used)} only change(s) decoding on CUDA (static cache, CUDA graphs); "
+                f"on {dev.type} decoding is dynamic and eager anyway",
+                style="dim",
+            )
 
     import torch
 
@@ -156,6 +169,16 @@ def run(
     if len(ids) + max_new_tokens > ctx:
         max_new_tokens = ctx - len(ids)
         err.print(f"note: --max-new-tokens capped to {max_new_tokens} by the model's context ({ctx})", style="dim")
+    sched = m.tale_schedule
+    for name, v in (("--sinks", overrides.get("sinks")), ("--residual", overrides.get("residual"))):
+        if v is not None and v >= ctx:
+            raise CliError(f"{name} {v} is not below the model's context ({ctx} tokens): nothing would be compressed")
+    if sched.sinks + sched.residual >= len(ids) + max_new_tokens:
+        err.print(
+            f"note: the {sched.sinks} sink and {sched.residual} residual tokens kept at 16 bits cover all "
+            f"{len(ids) + max_new_tokens} tokens of this run: nothing is compressed, so the measured ratio is 1.00x",
+            style="dim",
+        )
     set_output_path(m, output_path)
     if dev.type == "cuda" and not m.tale_spec.schedule.fast_path():
         err.print(
@@ -165,7 +188,10 @@ def run(
             style="dim",
         )
 
+    streamed = []
+
     def emit(piece: str) -> None:
+        streamed.append(piece)
         sys.stdout.write(piece)
         sys.stdout.flush()
 
@@ -184,6 +210,14 @@ def run(
         )
     except NonFiniteLogits:  # one line on stderr (a UserError); end the streamed text's line first
         sys.stdout.write("\n")
+        raise
+    except KeyboardInterrupt as e:  # end the streamed line, then the stats of what was generated, then the message
+        if streamed:
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+        stats = getattr(e, "tale_stats", None)
+        if stats is not None:
+            err.print(stats.line() + " (interrupted)", style="dim", markup=False)
         raise
     sys.stdout.write("\n")
     sys.stdout.flush()

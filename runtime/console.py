@@ -98,8 +98,11 @@ def run_app(app: typer.Typer, argv: list[str] | None = None, user_errors: tuple[
     from .artifact import ArtifactError
 
     _received.clear()
+    if not _stdio_ready():
+        sys.exit(EXIT_USER)
     install_signal_handlers()
     _quiet_libraries()
+    _rich_broken_pipe()
     user_errors = (UserError, ArtifactError, *user_errors)
     try:
         code = app(args=argv, standalone_mode=False)  # typer returns typer.Exit's code, 130 for KeyboardInterrupt
@@ -111,6 +114,11 @@ def run_app(app: typer.Typer, argv: list[str] | None = None, user_errors: tuple[
         sig = _received[0] if _received else signal.SIGINT
         print(f"interrupted ({signal.Signals(sig).name})", file=sys.stderr)
         code = 128 + sig
+    except SystemExit as e:  # click ends a broken pipe with exit 1 (its stdout wrapped to stay quiet): as below
+        code = 128 + signal.SIGPIPE if type(sys.stdout).__name__ == "PacifyFlushWrapper" else e.code
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly, as `cat` does
+        _discard_stdout()
+        code = 128 + signal.SIGPIPE
     except typer.TyperException as e:  # click usage errors: one line instead of a box
         print(f"error: {one_line(e.format_message())} (see --help)", file=sys.stderr)
         code = EXIT_USER
@@ -118,6 +126,11 @@ def run_app(app: typer.Typer, argv: list[str] | None = None, user_errors: tuple[
         if debug():
             raise
         print(f"error: {one_line(e)}", file=sys.stderr)
+        code = EXIT_USER
+    except UnicodeEncodeError as e:  # argv bytes that are not UTF-8 (surrogate escapes), wherever they went
+        if debug() or "surrogates not allowed" not in str(e):
+            raise
+        print("error: an argument is not valid UTF-8 text (bytes from another encoding?)", file=sys.stderr)
         code = EXIT_USER
     except Exception as e:
         if debug():
@@ -132,28 +145,124 @@ def run_app(app: typer.Typer, argv: list[str] | None = None, user_errors: tuple[
                 file=sys.stderr,
             )
             code = EXIT_BUG
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _discard_stdout()
+        code = code or 128 + signal.SIGPIPE
     sys.exit(code or 0)
 
 
+def _discard_stdout() -> None:
+    """Point fd 1 at /dev/null, so the interpreter's last flush at exit cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _rich_broken_pipe() -> None:
+    """rich ends the process with SystemExit(1) on a broken pipe; route it through run_app's handling instead."""
+    from rich.console import Console
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    Console.on_broken_pipe = on_broken_pipe
+
+
+def _stdio_ready() -> bool:
+    """A closed stdout or stderr (`>&-`): hold its file descriptor with /dev/null, so that no file the command
+    opens (a shard, the lock) gets descriptor 1 or 2 and receives our output; then refuse a closed stdout in one
+    line (what the command prints would be lost). A closed stderr: errors go nowhere, the exit code still tells."""
+    closed = []
+    for fd in (1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            nfd = os.open(os.devnull, os.O_WRONLY)
+            if nfd != fd:
+                os.dup2(nfd, fd)
+                os.close(nfd)
+            closed.append(fd)
+    if 2 in closed or sys.stderr is None:
+        sys.stderr = open(2, "w", closefd=False)
+    if 1 in closed or sys.stdout is None:
+        print("error: standard output is closed: redirect it to a file or to /dev/null instead", file=sys.stderr)
+        return False
+    return True
+
+
 # -- checks before work -------------------------------------------------------------------------------------
-def device(name: str | None, flag: str = "--device"):
-    """'auto' (or None), 'cpu', 'cuda', 'cuda:N' -> torch.device; anything else is refused in one line."""
+def check_device(name, flag: str = "device"):
+    """'auto' (or None), 'cpu', 'cuda', 'cuda:N' (or a torch.device) -> torch.device; anything else, or CUDA on a
+    machine without it, raises ValueError naming `flag`. Shared by the CLIs and the Python API (load)."""
     import torch
 
-    if name in (None, "", "auto"):
+    if name is None or (isinstance(name, str) and name.strip() in ("", "auto")):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise UserError(f"{flag} {name!r}: unknown device (use auto, cpu, cuda or cuda:N)") from None
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"{flag} {name!r}: unknown device (use auto, cpu, cuda or cuda:N)") from None
     if dev.type not in ("cpu", "cuda"):
-        raise UserError(f"{flag} {name}: not supported (TALE runs on cpu or cuda)")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError(f"{flag} {name}: CUDA is not available on this machine")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise UserError(f"{flag} {name}: only {torch.cuda.device_count()} CUDA device(s)")
+        raise ValueError(f"{flag} {name}: not supported (TALE runs on cpu or cuda)")
+    if dev.type == "cpu":
+        if dev.index not in (None, 0):
+            raise ValueError(f"{flag} {name}: there is one CPU device (use cpu)")
+        return torch.device("cpu")  # safetensors and others take 'cpu', not 'cpu:0'
+    if not torch.cuda.is_available():
+        raise ValueError(f"{flag} {name}: CUDA is not available on this machine")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"{flag} {name}: only {torch.cuda.device_count()} CUDA device(s)")
     return dev
+
+
+def device(name: str | None, flag: str = "--device"):
+    """check_device for a CLI option: refused in one line (UserError)."""
+    try:
+        return check_device(name, flag)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+# the dtype names every CLI and load() accept
+DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+}
+
+
+def check_dtype(x, flag: str = "dtype"):
+    """None, a torch floating dtype, or one of DTYPES' names ('bf16', 'fp16', 'fp32', 'bfloat16', 'torch.float16',
+    ...) -> torch.dtype or None; anything else raises ValueError."""
+    import torch
+
+    if x is None or (isinstance(x, torch.dtype) and x in (torch.bfloat16, torch.float16, torch.float32)):
+        return x
+    if isinstance(x, str) and x.strip().lower().removeprefix("torch.") in DTYPES:
+        return getattr(torch, DTYPES[x.strip().lower().removeprefix("torch.")])
+    raise ValueError(f"{flag} {x!r}: use bf16, fp16 or fp32 (or torch.bfloat16, torch.float16, torch.float32)")
+
+
+def check_text(value: str, flag: str) -> str:
+    """A text argument that must be UTF-8 (a prompt, a commit message): argv bytes that are not UTF-8 arrive as
+    surrogate escapes, which would fail later, deep inside a tokenizer or an HTTP library."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = value[e.start].encode("utf-8", "surrogateescape")
+        raise UserError(f"{flag}: not valid UTF-8 text (byte 0x{bad.hex()} at character {e.start})") from None
+    return value
 
 
 def read_text(path: Path, flag: str) -> str:
@@ -170,7 +279,7 @@ def read_text(path: Path, flag: str) -> str:
     if b"\0" in data:
         raise UserError(f"{flag} {path}: a binary file, expected UTF-8 text")
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark (Windows editors) is not text
     except UnicodeDecodeError as e:
         raise UserError(f"{flag} {path}: not UTF-8 text (byte {e.start})") from None
     if not text.strip():
@@ -202,16 +311,35 @@ def writable_dir(path: Path, flag: str) -> None:
         raise UserError(f"{flag} {path}: {base} is not writable ({e.strerror})") from None
 
 
-def writable_file(path: Path, flag: str) -> None:
+def inside_artifact(path: Path) -> Path | None:
+    """The TALE artifact directory (one holding a tale_config.json manifest) that `path` would be written into,
+    or None. A file added there makes the artifact unusable: its loader refuses files the manifest does not list."""
+    from .artifact import MANIFEST
+
+    p = Path(path).expanduser().absolute()
+    for d in p.parents:
+        if (d / MANIFEST).is_file():
+            return d
+    return None
+
+
+def writable_file(path: Path, flag: str, overwrite: bool = True) -> None:
     """A file we will write at the end: its directory exists and it can be opened for writing (tried now,
-    a new file removed again), so results are not lost after the work."""
+    a new file removed again), so results are not lost after the work. Never inside a TALE artifact; an existing
+    file is replaced only with `overwrite`."""
     path = Path(path).expanduser()
+    if str(path) in ("", "."):
+        raise UserError(f"{flag} is empty: name the file to write")
+    if art := inside_artifact(path):
+        raise UserError(f"{flag} {path}: inside the TALE artifact {art} (it would no longer load); write it elsewhere")
     parent = path.absolute().parent
     if not parent.is_dir():
         raise UserError(f"{flag} {path}: directory {parent} does not exist")
     if path.is_dir():
         raise UserError(f"{flag} {path}: is a directory")
     existed = path.exists()
+    if existed and not overwrite and path.is_file():
+        raise UserError(f"{flag} {path}: exists (pass --overwrite to replace it)")
     try:
         with open(path, "a"):
             pass

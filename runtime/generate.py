@@ -7,6 +7,7 @@ For batches, beam search or logits processors use `model.generate(..., past_key_
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -163,6 +164,12 @@ def generate(
     `on_text` receives the decoded text as it grows (needs `tokenizer`). Returns the new token
     ids (EOS included if reached) and the statistics.
     """
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    if not (isinstance(top_p, (int, float)) and 0 <= top_p <= 1):
+        raise ValueError(f"top_p must lie in [0, 1], got {top_p!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
     if ids.shape[1] == 0:
         raise ValueError("empty prompt")
@@ -189,19 +196,26 @@ def generate(
     decoder = graph_decoder(model, cache, compile=compile) if graphed else None
     pos = torch.full((1, 1), ids.shape[1], dtype=torch.long, device=device)
     t1 = time.perf_counter()
-    while len(out) < max_new_tokens:
-        tok = _next_token(logits[0, -1].float(), temperature, top_p, gen, len(out))
-        out.append(tok)
-        if stream is not None and tok not in stop and (text := stream.push(tok)):
-            on_text(text)
-        if tok in stop or len(out) == max_new_tokens:
-            break
-        step = torch.tensor([[tok]], device=device)
-        if decoder is not None:
-            logits = decoder(step, pos)[:, None]
-            pos += 1
-        else:
-            logits = model(input_ids=step, **cache_arg(cache), use_cache=True, logits_to_keep=1).logits
+    try:
+        while len(out) < max_new_tokens:
+            tok = _next_token(logits[0, -1].float(), temperature, top_p, gen, len(out))
+            out.append(tok)
+            if stream is not None and tok not in stop and (text := stream.push(tok)):
+                on_text(text)
+            if tok in stop or len(out) == max_new_tokens:
+                break
+            step = torch.tensor([[tok]], device=device)
+            if decoder is not None:
+                logits = decoder(step, pos)[:, None]
+                pos += 1
+            else:
+                logits = model(input_ids=step, **cache_arg(cache), use_cache=True, logits_to_keep=1).logits
+    except KeyboardInterrupt as e:  # Ctrl-C mid-generation: tale-run prints the stats of what was generated
+        e.tale_stats = GenStats(
+            ids.shape[1], len(out), prefill_s, time.perf_counter() - t1, cache.nbytes(), cache.baseline_nbytes(),
+            schedule_nominal_ratio(model, cache.schedule), attention_backend(model, cache),
+        )  # fmt: skip
+        raise
     _sync(device)
     decode_s = time.perf_counter() - t1 if len(out) > 1 else 0.0
     if stream is not None and (text := stream.flush()):

@@ -102,6 +102,9 @@ def load(
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from .console import check_device, check_dtype
+
+    device, dtype = check_device(device), check_dtype(dtype)  # ValueError before anything loads
     check_transformers()
     root = resolve(path_or_id, revision)
     manifest = read_manifest(root)

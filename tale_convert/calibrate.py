@@ -31,8 +31,10 @@ def load_documents(files: list[Path] | None) -> tuple[list[str], dict]:
         docs = [doc for p in paths for doc in documents(p)]
         return docs, {"source": "tale_calib", "files": {p.name: sha256_file(p) for p in paths}}
     for f in files:
+        if f.is_dir():
+            raise ConvertError(f"--calib {f}: is a directory; give the files (e.g. --calib {f}/a.txt, repeatable)")
         if not f.is_file():
-            raise ConvertError(f"calibration file not found: {f}")
+            raise ConvertError(f"calibration file not found: {f}" if not f.exists() else f"--calib {f}: not a file")
         if f.suffix.lower() not in READERS:
             raise ConvertError(f"calibration file {f}: unsupported type (use {', '.join(READERS)})")
     docs = []
@@ -44,7 +46,7 @@ def load_documents(files: list[Path] | None) -> tuple[list[str], dict]:
 
 def _text(f: Path) -> list[str]:
     try:
-        return [f.read_text(encoding="utf-8")]
+        return [f.read_text(encoding="utf-8-sig")]  # -sig: a leading byte-order mark is not text
     except (OSError, UnicodeDecodeError) as e:
         raise ConvertError(f"cannot read calibration file {f}: {e}") from None
 
@@ -52,7 +54,7 @@ def _text(f: Path) -> list[str]:
 def _json(f: Path) -> list[str]:
     """A .jsonl file (one object per line), or a .json file holding one object or a list of them."""
     try:
-        raw = f.read_text(encoding="utf-8")
+        raw = f.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
         raise ConvertError(f"cannot read calibration file {f}: {str(e).splitlines()[0]}") from None
     if f.suffix.lower() == ".json":

@@ -80,7 +80,8 @@ def render_card(
         f"# {repo_id or base_name + ' (TALE)'}\n\n{MARKER}",
         _intro(manifest, base_name, hub_base),
         _schedule(manifest),
-        _measured([manifest.get("measured"), manifest.get("quality"), quality]),
+        _measured([manifest.get("measured"), manifest.get("quality"), None if is_eval_json(quality) else quality]),
+        _eval_table(quality) if is_eval_json(quality) else "",
         _usage(repo_id or PLACEHOLDER_ID),
         _provenance(manifest),
     ]
@@ -176,6 +177,49 @@ def _measured(sources: list) -> str:
     if not rows:
         return ""
     return "\n".join(["## Measured", "", "| metric | value |", "|---|---|", *rows])
+
+
+def is_eval_json(q) -> bool:
+    """Whether `q` is what `tale-eval --json` writes: {"config": {...}, "results": [row, ...]}."""
+    return isinstance(q, dict) and isinstance(q.get("config"), dict) and isinstance(q.get("results"), list)
+
+
+def _num(v, fmt: str) -> str:
+    return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "n/a"
+
+
+def _eval_table(q: dict) -> str:
+    """tale-eval's results as a table: perplexity (and its change against the reference) per held-out text,
+    the measured compression, pass-key accuracy."""
+    cfg = q["config"]
+    rows = [r for r in q["results"] if isinstance(r, dict)]
+    texts = [str(t) for t in cfg.get("texts") or []] or sorted({t for r in rows for t in _dict(r.get("ppl"))})
+    head = ["cache", *[f"ppl {t}" for t in texts], "measured compression"]
+    task = any("passkey" in r for r in rows)
+    if task:
+        head.append("pass-key")
+    lines = [
+        "## Measured with tale-eval",
+        "",
+        f"Decode-mode perplexity on {cfg.get('windows', '?')} x {cfg.get('ctx', '?')} tokens of "
+        f"{', '.join(texts) or '?'} (prefill {cfg.get('prefill', '?')}, {cfg.get('dtype', '?')}); the change is "
+        f"against the {'full 16-bit cache' if cfg.get('delta_vs', 'full') == 'full' else 'plain forward pass'}.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for r in rows:
+        name = str(r.get("policy", "?")) + (f" ({r['setting']})" if r.get("setting") else "")
+        ppl, delta = _dict(r.get("ppl")), _dict(r.get("delta_pct"))
+        cells = [name.replace("|", "/")]
+        for t in texts:
+            d = f" ({_num(delta.get(t), '+.2f')}%)" if t in delta else ""
+            cells.append(_num(ppl.get(t), ".3f") + d)
+        cells.append(_num(r.get("ratio"), ".2f") + "x" if isinstance(r.get("ratio"), (int, float)) else "n/a")
+        if task:
+            cells.append(_num(r.get("passkey"), ".0%") if "passkey" in r else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _usage(repo_id: str) -> str:

@@ -21,6 +21,7 @@ app = typer.Typer(
     add_completion=False, pretty_exceptions_enable=False, help="Convert a Llama-family checkpoint into a TALE artifact."
 )
 out_console = Console()
+err_console = Console(stderr=True, soft_wrap=True)
 D = Options()
 
 
@@ -41,14 +42,14 @@ def _bands(s: str) -> tuple[int, int]:
 @app.command()
 def run(
     model: str = typer.Argument("smollm2", help="`smollm2` (the default), a checkpoint dir, or a Hub id owner/name"),
-    out: Path = typer.Option(..., "--out", "-o", help="artifact directory to write"),
+    out: str = typer.Option(..., "--out", "-o", help="artifact directory to write"),
     group: int = typer.Option(D.group, help="KV heads per latent group g (must divide the KV heads)"),
     calib: Optional[list[Path]] = typer.Option(
         None, help="calibration .txt/.json/.jsonl/.parquet file (repeatable); default: the bundled CC0 corpus"
     ),
     samples: int = typer.Option(D.samples, help="calibration sequences"),
     seq_len: int = typer.Option(D.seq_len, help="tokens per calibration sequence"),
-    seed: int = typer.Option(D.seed, help="seed for sampling the calibration sequences"),
+    seed: int = typer.Option(D.seed, min=0, max=2**64 - 1, help="seed for sampling the calibration sequences"),
     shrink: float = typer.Option(
         D.shrink, help="shrink the calibration covariance toward a scaled identity before whitening (0..1; 0: as is)"
     ),
@@ -132,6 +133,9 @@ def run(
         policy=policy,
         energy=energy,
     )
+    if not out.strip():  # Path("") would be the current directory
+        raise ConvertError("--out is empty: name the artifact directory to write")
+    out = Path(out)
     check_inputs(out, opts)
     _quiet_libraries()
     # stdout: progress and report; stderr: only the error line
@@ -148,8 +152,14 @@ def run(
         def on_layer(lr, total):
             progress.update(task, total=total, advance=1)
 
-        report = convert(model, out, opts, on_layer=on_layer, log=lambda s: progress.console.print(s))
-    _summary(report)
+        warned: list[str] = []
+
+        def warn(msg: str) -> None:
+            warned.append(msg)
+            err_console.print(f"warning: {msg}", markup=False, highlight=False)
+
+        report = convert(model, out, opts, on_layer=on_layer, log=lambda s: progress.console.print(s), warn=warn)
+    _summary(report, few_tokens=any("calibration tokens" in w for w in warned))
 
 
 def check_inputs(out: Path, opts: Options) -> None:
@@ -172,6 +182,8 @@ def check_inputs(out: Path, opts: Options) -> None:
     if opts.target_ratio is not None and opts.target_ratio <= 1:
         raise ConvertError(f"--target-ratio must be > 1 (a compression ratio), got {opts.target_ratio:g}")
     for f in opts.calib or []:
+        if f.is_dir():
+            raise ConvertError(f"--calib {f}: is a directory; give the files (e.g. --calib {f}/a.txt, repeatable)")
         if f.is_file() and f.suffix.lower() != ".parquet":
             console.read_text(f, "--calib")  # empty, binary, not UTF-8: one line naming the file
     if opts.calib:
@@ -194,9 +206,10 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
-def _summary(report) -> None:
+def _summary(report, few_tokens: bool = False) -> None:
     t = Table(title="per layer")
-    for col in ("layer", "energy kept at r0", "whitening eps", "time (s)"):
+    energy = "energy kept at r0" + (" (not meaningful: too few calibration tokens)" if few_tokens else "")
+    for col in ("layer", energy, "whitening eps", "time (s)"):
         t.add_column(col, justify="right")
     for lr in report.layers:
         seconds = f"{lr.seconds:.1f}" + (" (reused)" if lr.reused else "")

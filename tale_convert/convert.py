@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from tale_runtime import console
 from tale_runtime.artifact import (
     FORMAT,
     FORMAT_VERSION,
@@ -189,6 +190,7 @@ def convert(
     opts: Options,
     on_layer: Callable[[LayerReport, int], None] | None = None,
     log: Callable[[str], None] = lambda s: None,
+    warn: Callable[[str], None] | None = None,
 ) -> Report:
     """Convert MODEL into a TALE artifact at `out`. Raises ConvertError on bad input.
 
@@ -197,8 +199,43 @@ def convert(
     layer (plus the tokens), whatever the depth."""
     t0 = time.perf_counter()
     _fixed_mmap_threshold()
+    if not str(out).strip():
+        raise ConvertError("--out is empty: name the artifact directory to write")
     out = Path(out).expanduser().absolute()
     write.check_out(out, opts.overwrite)
+    made = _make_parents(out.parent)  # the lock lives beside --out
+    lock = write.OutLock(out)
+    try:
+        lock.acquire()
+        write.check_out(out, opts.overwrite)  # again, now that no other tale-convert can write it
+        return _convert_locked(model, out, opts, on_layer, log, warn or (lambda s: log(f"warning: {s}")), t0)
+    finally:
+        lock.release()
+        for d in reversed(made):  # parents this run created and left empty (a refusal, an error)
+            try:
+                d.rmdir()
+            except OSError:
+                break
+
+
+def _make_parents(d: Path) -> list[Path]:
+    """mkdir -p, returning the directories it created, outermost first."""
+    made = []
+    while not d.exists() and d != d.parent:
+        made.append(d)
+        d = d.parent
+    made.reverse()
+    for x in made:
+        try:
+            x.mkdir()
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise ConvertError(console.environment_error(e) or f"cannot create {x}: {e.strerror}") from None
+    return made
+
+
+def _convert_locked(model, out: Path, opts: Options, on_layer, log, warn, t0) -> Report:
     shard_size = write.parse_size(opts.shard_size)
     if opts.samples < 1 or opts.seq_len < 2:
         raise ConvertError("--samples must be >= 1 and --seq-len >= 2")
@@ -223,6 +260,11 @@ def convert(
     context = getattr(config, "max_position_embeddings", None)
     if context and opts.seq_len > context:
         raise ConvertError(f"--seq-len {opts.seq_len} exceeds the model's context (max_position_embeddings {context})")
+    for name, v in (("--sinks", schedule.sinks), ("--residual", schedule.residual)):
+        if context and v >= context:  # every token would stay at 16 bits: a measured 1.00x
+            raise ConvertError(
+                f"{name} {v} is not below the model's context ({context} tokens): nothing would be compressed"
+            )
     dtype = _dtype(opts.dtype, config)
     device = _device(opts.device)
     skeleton = source.skeleton(config)
@@ -233,6 +275,13 @@ def convert(
     docs, calib_info = calibrate.load_documents(opts.calib)
     tokens = calibrate.sample_tokens(tokenizer, docs, opts.samples, opts.seq_len, opts.seed)
     log(f"calibration: {opts.samples} x {opts.seq_len} tokens from {calib_info['source']}")
+    hidden = getattr(config, "hidden_size", 0)
+    if tokens.numel() < hidden:
+        warn(
+            f"only {tokens.numel()} calibration tokens for hidden size {hidden}: the covariance of the value "
+            "projection's input is rank-deficient, the whitening leans on its regularization and the 'energy kept' "
+            f"figures are not meaningful; use at least {hidden} (--samples x --seq-len), better 10x that"
+        )
     base_files = src.file_hashes()
     # Everything the factors depend on; a partial run is reused only if this matches exactly.
     settings = {
@@ -244,7 +293,6 @@ def convert(
         "tokens": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(),
     }
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     writer = None
     try:
@@ -284,7 +332,7 @@ def convert(
         shutil.rmtree(tmp / resume.DIR)
         if bands or opts.wants_basis():
             _calibrated(tmp, manifest, bands, opts.wants_basis(), tokens, device, base_card, log)
-        write.publish(tmp, out)
+        write.publish(tmp, out, opts.overwrite)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM turned into one by the console layer
         if writer:
             writer.abort()
@@ -595,12 +643,7 @@ def _dtype(name: str, config) -> torch.dtype:
 
 
 def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConvertError(f"unknown --device {name!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConvertError(f"--device {name}: CUDA is not available")
-    return device
+        return console.check_device(name, "--device")  # the CLIs' rules: cpu:0 is the cpu, no CUDA is refused
+    except ValueError as e:
+        raise ConvertError(str(e)) from None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,14 +108,72 @@ def _quality(path: Path | None) -> dict | None:
         raise PushError(f"--quality {path}: cannot read a JSON object ({e})") from None
     if not isinstance(q, dict):
         raise PushError(f"--quality {path}: expected a JSON object of metrics")
+    if bad := _not_finite(q):
+        raise PushError(f"--quality {path}: {bad} is {q_value(q, bad)}, not a measured figure (fix or drop it)")
     return q
+
+
+def _not_finite(x, at: str = "") -> str | None:
+    """The dotted key of the first NaN or infinite number in `x` (JSON parsers accept NaN and Infinity)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return at or "the value"
+    items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()
+    for k, v in items:
+        if bad := _not_finite(v, f"{at}[{k}]" if isinstance(k, int) else f"{at}.{k}" if at else str(k)):
+            return bad
+    return None
+
+
+def q_value(q, dotted: str) -> str:
+    import re
+
+    x = q
+    for part in re.findall(r"[^.\[\]]+", dotted):
+        x = x[int(part)] if isinstance(x, list) else x[part]
+    return str(x)
+
+
+# git's rules for a branch name (git check-ref-format --branch), which the Hub applies to revisions
+_BAD_REF = ("..", "@{", "//", "/.", ".lock/")
+
+
+def check_revision(revision: str) -> None:
+    bad = (
+        not revision
+        or revision == "@"
+        or revision.startswith(("/", "-", "."))
+        or revision.endswith(("/", ".", ".lock"))
+        or any(s in revision + "/" for s in _BAD_REF)
+        or any(c in revision for c in " ~^:?*[\\")
+        or any(ord(c) < 32 or ord(c) == 127 for c in revision)
+    )
+    if bad:
+        raise PushError(
+            f"invalid --revision {revision!r}: not a valid branch name (no spaces, '..', '~^:?*[\\', "
+            "control characters, leading '-' or '.', trailing '/', '.' or '.lock')"
+        )
+    console.check_text(revision, "--revision")
 
 
 def _card(root: Path, manifest: dict, repo_id: str, quality: dict | None) -> str:
     """A generated card (or none) is rendered afresh, carrying over its license/tags/language;
     a card the user wrote (no MARKER) is kept, only its metadata completed."""
     readme = root / "README.md"
-    old = readme.read_text(encoding="utf-8") if readme.is_file() else None
+    old = None
+    if readme.is_file():
+        data = readme.read_bytes()
+        try:
+            old = data.decode("utf-8").removeprefix("\ufeff")
+        except UnicodeDecodeError as e:
+            old = None
+            why = f"not UTF-8 text (byte {e.start})"
+        else:
+            why = "a binary file" if "\0" in old else None
+        if why:
+            raise PushError(
+                f"{readme}: {why}; the model card must be text: restore the generated one (re-convert) or write "
+                "your own card there"
+            )
     if old is not None and MARKER not in old:
         return complete_metadata(old, manifest)
     return render_card(manifest, base_card=old, quality=quality, repo_id=repo_id)
@@ -196,6 +255,9 @@ def push(
     ),
 ) -> None:
     """Check ARTIFACT, render its model card (README.md) and upload both to REPO_ID; local files are not changed."""
+    check_revision(revision)
+    if commit_message is not None:
+        console.check_text(commit_message, "--commit-message")
     p = plan(artifact, repo_id, quality)
     large = p.total >= LARGE_BYTES if large is None else large
     if dry_run:

@@ -3,6 +3,7 @@ files, and the move of the finished directory into place."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -225,26 +226,179 @@ class ShardWriter:
 
 def check_out(out: Path, overwrite: bool) -> None:
     """Refuse before any work: an existing output needs --overwrite, and only a TALE artifact
-    (or an empty directory) may be replaced."""
-    if not out.exists():
+    (or an empty directory) may be replaced. Checked again at publish time (publish)."""
+    if str(out) in ("", "."):
+        raise ConvertError("--out is empty: name the artifact directory to write")
+    here = Path.cwd().absolute()
+    if out == here or out in here.parents:
+        raise ConvertError(f"--out {out}: is the current directory or one above it; name a new directory")
+    for above in out.parents:
+        if (above / MANIFEST).is_file():
+            raise ConvertError(f"--out {out}: inside the TALE artifact {above}; write the new artifact elsewhere")
+    if not out.exists() and not out.is_symlink():
         if out.parent.exists() and not out.parent.is_dir():
             raise ConvertError(f"cannot write {out}: {out.parent} is not a directory")
         return
     if not overwrite:
         raise ConvertError(f"{out} exists (pass --overwrite to replace it)")
-    if not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file()):
-        raise ConvertError(f"refusing to overwrite {out}: it is not a TALE artifact")
+    if why := not_replaceable(out):
+        raise ConvertError(f"refusing to overwrite {out}: {why}")
 
 
-def publish(tmp: Path, out: Path) -> None:
-    """Move the finished temp dir into place; an old artifact is replaced only once the new one is complete."""
-    if out.exists():
-        old = out.with_name(f"{out.name}.tmp-{os.getpid()}-old")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out)
+def not_replaceable(out: Path) -> str | None:
+    """Why `out` may not be replaced by a new artifact (None: it may). Only an empty directory or a TALE
+    artifact holding nothing but its own files (the manifest and what it lists) is replaced: never a
+    directory of the user's, nor an artifact with files of the user's added."""
+    if out.is_symlink() or not out.is_dir():
+        return "it is not a TALE artifact"
+    names = {p.relative_to(out).as_posix() for p in out.rglob("*") if not p.is_dir()}
+    if not names:
+        return None
+    if MANIFEST not in names:
+        return "it is not a TALE artifact"
+    try:
+        listed = set(json.loads((out / MANIFEST).read_text()).get("files") or {})
+    except (OSError, ValueError, AttributeError):
+        return "it is not a TALE artifact (unreadable manifest)"
+    extra = sorted(names - listed - {MANIFEST})
+    if extra:
+        more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+        return f"it holds files that are not part of the artifact ({', '.join(extra[:3])}{more}): move them away first"
+    return None
+
+
+class OutLock:
+    """`<out>.lock` beside the output: one tale-convert writes an --out at a time.
+
+    Held with fcntl.flock, so a process that dies (even by SIGKILL) releases it; the file holds the
+    owner's pid for the message. A lock file left by a dead process is taken over; it is removed on
+    release (after checking it is still the file we locked, so two waiting processes cannot both win)."""
+
+    def __init__(self, out: Path):
+        self.path = out.with_name(out.name + ".lock")
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        import fcntl
+
+        p = self.path
+        if p.is_symlink() or (p.exists() and not p.is_file()):
+            raise ConvertError(f"cannot lock {p}: it exists and is not a lock file of tale-convert")
+        if p.is_file() and p.stat().st_size and not re.fullmatch(rb"\d+\n?", p.read_bytes()[:32]):
+            raise ConvertError(f"cannot lock {p}: it exists and is not a lock file of tale-convert (move it away)")
+        for _ in range(50):
+            fd = os.open(p, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                owner = _read_pid(p)
+                who = f"another tale-convert (pid {owner})" if owner else "another tale-convert"
+                raise ConvertError(
+                    f"{who} is writing {self.path.with_name(self.path.name[: -len('.lock')])}: "
+                    f"wait for it to finish or choose another --out (lock: {p})"
+                ) from None
+            try:  # the file we locked may have been removed by its previous owner meanwhile: lock the new one
+                same = os.fstat(fd).st_ino == os.stat(p).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+                self.fd = fd
+                return
+            os.close(fd)
+        raise ConvertError(f"cannot lock {p}: it keeps changing")
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)  # while still held: nobody else can be holding this file
+        finally:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def _read_pid(p: Path) -> int | None:
+    try:
+        text = p.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+class PublishError(ConvertError):
+    """--out changed while the conversion ran: the finished artifact is kept at `kept` (or nowhere)."""
+
+
+def _rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename `src` to `dst` only if nothing is at `dst` (FileExistsError otherwise): renameat2's
+    RENAME_NOREPLACE where the kernel has it, so an empty directory made at `dst` meanwhile is not
+    silently replaced the way rename(2) replaces one."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        renameat2 = None
+    if renameat2 is not None:
+        AT_FDCWD, RENAME_NOREPLACE = -100, 1
+        if renameat2(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST or err == errno.ENOTEMPTY:
+            raise FileExistsError(err, os.strerror(err), str(dst))
+        if err not in (errno.ENOSYS, errno.EINVAL):  # not supported here (old kernel, some file systems): fall back
+            raise OSError(err, os.strerror(err), str(dst))
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+    os.rename(src, dst)
+
+
+def publish(tmp: Path, out: Path, overwrite: bool = False) -> None:
+    """Move the finished temp dir into place. Nothing that this run did not create is removed: if --out
+    appeared while the conversion ran (without --overwrite), or is no longer something --overwrite may
+    replace, it is left as it is and the new artifact is kept beside it (PublishError says where). With
+    --overwrite an old artifact is replaced only once the new one is complete."""
+
+    def keep(why: str):
+        kept = out.with_name(f"{out.name}.new-{os.getpid()}")
+        try:
+            _rename_noreplace(tmp, kept)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise PublishError(f"{why}; left it untouched (the new artifact was not kept)") from None
+        raise PublishError(f"{why}; left it untouched, the new artifact is at {kept}")
+
+    try:
+        _rename_noreplace(tmp, out)
+        return
+    except FileExistsError:
+        pass
+    if not overwrite:
+        keep(f"{out} appeared while converting (pass --overwrite to replace it)")
+    if why := not_replaceable(out):
+        keep(f"refusing to overwrite {out}: {why}")
+    old = out.with_name(f"{out.name}.tmp-{os.getpid()}-old")
+    os.rename(out, old)
+    if why := not_replaceable(old):  # changed between the check and the move: put it back
+        _rename_noreplace(old, out)
+        keep(f"refusing to overwrite {out}: {why}")
+    try:
+        _rename_noreplace(tmp, out)
+    except FileExistsError:  # something else appeared at out meanwhile: the old artifact stays beside it
+        keep(f"{out} appeared while converting (the old artifact is at {old})")
+    shutil.rmtree(old)
 
 
 def copy_model_files(root: Path, config, tokenizer, generation_config, dtype: torch.dtype) -> None:

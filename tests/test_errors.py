@@ -3,7 +3,8 @@
 Every case runs a console-script entry point in-process and must end with exit code 2 and exactly one
 stderr line `error: ...` containing its fragment: no traceback, no "internal error", nothing on stdout
 before it, nothing left at --out. Fast: a tiny random checkpoint and its real tale-convert artifact.
-The fault run (benchmarks/fault_run.py) runs a larger table through the installed scripts.
+The fault run (tests/faults.py, tests/test_faults.py, `make errors`) runs a larger table through the installed
+scripts.
 """
 
 from __future__ import annotations

@@ -1,18 +1,20 @@
 """Fault run: bad inputs and faults through the installed console scripts, one subprocess each, and the
-table of what they answered (docs/errors.md).
+table of what they answered (docs/errors.md). tests/test_faults.py runs every case under pytest (CI);
+`make errors` regenerates the table:
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_run.py [--out docs/errors.md] [--only SUBSTR]
+    OMP_NUM_THREADS=1 .venv/bin/python tests/faults.py [--out docs/errors.md] [--only SUBSTR]
 
 Every case states what must happen: `refuse` (exit 2, stderr exactly one line `error: ...` with the given
-fragment), `accept` (exit 0: things that used to fail and must work) or `interrupt` (a signal mid-conversion:
-exit 128+N, and the clean-up the case checks). A case may check more (nothing at --out, a README left
-untouched). Counted: tracebacks, "internal error" lines, silent accepts (exit 0 where a refusal was due),
-multi-line refusals, wrong exit codes, failed checks. Tiny random models only (CPU, a few minutes);
-the full-disk and read-only cases mount a small tmpfs in a private mount namespace (`unshare -m`, needs
-root), and are skipped with a note otherwise.
+fragment), `accept` (exit 0: things that used to fail and must work), `interrupt` (a signal mid-run: exit
+128+N, and the clean-up the case checks) or `quiet` (a broken pipe: no output on stderr, exit 0 or 141). A case
+may check more (nothing at --out, a README left untouched, a user's file still there). Counted: tracebacks,
+"internal error" lines, silent accepts (exit 0 where a refusal was due), multi-line refusals, wrong exit codes,
+data loss (a check that something the tool did not create was removed or changed, or an artifact made
+unusable), failed checks. Tiny random models only (CPU, a few minutes); the full-disk and read-only cases mount
+a small tmpfs in a private mount namespace (`unshare -m`, needs root), and are skipped with a note otherwise.
 
-The converter's source checks (issue 12: a TALE artifact as MODEL, a truncated shard, a missing tensor, --seq-len
-beyond the context) are in `source_cases()`, run with the rest.
+The converter's source checks (a TALE artifact as MODEL, a truncated shard, a missing tensor, --seq-len beyond the
+context) are in `source_cases()`, the cases of the new-user trial in `trial_cases()`, run with the rest.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+DOC_COMMAND = "make errors  # OMP_NUM_THREADS=1 .venv/bin/python tests/faults.py"
 BIN = Path(sys.executable).parent
 TINY_ARGS = [
     "--group",
@@ -78,7 +81,10 @@ class Case:
     setup: Callable[[Path], None] | None = None  # (case dir), run before the command
     check: Callable[[Path, subprocess.CompletedProcess], str | None] | None = None  # -> a problem, or None
     env: dict = field(default_factory=dict)
-    signal_when: Callable[[Path], bool] | None = None  # interrupt: send `sig` once this holds
+    signal_when: Callable[[Path], bool] | None = None  # interrupt: send `sig` (or run `act`) once this holds
+    act: Callable[[Path], None] | None = None  # instead of a signal: what happens to the world mid-run
+    runner: Callable[[Case, list[str], Path], subprocess.CompletedProcess] | None = None  # a custom way to run
+    slow: bool = False  # tens of seconds (the slow model): pytest marks it slow
     sig: int = signal.SIGTERM
     root_only: bool = False  # needs `unshare -m` + mount
     logs: bool = False  # progress lines on stderr may precede the error line (a failure after the work)
@@ -589,13 +595,21 @@ def cases() -> list[Case]:
     )
     add("convert-out-under-file", g, [*cv, "--out", "{W}/f/sub"], "is not a directory", setup=write("f", "x"))
     add("convert-out-is-file", g, [*cv, "--out", "{W}/f"], "exists and is not a directory", setup=write("f", "x"))
-    add("convert-out-exists", g, [*cv, "--out", "{W}/o"], "exists (pass --overwrite", setup=write("o/keep.txt", "x"))
+    add(
+        "convert-out-exists",
+        g,
+        [*cv, "--out", "{W}/o"],
+        "exists (pass --overwrite",
+        setup=write("o/keep.txt", "x"),
+        check=still_there("o/keep.txt", "x"),
+    )
     add(
         "convert-overwrite-non-artifact",
         g,
         [*cv, "--out", "{W}/o", "--overwrite"],
         "not a TALE artifact",
         setup=write("o/keep.txt", "x"),
+        check=still_there("o/keep.txt", "x"),
     )
     add("convert-out-in-proc", g, [*cv, "--out", "/proc/tale-out"], "/proc is not writable")
     add("convert-device-mps", g, [*cv, *out, "--device", "mps"], "--device mps: not supported", check=chk)
@@ -880,6 +894,327 @@ def source_cases() -> list[Case]:
     ]
 
 
+# ---- the cases of the new-user trial ---------------------------------------------------------------------------
+def still_there(rel: str, text: str):
+    """Data loss check: a file of the user's is still there, unchanged."""
+
+    def f(w, p):
+        q = w / rel
+        return None if q.is_file() and q.read_text() == text else f"data loss: {rel} was removed or changed"
+
+    return f
+
+
+def only_there(rel: str, names: list[str]):
+    def f(w, p):
+        d = w / rel
+        got = sorted(x.name for x in d.iterdir()) if d.is_dir() else None
+        return None if got == sorted(names) else f"data loss: {rel} holds {got}, not {names}"
+
+    return f
+
+
+def artifact_ok(rel: str = "art", leftovers: bool = False):
+    """Data loss check: the artifact at `rel` still verifies (nothing added to it, nothing removed)."""
+
+    def f(w, p):
+        from tale_runtime.artifact import verify_files
+
+        try:
+            verify_files(w / rel)
+        except Exception as e:
+            return f"data loss: {rel} no longer verifies ({e})"
+        if leftovers:
+            left = [x.name for x in w.iterdir() if x.name.startswith(f"{Path(rel).name}.")]
+            return f"left behind: {left}" if left else None
+        return None
+
+    return f
+
+
+def checks(*fns):
+    def f(w, p):
+        return "; ".join(m for fn in fns if (m := fn(w, p))) or None
+
+    return f
+
+
+def kept_new_artifact(w, p):
+    from tale_runtime.artifact import verify_files
+
+    kept = list(w.glob("out.new-*"))
+    if len(kept) != 1:
+        return f"the finished artifact was not kept beside --out: {[x.name for x in kept]}"
+    verify_files(kept[0])
+    return None
+
+
+def make_user_dir(w: Path) -> None:
+    (w / "out").mkdir()
+    (w / "out" / "notes.txt").write_text("my notes\n")
+
+
+def concurrent(case: Case, cmd: list[str], w: Path) -> subprocess.CompletedProcess:
+    """The same conversion twice at once: the run that did not write the artifact is the one judged (refuse)."""
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(case.env))
+        for _ in range(2)
+    ]
+    done = [(p.wait(timeout=300), *p.communicate()) for p in procs]
+    codes = sorted(c for c, _, _ in done)
+    if codes == [0, 2]:
+        code, out, err = next(d for d in done if d[0] == 2)
+    else:  # both wrote (the silent replacement), or something else: judged as it is
+        code, out, err = max(done, key=lambda d: d[0] != 0)
+        err += f"\n[fault run: exit codes {codes}]"
+    return subprocess.CompletedProcess(cmd, code, out, err)
+
+
+def edit_template(template: str):
+    def f(w):
+        p = art(w) / "tokenizer_config.json"
+        cfg = json.loads(p.read_text())
+        cfg["chat_template"] = template
+        p.write_text(json.dumps(cfg))
+        (art(w) / "chat_template.jinja").unlink(missing_ok=True)
+        edit_manifest(lambda m: rehash(*[x.name for x in art(w).iterdir() if x.name != "tale_config.json"])(m, w))(w)
+        edit_manifest(lambda m: m["files"].pop("chat_template.jinja", None))(w)
+
+    return f
+
+
+EVAL_JSON = {
+    "config": {"texts": ["dev"], "ctx": 512, "windows": 2, "prefill": 64, "dtype": "bf16", "delta_vs": "full"},
+    "results": [
+        {"policy": "full", "setting": "16-bit K+V", "ppl": {"dev": 12.0}, "delta_pct": {"dev": 0.0}, "ratio": 1.0},
+        {"policy": "tale", "setting": "paper", "ppl": {"dev": 12.6}, "delta_pct": {"dev": 5.0}, "ratio": 5.47},
+    ],
+}
+
+
+def same_prompt_tokens(w, p):
+    """The BOM run saw the same prompt tokens as the plain prompt."""
+    plain = subprocess.run(
+        [str(BIN / "tale-run"), str(art(w)), "--prompt", "hello there", "--max-new-tokens", "2", "--dtype", "fp32"],
+        capture_output=True,
+        text=True,
+        env=_env({}),
+    )
+    a, b = (x.split(",")[0] for x in (plain.stderr.strip().splitlines()[-1:] or [""]) + [p.stderr.strip()])
+    return None if a == b and a.startswith("prompt ") else f"the BOM changed the prompt: {a!r} vs {b!r}"
+
+
+def run_interrupted_cleanly(w, p):
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    if not p.stdout.endswith("\n"):
+        return "the streamed text's line was not ended"
+    if len(lines) < 2 or lines[-1] != "interrupted (SIGINT)" or "generated" not in lines[-2]:
+        return f"no stats before the message: {lines[-2:]}"
+    return None
+
+
+def partial_rows(w, p):
+    f = w / "r.json.partial"
+    rows = f.read_text().splitlines() if f.is_file() else []
+    return None if rows and not (w / "r.json").exists() else f"finished rows lost (partial: {len(rows)} rows)"
+
+
+def trial_cases() -> list[Case]:
+    C = []
+
+    def add(id, group, cmd, fragment="", **kw):
+        C.append(Case(id, group, cmd, fragment=fragment, **kw))
+
+    cv = ["tale-convert", "{MODEL}", *TINY_ARGS]
+    run = ["tale-run", "{ART}", "--prompt", "hi", "--max-new-tokens", "2", "--dtype", "fp32"]
+    ev = ["tale-eval", "{ART}", "--dtype", "fp32", "--threads", "1", "--ctx", "32", "--windows", "1"]
+    ev += ["--prefill", "8", "--passkey-lengths", "", "--policies", "full"]
+    sig = ["tale-convert", "{SIG}", *SIG_ARGS, "--out", "{W}/out"]
+
+    g = "data loss"
+    add(
+        "convert-two-at-once",
+        g,
+        [*cv, "--out", "{W}/out"],
+        "",
+        runner=concurrent,
+        check=artifact_ok("out", leftovers=True),
+    )
+    add(
+        "convert-dir-appears-at-out",
+        g,
+        sig,
+        "appeared while converting",
+        signal_when=tmp_exists,
+        act=make_user_dir,
+        check=checks(only_there("out", ["notes.txt"]), still_there("out/notes.txt", "my notes\n"), kept_new_artifact),
+        slow=True,
+    )
+    add(
+        "convert-dir-appears-at-out-overwrite",
+        g,
+        [*sig, "--overwrite"],
+        "refusing to overwrite",
+        signal_when=tmp_exists,
+        act=make_user_dir,
+        check=checks(only_there("out", ["notes.txt"]), still_there("out/notes.txt", "my notes\n"), kept_new_artifact),
+        slow=True,
+    )
+    add(
+        "convert-overwrite-artifact-with-user-file",
+        g,
+        [*cv, "--out", "{W}/art", "--overwrite"],
+        "not part of the artifact (notes.txt)",
+        setup=write("notes.txt", "mine", "art"),
+        check=still_there("art/notes.txt", "mine"),
+    )
+    add(
+        "convert-out-inside-artifact", g, [*cv, "--out", "{ART}/inner"], "inside the TALE artifact", check=artifact_ok()
+    )
+    add(
+        "eval-json-inside-artifact",
+        g,
+        [*ev, "--json", "{ART}/eval.json"],
+        "inside the TALE artifact",
+        check=artifact_ok(),
+    )
+    add(
+        "eval-frontier-out-inside-artifact",
+        g,
+        [*ev, "--frontier", "--frontier-out", "{ART}/frontier"],
+        "inside the TALE artifact",
+        check=artifact_ok(),
+    )
+    add(
+        "eval-json-exists",
+        g,
+        [*ev, "--json", "{W}/r.json"],
+        "exists (pass --overwrite",
+        setup=write("r.json", "mine"),
+        check=still_there("r.json", "mine"),
+    )
+    add(
+        "eval-frontier-default-not-docs",
+        g,
+        ["sh", "-c", 'cd {W} && exec "$@"', "sh", *ev[:-2], "--frontier", "--families", "kivi", "--ctx", "64"],
+        "wrote out/frontier.md",
+        expect="accept",
+        setup=write("docs/frontier.md", "tracked"),
+        check=checks(
+            still_there("docs/frontier.md", "tracked"),
+            lambda w, p: None if (w / "out/frontier.md").is_file() else "no out/frontier.md",
+        ),
+    )
+    add(
+        "eval-interrupted-keeps-rows",
+        g,
+        [*ev[:-1], "full,kivi2,kivi4,streaming,palu,tale", "--ctx", "256", "--json", "{W}/r.json"],
+        "kept in",
+        expect="interrupt",
+        sig=signal.SIGINT,
+        signal_when=lambda w: (w / "r.json.partial").is_file() and (w / "r.json.partial").stat().st_size > 0,
+        check=partial_rows,
+        slow=True,
+    )
+
+    g = "internal errors"
+    add("run-prompt-not-utf8", g, [*run[:2], "--prompt", os.fsdecode(b"caf\xe9"), *run[4:]], "not valid UTF-8")
+    add("run-seed-65-bits", g, [*run, "--seed", str(2**64)], "--seed")
+    add("convert-seed-65-bits", g, [*cv, "--out", "{W}/out", "--seed", str(2**64)], "--seed")
+    add("convert-device-cpu-0", g, [*cv, "--out", "{W}/out", "--device", "cpu:0"], "nominal ratio", expect="accept")
+    add(
+        "run-chat-template-raises",
+        g,
+        run,
+        "pass --raw",
+        setup=edit_template("{{ raise_exception('Only user and assistant roles are supported') }}"),
+    )
+    add("run-chat-template-unknown-filter", g, run, "pass --raw", setup=edit_template("{{ messages | tojsonx }}"))
+    add(
+        "run-broken-pipe",
+        g,
+        ["bash", "-c", 'set -o pipefail; "$@" | head -c 1 >/dev/null', "bash", *run[:4], "--max-new-tokens", "300"]
+        + ["--dtype", "fp32", "--raw", "--temperature", "1"],
+        expect="quiet",
+    )
+    add("run-stdout-closed", g, ["bash", "-c", 'exec "$@" >&-', "bash", *run], "standard output is closed")
+    add(
+        "push-binary-readme",
+        g,
+        ["tale-push", "{ART}", "alice/x", "--dry-run"],
+        "README.md: not UTF-8 text",
+        setup=write("README.md", b"\x89PNG\r\n\x1a\n\x00\xff", "art"),
+    )
+
+    g = "accepted silently before"
+    add("run-temperature-inf", g, [*run, "--temperature", "inf"], "--temperature must be a finite number")
+    add("run-temperature-nan", g, [*run, "--temperature", "nan"], "--temperature")
+    add("run-temperature-negative", g, [*run, "--temperature", "-1"], "--temperature")
+    add("run-sinks-beyond-context", g, [*run, "--sinks", "512"], "nothing would be compressed")
+    add("run-residual-beyond-context", g, [*run, "--residual", "1024"], "nothing would be compressed")
+    add("run-sinks-cover-the-run", g, [*run, "--sinks", "100"], "nothing is compressed", expect="accept")
+    add(
+        "run-prompt-file-bom",
+        g,
+        [*run[:2], "--prompt-file", "{W}/p.txt", *run[4:]],
+        "prompt",
+        expect="accept",
+        setup=write("p.txt", b"\xef\xbb\xbfhello there"),
+        check=same_prompt_tokens,
+    )
+    add("run-cuda-flags-on-cpu", g, [*run, "--device", "cpu", "--dynamic"], "note: --dynamic", expect="accept")
+    add("convert-out-empty", g, [*cv, "--out", ""], "--out is empty", check=lambda w, p: None)
+    add("convert-sinks-beyond-context", g, [*cv, "--out", "{W}/out", "--sinks", "600"], "nothing would be compressed")
+    add(
+        "convert-few-calibration-tokens",
+        g,
+        [*cv, "--out", "{W}/out", "--samples", "1"],
+        "warning: only 64 calibration tokens for hidden size 128",
+        expect="accept",
+    )
+    add("push-revision-invalid", g, ["tale-push", "{ART}", "alice/x", "--revision", "bad..name"], "invalid --revision")
+    add("push-revision-space", g, ["tale-push", "{ART}", "alice/x", "--revision", "my branch"], "invalid --revision")
+    add("eval-text-empty", g, [*ev, "--text", ""], "--text is empty")
+    add("eval-policies-empty", g, [*ev[:-2], "--policies", ""], "--policies is empty")
+    add(
+        "push-quality-eval-json",
+        g,
+        ["tale-push", "{ART}", "alice/x", "--dry-run", "--quality", "{W}/q.json"],
+        "## Measured with tale-eval",
+        expect="accept",
+        setup=write("q.json", json.dumps(EVAL_JSON)),
+        check=lambda w, p: (
+            "config keys on the card"
+            if "| config." in p.stdout or "| tale (paper) | 12.600 (+5.00%) | 5.47x |" not in p.stdout
+            else None
+        ),
+    )
+    add(
+        "push-quality-nan",
+        g,
+        ["tale-push", "{ART}", "alice/x", "--dry-run", "--quality", "{W}/q.json"],
+        "results[1].ppl.dev is nan",
+        setup=write("q.json", json.dumps(EVAL_JSON).replace("12.6", "NaN")),
+    )
+
+    g = "misleading messages before"
+    add("run-device-cpu-0", g, [*run, "--device", "cpu:0"], "generated", expect="accept")
+    add("convert-calib-dir", g, [*cv, "--out", "{W}/out", "--calib", "{W}"], "is a directory; give the files")
+
+    g = "interrupts"
+    add(
+        "run-sigint-mid-generation",
+        g,
+        [*run[:4], "--max-new-tokens", "400", "--dtype", "fp32", "--raw"],
+        "(interrupted)",
+        expect="interrupt",
+        sig=signal.SIGINT,
+        signal_when=lambda w: (w / "stdout.txt").is_file() and (w / "stdout.txt").stat().st_size > 0,
+        check=run_interrupted_cleanly,
+    )
+    return C
+
+
 def _broken_model(w: Path, how: str):
     from safetensors.torch import load_file, save_file
 
@@ -895,6 +1230,10 @@ def _broken_model(w: Path, how: str):
 
 # ---- running --------------------------------------------------------------------------------------------------
 PATHS: dict[str, Path] = {}
+
+
+def all_cases() -> list[Case]:
+    return cases() + source_cases() + trial_cases()
 
 
 def build(work: Path) -> None:
@@ -966,24 +1305,34 @@ def run_case(case: Case, work: Path) -> dict:
     if case.root_only:
         cmd = ["unshare", "-m", "--propagation", "private", *cmd]
     t = time.perf_counter()
-    if case.signal_when:
-        # a background job inherits SIGINT ignored (and Python then keeps it so): give the case a terminal's default
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_env(case.env),
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    if case.runner:
+        p = case.runner(case, cmd, w)
+    elif case.signal_when:
+        # a background job inherits SIGINT ignored (and Python then keeps it so): give the case a terminal's default.
+        # Output goes to files, which the condition may watch (tale-run: the first streamed text).
+        with open(w / "stdout.txt", "w") as fo, open(w / "stderr.txt", "w") as fe:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=fo,
+                stderr=fe,
+                text=True,
+                env=_env(case.env),
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            )
+            deadline = time.time() + 300
+            while proc.poll() is None and not case.signal_when(w) and time.time() < deadline:
+                time.sleep(0.02)
+            sent = proc.poll() is None
+            if sent:
+                case.act(w) if case.act else proc.send_signal(case.sig)
+            try:
+                proc.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        p = subprocess.CompletedProcess(
+            cmd, proc.returncode, (w / "stdout.txt").read_text(), (w / "stderr.txt").read_text()
         )
-        deadline = time.time() + 300
-        while proc.poll() is None and not case.signal_when(w) and time.time() < deadline:
-            time.sleep(0.02)
-        sent = proc.poll() is None
-        if sent:
-            proc.send_signal(case.sig)
-        stdout, stderr = proc.communicate(timeout=300)
-        p = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
         if not sent:
             p.stderr += "\n[fault run: the process ended before the signal could be sent]"
     else:
@@ -1019,6 +1368,11 @@ def judge(case: Case, p: subprocess.CompletedProcess, w: Path, seconds: float) -
             problems.append(f"exit {p.returncode}")
         elif case.fragment and case.fragment not in p.stdout + p.stderr:
             problems.append(f"output lacks {case.fragment!r}")
+    elif case.expect == "quiet":  # a broken pipe: like `cat`, nothing to say about it
+        if p.returncode not in (0, 128 + signal.SIGPIPE):
+            problems.append(f"exit {p.returncode}")
+        if lines:
+            problems.append(f"{len(lines)} stderr lines")
     else:  # interrupt
         want = 128 + case.sig if case.sig != signal.SIGKILL else -signal.SIGKILL
         if p.returncode != want:
@@ -1080,6 +1434,7 @@ def shorten(args: list[str], work: Path) -> str:
     import shlex
 
     s = paths(" ".join(shlex.quote(a) if a else "''" for a in args), work)
+    s = s.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")  # argv bytes that are not UTF-8
     for a in (" ".join(TINY_ARGS), " ".join(SIG_ARGS)):
         s = s.replace(a, "$TINY_OPTS")
     if len(s) > 200:
@@ -1106,6 +1461,7 @@ def write_doc(
         "silent accepts": count("silent accept"),
         "multi-line refusals": count_multi(rows),
         "wrong exit codes": count("exit"),
+        "data loss": count("data loss"),
         "failed checks": sum(bool(r["problems"]) for r in rows),
     }
     line = ", ".join(f"{k} {v}" for k, v in summary.items())
@@ -1130,6 +1486,20 @@ def write_doc(
         "  `mps` and others are refused), option ranges and consistency, prompt and calibration files.",
         "- Nothing half-written: a failed conversion leaves nothing at `--out`; `tale-push` never writes local",
         "  files (the card and its checksum go to the Hub from memory) and prints nothing before its error.",
+        "- Nothing removed that the tool did not create, no artifact made unusable: `tale-convert` holds",
+        "  `OUT.lock` (flock, with its pid) while it writes `--out`, so a second conversion to the same `--out` is",
+        "  refused in one line; it publishes with a rename that never replaces anything (a directory that appeared",
+        "  at `--out` meanwhile is left as it was, the new artifact kept beside it as `OUT.new-PID`), and",
+        "  `--overwrite` replaces only an empty directory or a TALE artifact holding nothing but its own files.",
+        "  `tale-eval --json` / `--frontier-out` are refused inside an artifact, and replace an existing file only",
+        "  with `--overwrite`; the frontier goes to `out/frontier.md` under the current directory by default.",
+        "- Nothing wrong accepted silently: non-finite or negative sampling values, seeds past 64 bits, sinks or",
+        "  residuals covering the whole context, empty `--out` / `--text` / `--policies`, invalid branch names, NaN",
+        "  figures for the card are refused; fewer calibration tokens than the hidden size get a warning, CUDA-only",
+        "  flags on the CPU and runs whose sinks cover every token a note; a byte-order mark is not prompt text.",
+        "- Interrupts keep what is finished: `tale-run` ends the streamed line and prints the stats of what it",
+        "  generated before `interrupted (SIGINT)`; `tale-eval` appends each finished row to `FILE.partial`.",
+        "  A broken pipe (`| head`) ends quietly with the status of SIGPIPE (141); a closed stdout is refused.",
         "",
         "The console layer is `runtime/console.py`, module `tale_runtime.console` (`run_app`, `UserError`, `device`, `read_text`,",
         "`writable_dir`, `writable_file`); the artifact checks are `tale_runtime.artifact.hash_files` and",
@@ -1139,7 +1509,7 @@ def write_doc(
         "## Fault run",
         "",
         "```bash",
-        "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_run.py",
+        DOC_COMMAND,
         "```",
         "",
         f"**{line}** ({sum(r['seconds'] for r in rows) / 60:.0f} min of subprocesses on a shared, busy 2-core CPU "
@@ -1185,7 +1555,7 @@ def doc_only(args) -> None:
     first = next(iter(rows.values()))
     work = Path(first["work"])
     PATHS.update(MODEL=work / "model", SIG=work / "sig", ART=work / "art")
-    order = [c.id for c in cases() + source_cases()]
+    order = [c.id for c in all_cases()]
     order = (
         order[: order.index("sigkill-after-2-layers") + 1]
         + ["resume-after-sigkill"]
@@ -1195,7 +1565,7 @@ def doc_only(args) -> None:
     for r in done:  # rows of a re-run lived in another work dir
         r["cmd"] = [a.replace(r["work"], str(work)) for a in r["cmd"]]
         r["message"] = r["message"].replace(r["work"], str(work))
-    missing = [c.id for c in cases() + source_cases() if c.id not in rows]
+    missing = [c.id for c in all_cases() if c.id not in rows]
     rerun = sorted({i for i in seen if seen.count(i) > 1})
     summary = write_doc(done, work, args.out, [], 0.0, not_run=missing, rerun=rerun)
     print(", ".join(f"{k} {v}" for k, v in summary.items()), f"(not run: {len(missing)})")
@@ -1216,6 +1586,7 @@ def main() -> None:
         action="store_true",
         help="keep the passing rows of --rows, run only the failed or missing cases, rewrite the doc",
     )
+    ap.add_argument("--jobs", type=int, default=1, help="cases run at once (each is a subprocess)")
     ap.add_argument(
         "--doc-only",
         action="store_true",
@@ -1228,7 +1599,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="tale-fault-"))
     try:
         build(work)
-        todo = cases() + source_cases()
+        todo = all_cases()
         if args.only:
             todo = [c for c in todo if args.only in c.id]
         root = os.geteuid() == 0 and shutil.which("unshare")
@@ -1243,27 +1614,30 @@ def main() -> None:
             kept = {k: r for k, r in kept.items() if not r["problems"]}
         elif not args.only:
             args.rows.unlink(missing_ok=True)
-        rows = []
-        for c in todo:
-            if c.id in skipped:
-                continue
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        lock = threading.Lock()
+
+        def one(c: Case) -> list[dict]:
             if c.id in kept and (c.id != "sigkill-after-2-layers" or "resume-after-sigkill" in kept):
-                rows.append(kept[c.id])
-                if c.id == "sigkill-after-2-layers":
-                    rows.append(kept["resume-after-sigkill"])
-                continue
+                return [kept[c.id]] + ([kept["resume-after-sigkill"]] if c.id == "sigkill-after-2-layers" else [])
             new = [run_case(c, work)]
             if c.id == "sigkill-after-2-layers":
                 new.append(resume_after_kill(work))
-            for r in new:
-                rows.append(r)
-                with open(args.rows, "a") as f:
-                    f.write(json.dumps({**r, "work": str(work), "bin": str(BIN)}) + "\n")
-                print(
-                    f"{r['id']:40s} exit {r['code']:4d} {r['seconds']:5.1f}s {'; '.join(r['problems']) or 'ok'}"
-                    f"  | {paths(r['message'], work)[:110]}",
-                    flush=True,
-                )
+            with lock:
+                for r in new:
+                    with open(args.rows, "a") as f:
+                        f.write(json.dumps({**r, "work": str(work), "bin": str(BIN)}) + "\n")
+                    print(
+                        f"{r['id']:40s} exit {r['code']:4d} {r['seconds']:5.1f}s {'; '.join(r['problems']) or 'ok'}"
+                        f"  | {paths(r['message'], work)[:110]}",
+                        flush=True,
+                    )
+            return new
+
+        with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # independent subprocesses, each in its own dir
+            rows = [r for new in pool.map(one, [c for c in todo if c.id not in skipped]) for r in new]
         if args.only:
             return
         reused = sum(r in kept.values() for r in rows)
