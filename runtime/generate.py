@@ -211,19 +211,19 @@ def generate(
             else:
                 logits = model(input_ids=step, **cache_arg(cache), use_cache=True, logits_to_keep=1).logits
     except KeyboardInterrupt as e:  # Ctrl-C mid-generation: tale-run prints the stats of what was generated
-        e.tale_stats = GenStats(
-            ids.shape[1], len(out), prefill_s, time.perf_counter() - t1, cache.nbytes(), cache.baseline_nbytes(),
-            schedule_nominal_ratio(model, cache.schedule), attention_backend(model, cache),
-        )  # fmt: skip
+        e.tale_stats = _stats(model, cache, ids.shape[1], len(out), prefill_s, time.perf_counter() - t1)
         raise
     _sync(device)
     decode_s = time.perf_counter() - t1 if len(out) > 1 else 0.0
     if stream is not None and (text := stream.flush()):
         on_text(text)
+    return out, _stats(model, cache, ids.shape[1], len(out), prefill_s, decode_s)
 
-    stats = GenStats(
-        prompt_tokens=ids.shape[1],
-        generated_tokens=len(out),
+
+def _stats(model, cache, prompt: int, generated: int, prefill_s: float, decode_s: float) -> GenStats:
+    return GenStats(
+        prompt_tokens=prompt,
+        generated_tokens=generated,
         prefill_s=prefill_s,
         decode_s=decode_s,
         cache_bytes=cache.nbytes(),
@@ -231,4 +231,3 @@ def generate(
         nominal_ratio=model.tale_spec.nominal_ratio(cache.schedule),
         attention=cache.backend_name,
     )
-    return out, stats
