@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_decode as bd  # noqa: E402
 
 import tale_kernels  # noqa: E402
-from tale_runtime.cache import latent_attention as ref  # noqa: E402
+from tale_runtime.attention import latent_attention as ref  # noqa: E402
 from tale_runtime.static_cache import StaticTaleCache  # noqa: E402
 
 scale = bd.N**-0.5

@@ -31,7 +31,7 @@ def rounded(v: LayerView, keys: torch.dtype, lat: torch.dtype) -> LayerView:
         return QTensor(dequantize(t, torch.float32).to(dt), None, None, 16, 1, -1)
 
     regions = [Region(raw(r.keys, keys), raw(r.lat, lat), r.rank, r.pos, r.length) for r in v.regions]
-    return LayerView(regions, v.next_pos, v.window)
+    return LayerView(regions, v.next_pos)
 
 
 def main() -> None:

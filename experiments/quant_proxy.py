@@ -16,6 +16,7 @@ window, a file saved by capture().
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from tale_convert.policy import singular_values
 from tale_runtime import load, new_cache
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.attention import apply_rope
+from tale_runtime.backends import TORCH, AttentionBackend
 from tale_runtime.key_basis import KeyBasis, fit, pair_mean
 from tale_runtime.model import cache_arg, hadamard
 from tale_runtime.quant import quantize
@@ -33,14 +35,15 @@ def capture(model, ids: torch.Tensor) -> list[tuple]:
     """(q [H,T,n], k [K,T,n], h [G,T,R]) per layer, exact, post-RoPE."""
     got = []
 
-    def grab(q, k, h, layer, scaling):
-        got.append((q[0].float(), k[0].float(), h[0].float()))
-        from tale_runtime.cache import latent_attention
+    @dataclass(frozen=True)
+    class Grab(AttentionBackend):  # the torch reference, keeping every call's new q, k, h
+        name: str = "grab"
+        label: str = "torch reference"
 
-        return latent_attention(q, k, h, layer, scaling)
+        def __call__(self, q, k, h, view, scaling, window=None):
+            got.append((q[0].float(), k[0].float(), h[0].float()))
+            return TORCH.run(q, k, h, view, scaling, window)
 
-    for layer in model.model.layers:
-        layer.self_attn.attention_fn = grab
     sched = model.tale_spec.schedule
     exact = Schedule(
         sinks=1,
@@ -50,7 +53,7 @@ def capture(model, ids: torch.Tensor) -> list[tuple]:
         value_group=1,
         residual=1,
     )
-    cache = new_cache(model, exact)
+    cache = new_cache(model, exact, backend=Grab())
     with torch.inference_mode():
         model(ids[:, :1], **cache_arg(cache))
         model(ids[:, 1:], **cache_arg(cache))
