@@ -197,10 +197,18 @@ class TaleGenerationMixin:
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         cache = model_kwargs.get(CACHE_KW)
         default = generation_config.use_cache is not False and generation_config.cache_implementation is None
+        need = kwargs.get("max_cache_length", args[-1] if args else None)  # prompt + max_new_tokens
         if cache is None and default:
             model_kwargs[CACHE_KW] = new_cache(self)
-        elif isinstance(cache, StaticTaleCache) and cache.max_length is None:
-            cache.max_length = kwargs.get("max_cache_length", args[-1] if args else None)
+        elif isinstance(cache, TALE_CACHES):
+            _check_reuse(cache, need, generation_config.max_new_tokens)
+            if isinstance(cache, StaticTaleCache) and cache.max_length is None:
+                cache.max_length = need
+            elif isinstance(cache, StaticTaleCache) and need is not None and need > cache.max_length:
+                raise ValueError(
+                    f"the static cache holds {cache.max_length} tokens per row; this call caches {need} (prompt + "
+                    "max_new_tokens - 1): new_cache(model, static=True) sizes it for the call"
+                )
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
@@ -211,6 +219,20 @@ class TaleGenerationMixin:
 
     def get_compiled_call(self, compile_config):
         return functools.partial(_graphed_call, self, super().get_compiled_call(compile_config))
+
+
+def _check_reuse(cache, need: int | None, max_new_tokens: int | None) -> None:
+    """A TALE cache that already holds tokens continues them: the prompt must extend what it holds (transformers feeds
+    only the uncached tail). Anything else is refused in one line instead of decoding over the wrong past."""
+    held = cache.get_seq_length()
+    if not held or need is None or max_new_tokens is None:
+        return
+    prompt = need + 1 - max_new_tokens  # transformers: max_cache_length = max_length - 1 (the last token is not cached)
+    if prompt <= held:
+        raise ValueError(
+            f"this TALE cache already holds {held} tokens and the prompt has {prompt}: pass a fresh cache "
+            "(new_cache(model)) for each generate() call, or the whole sequence it continues"
+        )
 
 
 def _graphed_call(model, compiled, input_ids=None, position_ids=None, **kwargs):

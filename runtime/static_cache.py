@@ -568,6 +568,11 @@ class StaticTaleCache(CacheStep, Cache):
 
     def _plan(self, T: int, graph: bool = False) -> _Op:
         b = self.book
+        if self.max_length is not None and b.kappa + T > self.max_length:
+            raise ValueError(
+                f"static cache: {b.kappa} + {T} tokens exceed its max_length ({self.max_length}); its levels are sized "
+                "for that many: make it with a larger max_length"
+            )
         if T == 1 and b.sink_len == b.sink_cap and b.res_len < b.residual_cap:
             return _Op(decode=True)
         if graph:
@@ -607,6 +612,8 @@ class StaticTaleCache(CacheStep, Cache):
         """Host side of a decode step (after a captured step's replay): count the token, then flush and
         demote when the schedule says so."""
         b = self.book
+        if self.max_length is not None and b.kappa >= self.max_length:
+            raise ValueError(f"static cache: a token past its max_length ({self.max_length}) was written")
         b.kappa += 1
         b.res_len += 1
         if self._maintain():

@@ -476,3 +476,20 @@ def test_a_transformers_release_past_the_tested_ones_is_refused(tmp_path, monkey
     monkeypatch.setattr(transformers, "__version__", "5.25.0")
     with pytest.raises(UserError, match="renamed past_key_values to cache"):
         load(tmp_path / "nothing-here")  # refused before the path is looked at
+
+
+def test_generate_refuses_a_static_cache_too_small_and_a_cache_it_cannot_continue():
+    """A static cache sized below prompt + max_new_tokens is refused before anything runs (its levels are sized for
+    max_length); a TALE cache that already holds the prompt's tokens is refused (one line), one whose prompt extends
+    what it holds continues it: at exact settings the same tokens as one generate over the whole sequence."""
+    tm = talify(tiny_model("llama"), 2, exact_schedule(32, 2))
+    ids = ids_for(20)
+    with pytest.raises(ValueError, match="static cache holds 30 tokens per row; this call caches 67"):
+        hf_greedy(tm, ids, cache=new_cache(tm, static=True, max_length=30), n=48)
+    c = new_cache(tm)
+    first = torch.cat([ids, hf_greedy(tm, ids, cache=c, n=5)], 1)
+    with pytest.raises(ValueError, match="already holds 24 tokens and the prompt has 20"):
+        hf_greedy(tm, ids, cache=c, n=5)
+    assert c.get_seq_length() == 24  # the refused call wrote nothing
+    more = torch.cat([first, ids_for(3)], 1)
+    assert torch.equal(hf_greedy(tm, more, cache=c, n=5), hf_greedy(tm, more, cache=new_cache(tm), n=5))
