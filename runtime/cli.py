@@ -169,7 +169,7 @@ def run(
     if len(ids) + max_new_tokens > ctx:
         max_new_tokens = ctx - len(ids)
         err.print(f"note: --max-new-tokens capped to {max_new_tokens} by the model's context ({ctx})", style="dim")
-    sched = m.tale_schedule
+    sched = m.tale_spec.schedule
     for name, v in (("--sinks", overrides.get("sinks")), ("--residual", overrides.get("residual"))):
         if v is not None and v >= ctx:
             raise CliError(f"{name} {v} is not below the model's context ({ctx} tokens): nothing would be compressed")
