@@ -856,7 +856,7 @@ def narrow_basis(w: Path) -> None:
     edit_manifest(lambda m: rehash(BASIS)(m, w / "lr"))(w / "lr")
 
 
-# The converter's source checks of issue 12.
+# The converter's source checks.
 def source_cases() -> list[Case]:
     cv = ["tale-convert"]
     chk = nothing_at("out")

@@ -1,4 +1,4 @@
-// One-pass decode attention over TALE's quantized levels in CUDA, with a per-warp online softmax (issue #10).
+// One-pass decode attention over TALE's quantized levels in CUDA, with a per-warp online softmax.
 // tale_kernels.mma_attention compiles it (NVRTC, or nvcc) and runs it for static caches in the fragment layout
 // (runtime/frag.py writes it); benchmarks/bench_cuda_decode.py checks it against a float32 torch reference and
 // times it against the Triton kernel in the same run.
