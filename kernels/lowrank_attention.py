@@ -39,6 +39,7 @@ from tale_runtime.regions import LayerView, Region
 
 from . import attention as _attn
 from ._common import TL_DTYPE, interpreting, pow2, runnable
+from .attention import _inv_bias
 
 LOG2E = 1.4426950408889634
 
@@ -66,16 +67,6 @@ def _round(x, RDT: tl.constexpr):
     else:
         y = x
     return y
-
-
-@triton.jit
-def _inv(arg, BP: tl.constexpr):
-    """1 / an fp8 bias: a float argument, or (BP) a one-element device tensor."""
-    if BP:
-        inv = 1.0 / tl.load(arg).to(tl.float32)
-    else:
-        inv = 1.0 / arg
-    return inv
 
 
 @triton.jit
@@ -278,15 +269,15 @@ def _lr_kernel(
     kinv_s = k_ish
     kinv_z = k_ish
     if KSF8:
-        kinv_s = _inv(k_bias, KBP)
+        kinv_s = _inv_bias(k_bias, KBP)
     if KZF8:
-        kinv_z = _inv(k_bias, KBP)
+        kinv_z = _inv_bias(k_bias, KBP)
     hinv_s = h_ish
     hinv_z = h_ish
     if HSF8:
-        hinv_s = _inv(h_bias, HBP)
+        hinv_s = _inv_bias(h_bias, HBP)
     if HZF8:
-        hinv_z = _inv(h_bias, HBP)
+        hinv_z = _inv_bias(h_bias, HBP)
     if ROPE == 2:
         invf = tl.load(invf_ptr + d, mask=dm, other=0.0).to(tl.float32)
         roff = tl.load(roff_ptr + b).to(tl.int32)

@@ -19,16 +19,23 @@ from tale_runtime import backends, frag
 from tale_runtime.spec import CacheSpec
 
 
-def _triton_reason(spec: CacheSpec) -> str | None:
+def _triton_common(spec: CacheSpec) -> str | None:
+    """What both Triton kernels need: a CUDA device (or the interpreter), a dtype they read, a power-of-two head dim."""
     from ._common import TL_DTYPE, interpreting, is_pow2
 
-    s, a = spec.schedule, spec.arch
     if spec.device.type != "cuda" and not interpreting():
         return "needs a CUDA device (or TRITON_INTERPRET=1)"
     if spec.dtype not in TL_DTYPE:
         return f"reads float16, bfloat16 or float32 caches, not {spec.dtype}"
-    if not is_pow2(a.head_dim) or a.head_dim < 16:
-        return f"needs a power-of-two head dim >= 16, not {a.head_dim}"
+    if not is_pow2(spec.arch.head_dim) or spec.arch.head_dim < 16:
+        return f"needs a power-of-two head dim >= 16, not {spec.arch.head_dim}"
+    return None
+
+
+def _triton_reason(spec: CacheSpec) -> str | None:
+    s = spec.schedule
+    if why := _triton_common(spec):
+        return why
     if any(lv.key_rank for lv in s.levels):
         return "low-rank keys (key_rank) are read by the torch reference only"
     if s.key_rope != "post":
@@ -95,16 +102,9 @@ class CudaBackend(backends.AttentionBackend):
 
 
 def _lowrank_reason(spec: CacheSpec) -> str | None:
-    from ._common import TL_DTYPE, interpreting
-
-    s, a = spec.schedule, spec.arch
-    if spec.device.type != "cuda" and not interpreting():
-        return "needs a CUDA device (or TRITON_INTERPRET=1)"
-    if spec.dtype not in TL_DTYPE:
-        return f"reads float16, bfloat16 or float32 caches, not {spec.dtype}"
-    if a.head_dim < 16 or a.head_dim & (a.head_dim - 1):
-        return f"needs a power-of-two head dim >= 16, not {a.head_dim}"
-    if any(lv.key_hi_bits for lv in s.levels):
+    if why := _triton_common(spec):
+        return why
+    if any(lv.key_hi_bits for lv in spec.schedule.levels):
         return "key bands (the tale preset) are read by the triton backend"
     return None
 

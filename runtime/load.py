@@ -346,7 +346,8 @@ def new_cache(
     spec: TaleSpec = model.tale_spec
     a = spec.arch
     sched = schedule or spec.schedule
-    cs = CacheSpec(a, sched, static, next(model.parameters()).device, next(model.parameters()).dtype)
+    w = next(model.parameters())
+    cs = CacheSpec(a, sched, static, w.device, w.dtype)
     if isinstance(backend, backends.AttentionBackend):
         chosen = backend
     else:

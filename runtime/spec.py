@@ -111,8 +111,3 @@ class CacheSpec:
     static: bool
     device: torch.device
     dtype: torch.dtype = torch.bfloat16
-
-    @property
-    def uniform_ranks(self) -> bool:
-        s = self.schedule
-        return all(list(r) == list(s.ranks[0]) for r in s.ranks)
