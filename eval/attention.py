@@ -19,6 +19,7 @@ class EvalAttention(nn.Module):
         super().__init__()
         self.tale = tale
         self.v_proj = tale.v_proj  # the original W_V, where tale_convert.policy's Fisher scores look for it
+        self.qkv_proj = tale.qkv_proj  # Phi-3's fused projection holds it instead
 
     def forward(
         self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, cache=None, **kwargs

@@ -104,6 +104,10 @@ class CudaBackend(backends.AttentionBackend):
 def _lowrank_reason(spec: CacheSpec) -> str | None:
     if why := _triton_common(spec):
         return why
+    if spec.arch.rotary_dim not in (0, spec.arch.head_dim):
+        return (
+            f"applies RoPE to whole heads; this model rotates {spec.arch.rotary_dim} of {spec.arch.head_dim} channels"
+        )
     if any(lv.key_hi_bits for lv in spec.schedule.levels):
         return "key bands (the tale preset) are read by the triton backend"
     return None

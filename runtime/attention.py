@@ -64,7 +64,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, T, n] rotated by RoPE tables cos, sin [B, T, n] (sin negated: the inverse rotation)."""
+    """x [B, heads, T, n] rotated by RoPE tables cos, sin [B, T, r] (sin negated: the inverse rotation). r < n: partial
+    rotary (Phi-3's partial_rotary_factor), the first r channels rotate and the others pass, as in transformers."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        rot, rest = x[..., :r], x[..., r:]
+        return torch.cat([rot * cos.unsqueeze(1) + rotate_half(rot) * sin.unsqueeze(1), rest], dim=-1)
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 

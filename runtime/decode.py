@@ -32,6 +32,7 @@ import weakref
 
 import torch
 
+from . import families
 from .model import TaleAttention, cache_arg, rotate, rotation
 from .static_cache import StaticTaleCache
 
@@ -132,7 +133,10 @@ class DecodeStep(_OverCache):
 
 def supports_step(model) -> bool:
     """Whether DecodeStep can run `model`: decoder layers of input_layernorm, TALE attention,
-    post_attention_layernorm and mlp (Llama, Mistral, Qwen2), with a rotary embedding, a final norm and lm_head."""
+    post_attention_layernorm and mlp (Llama's layer: families.LLAMA_LAYER), with a rotary embedding, a final norm and
+    lm_head. Gemma 3 (norms around attention and MLP, RoPE per layer type) runs the model's own forward."""
+    if getattr(getattr(model, "config", None), "model_type", None) not in families.LLAMA_LAYER:
+        return False
     inner = getattr(model, "model", None)
     if not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "norm", "layers")):
         return False

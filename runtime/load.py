@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from . import backends, key_basis
+from . import backends, families, key_basis
 from .artifact import ArtifactError, Schedule, read_manifest, schedule_of, verify_files
 from .model import CACHE_KW, TALE_CACHES, TaleAttention, TaleCache, cache_arg
 from .schedule import override_schedule
 from .spec import Arch, CacheSpec, TaleSpec
 from .static_cache import StaticTaleCache
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+SUPPORTED = families.SUPPORTED
 
 
 def resolve(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
@@ -117,6 +117,8 @@ def load(
     dtype = dtype or default_dtype(device)
 
     config = AutoConfig.from_pretrained(root)
+    if why := families.unsupported(config):
+        raise ArtifactError(f"{root}: {why}")
     config._attn_implementation = "sdpa"
     try:
         arch = Arch.from_manifest(manifest, config)
@@ -158,8 +160,10 @@ def load(
         raise ArtifactError(f"{root}: tensors do not match config.json/manifest: {first}") from None
     if tied:
         model.tie_weights()
-    # non-persistent buffers (rotary inv_freq) were created on meta: rebuild them for real
+    # non-persistent buffers (rotary inv_freq, Gemma's embedding scale) were created on meta: rebuild them for real
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    if (scale := families.embed_scale(model)) is not None:
+        model.model.embed_tokens.embed_scale = torch.tensor(scale)
     model.to(device).eval()
 
     # low-rank keys (Level.key_rank): the artifact's key basis, if it has one (verify_files refused it unlisted)
@@ -356,7 +360,8 @@ def new_cache(
     shapes = (sched, a.num_layers, a.num_kv_heads, a.head_dim, a.num_groups, a.latent_rank)
     if static:
         return StaticTaleCache(*shapes, max_length=max_length, layout=layout, num_heads=a.num_heads, backend=chosen)
-    return TaleCache(*shapes, keep=keep, key_basis=spec.key_basis, backend=chosen)
+    rope_types = families.rope_types(model.config)
+    return TaleCache(*shapes, keep=keep, key_basis=spec.key_basis, backend=chosen, rope_types=rope_types)
 
 
 def set_backend(model, name: str = "auto", config=None) -> None:

@@ -1,4 +1,5 @@
-"""TALE attention for Llama/Mistral/Qwen2 decoder layers and the HF-compatible TaleCache.
+"""TALE attention for the decoder layers of the supported families (tale_runtime.families) and the HF-compatible
+TaleCache.
 
 Prefill (empty cache): exact q, k, v through the original projections (v_proj kept in the
 artifact), exact attention through the model's own attention function (SDPA/flash), output
@@ -19,6 +20,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from . import families
 from .artifact import Schedule
 from .attention import apply_rope
 from .backends import TORCH, AttentionBackend
@@ -124,12 +126,17 @@ class TaleCache(CacheStep, Cache):
         keep: str = "recent",
         key_basis: list | None = None,
         backend: AttentionBackend = TORCH,
+        rope_types: list | None = None,
     ):
         layers = []
-        self.rope = RopeTables()  # key_rope "pre": one table of RoPE per position for all layers
+        # key_rope "pre": one table of RoPE per position for all layers of a type (rope_types[i], families.rope_types:
+        # Gemma 3's sliding and global layers rotate by different bases; None: one table for all layers)
+        types = rope_types or [None] * num_layers
+        self.ropes = {t: RopeTables() for t in dict.fromkeys(types)}
         for i in range(num_layers):
             basis = None if key_basis is None else key_basis[i]
-            layer = TaleLayer(schedule, i, num_kv_heads, head_dim, num_groups, latent_rank, keep, basis, self.rope)
+            rope = self.ropes[types[i]]
+            layer = TaleLayer(schedule, i, num_kv_heads, head_dim, num_groups, latent_rank, keep, basis, rope)
             layer._layer_idx = i
             layers.append(layer)
         super().__init__(layers=layers)
@@ -144,7 +151,8 @@ class TaleCache(CacheStep, Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        self.rope.reorder(beam_idx)
+        for rope in self.ropes.values():
+            rope.reorder(beam_idx)
 
 
 TALE_CACHES = (TaleCache, StaticTaleCache)
@@ -171,22 +179,31 @@ class TaleAttention(nn.Module):
         self.g = group
         self.G = self.K // group
         self.R = group * self.head_dim
-        self.scaling = orig.scaling
+        self.scaling = orig.scaling  # Gemma 3: query_pre_attn_scalar^-1/2
         self.is_causal = True
         self.attention_dropout = 0.0
         self.num_key_value_groups = self.H // self.K
-        # Qwen2 marks sliding layers on the module, Mistral only in the config
+        # Qwen2/3 and Gemma 3 mark sliding layers on the module, Mistral and Phi-3 only in the config
         self.sliding_window = (
             orig.sliding_window if hasattr(orig, "sliding_window") else getattr(config, "sliding_window", None)
         )
-        self.q_proj, self.k_proj, self.o_proj = orig.q_proj, orig.k_proj, orig.o_proj
-        w = orig.q_proj.weight
+        # Phi-3: one fused qkv_proj (split here, as transformers does); the others: q_proj, k_proj, v_proj
+        self.qkv_proj = getattr(orig, "qkv_proj", None) if families.fused_qkv(config) else None
+        self.q_proj, self.k_proj = getattr(orig, "q_proj", None), getattr(orig, "k_proj", None)
+        self.o_proj = orig.o_proj
+        # Qwen3, Gemma 3: RMSNorm over each head's queries and keys, before RoPE (the cache holds the normed keys)
+        self.q_norm, self.k_norm = getattr(orig, "q_norm", None), getattr(orig, "k_norm", None)
+        w = families.value_weight(orig, config)
         self.tale = TaleWeights(self.G, config.hidden_size, self.R, self.H, dtype=w.dtype, device=w.device)
         # The original value projection (weight and Qwen2's bias) serves the exact prefill
         # (DESIGN.md 4). A value bias passes through latent attention unchanged (softmax weights
         # sum to 1), so later calls add it after attention.
-        self.v_proj = orig.v_proj
+        self.v_proj = getattr(orig, "v_proj", None)
         self.output_path = "fused"  # or "factored"
+
+    @property
+    def v_bias(self) -> torch.Tensor | None:
+        return None if self.v_proj is None else self.v_proj.bias
 
     # -- projections --------------------------------------------------------------------
 
@@ -199,15 +216,15 @@ class TaleAttention(nn.Module):
         B, G, T, _ = h.shape
         v = torch.einsum("bctr,crs->bcts", h, self.tale.v_v)  # [B, G, T, g*n]
         v = v.view(B, G, T, self.g, self.head_dim).permute(0, 1, 3, 2, 4).reshape(B, self.K, T, self.head_dim)
-        if self.v_proj.bias is not None:
-            v = v + self.v_proj.bias.view(1, self.K, 1, self.head_dim)
+        if self.v_bias is not None:
+            v = v + self.v_bias.view(1, self.K, 1, self.head_dim)
         return v
 
     def _bias_out(self) -> torch.Tensor | None:
         """Constant output of the value bias: concat_q b_{m(q)} . W_O."""
-        if self.v_proj.bias is None:
+        if self.v_bias is None:
             return None
-        b = self.v_proj.bias.view(self.K, 1, self.head_dim).expand(self.K, self.H // self.K, self.head_dim)
+        b = self.v_bias.view(self.K, 1, self.head_dim).expand(self.K, self.H // self.K, self.head_dim)
         return nn.functional.linear(b.reshape(1, -1), self.o_proj.weight).squeeze(0)
 
     def output(self, z: torch.Tensor) -> torch.Tensor:
@@ -229,18 +246,39 @@ class TaleAttention(nn.Module):
 
     # -- forward ------------------------------------------------------------------------
 
+    def pre_rope(self, x: torch.Tensor, values: bool = False):
+        """Queries [B, T, H, n] and keys [B, T, K, n] of x [B, T, d] before RoPE (after the per-head norms), and the
+        exact values [B, T, K, n] if `values` (else None)."""
+        B, T, _ = x.shape
+        if self.qkv_proj is not None:
+            kv = self.K * self.head_dim
+            q, k, v = self.qkv_proj(x).split([self.H * self.head_dim, kv, kv], -1)
+            v = v if values else None
+        else:
+            q, k = self.q_proj(x), self.k_proj(x)
+            v = self.v_proj(x) if values else None
+        q, k = q.view(B, T, -1, self.head_dim), k.view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, None if v is None else v.view(B, T, -1, self.head_dim)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, values: bool = False):
+        """Post-RoPE queries [B, H, T, n], keys [B, K, T, n] and, if `values`, exact values [B, K, T, n] (else None)."""
+        q, k, v = self.pre_rope(x, values)
+        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+        return q, k, None if v is None else v.transpose(1, 2)
+
     def qk(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Post-RoPE queries [B, H, T, n] and keys [B, K, T, n] of x [B, T, d]."""
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, _ = self.project(x, cos, sin)
+        return q, k
 
-    def exact(self, hidden_states, q, k, attention_mask, cache=None, **kwargs):
-        """The base model's attention, bit for bit: v = x W_V with the original v_proj, the model's attention function,
-        output through W_O. `cache`: any transformers cache (e.g. DynamicCache, the 16-bit baseline) stores k and v."""
-        B, T, _ = hidden_states.shape
-        v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
+    def exact(self, hidden_states, q, k, attention_mask, cache=None, v=None, **kwargs):
+        """The base model's attention, bit for bit: v = x W_V with the original projection, the model's attention
+        function, output through W_O. `cache`: any transformers cache (e.g. DynamicCache, the 16-bit baseline) stores k
+        and v. `v`: the exact values if already projected."""
+        if v is None:
+            v = self.pre_rope(hidden_states, values=True)[2].transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         return self.attend_exact(q, k, v, attention_mask, **kwargs)
@@ -258,17 +296,19 @@ class TaleAttention(nn.Module):
         self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, cache=None, **kwargs
     ):
         cache = cache if cache is not None else past_key_values  # transformers >= 5.24 passes `cache`
-        q, k = self.qk(hidden_states, *position_embeddings)
-        if not isinstance(cache, TALE_CACHES):  # no cache, or a transformers one: the base model
-            return self.exact(hidden_states, q, k, attention_mask, cache, **kwargs)
+        base = not isinstance(cache, TALE_CACHES)  # no cache, or a transformers one: the base model
+        prefill = not base and cache.get_seq_length(self.layer_idx) == 0
+        q, k, v = self.project(hidden_states, *position_embeddings, values=base or prefill)
+        if base:
+            return self.exact(hidden_states, q, k, attention_mask, cache, v, **kwargs)
 
         Q = rotation(cache, self.head_dim, k.device)
         q_c, k_c = rotate(q, Q), rotate(k, Q)
         # what a cache layer may read besides keys and latents: the queries (keep="salient") and the RoPE tables
         # the keys were rotated by (keys held before RoPE)
         extra = dict(queries=q_c * self.scaling, rope=position_embeddings)
-        if cache.get_seq_length(self.layer_idx) == 0:  # exact prefill; h = x A only fills the cache
-            out, weights = self.exact(hidden_states, q, k, attention_mask, None, **kwargs)
+        if prefill:  # exact prefill; h = x A only fills the cache
+            out, weights = self.exact(hidden_states, q, k, attention_mask, None, v, **kwargs)
             B, T, _ = hidden_states.shape
             valid = _valid_from_mask(attention_mask, B, T, hidden_states.device)
             cache.update(k_c, self.latents(hidden_states), self.layer_idx, valid=valid, **extra)

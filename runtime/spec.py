@@ -1,7 +1,8 @@
 """What a loaded TALE model is, read once from its manifest: the architecture, the schedule, the key basis.
 
 Built in one place (`load`) and carried by the model as `model.tale_spec`; the caches, generate,
-eval and the model card read it instead of the manifest's dicts. A leaf module: it imports only the artifact's types.
+eval and the model card read it instead of the manifest's dicts. A leaf module: it imports only the artifact's types
+and the families' facts.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from . import families
 from .artifact import ArtifactError, Schedule
 
 
@@ -28,6 +30,7 @@ class Arch:
     group_size: int  # g
     num_groups: int  # G
     latent_rank: int  # R
+    rotary_dim: int = 0  # channels of a head that RoPE rotates, the first ones (0: all; Phi-3's partial rotary: fewer)
 
     @classmethod
     def from_manifest(cls, manifest: dict, config=None) -> Arch:
@@ -58,6 +61,7 @@ class Arch:
             group_size=g,
             num_groups=int(a.get("num_groups") or (K // g if g else 0)),
             latent_rank=R,
+            rotary_dim=families.rotary_dim(config) if config is not None else 0,
         )
         if g <= 0 or K % g or arch.num_groups * g != K or R != g * n:
             raise ArtifactError(f"manifest architecture is inconsistent: K={K}, g={g}, G={arch.num_groups}, R={R}")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from tale_runtime import families
 from tale_runtime.artifact import sha256_file
 
 from . import ConvertError
@@ -122,25 +123,33 @@ def v_proj_input(layer, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def embed(weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Calibration hidden states entering layer 0, float32 on weight's device: [samples, seq_len, d]."""
+def embed(weight: torch.Tensor, tokens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Calibration hidden states entering layer 0, float32 on weight's device: [samples, seq_len, d]. `scale`: the
+    factor a scaled embedding (Gemma) multiplies them by."""
     hidden = torch.cat(
         [
             torch.nn.functional.embedding(t.to(weight.device), weight).float()
             for t in tokens.split(_batch(tokens.shape[1]))
         ]
     )
+    if scale is not None:
+        hidden *= scale
     check_finite(hidden, "in the embeddings")
     return hidden
 
 
 @torch.no_grad()
-def rotary(model, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for positions 0..seq_len-1, shared by every sample and layer. A fresh copy of the
-    model's rotary module: its inv_freq buffer is computed from the config (the model may be on meta)."""
+def rotary(model, seq_len: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, cos/sin for positions 0..seq_len-1, shared by every sample (and by the layers of one RoPE: Gemma 3's
+    sliding and global layers have one each). A fresh copy of the model's rotary module: its inv_freq buffers are
+    computed from the config (the model may be on meta)."""
     rope = type(model.model.rotary_emb)(config=model.config).to(device)
     pos = torch.arange(seq_len, device=device)[None]
-    return rope(torch.zeros(1, device=device), pos)
+    x = torch.zeros(1, device=device)
+    tables = {}
+    for t in dict.fromkeys(types := families.rope_types(model.config)):
+        tables[t] = rope(x, pos) if t is None else rope(x, pos, t)
+    return [tables[t] for t in types]
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from tale_runtime import console
+from tale_runtime import console, families
 from tale_runtime.artifact import (
     FORMAT,
     FORMAT_VERSION,
@@ -451,15 +451,18 @@ def _split(names, L: int) -> tuple[list[str], list[list[str]], list[str]]:
     return head, per, tail
 
 
+VALUE_WEIGHTS = (".self_attn.v_proj.weight", ".self_attn.qkv_proj.weight")  # where W_V is (qkv_proj: its last rows)
+
+
 def _plan(ckpt, arch, dtype) -> list[write.Entry]:
     """Every artifact tensor in order: the source's, each layer's TALE tensors right after its
-    v_proj.weight (which is kept: the exact prefill uses it, DESIGN.md 4)."""
+    v_proj.weight (Phi-3: qkv_proj.weight), which is kept: the exact prefill uses it, DESIGN.md 4."""
     d, G, R, H = arch.d, arch.G, arch.R, arch.H
     entries = []
     for name, shape in ckpt.shapes.items():
         entries.append(write.Entry(name, dtype, shape))
-        if name.endswith(".self_attn.v_proj.weight"):
-            prefix = name.removesuffix("v_proj.weight")
+        if name.endswith(VALUE_WEIGHTS):
+            prefix = name[: name.rindex(".self_attn.") + len(".self_attn.")]
             entries += [
                 write.Entry(prefix + U_V, dtype, (G, d, R)),
                 write.Entry(prefix + V_V, dtype, (G, R, R)),
@@ -491,7 +494,8 @@ def _stream(
             hidden = ckpt_h[1].to(device)
         else:
             emb = next(n for n in head if n.endswith("embed_tokens.weight"))
-            hidden = calibrate.embed(torch.cat([c.to(device) for c in ckpt.chunks(emb, ckpt.dtype)]), tokens)
+            weight = torch.cat([c.to(device) for c in ckpt.chunks(emb, ckpt.dtype)])
+            hidden = calibrate.embed(weight, tokens, families.embed_scale(skeleton))
     for name in head:
         _copy(ckpt, writer, name, dtype)
 
@@ -518,9 +522,10 @@ def _stream(
             if start <= i < stop:
                 layer = _materialize(skeleton.model.layers[i], weights, _layer_prefix(i), device)
                 try:
-                    C = calibrate.run_layer(layer, hidden, rope, i, covariance=i not in done)
+                    C = calibrate.run_layer(layer, hidden, rope[i], i, covariance=i not in done)
                     if C is not None:
-                        f = whiten(C, layer.self_attn.v_proj.weight.T, arch.g, arch.n, shrink)
+                        W_V = families.value_weight(layer.self_attn, skeleton.config)  # [K n, d]
+                        f = whiten(C, W_V.T, arch.g, arch.n, shrink)
                         del C
                         if schedule.latent_rotation:
                             f = rotate_latents(f, schedule.latent_rotation)
@@ -559,8 +564,8 @@ def _write_layer(writer, weights, names, f, arch, dtype, device) -> None:
     large product of the conversion (g times the size of W_O)."""
     for name in names:
         writer.put(name, weights[name].to(dtype))
-        if name.endswith(".self_attn.v_proj.weight"):
-            prefix = name.removesuffix("v_proj.weight")
+        if name.endswith(VALUE_WEIGHTS):
+            prefix = name[: name.rindex(".self_attn.") + len(".self_attn.")]
             W_O = weights[prefix + "o_proj.weight"]
             B = f.B.to(device)
             writer.put(prefix + U_V, f.A.to(dtype))

@@ -79,8 +79,14 @@ def progressive_weights(num_layers: int, slope: float = 0.5) -> list[float]:
 
 def fisher_scores(model, batches: list[torch.Tensor]) -> list[float]:
     """Per layer: sum over calibration batches of the squared gradients of the LM loss w.r.t. that
-    layer's self_attn.v_proj.weight (Palu's Fisher information). `batches`: token ids [B, T]."""
-    weights = [layer.self_attn.v_proj.weight for layer in model.model.layers]
+    layer's self_attn.v_proj.weight (Palu's Fisher information; Phi-3: the value rows of qkv_proj). `batches`: token
+    ids [B, T]."""
+    from tale_runtime import families
+
+    fused = families.fused_qkv(model.config)
+    attns = [layer.self_attn for layer in model.model.layers]
+    weights = [a.qkv_proj.weight if fused else a.v_proj.weight for a in attns]
+    first = sum(families.qkv_rows(model.config)[:2]) if fused else 0  # the value rows start here
     flags = [p.requires_grad for p in model.parameters()]
     for p in model.parameters():
         p.requires_grad_(False)
@@ -92,7 +98,7 @@ def fisher_scores(model, batches: list[torch.Tensor]) -> list[float]:
             ids = ids.to(weights[0].device)
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             grads = torch.autograd.grad(loss, weights)
-            scores += torch.stack([g.double().pow(2).sum() for g in grads]).cpu()
+            scores += torch.stack([g[first:].double().pow(2).sum() for g in grads]).cpu()
     finally:
         for p, f in zip(model.parameters(), flags):
             p.requires_grad_(f)

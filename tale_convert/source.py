@@ -14,11 +14,12 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from tale_runtime import families
 from tale_runtime.artifact import MANIFEST, sha256_file
 
 from . import ConvertError, smollm2
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+SUPPORTED = families.SUPPORTED
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "README.md"]
 
@@ -126,27 +127,39 @@ def load_config(src: Source, group: int):
     from transformers import AutoConfig
 
     try:
+        raw = json.loads((src.path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConvertError(f"{src.id}: cannot read config.json: {str(e).splitlines()[0]}") from None
+    # an unsupported family is refused before transformers is asked to build its config (it may not know it)
+    mt = raw.get("model_type") if isinstance(raw, dict) else None
+    if mt not in SUPPORTED:
+        raise ConvertError(families.unsupported(_Named(mt), raw))
+    try:
         config = AutoConfig.from_pretrained(src.path)
     except (OSError, ValueError, KeyError) as e:
         raise ConvertError(f"{src.id}: cannot read config.json: {str(e).splitlines()[0]}") from None
     return config, check_config(config, group)
 
 
+@dataclass
+class _Named:
+    model_type: str | None
+
+
 def check_config(config, group: int) -> Arch:
-    mt = getattr(config, "model_type", None)
-    if mt not in SUPPORTED:
-        raise ConvertError(f"unsupported architecture {mt!r}: tale-convert handles {', '.join(SUPPORTED)}")
+    if why := families.unsupported(config):
+        raise ConvertError(why)
     if getattr(config, "quantization_config", None):
         raise ConvertError("quantized checkpoints are not supported: convert the full-precision model")
     H, K, d = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
-    n = getattr(config, "head_dim", None) or d // H
+    n = families.head_dim(config)
     if H % K:
         raise ConvertError(f"num_attention_heads {H} is not a multiple of num_key_value_heads {K}")
     if group < 1 or K % group:
         raise ConvertError(f"--group {group} must divide the number of KV heads ({K})")
     if group * n > d:
         raise ConvertError(f"--group {group} gives latent rank {group * n} > hidden size {d}: use a smaller group")
-    return Arch(mt, d, H, K, n, config.num_hidden_layers, group)
+    return Arch(config.model_type, d, H, K, n, config.num_hidden_layers, group)
 
 
 def load_model(src: Source):
@@ -187,12 +200,15 @@ def check_layout(model, arch: Arch) -> None:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or len(layers) != arch.L or not hasattr(model.model, "rotary_emb"):
         raise ConvertError("unsupported model layout: expected model.model.layers and model.model.rotary_emb")
-    want = {
-        "q_proj": (arch.H * arch.n, arch.d),
-        "k_proj": (arch.K * arch.n, arch.d),
-        "v_proj": (arch.K * arch.n, arch.d),
-        "o_proj": (arch.d, arch.H * arch.n),
-    }
+    if families.fused_qkv(model.config):
+        want = {"qkv_proj": ((arch.H + 2 * arch.K) * arch.n, arch.d)}
+    else:
+        want = {
+            "q_proj": (arch.H * arch.n, arch.d),
+            "k_proj": (arch.K * arch.n, arch.d),
+            "v_proj": (arch.K * arch.n, arch.d),
+        }
+    want["o_proj"] = (arch.d, arch.H * arch.n)
     for i, layer in enumerate(layers):
         attn = getattr(layer, "self_attn", None)
         if attn is None or not isinstance(getattr(layer, "input_layernorm", None), torch.nn.Module):
@@ -310,7 +326,9 @@ def open_checkpoint(src: Source, config, expected: dict[str, tuple[int, ...]]) -
     for k in [k for k in files if IGNORED.fullmatch(k)]:
         del files[k], shapes[k]
     tale = [k for k in files if ".tale." in k]
-    no_v = not any(k.endswith(".v_proj.weight") for k in files) and any(k.endswith("q_proj.weight") for k in files)
+    no_v = not any(k.endswith((".v_proj.weight", ".qkv_proj.weight")) for k in files) and any(
+        k.endswith("q_proj.weight") for k in files
+    )
     if tale or no_v:
         raise ConvertError(
             f"{src.id} looks like a TALE artifact ({tale[0] if tale else 'no v_proj.weight'}): "
@@ -327,6 +345,12 @@ def open_checkpoint(src: Source, config, expected: dict[str, tuple[int, ...]]) -
     if unexpected:
         raise ConvertError(f"{src.id}: {len(unexpected)} tensors that config.json does not know, e.g. {unexpected[0]}")
     for k, shape in expected.items():
+        if shapes[k] != tuple(shape) and k.endswith(".qkv_proj.weight"):
+            H, K, n = config.num_attention_heads, config.num_key_value_heads, families.head_dim(config)
+            raise ConvertError(
+                f"{src.id}: fused {k} has {shapes[k][0]} rows x {shapes[k][1]}; config.json implies (H + 2 K) n = "
+                f"({H} + 2*{K}) * {n} = {shape[0]} rows (queries, keys, values) x {shape[1]}"
+            )
         if shapes[k] != tuple(shape):
             raise ConvertError(f"{src.id}: tensor {k} has shape {list(shapes[k])}, config.json implies {list(shape)}")
     order = list(expected)  # state_dict order: the artifact is written in it

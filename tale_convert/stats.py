@@ -116,27 +116,23 @@ def key_moments(
     count = [0] * len(layers)
     hooks = []
 
-    def on_k(i):
-        def hook(mod, args, out):  # out [B, T, K n]: the keys before RoPE
-            x = out[:, skip:].double().flatten(0, 1)
-            m2[i] = m2[i] + x.T @ x
-            m1[i] = m1[i] + x.sum(0)
-            count[i] += len(x)
-
-        return hook
-
-    def on_q(i, K, n):
-        def hook(mod, args, out):  # out [B, T, H n]
-            x = out[:, skip:].double().flatten(0, 1)
-            q2[i] = q2[i] + x.pow(2).view(len(x), K, -1, n).mean(2).sum(0).flatten()
+    def on_attn(i, a):
+        def hook(mod, args, kwargs):  # the layer's input: queries and keys before RoPE as the model makes them
+            x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            q, k, _ = a.pre_rope(x)  # [B, T, H, n], [B, T, K, n] (after Qwen3's and Gemma 3's q/k norms)
+            k = k[:, skip:].double().flatten(0, 1).flatten(1)  # [B T, K n]
+            m2[i] = m2[i] + k.T @ k
+            m1[i] = m1[i] + k.sum(0)
+            count[i] += len(k)
+            q = q[:, skip:].double().flatten(0, 1)  # [B T, H, n]
+            q2[i] = q2[i] + q.pow(2).view(len(q), a.K, -1, a.head_dim).mean(2).sum(0).flatten()
 
         return hook
 
     try:
         for i, layer in enumerate(layers):
             a = layer.self_attn
-            hooks.append(a.k_proj.register_forward_hook(on_k(i)))
-            hooks.append(a.q_proj.register_forward_hook(on_q(i, a.K, a.head_dim)))
+            hooks.append(a.register_forward_pre_hook(on_attn(i, a), with_kwargs=True))
         for ids in batches:
             model(ids)
     finally:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tale_helpers import randomize_norms
 
 # Without a GPU the Triton kernels are tested in Triton's CPU interpreter, which must be chosen
 # before anything imports triton (transformers and torch may, during collection).
@@ -67,8 +68,46 @@ TINY = {
         head_dim=32,
         tie_word_embeddings=True,
     ),
+    # per-head q/k norms before RoPE
+    "qwen3": dict(
+        model_type="qwen3",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+    ),
+    # q/k norms, scaling 1/sqrt(query_pre_attn_scalar), a sliding layer (local RoPE base) then a global one (scaled
+    # global RoPE), scaled tied embeddings; the window covers the calibration sequences (tale-convert requires it)
+    "gemma3": dict(
+        model_type="gemma3_text",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_theta=1_000_000.0,
+        rope_local_base_freq=10_000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+    ),
+    # fused qkv_proj and gate_up_proj, RoPE on half of each head
+    "phi3": dict(
+        model_type="phi3",
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        partial_rotary_factor=0.5,
+        pad_token_id=0,
+    ),
 }
-TINY_GROUP = {"llama": 2, "mistral": 2, "qwen2": 1, "mha": 2}
+TINY_GROUP = {"llama": 2, "mistral": 2, "qwen2": 1, "mha": 2, "qwen3": 2, "gemma3": 2, "phi3": 1}
 TINY_VOCAB = 512
 EOS = "<|endoftext|>"
 # Converter options that fit the tiny models (latent ranks 16..64) and run in about a second.
@@ -118,6 +157,7 @@ def save_tiny(path: Path, arch: str, tokenizer, seed: int = 0, edit=None) -> Pat
     if arch == "qwen2":  # the value bias must survive conversion: make it non-trivial
         for layer in model.model.layers:
             layer.self_attn.v_proj.bias.data.normal_(0, 0.5)
+    randomize_norms(model)
     if edit:
         edit(model)
     model.save_pretrained(path)
@@ -134,7 +174,7 @@ def tiny_tok():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tiny_tok):
-    """Factory: tiny_model_dir(arch) -> checkpoint dir, arch in TINY (llama, mistral, qwen2, mha)."""
+    """Factory: tiny_model_dir(arch) -> checkpoint dir, arch in TINY (llama, mistral, qwen2, mha, qwen3, gemma3, phi3)."""
     built: dict[str, Path] = {}
 
     def make(arch: str) -> Path:
@@ -143,6 +183,28 @@ def tiny_model_dir(tmp_path_factory, tiny_tok):
         return built[arch]
 
     return make
+
+
+class _Converted(dict):
+    """arch -> an fp32 conversion of the tiny model of `arch` (TINY_OPTS, TINY_GROUP), made at the first use."""
+
+    def __init__(self, tiny_model_dir, tmp_path_factory):
+        super().__init__()
+        self.src, self.tmp = tiny_model_dir, tmp_path_factory
+
+    def __missing__(self, arch: str) -> Path:
+        from tale_convert.convert import Options, convert
+
+        path = self.tmp.mktemp(f"art-{arch}") / "tale"
+        convert(str(self.src(arch)), path, Options(group=TINY_GROUP[arch], **TINY_OPTS))
+        self[arch] = path
+        return path
+
+
+@pytest.fixture(scope="session")
+def converted(tiny_model_dir, tmp_path_factory):
+    """converted[arch]: the tiny model of `arch` converted once per session (test_convert.py, test_families.py)."""
+    return _Converted(tiny_model_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import copy
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from tale_runtime import families
 from tale_runtime.artifact import Level, Schedule, uniform_ranks
 from tale_runtime.load import tale_class
 from tale_runtime.model import TaleAttention
@@ -58,6 +59,48 @@ TINY = dict(
         vocab_size=320,
         max_position_embeddings=512,
     ),
+    qwen3=dict(
+        model_type="qwen3",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        vocab_size=320,
+        max_position_embeddings=512,
+    ),
+    # a sliding layer (window 24, local RoPE base) then a global one (scaled global RoPE), scaling 1/sqrt(24)
+    gemma3=dict(
+        model_type="gemma3_text",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=320,
+        max_position_embeddings=512,
+        query_pre_attn_scalar=24,
+        sliding_window=24,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_theta=1_000_000.0,
+        rope_local_base_freq=10_000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+    ),
+    # fused qkv_proj and gate_up_proj; RoPE on half of each head (partial_rotary_factor)
+    phi3=dict(
+        model_type="phi3",
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        vocab_size=320,
+        max_position_embeddings=512,
+        partial_rotary_factor=0.5,
+        pad_token_id=0,
+    ),
 )
 
 
@@ -71,7 +114,16 @@ def tiny_model(arch: str = "llama", seed: int = 0, dtype=torch.float32):
     if arch == "qwen2":  # make the value bias matter
         for layer in model.model.layers:
             layer.self_attn.v_proj.bias.data.normal_(0, 0.5)
+    randomize_norms(model)
     return model
+
+
+def randomize_norms(model) -> None:
+    """Random per-head q/k norm weights (Qwen3, Gemma 3 start them at the identity): the norms must matter."""
+    for layer in model.model.layers:
+        for name in ("q_norm", "k_norm"):
+            if (norm := getattr(layer.self_attn, name, None)) is not None:
+                norm.weight.data.uniform_(-0.5, 1.5)
 
 
 def talify(model, group: int, schedule: Schedule | None = None):
@@ -84,7 +136,7 @@ def talify(model, group: int, schedule: Schedule | None = None):
     for i, layer in enumerate(tm.model.layers):
         orig = layer.self_attn
         att = TaleAttention(orig, cfg, i, group)
-        W = orig.v_proj.weight.detach().double().T  # [d, K*n]
+        W = families.value_weight(orig, cfg).detach().double().T  # [d, K*n]
         Wo = orig.o_proj.weight.detach().double().T  # [H*n, d]
         A, B, Of = [], [], []
         for c in range(G):
@@ -96,7 +148,7 @@ def talify(model, group: int, schedule: Schedule | None = None):
             m = q // rep
             c, j = m // group, m % group
             Of.append(B[c][:, j * n : (j + 1) * n] @ Wo[q * n : (q + 1) * n])
-        dt = orig.q_proj.weight.dtype
+        dt = orig.o_proj.weight.dtype
         att.tale.u_v.data = torch.stack(A).to(dt)
         att.tale.v_v.data = torch.stack(B).to(dt)
         att.tale.o_fused.data = torch.cat(Of).T.contiguous().to(dt)

@@ -37,33 +37,30 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.fixture(scope="module")
-def artifacts(tiny_model_dir, tmp_path_factory):
-    """One fp32 conversion per tiny architecture, shared by the invariant tests."""
-    out = {}
-    for arch in TINY:
-        path = tmp_path_factory.mktemp(f"art-{arch}") / "tale"
-        convert(str(tiny_model_dir(arch)), path, tiny_opts(arch))
-        out[arch] = path
-    return out
+@pytest.fixture
+def artifacts(converted):
+    """One fp32 conversion per tiny architecture (conftest.converted), shared by the invariant tests."""
+    return converted
 
 
 @pytest.mark.parametrize("arch", list(TINY))
 def test_factors_reproduce_base_weights(arch, artifacts, tiny_model_dir):
     """A_c B_c = W_c per group, O^r blocks = B_{c(q),j(q)} O_q, all other tensors untouched."""
     cfg = TINY[arch]
-    d, H, K, n = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    d, H, K = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    n = cfg.get("head_dim", d // H)
     g = TINY_GROUP[arch]
     G, R, rep = K // g, g * n, H // K
     _, index, art = read_artifact(artifacts[arch])
     base = load_file(tiny_model_dir(arch) / "model.safetensors")
 
-    # the original v_proj.weight is kept (exact prefill) beside the factors
+    # the original v_proj.weight (Phi-3: qkv_proj.weight, values in its last K n rows) is kept beside the factors
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}.self_attn."
         A, B, Of = art[p + U_V], art[p + V_V], art[p + O_FUSED]
         assert A.shape == (G, d, R) and B.shape == (G, R, R) and Of.shape == (d, H * R)
-        W = base[p + "v_proj.weight"].T.double()  # [d, K*n]
+        fused = p + "qkv_proj.weight" in base
+        W = (base[p + "qkv_proj.weight"][(H + K) * n :] if fused else base[p + "v_proj.weight"]).T.double()  # [d, K*n]
         for c in range(G):
             assert rel(A[c].double() @ B[c].double(), W[:, c * R : (c + 1) * R]) < 1e-5
         Wo = base[p + "o_proj.weight"].T.double()  # [H*n, d]
@@ -168,7 +165,7 @@ def test_v_proj_input_is_what_v_proj_sees(tiny_model_dir):
     seen = []
     hook = layer.self_attn.v_proj.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
     h = torch.randn(2, 16, TINY["qwen2"]["hidden_size"])
-    rope = calibrate.rotary(model, 16, torch.device("cpu"))
+    rope = calibrate.rotary(model, 16, torch.device("cpu"))[1]
     with torch.no_grad():
         layer(h, attention_mask=None, position_embeddings=rope)
         want = calibrate.v_proj_input(layer, h)

@@ -173,10 +173,10 @@ def test_the_layers_of_a_cache_share_one_rope_table():
         tm(ids[:, :30], **cache_arg(cache))
         for t in range(30, 40):
             tm(ids[:, t : t + 1], **cache_arg(cache))
-    assert all(layer.rope is cache.rope for layer in cache.layers)
-    assert cache.rope.length == 40 == cache.layers[1].kappa
+    assert all(layer.rope is cache.ropes[None] for layer in cache.layers)
+    assert cache.ropes[None].length == 40 == cache.layers[1].kappa
     cache.reset()
-    assert cache.rope.length == 0 and all(layer.rope is cache.rope for layer in cache.layers)
+    assert cache.ropes[None].length == 0 and all(layer.rope is cache.ropes[None] for layer in cache.layers)
     t = RopeTables()
     cos = torch.ones(1, 4, n)
     t.extend(cos, cos, 0)

@@ -1,0 +1,116 @@
+"""The model families TALE converts and runs, and what differs between them around the attention layer.
+
+A leaf module (config objects and modules in, facts out): the converter, the loader and the attention layer ask it
+instead of testing model types themselves.
+
+| family        | what differs from Llama                                                                      |
+|---------------|----------------------------------------------------------------------------------------------|
+| mistral       | a sliding window on every layer (config.sliding_window)                                      |
+| qwen2         | biases on q/k/v; optional sliding layers (use_sliding_window, layer_types)                   |
+| qwen3         | per-head RMSNorm of queries and keys (q_norm, k_norm) before RoPE                            |
+| gemma3_text   | q_norm/k_norm, scaling query_pre_attn_scalar^-1/2, sliding and global layers with their own   |
+|               | RoPE base, scaled tied embeddings, pre/post-feedforward norms (inside transformers' layer)   |
+| phi3          | one fused qkv_proj (rows: queries, keys, values) and gate_up_proj; partial rotary            |
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
+FUSED_QKV = ("phi3",)  # one qkv_proj whose rows are H n queries, K n keys, K n values
+# the families whose decoder layer is Llama's (norm, attention, residual; norm, MLP, residual): DecodeStep writes it out
+LLAMA_LAYER = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# the families whose layer types have RoPE tables of their own (Gemma 3: local base on sliding layers, global on full)
+ROPE_PER_LAYER_TYPE = ("gemma3_text",)
+
+
+def supported_list() -> str:
+    return ", ".join(SUPPORTED)
+
+
+def unsupported(config, raw: dict | None = None) -> str | None:
+    """Why TALE cannot take a model of this config (one line), or None. `raw`: config.json as read (a multimodal
+    Gemma 3 shows itself there by its vision config and architectures)."""
+    mt = getattr(config, "model_type", None)
+    raw = raw or {}
+    if mt == "gemma2":
+        return (
+            "Gemma 2 (model_type 'gemma2') is not supported: its attention logits are soft-capped, which TALE's "
+            f"decode attention does not apply; supported families: {supported_list()}"
+        )
+    if mt == "gemma3":
+        archs = raw.get("architectures") or getattr(config, "architectures", None) or []
+        if raw.get("vision_config") is not None or any("ConditionalGeneration" in a for a in archs):
+            return (
+                "multimodal Gemma 3 checkpoint (model_type 'gemma3' with a vision tower) is not supported: TALE "
+                "converts the text-only Gemma 3 models (model_type 'gemma3_text', e.g. gemma-3-1b, gemma-3-270m)"
+            )
+        return (
+            "a 'gemma3' config without a vision tower: save its language model as Gemma3ForCausalLM "
+            "(model_type 'gemma3_text') and convert that"
+        )
+    if mt not in SUPPORTED:
+        return f"unsupported architecture {mt!r}: supported families are {supported_list()}"
+    if getattr(config, "attn_logit_softcapping", None):
+        return (
+            f"attention logit soft-capping (attn_logit_softcapping {config.attn_logit_softcapping}) is not "
+            "supported: TALE's decode attention does not apply it"
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention (use_bidirectional_attention) is not supported: TALE caches causal LMs"
+    factor = rotary_factor(config)
+    if not 0 < factor <= 1:
+        return f"partial_rotary_factor {factor} is not in (0, 1]"
+    n = head_dim(config)
+    if int(n * factor) % 2:
+        return f"partial_rotary_factor {factor} rotates {int(n * factor)} of {n} channels: RoPE needs an even count"
+    return None
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rotary_factor(config) -> float:
+    """The share of each head's channels RoPE rotates (Phi-3's partial_rotary_factor; 1 elsewhere)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    f = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    return float(f if f is not None else getattr(config, "partial_rotary_factor", None) or 1.0)
+
+
+def rotary_dim(config) -> int:
+    """Channels of a head that RoPE rotates (the first ones, as transformers' partial rotary does)."""
+    return int(head_dim(config) * rotary_factor(config))
+
+
+def fused_qkv(config) -> bool:
+    return getattr(config, "model_type", None) in FUSED_QKV
+
+
+def qkv_rows(config) -> tuple[int, int, int]:
+    """Rows of a fused qkv_proj: queries, keys, values (H n, K n, K n)."""
+    n = head_dim(config)
+    return config.num_attention_heads * n, config.num_key_value_heads * n, config.num_key_value_heads * n
+
+
+def value_weight(attn, config) -> torch.Tensor:
+    """W_V of an attention module [K n, d] (nn.Linear layout): v_proj's weight, or the value rows of qkv_proj."""
+    if fused_qkv(config):
+        hq, hk, _ = qkv_rows(config)
+        return attn.qkv_proj.weight[hq + hk :]
+    return attn.v_proj.weight
+
+
+def rope_types(config) -> list[str | None]:
+    """Per layer, the layer type whose RoPE tables it reads (None: the model has one RoPE for all layers)."""
+    L = config.num_hidden_layers
+    if getattr(config, "model_type", None) in ROPE_PER_LAYER_TYPE:
+        return list(config.layer_types[:L])
+    return [None] * L
+
+
+def embed_scale(model) -> float | None:
+    """The factor the model's embedding layer multiplies token embeddings by (Gemma's scaled embedding: sqrt of the
+    hidden size, from transformers' module), else None."""
+    return getattr(model.model.embed_tokens, "scalar_embed_scale", None)
