@@ -320,9 +320,16 @@ class TaleAttention(nn.Module):
 
 
 def _valid_from_mask(mask, B: int, T: int, device) -> torch.Tensor | None:
-    """Real (non-padding) key positions from the prefill mask (bool: True=attend; float: 0=attend)."""
+    """Real (non-padding) key positions from the prefill mask (bool: True=attend; float: 0=attend).
+
+    The last query (a real token: padding is on the left) sees every real key, except, in a sliding-window layer, those
+    out of its window: those see themselves (the diagonal). A padding query whose row a mask fix unmasked entirely also
+    sees its successor, which no causal row does, so its diagonal does not count."""
     if mask is None or not isinstance(mask, torch.Tensor) or mask.dim() != 4:
         return None
-    last = mask[:, 0, -1, -T:]
-    valid = last if last.dtype == torch.bool else last == 0
+    m = mask[:, 0, -T:, -T:]  # [B, T, T]
+    see = m if m.dtype == torch.bool else m == 0
+    own = see.diagonal(dim1=1, dim2=2)  # [B, T]: query j sees key j
+    ahead = torch.nn.functional.pad(see.diagonal(offset=1, dim1=1, dim2=2), (0, 1))  # query j sees key j + 1
+    valid = see[:, -1] | (own & ~ahead)
     return valid.expand(B, T).to(device)
