@@ -52,11 +52,13 @@ def _inputs(device="cpu", steps=40):
 
 
 @pytest.mark.parametrize(
-    "arch,g,rotate", [("llama", 2, None), ("llama", 2, "hadamard"), ("qwen2", 4, None), ("mistral", 2, None)]
+    "arch,g,rotate",
+    [("llama", 2, None), ("llama", 2, "hadamard"), ("qwen2", 4, None), ("mistral", 2, None), ("phi3", 1, None)],
 )
 def test_step_gives_the_forwards_logits(arch, g, rotate):
     """Through flushes and demotions (40 steps, residual 8), left padding, value bias (Qwen2), a sliding window
-    (Mistral, 24 < prompt + steps) and rotated keys: the same logits as the model's forward, bit for bit."""
+    (Mistral, 24 < prompt + steps), rotated keys, a fused qkv_proj with partial rotary (Phi-3): the same logits as the
+    model's forward, bit for bit."""
     base = tiny_model(arch)
     if arch == "mistral":
         base.config.sliding_window = 24
@@ -147,7 +149,9 @@ def cache_tensors(cache):
 
 
 def test_unsupported_models_keep_the_forward():
-    """A model without TALE attention: DecodeStep refuses it, CudaGraphDecoder falls back to the model's forward."""
+    """A model without TALE attention, or whose layer is not Llama's (Gemma 3): DecodeStep refuses it,
+    CudaGraphDecoder falls back to the model's forward."""
+    assert not supports_step(talify(tiny_model("gemma3"), 2))
     base = tiny_model("llama")
     assert not supports_step(base)
     with pytest.raises(ValueError, match="Llama-style decoder layers"):
