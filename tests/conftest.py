@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tale_helpers import randomize_norms
 
 # Without a GPU the Triton kernels are tested in Triton's CPU interpreter, which must be chosen
 # before anything imports triton (transformers and torch may, during collection).
@@ -157,6 +156,8 @@ def save_tiny(path: Path, arch: str, tokenizer, seed: int = 0, edit=None) -> Pat
     if arch == "qwen2":  # the value bias must survive conversion: make it non-trivial
         for layer in model.model.layers:
             layer.self_attn.v_proj.bias.data.normal_(0, 0.5)
+    from tale_helpers import randomize_norms  # imports transformers: not before TRITON_INTERPRET is set above
+
     randomize_norms(model)
     if edit:
         edit(model)
