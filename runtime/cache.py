@@ -379,18 +379,16 @@ class TaleLayerCache:
 
         `valid` [B, T] marks real (non-padding) tokens; only read at the first call. `q` [B, H, T, n]: the
         tokens' post-RoPE queries times the attention scaling, read with keep="salient" (the last
-        `key_group` of them are the observation window). `rope`: the (cos, sin) [B, T, n] the keys were rotated
-        by, read with key_rope "pre".
+        `key_group` of them are the observation window). `rope`: the (cos, sin) [B, T, r] the keys were rotated
+        by (r <= n channels: partial rotary), read with key_rope "pre".
         """
         B, T = k.shape[0], k.shape[-2]
         if self.s.key_rope == "pre":
-            if (
-                rope is None
-                or tuple(rope[0].shape) != (B, T, k.shape[-1])
-                and tuple(rope[0].shape) != (1, T, k.shape[-1])
-            ):
-                raise ValueError('key_rope "pre" needs the cos, sin [B, T, n] the appended keys were rotated by')
-            self.rope.extend(*(t.expand(B, T, k.shape[-1]) for t in rope), self.kappa)
+            # r = n, or fewer channels with partial rotary (Phi-3's partial_rotary_factor: the first r rotate)
+            r = None if rope is None else rope[0].shape[-1]
+            if r is None or r > k.shape[-1] or tuple(rope[0].shape) not in ((B, T, r), (1, T, r)):
+                raise ValueError('key_rope "pre" needs the cos, sin [B, T, r <= n] the appended keys were rotated by')
+            self.rope.extend(*(t.expand(B, T, r) for t in rope), self.kappa)
         if valid is None:
             valid = torch.ones(B, T, dtype=torch.bool, device=k.device)
         first = self.valid is None
