@@ -127,9 +127,7 @@ def test_chunk_too_long_for_the_residual_is_refused():
         sta.layers[0].append(torch.randn(1, K, 20, n), torch.randn(1, G, 20, R))
 
 
-@pytest.mark.parametrize(
-    "arch,g", [("llama", 2), ("qwen2", 4), ("mistral", 2), ("qwen3", 2), ("gemma3", 2), ("phi3", 1)]
-)
+@pytest.mark.parametrize("arch,g", [("llama", 2), ("qwen2", 4), ("mistral", 2), ("gemma3", 2), ("phi3", 1)])
 def test_generate_gives_the_dynamic_paths_tokens(arch, g):
     """model.generate, batch 2 with left padding, greedy and beam search; Mistral and Gemma 3 with a sliding window."""
     base = tiny_model(arch)
