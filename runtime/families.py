@@ -31,9 +31,12 @@ def supported_list() -> str:
 
 def unsupported(config, raw: dict | None = None) -> str | None:
     """Why TALE cannot take a model of this config (one line), or None. `raw`: config.json as read (a multimodal
-    Gemma 3 shows itself there by its vision config and architectures)."""
-    mt = getattr(config, "model_type", None)
+    Gemma 3 shows itself there by its vision config and architectures); config None: judge the family from `raw`
+    alone, before transformers is asked to build a config it may not know."""
     raw = raw or {}
+    mt = raw.get("model_type") if config is None else getattr(config, "model_type", None)
+    if config is None and mt in SUPPORTED:
+        return None
     if mt == "gemma2":
         return (
             "Gemma 2 (model_type 'gemma2') is not supported: its attention logits are soft-capped, which TALE's "

@@ -131,19 +131,13 @@ def load_config(src: Source, group: int):
     except (OSError, ValueError) as e:
         raise ConvertError(f"{src.id}: cannot read config.json: {str(e).splitlines()[0]}") from None
     # an unsupported family is refused before transformers is asked to build its config (it may not know it)
-    mt = raw.get("model_type") if isinstance(raw, dict) else None
-    if mt not in SUPPORTED:
-        raise ConvertError(families.unsupported(_Named(mt), raw))
+    if why := families.unsupported(None, raw if isinstance(raw, dict) else {}):
+        raise ConvertError(why)
     try:
         config = AutoConfig.from_pretrained(src.path)
     except (OSError, ValueError, KeyError) as e:
         raise ConvertError(f"{src.id}: cannot read config.json: {str(e).splitlines()[0]}") from None
     return config, check_config(config, group)
-
-
-@dataclass
-class _Named:
-    model_type: str | None
 
 
 def check_config(config, group: int) -> Arch:
