@@ -550,7 +550,9 @@ def supported(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, view, r
             if not isinstance(bs, KeyBasis) or r.rope is None and rot is None:
                 return "low-rank keys without RoPE tables or a rotary"
             kr = r.keys.shape[-1]
-            if tuple(bs.dec.shape[1:]) != (K * n,) or bs.dec.shape[0] < kr or tuple(bs.mean.shape) != (K * n,):
+            if bs.blocks != 1:
+                return f"a key basis of {bs.blocks} blocks (this kernel rebuilds from one joint block)"
+            if tuple(bs.dec.shape[2:]) != (K * n,) or bs.dec.shape[1] < kr or tuple(bs.mean.shape) != (K * n,):
                 return f"key basis of shape {tuple(bs.dec.shape)} for {K} x {n} keys at rank {kr}"
             if why := _qt_reason(r.keys, kr, (B, 1), cap, q.dtype, "low-rank keys"):
                 return why
@@ -810,7 +812,7 @@ def _basis_on(basis: KeyBasis, NH: int, device, dtype) -> tuple[torch.Tensor, to
             s = torch.exp2(e)
             return (m / s).to(dtype).contiguous(), s
 
-        lo, hi = halves(basis.dec)
+        lo, hi = halves(basis.dec[0])
         (lo, slo), (hi, shi) = scaled(lo), scaled(hi)
         mlo, mhi = halves(basis.mean)
         hit = _BASIS[key] = (lo, hi, torch.stack([mlo, mhi, slo, shi]).contiguous())

@@ -385,7 +385,8 @@ def _calibrated(tmp: Path, manifest: dict, bands, basis: bool, tokens, device, b
             a = model.model.layers[i].self_attn
             enc, dec = key_basis.fit(m2.cpu(), mean.cpu(), key_basis.pair_mean(q2.cpu(), a.K, a.head_dim))
             e, d, m = key_basis.names(i)
-            tensors[e], tensors[d], tensors[m] = enc, dec, mean.float().cpu().contiguous()
+            # one joint block: 2-D, as every reader since format 2.2 reads it
+            tensors[e], tensors[d], tensors[m] = enc[0], dec[0], mean.float().cpu().contiguous()
         save_file(tensors, str(tmp / key_basis.FILE))
         os.chmod(tmp / key_basis.FILE, 0o644)  # shared like the shards (save_file creates it private)
         done.append(f"key basis ({len(tensors) // 3} layers)")
