@@ -332,6 +332,7 @@ def _convert_locked(model, out: Path, opts: Options, on_layer, log, warn, t0) ->
         shutil.rmtree(tmp / resume.DIR)
         if bands or opts.wants_basis():
             _calibrated(tmp, manifest, bands, opts.wants_basis(), tokens, device, base_card, log)
+        console.check_interrupted()  # never publish after a signal, wherever its KeyboardInterrupt went
         write.publish(tmp, out, opts.overwrite)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM turned into one by the console layer
         if writer:
@@ -505,6 +506,7 @@ def _stream(
     with ThreadPoolExecutor(1, thread_name_prefix="tale-read") as pool:  # reads layer i+1 while i runs
         reads = {todo[0]: pool.submit(ckpt.read, per_layer[todo[0]])} if todo else {}
         for i in range(arch.L):
+            console.check_interrupted()
             t = time.perf_counter()
             if i not in reads:
                 f, seconds = partial.load_layer(i)
