@@ -1,0 +1,62 @@
+"""One rank of tests/test_tp.py: started twice (RANK 0 and 1, gloo on the CPU), writes what it saw to OUT.rank{r}.json.
+
+    python tests/tp_rank.py OUT GOOD_ARTIFACT ODD_ARTIFACT PROMPT_IDS NEW_TOKENS
+
+Cases, in one process group: greedy tokens and per-rank cache bytes through model.generate (dynamic cache, fused and
+factored output; static cache); an artifact whose groups do not split over 2 ranks; a bad path on rank 1 only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from tale_runtime import load, new_cache, set_output_path
+from tale_runtime.model import cache_arg
+
+
+def generate(model, ids: list[int], new: int, **cache_kw) -> tuple[list[int], int, list[float]]:
+    cache = new_cache(model, **cache_kw)
+    x = torch.tensor([ids])
+    out = model.generate(
+        x, **cache_arg(cache), max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
+    first = out.logits[0][0, :8].tolist()  # the prefill's logits, a few of them
+    return out.sequences[0, len(ids) :].tolist(), cache.nbytes(), first
+
+
+def failure(fn) -> dict | None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001  (the test checks type and text)
+        return {"type": type(e).__name__, "message": str(e)}
+    return None
+
+
+def main() -> None:
+    out, good, odd, prompt, new = sys.argv[1:6]
+    rank = int(os.environ["RANK"])
+    ids, new = json.loads(prompt), int(new)
+    res: dict = {"rank": rank}
+    model, _ = load(good, device="cpu", dtype=torch.float32, tp_size=2)
+    spec = model.tale_spec
+    res["tp"] = [spec.tp.size, spec.tp.rank]
+    res["local_groups"] = [layer.self_attn.tale.u_v.shape[0] for layer in model.model.layers]
+    res["dynamic"] = generate(model, ids, new)
+    res["static"] = generate(model, ids, new, static=True)
+    set_output_path(model, "factored")
+    res["factored"] = generate(model, ids, new)
+    res["odd"] = failure(lambda: load(odd, device="cpu", dtype=torch.float32, tp_size=2))
+    res["bad_path"] = failure(
+        lambda: load(good if rank == 0 else good + "-missing", device="cpu", dtype=torch.float32, tp_size=2)
+    )
+    with open(f"{out}.rank{rank}.json", "w") as f:
+        json.dump(res, f)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
