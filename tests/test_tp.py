@@ -149,3 +149,29 @@ def test_load_without_torchrun_is_refused_in_one_line(artifacts, monkeypatch):
         load(artifacts["good"], device="cpu", tp_size=2)
     with pytest.raises(ValueError, match="whole number"):
         load(artifacts["good"], device="cpu", tp_size=0)
+
+
+def test_tale_run_under_two_ranks(ranks):
+    """tale-run --tp 2 on every rank: rank 0 prints the answer and the stats line, rank 1 nothing."""
+    zero, one = (r["cli"] for r in ranks)
+    assert zero["exit_code"] == one["exit_code"] == 0, zero["stderr"] + one["stderr"]
+    assert zero["stdout"].strip() and "tensor parallel: 2 ranks, cache bytes per rank" in zero["stderr"]
+    assert one["stdout"] == one["stderr"] == ""
+
+
+def test_tale_run_bad_path_on_one_rank_is_one_line_on_every_rank(ranks):
+    for r in ranks:
+        res = r["cli_bad_path"]
+        assert res["exit_code"] == 2 and res["stdout"] == ""
+        assert res["stderr"].count("\n") == 1 and res["stderr"].startswith("error: rank 1 of 2: ")
+        assert "good-missing: no such artifact directory" in res["stderr"]
+
+
+def test_bench_tp_cpu_path(ranks):
+    """benchmarks/bench_tp.py --device cpu --tiny under 2 ranks: the check passes and the table comes out (rank 0)."""
+    text = ranks[0]["bench"]
+    check = [ln for ln in text.splitlines() if ln.startswith("| TALE, ")]
+    assert len(check) == 2 and all(ln.endswith("| 12/12 |") for ln in check)
+    row = next(ln for ln in text.splitlines() if ln.startswith("| tiny (2 layers, g=2, fused) | 2 | 64 |"))
+    assert float(row.split("|")[4]) > 0 and float(row.split("|")[7]) > 0  # TALE and transformers ms/token
+    assert ranks[1]["bench"] == ""

@@ -2,20 +2,27 @@
 
     python tests/tp_rank.py OUT GOOD_ARTIFACT ODD_ARTIFACT PROMPT_IDS NEW_TOKENS
 
-Cases, in one process group: greedy tokens and per-rank cache bytes through model.generate (dynamic cache, fused and
-factored output; static cache); an artifact whose groups do not split over 2 ranks; a bad path on rank 1 only.
+Cases, in one process group (starting Python and torch costs more than all of them): greedy tokens and per-rank cache
+bytes through model.generate (dynamic cache, fused and factored output; static cache); an artifact whose groups do not
+split over 2 ranks; a bad path on rank 1 only; the same through `tale-run --tp 2`; benchmarks/bench_tp.py --tiny.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
+from tale_helpers import invoke
 
-from tale_runtime import load, new_cache, set_output_path
+from tale_runtime import cli, load, new_cache, set_output_path
 from tale_runtime.model import cache_arg
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def generate(model, ids: list[int], new: int, **cache_kw) -> tuple[list[int], int, list[float]]:
@@ -53,9 +60,24 @@ def main() -> None:
     res["bad_path"] = failure(
         lambda: load(good if rank == 0 else good + "-missing", device="cpu", dtype=torch.float32, tp_size=2)
     )
+    args = ["--prompt", "hello", "--max-new-tokens", "4", "--dtype", "fp32", "--device", "cpu", "--tp", "2"]
+    res["cli"] = vars(invoke(cli.main, [good, *args]))
+    res["cli_bad_path"] = vars(invoke(cli.main, [good if rank == 0 else good + "-missing", *args]))
+    res["bench"] = bench(["--device", "cpu", "--tiny", "--ctx", "64", "--new", "3"])
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump(res, f)
-    torch.distributed.destroy_process_group()
+
+
+def bench(argv: list[str]) -> str:
+    """benchmarks/bench_tp.py's output (it ends the process group)."""
+    sys.path.insert(0, str(BENCH))
+    import bench_tp
+
+    sys.argv = ["bench_tp.py", *argv]
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        bench_tp.main()
+    return text.getvalue()
 
 
 if __name__ == "__main__":
