@@ -159,7 +159,7 @@ def run(
 
     from .artifact import ArtifactError
     from .generate import NonFiniteLogits, generate
-    from .load import load, set_output_path
+    from .load import load
 
     try:
         m, tok = load(model, device=dev, dtype=getattr(torch, DTYPES[dtype]), backend=backend, tp_size=tp, **overrides)
@@ -186,7 +186,6 @@ def run(
             f"{len(ids) + max_new_tokens} tokens of this run: nothing is compressed, so the measured ratio is 1.00x",
             style="dim",
         )
-    set_output_path(m, output_path)
     if dev.type == "cuda" and not m.tale_spec.schedule.fast_path():
         err.print(
             "note: the GPU kernel and the static cache do not read this schedule (keys before RoPE, low-rank keys, "

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from . import backends, key_basis, tp
-from .artifact import ArtifactError, Schedule, read_manifest, schedule_of, verify_files
+from .artifact import O_FUSED, ArtifactError, Schedule, read_manifest, schedule_of, verify_files
 from .model import CACHE_KW, TALE_CACHES, TaleAttention, TaleCache, cache_arg
 from .schedule import override_schedule
 from .spec import Arch, CacheSpec, TaleSpec
@@ -89,6 +90,7 @@ def load(
     backend: str = "auto",
     backend_config=None,
     tp_size: int = 1,
+    output_path: str = "fused",
     **overrides,
 ):
     """Return (model, tokenizer) with TALE attention in every layer.
@@ -96,6 +98,9 @@ def load(
     `tp_size` N > 1: tensor parallelism over the N processes of a torchrun job (call load on every rank); each rank
     holds G/N latent groups with their heads, and caches only those (runtime/tp.py, transformers' TP plan). The device
     is each rank's (cuda:LOCAL_RANK, or the CPU under gloo). A failure on any rank raises on every rank.
+
+    `output_path` "factored": decode through B then W_O (the same result) and leave O^r unread: g times the size of
+    W_O less memory (40 GiB at Llama-3.1-70B shapes with g = 4); set_output_path(model, "fused") is then refused.
 
     `backend`: the decode-attention backend the model's new caches ask for ("auto": the fastest that serves each
     cache; "torch", "triton", "cuda": see tale_runtime.backends), with `backend_config` its tuning knobs.
@@ -110,6 +115,8 @@ def load(
     from .console import check_device, check_dtype
 
     device, dtype = check_device(device), check_dtype(dtype)  # ValueError before anything loads
+    if output_path not in ("fused", "factored"):
+        raise ValueError(f"output path must be 'fused' or 'factored', got {output_path!r}")
     check_transformers()
     tp_cfg = mesh = None
     if tp_size != 1:
@@ -150,8 +157,13 @@ def load(
 
     with tp.all_ranks(tp_size):
         params = dict(model.named_parameters()) if rank_tp is not None else None
-        state = _read_tensors(root, device, dtype, verified, params)
+        skip = O_FUSED if output_path == "factored" else None
+        state = _read_tensors(root, device, dtype, verified, params, skip)
         expected = set(model.state_dict().keys())
+        if skip:
+            expected = {k for k in expected if not k.endswith(skip)}
+            for layer in model.model.layers:  # O^r left out: an empty tensor in its place
+                layer.self_attn.tale.o_fused = nn.Parameter(torch.empty(0, device=device, dtype=dtype), False)
         tied = getattr(config, "tie_word_embeddings", False)
         missing = expected - set(state) - ({"lm_head.weight"} if tied else set())
         if missing and all(m.endswith(".v_proj.weight") for m in missing):  # the exact prefill needs them
@@ -177,6 +189,7 @@ def load(
         if why := key_basis.missing(sched.levels, basis):
             raise ArtifactError(f"{root}: the schedule's low-rank keys: {why}")
     finish(model, device, TaleSpec(arch, sched, basis, manifest, root, tp=rank_tp))
+    set_output_path(model, output_path)
     set_backend(model, backend, backend_config)
 
     tok = None
@@ -317,11 +330,17 @@ def _model_type(root: Path) -> str | None:
 
 
 def _read_tensors(
-    root: Path, device: torch.device, dtype: torch.dtype, verified: set[str] | None = None, params: dict | None = None
+    root: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    verified: set[str] | None = None,
+    params: dict | None = None,
+    skip: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """The tensors of the shards named by the index. verified: the files verify_files checked; a shard
     outside it (an index edited to point at another file) is refused, never read. None: no checking.
-    params: the model's parameters under tensor parallelism: a sharded one gets (and reads) only this rank's slice."""
+    params: the model's parameters under tensor parallelism: a sharded one gets (and reads) only this rank's slice.
+    skip: tensors whose names end so are not read."""
     index = root / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -343,6 +362,8 @@ def _read_tensors(
         try:
             with safe_open(root / f, framework="pt", device=str(device)) as st:
                 for name in st.keys():
+                    if skip and name.endswith(skip):
+                        continue
                     if params is not None and name in params:
                         state[name] = tp.read_sharded(st, name, params[name], device, dtype)
                         continue
@@ -410,5 +431,7 @@ def set_backend(model, name: str = "auto", config=None) -> None:
 def set_output_path(model, path: str) -> None:
     if path not in ("fused", "factored"):
         raise ValueError(f"output path must be 'fused' or 'factored', got {path!r}")
+    if path == "fused" and model.model.layers[0].self_attn.tale.o_fused.numel() == 0:
+        raise ValueError("this model was loaded without O^r (load(..., output_path='factored')): load it again")
     for layer in model.model.layers:
         layer.self_attn.output_path = path

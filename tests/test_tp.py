@@ -98,9 +98,12 @@ def ranks(artifacts, prompt, tmp_path_factory):
 
 
 def one_process(path, prompt, **cache_kw) -> tuple[list[int], int, list[float]]:
-    model, _ = load(path, device="cpu", dtype=torch.float32)
-    if cache_kw.pop("factored", False):
-        set_output_path(model, "factored")
+    factored = cache_kw.pop("factored", False)
+    model, _ = load(path, device="cpu", dtype=torch.float32, output_path="factored" if factored else "fused")
+    if factored:  # O^r was not read
+        assert model.model.layers[0].self_attn.tale.o_fused.numel() == 0
+        with pytest.raises(ValueError, match="loaded without O"):
+            set_output_path(model, "fused")
     cache = new_cache(model, **cache_kw)
     out = model.generate(
         torch.tensor([prompt]),
