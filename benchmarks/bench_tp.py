@@ -7,29 +7,32 @@ Run one process per GPU under torchrun (a plain `python` run is one process: the
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py --device cpu --tiny      # CPU, gloo: checks the script
 
 Models: random Llama weights (N(0, 0.02), norms 1) with Llama-3.1 shapes (70B: 80 layers, hidden 8192, 64 query /
-8 KV heads of 128, MLP 28672; 8B: 32 layers, hidden 4096, 32 / 8 heads, MLP 14336; vocab 128256), bf16, drawn directly
-on the GPUs: each tensor is drawn whole on the rank's GPU from a seed of its name and cut to the rank's slice
-(transformers' DtensorShardOperation), so every rank and a one-process model hold the same model and nothing is
-read from disk. TALE's factors are random too (their values do not change the timing), groups of g KV heads (`--group`; by
-default the largest of 4, 2, 1 that N splits, each rank holding whole groups: 8 KV heads in 2 groups of 4 split over
-up to 2 GPUs, 4 groups of 2 over 4, groups of 1 over 8), the paper's schedule (4 sinks, p = 0.1 at 4 bits full
-rank, middle at 2 bits and half rank, key/value groups and residual 32). The TALE model is runtime/load.py's:
-meta_model (transformers' TP plan with TALE's entries, runtime/tp.py) and finish; the baseline is the same weights with
-the model's own attention (transformers' plan alone).
+8 KV heads of 128, MLP 28672; 8B: 32 layers, hidden 4096, 32 / 8 heads, MLP 14336; vocab 128256), bf16, drawn on the
+GPUs: each tensor is drawn whole on the rank's GPU from a seed of its name and cut to the rank's slice (transformers'
+DtensorShardOperation), so every rank and a one-process model hold the same model, and nothing is read from disk.
+TALE's factors are random too (their values do not change the timing), in groups of g KV heads (`--group`; by default
+the largest of 4, 2, 1 that N splits, each rank holding whole groups: 2 groups of 4 over up to 2 GPUs, 4 groups of 2
+over 4, groups of 1 over 8), the paper's schedule (4 sinks, p = 0.1 at 4 bits full rank, middle at 2 bits and half
+rank, key/value groups and residual 32). The TALE model is built as runtime/load.py's meta_model builds it (TALE
+attention, then transformers' TP plan with TALE's entries, runtime/tp.py) and made ready by its finish(). The baseline
+is the same base weights with the model's own attention, after TALE's factors are dropped.
 
 1. Correctness first (8B shapes, or the tiny model): the same prompt through the TP model and through a one-process
-   model of the same weights on rank 0, greedy, dynamic and static cache: prefill logits' relative error, and the
-   greedy tokens (how many of them agree). transformers' TP against its own one-process model is measured the same way
-   as the yardstick of what N-way reductions change in bf16. The run stops if TALE's error exceeds twice it (and 1e-3).
+   model of the same weights on rank 0, greedy, TALE with the dynamic and the static cache, transformers with its
+   static cache: the relative error of the prefill logits, the largest over the decode steps fed the same tokens, and
+   how many greedy tokens agree. transformers' TP against its own one-process model is the yardstick of what N-way
+   reductions change in bf16; the run stops (every rank, exit code 1) if TALE's error exceeds 4 times it and 5%.
 2. Timing, per model and context, batch 1, through model.generate: TALE's static cache (decode steps replayed as CUDA
    graphs of the compiled step, runtime/decode.py); transformers' static cache with its automatic torch.compile.
    ms/token = median of the decode steps' intervals after `--warm` steps (a logits processor takes the time after a
    device sync at every step; generate syncs at every step anyway). Peak = torch.cuda.max_memory_allocated during the
-   call, the largest over the ranks. An out-of-memory is a row of its own.
+   call, the largest over the ranks. An out-of-memory is a row of its own; transformers is not run where its weights
+   and 16-bit KV cache alone pass the GPU's memory.
 
-The 70B TALE model holds O^r (g = 4 times the size of W_O: 21 GB per GPU at N = 2) only when it fits: `--output-path
-auto` takes the factored output (B then W_O, the same result) when weights with O^r would pass 80% of the GPU's memory.
-NCCL's NVLink multicast (NVLS) stays as the environment sets it (NCCL_NVLS_ENABLE): this script sets no NCCL variable.
+O^r is g times the size of W_O (40 GiB at 70B with g = 4): `--output-path auto` (the default) takes the factored
+output (B then W_O, the same result, O^r not built) when the weights with O^r would pass 80% of the GPU's memory
+(70B on 2 GPUs). NCCL's NVLink multicast (NVLS) stays as the environment sets it (NCCL_NVLS_ENABLE): this script sets
+no NCCL variable.
 """
 
 from __future__ import annotations
@@ -230,11 +233,12 @@ def hf_static_kw(device) -> dict:
 # -- 1. correctness ---------------------------------------------------------------------------------------------------
 
 
-def check(args, device, dtype, tp_size: int, start) -> list[str]:
-    """TP against one process on rank 0 (same weights), TALE (dynamic and static cache) and transformers (static):
-    the table's lines; raises SystemExit if TALE's error is out of line."""
+def check(args, device, dtype, tp_size: int, start) -> str:
+    """TP against one process on rank 0 (same weights), TALE (dynamic and static cache) and transformers (static): a
+    markdown table; SystemExit on every rank if TALE's logits are out of line (more than 4 times transformers' own
+    TP error and 5%)."""
     shape = "tiny" if args.tiny else "8b"
-    T, new = (96, 12) if args.tiny else (1024, 16)
+    T, new = (64, 8) if args.tiny else (1024, 16)
     cases = {
         "TALE, dynamic cache": lambda m: run(m, ids, new, cache=new_cache(m)),
         "TALE, static cache": lambda m: run(m, ids, new, cache=new_cache(m, static=True)),
@@ -264,11 +268,12 @@ def check(args, device, dtype, tp_size: int, start) -> list[str]:
             (tok, lg), (rtok, rlg) = par[name], ref[name]
             rel = ((lg - rlg).norm(dim=-1) / rlg.norm(dim=-1)).tolist()  # per step
             same = next((i for i, (a, b) in enumerate(zip(tok, rtok)) if a != b), len(tok))
-            errs[name] = rel[0]
-            # steps fed the same tokens: up to the first that differs
-            rows.append([name, f"{rel[0]:.2e}", f"{max(rel[: same + 1]):.2e}", f"{same}/{len(tok)}"])
+            errs[name] = max(rel[: same + 1])  # the steps fed the same tokens: up to the first that differs
+            rows.append([name, f"{rel[0]:.2e}", f"{errs[name]:.2e}", f"{same}/{len(tok)}"])
+        # a wrong split gives errors of order 1 (a group's heads against another's factors: 1.4 on the tiny model);
+        # bf16 rounding differs in the reductions, and a quantization code may flip with it
         yard = errs["transformers, static cache"]
-        bad = [n for n, e in errs.items() if n.startswith("TALE") and e > max(2 * yard, 1e-3)]
+        bad = [n for n, e in errs.items() if n.startswith("TALE") and e > max(4 * yard, 0.05)]
     barrier(tp_size)
     bad = gather(tp_size, bad)[0]
     table = harness.table(
@@ -309,12 +314,17 @@ def timed(model, ids, new: int, warm: int, device, tp_size: int, cache=None, **k
         res = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:100]}")
     if cache is not None and "error" not in res:
         res["cache"] = cache.nbytes() / GiB
+        res["attention"] = cache.backend_name
     del cache
     free(device)
     every = gather(tp_size, res)
     if any("error" in r for r in every):
         return next(r for r in every if "error" in r)
     return dict(every[0], peak=max(r["peak"] for r in every), cache=res.get("cache", float("nan")))
+
+
+def attention(r: dict) -> str:
+    return r.get("attention", "")
 
 
 def timings(args, device, dtype, tp_size: int, start) -> list[list]:
@@ -356,6 +366,7 @@ def timings(args, device, dtype, tp_size: int, start) -> list[list]:
                     tp_size,
                     f"{ctx // 1024}K" if ctx >= 1024 else ctx,
                     *cells(t, cache=True),
+                    attention(t),
                     *cells(hf),
                     harness.fmt(speedup, 2) + "x" if speedup == speedup else "n/a",
                 ]
@@ -413,7 +424,7 @@ def main() -> None:
     if tp_size > 1:
         start = tp.start(tp_size, device)
         device = start[1]
-    elif device.type == "cuda":
+    elif device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     gpu = harness.device_name() if device.type == "cuda" else "CPU"
     log(f"{tp_size} rank(s) on {gpu}; NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', '(unset)')}")
@@ -429,6 +440,7 @@ def main() -> None:
         "TALE ms/token",
         "TALE peak GiB/GPU",
         "TALE cache GiB/GPU",
+        "TALE decode attention",
         "transformers TP ms/token",
         "transformers peak GiB/GPU",
         "speed-up",

@@ -28,7 +28,7 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 HERE = Path(__file__).parent
 NEW = 24  # past several flushes of the 8-token residual into the quantized levels
-TIMEOUT = 120  # a rank that waits for the other one forever fails the test instead of hanging CI
+TIMEOUT = 300  # a rank that waits for the other one forever fails the test instead of hanging CI
 
 
 def free_port() -> int:
@@ -174,7 +174,8 @@ def test_bench_tp_cpu_path(ranks):
     """benchmarks/bench_tp.py --device cpu --tiny under 2 ranks: the check passes and the table comes out (rank 0)."""
     text = ranks[0]["bench"]
     check = [ln for ln in text.splitlines() if ln.startswith("| TALE, ")]
-    assert len(check) == 2 and all(ln.endswith("| 12/12 |") for ln in check)
+    assert len(check) == 2 and all(ln.endswith("| 8/8 |") for ln in check)
     row = next(ln for ln in text.splitlines() if ln.startswith("| tiny (2 layers, g=2, fused) | 2 | 64 |"))
-    assert float(row.split("|")[4]) > 0 and float(row.split("|")[7]) > 0  # TALE and transformers ms/token
+    cols = row.split("|")
+    assert float(cols[4]) > 0 and cols[7].strip() == "torch reference" and float(cols[8]) > 0  # ms/token, attention
     assert ranks[1]["bench"] == ""
