@@ -130,6 +130,12 @@ def test_two_ranks_give_the_tokens_of_one_process_with_half_the_cache(ranks, art
     assert len(set(tokens)) > 1  # a real sequence, not one token repeated
 
 
+def test_compiled_decode_step_under_two_ranks(ranks):
+    """DecodeStep, what a GPU decode step compiles and captures, traced through transformers' TP hooks: the forward's
+    logits bit for bit (tests/tp_rank.py decode_step)."""
+    assert [r["decode_step"] for r in ranks] == [True, True]
+
+
 def test_groups_that_do_not_split_are_refused_on_every_rank(ranks):
     for r in ranks:
         assert r["odd"]["type"] == "ValueError"

@@ -4,8 +4,8 @@
 
 Cases, in one process group (starting Python and torch costs more than all of them): greedy tokens and per-rank cache
 bytes through model.generate (dynamic cache with the fused output, and with the factored one and O^r left unread;
-static cache); an artifact whose groups do not split over 2 ranks; a bad path on rank 1 only; the same through
-`tale-run --tp 2`; benchmarks/bench_tp.py --tiny.
+static cache); the compiled decode step; an artifact whose groups do not split over 2 ranks; a bad path on rank 1
+only; the same through `tale-run --tp 2`; benchmarks/bench_tp.py --tiny.
 """
 
 from __future__ import annotations
@@ -36,6 +36,26 @@ def generate(model, ids: list[int], new: int, **cache_kw) -> tuple[list[int], in
     return out.sequences[0, len(ids) :].tolist(), cache.nbytes(), first
 
 
+@torch.inference_mode()
+def decode_step(model, ids: list[int]) -> bool:
+    """DecodeStep (what the CUDA graph of a GPU decode step holds: the code around attention compiled, here traced
+    without inductor) gives the model's forward's logits bit for bit under tensor parallelism."""
+    from tale_runtime.decode import DecodeStep
+
+    x, pos = torch.tensor([ids]), torch.tensor([[len(ids)]])
+    out = []
+    for compiled in (False, True):
+        cache = new_cache(model, static=True, max_length=len(ids) + 4)
+        tok = model(input_ids=x, **cache_arg(cache), use_cache=True).logits[:, -1:].argmax(-1)
+        if compiled:
+            step = DecodeStep(model, cache, backend="aot_eager")
+            step.warm(tok, pos)
+            out.append(step(tok, pos))
+        else:
+            out.append(model(input_ids=tok, position_ids=pos, **cache_arg(cache), use_cache=True).logits[:, -1])
+    return torch.equal(*out)
+
+
 def failure(fn) -> dict | None:
     try:
         fn()
@@ -55,6 +75,7 @@ def main() -> None:
     res["local_groups"] = [layer.self_attn.tale.u_v.shape[0] for layer in model.model.layers]
     res["dynamic"] = generate(model, ids, new)
     res["static"] = generate(model, ids, new, static=True)
+    res["decode_step"] = decode_step(model, ids)
     del model
     model, _ = load(good, device="cpu", dtype=torch.float32, tp_size=2, output_path="factored")  # O^r left unread
     res["factored"] = generate(model, ids, new)
