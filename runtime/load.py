@@ -151,7 +151,7 @@ def load(
         if tp_size != 1:
             tp.check_size(tp_size, arch.num_groups, g, root)
             if any(lv.key_rank for lv in sched.levels):
-                raise ValueError("low-rank keys (key_rank) join all KV heads of a layer: not with tensor parallelism")
+                raise ValueError("low-rank keys (key_rank) are not split over tensor-parallel ranks: use tp_size 1")
 
     model, rank_tp = meta_model(config, g, dtype, tp_cfg, mesh)
 
