@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_OPTS
+from tale_helpers import invoke
 
 from tale_convert.convert import Options, convert
-from tale_runtime import load, new_cache, set_output_path
+from tale_runtime import cli, load, new_cache, set_output_path
 from tale_runtime.model import cache_arg
 
 dist = pytest.importorskip("torch.distributed")
@@ -185,3 +186,10 @@ def test_bench_tp_cpu_path(ranks):
     cols = row.split("|")
     assert float(cols[4]) > 0 and cols[7].strip() == "torch reference" and float(cols[8]) > 0  # ms/token, attention
     assert ranks[1]["bench"] == ""
+
+
+def test_tale_run_tp_without_torchrun_is_one_line(artifacts, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    r = invoke(cli.main, [artifacts["good"], "-p", "hi", "--tp", "2", "--device", "cpu"])
+    assert r.exit_code == 2 and r.stdout == ""
+    assert r.stderr == "error: tp_size 2 needs one process per rank: start it with torchrun --nproc-per-node 2 ...\n"
