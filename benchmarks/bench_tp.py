@@ -2,8 +2,9 @@
 
 Run one process per GPU under torchrun (a plain `python` run is one process: the N=1 rows):
 
-    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --out tp2.md
-    torchrun --nproc-per-node 4 benchmarks/bench_tp.py --model 70b --ctx 32768,131072 --out tp4.md
+    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --model 8b --out tp2-8b.md        # the check, then 8B
+    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --model 70b --no-check --out tp2-70b.md
+    torchrun --nproc-per-node 4 benchmarks/bench_tp.py --model 70b --ctx 32768 --out tp4-70b.md
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py --device cpu --tiny      # CPU, gloo: checks the script
 
 Models: random Llama weights (N(0, 0.02), norms 1) with Llama-3.1 shapes (70B: 80 layers, hidden 8192, 64 query /
@@ -32,7 +33,8 @@ is the same base weights with the model's own attention, after TALE's factors ar
 O^r is g times the size of W_O (40 GiB at 70B with g = 4): `--output-path auto` (the default) takes the factored
 output (B then W_O, the same result, O^r not built) when the weights with O^r would pass 80% of the GPU's memory
 (70B on 2 GPUs). NCCL's NVLink multicast (NVLS) stays as the environment sets it (NCCL_NVLS_ENABLE): this script sets
-no NCCL variable.
+no NCCL variable. Each model with the check and two contexts is several minutes of compiles and prefills: one model per
+call keeps a call short (`--ctx 32768` shorter still).
 """
 
 from __future__ import annotations
