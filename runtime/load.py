@@ -365,7 +365,10 @@ def _read_tensors(
                     if skip and name.endswith(skip):
                         continue
                     if params is not None and name in params:
-                        state[name] = tp.read_sharded(st, name, params[name], device, dtype)
+                        try:
+                            state[name] = tp.read_sharded(st, name, params[name], device, dtype)
+                        except ArtifactError as e:
+                            raise ArtifactError(f"{root}: {e}") from None
                         continue
                     t = st.get_tensor(name).to(dtype)
                     # CPU tensors from safetensors may sit 8 bytes off a 64-byte boundary; BLAS results then

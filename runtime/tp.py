@@ -128,11 +128,13 @@ def read_sharded(st, name: str, param, device, dtype) -> torch.Tensor:
     from transformers.distributed.sharding_utils import DtensorShardOperation, _dtensor_from_local_like
 
     if isinstance(param, DTensor):
-        if list(st.get_slice(name).get_shape()) != list(param.shape):
+        whole = st.get_slice(name)
+        if list(whole.get_shape()) != list(param.shape):
             raise ArtifactError(
-                f"tensor {name} is {list(st.get_slice(name).get_shape())}, the model expects {list(param.shape)}"
+                f"tensors do not match config.json/manifest: {name} is {list(whole.get_shape())}, "
+                f"the model's is {list(param.shape)}"
             )
-        local = DtensorShardOperation(param).shard_tensor(st.get_slice(name), device=device, dtype=dtype)
+        local = DtensorShardOperation(param).shard_tensor(whole, device=device, dtype=dtype)
         return _dtensor_from_local_like(local, param)
     return st.get_tensor(name).to(device=device, dtype=dtype)
 
