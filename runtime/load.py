@@ -208,7 +208,13 @@ def meta_model(config, group: int, dtype: torch.dtype, tp_cfg=None, mesh=None):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     for i, layer in enumerate(model.model.layers):
         layer.self_attn = TaleAttention(layer.self_attn, config, i, group)
-    return model, (tp.distribute(model, tp_cfg, mesh) if tp_cfg is not None else None)
+    if tp_cfg is None:
+        return model, None
+    if getattr(config, "tie_word_embeddings", False):
+        # tied on meta, lm_head.weight is the embedding's parameter, which the TP plan would miss under that name:
+        # a placeholder of its own until load() ties them again (both split by vocabulary)
+        model.lm_head.weight = nn.Parameter(torch.empty_like(model.lm_head.weight), requires_grad=False)
+    return model, tp.distribute(model, tp_cfg, mesh)
 
 
 def finish(model, device: torch.device, spec: TaleSpec) -> None:
