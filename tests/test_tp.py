@@ -72,11 +72,12 @@ def run_ranks(args: list[str], world: int = 2) -> list[subprocess.CompletedProce
 
 @pytest.fixture(scope="module")
 def artifacts(tiny_model_dir, tmp_path_factory):
-    """Tiny Llama (8 query, 4 KV heads) converted in float32 with groups of 2 (G = 2) and of 4 (G = 1)."""
+    """Tiny Llama (8 query, 4 KV heads) converted in float32 with groups of 2 (G = 2) and of 4 (G = 1); the tiny MHA
+    model with tied embeddings (4 heads, groups of 2)."""
     root = tmp_path_factory.mktemp("tp")
     out = {}
-    for name, group in (("good", 2), ("odd", 4)):
-        convert(str(tiny_model_dir("llama")), root / name, Options(group=group, **TINY_OPTS))
+    for name, arch, group in (("good", "llama", 2), ("odd", "llama", 4), ("tied", "mha", 2)):
+        convert(str(tiny_model_dir(arch)), root / name, Options(group=group, **TINY_OPTS))
         out[name] = root / name
     return out
 
@@ -91,7 +92,8 @@ def prompt(tiny_tok) -> list[int]:
 def ranks(artifacts, prompt, tmp_path_factory):
     """The JSON each of the two ranks wrote (tests/tp_rank.py)."""
     out = tmp_path_factory.mktemp("tp-out") / "res"
-    args = [str(HERE / "tp_rank.py"), str(out), str(artifacts["good"]), str(artifacts["odd"]), json.dumps(prompt)]
+    arts = [str(artifacts[name]) for name in ("good", "odd", "tied")]
+    args = [str(HERE / "tp_rank.py"), str(out), *arts, json.dumps(prompt)]
     done = run_ranks([*args, str(NEW)])
     for p in done:
         assert p.returncode == 0, p.stderr[-3000:]
@@ -129,6 +131,15 @@ def test_two_ranks_give_the_tokens_of_one_process_with_half_the_cache(ranks, art
         assert 2 * tp_bytes == nbytes  # each rank caches its own KV heads and latent groups
         assert torch.allclose(torch.tensor(tp_logits), torch.tensor(logits), rtol=1e-4, atol=1e-5)
     assert len(set(tokens)) > 1  # a real sequence, not one token repeated
+
+
+def test_tied_embeddings_under_two_ranks(ranks, artifacts, prompt):
+    """Tied embeddings: transformers' plan splits lm_head and the embedding by vocabulary, tied again after loading."""
+    tokens, nbytes, logits = one_process(artifacts["tied"], prompt)
+    for r in ranks:
+        tp_tokens, tp_bytes, tp_logits = r["tied"]
+        assert tp_tokens == tokens and 2 * tp_bytes == nbytes
+        assert torch.allclose(torch.tensor(tp_logits), torch.tensor(logits), rtol=1e-4, atol=1e-5)
 
 
 def test_compiled_decode_step_under_two_ranks(ranks):

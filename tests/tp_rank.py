@@ -1,11 +1,11 @@
 """One rank of tests/test_tp.py: started twice (RANK 0 and 1, gloo on the CPU), writes what it saw to OUT.rank{r}.json.
 
-    python tests/tp_rank.py OUT GOOD_ARTIFACT ODD_ARTIFACT PROMPT_IDS NEW_TOKENS
+    python tests/tp_rank.py OUT GOOD_ARTIFACT ODD_ARTIFACT TIED_ARTIFACT PROMPT_IDS NEW_TOKENS
 
 Cases, in one process group (starting Python and torch costs more than all of them): greedy tokens and per-rank cache
 bytes through model.generate (dynamic cache with the fused output, and with the factored one and O^r left unread;
-static cache); the compiled decode step; an artifact whose groups do not split over 2 ranks; a bad path on rank 1
-only; the same through `tale-run --tp 2`; benchmarks/bench_tp.py --tiny.
+static cache; tied embeddings); the compiled decode step; an artifact whose groups do not split over 2 ranks; a bad
+path on rank 1 only; the same through `tale-run --tp 2`; benchmarks/bench_tp.py --tiny.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def failure(fn) -> dict | None:
 
 
 def main() -> None:
-    out, good, odd, prompt, new = sys.argv[1:6]
+    out, good, odd, tied, prompt, new = sys.argv[1:7]
     rank = int(os.environ["RANK"])
     ids, new = json.loads(prompt), int(new)
     res: dict = {"rank": rank}
@@ -79,6 +79,9 @@ def main() -> None:
     del model
     model, _ = load(good, device="cpu", dtype=torch.float32, tp_size=2, output_path="factored")  # O^r left unread
     res["factored"] = generate(model, ids, new)
+    del model
+    model, _ = load(tied, device="cpu", dtype=torch.float32, tp_size=2)
+    res["tied"] = generate(model, ids, new)
     res["odd"] = failure(lambda: load(odd, device="cpu", dtype=torch.float32, tp_size=2))
     res["bad_path"] = failure(
         lambda: load(good if rank == 0 else good + "-missing", device="cpu", dtype=torch.float32, tp_size=2)
