@@ -19,7 +19,7 @@ BT slots and latent group:
   computed in the kernel from the model's own rotary (inv_freq, attention_scaling: any rope scaling the model
   applies, llama3 included, is in its inv_freq), at the slot's rope position, once per tile for every head;
 - scores of the group's query rows (a block-diagonal query tile, or the rows of one head), online softmax in base 2;
-- latents per token over channel groups (2/3/4/8/16 bits), p @ h in up to four channel chunks.
+- latents per token over channel groups (2/3/4/8/16 bits), p @ h in up to four channel chunks (_lat_chunks).
 
 Codes are read element-wise from the packed planes of runtime/quant.py (element c of a row in byte c % nb at bit
 (c // nb) * bits; 3 bits bit-sliced), so any width the cache writes is read in place; scales and zeros in 16 bits
@@ -91,14 +91,19 @@ def _deq(
     CT: tl.constexpr,
     TG: tl.constexpr,
     CG: tl.constexpr,
+    t0=0,
+    ROW1: tl.constexpr = False,
 ):
-    """Elements ch [C] of slots t [BT] of a (quantized) row-major tensor, float32 [BT, C] (0 where m2 is False).
+    """Elements ch [C] of slots t [BT] of a (quantized) row-major tensor, float32 [BT, C] (0 where m2 is False;
+    ROW1: the zero point there, or NaN where an unused group's metadata holds it: masked later, never summed).
 
     Row of slot t at d_ptr + base + t * s_t (elements, or bytes when packed); CT elements per row. Packed codes
     (runtime/quant.py): element c in byte c % nb at bit (c // nb) * BITS; 3 bits: the low 2 bits so at 2 bits over
     the first CT / 4 bytes, the high bit at 1 bit over the next CT / 8. Scale and zero of (slot t, element c) at
     sbase + (t // TG) * s_srow + c // CG (keys per channel over token groups: TG = group, CG = 1; per token over
-    channel groups: TG = 1, CG = group), times inv_s / inv_z (1 / fp8 bias, or 1 / the 16-bit shift)."""
+    channel groups: TG = 1, CG = group), times inv_s / inv_z (1 / fp8 bias, or 1 / the 16-bit shift). ROW1: every
+    slot of the tile is in the token group of slot t0 (a tile starting at t0 within one group): one [1, C] row of
+    scales and zeros instead of a [BT, C] gather."""
     rowp = d_ptr + base + t[:, None] * s_t
     if BITS == 16:
         x = tl.load(rowp + ch[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -115,9 +120,15 @@ def _deq(
             NB: tl.constexpr = CT * BITS // 8
             byt = tl.load(rowp + (ch % NB)[None, :], mask=m2, other=0).to(tl.int32)
             code = (byt >> ((ch // NB) * BITS)[None, :]) & ((1 << BITS) - 1)
-        soff = sbase + (t // TG)[:, None] * s_srow + (ch // CG)[None, :]
-        sc = tl.load(s_ptr + soff, mask=m2, other=0.0).to(tl.float32) * inv_s
-        zr = tl.load(z_ptr + soff, mask=m2, other=0.0).to(tl.float32) * inv_z
+        if ROW1:
+            soff = sbase + (t0 // TG) * s_srow + (ch // CG)[None, :]
+            rm = (ch < CT)[None, :]
+            sc = tl.load(s_ptr + soff, mask=rm, other=0.0).to(tl.float32) * inv_s
+            zr = tl.load(z_ptr + soff, mask=rm, other=0.0).to(tl.float32) * inv_z
+        else:
+            soff = sbase + (t // TG)[:, None] * s_srow + (ch // CG)[None, :]
+            sc = tl.load(s_ptr + soff, mask=m2, other=0.0).to(tl.float32) * inv_s
+            zr = tl.load(z_ptr + soff, mask=m2, other=0.0).to(tl.float32) * inv_z
         x = code.to(tl.float32) * sc + zr
     return x
 
@@ -299,6 +310,9 @@ def _lr_kernel(
         invf = tl.load(invf_ptr + d, mask=dm, other=0.0).to(tl.float32)
         roff = tl.load(roff_ptr + b).to(tl.int32)
     KNH = (H // QG) * GS * NH  # K NH: the length of a row of the basis' rows buffer (_basis_on)
+    # keys per channel over token groups that each hold whole tiles (tiles start at multiples of BT): one row of
+    # scales and zeros per tile
+    KROW1: tl.constexpr = KTG % BT == 0
 
     m_i = tl.full([QGP], float("-inf"), tl.float32)
     l_i = tl.zeros([QGP], tl.float32)
@@ -351,8 +365,9 @@ def _lr_kernel(
                     kb = b * s_kb + blk * s_kh
                     ksb = b * s_ksb + blk * s_ksh
                     coef = _deq(
-                        k_ptr, kb, t, s_kt, ch, cm2, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, KC, KTG, KCG
-                    ).to(DOT)
+                        k_ptr, kb, t, s_kt, ch, cm2, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, KC, KTG, KCG,
+                        t0, KROW1,
+                    ).to(DOT)  # fmt: skip
                     drow = blk * s_dblk + ch[:, None] * s_dec + cb + cols[None, :]
                     k_lo = _dot(coef, tl.load(dec_ptr + drow, mask=chm[:, None], other=0.0), k_lo, DOT)
                     k_hi = _dot(coef, tl.load(dhi_ptr + drow, mask=chm[:, None], other=0.0), k_hi, DOT)
@@ -364,10 +379,13 @@ def _lr_kernel(
                 km = ok[:, None] & dm[None, :]
                 kb = b * s_kb + h0 * s_kh
                 ksb = b * s_ksb + h0 * s_ksh
-                k_lo = _deq(k_ptr, kb, t, s_kt, d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG)
-                k_hi = _deq(
-                    k_ptr, kb, t, s_kt, HALF + d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG
+                k_lo = _deq(
+                    k_ptr, kb, t, s_kt, d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG, t0, KROW1
                 )
+                k_hi = _deq(
+                    k_ptr, kb, t, s_kt, HALF + d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG,
+                    t0, KROW1,
+                )  # fmt: skip
             if ROPE != 0:  # x cos + rotate_half(x) sin, rotate_half(x) = (-x_hi, x_lo); the tables per head
                 if WB == 1:
                     r_lo = k_lo * cos_lo - k_hi * sin_lo
@@ -410,6 +428,7 @@ def _lr_kernel(
                 acc2, p, alpha, 2, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK, LC,
                 HBITS, HG, DOT,
             )  # fmt: skip
+        if NLC > 3:
             acc3 = _lat_chunk(
                 acc3, p, alpha, 3, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK, LC,
                 HBITS, HG, DOT,
@@ -428,6 +447,7 @@ def _lr_kernel(
         tl.store(base + LC, acc1, mask=rmask[:, None] & (LC + jl < RANK)[None, :])
     if NLC > 2:
         tl.store(base + 2 * LC, acc2, mask=rmask[:, None] & (2 * LC + jl < RANK)[None, :])
+    if NLC > 3:
         tl.store(base + 3 * LC, acc3, mask=rmask[:, None] & (3 * LC + jl < RANK)[None, :])
 
 
@@ -574,6 +594,18 @@ def _splits(regions: list[Region], B: int, G: int, n: int, K: int, sms: int, wav
     ]
 
 
+def _lat_chunks(rank: int) -> tuple[int, int]:
+    """(chunks, channels per chunk: a power of two) that cover `rank` latent channels with the fewest padded ones
+    (every padded channel is unpacked and multiplied like a real one), chunks of 64 to 128 (fewer where the rank is
+    smaller, more where 4 do not cover it); ties: fewer chunks. 320 (the lowrank preset's r0): 3 x 128, not 4 x 128."""
+    best, low = None, min(64, max(16, pow2(rank)))
+    for nlc in (1, 2, 3, 4):
+        lc = max(16, pow2(triton.cdiv(rank, nlc)))
+        if low <= lc and (lc <= 128 or nlc == 4) and (best is None or nlc * lc < best[0] * best[1]):
+            best = (nlc, lc)
+    return best
+
+
 def _pad_offset(view: LayerView, B: int, device) -> torch.Tensor:
     """Per row, its padding slots (pos -1 below the length): the rope position of a slot is its cache position
     minus them (transformers' generate: position_ids = cumsum(attention_mask) - 1). int32 [B], on the device."""
@@ -663,9 +695,7 @@ def latent_attention_lowrank(
         else:
             mode, cos, sin = 2, kd, kd
         cstr = cos.stride()[:2] if mode == 1 else (0, 0)
-        LCt = max(16, pow2(r.rank))
-        NLC = 1 if LCt <= 128 else 4 if r.rank % 4 == 0 and LCt >= 256 else 2
-        LC = max(16, pow2(triton.cdiv(r.rank, NLC)))
+        NLC, LC = _lat_chunks(r.rank)
         ln = r.length
         _lr_kernel[(ns, G, B)](
             q,
