@@ -12,6 +12,7 @@ OUT    ?= out/smollm2-tale
 PROMPT ?= What is the chemical symbol for gold?
 LONG_PROMPT ?= calib/demo_long_prompt.txt
 JOBS ?= 2  # make errors: fault cases run at once
+TEST_JOBS ?= 2  # make test: pytest-xdist workers (one torch thread each)
 
 .PHONY: setup demo convert run run-long test eval frontier errors bench clean
 
@@ -46,7 +47,7 @@ run-long: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -q -rs
+	$(BIN)/pytest -q -rs -n $(TEST_JOBS)
 
 eval: setup
 	$(BIN)/tale-eval $(OUT) --preset ci

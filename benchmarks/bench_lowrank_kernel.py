@@ -1,18 +1,22 @@
 """Decode attention of one layer over a `lowrank`-preset cache on Llama-3.1-8B shapes: the low-rank-key kernel
-(tale_kernels.lowrank_attention) against the float32 torch reference, then timed against cuDNN/flash SDPA over a
-16-bit cache of the same length and the Triton kernel of kernels/attention.py over the paper preset's cache.
+(tale_kernels.lowrank_attention) against the float32 torch reference, then timed against the paper preset's CUDA
+kernel (kernels/mma_attention.py, static cache in the fragment layout) and Triton kernel (kernels/attention.py),
+both over real static caches of the same length, and cuDNN/flash SDPA over a 16-bit cache.
 
 Shapes: 32 query heads, 8 KV heads, head dim 128, latent groups of 4 KV heads (R = 512). The lowrank preset's
 layout (tale_convert/policy.py): 4 sinks and no 16-bit tail after RoPE; the middle level (90%) as key coefficients
-before RoPE at rank 432 (5/12 of K n = 1024, rounded up to 16) or 160, 4 bits per coefficient over groups of 32
-tokens, 3-bit latents at r0 = 320 (2R/3 rounded down to the value group); the recent 10% as 4-bit keys before RoPE
-per channel over 32 tokens with 4-bit full-rank latents; the last < 32 tokens as 8-bit keys per token over 64
-channels with 8-bit latents; fp8 scales and zeros ("8/8") everywhere. RoPE: Llama-3.1's (theta 5e5, llama3
-scaling) computed in the kernel from the rotary's inv_freq ("kernel"), or read from the regions' tables ("tables").
-Random codes and metadata (real weights cannot travel), bf16. Times: medians of CUDA-graph replays with L2 flushed
-before each (benchmarks/bench_decode.py's timeit); the torch reference runs eagerly.
+before RoPE, 4 bits per coefficient over groups of 32 tokens, 3-bit latents at r0 = 320 (2R/3 rounded down to the
+value group); the recent 10% as 4-bit keys before RoPE per channel over 32 tokens with 4-bit full-rank latents; the
+last < 32 tokens as 8-bit keys per token over 64 channels with 8-bit latents; fp8 scales and zeros ("8/8")
+everywhere. Key bases (--ranks): "432" a joint basis at rank 432 (5/12 of K n = 1024, rounded up to 16), "160"
+joint at 160, "432h" a per-head basis with 432 coefficients in all (54 per KV head: the same bytes, 8x fewer
+rebuild multiply-adds). RoPE: Llama-3.1's (theta 5e5, llama3 scaling) computed in the kernel from the rotary's
+inv_freq. Random codes and metadata (real weights cannot travel), bf16. Times: medians of CUDA-graph replays with
+L2 flushed before each (benchmarks/harness.py timeit). Error: relative L2 error of the row's low-rank call against
+the float32 reference.
 
-    python benchmarks/bench_lowrank_kernel.py                  # check, then the table (32K, 128K; B = 1, 4)
+    python benchmarks/bench_lowrank_kernel.py                  # check, sweep, then the table (32K, 128K; B = 1, 4)
+    python benchmarks/bench_lowrank_kernel.py --pieces         # also: the rebuild alone (cuBLAS) and r = 16
     python benchmarks/bench_lowrank_kernel.py --dry            # CPU, Triton's interpreter, small shapes: check only
 """
 
@@ -21,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,8 +37,8 @@ if DRY:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import bench_decode as bd  # noqa: E402
+import harness  # noqa: E402
 
-from tale_kernels import attention as kattn  # noqa: E402
 from tale_kernels import lowrank_attention as lra  # noqa: E402
 from tale_runtime.attention import latent_attention as ref_attention  # noqa: E402
 from tale_runtime.key_basis import KeyBasis  # noqa: E402
@@ -102,20 +105,37 @@ def lengths(L: int) -> tuple[int, int, int, int]:
     return 4, n - l1 - l2, l1, l2
 
 
-def basis(seed: int = 0) -> KeyBasis:
+def parse_spec(spec: str) -> tuple[int, int]:
+    """--ranks entry -> (coefficients per basis block, blocks): "432" joint (432, 1), "432h" per head (54, K)."""
+    if spec.endswith("h"):
+        total = int(spec[:-1])
+        return total // K, K
+    return int(spec), 1
+
+
+def label(spec: tuple[int, int]) -> str:
+    r, blocks = spec
+    return f"{r} joint" if blocks == 1 else f"{r * blocks} per head ({r} x {blocks})"
+
+
+def basis(blocks: int = 1, seed: int = 0) -> KeyBasis:
+    """A random basis of `blocks` blocks whose leading directions carry more of the keys."""
     g = torch.Generator().manual_seed(seed)
-    C = K * N
-    enc = torch.linalg.qr(torch.randn(C, C, generator=g))[0]
-    w = torch.linspace(4.0, 0.5, C)  # leading directions carry more of the keys
-    return KeyBasis(
-        (enc / w).to(DEV), (w[:, None] * enc.T).contiguous().to(DEV), torch.randn(C, generator=g).to(DEV), K, N
-    )
+    nb = K * N // blocks
+    enc = torch.linalg.qr(torch.randn(blocks, nb, nb, generator=g))[0]
+    w = torch.linspace(4.0, 0.5, nb)
+    dec = (w[:, None] * enc.transpose(1, 2)).contiguous()
+    return KeyBasis((enc / w).to(DEV), dec.to(DEV), torch.randn(K * N, generator=g).to(DEV), K, N)
 
 
-def lowrank_view(B: int, L: int, kr: int, rot, pad=None, tables: bool = False, lat_bits: int = 3) -> LayerView:
-    """A LayerView of the lowrank preset's layout over L positions per row (pad[b]: leading padding of row b)."""
+def lowrank_view(
+    B: int, L: int, spec: tuple[int, int], rot, pad=None, tables: bool = False, lat_bits: int = 3
+) -> LayerView:
+    """A LayerView of the lowrank preset's layout over L positions per row (pad[b]: leading padding of row b), the
+    middle level's keys as spec = (r, blocks): r coefficients per block of a basis of `blocks` blocks."""
     pad = pad or [0] * B
-    bs = basis()
+    kr, blocks = spec
+    bs = basis(blocks)
     regions, p0 = [], 0
     for kind, used in zip(("sink", "lowrank", "chan4", "tok8"), lengths(L)):
         cap = used
@@ -132,32 +152,18 @@ def lowrank_view(B: int, L: int, kr: int, rot, pad=None, tables: bool = False, l
             rope = (cos.float(), sin.float())
         elif kind != "sink":  # the kernel computes them; the reference needs the tables
             rope = "kernel"
+        b_ = None
         if kind == "sink":
-            keys, lat, rank, b_ = (
-                qrand((B, K), cap, used, N, 16, 1, -2),
-                qrand((B, G), cap, used, R, 16, 1, -1),
-                R,
-                None,
-            )
+            keys, lat, rank = qrand((B, K), cap, used, N, 16, 1, -2), qrand((B, G), cap, used, R, 16, 1, -1), R
         elif kind == "lowrank":
-            keys = qrand((B, 1), cap, used, kr, 4, KG, -2, spread=2.0)
+            keys = qrand((B, blocks), cap, used, kr, 4, KG, -2, spread=2.0)
             lat, rank, b_ = qrand((B, G), cap, used, R0, lat_bits, VG, -1), R0, bs
         elif kind == "chan4":
-            keys, lat, rank, b_ = (
-                qrand((B, K), cap, used, N, 4, KG, -2),
-                qrand((B, G), cap, used, R, 4, VG, -1),
-                R,
-                None,
-            )
+            keys, lat, rank = qrand((B, K), cap, used, N, 4, KG, -2), qrand((B, G), cap, used, R, 4, VG, -1), R
         else:
-            keys, lat, rank, b_ = (
-                qrand((B, K), cap, used, N, 8, KCG, -1),
-                qrand((B, G), cap, used, R, 8, VG, -1),
-                R,
-                None,
-            )
+            keys, lat, rank = qrand((B, K), cap, used, N, 8, KCG, -1), qrand((B, G), cap, used, R, 8, VG, -1), R
         regions.append(Region(keys, lat, rank, pos, used, rope, b_))
-    return LayerView(regions, L, None)
+    return LayerView(regions, L)
 
 
 def with_tables(view: LayerView, rot, pad) -> LayerView:
@@ -170,7 +176,18 @@ def with_tables(view: LayerView, rot, pad) -> LayerView:
             cos, sin = rot(torch.zeros(1, device=DEV, dtype=DT), (r.pos - off).clamp_min(0).long())
             r = Region(r.keys, r.lat, r.rank, r.pos, r.length, (cos.float(), sin.float()), r.basis)
         regs.append(r)
-    return LayerView(regs, view.next_pos, view.window)
+    return LayerView(regs, view.next_pos)
+
+
+def kernel_view(view: LayerView) -> LayerView:
+    """Regions marked "kernel" keep no tables: the kernel computes RoPE (its `supported` reads rope only as a flag)."""
+    regs = []
+    for r in view.regions:
+        if r.rope == "kernel":
+            marker = torch.empty(0, device=DEV)
+            r = Region(r.keys, r.lat, r.rank, r.pos, r.length, (marker, marker), r.basis)
+        regs.append(r)
+    return LayerView(regs, view.next_pos)
 
 
 def new_token(B: int):
@@ -186,81 +203,126 @@ def rel(a, b) -> float:
 
 
 def check(rot, cases) -> bool:
+    """Each case (B, L, spec, pad, window): the kernel (RoPE from the tables and computed in it) against the float32
+    reference; on the GPU also a CUDA-graph replay on fresh inputs for each basis kind."""
     ok = True
-    for B, L, kr, pad, window in cases:
-        view = with_tables(lowrank_view(B, L, kr, rot, pad), rot, pad)
-        view.window = window
+    for B, L, spec, pad, window in cases:
+        view = with_tables(lowrank_view(B, L, spec, rot, pad), rot, pad)
         q, k, h = new_token(B)
-        ref = ref_attention(q.float(), k.float(), h.float(), view, N**-0.5)
+        ref = ref_attention(q.float(), k.float(), h.float(), view, N**-0.5, window)
         why = lra.supported(q, k, h, view)
         for mode in ("tables", "kernel"):
-            z = lra.latent_attention_lowrank(q, k, h, view, N**-0.5, rope=None if mode == "tables" else rot)
+            z = lra.latent_attention_lowrank(q, k, h, view, N**-0.5, window, rope=None if mode == "tables" else rot)
             e = rel(z, ref)
             good = why is None and e <= 5e-3 and bool(torch.isfinite(z).all())
             ok &= good
-            print(
-                f"check B={B} L={L} rank={kr} pad={pad} window={window} rope={mode}: rel {e:.2e} {'ok' if good else 'FAIL'}"
+            verdict = "ok" if good else f"FAIL {why or ''}"
+            print(f"check B={B} L={L} basis {label(spec)} pad={pad} window={window} rope={mode}: rel {e:.2e} {verdict}")
+    if not DRY:
+        for spec in ((432, 1), (54, K)):
+            B, L = 2, 5000
+            view = with_tables(lowrank_view(B, L, spec, rot), rot, None)
+            q, k, h = new_token(B)
+            gr, out = harness.graphed(
+                lambda q=q, k=k, h=h, view=view: lra.latent_attention_lowrank(q, k, h, view, N**-0.5, rope=rot)
             )
-    if not DRY:  # a CUDA-graph replay on fresh inputs of the same buffers
-        B, L = 2, 5000
-        view = with_tables(lowrank_view(B, L, 432, rot), rot, None)
-        q, k, h = new_token(B)
-        gr, out = bd.graphed(lambda: lra.latent_attention_lowrank(q, k, h, view, N**-0.5, rope=rot))
-        q.copy_(torch.randn_like(q))
-        gr.replay()
-        e = rel(out, ref_attention(q.float(), k.float(), h.float(), view, N**-0.5))
-        print(f"check CUDA-graph replay B={B} L={L}: rel {e:.2e} {'ok' if e <= 5e-3 else 'FAIL'}")
-        ok &= e <= 5e-3
+            q.copy_(torch.randn_like(q))
+            gr.replay()
+            e = rel(out, ref_attention(q.float(), k.float(), h.float(), view, N**-0.5))
+            print(
+                f"check CUDA-graph replay B={B} L={L} basis {label(spec)}: rel {e:.2e} {'ok' if e <= 5e-3 else 'FAIL'}"
+            )
+            ok &= e <= 5e-3
     return ok
-
-
-def kernel_view(view: LayerView) -> LayerView:
-    """Regions marked "kernel" keep no tables: the kernel computes RoPE (its `supported` reads rope only as a flag)."""
-    regs = []
-    for r in view.regions:
-        if r.rope == "kernel":
-            marker = torch.empty(0, device=DEV)
-            r = Region(r.keys, r.lat, r.rank, r.pos, r.length, (marker, marker), r.basis)
-        regs.append(r)
-    return LayerView(regs, view.next_pos, view.window)
 
 
 def safe_time(fn) -> float:
     try:
-        return bd.timeit(fn)
+        return harness.timeit(fn)
     except Exception as e:  # a failed configuration shows as nan, the run goes on
         print(f"  timing failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         torch.cuda.synchronize()
         return float("nan")
 
 
-def time_row(rot, B: int, L: int, ranks, ref_too: bool, kw: dict) -> dict:
-    row = {"L": L, "B": B}
+def paper_times(B: int, L: int, q, k, h) -> dict:
+    """The paper preset's decode attention over a static cache of L tokens (one prefill): its CUDA kernel
+    (fragment layout) and its Triton kernel (row layout), each the backend the cache runs."""
+    from tale_runtime import backends
+    from tale_runtime.static_cache import StaticTaleCache
+
+    out = {}
+    for name, be in (("paper CUDA", "cuda"), ("paper Triton", "triton")):
+        c = StaticTaleCache(bd.SCHED, 1, K, N, G, R, max_length=L + 64, backend=backends.get(be))
+        kf = torch.randn(B, K, L, N, device=DEV, dtype=DT) * 2
+        c.layers[0].append(kf, torch.randn(B, G, L, R, device=DEV, dtype=DT))
+        del kf
+        out[name] = safe_time(lambda c=c: c.attend(0, q, k, h, N**-0.5))
+        del c
+        torch.cuda.empty_cache()
+    return out
+
+
+def time_rows(rot, B: int, L: int, specs, kws: dict) -> list[dict]:
+    """One row per key basis at (L, B): the kernel's time and error, the paper kernels' and SDPA's times."""
     q, k, h = new_token(B)
-    for kr in ranks:
-        v = kernel_view(lowrank_view(B, L, kr, rot))
-        row[f"lowrank r={kr}"] = safe_time(
-            lambda v=v: lra.latent_attention_lowrank(q, k, h, v, N**-0.5, rope=rot, **kw)
-        )
-        del v
-    v = lowrank_view(B, L, ranks[0], rot, tables=True)
-    row[f"lowrank r={ranks[0]} tables"] = safe_time(lambda v=v: lra.latent_attention_lowrank(q, k, h, v, N**-0.5, **kw))
-    if ref_too:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(3):
-            ref_attention(q, k, h, v, N**-0.5)
-        torch.cuda.synchronize()
-        row["torch reference (lowrank)"] = (time.perf_counter() - t0) / 3 * 1e6
-    del v
-    pv = bd.synth_view(B, L)
-    row["paper preset, Triton kernel"] = safe_time(lambda pv=pv: kattn.latent_attention(q, k, h, pv, N**-0.5))
-    del pv
-    t, name = bd.best_sdpa(B, L)
-    row[f"SDPA bf16 ({name})"] = t
-    row["_sdpa"] = t
+    base = paper_times(B, L, q, k, h)
+    try:
+        base["SDPA"], base["sdpa backend"] = bd.best_sdpa(B, L)
+    except torch.OutOfMemoryError:
+        base["SDPA"], base["sdpa backend"] = float("nan"), "OOM"
     torch.cuda.empty_cache()
-    return row
+    rows = []
+    for spec in specs:
+        v = lowrank_view(B, L, spec, rot)
+        kv = kernel_view(v)
+        kw = kws.get(spec, {})
+        t = safe_time(lambda kv=kv, kw=kw: lra.latent_attention_lowrank(q, k, h, kv, N**-0.5, rope=rot, **kw))
+        z = lra.latent_attention_lowrank(q, k, h, kv, N**-0.5, rope=rot, **kw)
+        del kv
+        e = rel(z, ref_attention(q.float(), k.float(), h.float(), with_tables(v, rot, None), N**-0.5))
+        rows.append({"L": L, "B": B, "basis": label(spec), "low-rank": t, "err": e, **base})
+        print(rows[-1], flush=True)
+        del v, z
+        torch.cuda.empty_cache()
+    return rows
+
+
+def pieces(rot, specs) -> None:
+    """Where the time goes at 32K, B = 1: the rebuild alone as one cuBLAS GEMM (what the tensor cores give at that
+    shape), and the kernel at joint rank 16 (everything but the rebuild)."""
+    T = lengths(32768)[1]
+    for r, blocks in specs:
+        a = torch.randn(blocks, T, r, device=DEV, dtype=DT)
+        w = torch.randn(blocks, r, K * N // blocks, device=DEV, dtype=DT)
+        t = safe_time(lambda a=a, w=w: torch.bmm(a, w))
+        fl = 2 * T * r * K * N
+        print(f"pieces: rebuild alone, cuBLAS, {label((r, blocks))}, {T} slots: {t:.1f} us, {fl / t / 1e6:.0f} TFLOP/s")
+    q, k, h = new_token(1)
+    v = kernel_view(lowrank_view(1, 32768, (16, 1), rot))
+    t = safe_time(lambda: lra.latent_attention_lowrank(q, k, h, v, N**-0.5, rope=rot))
+    print(f"pieces: the kernel at joint rank 16 (attention, RoPE, latents; next to no rebuild): {t:.1f} us")
+    try:
+        for kern in next(iter(lra._lr_kernel.device_caches.values()))[0].values():
+            md = kern.metadata
+            print(f"compiled: regs {kern.n_regs} spills {kern.n_spills} shared {md.shared} warps {md.num_warps}")
+    except Exception as ex:
+        print(f"compiled kernel info unavailable ({ex})")
+
+
+def markdown(rows) -> str:
+    out = [
+        "| context | batch | key basis | low-rank kernel us | paper CUDA us | paper Triton us | SDPA us "
+        "| / paper CUDA | / SDPA | rel. error |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['L'] // 1024}K | {r['B']} | {r['basis']} | {r['low-rank']:.1f} | {r['paper CUDA']:.1f} "
+            f"| {r['paper Triton']:.1f} | {r['SDPA']:.1f} | {r['low-rank'] / r['paper CUDA']:.2f}x "
+            f"| {r['low-rank'] / r['SDPA']:.2f}x | {r['err']:.1e} |"
+        )
+    return "\n".join(out)
 
 
 def main() -> int:
@@ -268,12 +330,14 @@ def main() -> int:
     ap.add_argument("--dry", action="store_true")
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--batches", default="1,4")
-    ap.add_argument("--ranks", default="432,160")
+    ap.add_argument("--ranks", default="432h,160,432", help="key bases: r joint, or <total>h per head")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--pieces", action="store_true")
     ap.add_argument(
         "--sweep",
-        default="32x32x4x2x0,32x32x8x2x1,32x64x8x2x1,64x32x8x2x1,32x32x8x4x1,32x32x4x4x1,32x32x8x8x1,64x64x8x4x1",
-        help="block_t x coef_chunk x num_warps x waves x fused_heads (1/0), swept at 32K B=1; the table takes the fastest",
+        default="32x32x8x2x1,64x64x4x2x1,64x32x8x2x1,32x64x4x4x1",
+        help="block_t x coef_chunk x num_warps x waves x fused_heads (1/0), swept per key basis at 32K B=1; each "
+        "basis' rows take its fastest ('' for the kernel's defaults)",
     )
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -282,47 +346,52 @@ def main() -> int:
         H, K, N, GS, G, R, R0, KG, VG, KCG = 8, 4, 32, 2, 2, 64, 40, 8, 8, 16
     rot = rotary(DEV)
     if DRY:
-        ok = check(rot, [(1, 203, 40, None, None), (2, 150, 24, [0, 5], 100)])
+        cases = [(1, 203, (40, 1), None, None), (2, 150, (24, 1), [0, 5], 100), (2, 181, (8, K), [0, 3], None)]
+        ok = check(rot, cases)
         print("dry check", "ok" if ok else "FAILED")
         return 0 if ok else 1
-    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     import transformers
     import triton
 
-    print(f"triton {triton.__version__}  transformers {transformers.__version__}")
-    bd.FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
+          f"transformers {transformers.__version__}")  # fmt: skip
+    harness.init_flush(device=DEV)
+    specs = [parse_spec(x) for x in a.ranks.split(",")]
     ok = True
     if not a.no_check:
-        cases = [(1, 4099, 432, None, None), (4, 3001, 160, [0, 3, 17, 40], None), (1, 33000, 432, None, None)]
-        cases += [(4, 2051, 432, [0, 0, 5, 9], 700), (1, 131073, 160, None, None)]
+        cases = [(1, 4099, (432, 1), None, None), (4, 3001, (160, 1), [0, 3, 17, 40], None)]
+        cases += [(16, 2085, (54, K), [3 * i for i in range(16)], None), (4, 2051, (54, K), [0, 0, 5, 9], 700)]
+        cases += [
+            (1, 33001, (54, K), None, None),
+            (4, 2051, (432, 1), [0, 0, 5, 9], 700),
+            (1, 131073, (160, 1), None, None),
+        ]
         ok = check(rot, cases)
-        print("check", "ok" if ok else "FAILED")
-    ranks = [int(x) for x in a.ranks.split(",")]
-    best = (float("inf"), {})
-    if a.sweep:  # kernel options at 32K, B = 1, rank ranks[0]
+        print("check", "ok" if ok else "FAILED", flush=True)
+    if a.pieces:
+        pieces(rot, specs)
+    kws = {}
+    if a.sweep:
         q, k, h = new_token(1)
-        v = kernel_view(lowrank_view(1, 32768, ranks[0], rot))
-        for cfg in a.sweep.split(","):
-            bt, kc, w, wv, fh = (int(x) for x in cfg.split("x"))
-            kw = dict(block_t=bt, coef_chunk=kc, num_warps=w, waves=float(wv), fused_heads=bool(fh))
-            t = safe_time(lambda kw=kw: lra.latent_attention_lowrank(q, k, h, v, N**-0.5, rope=rot, **kw))
-            print(f"sweep L=32768 B=1 r={ranks[0]} {kw}: {t:.1f} us", flush=True)
-            if t < best[0]:
-                best = (t, kw)
-        del v
-    print(f"table with kernel options {best[1] or 'default'}")
+        for spec in specs:
+            v = kernel_view(lowrank_view(1, 32768, spec, rot))
+            best = (float("inf"), {})
+            for cfg in a.sweep.split(","):
+                bt, kc, w, wv, fh = (int(x) for x in cfg.split("x"))
+                kw = dict(block_t=bt, coef_chunk=kc, num_warps=w, waves=float(wv), fused_heads=bool(fh))
+                t = safe_time(lambda kw=kw, v=v: lra.latent_attention_lowrank(q, k, h, v, N**-0.5, rope=rot, **kw))
+                print(f"sweep 32K B=1 basis {label(spec)} {kw}: {t:.1f} us", flush=True)
+                if t < best[0]:
+                    best = (t, kw)
+            kws[spec] = best[1]
+            del v
+    print(f"kernel options per basis: {[(label(s), kw) for s, kw in kws.items()] or 'defaults'}")
     rows = []
     for L in (int(x) for x in a.contexts.split(",")):
         for B in (int(x) for x in a.batches.split(",")):
-            rows.append(time_row(rot, B, L, ranks, ref_too=True, kw=best[1]))
-            print(rows[-1], flush=True)
-    cols = [c for c in rows[0] if c not in ("L", "B", "_sdpa")]
-    print(f"\nOne layer's decode attention, Llama-3.1-8B shapes, bf16, {torch.cuda.get_device_name()} (us; x = / SDPA)")
-    print("| L | B | " + " | ".join(cols) + " |")
-    print("|---|---|" + "---|" * len(cols))
-    for r in rows:
-        cells = [f"{r[c]:.1f} ({r[c] / r['_sdpa']:.2f}x)" for c in cols]
-        print(f"| {r['L']} | {r['B']} | " + " | ".join(cells) + " |")
+            rows += time_rows(rot, B, L, specs, kws)
+    print(f"\nOne layer's decode attention, Llama-3.1-8B shapes, bf16, {torch.cuda.get_device_name()}\n")
+    print(markdown(rows))
     return 0 if ok else 1
 
 

@@ -1,21 +1,25 @@
 """Fused decode attention (T = 1) over a cache whose keys are held before RoPE, low-rank ones included.
 
 The `lowrank` preset (tale_convert/policy.py) caches its middle level's keys as coefficients on the layer's key
-basis (runtime/key_basis.py: c = (k_pre - mean) enc[:, :r], k_pre ~ mean + c dec[:r]), its other levels' keys
-before RoPE (Schedule.key_rope "pre"), and the sinks and the 16-bit tail after RoPE. This module serves such a
-view whole, one launch per region, grid (splits, G, B) like kernels/attention.py, and writes the same split
-partials (max, sum, acc[:rank]) that its `_combine` merges with the new token. Per tile of BT slots, per KV head j
-of the program's latent group:
+basis (runtime/key_basis.py: per block, c = (k_pre - mean) enc[:, :r], k_pre ~ mean + c dec[:r]; one joint block
+over the KV heads, or one block per head), its other levels' keys before RoPE (Schedule.key_rope "pre"), and the
+sinks and the 16-bit tail after RoPE. This module serves such a view whole, one launch per region, grid (splits,
+G, B) like kernels/attention.py (flash-decoding: the splits share the slots, about `waves` programs per SM), and
+writes the same split partials (max, sum, acc[:rank]) that its `_combine` merges with the new token. Per tile of
+BT slots and latent group:
 
-- keys: low-rank ones rebuilt from the coefficient codes, unpacked and dequantized chunk by chunk
+- keys: low-rank ones rebuilt on tensor cores from the coefficient codes, unpacked and dequantized chunk by chunk
   ([BT, KRC] of the r coefficients, quantized per coefficient over token groups or per token), times the basis'
-  dec rows of head j on tensor cores ([BT, KRC] x [KRC, n/2], the two RoPE halves apart), plus the mean; plain
-  keys dequantized as they are (per channel over token groups, per token over channel groups, or 16-bit);
+  dec rows ([KRC, n/2] per head and RoPE half), plus the mean. A joint basis rebuilds the group's g heads in one
+  [BT, KRC] x [KRC, g n/2] dot per half (the coefficients dequantized once per tile); a per-head basis (K blocks,
+  coefficients [B, K, cap, r_h]) head by head, each head's own coefficients: r_h x n multiply-adds per head and
+  slot, K times fewer than a joint basis with as many coefficient bytes. Plain keys are dequantized head by head
+  (per channel over token groups, per token over channel groups, or 16-bit);
 - RoPE for keys held before it, on the halves (rotate_half): cos and sin read from the region's tables, or
   computed in the kernel from the model's own rotary (inv_freq, attention_scaling: any rope scaling the model
-  applies, llama3 included, is in its inv_freq), at the slot's rope position;
-- scores of the group's query rows of head j (a block-diagonal query tile), online softmax in base 2;
-- latents per token over channel groups (2/3/4/8/16 bits), p @ h in up to four channel chunks.
+  applies, llama3 included, is in its inv_freq), at the slot's rope position, once per tile for every head;
+- scores of the group's query rows (a block-diagonal query tile, or the rows of one head), online softmax in base 2;
+- latents per token over channel groups (2/3/4/8/16 bits), p @ h in up to four channel chunks (_lat_chunks).
 
 Codes are read element-wise from the packed planes of runtime/quant.py (element c of a row in byte c % nb at bit
 (c // nb) * bits; 3 bits bit-sliced), so any width the cache writes is read in place; scales and zeros in 16 bits
@@ -87,14 +91,19 @@ def _deq(
     CT: tl.constexpr,
     TG: tl.constexpr,
     CG: tl.constexpr,
+    t0=0,
+    ROW1: tl.constexpr = False,
 ):
-    """Elements ch [C] of slots t [BT] of a (quantized) row-major tensor, float32 [BT, C] (0 where m2 is False).
+    """Elements ch [C] of slots t [BT] of a (quantized) row-major tensor, float32 [BT, C] (0 where m2 is False;
+    ROW1: the zero point there, or NaN where an unused group's metadata holds it: masked later, never summed).
 
     Row of slot t at d_ptr + base + t * s_t (elements, or bytes when packed); CT elements per row. Packed codes
     (runtime/quant.py): element c in byte c % nb at bit (c // nb) * BITS; 3 bits: the low 2 bits so at 2 bits over
     the first CT / 4 bytes, the high bit at 1 bit over the next CT / 8. Scale and zero of (slot t, element c) at
     sbase + (t // TG) * s_srow + c // CG (keys per channel over token groups: TG = group, CG = 1; per token over
-    channel groups: TG = 1, CG = group), times inv_s / inv_z (1 / fp8 bias, or 1 / the 16-bit shift)."""
+    channel groups: TG = 1, CG = group), times inv_s / inv_z (1 / fp8 bias, or 1 / the 16-bit shift). ROW1: every
+    slot of the tile is in the token group of slot t0 (a tile starting at t0 within one group): one [1, C] row of
+    scales and zeros instead of a [BT, C] gather."""
     rowp = d_ptr + base + t[:, None] * s_t
     if BITS == 16:
         x = tl.load(rowp + ch[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -111,9 +120,15 @@ def _deq(
             NB: tl.constexpr = CT * BITS // 8
             byt = tl.load(rowp + (ch % NB)[None, :], mask=m2, other=0).to(tl.int32)
             code = (byt >> ((ch // NB) * BITS)[None, :]) & ((1 << BITS) - 1)
-        soff = sbase + (t // TG)[:, None] * s_srow + (ch // CG)[None, :]
-        sc = tl.load(s_ptr + soff, mask=m2, other=0.0).to(tl.float32) * inv_s
-        zr = tl.load(z_ptr + soff, mask=m2, other=0.0).to(tl.float32) * inv_z
+        if ROW1:
+            soff = sbase + (t0 // TG) * s_srow + (ch // CG)[None, :]
+            rm = (ch < CT)[None, :]
+            sc = tl.load(s_ptr + soff, mask=rm, other=0.0).to(tl.float32) * inv_s
+            zr = tl.load(z_ptr + soff, mask=rm, other=0.0).to(tl.float32) * inv_z
+        else:
+            soff = sbase + (t // TG)[:, None] * s_srow + (ch // CG)[None, :]
+            sc = tl.load(s_ptr + soff, mask=m2, other=0.0).to(tl.float32) * inv_s
+            zr = tl.load(z_ptr + soff, mask=m2, other=0.0).to(tl.float32) * inv_z
         x = code.to(tl.float32) * sc + zr
     return x
 
@@ -173,6 +188,7 @@ def _lr_kernel(
     k_ish,
     dec_ptr,
     dhi_ptr,
+    s_dblk,
     s_dec,
     mean_ptr,
     cos_ptr,
@@ -208,7 +224,8 @@ def _lr_kernel(
     QGP: tl.constexpr,
     BT: tl.constexpr,
     LOWRANK: tl.constexpr,
-    WIDE: tl.constexpr,
+    HPB: tl.constexpr,
+    WB: tl.constexpr,
     KC: tl.constexpr,
     KRC: tl.constexpr,
     KBITS: tl.constexpr,
@@ -234,7 +251,10 @@ def _lr_kernel(
     DOT: tl.constexpr,
 ):
     """Program (split sp, latent group c, batch row b) of one region: its partial (m, l, acc[:RANK]) per query head
-    of the group. LOWRANK: keys are [B, 1, cap, KC] coefficients (KC = r), else [B, K, cap, N] keys (KC = N).
+    of the group. LOWRANK: keys are [B, Hc, cap, KC] coefficients on a basis of Hc blocks of HPB = K / Hc KV heads
+    each (Hc = 1: joint, HPB = K; Hc = K: per head, HPB = 1); else [B, K, cap, N] keys (KC = N). The group's GS KV
+    heads are rebuilt (or dequantized) and scored WB at a time (WB = GS: one [BT, KRC] x [KRC, GS NH] dot per
+    RoPE half and chunk, the coefficients dequantized once per tile; WB = 1: head by head, plain keys always).
     ROPE 0: keys after RoPE; 1: before, rotated by the tables cos/sin [B, cap, N]; 2: before, rotated by
     cos/sin(rope position * inv_freq) * rope_scale computed here (rope position = slot position - roff[b]),
     rounded to RDT as the model's tables are."""
@@ -255,16 +275,24 @@ def _lr_kernel(
 
     QG: tl.constexpr = GS * REP
     HALF: tl.constexpr = N // 2
+    WN: tl.constexpr = WB * NH  # columns of one dot: channel d (of a RoPE half) of head w at column w NH + d
     rows = tl.arange(0, QGP)
     rmask = rows < QG
     head = c * QG + rows
-    jrow = rows // REP
+    jrow = rows // REP  # the KV head (within the group) each query row reads
     d = tl.arange(0, NH)
     dm = d < HALF
+    cols = tl.arange(0, WN)
+    cd = cols % NH
     qrow = q_ptr + b * s_qb + head[:, None] * s_qh
-    qm = rmask[:, None] & dm[None, :]
-    q_lo = tl.load(qrow + d[None, :], mask=qm, other=0.0).to(tl.float32) * qk_scale
-    q_hi = tl.load(qrow + HALF + d[None, :], mask=qm, other=0.0).to(tl.float32) * qk_scale
+    if WB == 1:  # head by head: the rows of head j picked per dot from the query halves
+        qm = rmask[:, None] & dm[None, :]
+        q_lo = tl.load(qrow + d[None, :], mask=qm, other=0.0).to(tl.float32) * qk_scale
+        q_hi = tl.load(qrow + HALF + d[None, :], mask=qm, other=0.0).to(tl.float32) * qk_scale
+    else:  # the group's heads side by side (WB = GS): a block-diagonal query tile [QGP, GS NH] per half
+        sel = rmask[:, None] & ((cols // NH)[None, :] == jrow[:, None]) & (cd < HALF)[None, :]
+        q_lo = (tl.load(qrow + cd[None, :], mask=sel, other=0.0).to(tl.float32) * qk_scale).to(DOT)
+        q_hi = (tl.load(qrow + HALF + cd[None, :], mask=sel, other=0.0).to(tl.float32) * qk_scale).to(DOT)
 
     kinv_s = k_ish
     kinv_z = k_ish
@@ -281,20 +309,10 @@ def _lr_kernel(
     if ROPE == 2:
         invf = tl.load(invf_ptr + d, mask=dm, other=0.0).to(tl.float32)
         roff = tl.load(roff_ptr + b).to(tl.int32)
-
-    GH: tl.constexpr = GS * NH
-    KNH = (H // QG) * GH  # K NH
-    if LOWRANK and WIDE:  # the group's heads side by side: column j*NH + d is channel d (of a half) of head c*GS + j
-        cols = tl.arange(0, GH)
-        cd = cols % NH
-        sel = rmask[:, None] & ((cols // NH)[None, :] == jrow[:, None]) & (cd < HALF)[None, :]
-        qbd_lo = (tl.load(qrow + cd[None, :], mask=sel, other=0.0).to(tl.float32) * qk_scale).to(DOT)
-        qbd_hi = (tl.load(qrow + HALF + cd[None, :], mask=sel, other=0.0).to(tl.float32) * qk_scale).to(DOT)
-        # rows of the basis buffer (K NH each): mean lo, mean hi, column scale lo, column scale hi (_basis_on)
-        mlo = tl.load(mean_ptr + c * GH + cols)
-        mhi = tl.load(mean_ptr + KNH + c * GH + cols)
-        slo = tl.load(mean_ptr + 2 * KNH + c * GH + cols)
-        shi = tl.load(mean_ptr + 3 * KNH + c * GH + cols)
+    KNH = (H // QG) * GS * NH  # K NH: the length of a row of the basis' rows buffer (_basis_on)
+    # keys per channel over token groups that each hold whole tiles (tiles start at multiples of BT): one row of
+    # scales and zeros per tile
+    KROW1: tl.constexpr = KTG % BT == 0
 
     m_i = tl.full([QGP], float("-inf"), tl.float32)
     l_i = tl.zeros([QGP], tl.float32)
@@ -333,94 +351,60 @@ def _lr_kernel(
             cos_hi = cos_lo
             sin_hi = sin_lo
         logits = tl.zeros([QGP, BT], tl.float32)
-        if LOWRANK and WIDE:  # k_pre = mean + c dec[:r] for the group's heads at once: [BT, GS*NH] per half
-            k_lo = tl.zeros([BT, GH], tl.float32)
-            k_hi = tl.zeros([BT, GH], tl.float32)
-            for c0 in range(0, KC, KRC):
-                ch = c0 + tl.arange(0, KRC)
-                chm = ch < KC
-                coef = _deq(
-                    k_ptr,
-                    b * s_kb,
-                    t,
-                    s_kt,
-                    ch,
-                    ok[:, None] & chm[None, :],
-                    ks_ptr,
-                    kz_ptr,
-                    b * s_ksb,
-                    s_kst,
-                    kinv_s,
-                    kinv_z,
-                    KBITS,
-                    KC,
-                    KTG,
-                    KCG,
-                ).to(DOT)
-                drow = ch[:, None] * s_dec + c * GH + cols[None, :]
-                k_lo = _dot(coef, tl.load(dec_ptr + drow, mask=chm[:, None], other=0.0), k_lo, DOT)
-                k_hi = _dot(coef, tl.load(dhi_ptr + drow, mask=chm[:, None], other=0.0), k_hi, DOT)
-            k_lo = k_lo * slo[None, :] + mlo[None, :]
-            k_hi = k_hi * shi[None, :] + mhi[None, :]
-            if ROPE != 0:  # x cos + rotate_half(x) sin, rotate_half(x) = (-x_hi, x_lo); the tables per head
-                lo3 = tl.reshape(k_lo, (BT, GS, NH))
-                hi3 = tl.reshape(k_hi, (BT, GS, NH))
-                r_lo = lo3 * cos_lo[:, None, :] - hi3 * sin_lo[:, None, :]
-                r_hi = hi3 * cos_hi[:, None, :] + lo3 * sin_hi[:, None, :]
-                k_lo = tl.reshape(r_lo, (BT, GH))
-                k_hi = tl.reshape(r_hi, (BT, GH))
-            logits = _dot(qbd_lo, tl.trans(k_lo), logits, DOT)
-            logits = _dot(qbd_hi, tl.trans(k_hi), logits, DOT)
-        else:
-            for j in tl.static_range(GS):
-                kv = c * GS + j
+        for j in tl.static_range(GS // WB):
+            h0 = c * GS + j * WB  # the first KV head of this dot
+            if LOWRANK:  # k_pre = mean + c dec[:r] of heads h0 .. h0 + WB - 1: [BT, WN] per RoPE half
+                blk = h0 // HPB  # their basis block, and their first column in it
+                cb = (h0 % HPB) * NH
+                k_lo = tl.zeros([BT, WN], tl.float32)
+                k_hi = tl.zeros([BT, WN], tl.float32)
+                for c0 in range(0, KC, KRC):
+                    ch = c0 + tl.arange(0, KRC)
+                    chm = ch < KC
+                    cm2 = ok[:, None] & chm[None, :]
+                    kb = b * s_kb + blk * s_kh
+                    ksb = b * s_ksb + blk * s_ksh
+                    coef = _deq(
+                        k_ptr, kb, t, s_kt, ch, cm2, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, KC, KTG, KCG,
+                        t0, KROW1,
+                    ).to(DOT)  # fmt: skip
+                    drow = blk * s_dblk + ch[:, None] * s_dec + cb + cols[None, :]
+                    k_lo = _dot(coef, tl.load(dec_ptr + drow, mask=chm[:, None], other=0.0), k_lo, DOT)
+                    k_hi = _dot(coef, tl.load(dhi_ptr + drow, mask=chm[:, None], other=0.0), k_hi, DOT)
+                # rows of the basis buffer (K NH each): mean lo, mean hi, column scale lo, column scale hi
+                gc = h0 * NH + cols
+                k_lo = k_lo * tl.load(mean_ptr + 2 * KNH + gc)[None, :] + tl.load(mean_ptr + gc)[None, :]
+                k_hi = k_hi * tl.load(mean_ptr + 3 * KNH + gc)[None, :] + tl.load(mean_ptr + KNH + gc)[None, :]
+            else:  # plain keys of head h0 (WB = 1)
                 km = ok[:, None] & dm[None, :]
-                if LOWRANK:  # head by head (WIDE=False): the coefficients dequantized once per head
-                    k_lo = tl.zeros([BT, NH], tl.float32)
-                    k_hi = tl.zeros([BT, NH], tl.float32)
-                    for c0 in range(0, KC, KRC):
-                        ch = c0 + tl.arange(0, KRC)
-                        chm = ch < KC
-                        coef = _deq(
-                            k_ptr,
-                            b * s_kb,
-                            t,
-                            s_kt,
-                            ch,
-                            ok[:, None] & chm[None, :],
-                            ks_ptr,
-                            kz_ptr,
-                            b * s_ksb,
-                            s_kst,
-                            kinv_s,
-                            kinv_z,
-                            KBITS,
-                            KC,
-                            KTG,
-                            KCG,
-                        ).to(DOT)
-                        drow = ch[:, None] * s_dec + kv * NH + d[None, :]
-                        k_lo = _dot(coef, tl.load(dec_ptr + drow, mask=chm[:, None], other=0.0), k_lo, DOT)
-                        k_hi = _dot(coef, tl.load(dhi_ptr + drow, mask=chm[:, None], other=0.0), k_hi, DOT)
-                    hd = kv * NH + d
-                    k_lo = k_lo * tl.load(mean_ptr + 2 * KNH + hd)[None, :] + tl.load(mean_ptr + hd)[None, :]
-                    k_hi = k_hi * tl.load(mean_ptr + 3 * KNH + hd)[None, :] + tl.load(mean_ptr + KNH + hd)[None, :]
-                else:
-                    kb = b * s_kb + kv * s_kh
-                    ksb = b * s_ksb + kv * s_ksh
-                    k_lo = _deq(
-                        k_ptr, kb, t, s_kt, d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG
-                    )
-                    k_hi = _deq(
-                        k_ptr, kb, t, s_kt, HALF + d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG
-                    )
-                if ROPE != 0:
+                kb = b * s_kb + h0 * s_kh
+                ksb = b * s_ksb + h0 * s_ksh
+                k_lo = _deq(
+                    k_ptr, kb, t, s_kt, d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG, t0, KROW1
+                )
+                k_hi = _deq(
+                    k_ptr, kb, t, s_kt, HALF + d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG,
+                    t0, KROW1,
+                )  # fmt: skip
+            if ROPE != 0:  # x cos + rotate_half(x) sin, rotate_half(x) = (-x_hi, x_lo); the tables per head
+                if WB == 1:
                     r_lo = k_lo * cos_lo - k_hi * sin_lo
                     k_hi = k_hi * cos_hi + k_lo * sin_hi
                     k_lo = r_lo
-                sel = (jrow == j)[:, None]
-                logits = _dot(tl.where(sel, q_lo, 0.0), tl.trans(k_lo), logits, DOT)
-                logits = _dot(tl.where(sel, q_hi, 0.0), tl.trans(k_hi), logits, DOT)
+                else:
+                    lo3 = tl.reshape(k_lo, (BT, WB, NH))
+                    hi3 = tl.reshape(k_hi, (BT, WB, NH))
+                    r_lo = lo3 * cos_lo[:, None, :] - hi3 * sin_lo[:, None, :]
+                    r_hi = hi3 * cos_hi[:, None, :] + lo3 * sin_hi[:, None, :]
+                    k_lo = tl.reshape(r_lo, (BT, WN))
+                    k_hi = tl.reshape(r_hi, (BT, WN))
+            if WB == 1:
+                sel_j = (jrow == j)[:, None]
+                logits = _dot(tl.where(sel_j, q_lo, 0.0), tl.trans(k_lo), logits, DOT)
+                logits = _dot(tl.where(sel_j, q_hi, 0.0), tl.trans(k_hi), logits, DOT)
+            else:
+                logits = _dot(q_lo, tl.trans(k_lo), logits, DOT)
+                logits = _dot(q_hi, tl.trans(k_hi), logits, DOT)
         logits = tl.where(ok[None, :], logits, float("-inf"))
         # -- online softmax (base 2)
         m_new = tl.maximum(m_i, tl.max(logits, axis=1))
@@ -444,6 +428,7 @@ def _lr_kernel(
                 acc2, p, alpha, 2, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK, LC,
                 HBITS, HG, DOT,
             )  # fmt: skip
+        if NLC > 3:
             acc3 = _lat_chunk(
                 acc3, p, alpha, 3, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK, LC,
                 HBITS, HG, DOT,
@@ -462,6 +447,7 @@ def _lr_kernel(
         tl.store(base + LC, acc1, mask=rmask[:, None] & (LC + jl < RANK)[None, :])
     if NLC > 2:
         tl.store(base + 2 * LC, acc2, mask=rmask[:, None] & (2 * LC + jl < RANK)[None, :])
+    if NLC > 3:
         tl.store(base + 3 * LC, acc3, mask=rmask[:, None] & (3 * LC + jl < RANK)[None, :])
 
 
@@ -549,10 +535,16 @@ def supported(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, view, r
             bs = r.basis
             if not isinstance(bs, KeyBasis) or r.rope is None and rot is None:
                 return "low-rank keys without RoPE tables or a rotary"
-            kr = r.keys.shape[-1]
-            if tuple(bs.dec.shape[1:]) != (K * n,) or bs.dec.shape[0] < kr or tuple(bs.mean.shape) != (K * n,):
+            kr, Kb = r.keys.shape[-1], bs.blocks
+            if Kb not in (1, K):
+                return f"a key basis of {Kb} blocks for {K} KV heads (one joint block or one per head)"
+            if (
+                tuple(bs.dec.shape[::2]) != (Kb, K * n // Kb)
+                or bs.dec.shape[1] < kr
+                or tuple(bs.mean.shape) != (K * n,)
+            ):
                 return f"key basis of shape {tuple(bs.dec.shape)} for {K} x {n} keys at rank {kr}"
-            if why := _qt_reason(r.keys, kr, (B, 1), cap, q.dtype, "low-rank keys"):
+            if why := _qt_reason(r.keys, kr, (B, Kb), cap, q.dtype, "low-rank keys"):
                 return why
         elif why := _qt_reason(r.keys, n, (B, K), cap, q.dtype, "keys"):
             return why
@@ -602,6 +594,18 @@ def _splits(regions: list[Region], B: int, G: int, n: int, K: int, sms: int, wav
     ]
 
 
+def _lat_chunks(rank: int) -> tuple[int, int]:
+    """(chunks, channels per chunk: a power of two) that cover `rank` latent channels with the fewest padded ones
+    (every padded channel is unpacked and multiplied like a real one), chunks of 64 to 128 (fewer where the rank is
+    smaller, more where 4 do not cover it); ties: fewer chunks. 320 (the lowrank preset's r0): 3 x 128, not 4 x 128."""
+    best, low = None, min(64, max(16, pow2(rank)))
+    for nlc in (1, 2, 3, 4):
+        lc = max(16, pow2(triton.cdiv(rank, nlc)))
+        if low <= lc and (lc <= 128 or nlc == 4) and (best is None or nlc * lc < best[0] * best[1]):
+            best = (nlc, lc)
+    return best
+
+
 def _pad_offset(view: LayerView, B: int, device) -> torch.Tensor:
     """Per row, its padding slots (pos -1 below the length): the rope position of a slot is its cache position
     minus them (transformers' generate: position_ids = cumsum(attention_mask) - 1). int32 [B], on the device."""
@@ -640,9 +644,10 @@ def latent_attention_lowrank(
     (inv_freq, attention_scaling) computes them in the kernel at each slot's rope position = cache position minus
     `rope_offset` [B] (default: the row's padding slots, transformers' convention for left-padded batches).
     `split_tokens` fixes the slots per split (tests); `coef_chunk` the coefficients per rebuild step. `fused_heads`
-    rebuilds the low-rank keys of a latent group's KV heads in one [block_t, coef_chunk] x [coef_chunk, g n/2] dot per
-    RoPE half and scores them in one block-diagonal dot (the coefficients dequantized once per tile); False: head by
-    head (the coefficients dequantized once per head, small dots)."""
+    rebuilds the low-rank keys of a latent group's KV heads on a joint basis in one [block_t, coef_chunk] x
+    [coef_chunk, g n/2] dot per RoPE half and scores them in one block-diagonal dot (the coefficients dequantized
+    once per tile); False: head by head (the coefficients dequantized once per head, small dots). A per-head basis
+    is always rebuilt head by head (each head has its own coefficients)."""
     if not isinstance(view, LayerView):
         view = view.view()
     if supported(q, k_new, h_new, view, rope) is not None:
@@ -678,8 +683,11 @@ def latent_attention_lowrank(
         hd, hst, hs, hz, hss, hbias, hish, (HB, _, HG, HS8, HZ8, HBP) = _qargs(r.lat, r.rank)
         if lowrank:
             dec, dhi, mean = _basis_on(r.basis, NH, dev, torch.float32 if q.dtype == torch.float32 else torch.float16)
+            hpb = K // r.basis.blocks
+            wb = min(g, hpb) if fused_heads else 1
         else:
             dec = dhi = mean = kd
+            hpb, wb = 1, 1
         if r.rope is None:
             mode, cos, sin = 0, kd, kd
         elif rot is None:
@@ -687,9 +695,7 @@ def latent_attention_lowrank(
         else:
             mode, cos, sin = 2, kd, kd
         cstr = cos.stride()[:2] if mode == 1 else (0, 0)
-        LCt = max(16, pow2(r.rank))
-        NLC = 1 if LCt <= 128 else 4 if r.rank % 4 == 0 and LCt >= 256 else 2
-        LC = max(16, pow2(triton.cdiv(r.rank, NLC)))
+        NLC, LC = _lat_chunks(r.rank)
         ln = r.length
         _lr_kernel[(ns, G, B)](
             q,
@@ -715,7 +721,8 @@ def latent_attention_lowrank(
             kish,
             dec,
             dhi,
-            dec.stride(0),
+            dec.stride(0) if lowrank else 0,
+            dec.stride(1) if lowrank else 0,
             mean,
             cos,
             sin,
@@ -749,7 +756,8 @@ def latent_attention_lowrank(
             QGP=QGP,
             BT=BT,
             LOWRANK=lowrank,
-            WIDE=fused_heads,
+            HPB=hpb,
+            WB=wb,
             KC=KC,
             KRC=max(16, coef_chunk),
             KBITS=KB,
@@ -785,33 +793,33 @@ _BASIS: dict = {}
 
 
 def _basis_on(basis: KeyBasis, NH: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dec_lo, dec_hi [C, K NH] in `dtype` (the tensor cores' operand type), rows [4, K NH] float32) of `basis` on
-    `device`. Per KV head k, columns k NH + d hold channel d (lo) / n/2 + d (hi) of its key (d < n/2; zero up to
-    NH), so that a latent group's heads are one contiguous block of columns per RoPE half. Each column is divided by
-    a power of two that brings its largest entry into [0.5, 1] (float16 holds dec whatever its range: a channel the
-    queries barely read has large entries: key_basis.fit divides by their weights); rows: the mean's lo and hi halves, then those
+    """(dec_lo, dec_hi [Kb, C, K NH / Kb] in `dtype` (the tensor cores' operand type), rows [4, K NH] float32) of
+    `basis` (Kb blocks of K / Kb KV heads) on `device`. In block j, column k NH + d holds channel d (lo) / n/2 + d
+    (hi) of its k-th head's key (d < n/2; zero up to NH), so that heads side by side are one contiguous block of
+    columns per RoPE half. Each column is divided by a power of two that brings its largest entry into [0.5, 1]
+    (float16 holds dec whatever its range: a channel the queries barely read has large entries: key_basis.fit
+    divides by their weights); rows, per KV head h at columns h NH + d: the mean's lo and hi halves, then those
     powers of two (lo, hi), by which the kernel multiplies the rebuilt keys back (exact)."""
     import weakref
 
     key = (id(basis.dec), NH, str(device), dtype)
     hit = _BASIS.get(key)
     if hit is None:
-        K, n = basis.heads, basis.head_dim
+        n = basis.head_dim
         half = n // 2
 
-        def halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [..., K n] -> lo, hi [..., K NH]
-            x = x.to(device=device, dtype=torch.float32).unflatten(-1, (K, n))
+        def halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [..., k n] -> lo, hi [..., k NH]
+            x = x.to(device=device, dtype=torch.float32).unflatten(-1, (x.shape[-1] // n, n))
             pad = lambda y: torch.nn.functional.pad(y, (0, NH - half)).flatten(-2)  # noqa: E731
             return pad(x[..., :half]), pad(x[..., half:])
 
-        def scaled(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            top = m.abs().amax(0)
+        def scaled(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [Kb, C, cols] -> itself / s, s [Kb cols]
+            top = m.abs().amax(1, keepdim=True)
             e = torch.where(top > 0, torch.ceil(torch.log2(top.clamp_min(1e-30))), torch.zeros_like(top))
             s = torch.exp2(e)
-            return (m / s).to(dtype).contiguous(), s
+            return (m / s).to(dtype).contiguous(), s.flatten()
 
-        lo, hi = halves(basis.dec)
-        (lo, slo), (hi, shi) = scaled(lo), scaled(hi)
+        (lo, slo), (hi, shi) = (scaled(x) for x in halves(basis.dec))
         mlo, mhi = halves(basis.mean)
         hit = _BASIS[key] = (lo, hi, torch.stack([mlo, mhi, slo, shi]).contiguous())
         weakref.finalize(basis.dec, _BASIS.pop, key, None)

@@ -116,7 +116,7 @@ class _Open:
 class Store:
     """One quantized level: keys per channel over token groups, latents per token over channel groups."""
 
-    keys: QTensor | Bands  # [B, K, L, n]; [B, 1, L, key_rank] at levels with low-rank keys
+    keys: QTensor | Bands  # [B, K, L, n]; [B, Kb, L, key_rank] at levels with low-rank keys (Kb: the basis blocks)
     lat: QTensor  # [B, G, L, r]
     rank: int
     pos: torch.Tensor  # [L] int64: cache position of each token (the same in every row), any order

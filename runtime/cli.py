@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -127,6 +128,9 @@ def run(
         None, "--value-group", metavar="N", help="channels per latent quantization group"
     ),
     residual: Optional[str] = typer.Option(None, "--residual", metavar="N", help="16-bit recent tail length"),
+    tp: int = typer.Option(
+        1, "--tp", min=1, help="tensor parallelism over N GPUs: run under torchrun --nproc-per-node N (docs/runtime.md)"
+    ),
 ) -> None:
     """Generate from a TALE artifact, streaming the text; a stats line follows on stderr."""
     text = read_prompt(prompt, prompt_file)
@@ -139,6 +143,9 @@ def run(
     if output_path not in ("fused", "factored"):
         raise CliError(f"--output-path must be fused or factored; got {output_path!r}")
     dev = console.device(device)
+    # under tensor parallelism every rank runs this command; rank 0 alone prints the answer, notes and stats
+    quiet = tp > 1 and os.environ.get("RANK", "0") != "0"
+    err.quiet = quiet
     if dev.type != "cuda":
         used = [f for f, on in (("--dynamic", dynamic), ("--no-compile", no_compile)) if on]
         if used:
@@ -152,10 +159,10 @@ def run(
 
     from .artifact import ArtifactError
     from .generate import NonFiniteLogits, generate
-    from .load import load, set_output_path
+    from .load import load
 
     try:
-        m, tok = load(model, device=dev, dtype=getattr(torch, DTYPES[dtype]), backend=backend, **overrides)
+        m, tok = load(model, device=dev, dtype=getattr(torch, DTYPES[dtype]), backend=backend, tp_size=tp, **overrides)
     except (ArtifactError, ValueError) as e:
         raise CliError(str(e)) from None
     if tok is None:
@@ -179,7 +186,6 @@ def run(
             f"{len(ids) + max_new_tokens} tokens of this run: nothing is compressed, so the measured ratio is 1.00x",
             style="dim",
         )
-    set_output_path(m, output_path)
     if dev.type == "cuda" and not m.tale_spec.schedule.fast_path():
         err.print(
             "note: the GPU kernel and the static cache do not read this schedule (keys before RoPE, low-rank keys, "
@@ -192,6 +198,8 @@ def run(
 
     def emit(piece: str) -> None:
         streamed.append(piece)
+        if quiet:
+            return
         sys.stdout.write(piece)
         sys.stdout.flush()
 
@@ -219,9 +227,13 @@ def run(
         if stats is not None:
             err.print(stats.line() + " (interrupted)", style="dim", markup=False)
         raise
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    err.print(stats.line(), style="dim", markup=False)
+    if not quiet:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    line = stats.line()
+    if tp > 1:
+        line += f" | tensor parallel: {tp} ranks, cache bytes per rank"
+    err.print(line, style="dim", markup=False)
 
 
 def main(argv: list[str] | None = None) -> None:

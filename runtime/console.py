@@ -70,6 +70,21 @@ def _on_signal(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _on_unraisable(u) -> None:
+    """Our KeyboardInterrupt raised inside a finalizer or callback that cannot pass it on (Python prints it as
+    'Exception ignored' and goes on): stay quiet; `check_interrupted` raises it again at the next safe point."""
+    if u.exc_type is KeyboardInterrupt and _received:
+        return
+    sys.__unraisablehook__(u)
+
+
+def check_interrupted() -> None:
+    """Raise KeyboardInterrupt when a signal arrived whose KeyboardInterrupt did not reach us (it was raised where
+    Python ignores exceptions): long loops call this at safe points, and before anything is published."""
+    if _received:
+        raise KeyboardInterrupt
+
+
 def install_signal_handlers() -> None:
     """SIGTERM (and SIGHUP) raise KeyboardInterrupt like Ctrl-C, so `except KeyboardInterrupt` and
     `finally` blocks clean up (the converter removes its temp dir, or keeps finished layers for --resume)."""
@@ -79,6 +94,7 @@ def install_signal_handlers() -> None:
                 signal.signal(sig, _on_signal)
             except ValueError:  # not the main thread (an embedding application): leave its handlers alone
                 pass
+    sys.unraisablehook = _on_unraisable
 
 
 def _quiet_libraries() -> None:
@@ -108,6 +124,7 @@ def run_app(app: typer.Typer, argv: list[str] | None = None, user_errors: tuple[
         code = app(args=argv, standalone_mode=False)  # typer returns typer.Exit's code, 130 for KeyboardInterrupt
         if code == 128 + signal.SIGINT:
             raise KeyboardInterrupt
+        check_interrupted()  # a signal whose KeyboardInterrupt was swallowed on the way: still an interruption
     except typer.Exit as e:
         code = e.exit_code
     except (typer.Abort, KeyboardInterrupt):

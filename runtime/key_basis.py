@@ -1,10 +1,11 @@
 """Low-rank keys (Level.key_rank): the keys of a layer's KV heads before RoPE, joined, on a calibrated basis.
 
 Keys before RoPE are far from full rank across a layer's heads (Palu, ShadowKV); after RoPE they are not, since
-each position rotates them differently. A level with `key_rank` r holds, per token, the first r coefficients
-c = k_pre E[:, :r] of the joined pre-RoPE key k_pre [K n], quantized like keys (per coefficient over token
-groups, or per token), and reads them back as k_pre ~ c D[:r] before RoPE is applied (Schedule.key_rope "pre").
-E and D = E^-1 ([K n, K n], float32) come from the artifact's key_basis.safetensors (tale-convert --key-basis):
+each position rotates them differently. A level with `key_rank` r holds, per token and basis block, the first r
+coefficients c = k_pre E[:, :r] of the block's pre-RoPE keys (the joined key [K n] of all KV heads, or one head's
+[n]), quantized like keys (per coefficient over token groups, or per token), and reads them back as k_pre ~ c D[:r]
+before RoPE is applied (Schedule.key_rope "pre"). E and D = E^-1 (float32, per block) come from the artifact's
+key_basis.safetensors (tale-convert --key-basis):
 the principal directions of the calibration keys' second moment, in the norm of the queries' per-channel second
 moments, so truncation drops what the logits see least.
 """
@@ -25,8 +26,11 @@ def names(layer: int) -> tuple[str, str, str]:
 
 @dataclass
 class KeyBasis:
-    """One layer's basis: c = (k - mean) enc[:, :r], k ~ mean + c dec[:r] (enc [K n, C], dec [C, K n], mean [K n];
-    C <= K n directions, most important first; float32)."""
+    """One layer's basis in `blocks` independent blocks of the joined key [K n]: 1 block spans every KV head
+    (joint), K blocks one head each (per head). Block j: c_j = (k_j - mean_j) enc[j, :, :r],
+    k_j ~ mean_j + c_j dec[j, :r] (enc [Kb, nb, C], dec [Kb, C, nb], mean [K n] with nb = K n / Kb; C <= nb
+    directions, most important first; float32). Rebuilding a token's keys costs Kb r nb multiply-adds: a per-head
+    basis costs K times less than the joint one at the same number of coefficients."""
 
     enc: torch.Tensor
     dec: torch.Tensor
@@ -34,31 +38,55 @@ class KeyBasis:
     heads: int  # K
     head_dim: int  # n
 
+    def __post_init__(self):
+        if self.enc.ndim == 2:  # [K n, C]: one joint block
+            self.enc, self.dec = self.enc[None], self.dec[None]
+
+    @property
+    def blocks(self) -> int:
+        return self.enc.shape[0]
+
+    @property
+    def directions(self) -> int:
+        return self.enc.shape[2]
+
     def encode(self, k: torch.Tensor, rank: int) -> torch.Tensor:
-        """k [B, K, T, n] (before RoPE) -> its first `rank` coefficients [B, 1, T, rank], in k's dtype (computed
-        in float32)."""
+        """k [B, K, T, n] (before RoPE) -> its first `rank` coefficients per block [B, Kb, T, rank], in k's dtype
+        (computed in float32)."""
         B, K, T, n = k.shape
+        Kb = self.blocks
         x = k.float().transpose(1, 2).reshape(B, T, K * n) - self.mean.to(k.device)
-        return (x @ self.enc[:, :rank].to(k.device))[:, None].to(k.dtype)
+        c = torch.einsum("btjn,jnr->bjtr", x.view(B, T, Kb, K * n // Kb), self.enc[:, :, :rank].to(k.device))
+        return c.to(k.dtype)
 
     def decode(self, c: torch.Tensor) -> torch.Tensor:
-        """Coefficients [B, 1, T, r] -> keys before RoPE [B, K, T, n], in c's dtype."""
-        B, _, T, r = c.shape
-        k = torch.addmm(self.mean.to(c), c[:, 0].flatten(0, 1), self.dec[:r].to(c))
-        return k.view(B, T, self.heads, self.head_dim).transpose(1, 2)
+        """Coefficients [B, Kb, T, r] -> keys before RoPE [B, K, T, n], in c's dtype."""
+        B, Kb, T, r = c.shape
+        k = torch.einsum("bjtr,jrn->btjn", c, self.dec[:, :r].to(c)).reshape(B, T, self.heads * self.head_dim)
+        return (k + self.mean.to(c)).view(B, T, self.heads, self.head_dim).transpose(1, 2)
 
 
-def fit(m2: torch.Tensor, mean: torch.Tensor, q2: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(enc, dec) from the keys' second moment m2 [C, C] and mean [C] and the queries' per-channel second moments
-    q2 [C] (None: plain principal directions). enc = W^1/2 U, dec = U^T W^-1/2 with U the eigenvectors of the
+def fit(
+    m2: torch.Tensor, mean: torch.Tensor, q2: torch.Tensor | None, blocks: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(enc [Kb, nb, nb], dec [Kb, nb, nb]) from the keys' second moment m2 [C, C] and mean [C] and the queries'
+    per-channel second moments q2 [C] (None: plain principal directions), one basis per diagonal block of m2
+    (blocks = 1: joint over the heads; K: per head). enc = W^1/2 U, dec = U^T W^-1/2 with U the eigenvectors of the
     weighted covariance W^1/2 (m2 - mean mean^T) W^1/2, largest first: the truncation keeps what the logits see
     most (pass q2 through pair_mean: RoPE mixes a channel with its pair)."""
     C = m2.shape[0]
+    nb = C // blocks
     w = torch.ones(C, dtype=torch.float64) if q2 is None else q2.double().clamp_min(1e-12)
     sw, mu = w.sqrt(), mean.double()
-    _, U = torch.linalg.eigh(sw[:, None] * (m2.double() - mu[:, None] * mu[None]) * sw[None])
-    U = U.flip(-1)
-    return (sw[:, None] * U).float().contiguous(), (U.T / sw[None]).float().contiguous()
+    cov = sw[:, None] * (m2.double() - mu[:, None] * mu[None]) * sw[None]
+    encs, decs = [], []
+    for j in range(blocks):
+        s = slice(j * nb, (j + 1) * nb)
+        _, U = torch.linalg.eigh(cov[s, s])
+        U = U.flip(-1)
+        encs.append(sw[s, None] * U)
+        decs.append(U.T / sw[None, s])
+    return torch.stack(encs).float().contiguous(), torch.stack(decs).float().contiguous()
 
 
 def pair_mean(q2: torch.Tensor, K: int, n: int) -> torch.Tensor:
@@ -75,7 +103,7 @@ def missing(levels, basis: KeyBasis | list[KeyBasis] | None) -> str | None:
         return None
     if basis is None:
         return f"key_rank {kr} needs the artifact's key basis (tale-convert --key-basis)"
-    have = min(b.enc.shape[1] for b in (basis if isinstance(basis, list) else [basis]))
+    have = min(b.directions for b in (basis if isinstance(basis, list) else [basis]))
     return f"key_rank {kr} exceeds the key basis ({have} directions)" if kr > have else None
 
 
@@ -97,10 +125,14 @@ def load_file(root: Path, num_layers: int, heads: int, head_dim: int, device) ->
                     raise ArtifactError(f"{f}: no key basis for layer {i}")
                 enc, dec, mean = (st.get_tensor(x).float() for x in names(i))
                 C = heads * head_dim
-                if enc.ndim != 2 or enc.shape[0] != C or dec.shape != (enc.shape[1], C) or mean.shape != (C,):
+                if enc.ndim == 2:  # one joint block (the first format)
+                    enc, dec = enc[None], dec[None]
+                Kb = enc.shape[0] if enc.ndim == 3 else 0
+                nb = C // Kb if Kb in (1, heads) else 0
+                if not nb or enc.shape[1] != nb or dec.shape != (Kb, enc.shape[2], nb) or mean.shape != (C,):
                     raise ArtifactError(
                         f"{f}: layer {i}: key basis of shapes {tuple(enc.shape)}, {tuple(dec.shape)}; "
-                        f"the model's joined keys have {C} channels"
+                        f"the model's keys have {heads} heads x {head_dim} channels (one joint block or one per head)"
                     )
                 out.append(KeyBasis(enc, dec, mean, heads, head_dim))
     except SafetensorError as e:

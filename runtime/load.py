@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
-from . import backends, families, key_basis
-from .artifact import ArtifactError, Schedule, read_manifest, schedule_of, verify_files
+from . import backends, families, key_basis, tp
+from .artifact import O_FUSED, ArtifactError, Schedule, read_manifest, schedule_of, verify_files
 from .model import CACHE_KW, TALE_CACHES, TaleAttention, TaleCache, cache_arg
 from .schedule import override_schedule
 from .spec import Arch, CacheSpec, TaleSpec
@@ -88,9 +89,18 @@ def load(
     revision: str | None = None,
     backend: str = "auto",
     backend_config=None,
+    tp_size: int = 1,
+    output_path: str = "fused",
     **overrides,
 ):
     """Return (model, tokenizer) with TALE attention in every layer.
+
+    `tp_size` N > 1: tensor parallelism over the N processes of a torchrun job (call load on every rank); each rank
+    holds G/N latent groups with their heads, and caches only those (runtime/tp.py, transformers' TP plan). The device
+    is each rank's (cuda:LOCAL_RANK, or the CPU under gloo). A failure on any rank raises on every rank.
+
+    `output_path` "factored": decode through B then W_O (the same result) and leave O^r unread: g times the size of
+    W_O less memory (40 GiB at Llama-3.1-70B shapes with g = 4); set_output_path(model, "fused") is then refused.
 
     `backend`: the decode-attention backend the model's new caches ask for ("auto": the fastest that serves each
     cache; "torch", "triton", "cuda": see tale_runtime.backends), with `backend_config` its tuning knobs.
@@ -100,84 +110,132 @@ def load(
     single knobs, see `override_schedule`. Problems with the
     artifact raise ArtifactError, bad overrides ValueError. The tokenizer is None if the artifact has none.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from .console import check_device, check_dtype
 
     device, dtype = check_device(device), check_dtype(dtype)  # ValueError before anything loads
+    if output_path not in ("fused", "factored"):
+        raise ValueError(f"output path must be 'fused' or 'factored', got {output_path!r}")
     check_transformers()
-    root = resolve(path_or_id, revision)
-    manifest = read_manifest(root)
-    # only verified files are read below: the shards come from the index, and each must be in the manifest
-    verified = verify_files(root, manifest) if verify else None
-    model_type = _model_type(root)
-    if model_type not in SUPPORTED:
-        raise ArtifactError(f"{root}: model_type {model_type!r} is not supported (only {', '.join(SUPPORTED)})")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = dtype or default_dtype(device)
+    tp_cfg = mesh = None
+    if tp_size != 1:
+        tp.check_whole(tp_size)  # divisibility once the manifest is read
+        tp_cfg, device, mesh = tp.start(tp_size, device)
+    with tp.all_ranks(tp_size):  # a bad path or file on one rank ends every rank, none waits for it
+        root = resolve(path_or_id, revision)
+        manifest = read_manifest(root)
+        # only verified files are read below: the shards come from the index, and each must be in the manifest
+        verified = verify_files(root, manifest) if verify else None
+        model_type = _model_type(root)
+        if model_type not in SUPPORTED:
+            raise ArtifactError(f"{root}: model_type {model_type!r} is not supported (only {', '.join(SUPPORTED)})")
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or default_dtype(device)
 
-    config = AutoConfig.from_pretrained(root)
-    if why := families.unsupported(config):
-        raise ArtifactError(f"{root}: {why}")
-    config._attn_implementation = "sdpa"
-    try:
-        arch = Arch.from_manifest(manifest, config)
-    except ArtifactError as e:
-        raise ArtifactError(f"{root}: {e}") from None
-    g, R = arch.group_size, arch.latent_rank
-    try:
-        sched = schedule or schedule_of(manifest)
-    except (KeyError, TypeError) as e:
-        raise ArtifactError(f"{root}: malformed schedule in the manifest ({e})") from None
-    if overrides:
-        sched = override_schedule(sched, R, config.num_hidden_layers, **overrides)
-    else:
-        sched.validate(R, config.num_hidden_layers)
+        config = AutoConfig.from_pretrained(root)
+        if why := families.unsupported(config):
+            raise ArtifactError(f"{root}: {why}")
+        config._attn_implementation = "sdpa"
+        try:
+            arch = Arch.from_manifest(manifest, config)
+        except ArtifactError as e:
+            raise ArtifactError(f"{root}: {e}") from None
+        g, R = arch.group_size, arch.latent_rank
+        try:
+            sched = schedule or schedule_of(manifest)
+        except (KeyError, TypeError) as e:
+            raise ArtifactError(f"{root}: malformed schedule in the manifest ({e})") from None
+        if overrides:
+            sched = override_schedule(sched, R, config.num_hidden_layers, **overrides)
+        else:
+            sched.validate(R, config.num_hidden_layers)
+        if tp_size != 1:
+            if config.model_type not in families.TENSOR_PARALLEL:
+                raise ValueError(
+                    f"tensor parallelism is not supported for {config.model_type} yet (only "
+                    f"{', '.join(families.TENSOR_PARALLEL)}): use tp_size 1"
+                )
+            tp.check_size(tp_size, arch.num_groups, g, root)
+            if any(lv.key_rank for lv in sched.levels):
+                raise ValueError("low-rank keys (key_rank) are not split over tensor-parallel ranks: use tp_size 1")
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    for i, layer in enumerate(model.model.layers):
-        layer.self_attn = TaleAttention(layer.self_attn, config, i, g)
+    model, rank_tp = meta_model(config, g, dtype, tp_cfg, mesh)
 
-    state = _read_tensors(root, device, dtype, verified)
-    expected = set(model.state_dict().keys())
-    tied = getattr(config, "tie_word_embeddings", False)
-    missing = expected - set(state) - ({"lm_head.weight"} if tied else set())
-    if missing and all(m.endswith(".v_proj.weight") for m in missing):  # the exact prefill needs them
-        raise ArtifactError(
-            f"{root}: artifact lacks the original v_proj.weight (written by an older tale-convert): "
-            "convert the model again"
-        )
-    if missing:
-        raise ArtifactError(f"{root}: artifact lacks {len(missing)} tensors, e.g. {sorted(missing)[0]}")
-    unexpected = set(state) - expected
-    if unexpected:
-        raise ArtifactError(f"{root}: artifact has unexpected tensors, e.g. {sorted(unexpected)[0]}")
-    try:
-        model.load_state_dict(state, strict=False, assign=True)
-    except RuntimeError as e:
-        first = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), str(e).splitlines()[0])
-        raise ArtifactError(f"{root}: tensors do not match config.json/manifest: {first}") from None
-    if tied:
-        model.tie_weights()
-    # non-persistent buffers (rotary inv_freq, Gemma's embedding scale) were created on meta: rebuild them for real
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
-    if (scale := families.embed_scale(model)) is not None:
-        model.model.embed_tokens.embed_scale = torch.tensor(scale)
-    model.to(device).eval()
-
-    # low-rank keys (Level.key_rank): the artifact's key basis, if it has one (verify_files refused it unlisted)
-    basis = key_basis.load_file(root, arch.num_layers, arch.num_kv_heads, arch.head_dim, device)
-    if why := key_basis.missing(sched.levels, basis):
-        raise ArtifactError(f"{root}: the schedule's low-rank keys: {why}")
-    model.tale_spec = TaleSpec(arch, sched, basis, manifest, root)
-    model.__class__ = tale_class(type(model))
+    with tp.all_ranks(tp_size):
+        params = dict(model.named_parameters()) if rank_tp is not None else None
+        skip = O_FUSED if output_path == "factored" else None
+        state = _read_tensors(root, device, dtype, verified, params, skip)
+        expected = set(model.state_dict().keys())
+        if skip:
+            expected = {k for k in expected if not k.endswith(skip)}
+            for layer in model.model.layers:  # O^r left out: an empty tensor in its place
+                layer.self_attn.tale.o_fused = nn.Parameter(torch.empty(0, device=device, dtype=dtype), False)
+        tied = getattr(config, "tie_word_embeddings", False)
+        missing = expected - set(state) - ({"lm_head.weight"} if tied else set())
+        if missing and all(m.endswith(".v_proj.weight") for m in missing):  # the exact prefill needs them
+            raise ArtifactError(
+                f"{root}: artifact lacks the original v_proj.weight (written by an older tale-convert): "
+                "convert the model again"
+            )
+        if missing:
+            raise ArtifactError(f"{root}: artifact lacks {len(missing)} tensors, e.g. {sorted(missing)[0]}")
+        unexpected = set(state) - expected
+        if unexpected:
+            raise ArtifactError(f"{root}: artifact has unexpected tensors, e.g. {sorted(unexpected)[0]}")
+        try:
+            model.load_state_dict(state, strict=False, assign=True)
+        except RuntimeError as e:
+            first = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), str(e).splitlines()[0])
+            raise ArtifactError(f"{root}: tensors do not match config.json/manifest: {first}") from None
+        del state
+        if tied:
+            model.tie_weights()
+        # low-rank keys (Level.key_rank): the artifact's key basis, if it has one (verify_files refused it unlisted)
+        basis = key_basis.load_file(root, arch.num_layers, arch.num_kv_heads, arch.head_dim, device)
+        if why := key_basis.missing(sched.levels, basis):
+            raise ArtifactError(f"{root}: the schedule's low-rank keys: {why}")
+    finish(model, device, TaleSpec(arch, sched, basis, manifest, root, tp=rank_tp))
+    set_output_path(model, output_path)
     set_backend(model, backend, backend_config)
 
     tok = None
     if any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tok = AutoTokenizer.from_pretrained(root)
     return model, tok
+
+
+def meta_model(config, group: int, dtype: torch.dtype, tp_cfg=None, mesh=None):
+    """The model of `config` on the meta device with TALE attention in every layer (`group` KV heads per latent
+    group), and, given tp.start()'s config and mesh, sharded by the TP plan (parameters become DTensor placeholders):
+    (model, tp.TP or None). Its weights are then loaded (or drawn, benchmarks/bench_tp.py), then finish()."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn = TaleAttention(layer.self_attn, config, i, group)
+    if tp_cfg is None:
+        return model, None
+    if getattr(config, "tie_word_embeddings", False):
+        # tied on meta, lm_head.weight is the embedding's parameter, which the TP plan would miss under that name:
+        # a placeholder of its own until load() ties them again (both split by vocabulary)
+        model.lm_head.weight = nn.Parameter(torch.empty_like(model.lm_head.weight), requires_grad=False)
+    return model, tp.distribute(model, tp_cfg, mesh)
+
+
+def finish(model, device: torch.device, spec: TaleSpec) -> None:
+    """A model whose weights are loaded, made ready: the rotary tables and Gemma's embedding scale (created on meta),
+    eval mode, TALE's factors as this rank's plain tensors under TP, `model.tale_spec` and the TALE model class
+    (generate knows TALE caches)."""
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    if (scale := families.embed_scale(model)) is not None:  # Gemma's scaled embedding: a buffer, also made on meta
+        model.model.embed_tokens.embed_scale = torch.tensor(scale)
+    model.to(device).eval()
+    if spec.tp is not None:
+        tp.localize(model, spec.tp)
+    model.tale_spec = spec
+    model.__class__ = tale_class(type(model))
 
 
 class TaleGenerationMixin:
@@ -288,10 +346,17 @@ def _model_type(root: Path) -> str | None:
 
 
 def _read_tensors(
-    root: Path, device: torch.device, dtype: torch.dtype, verified: set[str] | None = None
+    root: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    verified: set[str] | None = None,
+    params: dict | None = None,
+    skip: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """The tensors of the shards named by the index. verified: the files verify_files checked; a shard
-    outside it (an index edited to point at another file) is refused, never read. None: no checking."""
+    outside it (an index edited to point at another file) is refused, never read. None: no checking.
+    params: the model's parameters under tensor parallelism: a sharded one gets (and reads) only this rank's slice.
+    skip: tensors whose names end so are not read."""
     index = root / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -313,6 +378,14 @@ def _read_tensors(
         try:
             with safe_open(root / f, framework="pt", device=str(device)) as st:
                 for name in st.keys():
+                    if skip and name.endswith(skip):
+                        continue
+                    if params is not None and name in params:
+                        try:
+                            state[name] = tp.read_sharded(st, name, params[name], device, dtype)
+                        except ArtifactError as e:
+                            raise ArtifactError(f"{root}: {e}") from None
+                        continue
                     t = st.get_tensor(name).to(dtype)
                     # CPU tensors from safetensors may sit 8 bytes off a 64-byte boundary; BLAS results then
                     # depend on the file layout (1e-7 differences). An aligned copy makes them reproducible.
@@ -348,7 +421,7 @@ def new_cache(
     if static and keep != "recent":
         raise ValueError(f'keep="{keep}" needs the dynamic cache (the static cache places by recency)')
     spec: TaleSpec = model.tale_spec
-    a = spec.arch
+    a = spec.rank_arch()  # under tensor parallelism: this rank's heads and groups only
     sched = schedule or spec.schedule
     w = next(model.parameters())
     cs = CacheSpec(a, sched, static, w.device, w.dtype)
@@ -378,5 +451,7 @@ def set_backend(model, name: str = "auto", config=None) -> None:
 def set_output_path(model, path: str) -> None:
     if path not in ("fused", "factored"):
         raise ValueError(f"output path must be 'fused' or 'factored', got {path!r}")
+    if path == "fused" and model.model.layers[0].self_attn.tale.o_fused.numel() == 0:
+        raise ValueError("this model was loaded without O^r (load(..., output_path='factored')): load it again")
     for layer in model.model.layers:
         layer.self_attn.output_path = path

@@ -168,6 +168,18 @@ class TaleWeights(nn.Module):
         self.v_v = nn.Parameter(torch.empty(G, R, R, **kw), requires_grad=False)
         self.o_fused = nn.Parameter(torch.empty(d, H * R, **kw), requires_grad=False)
 
+    def forward(self, z: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The fused output z O^r (+ bias): [B, T, H*R] -> [B, T, d]. Under tensor parallelism z and O^r hold this
+        rank's heads, so the result is a partial sum: the TP plan's all-reduce on this module completes it."""
+        out = nn.functional.linear(z, self.o_fused)
+        return out if bias is None else out + bias
+
+
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's part of a parameter transformers' TP plan made a DTensor (a plain tensor: itself). For the
+    base model's weights read outside their module's forward (the value bias, W_O in the constant bias term)."""
+    return t.to_local() if t is not None and hasattr(t, "to_local") else t
+
 
 class TaleAttention(nn.Module):
     def __init__(self, orig: nn.Module, config, layer_idx: int, group: int):
@@ -201,9 +213,14 @@ class TaleAttention(nn.Module):
         self.v_proj = getattr(orig, "v_proj", None)
         self.output_path = "fused"  # or "factored"
 
+    def shard_heads(self, tp_size: int) -> None:
+        """Count this rank's heads and groups (tensor parallelism: whole latent groups per rank, runtime/tp.py)."""
+        self.H, self.K, self.G = self.H // tp_size, self.K // tp_size, self.G // tp_size
+
     @property
     def v_bias(self) -> torch.Tensor | None:
-        return None if self.v_proj is None else self.v_proj.bias
+        """The value bias (Qwen2), this rank's part under TP; None without one (Phi-3 has no v_proj)."""
+        return None if self.v_proj is None or self.v_proj.bias is None else local(self.v_proj.bias)
 
     # -- projections --------------------------------------------------------------------
 
@@ -220,29 +237,28 @@ class TaleAttention(nn.Module):
             v = v + self.v_bias.view(1, self.K, 1, self.head_dim)
         return v
 
-    def _bias_out(self) -> torch.Tensor | None:
-        """Constant output of the value bias: concat_q b_{m(q)} . W_O."""
+    def _bias_heads(self) -> torch.Tensor | None:
+        """The value bias per query head, concat_q b_{m(q)}: [H*n] (this rank's heads under TP)."""
         if self.v_bias is None:
             return None
-        b = self.v_bias.view(self.K, 1, self.head_dim).expand(self.K, self.H // self.K, self.head_dim)
-        return nn.functional.linear(b.reshape(1, -1), self.o_proj.weight).squeeze(0)
+        b = self.v_bias.view(self.K, 1, self.head_dim)
+        return b.expand(self.K, self.H // self.K, self.head_dim).reshape(-1)
 
     def output(self, z: torch.Tensor) -> torch.Tensor:
-        """z [B, T, H, R] (latent attention output) -> [B, T, d]."""
+        """z [B, T, H, R] (latent attention output) -> [B, T, d]. Under TP z holds this rank's heads; the all-reduce of
+        the TP plan's entry for self.tale (fused) or o_proj (factored) sums the ranks' parts."""
         B, T = z.shape[:2]
         dtype = self.o_proj.weight.dtype
+        b = self._bias_heads()  # softmax weights sum to 1: the value bias passes through attention unchanged
         if self.output_path == "fused":
-            out = nn.functional.linear(z.reshape(B, T, -1).to(dtype), self.tale.o_fused)
-            if self.o_proj.bias is not None:
-                out = out + self.o_proj.bias
-        else:
-            rep = self.H // self.K
-            zz = z.view(B, T, self.G, self.g, rep, self.R).to(dtype)
-            vv = self.tale.v_v.view(self.G, self.R, self.g, self.head_dim)
-            y = torch.einsum("btcjir,crjn->btcjin", zz, vv).reshape(B, T, self.H * self.head_dim)
-            out = self.o_proj(y)
-        bias = self._bias_out()
-        return out if bias is None else out + bias
+            bias = None if b is None else nn.functional.linear(b[None], local(self.o_proj.weight))[0]  # b . W_O
+            out = self.tale(z.reshape(B, T, -1).to(dtype), bias)
+            return out if self.o_proj.bias is None else out + local(self.o_proj.bias)
+        rep = self.H // self.K
+        zz = z.view(B, T, self.G, self.g, rep, self.R).to(dtype)
+        vv = self.tale.v_v.view(self.G, self.R, self.g, self.head_dim)
+        y = torch.einsum("btcjir,crjn->btcjin", zz, vv).reshape(B, T, self.H * self.head_dim)
+        return self.o_proj(y if b is None else y + b)
 
     # -- forward ------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ and the families' facts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -69,6 +69,15 @@ class Arch:
             raise ArtifactError(f"manifest architecture: {arch.num_heads} query heads over {K} KV heads")
         return arch
 
+    def per_rank(self, tp_size: int) -> Arch:
+        """The shapes one rank of tensor parallelism holds: whole latent groups, H/N query, K/N KV heads, G/N groups."""
+        if tp_size == 1:
+            return self
+        n = tp_size
+        return replace(
+            self, num_heads=self.num_heads // n, num_kv_heads=self.num_kv_heads // n, num_groups=self.num_groups // n
+        )
+
     def to_manifest(self) -> dict:
         L, g, G, R = self.num_layers, self.group_size, self.num_groups, self.latent_rank
         return {
@@ -97,6 +106,15 @@ class TaleSpec:
     path: Path | None = None
     backend: str = "auto"
     backend_config: object | None = None
+    tp: object | None = None  # tensor parallelism (runtime/tp.py TP: size, rank, mesh); None: one process
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.tp is None else self.tp.size
+
+    def rank_arch(self) -> Arch:
+        """The shapes this process holds and caches (the whole model's `arch` without tensor parallelism)."""
+        return self.arch.per_rank(self.tp_size)
 
     def nominal_ratio(self, schedule: Schedule | None = None) -> float:
         """artifact.nominal_ratio of `schedule` (default: the model's) on this architecture."""

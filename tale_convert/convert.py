@@ -332,6 +332,7 @@ def _convert_locked(model, out: Path, opts: Options, on_layer, log, warn, t0) ->
         shutil.rmtree(tmp / resume.DIR)
         if bands or opts.wants_basis():
             _calibrated(tmp, manifest, bands, opts.wants_basis(), tokens, device, base_card, log)
+        console.check_interrupted()  # never publish after a signal, wherever its KeyboardInterrupt went
         write.publish(tmp, out, opts.overwrite)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM turned into one by the console layer
         if writer:
@@ -385,7 +386,8 @@ def _calibrated(tmp: Path, manifest: dict, bands, basis: bool, tokens, device, b
             a = model.model.layers[i].self_attn
             enc, dec = key_basis.fit(m2.cpu(), mean.cpu(), key_basis.pair_mean(q2.cpu(), a.K, a.head_dim))
             e, d, m = key_basis.names(i)
-            tensors[e], tensors[d], tensors[m] = enc, dec, mean.float().cpu().contiguous()
+            # one joint block: 2-D, as every reader since format 2.2 reads it
+            tensors[e], tensors[d], tensors[m] = enc[0], dec[0], mean.float().cpu().contiguous()
         save_file(tensors, str(tmp / key_basis.FILE))
         os.chmod(tmp / key_basis.FILE, 0o644)  # shared like the shards (save_file creates it private)
         done.append(f"key basis ({len(tensors) // 3} layers)")
@@ -508,6 +510,7 @@ def _stream(
     with ThreadPoolExecutor(1, thread_name_prefix="tale-read") as pool:  # reads layer i+1 while i runs
         reads = {todo[0]: pool.submit(ckpt.read, per_layer[todo[0]])} if todo else {}
         for i in range(arch.L):
+            console.check_interrupted()
             t = time.perf_counter()
             if i not in reads:
                 f, seconds = partial.load_layer(i)

@@ -26,6 +26,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist workers (make test): one CPU thread each, the CLIs they start included, or the workers oversubscribe
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
 # Tiny configs: GQA with several groups (llama), one group (mistral, sliding window config),
 # value bias and rep=3 (qwen2), MHA with tied embeddings (mha).
 TINY = {

@@ -315,3 +315,31 @@ def test_generate_refuses_bad_sampling_arguments(built, kw):
     model, _ = tale_runtime.load(built, device="cpu", dtype="fp32")
     with pytest.raises(ValueError):
         generate(model, [1, 2, 3], max_new_tokens=2, **kw)
+
+
+SWALLOWED = """
+import os, signal, time, typer
+from tale_runtime import console
+
+app = typer.Typer()
+
+class Finalized:
+    def __del__(self):  # the signal lands here: Python ignores what a finalizer raises and goes on
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+
+@app.command()
+def main():
+    Finalized()
+    print("went on")
+
+console.run_app(app)
+"""
+
+
+def test_a_signal_whose_interrupt_a_finalizer_swallowed_still_ends_as_an_interrupt():
+    """SIGTERM raises KeyboardInterrupt where the process is; inside a finalizer Python prints it as 'Exception
+    ignored' and goes on. The command still ends as interrupted (exit 143, one line), with no traceback."""
+    p = subprocess.run([sys.executable, "-c", SWALLOWED], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 143, p.stderr
+    assert p.stderr.strip() == "interrupted (SIGTERM)", p.stderr

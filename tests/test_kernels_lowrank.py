@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -96,11 +96,13 @@ def make_view(
     meta="8/8",
     lat_bits=3,
     coef_bits=4,
+    blocks=1,
     seed=0,
 ):
-    """A LayerView: sinks (16-bit, after RoPE) | low-rank coefficients (coef_bits, before RoPE) | 4-bit keys before
-    RoPE per channel | 8-bit keys before RoPE per token | 16-bit tail after RoPE, lengths lay.lens (0: empty,
-    dropped); each region `extra` unused slots (NaN inside, pos -1)."""
+    """A LayerView: sinks (16-bit, after RoPE) | low-rank coefficients (coef_bits, before RoPE; lay.r per block of a
+    basis of `blocks` blocks: 1 joint, K per head) | 4-bit keys before RoPE per channel | 8-bit keys before RoPE per
+    token | 16-bit tail after RoPE, lengths lay.lens (0: empty, dropped); each region `extra` unused slots (NaN
+    inside, pos -1)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     B, K, G, n, R, dt = lay.B, lay.K, lay.G, lay.n, lay.R, lay.dtype
     C = K * n
@@ -108,7 +110,8 @@ def make_view(
     def rnd(*shape, s=1.0):
         return (torch.randn(*shape, generator=g) * s).to(DEVICE)
 
-    enc = torch.linalg.qr(torch.randn(C, C, generator=g))[0] * 2.0
+    nb = C // blocks
+    enc = torch.linalg.qr(torch.randn(blocks, nb, nb, generator=g))[0] * 2.0
     basis = KeyBasis(enc.to(DEVICE), torch.linalg.inv(enc).to(DEVICE), rnd(C, s=0.5), K, n)
     kinds = kinds or ["sink", "lowrank", "chan4", "tok8", "tail"]
     regions, p0 = [], 0
@@ -132,7 +135,7 @@ def make_view(
             keys = quantize(apply_rope(k_pre, cos, sin).to(dt), 16, 1, -2)
             lat, rope, bs = quantize(h, 16, 1, -1), None, None
         elif kind == "lowrank":
-            coef = rnd(B, 1, cap, lay.r, s=3.0).to(dt)
+            coef = rnd(B, blocks, cap, lay.r, s=3.0).to(dt)
             keys = quantize(coef, coef_bits, 8, -2, meta)
             lat, rope, bs = quantize(h, lat_bits, 8, -1, meta), (cos, sin), basis
         elif kind == "chan4":
@@ -174,7 +177,8 @@ def check(lay: Layout, tol=None, rope_modes=("tables", "kernel"), **kw):
     tol = tol or (1e-4 if lay.dtype == torch.float32 else 5e-3)
     for mode in rope_modes:
         rope = None if mode == "tables" else rot
-        for fused in (True, False):  # the group's heads rebuilt in one dot, or head by head
+        # a joint basis: the group's heads rebuilt in one dot, or head by head; a per-head one: head by head
+        for fused in (True, False) if kw.get("blocks", 1) == 1 else (True,):
             z = lra.latent_attention_lowrank(
                 q, k, h, view, scaling, window, rope=rope, split_tokens=32, fused_heads=fused
             )
@@ -211,6 +215,35 @@ def test_empty_levels_sliding_window_device_lengths_and_unused_slots():
     check(Layout(lens=(4, 0, 16, 0, 1)))
 
 
+@pytest.mark.parametrize("B", [1, 4])
+def test_per_head_basis(B):
+    """One basis block per KV head: coefficients [B, K, cap, r_h], each head rebuilt from its own."""
+    check(Layout(B=B, r=12, pad=[0, 3, 5, 9][:B]), blocks=2)
+
+
+def test_per_head_basis_gqa_window_device_lengths_and_bf16():
+    lay = Layout(B=2, H=16, K=4, G=2, r=10, pad=[0, 6], lens=(8, 45, 0, 9, 4))
+    check(lay, blocks=4, window=40, extra=5, tensor_len=True, rope_modes=("kernel",))
+    lay = Layout(B=2, H=8, K=2, G=1, n=64, r=24, pad=[0, 2], lens=(4, 75, 16, 8, 3), dtype=torch.bfloat16)
+    check(lay, blocks=2, rope_modes=("tables",))
+
+
+def test_basis_blocks_the_kernel_refuses():
+    """A basis of 2 blocks over 4 KV heads, or coefficients that do not match the basis' blocks: the reference."""
+    lay = Layout(H=8, K=4, G=2, r=8, lens=(4, 20, 8, 0, 2))
+    rot = rotary(lay.n)
+    q, k, h = new_token(lay, rot)
+    view = make_view(lay, rot, blocks=2)
+    assert "2 blocks" in lra.supported(q, k, h, view)
+    ref = ref_attention(q, k, h, view, 0.2)
+    assert torch.equal(lra.latent_attention_lowrank(q, k, h, view, 0.2), ref)
+    per_head = make_view(lay, rot, blocks=4)
+    assert lra.supported(q, k, h, per_head) is None
+    joint_coef = make_view(lay, rot, blocks=1).regions[1].keys  # [B, 1, cap, r] against a basis of 4 blocks
+    per_head.regions[1] = replace(per_head.regions[1], keys=joint_coef)
+    assert "low-rank keys of shape" in lra.supported(q, k, h, per_head)
+
+
 def test_bf16():
     check(Layout(B=2, H=8, K=2, G=1, n=64, r=40, pad=[0, 2], lens=(4, 75, 16, 8, 3), dtype=torch.bfloat16))
 
@@ -227,11 +260,18 @@ def test_basis_columns_fit_float16_whatever_their_range():
     dec[:, 20] *= 2.0**-30
     bs = KeyBasis(torch.zeros(K * n, C), dec, torch.randn(K * n), K, n)
     lo, hi, rows = lra._basis_on(bs, n // 2, "cpu", torch.float16)
+    assert lo.shape == hi.shape == (1, C, K * n // 2)
     assert lo.abs().max() <= 1 and hi.abs().max() <= 1 and torch.isfinite(lo).all() and torch.isfinite(hi).all()
-    back = torch.stack([lo.float() * rows[2], hi.float() * rows[3]], 1)  # [C, 2, K n / 2]: per head lo | hi
+    back = torch.stack([lo[0].float() * rows[2], hi[0].float() * rows[3]], 1)  # [C, 2, K n / 2]: per head lo | hi
     want = dec.view(C, K, 2, n // 2).transpose(1, 2).reshape(C, 2, K * n // 2)
     assert ((back - want).abs() / want.abs().amax(0)).max() <= 2**-11  # float16's rounding, per column's range
     assert torch.equal(rows[:2].flatten(), bs.mean.view(K, 2, n // 2).transpose(0, 1).flatten())
+    # one block per head: block j's columns are head j's, rows still per head across the layer
+    per = KeyBasis(torch.zeros(K, n, n), dec.view(C, K, n)[:n].transpose(0, 1).contiguous(), bs.mean, K, n)
+    lo, hi, rows = lra._basis_on(per, n // 2, "cpu", torch.float16)
+    assert lo.shape == hi.shape == (K, n, n // 2)
+    back = torch.cat([lo.float() * rows[2].view(K, 1, n // 2), hi.float() * rows[3].view(K, 1, n // 2)], -1)
+    assert ((back - per.dec).abs() / per.dec.abs().amax(1, keepdim=True)).max() <= 2**-11
 
 
 def test_without_rope_scaling_and_supported_reasons():

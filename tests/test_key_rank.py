@@ -45,7 +45,7 @@ def test_fit_inverts_and_orders_by_query_weighted_variance():
     mean = torch.arange(8.0, dtype=torch.float64)
     x = x + mean
     m2 = x.T @ x / len(x)
-    enc, dec = fit(m2, x.mean(0), None)
+    enc, dec = (t[0] for t in fit(m2, x.mean(0), None))  # one joint block
     torch.testing.assert_close(enc.double() @ dec.double(), torch.eye(8, dtype=torch.float64), atol=1e-5, rtol=0)
     var = ((x - x.mean(0)) @ enc.double()).var(0)
     assert (var[:-1] >= var[1:]).all() and var[0] > 20  # largest first, the mean taken out
@@ -56,10 +56,35 @@ def test_fit_inverts_and_orders_by_query_weighted_variance():
         mu = x.mean(0)
         return ((x - mu) @ enc[:, :7].double() @ dec[:7].double() + mu - x).pow(2).mean(0)
 
-    e_w, e_plain = dropped(*fit(m2, x.mean(0), w)), dropped(enc, dec)
+    e_w, e_plain = dropped(*(t[0] for t in fit(m2, x.mean(0), w))), dropped(enc, dec)
     assert e_w[0] > 20 and e_w[1:].max() < 0.05, e_w  # channel 0 (variance 25) dropped
     assert e_plain[0] < 1e-6 and e_plain[-1] > 0.005, e_plain  # unweighted: the smallest variance dropped
     assert torch.equal(pair_mean(torch.tensor([1.0, 2, 3, 4]), 1, 4), torch.tensor([2.0, 3, 2, 3]))
+
+
+def test_per_head_blocks_are_the_diagonal_of_the_joint_statistics_and_round_trip():
+    """blocks = K fits one basis per head from the diagonal blocks of the same second moment: keys rebuilt at full
+    rank equal the input, each head's coefficients depend on its own channels only, and the file format holds
+    either (2-D: one joint block, as first written; 3-D: blocks)."""
+    torch.manual_seed(0)
+    B, K, T, n = 2, 3, 5, 4
+    x = torch.randn(400, K * n, dtype=torch.float64) @ torch.randn(K * n, K * n, dtype=torch.float64)
+    m2, mean = x.T @ x / len(x), x.mean(0)
+    k = torch.randn(B, K, T, n)
+    for blocks in (1, K):
+        enc, dec = fit(m2, mean, None, blocks)
+        assert enc.shape == dec.shape == (blocks, K * n // blocks, K * n // blocks)
+        bs = KeyBasis(enc, dec, mean.float(), K, n)
+        c = bs.encode(k.double(), K * n // blocks)
+        assert c.shape == (B, blocks, T, K * n // blocks)
+        torch.testing.assert_close(bs.decode(c).float(), k, atol=1e-4, rtol=0)
+    bump = k.clone()
+    bump[:, 1] += 1.0  # head 1 moves: per head, only its coefficients do
+    per_head = KeyBasis(*fit(m2, mean, None, K), mean.float(), K, n)
+    moved = (per_head.encode(bump, 2) - per_head.encode(k, 2)).abs().amax((0, 2, 3))
+    assert moved[1] > 0.1 and moved[0] == 0 and moved[2] == 0
+    joint = KeyBasis(*(t[0] for t in fit(m2, mean, None)), mean.float(), K, n)  # 2-D, as the first files held
+    assert joint.blocks == 1 and joint.enc.shape == (1, K * n, K * n)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
@@ -191,7 +216,7 @@ def test_tale_convert_writes_a_verified_basis_that_load_reads(tiny_model_dir, tm
     model, _ = load(out, device="cpu", dtype=torch.float32, key_rope="pre", key_rank=[16, 0])
     C = model.config.num_key_value_heads * model.model.layers[0].self_attn.head_dim
     assert len(model.tale_spec.key_basis) == model.config.num_hidden_layers
-    assert model.tale_spec.key_basis[0].enc.shape == (C, C)
+    assert model.tale_spec.key_basis[0].enc.shape == (1, C, C)
     ids = ids_for(50)
     exact = dict(device="cpu", dtype=torch.float32, bits=16, ranks=1.0, key_rope="pre")
     full, _ = load(out, key_rank=C, **exact)
@@ -229,7 +254,7 @@ def test_tale_convert_writes_a_verified_basis_that_load_reads(tiny_model_dir, tm
     save_file(t, out / FILE)
     m["files"] = hash_files(out)
     write_json(out / MANIFEST, m)
-    assert load(out, device="cpu", key_rope="pre", key_rank=[8, 0])[0].tale_spec.key_basis[0].enc.shape == (C, 8)
+    assert load(out, device="cpu", key_rope="pre", key_rank=[8, 0])[0].tale_spec.key_basis[0].enc.shape == (1, C, 8)
     with pytest.raises(ArtifactError, match="key_rank 16 exceeds the key basis \\(8 directions\\)"):
         load(out, device="cpu", key_rope="pre", key_rank=[16, 0])
 

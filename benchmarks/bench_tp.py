@@ -1,0 +1,468 @@
+"""Tensor-parallel decode over N GPUs: TALE against transformers' own tensor parallelism, Llama-3.1-70B and 8B shapes.
+
+Run one process per GPU under torchrun (a plain `python` run is one process: the N=1 rows):
+
+    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --model 8b --out tp2-8b.md        # the check, then 8B
+    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --model 70b --no-check --out tp2-70b.md
+    torchrun --nproc-per-node 4 benchmarks/bench_tp.py --model 70b --ctx 32768 --out tp4-70b.md
+    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --device cpu --tiny      # CPU, gloo: checks the script
+
+Models: random Llama weights (N(0, 0.02), norms 1) with Llama-3.1 shapes (70B: 80 layers, hidden 8192, 64 query /
+8 KV heads of 128, MLP 28672; 8B: 32 layers, hidden 4096, 32 / 8 heads, MLP 14336; vocab 128256), bf16, drawn on the
+GPUs: each tensor is drawn whole on the rank's GPU from a seed of its name and cut to the rank's slice (transformers'
+DtensorShardOperation), so every rank and a one-process model hold the same model, and nothing is read from disk.
+TALE's factors are random too (their values do not change the timing), in groups of g KV heads (`--group`; by default
+the largest of 4, 2, 1 that N splits, each rank holding whole groups: 2 groups of 4 over up to 2 GPUs, 4 groups of 2
+over 4, groups of 1 over 8), the paper's schedule (4 sinks, p = 0.1 at 4 bits full rank, middle at 2 bits and half
+rank, key/value groups and residual 32). The TALE model is built as runtime/load.py's meta_model builds it (TALE
+attention, then transformers' TP plan with TALE's entries, runtime/tp.py) and made ready by its finish(). The baseline
+is the same base weights with the model's own attention, after TALE's factors are dropped.
+
+1. Correctness first (8B shapes, or the tiny model): the same prompt through the TP model and through a one-process
+   model of the same weights on rank 0, greedy, TALE with the dynamic and the static cache, transformers with its
+   static cache: the relative error of the prefill logits, the largest over the decode steps fed the same tokens, and
+   how many greedy tokens agree. transformers' TP against its own one-process model is the yardstick of what N-way
+   reductions change in bf16; the run stops (every rank, exit code 1) if TALE's error exceeds 4 times it and 5%.
+2. Timing, per model and context, batch 1, through model.generate: TALE's static cache (decode steps replayed as CUDA
+   graphs of the compiled step, runtime/decode.py); transformers' static cache with its automatic torch.compile.
+   ms/token = median of the decode steps' intervals after `--warm` steps (a logits processor takes the time after a
+   device sync at every step; generate syncs at every step anyway). Peak = torch.cuda.max_memory_allocated during the
+   call, the largest over the ranks. An out-of-memory is a row of its own; transformers is not run where its weights
+   and 16-bit KV cache alone pass the GPU's memory.
+
+O^r is g times the size of W_O (40 GiB at 70B with g = 4): `--output-path auto` (the default) takes the factored
+output (B then W_O, the same result, O^r not built) when the weights with O^r would pass 80% of the GPU's memory
+(70B on 2 GPUs). NCCL's NVLink multicast (NVLS) stays as the environment sets it (NCCL_NVLS_ENABLE): this script sets
+no NCCL variable. Each model with the check and two contexts is several minutes of compiles and prefills: one model per
+call keeps a call short (`--ctx 32768` shorter still).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import zlib
+
+import harness
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+from tale_runtime import new_cache, set_output_path, tp
+from tale_runtime.artifact import Schedule, uniform_ranks
+from tale_runtime.load import finish
+from tale_runtime.model import TaleAttention, cache_arg
+from tale_runtime.spec import Arch, TaleSpec
+
+GiB = harness.GIB
+SHAPES = {
+    "8b": dict(harness.LLAMA_8B, head_dim=128),
+    "70b": dict(harness.LLAMA_70B, head_dim=128, num_hidden_layers=80),
+    "tiny": dict(harness.SMOKE, num_hidden_layers=2, head_dim=32),
+}
+T0 = time.perf_counter()
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", 0))
+
+
+def log(*a) -> None:
+    if rank() == 0:
+        print(f"[{time.perf_counter() - T0:7.1f}s]", *a, file=sys.stderr, flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def barrier(tp_size: int) -> None:
+    if tp_size > 1:
+        torch.distributed.barrier()
+
+
+def gather(tp_size: int, x):
+    """x of every rank (a list), [x] in one process."""
+    if tp_size == 1:
+        return [x]
+    out = [None] * tp_size
+    torch.distributed.all_gather_object(out, x)
+    return out
+
+
+# -- the models ---------------------------------------------------------------------------------------------------
+
+
+def draw(model, device: torch.device, dtype: torch.dtype, skip: tuple[str, ...] = ()) -> None:
+    """Random weights: each tensor drawn whole on `device` from a seed of its name, then cut to this rank's slice for a
+    parameter the TP plan sharded. Names ending in one of `skip` get an empty tensor (not used by the run)."""
+    from torch.distributed.tensor import DTensor
+    from transformers.distributed.sharding_utils import DtensorShardOperation, _dtensor_from_local_like
+
+    for name, p in list(model.named_parameters()):
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        if name.endswith(skip):
+            module._parameters[leaf] = nn.Parameter(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
+            continue
+        if name.endswith("norm.weight"):
+            full = torch.ones(p.shape, device=device, dtype=dtype)
+        else:
+            gen = torch.Generator(device).manual_seed(zlib.crc32(name.encode()))
+            full = torch.randn(p.shape, generator=gen, device=device, dtype=dtype).mul_(0.02)
+        if isinstance(p, DTensor):
+            local = DtensorShardOperation(p).shard_tensor(full, device=device, dtype=dtype)
+            full = _dtensor_from_local_like(local, p)
+        module._parameters[leaf] = nn.Parameter(full, requires_grad=False)
+
+
+class Pair:
+    """One set of random weights as a TALE model and as the base model: the decoder layers' attention is swapped
+    between TaleAttention and the model's own (they share q/k/v/o_proj)."""
+
+    def __init__(self, shape: str, layers: int | None, group, device, dtype, tp_size: int, start, output: str):
+        cfg = dict(SHAPES[shape], max_position_embeddings=1 << 18)
+        K = cfg["num_key_value_heads"]
+        if group is None:  # each rank holds whole groups: 8 KV heads in 2 groups of 4 split over 2 GPUs at most
+            group = next(g for g in (4, 2, 1) if (K // g) % tp_size == 0)
+        tp.check_size(tp_size, K // group, group)
+        self.group = group
+        if layers:
+            cfg["num_hidden_layers"] = layers
+        config = AutoConfig.for_model("llama", **cfg)
+        config._attn_implementation = "sdpa"
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        self.orig = [layer.self_attn for layer in model.model.layers]
+        for i, layer in enumerate(model.model.layers):
+            layer.self_attn = TaleAttention(layer.self_attn, config, i, group)
+        rank_tp = None
+        if tp_size > 1:
+            cfg_tp, _, mesh = start
+            rank_tp = tp.distribute(model, cfg_tp, mesh)
+        n, K, H, L = config.head_dim, config.num_key_value_heads, config.num_attention_heads, config.num_hidden_layers
+        G, R = K // group, group * n
+        self.output = output
+        if output == "auto":
+            self.output = "fused" if fits_fused(config, group, tp_size, dtype, device) else "factored"
+        draw(model, device, dtype, skip=("tale.o_fused",) if self.output == "factored" else ())
+        vg = 8 if shape == "tiny" else 32
+        sched = Schedule(ranks=uniform_ranks(R, L, 0.5, value_group=vg), key_group=vg, value_group=vg, residual=vg)
+        arch = Arch("llama", L, config.hidden_size, H, K, n, group, G, R)
+        finish(model, device, TaleSpec(arch, sched, None, {}, tp=rank_tp))
+        set_output_path(model, self.output)
+        model.generation_config.eos_token_id = None
+        model.generation_config.pad_token_id = 0
+        self.model, self.tale = model, [layer.self_attn for layer in model.model.layers]
+
+    def use(self, which: str):
+        for layer, a in zip(self.model.model.layers, self.tale if which == "tale" else self.orig):
+            layer.self_attn = a
+        return self.model
+
+
+def weight_bytes(config, group: int, dtype: torch.dtype, fused: bool) -> int:
+    """Bytes of the TALE model's weights: the base model, A and B per group, O^r when fused."""
+    c = config
+    d, n, H, K, L = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.num_hidden_layers
+    R, G = group * n, K // group
+    return base_bytes(c, dtype) + L * (G * d * R + G * R * R + (d * H * R if fused else 0)) * dtype.itemsize
+
+
+def fits_fused(config, group: int, tp_size: int, dtype, device) -> bool:
+    if device.type != "cuda":
+        return True
+    total = torch.cuda.get_device_properties(device).total_memory
+    return weight_bytes(config, group, dtype, True) / tp_size < 0.8 * total
+
+
+# -- generate, timed ----------------------------------------------------------------------------------------------
+
+
+class Clock(LogitsProcessor):
+    """The time of every generate step, after a device sync."""
+
+    def __init__(self, device):
+        self.device, self.t = device, []
+
+    def __call__(self, input_ids, scores):
+        sync(self.device)
+        self.t.append(time.perf_counter())
+        return scores
+
+
+def prompt(vocab: int, T: int, device) -> torch.Tensor:
+    gen = torch.Generator("cpu").manual_seed(T)
+    return torch.randint(1, vocab, (1, T), generator=gen).to(device)
+
+
+def peak_reset(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak(device) -> float:
+    return torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else float("nan")
+
+
+@torch.inference_mode()
+def run(model, ids: torch.Tensor, new: int, cache=None, **kw):
+    """Greedy generate of `new` tokens: (tokens [new], logits [new, V] float32, step times)."""
+    clock = Clock(ids.device)
+    out = model.generate(
+        ids,
+        **({} if cache is None else cache_arg(cache)),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        logits_processor=LogitsProcessorList([clock]),
+        **kw,
+    )
+    return out.sequences[0, ids.shape[1] :].tolist(), torch.stack(out.logits)[:, 0].float(), clock.t
+
+
+def hf_static_kw(device) -> dict:
+    """transformers' static cache; on CUDA with its automatic torch.compile of the decode step (off on the CPU)."""
+    return dict(cache_implementation="static", disable_compile=device.type != "cuda")
+
+
+# -- 1. correctness ---------------------------------------------------------------------------------------------------
+
+
+def check(args, device, dtype, tp_size: int, start) -> str:
+    """TP against one process on rank 0 (same weights), TALE (dynamic and static cache) and transformers (static): a
+    markdown table; SystemExit on every rank if TALE's logits are out of line (more than 4 times transformers' own
+    TP error and 5%)."""
+    shape = "tiny" if args.tiny else "8b"
+    T, new = (64, 8) if args.tiny else (1024, 16)
+    cases = {
+        "TALE, dynamic cache": lambda m: run(m, ids, new, cache=new_cache(m)),
+        "TALE, static cache": lambda m: run(m, ids, new, cache=new_cache(m, static=True)),
+        "transformers, static cache": lambda m: run(m, ids, new, **hf_static_kw(device)),
+    }
+
+    def results(pair) -> dict:
+        out = {}
+        for name, fn in cases.items():
+            out[name] = fn(pair.use("transformers" if name.startswith("transformers") else "tale"))[:2]
+        return out
+
+    pair = Pair(shape, args.check_layers, args.group, device, dtype, tp_size, start, "fused")
+    ids = prompt(pair.model.config.vocab_size, T, device)
+    par, group = results(pair), pair.group
+    del pair
+    free(device)
+    rows, bad = [], []
+    barrier(tp_size)
+    if rank() == 0:
+        one = Pair(shape, args.check_layers, group, device, dtype, 1, None, "fused")
+        ref = results(one)
+        del one
+        free(device)
+        errs = {}
+        for name in cases:
+            (tok, lg), (rtok, rlg) = par[name], ref[name]
+            rel = ((lg - rlg).norm(dim=-1) / rlg.norm(dim=-1)).tolist()  # per step
+            same = next((i for i, (a, b) in enumerate(zip(tok, rtok)) if a != b), len(tok))
+            errs[name] = max(rel[: same + 1])  # the steps fed the same tokens: up to the first that differs
+            rows.append([name, f"{rel[0]:.2e}", f"{errs[name]:.2e}", f"{same}/{len(tok)}"])
+        # a wrong split gives errors of order 1 (a group's heads against another's factors: 1.4 on the tiny model);
+        # bf16 rounding differs in the reductions, and a quantization code may flip with it
+        yard = errs["transformers, static cache"]
+        bad = [n for n, e in errs.items() if n.startswith("TALE") and e > max(4 * yard, 0.05)]
+    barrier(tp_size)
+    bad = gather(tp_size, bad)[0]
+    table = harness.table(
+        [
+            f"{shape}, {T}-token prompt, {new} greedy tokens",
+            "prefill logits rel. error",
+            "largest over the steps with the same input",
+            "same tokens",
+        ],
+        rows,
+    )
+    if bad:
+        log(f"correctness check FAILED for {', '.join(bad)}:\n{table}")
+        raise SystemExit(1)
+    return table
+
+
+# -- 2. timing --------------------------------------------------------------------------------------------------------
+
+
+def free(device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def timed(model, ids, new: int, warm: int, device, tp_size: int, cache=None, **kw) -> dict:
+    peak_reset(device)
+    try:
+        _, _, t = run(model, ids, warm + new, cache=cache, **kw)
+        steps = [b - a for a, b in zip(t, t[1:])][warm - 1 :]  # t[0] ends the prefill
+        res = dict(ms=statistics.median(steps) * 1e3, peak=peak(device))
+    except torch.OutOfMemoryError:
+        res = dict(error="out of memory")
+    except RuntimeError as e:
+        res = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:100]}")
+    if cache is not None and "error" not in res:
+        res["cache"] = cache.nbytes() / GiB
+        res["attention"] = cache.backend_name
+    del cache
+    free(device)
+    every = gather(tp_size, res)
+    if any("error" in r for r in every):
+        return next(r for r in every if "error" in r)
+    return dict(every[0], peak=max(r["peak"] for r in every), cache=res.get("cache", float("nan")))
+
+
+def attention(r: dict) -> str:
+    return r.get("attention", "")
+
+
+def timings(args, device, dtype, tp_size: int, start) -> list[list]:
+    """Per model: TALE at every context, then TALE's factors are dropped and transformers runs on the base weights
+    alone (its peak memory holds nothing of TALE's)."""
+    rows = []
+    for shape in ["tiny"] if args.tiny else args.model.split(","):
+        pair = Pair(shape, args.layers, args.group, device, dtype, tp_size, start, args.output_path)
+        c = pair.model.config
+        log(f"{shape}: {c.num_hidden_layers} layers on {tp_size} rank(s), group {pair.group}, output {pair.output}")
+        tale = {}
+        for ctx in args.ctx:
+            m = pair.use("tale")
+            ids = prompt(c.vocab_size, ctx, device)
+            tale[ctx] = timed(m, ids, args.new, args.warm, device, tp_size, cache=new_cache(m, static=True))
+            log(shape, ctx, "TALE", tale[ctx])
+        for a in pair.tale:
+            for name in list(a.tale._parameters):
+                a.tale._parameters[name] = None
+        free(device)
+        for ctx in args.ctx:
+            hf = {"error": "not run (--no-hf)"}
+            need = (base_bytes(c, dtype) + kv_bytes(c, ctx + args.warm + args.new, dtype)) / tp_size
+            if (
+                not args.no_hf
+                and device.type == "cuda"
+                and need > torch.cuda.get_device_properties(device).total_memory
+            ):
+                hf = {"error": f"does not fit: weights + 16-bit KV cache {need / GiB:.0f} GiB per GPU"}
+            elif not args.no_hf:
+                ids = prompt(c.vocab_size, ctx, device)
+                hf = timed(pair.use("transformers"), ids, args.new, args.warm, device, tp_size, **hf_static_kw(device))
+                log(shape, ctx, "transformers", hf)
+            t = tale[ctx]
+            speedup = hf["ms"] / t["ms"] if "ms" in hf and "ms" in t else float("nan")
+            rows.append(
+                [
+                    f"{shape} ({c.num_hidden_layers} layers, g={pair.group}, {pair.output})",
+                    tp_size,
+                    f"{ctx // 1024}K" if ctx >= 1024 else ctx,
+                    *cells(t, cache=True),
+                    attention(t),
+                    *cells(hf),
+                    harness.fmt(speedup, 2) + "x" if speedup == speedup else "n/a",
+                ]
+            )
+        del pair, m
+        free(device)
+    return rows
+
+
+def base_bytes(c, dtype) -> int:
+    d, n, H, K, L = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.num_hidden_layers
+    return (L * (d * (2 * H + 2 * K) * n + 3 * d * c.intermediate_size + 2 * d) + 2 * c.vocab_size * d) * dtype.itemsize
+
+
+def kv_bytes(c, tokens: int, dtype) -> int:
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * tokens * dtype.itemsize
+
+
+def cells(r: dict, cache: bool = False) -> list[str]:
+    if "error" in r:
+        return [r["error"], "", ""][: 3 if cache else 2]
+    out = [harness.fmt(r["ms"], 2), harness.fmt(r["peak"], 1)]
+    return out + [harness.fmt(r["cache"], 3)] if cache else out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="8b,70b", help="8b, 70b or both (comma-separated)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers of the timed models (default: all)")
+    ap.add_argument("--ctx", default="32768,131072", help="prompt lengths (comma-separated)")
+    ap.add_argument("--new", type=int, default=32, help="timed decode steps")
+    ap.add_argument("--warm", type=int, default=4, help="decode steps before the timed ones (compile, capture)")
+    ap.add_argument(
+        "--group",
+        type=int,
+        default=None,
+        help="KV heads per latent group (default: the largest of 4, 2, 1 that N splits)",
+    )
+    ap.add_argument("--output-path", default="auto", choices=["auto", "fused", "factored"])
+    ap.add_argument("--check-layers", type=int, default=None, help="layers of the 8B check model (default: all)")
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers' rows")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model, short prompts: checks the script (CPU)")
+    ap.add_argument("--out", default=None, help="also write the tables to this markdown file (rank 0)")
+    args = ap.parse_args()
+    args.ctx = [int(x) for x in args.ctx.split(",")]
+    if args.tiny:
+        args.ctx = [c for c in args.ctx if c <= 512] or [96, 160]
+        args.new, args.warm = min(args.new, 8), min(args.warm, 2)
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    tp_size = int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device(args.device)
+    start = None
+    if tp_size > 1:
+        start = tp.start(tp_size, device)
+        device = start[1]
+    elif device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    gpu = harness.device_name() if device.type == "cuda" else "CPU"
+    log(f"{tp_size} rank(s) on {gpu}; NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', '(unset)')}")
+
+    lines = [f"# Tensor parallelism: {tp_size} x {gpu}", ""]
+    if tp_size > 1 and not args.no_check:
+        lines += ["## TP against one process, same weights", "", check(args, device, dtype, tp_size, start)]
+    rows = timings(args, device, dtype, tp_size, start)
+    header = [
+        "model",
+        "GPUs",
+        "context",
+        "TALE ms/token",
+        "TALE peak GiB/GPU",
+        "TALE cache GiB/GPU",
+        "TALE decode attention",
+        "transformers TP ms/token",
+        "transformers peak GiB/GPU",
+        "speed-up",
+    ]
+    lines += [
+        "## Decode, batch 1, model.generate",
+        "",
+        "TALE: static cache, CUDA-graph steps; transformers: static cache + torch.compile, same TP size.",
+        "",
+        harness.table(header, rows),
+    ]
+    if rank() == 0:
+        text = "\n".join(lines)
+        print(text, flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+    if tp_size > 1:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

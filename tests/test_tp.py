@@ -1,0 +1,206 @@
+"""Tensor parallelism on the CPU: two gloo ranks (tests/tp_rank.py) against one process, float32.
+
+A converted tiny Llama (4 KV heads in 2 latent groups of 2) gives the same greedy tokens over 2 ranks as in one
+process, with the dynamic and the static cache and both output paths, each rank caching half the bytes; 2 ranks over
+an artifact of one latent group are refused on both ranks, as is a bad path on one rank (no rank hangs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY_OPTS
+from tale_helpers import invoke
+
+from tale_convert.convert import Options, convert
+from tale_runtime import cli, load, new_cache, set_output_path
+from tale_runtime.model import cache_arg
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+HERE = Path(__file__).parent
+NEW = 24  # past several flushes of the 8-token residual into the quantized levels
+TIMEOUT = 300  # a rank that waits for the other one forever fails the test instead of hanging CI
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_env(rank: int, world: int, port: int) -> dict:
+    """What torchrun sets for each rank (the tests start the ranks themselves: no launcher process)."""
+    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", TALE_DEBUG="")
+    return env
+
+
+def run_ranks(args: list[str], world: int = 2) -> list[subprocess.CompletedProcess]:
+    """Start `world` ranks of `python args...`; all must end within TIMEOUT."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *args],
+            env=torchrun_env(r, world, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    done = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=TIMEOUT)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return done
+
+
+@pytest.fixture(scope="module")
+def artifacts(tiny_model_dir, tmp_path_factory):
+    """Tiny Llama (8 query, 4 KV heads) converted in float32 with groups of 2 (G = 2) and of 4 (G = 1); the tiny MHA
+    model with tied embeddings (4 heads, groups of 2)."""
+    root = tmp_path_factory.mktemp("tp")
+    out = {}
+    for name, arch, group in (("good", "llama", 2), ("odd", "llama", 4), ("tied", "mha", 2)):
+        convert(str(tiny_model_dir(arch)), root / name, Options(group=group, **TINY_OPTS))
+        out[name] = root / name
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_tok) -> list[int]:
+    text = "The printing press spread across Europe within decades, and books became cheaper to make and to buy."
+    return tiny_tok(text)["input_ids"][:40]
+
+
+@pytest.fixture(scope="module")
+def ranks(artifacts, prompt, tmp_path_factory):
+    """The JSON each of the two ranks wrote (tests/tp_rank.py)."""
+    out = tmp_path_factory.mktemp("tp-out") / "res"
+    arts = [str(artifacts[name]) for name in ("good", "odd", "tied")]
+    args = [str(HERE / "tp_rank.py"), str(out), *arts, json.dumps(prompt)]
+    done = run_ranks([*args, str(NEW)])
+    for p in done:
+        assert p.returncode == 0, p.stderr[-3000:]
+    return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
+
+
+def one_process(path, prompt, **cache_kw) -> tuple[list[int], int, list[float]]:
+    factored = cache_kw.pop("factored", False)
+    model, _ = load(path, device="cpu", dtype=torch.float32, output_path="factored" if factored else "fused")
+    if factored:  # O^r was not read
+        assert model.model.layers[0].self_attn.tale.o_fused.numel() == 0
+        with pytest.raises(ValueError, match="loaded without O"):
+            set_output_path(model, "fused")
+    cache = new_cache(model, **cache_kw)
+    out = model.generate(
+        torch.tensor([prompt]),
+        **cache_arg(cache),
+        max_new_tokens=NEW,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences[0, len(prompt) :].tolist(), cache.nbytes(), out.logits[0][0, :8].tolist()
+
+
+@pytest.mark.parametrize("case", ["dynamic", "static", "factored"])
+def test_two_ranks_give_the_tokens_of_one_process_with_half_the_cache(ranks, artifacts, prompt, case):
+    kw = {"static": dict(static=True), "factored": dict(factored=True)}.get(case, {})
+    tokens, nbytes, logits = one_process(artifacts["good"], prompt, **kw)
+    assert [r["tp"] for r in ranks] == [[2, 0], [2, 1]]
+    assert all(r["local_groups"] == [1, 1, 1] for r in ranks)  # 2 groups per layer, one per rank
+    for r in ranks:
+        tp_tokens, tp_bytes, tp_logits = r[case]
+        assert tp_tokens == tokens
+        assert 2 * tp_bytes == nbytes  # each rank caches its own KV heads and latent groups
+        assert torch.allclose(torch.tensor(tp_logits), torch.tensor(logits), rtol=1e-4, atol=1e-5)
+    assert len(set(tokens)) > 1  # a real sequence, not one token repeated
+
+
+def test_tied_embeddings_under_two_ranks(ranks, artifacts, prompt):
+    """Tied embeddings: transformers' plan splits lm_head and the embedding by vocabulary, tied again after loading."""
+    tokens, nbytes, logits = one_process(artifacts["tied"], prompt)
+    for r in ranks:
+        tp_tokens, tp_bytes, tp_logits = r["tied"]
+        assert tp_tokens == tokens and 2 * tp_bytes == nbytes
+        assert torch.allclose(torch.tensor(tp_logits), torch.tensor(logits), rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_decode_step_under_two_ranks(ranks):
+    """DecodeStep, what a GPU decode step compiles and captures, traced through transformers' TP hooks: the forward's
+    logits bit for bit (tests/tp_rank.py decode_step)."""
+    assert [r["decode_step"] for r in ranks] == [True, True]
+
+
+def test_groups_that_do_not_split_are_refused_on_every_rank(ranks):
+    for r in ranks:
+        assert r["odd"]["type"] == "ValueError"
+        assert r["odd"]["message"].endswith(
+            "tp_size 2 does not divide the 1 latent groups of 4 KV heads (each rank holds "
+            "whole groups): use a tp size that divides 1, or convert with a smaller --group"
+        )
+
+
+def test_a_bad_path_on_one_rank_ends_every_rank(ranks):
+    for r in ranks:
+        err = r["bad_path"]
+        assert err["type"] == "ArtifactError"
+        assert err["message"].startswith("rank 1 of 2: ") and "good-missing" in err["message"]
+
+
+def test_load_without_torchrun_is_refused_in_one_line(artifacts, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="torchrun --nproc-per-node 2"):
+        load(artifacts["good"], device="cpu", tp_size=2)
+    with pytest.raises(ValueError, match="whole number"):
+        load(artifacts["good"], device="cpu", tp_size=0)
+
+
+def test_tale_run_under_two_ranks(ranks):
+    """tale-run --tp 2 on every rank: rank 0 prints the answer and the stats line, rank 1 nothing."""
+    zero, one = (r["cli"] for r in ranks)
+    assert zero["exit_code"] == one["exit_code"] == 0, zero["stderr"] + one["stderr"]
+    assert zero["stdout"].strip() and "tensor parallel: 2 ranks, cache bytes per rank" in zero["stderr"]
+    assert one["stdout"] == one["stderr"] == ""
+
+
+def test_tale_run_bad_path_on_one_rank_is_one_line_on_every_rank(ranks):
+    for r in ranks:
+        res = r["cli_bad_path"]
+        assert res["exit_code"] == 2 and res["stdout"] == ""
+        assert res["stderr"].count("\n") == 1 and res["stderr"].startswith("error: rank 1 of 2: ")
+        assert "good-missing: no such artifact directory" in res["stderr"]
+
+
+def test_bench_tp_cpu_path(ranks):
+    """benchmarks/bench_tp.py --device cpu --tiny under 2 ranks: the check passes and the table comes out (rank 0)."""
+    text = ranks[0]["bench"]
+    check = [ln for ln in text.splitlines() if ln.startswith("| TALE, ")]
+    assert len(check) == 2 and all(ln.endswith("| 8/8 |") for ln in check)
+    row = next(ln for ln in text.splitlines() if ln.startswith("| tiny (2 layers, g=2, fused) | 2 | 64 |"))
+    cols = row.split("|")
+    assert float(cols[4]) > 0 and cols[7].strip() == "torch reference" and float(cols[8]) > 0  # ms/token, attention
+    assert ranks[1]["bench"] == ""
+
+
+def test_tale_run_tp_without_torchrun_is_one_line(artifacts, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    r = invoke(cli.main, [artifacts["good"], "-p", "hi", "--tp", "2", "--device", "cpu"])
+    assert r.exit_code == 2 and r.stdout == ""
+    assert r.stderr == "error: tp_size 2 needs one process per rank: start it with torchrun --nproc-per-node 2 ...\n"
