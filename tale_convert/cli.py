@@ -168,7 +168,7 @@ def run(
     else:  # a pipe or a log file: one whole line per event, as it happens
 
         def on_layer(lr, total):
-            reused = ", reused" if lr.reused else ""
+            reused = " (reused)" if lr.reused else ""
             progress_to.print(
                 f"layer {lr.index + 1}/{total}: energy kept at r0 {lr.energy[0]:.4f}, {lr.seconds:.1f} s{reused}",
                 markup=False,
