@@ -341,7 +341,10 @@ def _chat(m, tok, system, max_new_tokens, opts, say) -> None:
     while True:
         if interactive:
             err.print("> ", end="")
-        line = sys.stdin.readline()
+        try:
+            line = sys.stdin.readline()
+        except UnicodeDecodeError as e:
+            raise CliError(f"--chat: standard input is not UTF-8 text (byte {e.start} of the line)") from None
         if not line:  # EOF
             if interactive:
                 err.print()
