@@ -148,6 +148,12 @@ def test_plain_transformers_with_trust_remote_code(art, hub, tmp_path, monkeypat
     out = model.generate(**inputs, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
     assert isinstance(out[CACHE_KW], TaleCache)  # generate's default cache is TALE's
     assert out.sequences[0, inputs["input_ids"].shape[1] :].tolist() == greedy(m_old, tok)
+    card = files["README.md"].decode()  # the card's transformers snippet runs as it stands
+    snippets = [b.split("```")[0] for b in card.split("```python\n")[1:]]
+    assert "trust_remote_code=True" in snippets[0] and f'"{REPO}"' in snippets[0]
+    printed = []
+    exec(snippets[0].replace("max_new_tokens=64", "max_new_tokens=8"), {"print": printed.append})
+    assert len(printed) == 1 and isinstance(printed[0], str)
     with pytest.raises(ValueError, match="not supported for a TALE artifact: quantization_config"):
         AutoModelForCausalLM.from_pretrained(REPO, trust_remote_code=True, quantization_config={"x": 1})
 
