@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,7 +19,6 @@ from typing import Optional
 
 import torch
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from tale_calib import TEST_FILES
@@ -39,8 +39,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Evaluate TALE against full, KIVI, StreamingLLM and Palu caches on one artifact.",
 )
-out_console = Console()
-err_console = Console(stderr=True)
 
 
 @dataclass
@@ -146,9 +144,13 @@ def run(
     device: Optional[str] = typer.Option(None, help="cpu, cuda, ... (default: cuda if available)"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
     json_out: Optional[str] = typer.Option(
-        None, "--json", help="also write the results to this JSON file (finished rows go to FILE.partial as they come)"
+        None,
+        "--json",
+        help="also write the results to this JSON file (finished rows go to FILE.partial as they come); '-': the "
+        "JSON object on stdout instead of the table, nothing else",
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace existing --json / --frontier-out files"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors (and --json -'s object)"),
 ) -> None:
     table = FRONTIER_PRESETS if frontier else PRESETS
     if preset not in table:
@@ -216,6 +218,9 @@ def run(
     if prefill >= ctx:
         fail(f"--prefill ({prefill}) must be smaller than --ctx ({ctx})")
     device = str(console.device(device))
+    to_stdout = json_out == "-"
+    if to_stdout:
+        json_out = None
     if json_out is not None:  # checked now, not after the whole evaluation ran
         json_out = Path(json_out) if json_out.strip() else Path("")
         console.writable_file(json_out, "--json", overwrite)
@@ -271,7 +276,7 @@ def run(
         fail(str(e))
     prepare(model)
     sched = model.tale_spec.schedule
-    log = err_console.print
+    log = console.rich_console(stderr=True, quiet=quiet).print
     pols = [replace(pol, match_pattern=ppl_pattern) if isinstance(pol, policies.Palu) else pol for pol in pols]
     for name, rs in _rank_schedules(model, tok, sched, ranks, energy, log).items():
         pols.append(policies.Tale(schedule=rs, tag=name))
@@ -327,7 +332,9 @@ def run(
         "schedule": sched.to_dict(),
         "seconds": time.perf_counter() - t0,
     }
-    _table(rows, config)
+    _table(console.rich_console(quiet=quiet or to_stdout), rows, config)
+    if to_stdout:
+        sys.stdout.write(json.dumps({"config": config, "results": rows}, indent=2) + "\n")
     if frontier:
         frontier_out.parent.mkdir(parents=True, exist_ok=True)
         md, png = frontier_out.with_suffix(".md"), frontier_out.with_suffix(".png")
@@ -402,7 +409,7 @@ def _calib_batches(tok, count: int = 4, length: int = 256, batch: int = 2) -> li
     return calibration_batches(tok, count, length, batch)
 
 
-def _table(rows: list[dict], config: dict) -> None:
+def _table(to, rows: list[dict], config: dict) -> None:
     texts = config["texts"]
     t = Table(
         title=f"{config['model'] or config['artifact']}: decode-mode ppl, {config['windows']} x {config['ctx']} "
@@ -429,10 +436,10 @@ def _table(rows: list[dict], config: dict) -> None:
             f"{r['passkey']:.0%}" if task else "",
             f"{r['passkey_ratio']:.2f}x" if task else "",
         )
-    out_console.print(t)
+    to.print(t)
     for r in rows:
-        out_console.print(f"  {r['policy']}: {r['detail']}")
-    out_console.print(
+        to.print(f"  {r['policy']}: {r['detail']}", markup=False)
+    to.print(
         f"compr.: 16-bit K+V bytes of the same tokens / bytes held by the cache (codes, scales, zero points, "
         f"sinks, residual), measured at the end of the run; pass-key: {config['passkey_samples']} samples, "
         f"exact match; {config['seconds']:.0f} s"

@@ -5,7 +5,7 @@ from .artifact import ArtifactError, Level, Schedule
 from .attention import latent_attention
 from .cache import TaleLayerCache
 from .load import load, new_cache, resolve, set_backend, set_output_path
-from .model import TaleAttention, TaleCache
+from .model import TaleAttention, TaleCache, cache_arg
 from .spec import Arch, CacheSpec, TaleSpec
 from .static_cache import StaticTaleCache
 
@@ -22,6 +22,7 @@ __all__ = [
     "TaleAttention",
     "TaleCache",
     "TaleLayerCache",
+    "cache_arg",
     "latent_attention",
     "load",
     "new_cache",

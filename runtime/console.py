@@ -364,3 +364,28 @@ def writable_file(path: Path, flag: str, overwrite: bool = True) -> None:
         raise UserError(f"{flag} {path}: not writable ({e.strerror})") from None
     if not existed:
         path.unlink(missing_ok=True)
+
+
+# -- output: terminals, pipes and log files ----------------------------------------------------------------
+WIDE = 1000  # columns of a console that is not a terminal: no table is cut or wrapped to fit 80
+
+
+def rich_console(stderr: bool = False, quiet: bool = False):
+    """A rich Console for a CLI's tables and lines. In a terminal: as rich sizes it. Elsewhere (a pipe, a file, CI
+    logs): WIDE columns, so tables keep every cell whole and lines are not wrapped mid-record, and no colour codes.
+    `quiet`: prints nothing (--quiet). Made per command, not at import: the terminal test reads the stream of the
+    moment."""
+    from rich.console import Console
+
+    c = Console(stderr=stderr, soft_wrap=True, highlight=False, quiet=quiet)
+    if not c.is_terminal:
+        c = Console(stderr=stderr, soft_wrap=True, highlight=False, quiet=quiet, width=WIDE, no_color=True)
+    return c
+
+
+def print_json(obj: dict) -> None:
+    """--json: the one JSON object a command writes on stdout (nothing else goes there)."""
+    import json
+
+    sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    sys.stdout.flush()

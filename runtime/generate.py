@@ -2,7 +2,8 @@
 
 On CUDA it uses the static cache and replays each decode step as a CUDA graph (runtime/decode.py);
 elsewhere, or with static=False, the dynamic cache and eager steps.
-For batches, beam search or logits processors use `model.generate(..., past_key_values=new_cache(model))`.
+Sampling options go through transformers' logits processors and stop strings through its StopStringCriteria.
+For batches or beam search use `model.generate(..., **cache_arg(new_cache(model)))`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -31,6 +32,7 @@ class GenStats:
     baseline_bytes: int  # 16-bit K+V of the same tokens
     nominal_ratio: float | None  # artifact.nominal_ratio of the schedule: no sinks, scales, zeros, residual
     attention: str = ""  # the decode attention backend (cache.backend_name)
+    reused_tokens: int = 0  # prompt tokens the cache held already (a chat's earlier turns): not prefilled again
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -41,11 +43,20 @@ class GenStats:
     def ratio(self) -> float:
         return self.baseline_bytes / self.cache_bytes if self.cache_bytes else 0.0
 
+    def as_dict(self) -> dict:
+        """The figures of line(), for --json."""
+        return {
+            **asdict(self),
+            "ratio": round(self.ratio, 4),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
+        }
+
     def line(self) -> str:
         nominal = f"{self.nominal_ratio:.2f}x" if self.nominal_ratio else "n/a"
         speed = f"{self.decode_tokens_per_s:.1f} tok/s" if self.generated_tokens > 1 else "n/a"
+        reused = f" ({self.reused_tokens} reused from the cache)" if self.reused_tokens else ""
         return (
-            f"prompt {self.prompt_tokens} tok, generated {self.generated_tokens} tok, "
+            f"prompt {self.prompt_tokens} tok{reused}, generated {self.generated_tokens} tok, "
             f"prefill {self.prefill_s:.2f} s, decode {speed} | "
             f"cache {_mib(self.cache_bytes)} vs 16-bit K+V {_mib(self.baseline_bytes)}: "
             f"measured {self.ratio:.2f}x (nominal {nominal})"
@@ -113,25 +124,59 @@ class NonFiniteLogits(UserError):
         )
 
 
+def processors(
+    temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0
+) -> list[Callable]:
+    """transformers' logits processors for these options, in the order its generate() applies them (penalty, then
+    the sampling warpers); each maps (ids [1, L], scores [1, V]) -> scores."""
+    from transformers.generation import (
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    out: list[Callable] = []
+    if repetition_penalty != 1.0:
+        out.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
+    if temperature > 0:
+        if temperature != 1.0:
+            out.append(TemperatureLogitsWarper(temperature))
+        if top_k > 0:
+            out.append(TopKLogitsWarper(top_k))
+        if top_p < 1.0:  # top_p 0 keeps the top token (min_tokens_to_keep=1)
+            out.append(TopPLogitsWarper(top_p))
+    return out
+
+
 def _next_token(
-    logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None, step: int = 0
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    gen: torch.Generator | None,
+    step: int = 0,
+    procs: list[Callable] | None = None,
+    ids: torch.Tensor | None = None,
 ) -> int:
-    """logits [V] (float32) -> token id: greedy at temperature 0, else nucleus sampling. Non-finite logits are
-    refused (NonFiniteLogits); greedy checks them in the same device-to-host copy as the token."""
+    """logits [V] (float32) -> token id: greedy at temperature 0, else sampled after transformers' processors
+    (`procs`, default: `processors(temperature, top_p)`; `ids` [1, L]: the sequence so far, for a repetition
+    penalty). Non-finite logits are refused (NonFiniteLogits); greedy without processors checks them in the same
+    device-to-host copy as the token."""
     finite = torch.isfinite(logits).all()
-    if temperature <= 0:
+    if procs is None:
+        procs = processors(temperature, top_p)
+    if temperature <= 0 and not procs:
         tok, finite = torch.stack([logits.argmax(), finite.long()]).tolist()
     if not finite:
         raise NonFiniteLogits(f"generated token {step + 1}")
-    if temperature <= 0:
+    if temperature <= 0 and not procs:
         return tok
-    probs = (logits / temperature).softmax(-1)
-    if top_p < 1.0:
-        sp, si = probs.sort(descending=True)
-        keep = sp.cumsum(-1) - sp < top_p  # the smallest prefix with mass >= top_p
-        keep[0] = True  # always the top token (top_p = 0 would keep none)
-        probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
-    return int(torch.multinomial(probs, 1, generator=gen))
+    scores = logits[None]
+    for p in procs:
+        scores = p(ids, scores)
+    if temperature <= 0:
+        return int(scores[0].argmax())
+    return int(torch.multinomial(scores[0].softmax(-1), 1, generator=gen))
 
 
 def _sync(device: torch.device) -> None:
@@ -153,6 +198,9 @@ def generate(
     eos_token_id: int | list[int] | None = None,
     static: bool | None = None,
     compile: bool = True,
+    top_k: int = 0,
+    repetition_penalty: float = 1.0,
+    stop_strings: list[str] | None = None,
 ) -> tuple[list[int], GenStats]:
     """Generate from one prompt into `cache`; stop at EOS or after max_new_tokens. Greedy at temperature 0,
     else sampling (nucleus if top_p < 1) seeded by `seed`.
@@ -160,6 +208,11 @@ def generate(
     Without `cache`: a StaticTaleCache for prompt + max_new_tokens tokens when `static` (default: on CUDA),
     whose decode steps replay one CUDA graph, else a TaleCache. Both give the same tokens. `compile`: the graph
     holds DecodeStep (torch.compile of the code around attention, runtime/decode.py), else the model's forward.
+
+    `top_k`, `repetition_penalty`: transformers' logits processors (`processors`); `stop_strings`: stop once the
+    text ends with one of them (transformers' StopStringCriteria; needs `tokenizer`; the string is kept, as
+    model.generate keeps it). A `cache` that already holds tokens continues them: `input_ids` is then the whole
+    sequence, of which the cache holds a prefix (a chat's earlier turns), and only the rest is fed.
 
     `on_text` receives the decoded text as it grows (needs `tokenizer`). Returns the new token
     ids (EOS included if reached) and the statistics.
@@ -170,6 +223,14 @@ def generate(
         raise ValueError(f"top_p must lie in [0, 1], got {top_p!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
+    if not (isinstance(top_k, int) and top_k >= 0):
+        raise ValueError(f"top_k must be a whole number >= 0 (0: no limit), got {top_k!r}")
+    if not (
+        isinstance(repetition_penalty, (int, float)) and math.isfinite(repetition_penalty) and repetition_penalty > 0
+    ):
+        raise ValueError(f"repetition_penalty must be a finite number > 0 (1: none), got {repetition_penalty!r}")
+    if stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need the tokenizer")
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
     if ids.shape[1] == 0:
         raise ValueError("empty prompt")
@@ -179,6 +240,9 @@ def generate(
         if static is None:  # the static cache + CUDA graphs, where the Triton kernel reads every level
             static = device.type == "cuda" and model.tale_spec.schedule.fast_path()
         cache = new_cache(model, static=static, max_length=ids.shape[1] + max_new_tokens if static else None)
+    held = cache.get_seq_length()
+    if held >= ids.shape[1]:
+        raise ValueError(f"the cache holds {held} tokens; the sequence to continue has {ids.shape[1]}")
     graphed = isinstance(cache, StaticTaleCache) and device.type == "cuda"
     stop = (
         eos_ids(model, tokenizer) if eos_token_id is None else set(torch.as_tensor(eos_token_id).reshape(-1).tolist())
@@ -187,10 +251,17 @@ def generate(
     if temperature > 0 and seed is not None:
         gen = torch.Generator(device=device).manual_seed(seed)
     stream = TextStream(tokenizer) if on_text is not None else None
+    procs = processors(temperature, top_p, top_k, repetition_penalty)
+    stopper = None
+    if stop_strings:
+        from transformers.generation import StopStringCriteria
+
+        stopper = StopStringCriteria(tokenizer, list(stop_strings))
+    seq = ids if repetition_penalty != 1.0 or stopper else None  # [1, L]: what the processors and stop strings read
 
     out: list[int] = []
     t0 = time.perf_counter()
-    logits = model(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1).logits
+    logits = model(input_ids=ids[:, held:], **cache_arg(cache), use_cache=True, logits_to_keep=1).logits
     _sync(device)
     prefill_s = time.perf_counter() - t0
     decoder = graph_decoder(model, cache, compile=compile) if graphed else None
@@ -198,11 +269,13 @@ def generate(
     t1 = time.perf_counter()
     try:
         while len(out) < max_new_tokens:
-            tok = _next_token(logits[0, -1].float(), temperature, top_p, gen, len(out))
+            tok = _next_token(logits[0, -1].float(), temperature, top_p, gen, len(out), procs, seq)
             out.append(tok)
+            if seq is not None:
+                seq = torch.cat([seq, seq.new_tensor([[tok]])], 1)
             if stream is not None and tok not in stop and (text := stream.push(tok)):
                 on_text(text)
-            if tok in stop or len(out) == max_new_tokens:
+            if tok in stop or len(out) == max_new_tokens or (stopper is not None and bool(stopper(seq, None)[0])):
                 break
             step = torch.tensor([[tok]], device=device)
             if decoder is not None:
@@ -211,16 +284,20 @@ def generate(
             else:
                 logits = model(input_ids=step, **cache_arg(cache), use_cache=True, logits_to_keep=1).logits
     except KeyboardInterrupt as e:  # Ctrl-C mid-generation: tale-run prints the stats of what was generated
-        e.tale_stats = _stats(model, cache, ids.shape[1], len(out), prefill_s, time.perf_counter() - t1)
+        e.tale_stats = _stats(model, cache, ids.shape[1], len(out), prefill_s, time.perf_counter() - t1, held)
         raise
     _sync(device)
     decode_s = time.perf_counter() - t1 if len(out) > 1 else 0.0
     if stream is not None and (text := stream.flush()):
         on_text(text)
-    return out, _stats(model, cache, ids.shape[1], len(out), prefill_s, decode_s)
+    return out, _stats(model, cache, ids.shape[1], len(out), prefill_s, decode_s, held)
 
 
-def _stats(model, cache, prompt: int, generated: int, prefill_s: float, decode_s: float) -> GenStats:
+def _stats(model, cache, prompt: int, generated: int, prefill_s: float, decode_s: float, held: int = 0) -> GenStats:
+    if not isinstance(cache, (TaleCache, StaticTaleCache)):  # transformers' cache (the full 16-bit baseline)
+        full = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+        half = sum(t.numel() * 2 for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+        return GenStats(prompt, generated, prefill_s, decode_s, full, half, None, "full cache (base attention)", held)
     return GenStats(
         prompt_tokens=prompt,
         generated_tokens=generated,
@@ -230,4 +307,5 @@ def _stats(model, cache, prompt: int, generated: int, prefill_s: float, decode_s
         baseline_bytes=cache.baseline_nbytes(),
         nominal_ratio=model.tale_spec.nominal_ratio(cache.schedule),
         attention=cache.backend_name,
+        reused_tokens=held,
     )

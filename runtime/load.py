@@ -110,8 +110,9 @@ def load(
     single knobs, see `override_schedule`. Problems with the
     artifact raise ArtifactError, bad overrides ValueError. The tokenizer is None if the artifact has none.
     """
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from . import remote_code
     from .console import check_device, check_dtype
 
     device, dtype = check_device(device), check_dtype(dtype)  # ValueError before anything loads
@@ -133,7 +134,7 @@ def load(
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or default_dtype(device)
 
-        config = AutoConfig.from_pretrained(root)
+        config = remote_code.base_config(root)  # an artifact's config.json says model_type "tale" (remote_code.py)
         if why := families.unsupported(config):
             raise ArtifactError(f"{root}: {why}")
         config._attn_implementation = "sdpa"
@@ -201,7 +202,7 @@ def load(
 
     tok = None
     if any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        tok = AutoTokenizer.from_pretrained(root)
+        tok = AutoTokenizer.from_pretrained(root, config=config)  # not config.json's "tale": no remote-code prompt
     return model, tok
 
 
@@ -339,8 +340,10 @@ def _model_type(root: Path) -> str | None:
     f = root / "config.json"
     if not f.is_file():
         raise ArtifactError(f"{root}: no config.json")
+    from .remote_code import base_dict
+
     try:
-        return json.loads(f.read_text()).get("model_type")
+        return base_dict(json.loads(f.read_text())).get("model_type")
     except (json.JSONDecodeError, AttributeError):
         raise ArtifactError(f"{f}: corrupt config.json") from None
 

@@ -230,13 +230,31 @@ pip install tale-kv
 tale-run {repo_id} --prompt "Explain KV-cache compression in one paragraph."
 ```
 
+With plain transformers (the artifact's `modeling_tale.py` loads it through `tale_runtime`; without
+`trust_remote_code=True` transformers refuses it rather than run the base model with a 16-bit cache):
+
 ```python
-from tale_runtime import load, new_cache
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{repo_id}", trust_remote_code=True, device_map="auto")
+tok = AutoTokenizer.from_pretrained("{repo_id}", trust_remote_code=True)
+inputs = tok("Explain KV-cache compression in one paragraph.", return_tensors="pt").to(model.device)
+out = model.generate(**inputs, max_new_tokens=64, do_sample=False)  # over a fresh TALE cache
+print(tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+```
+
+Or with the runtime itself, which returns the same model:
+
+```python
+from tale_runtime import cache_arg, load, new_cache
 
 model, tok = load("{repo_id}")
+cache = new_cache(model)
 inputs = tok("Explain KV-cache compression in one paragraph.", return_tensors="pt").to(model.device)
-out = model.generate(**inputs, past_key_values=new_cache(model), max_new_tokens=64)
+# cache_arg: the installed transformers' name of the argument (cache= from 5.24, past_key_values= before)
+out = model.generate(**inputs, **cache_arg(cache), max_new_tokens=64, do_sample=False)
 print(tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+print(f"KV cache {{cache.baseline_nbytes() / cache.nbytes():.2f}}x smaller than 16-bit")
 ```
 
 `load` also takes a local artifact directory; offline (`HF_HUB_OFFLINE=1`) it loads from the local

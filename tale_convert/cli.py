@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -20,8 +19,6 @@ from .convert import Options, convert
 app = typer.Typer(
     add_completion=False, pretty_exceptions_enable=False, help="Convert a Llama-family checkpoint into a TALE artifact."
 )
-out_console = Console()
-err_console = Console(stderr=True, soft_wrap=True)
 D = Options()
 
 
@@ -100,6 +97,11 @@ def run(
     overwrite: bool = typer.Option(False, help="replace an existing artifact at --out"),
     resume: bool = typer.Option(False, help="reuse the finished layers of an interrupted run with the same settings"),
     shard_size: str = typer.Option(str(D.shard_size), help="max safetensors shard size, e.g. 2GB"),
+    as_json: bool = typer.Option(
+        False, "--json", help="print one JSON object (the report) on stdout and nothing else; progress on stderr"
+    ),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors (and --json's object)"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="the per-layer table in the report"),
 ) -> None:
     opts = Options(
         group=group,
@@ -138,28 +140,68 @@ def run(
     out = Path(out)
     check_inputs(out, opts)
     _quiet_libraries()
-    # stdout: progress and report; stderr: only the error line
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=out_console,
-        transient=True,
-    ) as progress:
-        task = progress.add_task("calibrating + factorizing layers", total=None)
+    # stdout: progress and report (with --json: the JSON object only, progress on stderr); stderr: warnings, errors
+    report_to = console.rich_console(quiet=quiet or as_json)
+    progress_to = console.rich_console(stderr=True, quiet=quiet) if as_json else report_to
+    err_to = console.rich_console(stderr=True, quiet=quiet)
+    warned: list[str] = []
+
+    def warn(msg: str) -> None:
+        warned.append(msg)
+        err_to.print(f"warning: {msg}", markup=False)
+
+    if progress_to.is_terminal:  # a live bar, rewritten in place
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=progress_to,
+            transient=True,
+        ) as progress:
+            task = progress.add_task("calibrating + factorizing layers", total=None)
+
+            def on_layer(lr, total):
+                progress.update(task, total=total, advance=1)
+
+            report = convert(model, out, opts, on_layer=on_layer, log=lambda s: progress.console.print(s), warn=warn)
+    else:  # a pipe or a log file: one whole line per event, as it happens
 
         def on_layer(lr, total):
-            progress.update(task, total=total, advance=1)
+            reused = " (reused)" if lr.reused else ""
+            progress_to.print(
+                f"layer {lr.index + 1}/{total}: energy kept at r0 {lr.energy[0]:.4f}, {lr.seconds:.1f} s{reused}",
+                markup=False,
+            )
 
-        warned: list[str] = []
+        report = convert(
+            model, out, opts, on_layer=on_layer, log=lambda s: progress_to.print(s, markup=False), warn=warn
+        )
+    few = any("calibration tokens" in w for w in warned)
+    _summary(report_to, report, few_tokens=few, verbose=verbose)
+    if as_json:
+        console.print_json(_report_dict(report, warned))
 
-        def warn(msg: str) -> None:
-            warned.append(msg)
-            err_console.print(f"warning: {msg}", markup=False, highlight=False)
 
-        report = convert(model, out, opts, on_layer=on_layer, log=lambda s: progress.console.print(s), warn=warn)
-    _summary(report, few_tokens=any("calibration tokens" in w for w in warned))
+def _report_dict(report, warnings: list[str]) -> dict:
+    return {
+        "out": str(report.out),
+        "nominal_ratio": report.nominal_ratio,
+        "seconds": round(report.seconds, 3),
+        "peak_rss_bytes": report.peak_rss,
+        "peak_device_bytes": report.peak_device,
+        "layers": [
+            {
+                "index": lr.index,
+                "energy_kept": lr.energy,
+                "eps": lr.eps,
+                "seconds": round(lr.seconds, 3),
+                "reused": lr.reused,
+            }
+            for lr in report.layers
+        ],
+        "warnings": warnings,
+    }
 
 
 def check_inputs(out: Path, opts: Options) -> None:
@@ -206,19 +248,30 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
-def _summary(report, few_tokens: bool = False) -> None:
-    t = Table(title="per layer")
-    energy = "energy kept at r0" + (" (not meaningful: too few calibration tokens)" if few_tokens else "")
-    for col in ("layer", energy, "whitening eps", "time (s)"):
-        t.add_column(col, justify="right")
-    for lr in report.layers:
-        seconds = f"{lr.seconds:.1f}" + (" (reused)" if lr.reused else "")
-        t.add_row(str(lr.index), f"{lr.energy[0]:.4f}", f"{lr.eps:g}", seconds)
-    out_console.print(t)
+def _summary(to, report, few_tokens: bool = False, verbose: bool = False) -> None:
+    """The report: one line on the energy kept (the per-layer table with --verbose), where it went, what it cost."""
+    caveat = " (not meaningful: too few calibration tokens)" if few_tokens else ""
+    if verbose:
+        t = Table(title="per layer")
+        for col in ("layer", "energy kept at r0" + caveat, "whitening eps", "time (s)"):
+            t.add_column(col, justify="right")
+        for lr in report.layers:
+            seconds = f"{lr.seconds:.1f}" + (" (reused)" if lr.reused else "")
+            t.add_row(str(lr.index), f"{lr.energy[0]:.4f}", f"{lr.eps:g}", seconds)
+        to.print(t)
+    elif report.layers:
+        e = [lr.energy[0] for lr in report.layers]
+        low = min(range(len(e)), key=e.__getitem__)
+        to.print(
+            f"energy kept at r0{caveat}: mean {sum(e) / len(e):.4f}, lowest {e[low]:.4f} (layer "
+            f"{report.layers[low].index}) over {len(e)} layers; --verbose shows each layer",
+            markup=False,
+        )
     dev = f", device peak {report.peak_device / 2**30:.2f} GiB" if report.peak_device is not None else ""
-    out_console.print(
+    to.print(
         f"wrote {report.out}\nnominal ratio {report.nominal_ratio:.2f}x, total {report.seconds:.1f} s, "
-        f"peak RSS {report.peak_rss / 2**30:.2f} GiB{dev}"
+        f"peak RSS {report.peak_rss / 2**30:.2f} GiB{dev}",
+        markup=False,
     )
 
 

@@ -1,8 +1,9 @@
 """tale-push: publish a TALE artifact to the Hugging Face Hub, with its model card.
 
 The artifact is checked (manifest + sha256 of every file) before anything touches the network. The
-model card (README.md) is rendered in memory and uploaded with a manifest whose README.md checksum
-matches it: the local artifact is never modified, so a failed push leaves it as it was. Files are
+model card (README.md), config.json and modeling_tale.py as this tale-kv ships them (tale_runtime.remote_code:
+what lets plain transformers load the artifact) are made in memory and uploaded with a manifest whose checksums
+match them: the local artifact is never modified, so a failed push leaves it as it was. Files are
 sent with huggingface_hub's create_commit. Hub commits are atomic: a failed commit leaves the repo as
 it was.
 
@@ -16,7 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx2
@@ -24,11 +26,10 @@ import typer
 from huggingface_hub import CommitOperationAdd, HfApi, get_token
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, HFValidationError, filter_repo_objects, validate_repo_id
-from rich.console import Console
 from rich.filesize import decimal
 from rich.table import Table
 
-from tale_runtime import console
+from tale_runtime import console, remote_code
 from tale_runtime.artifact import MANIFEST, ArtifactError, read_manifest, verify_files
 
 from .card import MARKER, base_model_id, complete_metadata, render_card
@@ -40,7 +41,6 @@ INDEX = "model.safetensors.index.json"
 app = typer.Typer(
     add_completion=False, pretty_exceptions_enable=False, help="Publish a TALE artifact to the Hugging Face Hub."
 )
-out = Console()
 
 
 class PushError(console.UserError):
@@ -53,15 +53,20 @@ class Plan:
     repo_id: str
     manifest: dict  # as uploaded: README.md's checksum is the card's
     card: str  # README.md as it will be uploaded
-    files: list[tuple[str, int]]  # (path in repo, bytes), README.md and the manifest at their new size
+    files: list[tuple[str, int]]  # (path in repo, bytes), the files written from memory at their new size
     tensors: list[str]  # tensor files + index: the first commit of a large push
+    # config.json and modeling_tale.py as this tale-kv ships them (an older artifact has the base's config.json)
+    hub: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
         return sum(size for _, size in self.files)
 
     def content(self, name: str) -> bytes | Path:
-        """What is uploaded as `name`: the card and the manifest from memory, every other file from disk."""
+        """What is uploaded as `name`: the card, the manifest, config.json and modeling_tale.py from memory, every
+        other file from disk."""
+        if name in self.hub:
+            return self.hub[name]
         if name == "README.md":
             return self.card.encode()
         if name == MANIFEST:
@@ -87,14 +92,17 @@ def plan(root: Path, repo_id: str, quality: Path | None = None) -> Plan:
     except ArtifactError as e:
         raise PushError(str(e)) from None
     card = _card(root, manifest, repo_id, _quality(quality))
-    manifest = {**manifest, "files": {**manifest["files"], "README.md": hashlib.sha256(card.encode()).hexdigest()}}
+    hub = remote_code.hub_files(root)  # config.json is verified: it parses
+    sums = {n: hashlib.sha256(b).hexdigest() for n, b in [("README.md", card.encode()), *hub.items()]}
+    manifest = {**manifest, "files": {**manifest["files"], **sums}}
     names = filter_repo_objects(
         (p.relative_to(root).as_posix() for p in sorted(root.rglob("*")) if p.is_file()),
         ignore_patterns=IGNORE + DEFAULT_IGNORE_PATTERNS,
     )
-    p = Plan(root, repo_id, manifest, card, [], [])
-    names = sorted(set(names) | {"README.md", MANIFEST})
-    p.files = [(n, (root / n).stat().st_size if n not in ("README.md", MANIFEST) else len(p.content(n))) for n in names]
+    p = Plan(root, repo_id, manifest, card, [], [], hub)
+    memory = {"README.md", MANIFEST, *hub}
+    names = sorted(set(names) | memory)
+    p.files = [(n, len(p.content(n)) if n in memory else (root / n).stat().st_size) for n in names]
     p.tensors = [n for n, _ in p.files if n.endswith(".safetensors") or n == INDEX]
     return p
 
@@ -179,18 +187,36 @@ def _card(root: Path, manifest: dict, repo_id: str, quality: dict | None) -> str
     return render_card(manifest, base_card=old, quality=quality, repo_id=repo_id)
 
 
-def show(p: Plan, revision: str, private: bool, large: bool) -> None:
+def show(to, p: Plan, revision: str, private: bool, large: bool) -> None:
     table = Table(title=f"would upload to {p.repo_id} ({revision})", title_justify="left")
     table.add_column("file")
     table.add_column("size", justify="right")
     for name, size in p.files:
         table.add_row(name, decimal(size))
     table.add_row("total", decimal(p.total), style="bold")
-    out.print(table)
+    to.print(table)
     how = "tensors first, then the rest" if large else "one commit"
-    out.print(f"{'private' if private else 'public'} repo, {how}; nothing was sent (dry run).")
-    out.rule("README.md")
-    out.print(p.card, markup=False, highlight=False, soft_wrap=True)  # the exact text, unwrapped
+    to.print(f"{'private' if private else 'public'} repo, {how}; nothing was sent (dry run).")
+    if to.is_terminal:
+        to.rule("README.md")
+    else:  # a rule would span the whole (wide) line
+        to.print("--- README.md ---")
+    to.print(p.card, markup=False, highlight=False, soft_wrap=True)  # the exact text, unwrapped
+
+
+def _result(p: Plan, revision: str, private: bool, large: bool, url: str | None) -> dict:
+    """--json's object."""
+    return {
+        "repo_id": p.repo_id,
+        "revision": revision,
+        "dry_run": url is None,
+        "url": url,
+        "private": private,
+        "large": large,
+        "files": [{"name": n, "bytes": size} for n, size in p.files],
+        "total_bytes": p.total,
+        **({"card": p.card} if url is None else {}),
+    }
 
 
 def upload(api: HfApi, p: Plan, revision: str, private: bool, message: str, large: bool) -> str:
@@ -253,6 +279,12 @@ def push(
     quality: Path | None = typer.Option(
         None, "--quality", help="JSON object of measured figures for the card (e.g. from tale-eval)."
     ),
+    as_json: bool = typer.Option(
+        False,
+        "--json",
+        help="Print one JSON object (files, sizes, the commit URL; the card on a dry run), nothing else.",
+    ),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing but errors (and --json's object)."),
 ) -> None:
     """Check ARTIFACT, render its model card (README.md) and upload both to REPO_ID; local files are not changed."""
     check_revision(revision)
@@ -260,12 +292,19 @@ def push(
         console.check_text(commit_message, "--commit-message")
     p = plan(artifact, repo_id, quality)
     large = p.total >= LARGE_BYTES if large is None else large
+    out = console.rich_console(quiet=quiet or as_json)
     if dry_run:
-        show(p, revision, private, large)
+        show(out, p, revision, private, large)
+        if as_json:
+            console.print_json(_result(p, revision, private, large, None))
         return
     token = token or get_token()
     if not token:
         raise PushError("no Hugging Face token: pass --token, set HF_TOKEN or run `hf auth login`")
+    if quiet or not sys.stderr.isatty():  # tqdm's bars redraw with \r: noise in a log, and not errors
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
     base = base_model_id(p.manifest) or "a local model"
     message = commit_message or f"Upload TALE artifact of {base} with tale-push"
     try:
@@ -282,6 +321,8 @@ def push(
         out.print(f'run it: tale-run {repo_id} --prompt "Hello"', highlight=False)
     else:
         out.print(f'load it: tale_runtime.load("{repo_id}", revision="{revision}")', highlight=False)
+    if as_json:
+        console.print_json(_result(p, revision, private, large, url))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -126,6 +126,8 @@ def _license(path: Path) -> str | None:
 def load_config(src: Source, group: int):
     from transformers import AutoConfig
 
+    if (src.path / MANIFEST).is_file():  # its config.json says model_type "tale": say what it is, not that
+        raise ConvertError(f"{src.id} is already a TALE artifact ({MANIFEST}): convert the original checkpoint")
     try:
         raw = json.loads((src.path / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -134,7 +136,7 @@ def load_config(src: Source, group: int):
     if why := families.unsupported(None, raw if isinstance(raw, dict) else {}):
         raise ConvertError(why)
     try:
-        config = AutoConfig.from_pretrained(src.path)
+        config = AutoConfig.from_pretrained(src.path, trust_remote_code=False)  # never a prompt about custom code
     except (OSError, ValueError, KeyError) as e:
         raise ConvertError(f"{src.id}: cannot read config.json: {str(e).splitlines()[0]}") from None
     return config, check_config(config, group)

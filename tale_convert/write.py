@@ -402,8 +402,12 @@ def publish(tmp: Path, out: Path, overwrite: bool = False) -> None:
 
 
 def copy_model_files(root: Path, config, tokenizer, generation_config, dtype: torch.dtype) -> None:
-    """config.json (dtype set to what is stored), tokenizer files, generation_config.json."""
+    """config.json (dtype set to what is stored; model_type "tale" with the auto_map of modeling_tale.py, also
+    written: tale_runtime.remote_code), tokenizer files, generation_config.json."""
+    from tale_runtime import remote_code
+
     config.dtype = dtype
     config.save_pretrained(root)
+    remote_code.write_hub_files(root)
     tokenizer.save_pretrained(root)
     generation_config.save_pretrained(root)

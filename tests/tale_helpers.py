@@ -229,15 +229,15 @@ def save_artifact(tm, path, tokenizer=None):
     return path
 
 
-def invoke(main, args):
+def invoke(main, args, input=None):
     """Run a console-script entry point (`main(argv)`, tale_runtime.console.run_app) the way a shell would,
-    output captured as typer's CliRunner does: -> .exit_code, .stdout, .stderr."""
+    output captured as typer's CliRunner does (`input`: standard input): -> .exit_code, .stdout, .stderr."""
     import sys
     from types import SimpleNamespace
 
     from typer.testing import CliRunner
 
-    with CliRunner().isolation() as (out, err, _):
+    with CliRunner().isolation(input=input) as (out, err, _):
         try:
             main([str(a) for a in args])
             code = 0

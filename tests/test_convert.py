@@ -124,8 +124,22 @@ def test_manifest_index_and_model_files(arch, artifacts, tiny_model_dir, tmp_pat
 
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    assert AutoConfig.from_pretrained(path).model_type == cfg["model_type"]
-    assert AutoTokenizer.from_pretrained(path).apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    from tale_runtime import remote_code
+
+    # config.json names the artifact's modeling_tale.py (hashed like every file); plain transformers reads the
+    # config through it, and the runtime reads the base's back
+    assert "modeling_tale.py" in m["files"] and (path / "modeling_tale.py").read_bytes() == remote_code.module_source()
+    hub_cfg = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    assert (hub_cfg.model_type, hub_cfg.tale_base_model_type) == ("tale", cfg["model_type"])
+    drop = ("_name_or_path", "dtype", "transformers_version")
+    want, got = (
+        {k: v for k, v in c.to_dict().items() if k not in drop}
+        for c in (AutoConfig.from_pretrained(tiny_model_dir(arch)), remote_code.base_config(path))
+    )
+    assert got == want
+    assert AutoTokenizer.from_pretrained(path, trust_remote_code=True).apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False
+    )
     GenerationConfig.from_pretrained(path)
     card = (path / "README.md").read_text()
     front = card.split("---")[1]

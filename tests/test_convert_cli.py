@@ -251,3 +251,33 @@ def test_rotated_latents_give_the_same_values(llama, tmp_path, capsys):
     assert Options(group=3, value_group=64).schedule(192, 2).latent_rotation == 64
     with pytest.raises(ConvertError, match="latent_rotation must be a power of two"):
         Options(group=3, value_group=48, rotate_latents=True).schedule(192, 2)
+
+
+def test_json_quiet_verbose_and_plain_progress(llama, tmp_path, capsys):
+    """--json: one JSON object on stdout, progress one line per layer on stderr (not a terminal); --quiet: nothing;
+    --verbose: the per-layer table, its cells whole however wide (no terminal: no 80-column cut)."""
+    import json
+
+    out = tmp_path / "j"
+    code, stdout, err = run([llama, "--out", out, "--group", "2", *TINY_ARGS, "--json"], capsys)
+    assert code == 0, err
+    (line,) = stdout.splitlines()
+    rep = json.loads(line)
+    assert rep["out"] == str(out) and rep["nominal_ratio"] > 1 and rep["warnings"] == []
+    assert [lr["index"] for lr in rep["layers"]] == [0, 1, 2] and all(
+        0 < lr["energy_kept"][0] <= 1 for lr in rep["layers"]
+    )
+    assert [ln.split(":")[0] for ln in err.splitlines() if ln.startswith("layer ")] == [
+        "layer 1/3",
+        "layer 2/3",
+        "layer 3/3",
+    ]
+
+    code, stdout, err = run([llama, "--out", out, "--group", "2", *TINY_ARGS, "--overwrite", "--quiet"], capsys)
+    assert (code, stdout, err) == (0, "", "")
+
+    args = [llama, "--out", out, "--group", "2", *TINY_ARGS, "--overwrite", "--verbose", "--samples", "1"]
+    code, stdout, _ = run(args, capsys)
+    header = next(ln for ln in stdout.splitlines() if "layer" in ln and "eps" in ln)
+    assert "energy kept at r0 (not meaningful: too few calibration tokens)" in header and "time (s)" in header
+    assert len(stdout.splitlines()) > 3 and "…" not in stdout

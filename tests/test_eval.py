@@ -575,3 +575,15 @@ def test_frontier_envelope_keeps_the_points_nothing_beats():
     pts = [(3.0, 1.0), (4.0, 5.0), (4.5, 2.0), (6.0, 9.0), (5.0, 12.0)]
     rows = [{"ratio": r, "delta_pct": {"a": d, "b": d}} for r, d in pts]
     assert [r["ratio"] for r in envelope(rows, ["a", "b"])] == [3.0, 4.5, 6.0]
+
+
+def test_cli_json_to_stdout_and_quiet(tiny_artifact):
+    """--json -: the object --json FILE writes, on stdout, and nothing else there; --quiet: no progress lines."""
+    from tale_helpers import invoke
+
+    args = [tiny_artifact, "--ctx", "64", "--windows", "2", "--prefill", "16", "--dtype", "fp32"]
+    r = invoke(main, [*args, "--passkey-lengths", "", "--policies", "full,tale", "--json", "-", "--quiet"])
+    assert r.exit_code == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert [row["policy"] for row in res["results"]] == ["full", "tale"] and res["config"]["ctx"] == 64
+    assert res["results"][1]["ratio"] > 1 and r.stderr == ""

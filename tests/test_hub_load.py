@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from tale_convert import push
 from tale_runtime import ArtifactError, load, new_cache, resolve
-from tale_runtime.model import cache_arg
+from tale_runtime.model import CACHE_KW, cache_arg
 
 REPO = "alice/tiny-tale"
 PROMPT = "The cache keeps"
@@ -101,3 +101,66 @@ def test_tale_run_by_repo_id_offline(art, hub, tmp_path):
     cmd = [sys.executable, "-m", "tale_runtime.cli", REPO, "--prompt", "hi", "--max-new-tokens", "3", "--dtype", "fp32"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+
+
+def _old_form(art, dest):
+    """The artifact as converters before modeling_tale.py wrote it: the base's config.json, no module."""
+    import json
+
+    from tale_runtime import remote_code
+    from tale_runtime.artifact import MANIFEST, hash_files, write_json
+
+    old = shutil.copytree(art, dest)
+    cfg = json.loads((old / "config.json").read_text())
+    (old / "config.json").write_bytes(remote_code.dumps(remote_code.base_dict(cfg)))
+    (old / remote_code.FILE).unlink()
+    manifest = json.loads((old / MANIFEST).read_text())
+    write_json(old / MANIFEST, {**manifest, "files": hash_files(old)})
+    return old
+
+
+def test_plain_transformers_with_trust_remote_code(art, hub, tmp_path, monkeypatch):
+    """An artifact made before modeling_tale.py existed loads as before, and tale-push uploads it with the module:
+    AutoModelForCausalLM + trust_remote_code gives the TALE model (same greedy tokens over a TALE cache as
+    tale_runtime.load's); without the flag transformers refuses instead of loading the plain base model."""
+    import transformers.dynamic_module_utils as dmu
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tale_runtime import TaleCache, remote_code
+
+    monkeypatch.setattr(dmu, "HF_MODULES_CACHE", str(tmp_path / "hf-modules"))
+    old = _old_form(art, tmp_path / "old")
+    m_old, tok = load(old, device="cpu", dtype=torch.float32)
+    r = CliRunner().invoke(push.app, [str(old), REPO])
+    assert r.exit_code == 0, r.output
+    files = hub.files(REPO)
+    assert files[remote_code.FILE] == remote_code.module_source()
+    assert (
+        b'"model_type": "tale"' in files["config.json"] and b'"tale_base_model_type": "llama"' in files["config.json"]
+    )
+
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        AutoModelForCausalLM.from_pretrained(REPO)
+    model = AutoModelForCausalLM.from_pretrained(REPO, trust_remote_code=True, dtype=torch.float32)
+    assert hasattr(model, "tale_spec") and model.device.type == "cpu" and model.dtype == torch.float32
+    tok_hf = AutoTokenizer.from_pretrained(REPO, trust_remote_code=True)
+    inputs = tok_hf(PROMPT, return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    assert isinstance(out[CACHE_KW], TaleCache)  # generate's default cache is TALE's
+    assert out.sequences[0, inputs["input_ids"].shape[1] :].tolist() == greedy(m_old, tok)
+    card = files["README.md"].decode()  # the card's transformers snippet runs as it stands
+    snippets = [b.split("```")[0] for b in card.split("```python\n")[1:]]
+    assert "trust_remote_code=True" in snippets[0] and f'"{REPO}"' in snippets[0]
+    printed = []
+    exec(snippets[0].replace("max_new_tokens=64", "max_new_tokens=8"), {"print": printed.append})
+    assert len(printed) == 1 and isinstance(printed[0], str)
+    with pytest.raises(ValueError, match="not supported for a TALE artifact: quantization_config"):
+        AutoModelForCausalLM.from_pretrained(REPO, trust_remote_code=True, quantization_config={"x": 1})
+
+
+def test_the_module_names_the_package_when_it_is_missing(monkeypatch):
+    from tale_runtime import remote_code
+
+    monkeypatch.setitem(sys.modules, "tale_runtime.remote_code", None)  # import fails as if not installed
+    with pytest.raises(ImportError, match=r"pip install tale-kv"):
+        exec(compile(remote_code.module_source(), "modeling_tale.py", "exec"), {"__name__": "modeling_tale"})

@@ -310,3 +310,18 @@ def test_dry_run_of_smollm2(smollm2_artifact, hub):
     assert front["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and front["license"] == "apache-2.0"
     assert "| 0 | oldest (middle) | 0.9 | 96 / 192 | 2 | 2 |" in card  # --group 3: R = 3 * 64, r0 = R/2
     assert "| 1 | most recent | 0.1 | 192 / 192 | 4 | 4 |" in card
+
+
+def test_json_and_quiet(art, hub):
+    r = tale_push(art, REPO, "--dry-run", "--json")
+    assert r.exit_code == 0, r.output
+    (line,) = r.stdout.splitlines()  # one JSON object, the card inside it
+    d = json.loads(line)
+    assert d["dry_run"] and d["url"] is None and d["repo_id"] == REPO and "library_name: tale-kv" in d["card"]
+    assert {"modeling_tale.py", "config.json", MANIFEST, "README.md"} <= {f["name"] for f in d["files"]}
+    assert d["total_bytes"] == sum(f["bytes"] for f in d["files"]) and hub.requests == []
+    r = tale_push(art, REPO, "--quiet")
+    assert (r.exit_code, r.stdout, r.stderr) == (0, "", "")
+    assert MANIFEST in hub.files(REPO)
+    d = json.loads(tale_push(art, REPO, "--json", "--quiet").stdout)
+    assert not d["dry_run"] and REPO in d["url"] and "card" not in d

@@ -166,3 +166,70 @@ def test_smollm2_cli_answers_paris(smollm2_artifact):
     assert r.exit_code == 0, r.stderr
     print(r.stdout, r.stderr)
     assert "Paris" in r.stdout and STATS.search(r.stderr)
+
+
+def _json(r) -> dict:
+    assert r.exit_code == 0, r.stderr
+    (line,) = r.stdout.splitlines()  # one JSON object, nothing else on stdout
+    return json.loads(line)
+
+
+def test_json_quiet_stdin_system_and_sampling_options(artifact):
+    args = ["--prompt-file", "-", "--max-new-tokens", "8", "--dtype", "fp32", "--json", "--quiet"]
+    sampled = ["--temperature", "0.9", "--top-k", "5", "--top-p", "0.9", "--repetition-penalty", "1.3", "--seed", "1"]
+    r = invoke(main, [artifact, *args, "--system", "be brief", *sampled], input="héllo")
+    out = _json(r)
+    assert r.stderr == ""  # --quiet: no notes, no stats line
+    s = out["stats"]
+    # "<system>be brief<user>héllo<assistant>": 39 bytes = 39 tokens of the byte tokenizer
+    assert (s["prompt_tokens"], s["generated_tokens"]) == (39, 8) and s["ratio"] > 1 and out["text"]
+    again = _json(invoke(main, [artifact, *args, "--system", "be brief", *sampled], input="héllo"))
+    assert again["text"] == out["text"]  # the same seed, the same text
+    assert invoke(main, [artifact, *args], input="").stderr.startswith(
+        "error: --prompt-file -: standard input is empty"
+    )
+    bad = invoke(main, [artifact, "-p", "x", "--system", "s", "--raw"])
+    assert bad.exit_code == 2 and bad.stderr.startswith("error: --system goes through the chat template")
+
+
+def test_stop_strings_end_the_answer(artifact):
+    base = [artifact, "-p", "héllo", "--max-new-tokens", "24", "--dtype", "fp32", "--json"]
+    full = _json(invoke(main, base))["text"]
+    stop = next(c for c in full[2:] if c.isascii() and c.isprintable())  # a whole token of the byte tokenizer
+    cut = _json(invoke(main, [*base, "--stop", "never there", "--stop", stop]))["text"]
+    assert cut == full[: full.index(stop) + len(stop)] and len(cut) < len(full)  # kept, as model.generate keeps it
+
+
+def test_compare_full_at_exact_settings_gives_the_same_answer(artifact):
+    """16-bit latents and keys at full rank: TALE decodes as the full cache does (DESIGN.md 5), so the answers are
+    identical, and the ratio is what each cache really holds."""
+    exact = ["--bits", "16,16", "--ranks", "1.0"]
+    out = _json(
+        invoke(
+            main,
+            [artifact, "-p", "héllo", "--max-new-tokens", "12", "--dtype", "fp32", "--json", "--compare-full", *exact],
+        )
+    )
+    assert out["same_text"] and out["full"]["text"] == out["text"] and out["full"]["stats"]["generated_tokens"] == 12
+    assert out["ratio_vs_full"] == pytest.approx(
+        out["full"]["stats"]["baseline_bytes"] / out["stats"]["cache_bytes"], rel=1e-3
+    )
+    r = invoke(main, [artifact, "-p", "héllo", "--max-new-tokens", "12", "--dtype", "fp32", "--compare-full"])
+    assert r.exit_code == 0 and r.stdout.startswith("[TALE cache]\n") and "\n[full 16-bit cache]\n" in r.stdout
+    assert "smaller" in r.stderr.splitlines()[-1]
+
+
+def test_chat_keeps_the_cache_across_turns(artifact):
+    """One token per answer: the cache then holds exactly turn 1's prompt (the answer's token was sampled, never
+    fed), which turn 2's prompt (the template over the whole conversation) extends, whatever the token was."""
+    args = [artifact, "--chat", "--max-new-tokens", "1", "--dtype", "fp32", "--json"]
+    r = invoke(main, args, input="hi\n\nand then?\n")
+    assert r.exit_code == 0, r.stderr
+    turns = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [t["turn"] for t in turns] == [1, 2]
+    first, second = turns[0]["stats"], turns[1]["stats"]
+    assert first["reused_tokens"] == 0 and second["reused_tokens"] == first["prompt_tokens"]
+    assert second["prompt_tokens"] >= first["prompt_tokens"] + len("<user>and then?<assistant>")
+    r = invoke(main, args, input="")
+    assert (r.exit_code, r.stdout) == (0, "")  # EOF at once: a clean end
+    assert invoke(main, [artifact, "--chat", "-p", "x"]).stderr.startswith("error: --chat reads its turns")
