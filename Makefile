@@ -76,6 +76,9 @@ $(VLLM_VENV)/.installed: pyproject.toml | $(VLLM_VENV)/bin/python
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)"
 	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM)" "$(TORCH)"
+	# PyPI's torchvision, torchaudio and torchcodec are built against the CUDA torch: beside the CPU torch their
+	# operators fail to load, and transformers' import of torchvision fails with them. Text models need none of them.
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(VLLM_VENV)/bin/python -m pip install -q pytest typer rich
 	touch $@
