@@ -6,9 +6,7 @@ cut to one rank per layer (docs/serving.md). Importing this package does not imp
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 # model_type -> (vLLM's class of the base model, the TALE class this plugin registers)
 ARCHITECTURES = {
@@ -32,20 +30,18 @@ def register() -> None:
 def engine_args(path: str | os.PathLike, value_rank: int | str = "full", verify: bool = True) -> dict:
     """Keyword arguments of vllm.LLM (or EngineArgs) that serve the artifact at `path` with the TALE model class.
 
-    The artifact is checked here, in the calling process (manifest, file hashes: tale_runtime.ArtifactError in one
-    line), before vLLM starts its engine. value_rank: "full" (every layer's full latent rank R: the exact setting),
-    "level0" (the manifest's level-0 rank of each layer, for every token) or a rank r <= R for every layer.
+    Checked here, in the calling process, before vLLM starts an engine: the artifact (manifest, every file's sha256:
+    tale_runtime.ArtifactError in one line) and the value rank (ValueError in one line, e.g. r != n on the CPU).
+    value_rank: "full" (each layer's full latent rank R: the exact setting), "level0" (the manifest's level-0 rank of
+    each layer, for every token) or a rank r <= R for every layer.
     """
-    from tale_runtime.artifact import ArtifactError
+    from vllm.platforms import current_platform
 
-    from .source import open_artifact
+    from .source import check_backend, open_artifact
 
     src = open_artifact(path, value_rank, verify=verify)
-    try:
-        model_type = json.loads((src.root / "config.json").read_text()).get("model_type")
-    except (OSError, json.JSONDecodeError, AttributeError):
-        raise ArtifactError(f"{src.root}: corrupt config.json") from None
+    check_backend(src, current_platform.is_cpu())
     return {
-        "model": str(Path(src.root)),
-        "hf_overrides": {"architectures": [ARCHITECTURES[model_type][1]], VALUE_RANK: value_rank},
+        "model": str(src.root),
+        "hf_overrides": {"architectures": [ARCHITECTURES[src.model_type][1]], VALUE_RANK: value_rank},
     }

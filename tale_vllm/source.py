@@ -29,6 +29,7 @@ _ATTN = re.compile(
 @dataclass(frozen=True)
 class Source:
     root: Path
+    model_type: str  # config.json's: llama, mistral or qwen2
     arch: Arch
     ranks: tuple[int, ...]  # value rank r per layer: the head size of vLLM's values
     verified: frozenset[str] | None  # the files checked against the manifest (None: not checked)
@@ -75,7 +76,7 @@ def open_artifact(path: str | os.PathLike, value_rank: int | str = "full", verif
     except (ArtifactError, KeyError, TypeError) as e:
         raise ArtifactError(f"{root}: malformed manifest ({e})") from None
     ranks = value_ranks(value_rank, arch, [rs[0] for rs in sched.ranks])
-    src = Source(root, arch, ranks, verified)
+    src = Source(root, config["model_type"], arch, ranks, verified)
     if not src.same_head_size() and len(set(ranks)) > 1:
         # vLLM's different-head-size backends (TRITON_ATTN_DIFFKV, FLASH_ATTN_DIFFKV) hold one value size per model
         raise ValueError(f"value ranks {sorted(set(ranks))} differ across layers: vLLM holds one value head size")

@@ -69,3 +69,19 @@ def test_value_rank_refusals(converted):
     source.check_backend(src, cpu=True)
     with pytest.raises(ValueError, match=r"value rank 32 != head dim 16: vLLM's CPU attention"):
         source.check_backend(source.open_artifact(art, "full"), cpu=True)
+    source.check_backend(source.open_artifact(art, "full"), cpu=False)  # the DIFFKV backends (CUDA)
+
+
+def test_engine_args(converted):
+    """engine_args names the TALE class and carries the value rank; on the CPU it refuses r != n before any engine."""
+    pytest.importorskip("vllm")
+    import tale_vllm
+
+    _, art = converted("llama", 2)
+    args = tale_vllm.engine_args(art, 16)
+    assert args == {
+        "model": str(art),
+        "hf_overrides": {"architectures": ["TaleLlamaForCausalLM"], "tale_value_rank": 16},
+    }
+    with pytest.raises(ValueError, match=r"value rank 32 != head dim 16"):
+        tale_vllm.engine_args(art, "full")
