@@ -76,6 +76,11 @@ def open_artifact(path: str | os.PathLike, value_rank: int | str = "full", verif
     except (ArtifactError, KeyError, TypeError) as e:
         raise ArtifactError(f"{root}: malformed manifest ({e})") from None
     ranks = value_ranks(value_rank, arch, [rs[0] for rs in sched.ranks])
+    if (q := sched.latent_rotation) and any(r % q for r in ranks):
+        # latents rotated in Hadamard blocks at conversion: a cut inside a block mixes in the dropped channels
+        raise ValueError(
+            f"value rank {ranks[0]} cuts inside the latents' rotation blocks of {q} (use a multiple of {q})"
+        )
     src = Source(root, config["model_type"], arch, ranks, verified)
     if not src.same_head_size() and len(set(ranks)) > 1:
         # vLLM's different-head-size backends (TRITON_ATTN_DIFFKV, FLASH_ATTN_DIFFKV) hold one value size per model

@@ -85,3 +85,16 @@ def test_engine_args(converted):
     }
     with pytest.raises(ValueError, match=r"value rank 32 != head dim 16"):
         tale_vllm.engine_args(art, "full")
+
+
+def test_rank_cut_inside_latent_rotation_blocks_refused(converted, tmp_path):
+    from conftest import main_fixtures
+
+    from tale_convert.convert import Options, convert
+
+    base, _ = converted("llama", 2)
+    art = tmp_path / "rotated"
+    convert(str(base), art, Options(group=2, rotate_latents=True, **main_fixtures.TINY_OPTS))  # blocks of value_group 8
+    assert len(source.open_artifact(art, 16).ranks) == 3
+    with pytest.raises(ValueError, match=r"value rank 12 cuts inside the latents' rotation blocks of 8"):
+        source.open_artifact(art, 12)
