@@ -22,6 +22,9 @@ def register() -> None:
     """The `vllm.general_plugins` entry point: vLLM calls it in every process it starts."""
     from vllm import ModelRegistry
 
+    from . import config
+
+    config.register()
     for _, tale in ARCHITECTURES.values():
         if tale not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(tale, f"tale_vllm.models:{tale}")
@@ -41,7 +44,7 @@ def engine_args(path: str | os.PathLike, value_rank: int | str = "full", verify:
 
     src = open_artifact(path, value_rank, verify=verify)
     check_backend(src, current_platform.is_cpu())
-    return {
-        "model": str(src.root),
-        "hf_overrides": {"architectures": [ARCHITECTURES[src.model_type][1]], VALUE_RANK: value_rank},
-    }
+    overrides = {VALUE_RANK: value_rank}
+    if not src.own_type:  # the base's config.json names the base class: name the TALE class instead
+        overrides["architectures"] = [ARCHITECTURES[src.model_type][1]]
+    return {"model": str(src.root), "hf_overrides": overrides}

@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tale_runtime.artifact import ArtifactError, read_manifest, schedule_of, verify_files
+from tale_runtime.remote_code import base_dict, is_tale
 from tale_runtime.spec import Arch
 
 # the per-layer tensors the attention needs together (they may sit in different shards)
@@ -29,7 +30,8 @@ _ATTN = re.compile(
 @dataclass(frozen=True)
 class Source:
     root: Path
-    model_type: str  # config.json's: llama, mistral or qwen2
+    model_type: str  # the base model's: llama, mistral or qwen2
+    own_type: bool  # config.json says model_type "tale" (artifacts before it carry the base's config.json)
     arch: Arch
     ranks: tuple[int, ...]  # value rank r per layer: the head size of vLLM's values
     verified: frozenset[str] | None  # the files checked against the manifest (None: not checked)
@@ -66,6 +68,9 @@ def open_artifact(path: str | os.PathLike, value_rank: int | str = "full", verif
         config = json.loads((root / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         raise ArtifactError(f"{root}: missing or corrupt config.json") from None
+    own_type = isinstance(config, dict) and is_tale(config)
+    if isinstance(config, dict):
+        config = base_dict(config)  # model_type "tale" -> the base's (tale_runtime.remote_code)
     if not isinstance(config, dict) or config.get("model_type") not in SUPPORTED:
         got = config.get("model_type") if isinstance(config, dict) else None
         raise ArtifactError(f"{root}: model_type {got!r} is not supported (only {', '.join(SUPPORTED)})")
@@ -81,7 +86,7 @@ def open_artifact(path: str | os.PathLike, value_rank: int | str = "full", verif
         raise ValueError(
             f"value rank {ranks[0]} cuts inside the latents' rotation blocks of {q} (use a multiple of {q})"
         )
-    src = Source(root, config["model_type"], arch, ranks, verified)
+    src = Source(root, config["model_type"], own_type, arch, ranks, verified)
     if not src.same_head_size() and len(set(ranks)) > 1:
         # vLLM's different-head-size backends (TRITON_ATTN_DIFFKV, FLASH_ATTN_DIFFKV) hold one value size per model
         raise ValueError(f"value ranks {sorted(set(ranks))} differ across layers: vLLM holds one value head size")

@@ -79,10 +79,15 @@ def test_engine_args(converted):
 
     _, art = converted("llama", 2)
     args = tale_vllm.engine_args(art, 16)
-    assert args == {
-        "model": str(art),
-        "hf_overrides": {"architectures": ["TaleLlamaForCausalLM"], "tale_value_rank": 16},
-    }
+    # config.json says model_type "tale": the plugin's config class names the TALE class (tale_vllm.config)
+    assert args == {"model": str(art), "hf_overrides": {"tale_value_rank": 16}}
+    from transformers import AutoConfig
+
+    from tale_vllm import config as served
+
+    served.register()
+    config = AutoConfig.from_pretrained(art)
+    assert (config.model_type, config.architectures, config.head_dim) == ("llama", ["TaleLlamaForCausalLM"], 16)
     with pytest.raises(ValueError, match=r"value rank 32 != head dim 16"):
         tale_vllm.engine_args(art, "full")
 
