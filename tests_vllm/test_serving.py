@@ -1,0 +1,110 @@
+"""vLLM serving of a TALE artifact on the CPU (stage 1: keys and latents in vLLM's 16-bit paged cache).
+
+One engine per model, shared by the module's tests: the base model's greedy tokens are taken first, then the TALE
+engine starts (in this process, one at a time)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+
+import pytest
+
+import tale_vllm
+from tale_runtime.artifact import ArtifactError
+
+vllm = pytest.importorskip("vllm")
+
+PROMPTS = [
+    "The",
+    "Once upon a time there was",
+    "The capital of France is a city that many people visit every year because",
+    "In the beginning the printing museum had only one press, and the code that opened its archive was",
+]
+ENGINE = dict(dtype="float32", max_model_len=128, enforce_eager=True, max_num_seqs=4, seed=0)
+
+
+def greedy(llm) -> list[list[int]]:
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def kv_bytes_per_token(llm) -> int:
+    """The bytes vLLM allocated for one token's keys and values, over all layers (its cache tensors)."""
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+
+    def per_token(model):
+        from vllm.model_executor.layers.attention import Attention
+
+        total = 0
+        for m in model.modules():
+            if isinstance(m, Attention):
+                t = m.kv_cache[0] if isinstance(m.kv_cache, list | tuple) else m.kv_cache
+                total += t.numel() * t.element_size() // (t.shape[0] * block)
+        return total
+
+    return llm.apply_model(per_token)[0]
+
+
+def shutdown(llm) -> None:
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+@pytest.fixture(scope="module")
+def base_run(tiny_llama):
+    llm = vllm.LLM(model=str(tiny_llama), **ENGINE)
+    out = greedy(llm), kv_bytes_per_token(llm)
+    shutdown(llm)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tale_llm(tiny_artifact, base_run):
+    llm = vllm.LLM(**tale_vllm.engine_args(tiny_artifact), **ENGINE)
+    yield llm
+    shutdown(llm)
+
+
+def test_tale_model_class_serves_the_artifact(tale_llm):
+    names = tale_llm.apply_model(lambda m: type(m).__name__)
+    assert names == ["TaleLlamaForCausalLM"]
+
+
+def test_full_rank_greedy_tokens_equal_the_base_model(tale_llm, base_run):
+    base_tokens, _ = base_run
+    assert len({len(tale_llm.get_tokenizer()(p).input_ids) for p in PROMPTS}) == len(PROMPTS)  # different lengths
+    assert greedy(tale_llm) == base_tokens
+
+
+def test_kv_bytes_per_token(tale_llm, base_run, tiny_artifact, capsys):
+    _, base = base_run
+    tale = kv_bytes_per_token(tale_llm)
+    a = json.loads((tiny_artifact / "tale_config.json").read_text())["architecture"]
+    L, K, n = a["num_layers"], a["num_kv_heads"], a["head_dim"]
+    bf16 = L * 2 * K * n * 2  # the base model's 16-bit keys and values
+    with capsys.disabled():  # shown without -s
+        print(f"\nKV bytes/token: TALE {tale}, base {base} (fp32 cache), bf16 base {bf16}: base/TALE {base / tale:.2f}")
+    # group 1, full rank: the value of a head is its latent of rank n, so the cache is the base model's
+    assert tale == base == L * 2 * K * n * 4
+
+
+def test_corrupt_artifact_refused_in_one_line(tiny_artifact, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_artifact, bad)
+    shard = sorted(bad.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-8] + b"\0" * 8)  # the last bytes of a tensor changed
+    with pytest.raises(ArtifactError, match=rf"checksum mismatch for {shard.name} \(file corrupt or modified\)") as e:
+        tale_vllm.engine_args(bad)
+    assert "\n" not in str(e.value)
+
+
+def test_non_tale_directory_refused_in_one_line(tiny_llama):
+    with pytest.raises(ArtifactError, match=r"not a TALE artifact") as e:
+        tale_vllm.engine_args(tiny_llama)
+    assert "\n" not in str(e.value)

@@ -1,0 +1,105 @@
+"""The tensors tale_vllm hands to vLLM's layers, against tale_runtime's TaleAttention (no engine: torch only).
+
+For softmax weights s over T tokens, vLLM computes per query head z_q = sum_t s_qt hv_t[m(q)] with hv = x W'_v + b'
+(the "v" rows and bias of qkv_proj) and then o_proj(z). That must equal TaleAttention.output of the zero-padded
+latent sum pad_R(h[:r]) (DESIGN.md 4), and at r = R the base model's attention output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tale_vllm import source
+
+
+def vllm_side(t: dict, prefix: str, x: torch.Tensor, s: torch.Tensor, K: int) -> torch.Tensor:
+    """x [T, d], s [H, T] -> [d], as vLLM's qkv_proj 'v' rows, attention and o_proj compute it (float64)."""
+    w = t[prefix + "v_proj.weight"].double()  # [K*r, d]
+    hv = x @ w.T
+    if prefix + "v_proj.bias" in t:
+        hv = hv + t[prefix + "v_proj.bias"].double()
+    T, H = x.shape[0], s.shape[0]
+    hv = hv.view(T, K, -1)  # [T, K, r]
+    z = torch.einsum("ht,thr->hr", s, hv[:, torch.arange(H) // (H // K)])  # [H, r]
+    out = t[prefix + "o_proj.weight"].double() @ z.reshape(-1)
+    if prefix + "o_proj.bias" in t:
+        out = out + t[prefix + "o_proj.bias"].double()
+    return out
+
+
+@pytest.mark.parametrize("arch,group", [("llama", 2), ("qwen2", 1), ("mistral", 2)])
+def test_latent_values_and_cut_output_equal_tale_runtime(converted, arch, group):
+    import tale_runtime
+
+    _, art = converted(arch, group)
+    model, _ = tale_runtime.load(art, device="cpu", dtype=torch.float32)
+    torch.manual_seed(0)
+    for rank in ("full", 8):
+        src = source.open_artifact(art, rank)
+        t = dict(source.tensors(src))
+        a = src.arch
+        for i, layer in enumerate(model.model.layers):
+            att, r = layer.self_attn, src.ranks[i]
+            prefix = f"model.layers.{i}.self_attn."
+            x = torch.randn(5, a.hidden_size, dtype=torch.float64)
+            s = torch.softmax(torch.randn(a.num_heads, 5, dtype=torch.float64), -1)
+            got = vllm_side(t, prefix, x, s, a.num_kv_heads)
+
+            # TaleAttention: z_q = sum_t s_qt pad_R(h_t[c(q)][:r]), output through O^r (+ the value bias's output)
+            m = torch.arange(a.num_heads) // (a.num_heads // a.num_kv_heads)  # KV head of each query head
+            h = att.latents(x[None].float())[0].double()  # [G, T, R]
+            h[..., r:] = 0
+            z = torch.einsum("qt,qtr->qr", s, h[m // a.group_size])  # [H, R]
+            want = att.output(z[None, None].float())[0, 0].double()
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            if r == a.latent_rank:  # the base model's attention output: v = x W_V (+ b), through W_O
+                v = att.v_proj(x.float()).double().view(5, a.num_kv_heads, a.head_dim)  # [T, K, n]
+                zb = torch.einsum("qt,tqn->qn", s, v[:, m])  # [H, n]
+                base = att.o_proj(zb.reshape(-1).float()).double()
+                torch.testing.assert_close(got, base, rtol=1e-4, atol=1e-5)
+
+
+def test_value_rank_refusals(converted):
+    _, art = converted("llama", 2)
+    with pytest.raises(ValueError, match=r"value rank 65 is outside \[1, 32\]"):
+        source.open_artifact(art, 65)
+    with pytest.raises(ValueError, match="'full', 'level0' or a whole number"):
+        source.open_artifact(art, "half")
+    src = source.open_artifact(art, 16)  # = head dim: one head size
+    source.check_backend(src, cpu=True)
+    with pytest.raises(ValueError, match=r"value rank 32 != head dim 16: vLLM's CPU attention"):
+        source.check_backend(source.open_artifact(art, "full"), cpu=True)
+    source.check_backend(source.open_artifact(art, "full"), cpu=False)  # the DIFFKV backends (CUDA)
+
+
+def test_engine_args(converted):
+    """engine_args names the TALE class and carries the value rank; on the CPU it refuses r != n before any engine."""
+    pytest.importorskip("vllm")
+    import tale_vllm
+
+    _, art = converted("llama", 2)
+    args = tale_vllm.engine_args(art, 16)
+    # config.json says model_type "tale": the plugin's config class names the TALE class (tale_vllm.config)
+    assert args == {"model": str(art), "hf_overrides": {"tale_value_rank": 16}}
+    from transformers import AutoConfig
+
+    from tale_vllm import config as served
+
+    served.register()
+    config = AutoConfig.from_pretrained(art)
+    assert (config.model_type, config.architectures, config.head_dim) == ("llama", ["TaleLlamaForCausalLM"], 16)
+    with pytest.raises(ValueError, match=r"value rank 32 != head dim 16"):
+        tale_vllm.engine_args(art, "full")
+
+
+def test_rank_cut_inside_latent_rotation_blocks_refused(converted, tmp_path):
+    from conftest import main_fixtures
+
+    from tale_convert.convert import Options, convert
+
+    base, _ = converted("llama", 2)
+    art = tmp_path / "rotated"
+    convert(str(base), art, Options(group=2, rotate_latents=True, **main_fixtures.TINY_OPTS))  # blocks of value_group 8
+    assert len(source.open_artifact(art, 16).ranks) == 3
+    with pytest.raises(ValueError, match=r"value rank 12 cuts inside the latents' rotation blocks of 8"):
+        source.open_artifact(art, 12)
