@@ -87,7 +87,7 @@ vllm-env: $(VLLM_VENV)/.installed
 
 # not part of `make test`: the engine starts in its own processes and takes minutes on a small CPU
 test-vllm: vllm-env
-	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/pytest -q -rs -p no:cacheprovider tests_vllm
+	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/pytest -q -rs -p no:cacheprovider tests/vllm
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) out build *.egg-info

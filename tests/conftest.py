@@ -18,8 +18,13 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import importlib.util
+
 import pytest
 import torch
+
+# tests/vllm runs in vLLM's own venv (make test-vllm); the main suite has no vLLM
+collect_ignore = ["vllm"] if importlib.util.find_spec("vllm") is None else []
 
 # Without a GPU the Triton kernels are tested in Triton's CPU interpreter, which must be chosen
 # before anything imports triton (transformers and torch may, during collection).

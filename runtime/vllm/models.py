@@ -1,4 +1,4 @@
-"""The model classes the plugin registers (tale_vllm.ARCHITECTURES): vLLM's Llama with TaleAttention in every layer,
+"""The model classes the plugin registers (ARCHITECTURES): vLLM's Llama with TaleAttention in every layer,
 weights read from the artifact (source.py) instead of vLLM's directory reader. Mistral and Qwen2 checkpoints have the
 Llama layer (Qwen2: with q, k, v biases, TaleAttention adds them), so all three use it."""
 

@@ -18,7 +18,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-_spec = importlib.util.spec_from_file_location("tale_tests_conftest", Path(__file__).parents[1] / "tests/conftest.py")
+_spec = importlib.util.spec_from_file_location("tale_tests_conftest", Path(__file__).parents[1] / "conftest.py")
 main_fixtures = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(main_fixtures)
 

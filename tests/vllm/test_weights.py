@@ -1,4 +1,4 @@
-"""The tensors tale_vllm hands to vLLM's layers, against tale_runtime's TaleAttention (no engine: torch only).
+"""The tensors the vLLM plugin hands to vLLM's layers, against tale_runtime's TaleAttention (no engine: torch only).
 
 For softmax weights s over T tokens, vLLM computes per query head z_q = sum_t s_qt hv_t[m(q)] with hv = x W'_v + b'
 (the "v" rows and bias of qkv_proj) and then o_proj(z). That must equal TaleAttention.output of the zero-padded
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tale_vllm import source
+from tale_runtime.vllm import source
 
 
 def vllm_side(t: dict, prefix: str, x: torch.Tensor, s: torch.Tensor, K: int) -> torch.Tensor:
@@ -75,15 +75,15 @@ def test_value_rank_refusals(converted):
 def test_engine_args(converted):
     """engine_args names the TALE class and carries the value rank; on the CPU it refuses r != n before any engine."""
     pytest.importorskip("vllm")
-    import tale_vllm
+    import tale_runtime.vllm as tale_vllm
 
     _, art = converted("llama", 2)
     args = tale_vllm.engine_args(art, 16)
-    # config.json says model_type "tale": the plugin's config class names the TALE class (tale_vllm.config)
+    # config.json says model_type "tale": the plugin's config class names the TALE class (tale_runtime.vllm.config)
     assert args == {"model": str(art), "hf_overrides": {"tale_value_rank": 16}}
     from transformers import AutoConfig
 
-    from tale_vllm import config as served
+    from tale_runtime.vllm import config as served
 
     served.register()
     config = AutoConfig.from_pretrained(art)

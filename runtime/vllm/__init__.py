@@ -27,7 +27,7 @@ def register() -> None:
     config.register()
     for _, tale in ARCHITECTURES.values():
         if tale not in ModelRegistry.get_supported_archs():
-            ModelRegistry.register_model(tale, f"tale_vllm.models:{tale}")
+            ModelRegistry.register_model(tale, f"tale_runtime.vllm.models:{tale}")
 
 
 def engine_args(path: str | os.PathLike, value_rank: int | str = "full", verify: bool = True) -> dict:

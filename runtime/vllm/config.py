@@ -24,7 +24,9 @@ class TaleServedConfig(PretrainedConfig):
         base = base_dict(config_dict)
         family = base.get("model_type")
         if family not in ARCHITECTURES:
-            raise ValueError(f"a TALE artifact of model_type {family!r}: tale_vllm serves {', '.join(ARCHITECTURES)}")
+            raise ValueError(
+                f"a TALE artifact of model_type {family!r}: the vLLM plugin serves {', '.join(ARCHITECTURES)}"
+            )
         out = CONFIG_MAPPING[family].from_dict(base, **kwargs)  # (config, unused kwargs) when asked for them
         config = out[0] if isinstance(out, tuple) else out
         config.architectures = [ARCHITECTURES[family][1]]

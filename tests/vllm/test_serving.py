@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-import tale_vllm
+import tale_runtime.vllm as tale_vllm
 from tale_runtime.artifact import ArtifactError
 
 vllm = pytest.importorskip("vllm")
