@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
-
-import importlib.util
 
 import pytest
 import torch
