@@ -445,7 +445,12 @@ def set_backend(model, name: str = "auto", config=None) -> None:
     a registered name (tale_runtime.backends.registered()); `config` its tuning knobs (the backend's config class,
     e.g. tale_kernels.TritonConfig). Caches made before keep theirs. An unknown name or config is refused here."""
     if name != "auto":
-        backends.get(name).configure(config)
+        b = backends.get(name).configure(config)
+        # refused now, not at the first generate: a backend that serves neither a dynamic nor a static cache here
+        spec, w = model.tale_spec, next(model.parameters())
+        why = [b.supports(CacheSpec(spec.rank_arch(), spec.schedule, st, w.device, w.dtype)) for st in (False, True)]
+        if all(why):
+            raise ValueError(f"attention backend {name!r} does not serve this model's caches: {why[0]}")
     elif config is not None:
         raise ValueError("a backend config needs a backend name (set_backend(model, 'triton', config))")
     model.tale_spec.backend, model.tale_spec.backend_config = name, config

@@ -182,3 +182,6 @@ def test_the_backend_is_chosen_once_from_the_cache_spec(monkeypatch):
     assert stats.attention == "triton kernel"
     with pytest.raises(ValueError, match="no attention backend"):
         set_backend(tm, "flash")
+    monkeypatch.delenv("TRITON_INTERPRET")  # no GPU, no interpreter: refused when named, not at the first generate
+    with pytest.raises(ValueError, match="'triton' does not serve this model's caches: needs a CUDA device"):
+        set_backend(tm, "triton")
