@@ -182,7 +182,7 @@ def run(
     set_output_path(m, output_path)
     if dev.type == "cuda" and not m.tale_spec.schedule.fast_path():
         err.print(
-            "note: the GPU kernel and the static cache do not read this schedule (keys before RoPE, low-rank keys, "
+            "note: the GPU kernels do not read this schedule (keys before RoPE, low-rank keys, "
             "per-token keys or 3-bit latents): decoding through the torch reference on the dynamic cache, far slower "
             "(docs/performance.md)",
             style="dim",

@@ -25,7 +25,7 @@ class Region:
     length: int | torch.Tensor  # slots in use, a prefix of cap (an int, or a device tensor in a static cache)
     # keys held before RoPE (Schedule.key_rope "pre"): the (cos, sin) [B, cap, n] that rotate them as they are read
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
-    # low-rank keys (Level.key_rank): `keys` holds [B, 1, cap, r] coefficients on this basis, decoded before RoPE
+    # low-rank keys (Level.key_rank): `keys` holds [B, blocks, cap, r] coefficients on this basis, decoded before RoPE
     basis: KeyBasis | None = None
 
     @property

@@ -82,6 +82,11 @@ def run(
         help="also fit the key basis that low-rank keys read (key_rank levels, with key_rope pre; "
         "key_basis.safetensors from the calibration keys)",
     ),
+    key_basis_blocks: Optional[str] = typer.Option(
+        None,
+        help="the key basis in blocks: joint (one over each layer's KV heads; the default) or head (one per KV head: "
+        "K times fewer multiply-adds to rebuild keys; key ranks count coefficients per head)",
+    ),
     recent: Optional[str] = typer.Option(
         None, help="share p of non-sink tokens at full rank (one per level above 0; default: the preset's)"
     ),
@@ -123,6 +128,7 @@ def run(
         target_ratio=target_ratio,
         key_bands=_bands(key_bands) if key_bands else None,
         key_basis=key_basis,
+        key_basis_blocks=key_basis_blocks,
         key_bits=None if key_bits is None else _numbers(key_bits, int, "--key-bits"),
         key_group=key_group,
         value_group=value_group,

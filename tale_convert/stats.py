@@ -101,45 +101,61 @@ def calibration_batches(tok, count: int = 4, length: int = 512, batch: int = 2) 
     return list(wins[pick].split(batch))
 
 
+class KeyMoments:
+    """One layer's key statistics, accumulated from forward hooks on its k_proj and q_proj: the second moment and the
+    mean of the keys before RoPE, all KV heads joined ([K n, K n], [K n]), and the per-channel second moments of the
+    queries before RoPE, averaged over each KV head's query heads ([K n]), float64. The first `skip` tokens of each
+    sequence are left out (sinks stay exact); only the first `rows` sequences a hook sees count (None: all), so a
+    pass over more calibration samples gathers the same statistics."""
+
+    def __init__(self, K: int, n: int, skip: int = 4, rows: int | None = None):
+        self.K, self.n, self.skip, self.rows = K, n, skip, rows
+        self.m2 = self.m1 = self.q2 = 0.0
+        self.count = 0
+        self.seen = {"k": 0, "q": 0}  # sequences each hook has seen
+
+    def _take(self, which: str, out: torch.Tensor) -> torch.Tensor | None:
+        """out [b, T, C] -> the rows still wanted, flattened to tokens [b' (T - skip), C] float64 (None: none)."""
+        first = self.seen[which]
+        self.seen[which] += out.shape[0]
+        keep = out.shape[0] if self.rows is None else max(0, min(out.shape[0], self.rows - first))
+        return out[:keep, self.skip :].double().flatten(0, 1) if keep else None
+
+    def on_k(self, mod, args, out) -> None:  # out [b, T, K n]: the keys before RoPE
+        if (x := self._take("k", out)) is not None:
+            self.m2 = self.m2 + x.T @ x
+            self.m1 = self.m1 + x.sum(0)
+            self.count += len(x)
+
+    def on_q(self, mod, args, out) -> None:  # out [b, T, H n]
+        if (x := self._take("q", out)) is not None:
+            self.q2 = self.q2 + x.pow(2).view(len(x), self.K, -1, self.n).mean(2).sum(0).flatten()
+
+    def hook(self, attn) -> list:
+        """Hooks on an attention module's k_proj and q_proj (remove them when done)."""
+        return [attn.k_proj.register_forward_hook(self.on_k), attn.q_proj.register_forward_hook(self.on_q)]
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.count:
+            raise ValueError("no calibration tokens reached the key statistics (sequences shorter than the sinks?)")
+        return self.m2 / self.count, self.m1 / self.count, self.q2 / self.count
+
+
 @torch.inference_mode()
 def key_moments(
     model, batches: list[torch.Tensor], skip: int = 4
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per layer: the second moment and the mean of the keys before RoPE, all KV heads joined ([K n, K n], [K n]),
-    and the per-channel
-    second moments of the queries before RoPE, averaged over each KV head's query heads ([K n]), float64, over the
-    calibration `batches` ([B, T] ids; the first `skip` tokens of each sequence left out: sinks stay exact)."""
-    layers = model.model.layers
-    m2 = [0.0] * len(layers)
-    m1 = [0.0] * len(layers)
-    q2 = [0.0] * len(layers)
-    count = [0] * len(layers)
-    hooks = []
-
-    def on_k(i):
-        def hook(mod, args, out):  # out [B, T, K n]: the keys before RoPE
-            x = out[:, skip:].double().flatten(0, 1)
-            m2[i] = m2[i] + x.T @ x
-            m1[i] = m1[i] + x.sum(0)
-            count[i] += len(x)
-
-        return hook
-
-    def on_q(i, K, n):
-        def hook(mod, args, out):  # out [B, T, H n]
-            x = out[:, skip:].double().flatten(0, 1)
-            q2[i] = q2[i] + x.pow(2).view(len(x), K, -1, n).mean(2).sum(0).flatten()
-
-        return hook
-
+    """Per layer of a loaded model: KeyMoments over the calibration `batches` ([B, T] ids), from one forward pass of
+    the whole model (tale-convert gathers the same statistics layer by layer, inside its streaming pass)."""
+    moments, hooks = [], []
     try:
-        for i, layer in enumerate(layers):
+        for layer in model.model.layers:
             a = layer.self_attn
-            hooks.append(a.k_proj.register_forward_hook(on_k(i)))
-            hooks.append(a.q_proj.register_forward_hook(on_q(i, a.K, a.head_dim)))
+            moments.append(KeyMoments(a.K, a.head_dim, skip))
+            hooks += moments[-1].hook(a)
         for ids in batches:
             model(ids)
     finally:
         for h in hooks:
             h.remove()
-    return [(m / c, s / c, q / c) for m, s, q, c in zip(m2, m1, q2, count)]
+    return [m.result() for m in moments]
