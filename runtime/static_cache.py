@@ -180,11 +180,9 @@ def _empty_q(
     meta_format. `channel_major`: per-token codes with 16-bit scales slot-contiguous (latents; keys stay row-major)."""
     if bits == 16:
         return QTensor(torch.zeros(*lead, tokens, channels, dtype=dtype, device=device), None, None, 16, group, dim)
-    if (
-        dim == -1 and meta == "16" and channel_major
-    ):  # latents channel-major (slots contiguous): the decode kernel unpacks them in
-        # the dot's operand layout (H100: paper preset 1.13-1.17x; with fp8 scales 0.75-0.84x, so those stay
-        # row-major: docs/kernels.md); rows padded to 16 bytes, so a channel byte's stride is 16-aligned
+    if dim == -1 and meta == "16" and channel_major:  # latents channel-major (slots contiguous): the decode kernel
+        # unpacks them in the dot's operand layout (H100: paper preset 1.13-1.17x; with fp8 scales 0.75-0.84x, so
+        # those stay row-major: docs/kernels.md); rows padded to 16 bytes, so a channel byte's stride is 16-aligned
         pad = -(-tokens // 16) * 16
         data = torch.zeros(*lead, channels * bits // 8, pad, dtype=torch.uint8, device=device).transpose(-1, -2)
         data = data[..., :tokens, :]
