@@ -185,6 +185,7 @@ def check_inputs(out: Path, opts: Options) -> None:
             raise ConvertError(f"{name} must be >= {least}, got {v}")
     if opts.preset not in PRESETS:
         raise ConvertError(f"unknown --preset {opts.preset!r}: use one of {', '.join(PRESETS)}")
+    opts.blocks(1)  # an unknown --key-basis-blocks: refused now
     if opts.target_ratio is not None and opts.target_ratio <= 1:
         raise ConvertError(f"--target-ratio must be > 1 (a compression ratio), got {opts.target_ratio:g}")
     for f in opts.calib or []:

@@ -112,6 +112,8 @@ class Options:
         kind = self.key_basis_blocks or PRESETS.get(self.preset, {}).get("key_basis_blocks", "joint")
         if kind not in BASIS_BLOCKS:
             raise ConvertError(f"unknown --key-basis-blocks {kind!r}: use one of {', '.join(BASIS_BLOCKS)}")
+        if self.key_basis_blocks and not self.wants_basis():
+            raise ConvertError("--key-basis-blocks shapes the key basis: add --key-basis (or use --preset lowrank)")
         return kv_heads if kind == "head" else 1
 
     def _rotate_latents(self, preset: dict, R: int) -> bool:

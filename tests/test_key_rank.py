@@ -326,6 +326,9 @@ def test_a_preset_with_per_level_key_layouts_refuses_another_level_count():
     assert "key_blocks" in s.to_dict() and "key_blocks" not in Options(preset="lowrank").schedule(192, 2).to_dict()
     with pytest.raises(ConvertError, match="unknown --key-basis-blocks 'diag'"):
         Options(preset="lowrank", key_basis_blocks="diag").schedule(192, 2, kv_heads=3, head_dim=64)
+    with pytest.raises(ConvertError, match="--key-basis-blocks shapes the key basis: add --key-basis"):
+        Options(key_basis_blocks="head").schedule(192, 2, kv_heads=3, head_dim=64)
+    assert Options(key_basis=True, key_basis_blocks="head").schedule(192, 2, kv_heads=3, head_dim=64).key_blocks == 3
     s = Options(preset="tale", bits=(2, 4, 4), recent=(0.1, 0.1)).schedule(64, 2)
     assert [lv.key_axis for lv in s.levels] == ["channel"] * 3 and not any(lv.key_rank for lv in s.levels)
 
