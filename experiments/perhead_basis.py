@@ -1,5 +1,5 @@
-"""A copy of an artifact with a per-KV-head key basis (format 2.4), for comparing with its joined one (docs/quality.md,
-"Joint or per-head key basis").
+"""A copy of an artifact with a per-KV-head key basis (format 2.4), for comparing with its joined one (docs/notes.md,
+"joint or per-head key basis on the test texts").
 
     python experiments/perhead_basis.py out/lr-joint out/lr-head   # a copy of SRC with the per-head basis
 
