@@ -168,7 +168,7 @@ class Tale(Policy):
                 raise ValueError(f"key_hi takes BITS/CHANNELS, got {key_hi}")
             s = with_key_bands(s, s.key_order, {0: tuple(key_hi)})
             s.validate(d.R, d.layers)
-        if why := key_basis.missing(s.levels, model.tale_spec.key_basis):
+        if why := key_basis.missing(s, model.tale_spec.key_basis):
             raise ValueError(f"schedule override: {why}")
         return s
 

@@ -17,7 +17,8 @@ FORMAT = "tale"
 # schedule fields a 2.0 reader refuses by name, written only when used; 2.2: key_basis.safetensors and
 # Level.key_rank, which older readers refuse by name)
 # 2.3: the schedule field latent_rotation (latents rotated in blocks at conversion), written only when used
-FORMAT_VERSION = "2.3"
+# 2.4: the schedule field key_blocks (a key basis per KV head, 3-D in key_basis.safetensors), written only when used
+FORMAT_VERSION = "2.4"
 TOOL_NAME = "tale-kv"
 
 # Per-layer tensor names (prefix: the attention module, e.g. "model.layers.3.self_attn.")
@@ -45,8 +46,9 @@ class Level:
     # (Schedule.key_order, a calibration statistic) at `key_hi_bits`, the others at `key_bits`
     key_hi_bits: int = 0
     key_hi_channels: int = 0
-    # > 0: keys held as their first `key_rank` coefficients on the artifact's key basis (before RoPE, the layer's
-    # KV heads joined: tale_runtime.key_basis); needs key_rope "pre"
+    # > 0: keys held as their first `key_rank` coefficients per block of the artifact's key basis (before RoPE; one
+    # block joins the layer's KV heads, or one per head: Schedule.key_blocks, tale_runtime.key_basis); needs
+    # key_rope "pre". A token holds key_blocks x key_rank codes
     key_rank: int = 0
 
 
@@ -77,6 +79,9 @@ class Schedule:
     # (A Q, Q^T B: the same values, latents spread evenly over each quantization group); a rank cut inside a block
     # would mix truncated channels in, so every rank must be a multiple of it
     latent_rotation: int = 0
+    # blocks of the artifact's key basis (how it was written, not a knob): 1 joins every KV head of a layer, K is one
+    # per head; each holds key_rank coefficients per token at levels with low-rank keys
+    key_blocks: int = 1
 
     def unit(self, level: int) -> int:
         """Tokens a level's key groups span: stores of that level hold multiples of it."""
@@ -90,9 +95,10 @@ class Schedule:
         )
 
     def fast_path(self) -> bool:
-        """What the GPU fast path reads: the static cache holds it (per-channel keys) and the Triton decode kernel
-        reads every level of it (keys at 2/3/4/8/16 bits, whole or in bands; latents at 2/4/8/16 bits; any
-        scale/zero format; keys after RoPE). The paper and tale presets of tale-convert qualify, lowrank does not."""
+        """What the GPU fast path reads: the Triton decode kernel reads every level of it (per-channel keys at
+        2/3/4/8/16 bits, whole or in bands; latents at 2/4/8/16 bits; any scale/zero format; keys after RoPE). The
+        paper and tale presets of tale-convert qualify, lowrank does not (the static cache holds it, the torch
+        reference reads it)."""
         return self.key_rope == "post" and all(lv.key_axis == "channel" and lv.bits != 3 for lv in self.levels)
 
     def validate(self, R: int, num_layers: int | None = None) -> None:
@@ -125,6 +131,8 @@ class Schedule:
             for li, heads in enumerate(self.key_order):
                 if any(sorted(h) != list(range(len(h))) for h in heads):
                     raise ArtifactError(f"layer {li}: key_order must list each head's channels once")
+        if self.key_blocks < 1:
+            raise ArtifactError(f"key_blocks must be >= 1, got {self.key_blocks}")
         for lv in self.levels:
             if lv.key_rank:
                 if lv.key_rank < 0 or lv.key_rank % 8:
@@ -187,6 +195,8 @@ class Schedule:
             del d["key_rope"]
         if not d["latent_rotation"]:
             del d["latent_rotation"]
+        if d["key_blocks"] == 1:
+            del d["key_blocks"]
         for lv in d["levels"]:
             if not lv["key_hi_bits"]:
                 del lv["key_hi_bits"], lv["key_hi_channels"]
@@ -230,8 +240,8 @@ def nominal_ratio(schedule: Schedule, head_dim: int, group: int, kv_heads: int |
     """16-bit K+V bits per token-head over TALE's, ignoring sinks and scales (DESIGN.md 1).
 
     Per token and KV head a level costs key_bits*n + bits*rank/g (a group latent serves g heads); key bands
-    key_hi_bits on key_hi_channels of the n; low-rank keys key_bits*key_rank/K (the coefficients serve the layer's
-    K = kv_heads heads). Ranks are averaged over layers.
+    key_hi_bits on key_hi_channels of the n; low-rank keys key_bits*key_rank*key_blocks/K (the coefficients of the
+    key_blocks blocks serve the layer's K = kv_heads heads). Ranks are averaged over layers.
     """
     n = head_dim
     if kv_heads is None and any(lv.key_rank for lv in schedule.levels):
@@ -239,7 +249,7 @@ def nominal_ratio(schedule: Schedule, head_dim: int, group: int, kv_heads: int |
 
     def keys(lv: Level) -> float:
         if lv.key_rank:
-            return lv.key_bits * lv.key_rank / kv_heads
+            return lv.key_bits * lv.key_rank * schedule.key_blocks / kv_heads
         return lv.key_bits * (n - lv.key_hi_channels) + lv.key_hi_bits * lv.key_hi_channels
 
     layers = schedule.ranks or [[group * n] * len(schedule.levels)]

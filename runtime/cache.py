@@ -265,7 +265,7 @@ class TaleLayerCache:
             raise ValueError(f"layer {layer_idx}: key_order is not [{num_kv_heads} heads][{head_dim} channels]")
         self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank
         self.basis = basis  # the layer's key basis (levels with key_rank read it)
-        if why := key_basis.missing(schedule.levels, basis):
+        if why := key_basis.missing(schedule, basis):
             raise ValueError(f"layer {layer_idx}: {why}")
         if any(lv.key_axis == "token" for lv in schedule.levels) and head_dim % schedule.key_channel_group:
             raise ValueError(f"key_channel_group {schedule.key_channel_group} does not divide the head dim {head_dim}")

@@ -266,7 +266,7 @@ def run(
             raise CliError(f"{name} {v} is not below the model's context ({ctx} tokens): nothing would be compressed")
     if dev.type == "cuda" and not sched.fast_path():
         say.note(
-            "note: the GPU kernel and the static cache do not read this schedule (keys before RoPE, low-rank keys, "
+            "note: the GPU kernels do not read this schedule (keys before RoPE, low-rank keys, "
             "per-token keys or 3-bit latents): decoding through the torch reference on the dynamic cache, far slower "
             "(docs/performance.md)"
         )

@@ -126,7 +126,7 @@ class DecodeStep(_OverCache):
                 a = layer.self_attn
                 x, q, k, h = self.pre(layer, x, d, cos, sin, Q)
                 z = cache.attend(i, q, k, h, a.scaling, a.sliding_window)  # [B, T, H, R] float32
-                cache.update(k, h, i)
+                cache.update(k, h, i, rope=(cos, sin))  # read by caches that hold keys before RoPE
                 x, d = self.post(layer, x, z)
         return self.head(m, x, d)
 

@@ -95,15 +95,22 @@ def pair_mean(q2: torch.Tensor, K: int, n: int) -> torch.Tensor:
     return (0.5 * (e + e.roll(n // 2, -1))).flatten()
 
 
-def missing(levels, basis: KeyBasis | list[KeyBasis] | None) -> str | None:
-    """Why levels with low-rank keys cannot read `basis` (one layer's, or every layer's), or None when they can:
-    the one check behind load(), tale-eval's overrides and TaleLayerCache."""
-    kr = max((lv.key_rank for lv in levels), default=0)
+def missing(schedule, basis: KeyBasis | list[KeyBasis] | None) -> str | None:
+    """Why the schedule's levels with low-rank keys cannot read `basis` (one layer's, or every layer's), or None when
+    they can: the one check behind load(), tale-eval's overrides and TaleLayerCache. key_rank counts coefficients per
+    block, so the basis must have the schedule's key_blocks."""
+    kr = max((lv.key_rank for lv in schedule.levels), default=0)
     if not kr:
         return None
     if basis is None:
         return f"key_rank {kr} needs the artifact's key basis (tale-convert --key-basis)"
-    have = min(b.directions for b in (basis if isinstance(basis, list) else [basis]))
+    bases = basis if isinstance(basis, list) else [basis]
+    if any(b.blocks != schedule.key_blocks for b in bases):
+        return (
+            f"the schedule counts key_rank in {schedule.key_blocks} key basis block(s), the key basis has "
+            f"{bases[0].blocks}"
+        )
+    have = min(b.directions for b in bases)
     return f"key_rank {kr} exceeds the key basis ({have} directions)" if kr > have else None
 
 

@@ -194,7 +194,7 @@ def load(
             model.tie_weights()
         # low-rank keys (Level.key_rank): the artifact's key basis, if it has one (verify_files refused it unlisted)
         basis = key_basis.load_file(root, arch.num_layers, arch.num_kv_heads, arch.head_dim, device)
-        if why := key_basis.missing(sched.levels, basis):
+        if why := key_basis.missing(sched, basis):
             raise ArtifactError(f"{root}: the schedule's low-rank keys: {why}")
     finish(model, device, TaleSpec(arch, sched, basis, manifest, root, tp=rank_tp))
     set_output_path(model, output_path)
@@ -435,7 +435,14 @@ def new_cache(
         chosen = backends.choose(cs, want, spec.backend_config if want == spec.backend else None, layout)
     shapes = (sched, a.num_layers, a.num_kv_heads, a.head_dim, a.num_groups, a.latent_rank)
     if static:
-        return StaticTaleCache(*shapes, max_length=max_length, layout=layout, num_heads=a.num_heads, backend=chosen)
+        return StaticTaleCache(
+            *shapes,
+            max_length=max_length,
+            layout=layout,
+            num_heads=a.num_heads,
+            backend=chosen,
+            key_basis=spec.key_basis,
+        )
     rope_types = families.rope_types(model.config)
     return TaleCache(*shapes, keep=keep, key_basis=spec.key_basis, backend=chosen, rope_types=rope_types)
 

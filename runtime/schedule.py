@@ -154,6 +154,7 @@ def override_schedule(
         key_rope=base.key_rope if key_rope is None else key_rope,
         key_order=base.key_order,  # the artifact's calibration statistic (levels with key bands read it)
         latent_rotation=base.latent_rotation,  # how the artifact's factors were written: not a knob
+        key_blocks=base.key_blocks,  # how the artifact's key basis was written: not a knob
     )
     try:
         sched.validate(R, num_layers)

@@ -8,7 +8,9 @@ Per layer (B batch rows, K KV heads, n head dim, G groups, R = g*n latent width,
 
     sinks     keys [B, K, S, n], latents [B, G, S, R]          16-bit, S = max left padding + alpha
     level i   keys QTensor [B, K, C_i, n*kb/8] (+ scale/zero [B, K, C_i/key_group, n]), or Bands of such
-              buffers over the band's channels (index [K, c] on the device, the layer's key_order),
+              buffers over the band's channels (index [K, c] on the device, the layer's key_order);
+              per-token keys (key_axis "token") [B, K, C_i, n*kb/8] (+ scale/zero [B, K, C_i, n/key_channel_group]);
+              low-rank keys (key_rank r) the coefficients [B, Kb, C_i, r*kb/8] on the layer's key basis of Kb blocks,
               latents QTensor [B, G, C_i, r_i*b/8] (+ scale/zero [B, G, C_i, r_i/value_group]); with 16-bit
               scales the codes channel-major (a transposed view of [B, G, r_i*b/8, C_i']: the kernel's dot layout)
               fp8 scales/zeros (key_meta, value_meta "8/16", "8/8"): one bias per buffer, a device scalar
@@ -23,6 +25,8 @@ Per layer (B batch rows, K KV heads, n head dim, G groups, R = g*n latent width,
 Shared by all layers (every layer holds the same positions):
 
     pos[j]    [B, cap_j] int32  cache position of each slot of region j; -1 = empty or padding
+    rope[j]   (cos, sin) [B, cap_j, n] float32, key_rope "pre" only: the RoPE tables each slot's key was rotated by,
+              for the levels (read back as they are attended) and the residual (undone when it is quantized)
     lens      [2 + levels] int32 slots in use per region (a prefix of the capacity: the high-water mark)
     next_pos  int64 scalar       position of the next token (kappa)
     res_slot  [1] int64          residual slot of the next decode token
@@ -42,10 +46,13 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers.cache_utils import Cache
 
+from . import key_basis as kb
 from .artifact import Schedule
+from .attention import apply_rope
 from .backends import TORCH, AttentionBackend
-from .cache import CacheStep, TaleCacheLayer, band_index, demote_level, quant_level
+from .cache import CacheStep, TaleCacheLayer, band_index, demote_level, key_layout, quant_level
 from .frag import FragLevel, FragRegion, fits
+from .key_basis import KeyBasis
 from .placement import demotions, fill_counts, flush_count
 from .quant import FP8, Bands, QTensor, _rebias, cat, meta_format
 from .regions import LayerView, Region
@@ -157,15 +164,25 @@ def _raw(t: torch.Tensor) -> QTensor:
 
 
 def _empty_q(
-    lead: tuple, tokens: int, channels: int, bits: int, group: int, dim: int, dtype, device, meta: str = "16"
+    lead: tuple,
+    tokens: int,
+    channels: int,
+    bits: int,
+    group: int,
+    dim: int,
+    dtype,
+    device,
+    meta: str = "16",
+    channel_major: bool = True,
 ) -> QTensor:
-    """A zeroed QTensor buffer [*lead, tokens, channels] at `bits` (dim: -2 keys, -1 latents); fp8 scale/zero per
-    `meta`, with the bias a device scalar; 16-bit ones per meta_format."""
+    """A zeroed QTensor buffer [*lead, tokens, channels] at `bits` (dim: -2 per channel over token groups, -1 per
+    token over channel groups); fp8 scale/zero per `meta`, with the bias a device scalar; 16-bit ones per
+    meta_format. `channel_major`: per-token codes with 16-bit scales slot-contiguous (latents; keys stay row-major)."""
     if bits == 16:
         return QTensor(torch.zeros(*lead, tokens, channels, dtype=dtype, device=device), None, None, 16, group, dim)
-    if dim == -1 and meta == "16":  # latents channel-major (slots contiguous): the decode kernel unpacks them in
-        # the dot's operand layout (H100: paper preset 1.13-1.17x; with fp8 scales 0.75-0.84x, so those stay
-        # row-major: docs/kernels.md); rows padded to 16 bytes, so a channel byte's stride is 16-aligned
+    if dim == -1 and meta == "16" and channel_major:  # latents channel-major (slots contiguous): the decode kernel
+        # unpacks them in the dot's operand layout (H100: paper preset 1.13-1.17x; with fp8 scales 0.75-0.84x, so
+        # those stay row-major: docs/kernels.md); rows padded to 16 bytes, so a channel byte's stride is 16-aligned
         pad = -(-tokens // 16) * 16
         data = torch.zeros(*lead, channels * bits // 8, pad, dtype=torch.uint8, device=device).transpose(-1, -2)
         data = data[..., :tokens, :]
@@ -188,6 +205,7 @@ class StaticTaleLayer(TaleCacheLayer):
         self.ranks = cache.schedule.ranks[layer_idx]
         ko = cache.schedule.key_order
         self.order = None if ko is None else ko[layer_idx]
+        self.basis: KeyBasis | None = None if cache.key_basis is None else cache.key_basis[layer_idx]
         self.bias: dict[int, float] = {}  # id(fp8 buffer) -> its bias on the host (the device scalar's value)
         self._view: LayerView | None = None
 
@@ -200,8 +218,9 @@ class StaticTaleLayer(TaleCacheLayer):
     def update(self, key_states, value_states, valid=None, queries=None, rope=None):
         """transformers' cache-layer update, as TALE caches it: post-RoPE keys [B, K, T, n] and latents [B, G, T, R]
         of the step's T new tokens, written where the step's plan puts them (`valid` [B, T]: real tokens, read at the
-        prefill). The static cache reads neither queries nor RoPE tables (it places by recency, keys after RoPE)."""
-        self.cache._write(self, key_states, value_states, valid)
+        prefill; `rope`: the (cos, sin) [B or 1, T, n] the keys were rotated by, read with key_rope "pre"). The static
+        cache does not read queries (it places by recency)."""
+        self.cache._write(self, key_states, value_states, valid, rope)
         return key_states, value_states
 
     def get_max_length(self) -> int:
@@ -217,7 +236,7 @@ class StaticTaleLayer(TaleCacheLayer):
         for t in self._tensors():
             t.copy_(t.index_select(0, beam_idx.to(t.device)))
         if self.layer_idx == 0:
-            for p in self.cache.pos:
+            for p in self.cache.pos + self.cache._rope_tensors():
                 p.copy_(p.index_select(0, beam_idx.to(p.device)))
 
     @property
@@ -245,7 +264,7 @@ class StaticTaleLayer(TaleCacheLayer):
             self.keys, self.lat = [], []
         else:
             self.frag = []
-            self.keys = [self._empty_keys(lv, B, C, dtype, device) for lv, C in zip(s.levels, caps)]
+            self.keys = [self._empty_keys(i, B, C, dtype, device) for i, C in enumerate(caps)]
             self.lat = [
                 _empty_q((B, G), C, r, lv.bits, s.value_group, -1, dtype, device, s.value_meta)
                 for lv, C, r in zip(s.levels, caps, self.ranks)
@@ -255,10 +274,16 @@ class StaticTaleLayer(TaleCacheLayer):
         self.res_h = torch.zeros(B, G, s.residual, R, **kw)
         self._view = None
 
-    def _empty_keys(self, lv, B: int, C: int, dtype, device) -> QTensor | Bands:
+    def _empty_keys(self, level: int, B: int, C: int, dtype, device) -> QTensor | Bands:
         c, s = self.cache, self.cache.schedule
+        lv = s.levels[level]
+        lay = key_layout(s, level)  # per channel over token groups, or per token over channel groups
+        if lv.key_rank:  # coefficients [B, Kb, C, r] on the layer's key basis (cache.quant_keys)
+            lead, width = (B, self.basis.blocks), lv.key_rank
+        else:
+            lead, width = (B, c.K), c.n
         if not lv.key_hi_bits:
-            return _empty_q((B, c.K), C, c.n, lv.key_bits, s.key_group, -2, dtype, device, s.key_meta)
+            return _empty_q(lead, C, width, lv.key_bits, lay["group"], lay["dim"], dtype, device, lay["meta"], False)
         hi, lo = band_index(self.order, lv.key_hi_channels)  # the parts in quant_keys' order: low band, high band
         parts = [
             _empty_q((B, c.K), C, idx.shape[-1], bits, s.key_group, -2, dtype, device, s.key_meta)
@@ -307,7 +332,9 @@ class StaticTaleLayer(TaleCacheLayer):
             c = self.cache
             regions = [Region(_raw(self.sink_k), _raw(self.sink_h), c.R, c.pos[0], c.lens[0])]
             for i, (k, h) in enumerate(zip(self.keys, self.lat)):
-                regions.append(Region(k, h, self.ranks[i], c.pos[1 + i], c.lens[1 + i]))
+                rope = c.rope[1 + i] if c.rope else None  # keys held before RoPE: rotated as they are read
+                basis = self.basis if c.schedule.levels[i].key_rank else None
+                regions.append(Region(k, h, self.ranks[i], c.pos[1 + i], c.lens[1 + i], rope, basis))
             for i, f in enumerate(self.frag):
                 regions.append(FragRegion(f, self.ranks[i], c.pos[1 + i], c.lens[1 + i]))
             regions.append(Region(_raw(self.res_k), _raw(self.res_h), c.R, c.pos[-1], c.lens[-1]))
@@ -316,18 +343,28 @@ class StaticTaleLayer(TaleCacheLayer):
 
     # -- writes (host-planned spans; every layer does the same ones) -------------------------
 
-    def append(self, k: torch.Tensor, h: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Cache T new exact tokens: inside the open step, or (a one-layer cache) in a step of their own."""
+    def append(self, k: torch.Tensor, h: torch.Tensor, valid: torch.Tensor | None = None, q=None, rope=None) -> None:
+        """Cache T new exact tokens (TaleLayerCache.append's arguments; `q` is not read): inside the open step, or (a
+        one-layer cache) in a step of their own."""
         c = self.cache
         if c._step is not None:
-            self.update(k, h, valid)
+            self.update(k, h, valid, rope=rope)
             return
         if c.num_layers != 1:
             raise RuntimeError("StaticTaleCache: write every layer inside one step (with cache.step(T): ...)")
         with c.step(k.shape[-2]):
-            self.update(k, h, valid)
+            self.update(k, h, valid, rope=rope)
 
-    def _write_new(self, op, k: torch.Tensor, h: torch.Tensor) -> None:
+    def _quant(self, i: int, k: torch.Tensor, h: torch.Tensor, rope) -> tuple:
+        """Exact tokens (k post-RoPE [B, K, T, n], h [B, G, T, R]) quantized at level i (cache.quant_level); with
+        key_rope "pre" the keys are first rotated back by their tables `rope` (cos, sin [B, T, n]), as the dynamic
+        cache does (TaleLayerCache._quant)."""
+        if rope is not None:
+            k = apply_rope(k.float(), rope[0].float(), -rope[1].float()).to(k.dtype)
+        return quant_level(self.cache.schedule, i, self.ranks[i], k, h, self.order, self.basis)
+
+    def _write_new(self, op, k: torch.Tensor, h: torch.Tensor, rope=None) -> None:
+        """The step's new tokens where the plan puts them; `rope` (cos, sin) [B, T, n] with key_rope "pre"."""
         c = self.cache
         if op.decode:  # one token into the residual slot the device holds: capturable
             self.res_k.index_copy_(2, c.res_slot, k)
@@ -341,7 +378,8 @@ class StaticTaleLayer(TaleCacheLayer):
             for i, cnt in enumerate(op.fill):
                 if cnt:
                     k_, h_ = k[:, :, t : t + cnt], h[:, :, t : t + cnt]
-                    keys, lat = quant_level(c.schedule, i, self.ranks[i], k_, h_, self.order)
+                    tab = None if rope is None else tuple(x[:, t : t + cnt] for x in rope)
+                    keys, lat = self._quant(i, k_, h_, tab)
                     self._put_level(i, keys, lat, op.fill_start[i], 0, cnt)
                 t += cnt
         if op.n_res:
@@ -353,7 +391,8 @@ class StaticTaleLayer(TaleCacheLayer):
         """Quantize the first q residual tokens into the top level at its write counter w."""
         c = self.cache
         L = len(c.schedule.levels) - 1
-        keys, lat = quant_level(c.schedule, L, self.ranks[L], self.res_k[:, :, :q], self.res_h[:, :, :q], self.order)
+        tab = None if not c.rope else tuple(x[:, :q] for x in c.rope[-1])
+        keys, lat = self._quant(L, self.res_k[:, :, :q], self.res_h[:, :, :q], tab)
         for slot, off, n in _spans(w, q, c.caps[L]):
             self._put_level(L, keys, lat, slot, off, n)
         left = c.book.res_len  # tokens after the flushed ones (chunks only)
@@ -367,7 +406,7 @@ class StaticTaleLayer(TaleCacheLayer):
         c = self.cache
         parts = [self._take_level(i, slot, n) for slot, _, n in _spans(r, m, c.caps[i])]
         kq, hq = cat([k for k, _ in parts]), cat([h for _, h in parts])
-        keys, lat = demote_level(c.schedule, i - 1, kq, hq, self.ranks[i - 1], self.order)
+        keys, lat = demote_level(c.schedule, i - 1, kq, hq, self.ranks[i - 1], self.order, self.basis)
         for slot, off, n in _spans(w, m, c.caps[i - 1]):
             self._put_level(i - 1, keys, lat, slot, off, n)
 
@@ -461,23 +500,22 @@ class StaticTaleCache(CacheStep, Cache):
         layout: str | None = None,
         num_heads: int | None = None,
         backend: AttentionBackend = TORCH,
+        key_basis: list[KeyBasis] | None = None,
     ):
         layout = backend.layout if layout is None else layout
         if layout not in ("row", "frag"):
             raise ValueError(f"static cache layout must be 'row' or 'frag', not {layout!r}")
-        if any(lv.key_axis != "channel" for lv in schedule.levels):  # its key buffers hold whole token groups
-            raise ValueError(
-                "the static cache holds per-channel keys (key_axis 'channel'); this schedule has per-token keys: "
-                "use new_cache(model) (dynamic)"
-            )
-        if schedule.key_rope != "post":
-            raise ValueError("the static cache holds keys after RoPE; key_rope 'pre' needs new_cache(model) (dynamic)")
+        for i in range(num_layers):  # low-rank keys: every layer's basis, with the schedule's blocks and directions
+            if why := kb.missing(schedule, None if key_basis is None else key_basis[i]):
+                raise ValueError(f"static cache: layer {i}: {why}")
         if layout == "frag" and (why := fits(schedule, head_dim, num_kv_heads, num_groups, torch.bfloat16)):
             raise ValueError(f"static cache layout 'frag': {why}")
         if backend.layout != layout and backend.name != TORCH.name:  # the reference reads both
             raise ValueError(f"the {backend.name} backend reads the {backend.layout} layout, not {layout!r}")
         self.schedule = schedule
         self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank
+        self.key_basis = key_basis  # per layer (levels with key_rank read it)
+        self.rope: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per region (key_rope "pre"; None: sinks)
         self.layout = layout
         self.num_heads = num_heads
         self.backend = backend
@@ -503,7 +541,7 @@ class StaticTaleCache(CacheStep, Cache):
         """Bytes allocated (all layers, buffers and shared positions)."""
         if self.book is None:
             return 0
-        pos = sum(p.numel() * p.element_size() for p in self.pos)
+        pos = sum(p.numel() * p.element_size() for p in self.pos + self._rope_tensors())
         return sum(layer.capacity_nbytes() for layer in self.layers) + pos
 
     def baseline_nbytes(self) -> int:
@@ -536,22 +574,58 @@ class StaticTaleCache(CacheStep, Cache):
         i32 = dict(dtype=torch.int32, device=dev)
         caps = [book.sink_cap, *self.caps, s.residual]
         self.pos = [torch.full((B, c), -1, **i32) for c in caps]
+        f32 = dict(dtype=torch.float32, device=dev)  # the tables as the dynamic cache reads them (RopeTables.at)
+        pre = s.key_rope == "pre"
+        self.rope = [None] + [(torch.zeros(B, c, self.n, **f32), torch.zeros(B, c, self.n, **f32)) for c in caps[1:]]
+        self.rope = self.rope if pre else []
         self.lens = torch.zeros(len(caps), **i32)
         self.next_pos = torch.zeros((), dtype=torch.int64, device=dev)
         self.res_slot = torch.zeros(1, dtype=torch.int64, device=dev)
         self._valid0 = valid
 
-    def _write(self, layer: StaticTaleLayer, k: torch.Tensor, h: torch.Tensor, valid) -> None:
+    def _write(self, layer: StaticTaleLayer, k: torch.Tensor, h: torch.Tensor, valid, rope=None) -> None:
         """A layer's update inside the open step: the first write allocates (the prefill) and plans the step's spans,
-        the same for every layer; end_step settles them."""
+        the same for every layer, and writes the tokens' RoPE tables (key_rope "pre"); end_step settles them."""
         st = self._step
         if st is None:
             raise RuntimeError("StaticTaleCache: writes happen inside a step (with cache.step(T): model forward)")
+        if self.schedule.key_rope == "pre":
+            B, T, n = k.shape[0], k.shape[-2], k.shape[-1]
+            if rope is None or rope[0].shape[-2:] != (T, n) or rope[0].shape[0] not in (1, B):
+                raise ValueError('key_rope "pre" needs the cos, sin [B, T, n] the appended keys were rotated by')
+            rope = tuple(x.expand(B, T, n) for x in rope)
+        else:
+            rope = None
         if st.op is None:
             if self.book is None:
                 self._allocate(k, valid)
             st.op = self._plan(st.T, st.graph)
-        layer._write_new(st.op, k, h)
+            if rope is not None:
+                self._write_rope(st.op, rope)
+        layer._write_new(st.op, k, h, rope)
+
+    def _write_rope(self, op: _Op, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The step's RoPE tables (cos, sin [B, T, n]) into the slots its tokens take (sinks need none: exact)."""
+        if op.decode:  # at the residual slot the device holds: capturable
+            for buf, x in zip(self.rope[-1], rope):
+                buf.index_copy_(1, self.res_slot, x.float())
+            return
+        t = op.take
+        for i, cnt in enumerate(op.fill or []):
+            if cnt:
+                for buf, x in zip(self.rope[1 + i], rope):
+                    buf[:, op.fill_start[i] : op.fill_start[i] + cnt] = x[:, t : t + cnt]
+            t += cnt
+        if op.n_res:
+            for buf, x in zip(self.rope[-1], rope):
+                buf[:, op.res_start : op.res_start + op.n_res] = x[:, t:]
+
+    def _rope_tensors(self) -> list[torch.Tensor]:
+        return [x for r in self.rope if r is not None for x in r]
+
+    def _tracks(self) -> list[list]:
+        """What moves with the tokens between regions besides the layers' buffers: positions, and the RoPE tables."""
+        return [self.pos] + [[None if r is None else r[j] for r in self.rope] for j in range(2) if self.rope]
 
     def end_step(self) -> None:
         """After every layer wrote the step's tokens: positions and counters, then flush and demotions (a captured
@@ -626,23 +700,25 @@ class StaticTaleCache(CacheStep, Cache):
         q, moves = b.maintain(self.schedule)
         if q:
             for layer in self.layers:
-                layer._flush(q, wL)
-            rp = self.pos[-1]
-            for slot, off, n in _spans(wL, q, self.caps[L]):
-                self.pos[1 + L][:, slot : slot + n] = rp[:, off : off + n]
+                layer._flush(q, wL)  # reads the residual's RoPE tables: they move after
             left = res_before - q
-            if left:
-                rp[:, :left] = rp[:, q : q + left].clone()
-            rp[:, left:res_before] = -1
+            for t in self._tracks():
+                rp = t[-1]
+                for slot, off, n in _spans(wL, q, self.caps[L]):
+                    t[1 + L][:, slot : slot + n] = rp[:, off : off + n]
+                if left:
+                    rp[:, :left] = rp[:, q : q + left].clone()
+            self.pos[-1][:, left:res_before] = -1
         for i, m, r, w in moves:
             for layer in self.layers:
                 layer._demote(i, m, r, w)
-            src, dst = self.pos[1 + i], self.pos[i]
-            moved = torch.cat([src[:, slot : slot + n] for slot, _, n in _spans(r, m, self.caps[i])], dim=1)
-            for slot, off, n in _spans(w, m, self.caps[i - 1]):
-                dst[:, slot : slot + n] = moved[:, off : off + n]
+            for t in self._tracks():
+                src, dst = t[1 + i], t[i]
+                moved = torch.cat([src[:, slot : slot + n] for slot, _, n in _spans(r, m, self.caps[i])], dim=1)
+                for slot, off, n in _spans(w, m, self.caps[i - 1]):
+                    dst[:, slot : slot + n] = moved[:, off : off + n]
             for slot, _, n in _spans(r, m, self.caps[i]):
-                src[:, slot : slot + n] = -1
+                self.pos[1 + i][:, slot : slot + n] = -1
         return bool(q or moves)
 
     def sync_device(self) -> None:
@@ -675,3 +751,4 @@ class StaticTaleCache(CacheStep, Cache):
                     q.zero = q.zero.repeat_interleave(repeats, dim=0)
             layer._view = None
         self.pos = [p.repeat_interleave(repeats, dim=0) for p in self.pos]
+        self.rope = [None if r is None else tuple(x.repeat_interleave(repeats, dim=0) for x in r) for r in self.rope]

@@ -126,7 +126,8 @@ def _schedule(m: dict) -> str:
         ranks = [rs[i] for rs in s.ranks]
         rank = "?" if not ranks else str(ranks[0]) if len(set(ranks)) == 1 else f"{min(ranks)}..{max(ranks)} (by layer)"
         who = "oldest (middle)" if i == 0 else "most recent" if i == len(s.levels) - 1 else f"level {i}"
-        kb = f"{lv.key_bits}" + (f" ({lv.key_rank} coefficients of {C})" if lv.key_rank else "")
+        per = f" per KV head of {C // s.key_blocks}" if s.key_blocks > 1 else f" of {C}"
+        kb = f"{lv.key_bits}" + (f" ({lv.key_rank} coefficients{per})" if lv.key_rank else "")
         rows.append(f"| {i} | {who} | {share:.3g} | {rank} / {R} | {lv.bits} | {kb} |")
     ratio = m.get("nominal_ratio")
     if ratio is None and arch.get("head_dim") and arch.get("group_size"):
@@ -148,8 +149,9 @@ def _schedule(m: dict) -> str:
         lines[-1] += " Quantized keys are held before RoPE and rotated as they are read."
     if any(lv.key_rank for lv in s.levels):
         lines[-1] += (
-            " Low-rank keys: those levels hold the first coefficients of the layer's joined keys on the calibrated "
-            "basis in key_basis.safetensors."
+            " Low-rank keys: those levels hold the first coefficients of the layer's "
+            + ("keys, per KV head," if s.key_blocks > 1 else "joined keys")
+            + " on the calibrated basis in key_basis.safetensors."
         )
     if ratio is not None:
         lines += [

@@ -79,6 +79,11 @@ def run(
         help="also fit the key basis that low-rank keys read (key_rank levels, with key_rope pre; "
         "key_basis.safetensors from the calibration keys)",
     ),
+    key_basis_blocks: Optional[str] = typer.Option(
+        None,
+        help="the key basis in blocks: joint (one over each layer's KV heads; the default) or head (one per KV head: "
+        "K times fewer multiply-adds to rebuild keys; key ranks count coefficients per head)",
+    ),
     recent: Optional[str] = typer.Option(
         None, help="share p of non-sink tokens at full rank (one per level above 0; default: the preset's)"
     ),
@@ -125,6 +130,7 @@ def run(
         target_ratio=target_ratio,
         key_bands=_bands(key_bands) if key_bands else None,
         key_basis=key_basis,
+        key_basis_blocks=key_basis_blocks,
         key_bits=None if key_bits is None else _numbers(key_bits, int, "--key-bits"),
         key_group=key_group,
         value_group=value_group,
@@ -221,6 +227,7 @@ def check_inputs(out: Path, opts: Options) -> None:
             raise ConvertError(f"{name} must be >= {least}, got {v}")
     if opts.preset not in PRESETS:
         raise ConvertError(f"unknown --preset {opts.preset!r}: use one of {', '.join(PRESETS)}")
+    opts.blocks(1)  # an unknown --key-basis-blocks: refused now
     if opts.target_ratio is not None and opts.target_ratio <= 1:
         raise ConvertError(f"--target-ratio must be > 1 (a compression ratio), got {opts.target_ratio:g}")
     for f in opts.calib or []:

@@ -40,6 +40,8 @@ from .card import render_card
 from .fuse import fuse
 from .whiten import energy_kept, rotate_latents, whiten
 
+BASIS_BLOCKS = ("joint", "head")  # --key-basis-blocks
+
 DTYPES = {
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
@@ -82,6 +84,9 @@ class Options:
     key_bands: tuple[int, int] | None = None
     # the key basis of low-rank keys (Level.key_rank, tale_runtime.key_basis): key_basis.safetensors (format 2.2)
     key_basis: bool = False
+    # the key basis in blocks (tale_runtime.key_basis): "joint" (one over the layer's KV heads), "head" (one per KV
+    # head: key_rank then counts coefficients per head, format 2.4); None: the preset's, else joint
+    key_basis_blocks: str | None = None
     shard_size: str | int = "2GB"
     overwrite: bool = False
     resume: bool = False
@@ -102,6 +107,15 @@ class Options:
         """Whether the artifact gets a key basis: --key-basis, or a preset with low-rank keys."""
         return self.key_basis or any(PRESETS.get(self.preset, {}).get("key_rank", ()))
 
+    def blocks(self, kv_heads: int) -> int:
+        """Blocks of the key basis (Schedule.key_blocks): 1 joint, kv_heads per head."""
+        kind = self.key_basis_blocks or PRESETS.get(self.preset, {}).get("key_basis_blocks", "joint")
+        if kind not in BASIS_BLOCKS:
+            raise ConvertError(f"unknown --key-basis-blocks {kind!r}: use one of {', '.join(BASIS_BLOCKS)}")
+        if self.key_basis_blocks and not self.wants_basis():
+            raise ConvertError("--key-basis-blocks shapes the key basis: add --key-basis (or use --preset lowrank)")
+        return kv_heads if kind == "head" else 1
+
     def _rotate_latents(self, preset: dict, R: int) -> bool:
         """Asked for: rotate (a group size the blocks cannot follow is refused by the schedule); by the preset: only
         where the latent groups can be rotation blocks (a power of two dividing R), else the SVD basis as it is."""
@@ -109,8 +123,9 @@ class Options:
             return self.rotate_latents
         return preset.get("rotate_latents", False) and rotation_fits(self.value_group, R)
 
-    def schedule(self, R: int, num_layers: int, kv_dim: int | None = None) -> Schedule:
-        """The schedule of the options; kv_dim (K n: the joined keys of a layer) sizes a preset's low-rank keys."""
+    def schedule(self, R: int, num_layers: int, kv_heads: int = 1, head_dim: int | None = None) -> Schedule:
+        """The schedule of the options; kv_heads x head_dim (the joined keys of a layer) sizes a preset's low-rank
+        keys, per block of the key basis."""
         if self.policy not in rank_policy.POLICIES:
             raise ConvertError(f"unknown --policy {self.policy!r}: use one of {', '.join(rank_policy.POLICIES)}")
         if not 0 < self.energy <= 1:
@@ -139,8 +154,9 @@ class Options:
                 )
             axes, kr = ["channel"] * len(bits), (0,) * len(bits)
         levels = [Level(b, kb, sh, key_axis=a) for b, kb, sh, a in zip(bits, key_bits, (None, *recent), axes)]
-        for lv, f in zip(levels, kr):
-            lv.key_rank = max(8, round(f * kv_dim / 8) * 8) if f else 0
+        blocks = self.blocks(kv_heads)
+        for lv, f in zip(levels, kr):  # a fraction of the joined keys, split over the blocks
+            lv.key_rank = max(8, round(f * kv_heads * (head_dim or 0) / blocks / 8) * 8) if f else 0
         ranks = uniform_ranks(R, num_layers, r0, self.value_group, len(levels))
         n = R // self.group
         # the preset's residual fits its own levels; per-channel newest keys need at least one key group (KIVI)
@@ -157,6 +173,7 @@ class Options:
             key_channel_group=n,
             key_rope=p.get("key_rope", "post"),
             latent_rotation=self.value_group if self._rotate_latents(p, R) else 0,
+            key_blocks=blocks if self.wants_basis() else 1,
         )
         try:
             schedule.validate(R, num_layers)
@@ -244,7 +261,7 @@ def _convert_locked(model, out: Path, opts: Options, on_layer, log, warn, t0) ->
 
     src = source.resolve(model)
     config, arch = source.load_config(src, opts.group)
-    schedule = opts.schedule(arch.R, arch.L, arch.K * arch.n)
+    schedule = opts.schedule(arch.R, arch.L, arch.K, arch.n)
     bands = opts.bands(arch.n)
     if bands:
         b, c = bands
@@ -290,6 +307,7 @@ def _convert_locked(model, out: Path, opts: Options, on_layer, log, warn, t0) ->
         "group": arch.g,
         "shrink": opts.shrink,
         "latent_rotation": schedule.latent_rotation,
+        "key_basis": schedule.key_blocks if opts.wants_basis() else 0,  # basis blocks fitted with each layer (0: none)
         "tokens": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(),
     }
 
@@ -317,21 +335,27 @@ def _convert_locked(model, out: Path, opts: Options, on_layer, log, warn, t0) ->
             on_shard=lambda f, h: partial.save_shard(plan, f, h),
             pending_bytes=layer_bytes,
         )
-        layers = _stream(ckpt, skeleton, tokens, device, arch, schedule, partial, writer, dtype, on_layer, opts.shrink)
+        blocks = schedule.key_blocks if opts.wants_basis() else 0
+        layers = _stream(
+            ckpt, skeleton, tokens, device, arch, schedule, partial, writer, dtype, on_layer, opts.shrink, blocks
+        )
         if opts.policy != "uniform":
             schedule, layers = _rank_policy(opts, schedule, layers, src, tokens, arch, partial, log)
         if opts.target_ratio:
             schedule, layers = _target_ratio(opts, schedule, layers, arch, partial, log)
         files = writer.close()
         write.copy_model_files(tmp, config, tokenizer, source.generation_config(src, config), dtype)
+        if blocks:
+            _write_key_basis(tmp, partial, arch.L)
+            log(f"key basis: {arch.L} layers, {blocks} block{'s' if blocks > 1 else ''} each")
         manifest = _manifest(src, base_files, arch, schedule, layers, calib_info, opts, dtype, files)
         base_card = src.path / "README.md"
         (tmp / "README.md").write_text(render_card(manifest, base_card.read_text() if base_card.is_file() else None))
         manifest["files"] = hash_files(tmp)  # every file of the artifact, written last (artifact.verify_files)
         write_json(tmp / MANIFEST, manifest)
         shutil.rmtree(tmp / resume.DIR)
-        if bands or opts.wants_basis():
-            _calibrated(tmp, manifest, bands, opts.wants_basis(), tokens, device, base_card, log)
+        if bands:
+            _calibrated(tmp, manifest, bands, tokens, device, base_card, log)
         console.check_interrupted()  # never publish after a signal, wherever its KeyboardInterrupt went
         write.publish(tmp, out, opts.overwrite)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM turned into one by the console layer
@@ -357,44 +381,65 @@ def _convert_locked(model, out: Path, opts: Options, on_layer, log, warn, t0) ->
     )
 
 
-def _calibrated(tmp: Path, manifest: dict, bands, basis: bool, tokens, device, base_card: Path, log) -> None:
-    """What needs the finished artifact run on calibration samples (float32, keys as the cache holds them), from
-    one load: the key bands' channel order, written into the schedule (then the card), and the key basis of
-    low-rank keys, key_basis.safetensors. The hashes follow."""
-    from safetensors.torch import save_file
-
-    from tale_runtime import key_basis, load
+def _calibrated(tmp: Path, manifest: dict, bands, tokens, device, base_card: Path, log) -> None:
+    """The key bands' channel order, from the finished artifact run on calibration samples (float32, keys as the
+    cache holds them), written into the schedule (then the card). The hashes follow."""
+    from tale_runtime import load
 
     t = time.perf_counter()
     schedule = Schedule.from_dict(manifest["schedule"])
-    plain = replace(schedule, levels=[replace(lv, key_rank=0) for lv in schedule.levels])  # no basis yet
+    plain = replace(schedule, levels=[replace(lv, key_rank=0) for lv in schedule.levels])  # the basis is not read
     model, _ = load(tmp, device=str(device), dtype=torch.float32, schedule=plain)
-    done = []
-    if bands:
-        batches = [b.to(device) for b in tokens[:8].split(2)]
-        order = stats.key_order(stats.key_importance(model, batches, schedule.key_group))
-        schedule = stats.with_key_bands(schedule, order, {0: bands})
-        schedule.validate(int(manifest["architecture"]["latent_rank"]), len(schedule.ranks))
-        manifest["schedule"] = schedule.to_dict()
-        card = base_card.read_text() if base_card.is_file() else None
-        (tmp / "README.md").write_text(render_card(manifest, card))
-        done.append(f"key bands ({bands[1]} channels per KV head at {bands[0]} bits in the middle)")
-    if basis:
-        batches = [b.to(device) for b in tokens[:16].split(2)]
-        tensors = {}
-        for i, (m2, mean, q2) in enumerate(stats.key_moments(model, batches, skip=schedule.sinks)):
-            a = model.model.layers[i].self_attn
-            enc, dec = key_basis.fit(m2.cpu(), mean.cpu(), key_basis.pair_mean(q2.cpu(), a.K, a.head_dim))
-            e, d, m = key_basis.names(i)
-            # one joint block: 2-D, as every reader since format 2.2 reads it
-            tensors[e], tensors[d], tensors[m] = enc[0], dec[0], mean.float().cpu().contiguous()
-        save_file(tensors, str(tmp / key_basis.FILE))
-        os.chmod(tmp / key_basis.FILE, 0o644)  # shared like the shards (save_file creates it private)
-        done.append(f"key basis ({len(tensors) // 3} layers)")
+    batches = [b.to(device) for b in tokens[:8].split(2)]
+    order = stats.key_order(stats.key_importance(model, batches, schedule.key_group))
     del model
+    schedule = stats.with_key_bands(schedule, order, {0: bands})
+    schedule.validate(int(manifest["architecture"]["latent_rank"]), len(schedule.ranks))
+    manifest["schedule"] = schedule.to_dict()
+    card = base_card.read_text() if base_card.is_file() else None
+    (tmp / "README.md").write_text(render_card(manifest, card))
     manifest["files"] = hash_files(tmp)
     write_json(tmp / MANIFEST, manifest)
-    log(f"{', '.join(done)}: {time.perf_counter() - t:.0f} s")
+    log(
+        f"key bands ({bands[1]} channels per KV head at {bands[0]} bits in the middle): {time.perf_counter() - t:.0f} s"
+    )
+
+
+BASIS_SAMPLES = 16  # calibration sequences the key basis is fitted on (the first ones)
+
+
+def _fit_key_basis(moments: stats.KeyMoments, blocks: int) -> dict[str, torch.Tensor]:
+    """A layer's key basis from its streamed statistics, under resume.BASIS names: one joint block is written 2-D (as
+    every reader since format 2.2 reads it), per-head blocks 3-D [K, n, n] (format 2.4)."""
+    from tale_runtime import key_basis
+
+    m2, mean, q2 = (t.cpu() for t in moments.result())
+    enc, dec = key_basis.fit(m2, mean, key_basis.pair_mean(q2, moments.K, moments.n), blocks)
+    if blocks == 1:
+        enc, dec = enc[0], dec[0]
+    return dict(zip(resume.BASIS, (enc, dec, mean.float().contiguous())))
+
+
+def _write_key_basis(tmp: Path, partial, L: int) -> None:
+    """key_basis.safetensors from the bases saved with each layer's factors, streamed one layer at a time (268 MB in
+    all at Llama-3.1-8B shapes: never held whole)."""
+    from tale_runtime import key_basis
+
+    first = partial.load_basis(0)
+    if set(first) != set(resume.BASIS):
+        raise ConvertError("the partial conversion holds no key basis: rerun without --resume")
+    entries = [
+        write.Entry(name, first[k].dtype, tuple(first[k].shape))
+        for i in range(L)
+        for name, k in zip(key_basis.names(i), resume.BASIS)
+    ]
+
+    def tensors():
+        for i in range(L):
+            saved = partial.load_basis(i)
+            yield from (saved[k] for k in resume.BASIS)
+
+    write.stream_file(tmp / key_basis.FILE, entries, tensors())
 
 
 def _manifest(src, base_files, arch, schedule, layers, calib_info, opts, dtype, files) -> dict:
@@ -474,10 +519,11 @@ def _plan(ckpt, arch, dtype) -> list[write.Entry]:
 
 
 def _stream(
-    ckpt, skeleton, tokens, device, arch, schedule, partial, writer, dtype, on_layer, shrink: float
+    ckpt, skeleton, tokens, device, arch, schedule, partial, writer, dtype, on_layer, shrink: float, blocks: int = 0
 ) -> list[LayerReport]:
     """One pass over the layers: read a layer's weights, run the calibration set through it on the
-    device (accumulating the covariance of its v_proj input), whiten + factor its v_proj, write
+    device (accumulating the covariance of its v_proj input, and with `blocks` the key statistics of the key basis
+    in that many blocks, fitted and saved with the layer's factors), whiten + factor its v_proj, write
     its artifact tensors, drop it.
 
     Resume: finished layers (factors in `partial`) are only replayed forward, and not even that
@@ -524,6 +570,8 @@ def _stream(
             f = None
             if start <= i < stop:
                 layer = _materialize(skeleton.model.layers[i], weights, _layer_prefix(i), device)
+                moments = stats.KeyMoments(arch.K, arch.n, schedule.sinks, BASIS_SAMPLES) if blocks else None
+                hooks = moments.hook(layer.self_attn) if moments and i not in done else []
                 try:
                     C = calibrate.run_layer(layer, hidden, rope[i], i, covariance=i not in done)
                     if C is not None:
@@ -532,8 +580,11 @@ def _stream(
                         del C
                         if schedule.latent_rotation:
                             f = rotate_latents(f, schedule.latent_rotation)
-                        partial.save_layer(i, f, time.perf_counter() - t)
+                        basis = _fit_key_basis(moments, blocks) if moments else None
+                        partial.save_layer(i, f, time.perf_counter() - t, basis)
                 finally:
+                    for h in hooks:
+                        h.remove()
                     layer.to_empty(device="meta")  # frees the device copy; the skeleton stays
                 if i + 1 < stop and time.perf_counter() - saved > resume.HIDDEN_EVERY_S:
                     partial.save_hidden(i + 1, hidden)

@@ -169,7 +169,8 @@ def layer_bytes(
     tokens, prefill, chunk = reference
     rest = tokens - 1 - prefill
     pattern = [prefill] + [chunk] * (rest // chunk) + ([rest % chunk] if rest % chunk else [])
-    eye = torch.eye(K * n)  # low-rank keys: any basis of the right shape holds the same bytes
+    eye = torch.eye(K * n // schedule.key_blocks).expand(schedule.key_blocks, -1, -1)  # low-rank keys: any basis of
+    # the right shape (key_blocks blocks) holds the same bytes
     basis = KeyBasis(eye, eye, torch.zeros(K * n), K, n) if any(lv.key_rank for lv in schedule.levels) else None
     c = TaleLayerCache(replace(schedule, ranks=[list(ranks)]), 0, K, n, G, R, basis=basis)
     for T in pattern:

@@ -1,7 +1,8 @@
 """Partial progress of a conversion, kept in <tmp>/.partial so that --resume can reuse it.
 
 - settings.json: everything the factors depend on (model files, group, calibration tokens).
-- layer_NNNN.safetensors: a finished layer's A, B, S (float64) and eps: a few MB each.
+- layer_NNNN.safetensors: a finished layer's A, B, S (float64) and eps: a few MB each; with a key basis wanted, also
+  the layer's basis (key_enc, key_dec, key_mean, float32), fitted in the same pass.
 - hidden.safetensors: the calibration hidden states entering layer k. Checkpointed at most
   every HIDDEN_EVERY_S seconds, because it is large (samples*seq_len*hidden*4 bytes); on
   resume, finished layers after the checkpoint are replayed forward only (no covariance, no SVD).
@@ -24,6 +25,7 @@ from safetensors.torch import save_file
 from .whiten import Factors
 
 DIR = ".partial"
+BASIS = ("key_enc", "key_dec", "key_mean")  # a layer's key basis, as save_layer stores it
 HIDDEN_EVERY_S = 60.0
 
 
@@ -39,8 +41,9 @@ class Partial:
         names = (re.fullmatch(r"layer_(\d+)\.safetensors", f.name) for f in self.root.iterdir())
         return {int(m.group(1)) for m in names if m}
 
-    def save_layer(self, i: int, f: Factors, seconds: float) -> None:
+    def save_layer(self, i: int, f: Factors, seconds: float, basis: dict[str, torch.Tensor] | None = None) -> None:
         tensors = {"A": f.A.cpu().contiguous(), "B": f.B.cpu().contiguous(), "S": f.S.cpu().contiguous()}
+        tensors.update({k: t.cpu().contiguous() for k, t in (basis or {}).items()})
         meta = {"eps": repr(f.eps), "seconds": repr(seconds)}
         _atomic_write(self._layer(i), lambda p: save_file(tensors, p, metadata=meta))
 
@@ -49,6 +52,11 @@ class Partial:
             meta = st.metadata()
             t = {k: st.get_tensor(k) for k in st.keys()}
         return Factors(t["A"], t["B"], t["S"], float(meta["eps"])), float(meta["seconds"])
+
+    def load_basis(self, i: int) -> dict[str, torch.Tensor]:
+        """The key basis saved with layer i (key_enc, key_dec, key_mean)."""
+        with safe_open(self._layer(i), "pt") as st:
+            return {k: st.get_tensor(k) for k in BASIS if k in st.keys()}
 
     def shards(self, plan: str) -> dict[str, str]:
         """Complete shards of the shard plan `plan` (a hash of names, shapes, dtype, shard size)."""

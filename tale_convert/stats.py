@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from tale_runtime import families
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.backends import TORCH, AttentionBackend
 from tale_runtime.model import cache_arg
@@ -101,41 +102,85 @@ def calibration_batches(tok, count: int = 4, length: int = 512, batch: int = 2) 
     return list(wins[pick].split(batch))
 
 
+def pre_rope(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries [B, T, H, n] and keys [B, T, K, n] of x [B, T, d] before RoPE, as the attention module makes them:
+    TaleAttention's own, or in the converter's layer pass the family's module (a fused qkv_proj split, Qwen3's and
+    Gemma 3's per-head norms applied)."""
+    if hasattr(attn, "pre_rope"):
+        q, k, _ = attn.pre_rope(x)
+        return q, k
+    B, T, _ = x.shape
+    n = attn.head_dim
+    if hasattr(attn, "qkv_proj"):
+        hq, hk, _ = families.qkv_rows(attn.config)
+        q, k = attn.qkv_proj(x)[..., : hq + hk].split([hq, hk], -1)
+    else:
+        q, k = attn.q_proj(x), attn.k_proj(x)
+    q, k = q.view(B, T, -1, n), k.view(B, T, -1, n)
+    if getattr(attn, "q_norm", None) is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return q, k
+
+
+class KeyMoments:
+    """One layer's key statistics, accumulated from a hook on its attention module's input: the second moment and the
+    mean of the keys before RoPE, all KV heads joined ([K n, K n], [K n]), and the per-channel second moments of the
+    queries before RoPE, averaged over each KV head's query heads ([K n]), float64. The first `skip` tokens of each
+    sequence are left out (sinks stay exact); only the first `rows` sequences a hook sees count (None: all), so a
+    pass over more calibration samples gathers the same statistics."""
+
+    def __init__(self, K: int, n: int, skip: int = 4, rows: int | None = None):
+        self.K, self.n, self.skip, self.rows = K, n, skip, rows
+        self.m2 = self.m1 = self.q2 = 0.0
+        self.count = 0
+        self.seen = 0  # sequences the hook has seen
+
+    def full(self) -> bool:
+        return self.rows is not None and self.seen >= self.rows
+
+    def add(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """q [b, T, H, n] and k [b, T, K, n] before RoPE."""
+        keep = q.shape[0] if self.rows is None else max(0, min(q.shape[0], self.rows - self.seen))
+        self.seen += q.shape[0]
+        if not keep:
+            return
+        k = k[:keep, self.skip :].double().flatten(0, 1).flatten(1)  # [tokens, K n]
+        self.m2 = self.m2 + k.T @ k
+        self.m1 = self.m1 + k.sum(0)
+        self.count += len(k)
+        q = q[:keep, self.skip :].double().flatten(0, 1)  # [tokens, H, n]
+        self.q2 = self.q2 + q.pow(2).view(len(q), self.K, -1, self.n).mean(2).sum(0).flatten()
+
+    def hook(self, attn) -> list:
+        """A hook on an attention module's input (remove it when done): its queries and keys before RoPE."""
+
+        def pre(mod, args, kwargs):
+            if not self.full():
+                self.add(*pre_rope(attn, kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]))
+
+        return [attn.register_forward_pre_hook(pre, with_kwargs=True)]
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.count:
+            raise ValueError("no calibration tokens reached the key statistics (sequences shorter than the sinks?)")
+        return self.m2 / self.count, self.m1 / self.count, self.q2 / self.count
+
+
 @torch.inference_mode()
 def key_moments(
     model, batches: list[torch.Tensor], skip: int = 4
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per layer: the second moment and the mean of the keys before RoPE, all KV heads joined ([K n, K n], [K n]),
-    and the per-channel
-    second moments of the queries before RoPE, averaged over each KV head's query heads ([K n]), float64, over the
-    calibration `batches` ([B, T] ids; the first `skip` tokens of each sequence left out: sinks stay exact)."""
-    layers = model.model.layers
-    m2 = [0.0] * len(layers)
-    m1 = [0.0] * len(layers)
-    q2 = [0.0] * len(layers)
-    count = [0] * len(layers)
-    hooks = []
-
-    def on_attn(i, a):
-        def hook(mod, args, kwargs):  # the layer's input: queries and keys before RoPE as the model makes them
-            x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            q, k, _ = a.pre_rope(x)  # [B, T, H, n], [B, T, K, n] (after Qwen3's and Gemma 3's q/k norms)
-            k = k[:, skip:].double().flatten(0, 1).flatten(1)  # [B T, K n]
-            m2[i] = m2[i] + k.T @ k
-            m1[i] = m1[i] + k.sum(0)
-            count[i] += len(k)
-            q = q[:, skip:].double().flatten(0, 1)  # [B T, H, n]
-            q2[i] = q2[i] + q.pow(2).view(len(q), a.K, -1, a.head_dim).mean(2).sum(0).flatten()
-
-        return hook
-
+    """Per layer of a loaded model: KeyMoments over the calibration `batches` ([B, T] ids), from one forward pass of
+    the whole model (tale-convert gathers the same statistics layer by layer, inside its streaming pass)."""
+    moments, hooks = [], []
     try:
-        for i, layer in enumerate(layers):
+        for layer in model.model.layers:
             a = layer.self_attn
-            hooks.append(a.register_forward_pre_hook(on_attn(i, a), with_kwargs=True))
+            moments.append(KeyMoments(a.K, a.head_dim, skip))
+            hooks += moments[-1].hook(a)
         for ids in batches:
             model(ids)
     finally:
         for h in hooks:
             h.remove()
-    return [(m / c, s / c, q / c) for m, s, q, c in zip(m2, m1, q2, count)]
+    return [m.result() for m in moments]

@@ -13,7 +13,7 @@ import re
 import shutil
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,23 +205,40 @@ class ShardWriter:
                 f.close()
 
     def _open(self, k: int):
-        header: dict = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for e in self.shards[k]:
-            header[e.name] = {
-                "dtype": _ST_DTYPES[e.dtype],
-                "shape": list(e.shape),
-                "data_offsets": [offset, offset + e.nbytes],
-            }
-            offset += e.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        head = _header(self.shards[k])
         f = open(self.root / (self.files[k] + ".part"), "wb")
         h = hashlib.sha256()
-        for b in (struct.pack("<Q", len(raw)), raw):
-            f.write(b)
-            h.update(b)
-        return f, h, offset
+        f.write(head)
+        h.update(head)
+        return f, h, sum(e.nbytes for e in self.shards[k])
+
+
+def _header(entries: list[Entry]) -> bytes:
+    """A safetensors file's header (its length, then the JSON) for these tensors, stored in this order."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for e in entries:
+        header[e.name] = {
+            "dtype": _ST_DTYPES[e.dtype],
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
+        offset += e.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def stream_file(path: Path, entries: list[Entry], tensors: Iterable[torch.Tensor]) -> None:
+    """One safetensors file written tensor by tensor (`tensors` yields them in the order of `entries`), so only one
+    is in memory at a time (readable by all, like the shards)."""
+    with open(path, "wb") as f:
+        f.write(_header(entries))
+        for e, t in zip(entries, tensors, strict=True):
+            if t.dtype != e.dtype or tuple(t.shape) != tuple(e.shape):
+                raise RuntimeError(f"{path.name}: {e.name} is {t.dtype} {list(t.shape)}, planned {list(e.shape)}")
+            f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    os.chmod(path, 0o644)  # shared like the shards
 
 
 def check_out(out: Path, overwrite: bool) -> None:

@@ -64,6 +64,7 @@ def test_converts_and_reports(llama, tmp_path, capsys):
         "r0-zero",
         "empty-bits",
         "lowrank-level-count",
+        "key-basis-blocks",
         "sliding-window",
     ],
 )
@@ -98,6 +99,10 @@ def test_bad_input(case, llama, tiny_model_dir, tmp_path, capsys, monkeypatch):
         "lowrank-level-count": (
             [llama, "--group", "2", "--preset", "lowrank", "--bits", "2,4", "--recent", "0.1"],
             "--preset lowrank sets its per-level key layout for 3 levels; --bits gives 2",
+        ),
+        "key-basis-blocks": (
+            [llama, "--group", "2", "--preset", "lowrank", "--key-basis-blocks", "diagonal"],
+            "unknown --key-basis-blocks 'diagonal': use one of joint, head",
         ),
         "sliding-window": ([tiny_model_dir("mistral"), "--group", "2", "--seq-len", "300"], "sliding window 256"),
     }[case]

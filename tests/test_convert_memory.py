@@ -1,4 +1,5 @@
-"""Host memory of tale-convert does not grow with depth: it streams one layer at a time."""
+"""Host memory of tale-convert does not grow with depth: it streams one layer at a time (the key basis too: its
+statistics are gathered in the same layer pass and its file is written layer by layer)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ WIDE = dict(
 CHILD = """
 import json, resource, sys
 from tale_convert.convert import Options, convert
-r = convert(sys.argv[1], sys.argv[2], Options(group=2, device="cpu", samples=4, seq_len=64))
+r = convert(sys.argv[1], sys.argv[2], Options(group=2, device="cpu", samples=4, seq_len=64, key_basis=True))
 print(json.dumps({"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "layers": len(r.layers)}))
 """
 

@@ -9,7 +9,7 @@ import torch
 from tale_helpers import talify, tiny_model
 
 from tale_runtime import new_cache
-from tale_runtime.artifact import Schedule, uniform_ranks
+from tale_runtime.artifact import Level, Schedule, uniform_ranks
 from tale_runtime.decode import CudaGraphDecoder, DecodeStep, supports_step
 from tale_runtime.model import cache_arg
 
@@ -72,6 +72,31 @@ def test_step_gives_the_forwards_logits(arch, g, rotate):
     ids, mask, feed = _inputs()
     want = _run(tm, _forward, ids, mask, feed, 80)
     got = _run(tm, lambda m, c: DecodeStep(m, c, backend="eager"), ids, mask, feed, 80)
+    assert torch.equal(got, want)
+
+
+def test_step_over_low_rank_keys_gives_the_forwards_logits():
+    """The lowrank preset's layout on the static cache (keys before RoPE, whose tables the step hands the cache;
+    low-rank middle keys on a fitted basis, per-token newest keys, fp8 scales, a residual of 1): the step gives the
+    forward's logits bit for bit."""
+    from test_key_rank import fitted
+
+    s = Schedule(
+        levels=[Level(3, 4, None, key_rank=24), Level(4, 4, 0.1), Level(8, 8, 0.0, key_axis="token")],
+        ranks=[[16, 32, 32]] * 2,
+        key_group=8,
+        value_group=8,
+        residual=1,
+        key_meta="8/8",
+        value_meta="8/8",
+        key_channel_group=16,
+        key_rope="pre",
+    )
+    tm = talify(tiny_model("llama"), 2, s)
+    ids, mask, feed = _inputs(steps=12)  # a flush every step, a demotion from the per-token level every 8
+    tm.tale_spec.key_basis = fitted(tm, [feed])
+    want = _run(tm, _forward, ids, mask, feed, 42)
+    got = _run(tm, lambda m, c: DecodeStep(m, c, backend="eager"), ids, mask, feed, 42)
     assert torch.equal(got, want)
 
 

@@ -259,7 +259,9 @@ def test_tale_convert_writes_a_verified_basis_that_load_reads(tiny_model_dir, tm
         load(out, device="cpu", key_rope="pre", key_rank=[16, 0])
 
 
-def test_key_bands_and_the_key_basis_come_from_one_load_of_the_artifact(tiny_model_dir, tmp_path, monkeypatch):
+def test_key_bands_come_from_one_load_of_the_artifact_and_the_basis_from_the_layer_pass(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     import tale_runtime
 
     loads, logs = [], []
@@ -269,8 +271,8 @@ def test_key_bands_and_the_key_basis_come_from_one_load_of_the_artifact(tiny_mod
     convert(
         str(tiny_model_dir("llama")), out, Options(group=2, preset="tale", key_basis=True, **TINY_OPTS), log=logs.append
     )
-    assert len(loads) == 1, loads
-    assert any(ln.startswith("key bands (") and "key basis (" in ln for ln in logs), logs
+    assert len(loads) == 1, loads  # the bands' statistic reads keys as the cache holds them; the basis needs no load
+    assert any(ln.startswith("key bands (") for ln in logs) and "key basis: 3 layers, 1 block each" in logs, logs
     model, _ = load(out, device="cpu", dtype=torch.float32)
     assert model.tale_spec.schedule.levels[0].key_hi_bits == 3 and model.tale_spec.key_basis is not None
     assert sorted(model.tale_spec.schedule.key_order[0][0]) == list(range(model.model.layers[0].self_attn.head_dim))
@@ -313,11 +315,20 @@ def test_a_preset_with_per_level_key_layouts_refuses_another_level_count():
     from tale_convert.convert import ConvertError
 
     with pytest.raises(ConvertError, match="lowrank sets its per-level key layout for 3 levels; --bits gives 2"):
-        Options(preset="lowrank", bits=(2, 4), recent=(0.1,)).schedule(64, 2, kv_dim=64)
-    s = Options(preset="lowrank", bits=(2, 4, 8), recent=(0.1, 0.0)).schedule(64, 2, kv_dim=192)
+        Options(preset="lowrank", bits=(2, 4), recent=(0.1,)).schedule(64, 2, kv_heads=1, head_dim=64)
+    s = Options(preset="lowrank", bits=(2, 4, 8), recent=(0.1, 0.0)).schedule(64, 2, kv_heads=3, head_dim=64)
     assert [lv.key_rank for lv in s.levels] == [80, 0, 0] and s.levels[-1].key_axis == "token"
     # its middle latents keep 2R/3 (the least loss on left-out calibration domains, docs/notes.md, "the latent rank chosen on left-out domains")
-    assert Options(preset="lowrank").schedule(192, 2, kv_dim=192).ranks == [[128, 192, 192]] * 2
+    assert Options(preset="lowrank").schedule(192, 2, kv_heads=3, head_dim=64).ranks == [[128, 192, 192]] * 2
+    # per-head bases: the same share of the joined keys, counted per head (80 / 3 -> 24 of 64), in 3 blocks
+    s = Options(preset="lowrank", key_basis_blocks="head").schedule(192, 2, kv_heads=3, head_dim=64)
+    assert [lv.key_rank for lv in s.levels] == [24, 0, 0] and s.key_blocks == 3
+    assert "key_blocks" in s.to_dict() and "key_blocks" not in Options(preset="lowrank").schedule(192, 2).to_dict()
+    with pytest.raises(ConvertError, match="unknown --key-basis-blocks 'diag'"):
+        Options(preset="lowrank", key_basis_blocks="diag").schedule(192, 2, kv_heads=3, head_dim=64)
+    with pytest.raises(ConvertError, match="--key-basis-blocks shapes the key basis: add --key-basis"):
+        Options(key_basis_blocks="head").schedule(192, 2, kv_heads=3, head_dim=64)
+    assert Options(key_basis=True, key_basis_blocks="head").schedule(192, 2, kv_heads=3, head_dim=64).key_blocks == 3
     s = Options(preset="tale", bits=(2, 4, 4), recent=(0.1, 0.1)).schedule(64, 2)
     assert [lv.key_axis for lv in s.levels] == ["channel"] * 3 and not any(lv.key_rank for lv in s.levels)
 
@@ -332,6 +343,8 @@ def test_nominal_ratio_counts_key_bands_and_low_rank_keys():
     assert nominal_ratio(bands, 16, 2) == pytest.approx(512 / 80)
     lr = replace(s, key_rope="pre", levels=[replace(lv, key_rank=8)])  # 8 coefficients at 2 bits serve 2 heads
     assert nominal_ratio(lr, 16, 2, kv_heads=2) == pytest.approx(512 / 40)
+    per_head = replace(lr, key_blocks=2)  # 8 coefficients per head: twice the key bytes
+    assert nominal_ratio(per_head, 16, 2, kv_heads=2) == pytest.approx(512 / 48)
     with pytest.raises(ValueError, match="needs kv_heads"):
         nominal_ratio(lr, 16, 2)
 
@@ -378,3 +391,80 @@ def test_tale_run_on_cuda_says_when_the_kernel_does_not_read_the_schedule(tiny_m
         assert r.exit_code == 0, r.output
         notes.append("do not read this schedule" in r.stderr)
     assert notes == [True, False]
+
+
+def test_per_head_key_rank_counts_codes_per_block_in_measured_bytes():
+    """key_rank counts coefficients per basis block: a token at a per-head level holds K x key_rank codes. The cache's
+    bytes, tale-convert's byte model (policy.layer_bytes) and the nominal ratio all count them so (against a count
+    from the shapes alone)."""
+    from tale_convert.policy import layer_bytes
+    from tale_runtime.artifact import nominal_ratio
+
+    B, T, r, kb = 1, 64, 8, 4
+    s = Schedule(sinks=0, levels=[Level(16, kb, None, key_rank=r)], ranks=[[R]], key_group=8, value_group=8)
+    s = replace(s, residual=8, key_rope="pre", key_blocks=K)
+    x = torch.randn(400, K * n, dtype=torch.float64)
+    basis = KeyBasis(*fit(x.T @ x / 400, x.mean(0), None, K), x.mean(0).float(), K, n)
+    assert basis.blocks == K
+    c = fill(s, basis, torch.randn(B, K, T, n), T)
+    held = c.lengths()["level0"]
+    assert held == T and c.lengths()["residual"] == 0  # a prefill of whole key groups: all quantized
+    keys = [r_.keys for r_ in c.view().regions if r_.basis is not None]
+    assert len(keys) == 1 and keys[0].shape == (B, K, held, r)
+    # codes: K blocks x r coefficients per token at kb bits; a float32 scale and zero per coefficient and key group
+    want = B * K * (held * r * kb // 8 + 2 * 4 * (held // 8) * r)
+    assert keys[0].nbytes() == want
+    lat = B * G * held * R * 4  # 16-bit "latents" of a float32 cache: raw float32
+    assert c.nbytes() == want + lat
+    joint = replace(s, key_blocks=1)
+    held_b, _ = layer_bytes(s, [R], K, n, G, R, (T + 1, T, 1), torch.float32)
+    joint_b, _ = layer_bytes(joint, [R], K, n, G, R, (T + 1, T, 1), torch.float32)
+    assert held_b - joint_b == (K - 1) * (held * r * kb // 8 + 2 * 4 * (held // 8) * r), (held_b, joint_b)
+    with pytest.raises(ValueError, match="counts key_rank in 1 key basis block\\(s\\), the key basis has 2"):
+        TaleLayerCache(joint, 0, K, n, G, R, basis=basis)
+    assert nominal_ratio(s, n, 1, K) == pytest.approx(32 * n / (kb * r * K / K + 16 * R))
+
+
+def test_streamed_key_statistics_match_the_whole_model_and_a_per_head_file(tiny_model_dir, tmp_path):
+    """tale-convert gathers the key statistics layer by layer inside its streaming pass: the basis it writes equals
+    the one fitted from a whole-model pass over the same samples (the former way). --key-basis-blocks head writes
+    it 3-D with key_blocks in the schedule, which a reader without the field (format 2.3) refuses in one line."""
+    from tale_convert import calibrate
+    from tale_convert.convert import BASIS_SAMPLES
+    from tale_runtime.key_basis import load_file, names
+
+    out = tmp_path / "ph"
+    opts = Options(group=2, preset="lowrank", key_basis_blocks="head", **dict(TINY_OPTS, residual=None))
+    convert(str(tiny_model_dir("llama")), out, opts)
+    m = json.loads((out / MANIFEST).read_text())
+    s = Schedule.from_dict(m["schedule"])
+    Kt, nt = (m["architecture"][x] for x in ("num_kv_heads", "head_dim"))  # 4 x 16
+    assert m["format_version"] == "2.4" and m["schedule"]["key_blocks"] == Kt == s.key_blocks
+    model, tok = load(
+        out, device="cpu", dtype=torch.float32, schedule=replace(s, levels=[replace(lv, key_rank=0) for lv in s.levels])
+    )
+    docs, _ = calibrate.load_documents(None)
+    tokens = calibrate.sample_tokens(tok, docs, TINY_OPTS["samples"], TINY_OPTS["seq_len"], 0)
+    from safetensors.torch import load_file as st_load
+
+    file = st_load(out / FILE)
+    moments = key_moments(model, tokens[:BASIS_SAMPLES].split(2), skip=s.sinks)
+    for i, (m2, mean, q2) in enumerate(moments):
+        enc, dec = fit(m2, mean, pair_mean(q2, Kt, nt), Kt)
+        e, d, mu = (file[x] for x in names(i))
+        assert e.shape == (Kt, nt, nt) and d.shape == (Kt, nt, nt)
+        for r in (4, 8):  # eigenvectors are defined up to sign: compare the rank-r projections they make
+            torch.testing.assert_close(e[:, :, :r] @ d[:, :r], enc[:, :, :r] @ dec[:, :r], atol=2e-4, rtol=0)
+        torch.testing.assert_close(mu, mean.float(), atol=1e-5, rtol=1e-5)
+    assert load_file(out, len(moments), Kt, nt, "cpu")[0].blocks == Kt
+    lr, _ = load(out, device="cpu", dtype=torch.float32)
+    assert lr.tale_spec.schedule.levels[0].key_rank == 8 and lr.tale_spec.key_basis[0].blocks == Kt
+    ids = ids_for(40)
+    assert decode_logits(lr, ids, 10).isfinite().all()
+
+    class Older(Schedule):  # a reader of format 2.3: no key_blocks field
+        pass
+
+    Older.__dataclass_fields__ = {k: v for k, v in Schedule.__dataclass_fields__.items() if k != "key_blocks"}
+    with pytest.raises(ArtifactError, match="schedule field 'key_blocks' is unknown to this reader"):
+        Older.from_dict(m["schedule"])

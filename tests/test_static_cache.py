@@ -1,6 +1,8 @@
 """The static cache (runtime/static_cache.py) holds exactly what the dynamic cache holds, step by step,
 and gives the same tokens end to end (tiny random models, float32, CPU)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from tale_helpers import talify, tiny_model
@@ -9,6 +11,7 @@ from tale_runtime import new_cache
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.attention import latent_attention
 from tale_runtime.generate import generate
+from tale_runtime.key_basis import KeyBasis, fit
 from tale_runtime.model import TaleCache, cache_arg
 from tale_runtime.quant import dequantize
 from tale_runtime.static_cache import StaticTaleCache
@@ -52,7 +55,8 @@ SCHEDULES = {
 
 
 def contents(view, b: int) -> dict[int, tuple]:
-    """Row b of a layer view: cache position -> (key bits, latent bits, rank, key [n], latent [R])."""
+    """Row b of a layer view: cache position -> (key bits, latent bits, rank, key [n] (or its coefficients [Kb, r]),
+    latent [R], the RoPE tables (cos, sin) of keys held before RoPE or None)."""
     out = {}
     width = max(r.rank for r in view.regions)  # the latent width R (the sinks' rank)
     for r in view.regions:
@@ -63,7 +67,8 @@ def contents(view, b: int) -> dict[int, tuple]:
             assert p not in out, f"position {p} cached twice"
             h = torch.zeros(width)
             h[: lat.shape[-1]] = lat[b, 0, slot]
-            out[p] = (r.keys.bits, r.lat.bits, r.rank, keys[b, :, slot], h)
+            rope = None if r.rope is None else torch.stack([r.rope[0][b, slot], r.rope[1][b, slot]])
+            out[p] = (r.keys.bits, r.lat.bits, r.rank, keys[b, :, slot], h, rope)
     return out
 
 
@@ -76,6 +81,8 @@ def assert_same(dyn: TaleCache, sta: StaticTaleCache, B: int) -> None:
         for p in d:
             assert d[p][:3] == s[p][:3], f"row {b} position {p}: level differs"
             assert torch.equal(d[p][3], s[p][3]) and torch.equal(d[p][4], s[p][4]), f"row {b} position {p}"
+            assert (d[p][5] is None) == (s[p][5] is None), f"row {b} position {p}: keys before RoPE in one cache"
+            assert d[p][5] is None or torch.equal(d[p][5], s[p][5]), f"row {b} position {p}: RoPE tables"
     assert sta.nbytes() == dyn.nbytes()
 
 
@@ -102,6 +109,107 @@ def test_holds_the_dynamic_caches_tokens_at_every_step(name, prompt, pad):
             assert_same(dyn, sta, B)
     # the rings are far smaller than max_length: the recent level holds about p * N tokens
     assert sta.caps[-1] < (prompt + steps) // 2
+
+
+def lowrank(blocks: int) -> tuple[Schedule, KeyBasis]:
+    """The lowrank preset's layout at tiny shapes: middle keys before RoPE as 4-bit coefficients (16 of the 32 joined
+    channels, or 8 per head), 3-bit latents, fp8 scales and zeros, the newest tokens at 8 bits per token (residual 1);
+    and a key basis of `blocks` blocks fitted to random keys."""
+    s = Schedule(
+        sinks=2,
+        levels=[Level(3, 4, None, key_rank=16 // blocks), Level(4, 4, 0.1), Level(8, 8, 0.0, key_axis="token")],
+        ranks=[[16, 32, 32]],
+        key_group=8,
+        value_group=8,
+        residual=1,
+        key_meta="8/8",
+        value_meta="8/8",
+        key_channel_group=n,
+        key_rope="pre",
+        key_blocks=blocks,
+    )
+    s.validate(R, 1)
+    x = torch.randn(500, K * n, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    x = x @ torch.randn(K * n, K * n, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    return s, KeyBasis(*fit(x.T @ x / len(x), x.mean(0), None, blocks), x.mean(0).float(), K, n)
+
+
+def rope_tables(B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 100.0 ** (-torch.arange(0, n, 2).float() / n)
+    ang = torch.arange(T).float()[:, None] * inv
+    ang = torch.cat([ang, ang], -1)[None].expand(B, T, n)
+    return ang.cos(), ang.sin()
+
+
+@pytest.mark.parametrize("blocks,prompt,pad", [(1, 40, 0), (K, 3, 0), (K, 70, 5)])
+def test_holds_the_dynamic_caches_low_rank_keys_at_every_step(blocks, prompt, pad):
+    """The lowrank preset's levels (coefficients on a joint or per-head key basis, keys before RoPE with their
+    tables, per-token newest keys, fp8 scales): the same positions at the same level with bit-identical codes and
+    tables as the dynamic cache, through per-token flushes, demotions and ring wrap-arounds, batch 2 with left
+    padding; attention over both views agrees."""
+    (s, basis), B, steps = lowrank(blocks), 2, 100
+    gen = torch.Generator().manual_seed(0)
+    cos, sin = rope_tables(B, prompt + steps)
+    dyn = TaleCache(s, 1, K, n, G, R, key_basis=[basis])
+    sta = StaticTaleCache(s, 1, K, n, G, R, max_length=prompt + steps, key_basis=[basis])
+    k, h = torch.randn(B, K, prompt, n, generator=gen), torch.randn(B, G, prompt, R, generator=gen)
+    valid = torch.ones(B, prompt, dtype=torch.bool)
+    valid[1, :pad] = False
+    for c in (dyn, sta):
+        c.layers[0].append(k, h, valid, rope=(cos[:, :prompt], sin[:, :prompt]))
+    assert_same(dyn, sta, B)
+    for t in range(prompt, prompt + steps):
+        k, h = torch.randn(B, K, 1, n, generator=gen), torch.randn(B, G, 1, R, generator=gen)
+        for c in (dyn, sta):
+            c.layers[0].append(k, h, rope=(cos[:, t : t + 1], sin[:, t : t + 1]))
+        if t % 9 == 0 or t == prompt + steps - 1:
+            assert_same(dyn, sta, B)
+    regions = [r for r in sta.layers[0].view().regions if r.basis is not None]
+    assert len(regions) == 1 and regions[0].keys.shape[1] == blocks and regions[0].keys.shape[-1] == 16 // blocks
+    assert int(regions[0].length) > 0 and sta.caps[-1] < (prompt + steps) // 2
+    q, kn, hn = torch.randn(B, 4, 1, n, generator=gen), torch.randn(B, K, 1, n), torch.randn(B, G, 1, R)
+    want = latent_attention(q, kn, hn, dyn.layers[0].view(), 0.25)
+    assert (latent_attention(q, kn, hn, sta.layers[0].view(), 0.25) - want).abs().max() < 1e-5
+
+
+def test_static_low_rank_refusals():
+    """What the static cache cannot hold is refused in one line: no key basis, a basis of other blocks, keys without
+    their RoPE tables, and the CUDA kernel's fragment layout."""
+    s, basis = lowrank(K)
+    with pytest.raises(ValueError, match="static cache: layer 0: key_rank 8 needs the artifact's key basis"):
+        StaticTaleCache(s, 1, K, n, G, R, max_length=50)
+    with pytest.raises(ValueError, match="counts key_rank in 1 key basis block\\(s\\), the key basis has 2"):
+        StaticTaleCache(replace(s, key_blocks=1), 1, K, n, G, R, max_length=50, key_basis=[basis])
+    sta = StaticTaleCache(s, 1, K, n, G, R, max_length=50, key_basis=[basis])
+    with pytest.raises(ValueError, match='key_rope "pre" needs the cos, sin'):
+        sta.layers[0].append(torch.randn(1, K, 20, n), torch.randn(1, G, 20, R))
+    with pytest.raises(ValueError, match="static cache layout 'frag'"):
+        StaticTaleCache(s, 1, K, n, G, R, max_length=50, layout="frag", key_basis=[basis])
+
+
+def test_generate_with_the_lowrank_preset_gives_the_dynamic_paths_tokens(tiny_model_dir, tmp_path):
+    """A tiny model converted with --preset lowrank: model.generate over the static cache (batch 2, left padding)
+    gives the dynamic cache's greedy tokens, and the decode loop the same tokens and bytes."""
+    from conftest import TINY_OPTS
+
+    from tale_convert.convert import Options, convert
+    from tale_runtime import load
+
+    out = tmp_path / "lr"
+    convert(str(tiny_model_dir("llama")), out, Options(group=2, preset="lowrank", **dict(TINY_OPTS, residual=None)))
+    tm, _ = load(out, device="cpu", dtype=torch.float32)
+    assert tm.tale_spec.schedule.key_rope == "pre" and tm.tale_spec.schedule.levels[0].key_rank
+    ids = torch.randint(1, 320, (2, 40), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    ids[1, :7], mask[1, :7] = 0, 0
+    kw = dict(attention_mask=mask, max_new_tokens=60, do_sample=False, pad_token_id=0)
+    want = tm.generate(ids, **cache_arg(new_cache(tm)), **kw)
+    cache = new_cache(tm, static=True)
+    assert torch.equal(tm.generate(ids, **cache_arg(cache), **kw), want)
+    assert cache.book.w[0] > 0  # the low-rank middle level was written
+    a, sa = generate(tm, ids[0], max_new_tokens=40, static=False, eos_token_id=[])
+    b, sb = generate(tm, ids[0], max_new_tokens=40, static=True, eos_token_id=[])
+    assert a == b and sa.cache_bytes == sb.cache_bytes
 
 
 @pytest.mark.parametrize("name", ["three-levels", "tale"])
