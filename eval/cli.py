@@ -275,6 +275,8 @@ def run(
     pols = [replace(pol, match_pattern=ppl_pattern) if isinstance(pol, policies.Palu) else pol for pol in pols]
     for name, rs in _rank_schedules(model, tok, sched, ranks, energy, log).items():
         pols.append(policies.Tale(schedule=rs, tag=name))
+    for pol in pols:  # LESS's kernels, TailorKV's layer split: on the calibration text, before any run
+        pol.prepare(model, tok, log)
 
     rows = []
     partial = _partial(json_out) if json_out and (json_out.is_file() or not json_out.exists()) else None
