@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -19,6 +20,7 @@ from typing import Optional
 import torch
 import typer
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from tale_convert.smollm2 import cache_root
 from tale_convert.stats import calibration_batches
@@ -36,8 +38,9 @@ class Recipe:
     window: int = 128
     rank: int = 8
     hidden: int = 32
-    steps: int = 150
-    lr: float = 3e-3
+    steps: int = 100
+    stride: int = 8  # a training step reads every stride-th query
+    lr: float = 1e-2
     seed: int = 0
     windows: int = 2  # calibration windows
     length: int = 1024  # tokens per calibration window
@@ -55,15 +58,49 @@ def targets(q, k, v, scaling: float, sinks: int, window: int):
     return full[0] / full[1][..., None], *sparse
 
 
-def less_outputs(kern: LessKernels, q, k, v, scaling: float, sinks: int, window: int, num, den, m, first: int):
-    """LESS's outputs for the queries first.. (those with evicted tokens): [N, H, T - first, n]."""
-    e = torch.exp(kern.log_psi(k, scaling))  # [N, K, T, R]
-    e = torch.cat([torch.zeros_like(e[:, :, :sinks]), e[:, :, sinks:]], dim=2)  # sinks are held, never absorbed
-    S = torch.cumsum(e[..., None] * v[..., None, :], dim=2)  # [N, K, T, R, n]
-    Z = torch.cumsum(e, dim=2)
-    idx = torch.arange(first, q.shape[2]) - window - 1  # the newest evicted token of query t
-    en, ed = read_state(kern.log_phi(q[:, :, first:], scaling), m[:, :, first:], S[:, :, idx], Z[:, :, idx])
-    return (num[:, :, first:] + en) / (den[:, :, first:] + ed)[..., None]
+def less_outputs(
+    kern: LessKernels,
+    q,
+    k,
+    v,
+    scaling: float,
+    sinks: int,
+    window: int,
+    num,
+    den,
+    m,
+    first: int,
+    stride: int = 1,
+    offset: int = 0,
+):
+    """LESS's outputs for the queries t = first + offset + i * stride (those with evicted tokens):
+    [N, H, Tq, n]. Query t reads the state of the tokens sinks .. t - window - 1; those states are prefix sums over
+    segments of `stride` keys (segment 0: sinks .. sinks + offset)."""
+    N, K, T, n = v.shape
+    ts = torch.arange(first + offset, T, stride)
+    e = torch.exp(kern.log_psi(k[:, :, sinks:], scaling))  # [N, K, T - sinks, R]; the sinks are held, never absorbed
+    vv = v[:, :, sinks:]
+    pad = stride - 1 - offset  # segment c holds tokens u = j - sinks with (u + pad) // stride == c
+    used = len(ts) * stride
+    e = nn.functional.pad(e, (0, 0, pad, 0))[:, :, :used]
+    vv = nn.functional.pad(vv, (0, 0, pad, 0))[:, :, :used]
+    R = e.shape[-1]
+    seg_h = torch.einsum("bkcsr,bkcsn->bkcrn", e.view(N, K, -1, stride, R), vv.view(N, K, -1, stride, n))
+    seg_z = e.view(N, K, -1, stride, R).sum(3)
+    en, ed = read_state(kern.log_phi(q[:, :, ts], scaling), m[:, :, ts], seg_h.cumsum(2), seg_z.cumsum(2))
+    return (num[:, :, ts] + en) / (den[:, :, ts] + ed)[..., None]
+
+
+def evicted_log_mean_exp(q, k, scaling: float, sinks: int, window: int, every: int = 16) -> float:
+    """log mean_j exp(l_tj) over each query's evicted keys, averaged over every `every`-th query that has some."""
+    N, H, T, n = q.shape
+    K = k.shape[1]
+    ts = torch.arange(sinks + window + 1, T, every)
+    logits = torch.einsum("bkitn,bkjn->bkitj", q[:, :, ts].view(N, K, H // K, len(ts), n), k) * scaling
+    j = torch.arange(T)
+    ev = (j[None, :] >= sinks) & (j[None, :] < ts[:, None] - window)  # [Tq, T]
+    lme = logits.masked_fill(~ev, float("-inf")).logsumexp(-1) - ev.sum(-1).log()
+    return float(lme.mean())
 
 
 def train_layer(q, k, v, scaling: float, recipe: Recipe) -> tuple[LessKernels, float, float]:
@@ -79,13 +116,19 @@ def train_layer(q, k, v, scaling: float, recipe: Recipe) -> tuple[LessKernels, f
         full, num, den, m = targets(q, k, v, scaling, s, w)
         full = full[:, :, first:]
         sparse_err = (num[:, :, first:] / den[:, :, first:, None] - full).pow(2).mean().item()
-        # start with a state that adds little: phi(q) psi(k) about exp(-8) of the largest kept logit's weight
-        kern.phi_mlp["b2"].fill_(-4.0)
-        kern.psi_mlp["b2"].fill_(-4.0)
+        # start where every evicted token weighs exp(the log-mean-exp of the evicted logits): phi(q) psi(k) =
+        # sum_r exp(b_phi + b_psi) at zero hidden output
+        b = (evicted_log_mean_exp(q, k, scaling, s, w) - math.log(recipe.rank)) / 2
+        kern.phi_mlp["b2"].fill_(b)
+        kern.psi_mlp["b2"].fill_(b)
     opt = torch.optim.Adam(kern.parameters(), lr=recipe.lr)
-    for _ in range(recipe.steps):
+    gen = torch.Generator().manual_seed(recipe.seed)
+    st = recipe.stride
+    for _ in range(recipe.steps):  # each step a different 1/stride of the queries
+        o = int(torch.randint(st, (), generator=gen))
         opt.zero_grad()
-        loss = (less_outputs(kern, q, k, v, scaling, s, w, num, den, m, first) - full).pow(2).mean()
+        out = less_outputs(kern, q, k, v, scaling, s, w, num, den, m, first, st, o)
+        loss = (out - full[:, :, o::st]).pow(2).mean()
         loss.backward()
         opt.step()
     with torch.no_grad():
@@ -175,8 +218,9 @@ def main(
     sinks: int = typer.Option(4, help="first tokens the cache holds"),
     rank: int = typer.Option(8, help="R: the state's rank"),
     hidden: int = typer.Option(32, help="hidden width of the kernels' MLPs"),
-    steps: int = typer.Option(150, help="Adam steps per layer"),
+    steps: int = typer.Option(100, help="Adam steps per layer"),
     seed: int = typer.Option(0),
+    dtype: str = typer.Option("bf16", help="compute dtype of the model the kernels serve (tale-eval --dtype)"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
     retrain: bool = typer.Option(False, help="train even if cached kernels exist"),
 ) -> None:
@@ -190,12 +234,14 @@ def main(
             fail(f"{name} must be >= 1, got {val}")
     if sinks < 0:
         fail(f"--sinks must be >= 0, got {sinks}")
+    if dtype not in ("bf16", "fp32"):
+        fail(f"--dtype must be bf16 or fp32, got {dtype!r}")
     if threads:
         torch.set_num_threads(threads)
     recipe = Recipe(sinks=sinks, window=window, rank=rank, hidden=hidden, steps=steps, seed=seed)
     if sinks + window + 1 >= recipe.length:
         fail(f"--window {window}: the calibration windows of {recipe.length} tokens would evict nothing")
-    model, tok = load_artifact(artifact, device="cpu", dtype=torch.float32)
+    model, tok = load_artifact(artifact, device="cpu", dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
     prepare(model)
     path = cache_path(model, recipe)
     if path.is_file() and not retrain:

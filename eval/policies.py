@@ -451,7 +451,7 @@ class Less(Policy):
     window: int = 128
     rank: int = 8
     hidden: int = 32
-    steps: int = 150
+    steps: int = 100
     trained: bool = True
     kernels: list | None = field(default=None, repr=False, compare=False)
 
