@@ -21,7 +21,7 @@ CI_SWEEP = {
     "streaming": [REGISTRY["streaming"](window=1 / 4), REGISTRY["streaming"](window=1 / 8)],
     "palu": [REGISTRY["palu"](192, 2), REGISTRY["palu"](64, 2)],
     "less": [REGISTRY["less"](window=60)],
-    "tailorkv": [REGISTRY["tailorkv"](2, 16)],
+    "tailorkv": [REGISTRY["tailorkv"](1, 16)],
 }
 
 

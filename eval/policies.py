@@ -486,7 +486,7 @@ class Less(Policy):
 
     @classmethod
     def sweep(cls, ctx: int) -> list[Policy]:
-        return [cls(window=ctx // r - 4) for r in (3, 6, 12)]
+        return [cls(window=ctx // r - 4) for r in (6, 12)]  # StreamingLLM's 1/6 and 1/12 of the tokens
 
 
 @dataclass

@@ -433,7 +433,8 @@ def test_cli_on_a_tiny_artifact(tiny_artifact, tmp_path, capsys):
     assert "tale/progressive" in capsys.readouterr().out
 
 
-def test_cli_frontier_writes_a_table_and_a_plot(tiny_artifact, tmp_path):
+def test_cli_frontier_writes_a_table_and_a_plot(tiny_artifact, tmp_path, monkeypatch):
+    monkeypatch.setenv("TALE_CACHE", str(tmp_path / "cache"))  # LESS trains its kernels there
     prefix = tmp_path / "docs" / "frontier"
     out = tmp_path / "r.json"
     fams = [f for f in FAMILIES if policies.REGISTRY[f].missing() is None and f not in ("quanto", "hqq")]
@@ -468,6 +469,9 @@ def test_cli_frontier_writes_a_table_and_a_plot(tiny_artifact, tmp_path):
     assert exact["delta_pct"]["botchan"] == pytest.approx(0, abs=1e-3) and exact["setting"].startswith("bits=16/16")
     md = (prefix.with_suffix(".md")).read_text()
     assert md.count("\n| ") == len(rows) and "pass-key" in md  # the header, then one line per row
+    assert len(list((tmp_path / "cache" / "less").glob("*.safetensors"))) == 1
+    tkv = next(r for r in rows if r["family"] == "tailorkv")
+    assert tkv["ratio_total"] < tkv["ratio"]  # the host copy counts in the total only
     png = prefix.with_suffix(".png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
