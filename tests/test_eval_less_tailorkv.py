@@ -134,3 +134,20 @@ def test_offloaded_layer_attends_to_sinks_recent_and_each_querys_topk():
                 ref = (qn[b, h, t] @ keys.T * 0.5).softmax(-1) @ vals
                 torch.testing.assert_close(out[b, h, t], ref, rtol=1e-5, atol=1e-6)
     assert layer.fetched_keys.shape[-2] <= 2 * topk  # the union over the step's two queries
+
+
+def test_less_training_is_reproducible_and_cached_per_model_and_recipe(model, tmp_path, monkeypatch):
+    q, k, v = heldout_qkv(model, 64)[0]
+    scaling = model.model.layers[0].self_attn.tale.scaling
+    r = less_train.Recipe(window=8, rank=4, hidden=8, steps=5, stride=4)
+    a, b = (less_train.train_layer(q, k, v, scaling, r)[0] for _ in range(2))
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+    monkeypatch.setenv("TALE_CACHE", str(tmp_path))
+    path = less_train.cache_path(model, r)
+    assert path.parent == tmp_path / "less" and path != less_train.cache_path(model, RECIPE)
+    other = prepare(talify(tiny_model("llama", seed=1), 2))
+    assert less_train.cache_path(other, r) != path  # other weights, other file
+    less_train.save(path, [a, b], r)
+    back = less_train.load(path, 2)
+    assert all(torch.equal(x, y) for x, y in zip(back[1].parameters(), b.parameters()))
