@@ -37,7 +37,7 @@ from .measure import add_deltas, measure
 app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
-    help="Evaluate TALE against full, KIVI, StreamingLLM and Palu caches on one artifact.",
+    help="Evaluate TALE against full, KIVI, quanto, HQQ, StreamingLLM, Palu, LESS and TailorKV caches on one artifact.",
 )
 out_console = Console()
 err_console = Console(stderr=True)
