@@ -14,6 +14,8 @@ fetched buffer of the offloaded layers), `total_nbytes()` adds the host copy.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -39,17 +41,18 @@ def dense_preference(q: torch.Tensor, k: torch.Tensor, scaling: float, n_q: int,
     return float(n_q - top.sum(-1).mean())
 
 
-_SCORES: dict = {}
+_SCORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {setting: scores}
 
 
 def layer_scores(model, tok, n_q: int = 32, topk: int = 64, windows: int = 2, length: int = 1024) -> list[float]:
     """P per layer on the calibration text (computed once per model and setting in a process)."""
-    key = (id(model), str(model.dtype), n_q, topk, windows, length)
-    if key not in _SCORES:
+    known = _SCORES.setdefault(model, {})
+    key = (str(model.dtype), n_q, topk, windows, length)
+    if key not in known:
         scaling = model.model.layers[0].self_attn.tale.scaling
         data = capture.qkv(model, calibration_batches(tok, count=1, length=length, batch=windows))
-        _SCORES[key] = [dense_preference(q, k, scaling, n_q, topk) for q, k, _ in data]
-    return _SCORES[key]
+        known[key] = [dense_preference(q, k, scaling, n_q, topk) for q, k, _ in data]
+    return known[key]
 
 
 def quantized_layers(scores: list[float], count: int) -> list[int]:
