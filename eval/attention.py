@@ -2,7 +2,8 @@
 
 EvalAttention wraps a runtime TaleAttention, which already runs TALE over a TALE cache and the base model's attention
 over any other cache (or none: the cache stores what its policy stores). With a PaluCache the values are eager low
-rank: v = (x A_r) B_r also in the forward pass, and the cache holds the rank-r latents.
+rank: v = (x A_r) B_r also in the forward pass, and the cache holds the rank-r latents. A cache layer with an
+`attend(q, k, v)` method (LESS, TailorKV's offloaded layers) computes its layer's attention itself.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from torch import nn
 
 from tale_runtime.model import TaleAttention
 
-from .caches import PaluCache
+from .caches import CountedCache, PaluCache
 
 
 class EvalAttention(nn.Module):
@@ -26,6 +27,13 @@ class EvalAttention(nn.Module):
     ):
         cache = cache if cache is not None else past_key_values  # transformers >= 5.24 passes `cache`
         t = self.tale
+        layer = cache.layers[t.layer_idx] if isinstance(cache, CountedCache) else None
+        if hasattr(layer, "attend"):  # a layer with its own attention (LESS, TailorKV's offloaded layers)
+            q, k = t.qk(hidden_states, *position_embeddings)
+            B, T, _ = hidden_states.shape
+            v = t.v_proj(hidden_states).view(B, T, -1, t.head_dim).transpose(1, 2)
+            out = layer.attend(q, k, v)  # [B, H, T, n]
+            return t.o_proj(out.transpose(1, 2).reshape(B, T, -1)), None
         if not isinstance(cache, PaluCache):  # TALE caches, the base model's caches, none: the runtime's attention
             return t(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
         # eager low rank (Palu): v = (x A_r) B_r in the forward pass too; the cache holds the rank-r latents

@@ -37,7 +37,7 @@ from .measure import add_deltas, measure
 app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
-    help="Evaluate TALE against full, KIVI, StreamingLLM and Palu caches on one artifact.",
+    help="Evaluate TALE against full, KIVI, quanto, HQQ, StreamingLLM, Palu, LESS and TailorKV caches on one artifact.",
 )
 
 
@@ -280,6 +280,8 @@ def run(
     pols = [replace(pol, match_pattern=ppl_pattern) if isinstance(pol, policies.Palu) else pol for pol in pols]
     for name, rs in _rank_schedules(model, tok, sched, ranks, energy, log).items():
         pols.append(policies.Tale(schedule=rs, tag=name))
+    for pol in pols:  # LESS's kernels, TailorKV's layer split: on the calibration text, before any run
+        pol.prepare(model, tok, log)
 
     rows = []
     partial = _partial(json_out) if json_out and (json_out.is_file() or not json_out.exists()) else None

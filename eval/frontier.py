@@ -11,7 +11,7 @@ from pathlib import Path
 from .policies import REGISTRY, Policy, Tale
 
 # the families of a frontier, in plot order
-FAMILIES = ("tale", "kivi", "quanto", "hqq", "streaming", "palu")
+FAMILIES = ("tale", "kivi", "quanto", "hqq", "streaming", "palu", "less", "tailorkv")
 # ci: a few points per family (about 1-2 min on one thread); full: Policy.sweep
 CI_SWEEP = {
     "tale": [Tale(), Tale({"key_bits": [4, 4]}), Tale({"r0": 0.25})],
@@ -20,6 +20,8 @@ CI_SWEEP = {
     "hqq": [REGISTRY["hqq"](4, 64, 128), REGISTRY["hqq"](2, 64, 128)],
     "streaming": [REGISTRY["streaming"](window=1 / 4), REGISTRY["streaming"](window=1 / 8)],
     "palu": [REGISTRY["palu"](192, 2), REGISTRY["palu"](64, 2)],
+    "less": [REGISTRY["less"](window=60)],
+    "tailorkv": [REGISTRY["tailorkv"](1, 16)],
 }
 
 
@@ -80,11 +82,13 @@ def parse_variants(text: str) -> list[dict]:
 
 def markdown(rows: list[dict], config: dict) -> str:
     texts = config["texts"]
-    head = ["family", "setting", "ratio"] + [f"ppl Δ {t}" for t in texts] + ["pass-key", "pk ratio", "s"]
+    head = ["family", "setting", "ratio", "total"] + [f"ppl Δ {t}" for t in texts] + ["pass-key", "pk ratio", "s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---", "---"] + ["---:"] * (len(head) - 2)) + "|"]
     for r in rows:
         pk = "passkey" in r
+        total = r.get("ratio_total", r["ratio"])
         cells = [r["family"], r["setting"].replace("|", "/"), f"{r['ratio']:.2f}x"]
+        cells.append(f"{total:.2f}x" if abs(total - r["ratio"]) > 5e-3 else "")
         cells += [f"{r['delta_pct'][t]:+.2f}%" for t in texts]
         cells += [f"{r['passkey']:.0%}" if pk else "", f"{r['passkey_ratio']:.2f}x" if pk else ""]
         cells.append(f"{r['seconds']:.0f}")
@@ -92,7 +96,8 @@ def markdown(rows: list[dict], config: dict) -> str:
     ref = ", ".join(f"{t} {config['ref_ppl'][t]:.3f}" for t in texts)
     lines.append("")
     lines.append(
-        f"ratio: 16-bit K+V bytes / bytes the cache holds at the end of the perplexity run; ppl Δ: "
+        f"ratio: 16-bit K+V bytes / bytes the cache holds on the accelerator at the end of the perplexity run "
+        f"(the plot's); total: the same with what it keeps in host memory (TailorKV's offloaded layers); ppl Δ: "
         f"decode-mode perplexity vs the full 16-bit cache ({ref}); {config['windows']} x {config['ctx']} tokens per text, "
         f"prefill {config['prefill']}, chunk {config['chunk']}, {config['dtype']}; pass-key: "
         f"{config['passkey_samples']} samples, exact match, pk ratio measured on those runs."
@@ -119,7 +124,7 @@ def plot(rows: list[dict], config: dict, path: Path) -> None:
 
     texts = config["texts"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.8))
-    markers = dict(zip(FAMILIES, "o^sDvP"))
+    markers = dict(zip(FAMILIES, "o^sDvPXh"))
     styles = ["-", "--", ":"]
     for f in [f for f in FAMILIES if any(r["family"] == f for r in rows)]:
         rs = sorted((r for r in rows if r["family"] == f), key=lambda r: r["ratio"])

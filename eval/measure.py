@@ -34,7 +34,9 @@ def measure(
         nll, count = perplexity.decode_nll(model, ids, cache, prefill, chunk)
         row["ppl"][name] = math.exp(nll / count)
         if "ratio" not in row:
-            row["ratio"] = d.baseline_nbytes(ids.shape[0], sum(pattern)) / pol.nbytes(cache)
+            base = d.baseline_nbytes(ids.shape[0], sum(pattern))
+            row["ratio"] = base / pol.nbytes(cache)  # what the accelerator holds
+            row["ratio_total"] = base / pol.total_nbytes(cache)  # with what a policy keeps in host memory
             row["tokens"] = count
     row["ranks"] = pol.ranks(model, pattern)
     if samples:

@@ -5,7 +5,8 @@ A policy is one setting of one method. Each one says
 - `build(model, pattern)`: a fresh cache for one run, given the run's call pattern (the tokens
   of each forward call; a budget-matched policy sizes itself from it),
 - `nbytes(cache)`: the bytes of the tensors the cache really holds (codes, scales, zero points,
-  sinks, 16-bit residual),
+  sinks, 16-bit residual) on the accelerator; `total_nbytes(cache)` adds what it keeps in host memory,
+- `prepare(model, tok)`: an offline step on the calibration text (LESS's kernels, TailorKV's layer split),
 - `exact()`: the setting of the same method that must reproduce the full cache, where one exists,
 - `sweep(ctx)`: the frontier points (classmethod).
 
@@ -32,7 +33,7 @@ from tale_runtime.artifact import nominal_ratio
 from tale_runtime.cache import KEEP
 from tale_runtime.schedule import override_schedule
 
-from . import caches
+from . import caches, less, less_train, tailorkv
 
 
 @dataclass
@@ -86,6 +87,13 @@ class Policy:
 
     def nbytes(self, cache: Cache) -> int:
         return cache.nbytes()
+
+    def total_nbytes(self, cache: Cache) -> int:
+        """Bytes held anywhere (accelerator and host memory)."""
+        return self.nbytes(cache)
+
+    def prepare(self, model, tok, log=print) -> None:
+        """Offline work on the calibration text, once before the runs (nothing for most policies)."""
 
     def exact(self) -> Policy | None:
         return None
@@ -431,7 +439,127 @@ class Palu(Policy):
         return [cls(192, 4), cls(192, 2), cls(64, 2)]
 
 
-REGISTRY: dict[str, type[Policy]] = {c.family: c for c in (Full, Tale, Kivi, Quanto, HQQ, Streaming, Palu)}
+@dataclass
+class Less(Policy):
+    """LESS: a Λ-shaped cache (`sinks` + `window` recent tokens, 16-bit) plus a rank-`rank` state per layer and KV
+    head absorbing every evicted pair through kernels trained on the calibration text (less_train.py; cached per
+    model and recipe). `trained=False`: the same cache without the state (the sparse policy alone)."""
+
+    family: ClassVar[str] = "less"
+    knobs: ClassVar[tuple[str, ...]] = ("window",)
+    sinks: int = 4
+    window: int = 128
+    rank: int = 8
+    hidden: int = 32
+    steps: int = 100
+    trained: bool = True
+    kernels: list | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def name(self) -> str:
+        return f"less/w{self.window}" if self.trained else f"less-sparse/w{self.window}"
+
+    def label(self) -> str:
+        return f"window {self.window}, rank {self.rank}" + ("" if self.trained else ", no state")
+
+    def recipe(self) -> less_train.Recipe:
+        return less_train.Recipe(
+            sinks=self.sinks, window=self.window, rank=self.rank, hidden=self.hidden, steps=self.steps
+        )
+
+    def evicts_in_training(self) -> bool:
+        r = self.recipe()
+        return r.sinks + r.window + 1 < r.length
+
+    def prepare(self, model, tok, log=print) -> None:
+        if self.trained and self.evicts_in_training():
+            self.kernels = less_train.kernels_for(model, tok, self.recipe(), log)
+
+    def build(self, model, pattern):
+        if self.trained and self.evicts_in_training() and self.kernels is None:
+            raise ValueError("LESS needs its kernels: call prepare(model, tokenizer) first")
+        t = model.model.layers[0].self_attn.tale
+        return less.less_cache(self.sinks, self.window, self.kernels, t.scaling, Dims.of(model).layers)
+
+    def exact(self):
+        return replace(self, window=1 << 30)  # nothing evicted
+
+    @classmethod
+    def sweep(cls, ctx: int) -> list[Policy]:
+        return [cls(window=ctx // r - 4) for r in (6, 12)]  # StreamingLLM's 1/6 and 1/12 of the tokens
+
+
+@dataclass
+class TailorKV(Policy):
+    """TailorKV: the `quant_layers` layers of densest attention on the calibration text (dense-preference score P
+    over the last `n_q` queries, top-`score_topk`) hold KIVI at `bits` bits (`group`, `residual`); the others
+    offload their 16-bit cache to host memory and attend to `sinks` + `recent` held tokens + the `topk` offloaded
+    tokens fetched per query and KV head. `nbytes`: on the accelerator; `total_nbytes`: with the host copy."""
+
+    family: ClassVar[str] = "tailorkv"
+    knobs: ClassVar[tuple[str, ...]] = ("quant_layers", "topk")
+    quant_layers: int = 2
+    topk: int = 64
+    bits: int = 1
+    group: int = 32
+    residual: int = 32
+    sinks: int = 4
+    recent: int = 32
+    n_q: int = 32
+    score_topk: int = 64
+    scores: list | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def name(self) -> str:
+        return f"tailorkv/q{self.quant_layers}b{self.bits}k{self.topk}"
+
+    def label(self) -> str:
+        return f"{self.quant_layers} layers {self.bits}-bit, top-{self.topk}, recent {self.recent}"
+
+    def prepare(self, model, tok, log=print) -> None:
+        if self.scores is None:
+            self.scores = tailorkv.layer_scores(model, tok, self.n_q, self.score_topk)
+
+    def quantized(self) -> list[int]:
+        if self.scores is None:
+            raise ValueError("TailorKV needs its layer scores: call prepare(model, tokenizer) first")
+        return tailorkv.quantized_layers(self.scores, self.quant_layers)
+
+    def detail(self, model) -> str:
+        q = self.quantized() if self.scores is not None else "?"
+        return f"{self.label()}; quantized layers {q}"
+
+    def build(self, model, pattern):
+        d = Dims.of(model)
+        t = model.model.layers[0].self_attn.tale
+        return tailorkv.tailor_cache(
+            self.quantized(),
+            d.layers,
+            d.K,
+            d.n,
+            self.bits,
+            self.group,
+            self.residual,
+            self.sinks,
+            self.recent,
+            self.topk,
+            t.scaling,
+        )
+
+    def total_nbytes(self, cache) -> int:
+        return cache.total_nbytes()
+
+    def exact(self):
+        return replace(self, bits=16, topk=1 << 30)  # 16-bit codes, every offloaded token fetched
+
+    @classmethod
+    def sweep(cls, ctx: int) -> list[Policy]:
+        return [cls(2, 64), cls(2, 16), cls(8, 16)]
+
+
+REGISTRY: dict[str, type[Policy]] = {
+    c.family: c for c in (Full, Tale, Kivi, Quanto, HQQ, Streaming, Palu, Less, TailorKV)
+}
 # the named rows of the side-by-side table (tale-eval without --frontier)
 NAMED = ("full", "tale-exact", "tale", "kivi2", "kivi4", "quanto4", "hqq4", "streaming", "palu")
 

@@ -33,6 +33,8 @@ def table_rows(path: Path) -> tuple[list[dict], dict[str, float]]:
             break
         c = dict(zip(head, (x.strip() for x in line.strip().strip("|").split(" | "))))
         row = {"family": c["family"], "setting": c["setting"], "ratio": float(c["ratio"].rstrip("x"))}
+        if c.get("total"):  # host memory counted too (tables before this column have none)
+            row["ratio_total"] = float(c["total"].rstrip("x"))
         row["delta_pct"] = {t: float(c[f"ppl Δ {t}"].rstrip("%")) for t in texts}
         if c["pass-key"]:
             row["passkey"] = float(c["pass-key"].rstrip("%")) / 100

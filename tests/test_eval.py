@@ -11,7 +11,7 @@ import torch
 from tale_helpers import byte_tokenizer, save_artifact, talify, tiny_model
 
 from tale_calib import text_path
-from tale_eval import caches, passkey, perplexity, policies
+from tale_eval import caches, less_train, passkey, perplexity, policies
 from tale_eval.attention import prepare
 from tale_eval.cli import main
 from tale_eval.frontier import FAMILIES
@@ -90,7 +90,32 @@ TINY_SETTINGS = {
     "hqq": policies.HQQ(2, 16, 8),
     "streaming": policies.Streaming(window=6),
     "palu": policies.Palu(16, 2),
+    "less": policies.Less(window=6),
+    "tailorkv": policies.TailorKV(1, 4, group=8, residual=8, recent=4),
 }
+# LESS's kernels for TINY_SETTINGS (window 6), trained small: once per module
+TINY_LESS = less_train.Recipe(window=6, rank=4, hidden=16, steps=30, windows=2, length=128)
+
+
+@pytest.fixture(scope="module")
+def prepared(pair):
+    """TINY_SETTINGS[family] after its offline step on the calibration text (a copy)."""
+    from dataclasses import replace
+
+    done = {}
+
+    def get(family: str):
+        if family not in done:
+            _, model = pair()
+            pol = replace(TINY_SETTINGS[family])
+            if family == "less":
+                pol.kernels = less_train.train(model, byte_tokenizer(), TINY_LESS, log=lambda *a: None)[0]
+            else:
+                pol.prepare(model, byte_tokenizer())
+            done[family] = pol
+        return done[family]
+
+    return get
 
 
 def test_every_registered_family_is_tested():
@@ -98,11 +123,13 @@ def test_every_registered_family_is_tested():
     assert all(f in policies.REGISTRY for f in FAMILIES)
 
 
-def held_tensors(cache) -> list[torch.Tensor]:
+def held_tensors(cache, skip: tuple[str, ...] = ()) -> list[torch.Tensor]:
     """Every tensor reachable from the cache's layers (tensor subclasses opened through
     __tensor_flatten__), except TALE's padding mask and the stores' token positions (bookkeeping, not cached
-    data: positions follow from the region layout, and with keep="salient" one per moved key group would do)."""
+    data: positions follow from the region layout, and with keep="salient" one per moved key group would do),
+    LESS's kernels (weights, like the model's) and the attributes named in `skip`."""
     out, seen = [], set()
+    skip = ("valid", "pos", "kernels", *skip)
 
     def walk(x):
         if isinstance(x, torch.Tensor):
@@ -120,7 +147,7 @@ def held_tensors(cache) -> list[torch.Tensor]:
                 walk(y)
         elif hasattr(x, "__dict__") and not isinstance(x, type):
             for k, y in vars(x).items():
-                if k not in ("valid", "pos"):
+                if k not in skip:
                     walk(y)
 
     walk(cache.layers)
@@ -128,10 +155,10 @@ def held_tensors(cache) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("family", list(TINY_SETTINGS))
-def test_policy_builds_decodes_and_counts_the_bytes_it_holds(family, pair):
-    pol = TINY_SETTINGS[family]
-    if why := pol.missing():
+def test_policy_builds_decodes_and_counts_the_bytes_it_holds(family, pair, prepared):
+    if why := TINY_SETTINGS[family].missing():
         pytest.skip(why)
+    pol = prepared(family)
     _, model = pair()
     ids = ids_of(2, 40)
     pattern = perplexity.pattern(40, 21, 1)  # a prefill of 21, then 18 decode steps of one token
@@ -140,7 +167,11 @@ def test_policy_builds_decodes_and_counts_the_bytes_it_holds(family, pair):
     assert count == 2 * 18 and math.isfinite(nll)
     assert cache.get_seq_length() == 39
     held = sum(t.numel() * t.element_size() for t in held_tensors(cache))
-    assert pol.nbytes(cache) == held > 0
+    assert pol.total_nbytes(cache) == held > 0
+    resident = sum(t.numel() * t.element_size() for t in held_tensors(cache, skip=("host_keys", "host_values")))
+    assert pol.nbytes(cache) == resident  # on the accelerator: all but TailorKV's host copy
+    if family == "tailorkv":
+        assert resident < held
     full = 2 * 2 * 4 * 39 * 16 * 4 * 2  # layers x K+V x batch x heads x tokens x head dim x fp32
     assert policies.Dims.of(model).baseline_nbytes(2, 39) * 2 == full  # the reference is 16-bit
     if family != "full":
@@ -148,10 +179,10 @@ def test_policy_builds_decodes_and_counts_the_bytes_it_holds(family, pair):
 
 
 @pytest.mark.parametrize("family", list(TINY_SETTINGS))
-def test_policy_at_its_exact_setting_reproduces_the_full_cache(family, pair):
-    pol = TINY_SETTINGS[family]
-    if why := pol.missing():
+def test_policy_at_its_exact_setting_reproduces_the_full_cache(family, pair, prepared):
+    if why := TINY_SETTINGS[family].missing():
         pytest.skip(why)
+    pol = prepared(family)
     exact = pol.exact()
     if exact is None:
         pytest.skip(f"{family} has no lossless setting (transformers' QuantizedCache quantizes every prefill)")
@@ -402,7 +433,8 @@ def test_cli_on_a_tiny_artifact(tiny_artifact, tmp_path, capsys):
     assert "tale/progressive" in capsys.readouterr().out
 
 
-def test_cli_frontier_writes_a_table_and_a_plot(tiny_artifact, tmp_path):
+def test_cli_frontier_writes_a_table_and_a_plot(tiny_artifact, tmp_path, monkeypatch):
+    monkeypatch.setenv("TALE_CACHE", str(tmp_path / "cache"))  # LESS trains its kernels there
     prefix = tmp_path / "docs" / "frontier"
     out = tmp_path / "r.json"
     fams = [f for f in FAMILIES if policies.REGISTRY[f].missing() is None and f not in ("quanto", "hqq")]
@@ -437,6 +469,9 @@ def test_cli_frontier_writes_a_table_and_a_plot(tiny_artifact, tmp_path):
     assert exact["delta_pct"]["botchan"] == pytest.approx(0, abs=1e-3) and exact["setting"].startswith("bits=16/16")
     md = (prefix.with_suffix(".md")).read_text()
     assert md.count("\n| ") == len(rows) and "pass-key" in md  # the header, then one line per row
+    assert len(list((tmp_path / "cache" / "less").glob("*.safetensors"))) == 1
+    tkv = next(r for r in rows if r["family"] == "tailorkv")
+    assert tkv["ratio_total"] < tkv["ratio"]  # the host copy counts in the total only
     png = prefix.with_suffix(".png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
