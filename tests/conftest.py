@@ -22,8 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-# tests/vllm runs in vLLM's own venv (make test-vllm); the main suite has no vLLM
-collect_ignore = ["vllm"] if importlib.util.find_spec("vllm") is None else []
+# tests/vllm runs in vLLM's own venv (make test-vllm); the main suite has no vLLM (tests/ is on sys.path, so
+# tests/vllm itself is found as a namespace package: only a module with a file counts)
+_vllm = importlib.util.find_spec("vllm")
+collect_ignore = [] if _vllm is not None and _vllm.origin not in (None, "namespace") else ["vllm"]
 
 # Without a GPU the Triton kernels are tested in Triton's CPU interpreter, which must be chosen
 # before anything imports triton (transformers and torch may, during collection).
