@@ -133,8 +133,8 @@ def test_refusals_and_the_manifest_round_trip():
     assert Schedule.from_dict(pre(s).to_dict()).key_rope == "pre"
     assert not pre(s).fast_path() and s.fast_path()
     tm = talify(tiny_model("llama"), 2, pre(s))
-    with pytest.raises(ValueError, match="static cache holds keys after RoPE"):
-        new_cache(tm, static=True, max_length=64)
+    # the static cache keeps pre-RoPE keys with their RoPE tables (equal to the dynamic cache: test_static_cache)
+    assert new_cache(tm, static=True, max_length=64).schedule.key_rope == "pre"
     c = TaleLayerCache(pre(s), 0, K, n, G, R)
     with pytest.raises(ValueError, match="needs the cos, sin"):
         c.append(torch.zeros(1, K, 3, n), torch.zeros(1, G, 3, R))

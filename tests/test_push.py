@@ -305,7 +305,7 @@ def test_dry_run_of_smollm2(smollm2_artifact, hub):
     r = tale_push(smollm2_artifact, REPO, "--dry-run")
     assert r.exit_code == 0, r.output
     assert hub.requests == []
-    card = r.stdout.split("README.md", 2)[-1]  # after the table and the rule
+    card = r.stdout.split("--- README.md ---\n", 1)[1]  # after the file table, the card as it would be uploaded
     front = yaml.safe_load(card.split("---\n")[1])
     assert front["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and front["license"] == "apache-2.0"
     assert "| 0 | oldest (middle) | 0.9 | 96 / 192 | 2 | 2 |" in card  # --group 3: R = 3 * 64, r0 = R/2
