@@ -54,22 +54,14 @@ eval: setup
 
 # quality vs measured compression of every policy, written to docs/frontier.md and docs/frontier.png (replaced);
 # tale-eval itself writes out/frontier.md and .png under the current directory unless --frontier-out says otherwise.
-# One artifact serves every TALE preset: the paper schedule plus the key bands of --preset tale (key_hi) and the key
-# basis of --preset lowrank (key_rank), so all rows share one run and one full-cache reference. The TALE points:
-# paper (bands off), tale (bands, fp8 scales), lowrank (r0 2R/3), lowrank at ~10x.
-FRONTIER_ART ?= out/smollm2-frontier
-LOWRANK = key_hi=0/0,key_rope=pre,key_axis=channel/channel/token,residual=1,key_meta=8-8,value_meta=8-8
-FRONTIER_TALE ?= key_hi=0/0; key_meta=8-16,value_meta=8-8; \
-  key_rank=80/0/0,bits=3/4/8,key_bits=4/4/8,recent=0.1/0,r0=0.67,$(LOWRANK); \
-  key_rank=40/0/0,bits=3/4/8,key_bits=3/4/8,recent=0.03/0,r0=0.5,$(LOWRANK)
+# One run, so every row shares one full-cache reference: TALE at the artifact's schedule, LESS, TailorKV and the
+# baselines at the points of eval/frontier.py's FULL_SWEEP (LESS trains its kernels on the first run).
 FRONTIER_FAMILIES ?= tale,less,tailorkv,kivi,streaming,palu
+FRONTIER_TALE ?= -
 
-$(FRONTIER_ART): | $(VENV)/.installed
-	$(BIN)/tale-convert smollm2 --group 3 --key-bands 3:32 --key-basis --out $@
-
-frontier: setup $(FRONTIER_ART)
+frontier: setup
 	mkdir -p out
-	$(BIN)/tale-eval $(FRONTIER_ART) --frontier --preset full --threads 1 --families $(FRONTIER_FAMILIES) \
+	$(BIN)/tale-eval $(OUT) --frontier --preset full --threads 1 --families $(FRONTIER_FAMILIES) \
 	  --tale-variants "$(FRONTIER_TALE)" --frontier-out docs/frontier --json out/frontier.json --overwrite
 
 # every bad input and fault of the error contract through the installed CLIs, written to docs/errors.md
