@@ -8,6 +8,9 @@ table this script (or tale-eval) wrote, read back as rows at its printed precisi
 JSON files are gone; it goes first, and its full cache's ppl (the footer) must match the JSON files' to 3 decimals.
 
     python experiments/frontier_merge.py docs/frontier docs/frontier.md new.json
+
+A FILE.json.partial holds the finished rows of a run that was stopped (JSON lines, its full row first): they join
+with deltas against that full row; the table's settings (config) come from a finished FILE.json of the same call.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 from pathlib import Path
 
 from tale_eval import frontier
+from tale_eval.measure import add_deltas
 
 
 def table_rows(path: Path) -> tuple[list[dict], dict[str, float]]:
@@ -60,18 +64,29 @@ def main(argv: list[str]) -> None:
             rows, table_ref = table_rows(Path(path))
             seconds += sum(r["seconds"] for r in rows)
             continue
-        part = json.loads(Path(path).read_text())
+        if path.endswith(".partial"):
+            part = {"config": None, "results": [json.loads(x) for x in Path(path).read_text().splitlines() if x]}
+            full = next((r for r in part["results"] if r["family"] == "full"), None)
+            if full is None:
+                sys.exit(f"error: {path}: no full row among its finished rows")
+            add_deltas(part["results"], full["ppl"])
+            part["config"] = {"ref_ppl": full["ppl"], "seconds": sum(r["seconds"] for r in part["results"])}
+        else:
+            part = json.loads(Path(path).read_text())
         if table_ref is not None:
             got = {t: round(v, 3) for t, v in part["config"]["ref_ppl"].items()}
             if got != table_ref:
                 sys.exit(f"error: {path}: its full row ({got}) differs from the table's ({table_ref})")
-        config = config or dict(part["config"])
+        if not path.endswith(".partial"):
+            config = config or dict(part["config"])
         seconds += part["config"]["seconds"]
         res = part["results"]
         full = next(r for r in res if r["family"] == "full")
         if rows and "ppl" in rows[0] and full["ppl"] != rows[0]["ppl"]:
             sys.exit(f"error: {path}: its full row differs from the first file's (another artifact or preset?)")
         rows += [r | {"setting": prefix + r["setting"]} for r in res if not (rows and r["family"] == "full")]
+    if config is None:
+        sys.exit("error: the table's settings come from a finished FILE.json: give one")
     config["seconds"] = seconds
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(frontier.markdown(rows, config))
