@@ -63,7 +63,7 @@ def test_the_rows_of_a_stopped_run_join_with_deltas_against_its_full_row(tmp_pat
     assert len(cells) == 1 and "+100.00%" in cells[0] and "+10.00%" in cells[0]
     assert out.read_text().count("| full ") == 1
     res, _ = merge(tmp_path, partial)  # no finished run: no settings for the table's footer
-    assert res.returncode != 0 and "finished FILE.json" in res.stderr
+    assert res.returncode != 0 and "finished FILE.json or a table" in res.stderr
     other = tmp_path / "other.json.partial"
     other.write_text(json.dumps(full | {"ppl": {"a": 31.768, "b": 20.190}}))
     res, _ = merge(tmp_path, done, other)
