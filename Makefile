@@ -53,10 +53,16 @@ eval: setup
 	$(BIN)/tale-eval $(OUT) --preset ci
 
 # quality vs measured compression of every policy, written to docs/frontier.md and docs/frontier.png (replaced);
-# tale-eval itself writes out/frontier.md and .png under the current directory unless --frontier-out says otherwise
+# tale-eval itself writes out/frontier.md and .png under the current directory unless --frontier-out says otherwise.
+# One run, so every row shares one full-cache reference: TALE at the artifact's schedule, LESS, TailorKV and the
+# baselines at the points of eval/frontier.py's FULL_SWEEP (LESS trains its kernels on the first run).
+FRONTIER_FAMILIES ?= tale,less,tailorkv,kivi,streaming,palu
+FRONTIER_TALE ?= -
+
 frontier: setup
 	mkdir -p out
-	$(BIN)/tale-eval $(OUT) --frontier --preset full --threads 1 --frontier-out docs/frontier --json out/frontier.json --overwrite
+	$(BIN)/tale-eval $(OUT) --frontier --preset full --threads 1 --families $(FRONTIER_FAMILIES) \
+	  --tale-variants "$(FRONTIER_TALE)" --frontier-out docs/frontier --json out/frontier.json --overwrite
 
 # every bad input and fault of the error contract through the installed CLIs, written to docs/errors.md
 # (tests/test_faults.py runs the same cases under pytest)

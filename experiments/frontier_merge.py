@@ -8,6 +8,10 @@ table this script (or tale-eval) wrote, read back as rows at its printed precisi
 JSON files are gone; it goes first, and its full cache's ppl (the footer) must match the JSON files' to 3 decimals.
 
     python experiments/frontier_merge.py docs/frontier docs/frontier.md new.json
+
+A FILE.json.partial holds the finished rows of a run that was stopped (JSON lines, its full row first): they join
+with deltas against that full row; the table's settings come from a finished FILE.json of the same call, else from
+the footer of the table given first.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import sys
 from pathlib import Path
 
 from tale_eval import frontier
+from tale_eval.measure import add_deltas
 
 
 def table_rows(path: Path) -> tuple[list[dict], dict[str, float]]:
@@ -48,6 +53,29 @@ def table_rows(path: Path) -> tuple[list[dict], dict[str, float]]:
     return rows, {t: float(v) for t, v in ref.items()}
 
 
+def table_settings(path: Path, ref: dict[str, float]) -> dict | None:
+    """The run settings printed in a frontier table's footer (frontier.markdown), or None."""
+    m = re.search(
+        r"(\d+) x (\d+) tokens per text, prefill (\d+), chunk (\d+), (\w+); pass-key: (\d+) samples",
+        path.read_text().splitlines()[-1],
+    )
+    if not m:
+        return None
+    windows, ctx, prefill, chunk, dtype, samples = m.groups()
+    return dict(
+        texts=list(ref),
+        ref_ppl=ref,
+        windows=int(windows),
+        ctx=int(ctx),
+        prefill=int(prefill),
+        chunk=int(chunk),
+        dtype=dtype,
+        passkey_samples=int(samples),
+        model=None,
+        artifact=path.stem,
+    )
+
+
 def main(argv: list[str]) -> None:
     if len(argv) < 2:
         sys.exit("usage: frontier_merge.py OUT FILE.json[:PREFIX] ...")
@@ -60,18 +88,31 @@ def main(argv: list[str]) -> None:
             rows, table_ref = table_rows(Path(path))
             seconds += sum(r["seconds"] for r in rows)
             continue
-        part = json.loads(Path(path).read_text())
+        if path.endswith(".partial"):
+            part = {"config": None, "results": [json.loads(x) for x in Path(path).read_text().splitlines() if x]}
+            full = next((r for r in part["results"] if r["family"] == "full"), None)
+            if full is None:
+                sys.exit(f"error: {path}: no full row among its finished rows")
+            add_deltas(part["results"], full["ppl"])
+            part["config"] = {"ref_ppl": full["ppl"], "seconds": sum(r["seconds"] for r in part["results"])}
+        else:
+            part = json.loads(Path(path).read_text())
         if table_ref is not None:
             got = {t: round(v, 3) for t, v in part["config"]["ref_ppl"].items()}
             if got != table_ref:
                 sys.exit(f"error: {path}: its full row ({got}) differs from the table's ({table_ref})")
-        config = config or dict(part["config"])
+        if not path.endswith(".partial"):
+            config = config or dict(part["config"])
         seconds += part["config"]["seconds"]
         res = part["results"]
         full = next(r for r in res if r["family"] == "full")
         if rows and "ppl" in rows[0] and full["ppl"] != rows[0]["ppl"]:
             sys.exit(f"error: {path}: its full row differs from the first file's (another artifact or preset?)")
         rows += [r | {"setting": prefix + r["setting"]} for r in res if not (rows and r["family"] == "full")]
+    if config is None and table_ref is not None:  # the settings as the table's footer prints them
+        config = table_settings(Path(argv[1]), table_ref)
+    if config is None:
+        sys.exit("error: the table's settings come from a finished FILE.json or a table: give one")
     config["seconds"] = seconds
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(frontier.markdown(rows, config))

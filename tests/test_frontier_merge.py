@@ -47,3 +47,24 @@ def test_a_table_reads_back_and_takes_new_rows(tmp_path):
     notes.write_text("# notes\n\nno table here\n")
     res, _ = merge(tmp_path, notes, new)
     assert res.returncode != 0 and "not a frontier table" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_the_rows_of_a_stopped_run_join_with_deltas_against_its_full_row(tmp_path):
+    ppl = {"a": 31.71666, "b": 20.24781}
+    full = row("full", "16-bit K+V", 1.0, 0.0, 0.0, 1.0) | {"ppl": ppl}
+    done = tmp_path / "done.json"
+    done.write_text(json.dumps({"config": CONFIG, "results": [full, row("kivi", "bits 4", 3.0, 0.8, 0.7, 1.0)]}))
+    less = row("less", "window 166", 5.74, 0.0, 0.0, 0.0) | {"ppl": {"a": 2 * ppl["a"], "b": ppl["b"] * 1.1}}
+    partial = tmp_path / "stopped.json.partial"
+    partial.write_text("\n".join(json.dumps({k: v for k, v in r.items() if k != "delta_pct"}) for r in (full, less)))
+    res, out = merge(tmp_path, done, partial)
+    assert res.returncode == 0, res.stderr
+    cells = [line for line in out.read_text().splitlines() if line.startswith("| less ")]
+    assert len(cells) == 1 and "+100.00%" in cells[0] and "+10.00%" in cells[0]
+    assert out.read_text().count("| full ") == 1
+    res, _ = merge(tmp_path, partial)  # no finished run: no settings for the table's footer
+    assert res.returncode != 0 and "finished FILE.json or a table" in res.stderr
+    other = tmp_path / "other.json.partial"
+    other.write_text(json.dumps(full | {"ppl": {"a": 31.768, "b": 20.190}}))
+    res, _ = merge(tmp_path, done, other)
+    assert res.returncode != 0 and "differs from the first file's" in res.stderr
