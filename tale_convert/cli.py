@@ -38,7 +38,10 @@ def _bands(s: str) -> tuple[int, int]:
 
 @app.command()
 def run(
-    model: str = typer.Argument("smollm2", help="`smollm2` (the default), a checkpoint dir, or a Hub id owner/name"),
+    model: str = typer.Argument(
+        "smollm2",
+        help="a bundled model (`smollm2`, the default; `gemma3-270m`), a checkpoint dir, or a Hub id owner/name",
+    ),
     out: str = typer.Option(..., "--out", "-o", help="artifact directory to write"),
     group: int = typer.Option(D.group, help="KV heads per latent group g (must divide the KV heads)"),
     calib: Optional[list[Path]] = typer.Option(
