@@ -13,6 +13,9 @@ from tale_runtime.artifact import read_manifest, verify_files
 pytestmark = pytest.mark.slow
 L, H, K, n, d = 18, 4, 1, 256, 640
 PROMPT = "The chemical symbol for gold is"  # a completion: the GGUF is of the pretrained (not instruction-tuned) model
+# long enough that the default schedule compresses part of it (beyond the 4 sinks and the 32-token residual)
+ELEMENTS = ("hydrogen H", "helium He", "carbon C", "nitrogen N", "oxygen O", "sodium Na", "iron Fe", "copper Cu")
+FEW_SHOT = " ".join(f"The chemical symbol for {e.split()[0]} is {e.split()[1]}." for e in ELEMENTS * 2) + " " + PROMPT
 
 
 def test_checkpoint(gemma3_path):
@@ -60,7 +63,7 @@ def test_manifest(gemma3_artifact):
 def test_exact_setting_and_default_schedule_answer_like_the_base_model(gemma3_path, gemma3_artifact):
     """Greedy, bf16, CPU: the base model completes the prompt with " Au" (a wrong norm offset, embedding scale or
     head would not); the artifact at the exact setting (16 bits, full rank) gives its tokens, and at the default
-    schedule it still answers " Au" with a measured ratio above 1."""
+    schedule, with part of a longer prompt compressed, it still answers " Au"."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tale_runtime import load
@@ -76,5 +79,6 @@ def test_exact_setting_and_default_schedule_answer_like_the_base_model(gemma3_pa
     got, _ = generate(model, ids[0].tolist(), max_new_tokens=6)
     assert got == want
     model, _ = load(gemma3_artifact, device="cpu")  # the artifact's schedule (paper)
-    got, stats = generate(model, ids[0].tolist(), max_new_tokens=6)
-    assert tok.decode(got).startswith(" Au") and stats.ratio > 1
+    ids = tok(FEW_SHOT).input_ids
+    got, stats = generate(model, ids, max_new_tokens=3)
+    assert tok.decode(got).startswith(" Au") and stats.ratio > 1.2
