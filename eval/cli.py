@@ -56,6 +56,7 @@ class Preset:
 
 TEST_TEXTS = tuple(TEST_FILES)
 DEFAULT_FRONTIER_OUT = "out/frontier"  # relative to the current directory; make frontier writes docs/frontier
+DEFAULT_LM_EVAL_OUT = "out/lm-eval"  # relative to the current directory
 PRESETS = {
     # a few minutes on 2 CPU cores
     "ci": Preset(
@@ -149,9 +150,75 @@ def run(
         help="also write the results to this JSON file (finished rows go to FILE.partial as they come); '-': the "
         "JSON object on stdout instead of the table, nothing else",
     ),
-    overwrite: bool = typer.Option(False, "--overwrite", help="replace existing --json / --frontier-out files"),
+    lm_eval_tasks: Optional[str] = typer.Option(
+        None,
+        "--lm-eval",
+        help="run these lm-evaluation-harness tasks (comma list of names, globs or YAML files) with the TALE cache "
+        "instead of the policy table (docs/eval.md)",
+    ),
+    limit: Optional[float] = typer.Option(None, help="--lm-eval: examples per task (a fraction if < 1)"),
+    num_fewshot: Optional[int] = typer.Option(None, help="--lm-eval: few-shot examples per prompt"),
+    lm_eval_out: Optional[str] = typer.Option(
+        None, help=f"--lm-eval: a new directory for lm_eval's result files (default: {DEFAULT_LM_EVAL_OUT})"
+    ),
+    include_path: Optional[str] = typer.Option(None, help="--lm-eval: a directory of your own task YAML files"),
+    batch_size: Optional[int] = typer.Option(None, help="--lm-eval: requests per batch (default 1)"),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="replace existing --json / --frontier-out files (or an earlier --lm-eval-out run)"
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors (and --json -'s object)"),
 ) -> None:
+    lm_only = dict(limit=limit, num_fewshot=num_fewshot, lm_eval_out=lm_eval_out, include_path=include_path)
+    lm_only["batch_size"] = batch_size
+    if lm_eval_tasks is None:
+        for name, v in lm_only.items():
+            if v is not None:
+                fail(f"--{name.replace('_', '-')} applies to --lm-eval only")
+    else:
+        policy_only = dict(
+            policies=policy_names,
+            rank_policies=rank_policies,
+            text=text,
+            families=families,
+            tale_variants=tale_variants,
+            frontier_out=frontier_out,
+            ctx=ctx,
+            windows=windows,
+            prefill=prefill,
+            chunk=chunk,
+            passkey_lengths=passkey_lengths,
+            passkey_depths=passkey_depths,
+        )
+        for name, v in dict(policy_only, frontier=frontier or None).items():
+            if v is not None:
+                fail(f"--{name.replace('_', '-')} does not apply to --lm-eval")
+        from .lmeval_run import run_lm_eval
+
+        knobs = dict(sinks=sinks, recent=recent, r0=r0, residual=residual, key_meta=key_meta, value_meta=value_meta)
+        knobs |= dict(key_channel_group=key_channel_group, rotate=rotate, key_rope=key_rope)
+        try:
+            knobs["bits"] = None if bits is None else [int(x) for x in _csv(bits)]
+            knobs["key_bits"] = None if key_bits is None else [int(x) for x in _csv(key_bits)]
+        except ValueError:
+            fail("--bits and --key-bits take comma-separated numbers, e.g. 2,4")
+        knobs["key_axis"] = _csv(key_axis) and list(_csv(key_axis))
+        run_lm_eval(
+            artifact,
+            lm_eval_tasks,
+            out=lm_eval_out if lm_eval_out is not None else DEFAULT_LM_EVAL_OUT,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            include_path=include_path,
+            batch_size=batch_size or 1,
+            knobs=knobs,
+            dtype=dtype,
+            device=device,
+            threads=threads,
+            json_out=json_out,
+            overwrite=overwrite,
+            quiet=quiet,
+        )
+        return
     table = FRONTIER_PRESETS if frontier else PRESETS
     if preset not in table:
         fail(f"unknown --preset {preset!r}: use {' or '.join(table)}")

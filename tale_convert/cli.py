@@ -14,8 +14,7 @@ from tale_runtime.schedule import PRESETS
 
 from . import ConvertError
 from .bundled import MODELS
-from .calibrate import load_documents
-from .convert import Options, convert
+from .options import Options
 
 app = typer.Typer(
     add_completion=False, pretty_exceptions_enable=False, help="Convert a Llama-family checkpoint into a TALE artifact."
@@ -156,6 +155,8 @@ def run(
         raise ConvertError("--out is empty: name the artifact directory to write")
     out = Path(out)
     check_inputs(out, opts)
+    from .convert import convert  # torch and transformers: after the options are checked
+
     _quiet_libraries()
     # stdout: progress and report (with --json: the JSON object only, progress on stderr); stderr: warnings, errors
     report_to = console.rich_console(quiet=quiet or as_json)
@@ -247,6 +248,8 @@ def check_inputs(out: Path, opts: Options) -> None:
         if f.is_file() and f.suffix.lower() != ".parquet":
             console.read_text(f, "--calib")  # empty, binary, not UTF-8: one line naming the file
     if opts.calib:
+        from .calibrate import load_documents
+
         load_documents(opts.calib)  # parsed now (one-line errors), not after the model is loaded
 
 

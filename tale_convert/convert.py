@@ -23,24 +23,18 @@ from tale_runtime.artifact import (
     TOOL_NAME,
     U_V,
     V_V,
-    ArtifactError,
-    Level,
     Schedule,
     hash_files,
     nominal_ratio,
-    rotation_fits,
-    uniform_ranks,
     write_json,
 )
-from tale_runtime.schedule import PRESETS
 
 from . import ConvertError, __version__, calibrate, resume, source, stats, write
 from . import policy as rank_policy
 from .card import render_card
 from .fuse import fuse
+from .options import BASIS_BLOCKS, Options  # noqa: F401  (tale_convert.convert.Options: the API name)
 from .whiten import energy_kept, rotate_latents, whiten
-
-BASIS_BLOCKS = ("joint", "head")  # --key-basis-blocks
 
 DTYPES = {
     "bf16": torch.bfloat16,
@@ -50,136 +44,6 @@ DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,
 }
-
-
-@dataclass
-class Options:
-    group: int = 4
-    calib: list[Path] | None = None  # None: the bundled corpus
-    samples: int = 64
-    seq_len: int = 512
-    seed: int = 0
-    shrink: float = 0.0  # covariance shrinkage before whitening (tale_convert.whiten.shrunk; 0: SVD-LLM as is)
-    # None: the preset's; True: latents rotated in blocks of value_group channels (tale_convert.whiten.rotate_latents)
-    rotate_latents: bool | None = None
-    device: str = "auto"
-    dtype: str = "bf16"  # of the stored tensors; "auto": the checkpoint's
-    sinks: int = 4
-    # None: from the preset (tale_convert.policy.PRESETS); explicit values override it
-    recent: tuple[float, ...] | None = None  # share of each level above 0
-    r0: float | None = None  # level-0 rank as a fraction of R
-    bits: tuple[int, ...] | None = None  # value bits per level
-    key_bits: tuple[int, ...] | None = None  # default: the preset's, or = bits when bits are given
-    key_group: int = 32
-    value_group: int = 32
-    residual: int | None = None
-    # "paper" (default): the paper's schedule (KIVI layout, 16-bit scales); "tale": the best measured per byte on
-    # SmolLM2 (docs/quality.md: middle keys 2-bit with the most important half of each head's channels at 3 bits,
-    # fp8 scales), not the default because it misses the demo's long-context answer (tests/test_demo.py). The GPU
-    # fast path (Triton kernel, static cache, CUDA graphs) reads both
-    preset: str = "paper"
-    target_ratio: float | None = None  # level-0 ranks per layer chosen to meet this measured ratio (1K tokens)
-    # (bits, channels): the middle level's keys in two bands, per KV head the `channels` most important key
-    # channels (calibration, tale_convert.stats) at `bits`; the artifact carries the order (format 2.1)
-    key_bands: tuple[int, int] | None = None
-    # the key basis of low-rank keys (Level.key_rank, tale_runtime.key_basis): key_basis.safetensors (format 2.2)
-    key_basis: bool = False
-    # the key basis in blocks (tale_runtime.key_basis): "joint" (one over the layer's KV heads), "head" (one per KV
-    # head: key_rank then counts coefficients per head, format 2.4); None: the preset's, else joint
-    key_basis_blocks: str | None = None
-    shard_size: str | int = "2GB"
-    overwrite: bool = False
-    resume: bool = False
-    policy: str = "uniform"  # rank policy (tale_convert.policy): uniform, energy, fisher, progressive
-    energy: float = 0.9  # energy policy: whitened spectral energy kept per layer at level 0
-
-    def bands(self, head_dim: int) -> tuple[int, int] | None:
-        """(bits, channels per KV head) of the middle level's key bands: --key-bands, else the preset's
-        (bits, share of the head dim, rounded to a multiple of 8 channels), else None."""
-        if self.key_bands:
-            return tuple(self.key_bands)
-        p = PRESETS.get(self.preset, {}).get("key_bands")
-        if not p:
-            return None
-        return p[0], max(8, round(p[1] * head_dim / 8) * 8)
-
-    def wants_basis(self) -> bool:
-        """Whether the artifact gets a key basis: --key-basis, or a preset with low-rank keys."""
-        return self.key_basis or any(PRESETS.get(self.preset, {}).get("key_rank", ()))
-
-    def blocks(self, kv_heads: int) -> int:
-        """Blocks of the key basis (Schedule.key_blocks): 1 joint, kv_heads per head."""
-        kind = self.key_basis_blocks or PRESETS.get(self.preset, {}).get("key_basis_blocks", "joint")
-        if kind not in BASIS_BLOCKS:
-            raise ConvertError(f"unknown --key-basis-blocks {kind!r}: use one of {', '.join(BASIS_BLOCKS)}")
-        if self.key_basis_blocks and not self.wants_basis():
-            raise ConvertError("--key-basis-blocks shapes the key basis: add --key-basis (or use --preset lowrank)")
-        return kv_heads if kind == "head" else 1
-
-    def _rotate_latents(self, preset: dict, R: int) -> bool:
-        """Asked for: rotate (a group size the blocks cannot follow is refused by the schedule); by the preset: only
-        where the latent groups can be rotation blocks (a power of two dividing R), else the SVD basis as it is."""
-        if self.rotate_latents is not None:
-            return self.rotate_latents
-        return preset.get("rotate_latents", False) and rotation_fits(self.value_group, R)
-
-    def schedule(self, R: int, num_layers: int, kv_heads: int = 1, head_dim: int | None = None) -> Schedule:
-        """The schedule of the options; kv_heads x head_dim (the joined keys of a layer) sizes a preset's low-rank
-        keys, per block of the key basis."""
-        if self.policy not in rank_policy.POLICIES:
-            raise ConvertError(f"unknown --policy {self.policy!r}: use one of {', '.join(rank_policy.POLICIES)}")
-        if not 0 < self.energy <= 1:
-            raise ConvertError(f"--energy must be a fraction in (0, 1], got {self.energy}")
-        if self.preset not in PRESETS:
-            raise ConvertError(f"unknown --preset {self.preset!r}: use one of {', '.join(PRESETS)}")
-        p = PRESETS[self.preset]
-        # None: the preset's; anything given is checked, so --r0 0 is refused rather than read as unset
-        bits = p["bits"] if self.bits is None else self.bits
-        key_bits = self.key_bits if self.key_bits is not None else (p["key_bits"] if self.bits is None else bits)
-        recent = p["recent"] if self.recent is None else self.recent
-        r0 = p["r0"] if self.r0 is None else self.r0
-        if len(key_bits) != len(bits) or len(recent) != len(bits) - 1:
-            n = len(bits)
-            none = " (--recent= for none)" if n == 1 else ""
-            raise ConvertError(f"{n} level(s) (--bits) need {n} --key-bits and {n - 1} --recent shares{none}")
-        if not 0 < r0 <= 1:
-            raise ConvertError(f"--r0 must be a fraction of R in (0, 1], got {r0}")
-        axes, kr = p["key_axis"], p.get("key_rank") or (0,) * len(p["bits"])  # kr: fractions of K n (0: plain)
-        if len(axes) != len(bits):
-            # per-level knobs other than plain per-channel keys cannot follow another level count
-            if set(axes) != {"channel"} or any(kr):
-                raise ConvertError(
-                    f"--preset {self.preset} sets its per-level key layout for {len(axes)} levels; --bits gives "
-                    f"{len(bits)}: give {len(axes)} levels or use --preset paper"
-                )
-            axes, kr = ["channel"] * len(bits), (0,) * len(bits)
-        levels = [Level(b, kb, sh, key_axis=a) for b, kb, sh, a in zip(bits, key_bits, (None, *recent), axes)]
-        blocks = self.blocks(kv_heads)
-        for lv, f in zip(levels, kr):  # a fraction of the joined keys, split over the blocks
-            lv.key_rank = max(8, round(f * kv_heads * (head_dim or 0) / blocks / 8) * 8) if f else 0
-        ranks = uniform_ranks(R, num_layers, r0, self.value_group, len(levels))
-        n = R // self.group
-        # the preset's residual fits its own levels; per-channel newest keys need at least one key group (KIVI)
-        residual = self.residual or (p["residual"] if axes[-1] == "token" else None) or self.key_group
-        schedule = Schedule(
-            self.sinks,
-            levels,
-            ranks,
-            self.key_group,
-            self.value_group,
-            residual,
-            key_meta=p["key_meta"],
-            value_meta=p["value_meta"],
-            key_channel_group=n,
-            key_rope=p.get("key_rope", "post"),
-            latent_rotation=self.value_group if self._rotate_latents(p, R) else 0,
-            key_blocks=blocks if self.wants_basis() else 1,
-        )
-        try:
-            schedule.validate(R, num_layers)
-        except ArtifactError as e:
-            raise ConvertError(f"invalid schedule: {e}") from None
-        return schedule
 
 
 @dataclass

@@ -38,86 +38,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
 
-# Tiny configs: GQA with several groups (llama), one group (mistral, sliding window config),
-# value bias and rep=3 (qwen2), MHA with tied embeddings (mha).
-TINY = {
-    "llama": dict(
-        model_type="llama",
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=16,
-    ),
-    "mistral": dict(
-        model_type="mistral",
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
-        sliding_window=256,
-    ),
-    "qwen2": dict(
-        model_type="qwen2",
-        hidden_size=96,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=16,
-    ),
-    "mha": dict(
-        model_type="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=32,
-        tie_word_embeddings=True,
-    ),
-    # per-head q/k norms before RoPE
-    "qwen3": dict(
-        model_type="qwen3",
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=16,
-    ),
-    # q/k norms, scaling 1/sqrt(query_pre_attn_scalar), a sliding layer (local RoPE base) then a global one (scaled
-    # global RoPE), scaled tied embeddings; the window covers the calibration sequences (tale-convert requires it)
-    "gemma3": dict(
-        model_type="gemma3_text",
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        query_pre_attn_scalar=24,
-        sliding_window=64,
-        layer_types=["sliding_attention", "full_attention"],
-        rope_theta=1_000_000.0,
-        rope_local_base_freq=10_000.0,
-        rope_scaling={"rope_type": "linear", "factor": 8.0},
-    ),
-    # fused qkv_proj and gate_up_proj, RoPE on half of each head
-    "phi3": dict(
-        model_type="phi3",
-        hidden_size=96,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        partial_rotary_factor=0.5,
-        pad_token_id=0,
-    ),
-}
+from tiny_configs import CHECKPOINT as TINY  # noqa: E402  (a data module: imports nothing)
+
 TINY_GROUP = {"llama": 2, "mistral": 2, "qwen2": 1, "mha": 2, "qwen3": 2, "gemma3": 2, "phi3": 1}
 TINY_VOCAB = 512
 EOS = "<|endoftext|>"
@@ -152,25 +74,12 @@ def tiny_tokenizer():
 
 def save_tiny(path: Path, arch: str, tokenizer, seed: int = 0, edit=None) -> Path:
     """Save a random-init tiny model of `arch`; `edit(model)` may change weights first."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from tale_helpers import random_model  # imports transformers: not before TRITON_INTERPRET is set above
 
-    cfg = dict(TINY[arch])
-    config = AutoConfig.for_model(
-        cfg.pop("model_type"),
-        vocab_size=TINY_VOCAB,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-        **cfg,
+    eos = tokenizer.eos_token_id
+    model = random_model(
+        TINY[arch], seed, vocab_size=TINY_VOCAB, max_position_embeddings=512, eos_token_id=eos, bos_token_id=eos
     )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if arch == "qwen2":  # the value bias must survive conversion: make it non-trivial
-        for layer in model.model.layers:
-            layer.self_attn.v_proj.bias.data.normal_(0, 0.5)
-    from tale_helpers import randomize_norms  # imports transformers: not before TRITON_INTERPRET is set above
-
-    randomize_norms(model)
     if edit:
         edit(model)
     model.save_pretrained(path)

@@ -349,6 +349,25 @@ def cases() -> list[Case]:
     add("run-base-model-as-artifact", g, ["tale-run", "{MODEL}", "--prompt", "hi"], "not a TALE artifact")
     add("run-hub-id-offline", g, ["tale-run", "nobody-xyz/none", "--prompt", "hi"], "nobody-xyz/none")
     add("run-top-p-0-sampling", g, [*run, "--temperature", "1", "--top-p", "0"], "generated 2 tok", expect="accept")
+    add("run-backend-unknown", g, [*run, "--backend", "bogus"], "no attention backend 'bogus'")
+    add(
+        "run-backend-not-serving",
+        g,
+        [*run, "--backend", "triton"],
+        "does not serve this model's caches",
+        env={"TRITON_INTERPRET": "0"},  # the interpreter (as in CI's kernel tests) would serve CPU tensors
+    )
+    add("run-repetition-penalty-0", g, [*run, "--repetition-penalty", "0"], "--repetition-penalty must be > 0")
+    add("run-stop-empty", g, [*run, "--stop", ""], "--stop is empty")
+    add("run-tp-without-torchrun", g, [*run, "--tp", "2"], "start it with torchrun")
+    add("run-system-with-raw", g, [*run, "--system", "be brief", "--raw"], "drop --raw")
+    add("run-chat-with-prompt", g, [*run, "--chat"], "drop --prompt")
+    add(
+        "run-prompt-stdin-empty",
+        g,
+        ["sh", "-c", '"$@" < /dev/null', "sh", *run[:2], "--prompt-file", "-", *run[4:]],
+        "standard input is empty",
+    )
 
     # the artifact: every file hashed, only verified files read
     g = "artifact integrity"
@@ -835,6 +854,21 @@ def cases() -> list[Case]:
         "key_rank 16 needs the artifact's key basis",
         check=nothing_at("f.md"),
     )
+    add(
+        "convert-key-basis-blocks-unknown",
+        g,
+        [*cv, "--key-basis", "--key-basis-blocks", "bogus", "--out", "{W}/out"],
+        "unknown --key-basis-blocks",
+        check=nothing_at("out"),
+    )
+    add(
+        "convert-key-basis-blocks-without-basis",
+        g,
+        [*cv, "--key-basis-blocks", "head", "--out", "{W}/out"],
+        "add --key-basis",
+        check=nothing_at("out"),
+    )
+    add("lowrank-under-tp-without-torchrun", g, [*run[:1], "{LR}", *run[2:], "--tp", "2"], "start it with torchrun")
     return C
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from tiny_configs import IN_MEMORY as TINY
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tale_runtime import families
@@ -13,105 +14,20 @@ from tale_runtime.load import tale_class
 from tale_runtime.model import TaleAttention
 from tale_runtime.spec import Arch, TaleSpec
 
-TINY = dict(
-    llama=dict(
-        model_type="llama",
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=16,
-        vocab_size=320,
-        max_position_embeddings=512,
-    ),
-    mistral=dict(
-        model_type="mistral",
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=320,
-        max_position_embeddings=512,
-        sliding_window=None,
-    ),
-    qwen2=dict(
-        model_type="qwen2",
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=16,
-        vocab_size=320,
-        max_position_embeddings=512,
-    ),
-    mha=dict(
-        model_type="llama",
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=32,
-        vocab_size=320,
-        max_position_embeddings=512,
-    ),
-    qwen3=dict(
-        model_type="qwen3",
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=16,
-        vocab_size=320,
-        max_position_embeddings=512,
-    ),
-    # a sliding layer (window 24, local RoPE base) then a global one (scaled global RoPE), scaling 1/sqrt(24)
-    gemma3=dict(
-        model_type="gemma3_text",
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=320,
-        max_position_embeddings=512,
-        query_pre_attn_scalar=24,
-        sliding_window=24,
-        layer_types=["sliding_attention", "full_attention"],
-        rope_theta=1_000_000.0,
-        rope_local_base_freq=10_000.0,
-        rope_scaling={"rope_type": "linear", "factor": 8.0},
-    ),
-    # fused qkv_proj and gate_up_proj; RoPE on half of each head (partial_rotary_factor)
-    phi3=dict(
-        model_type="phi3",
-        hidden_size=96,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        vocab_size=320,
-        max_position_embeddings=512,
-        partial_rotary_factor=0.5,
-        pad_token_id=0,
-    ),
-)
-
 
 def tiny_model(arch: str = "llama", seed: int = 0, dtype=torch.float32):
-    cfg = dict(TINY[arch])
-    mt = cfg.pop("model_type")
-    config = AutoConfig.for_model(mt, **cfg)
-    config._attn_implementation = "sdpa"
+    return random_model(TINY[arch], seed, dtype, attn_implementation="sdpa")
+
+
+def random_model(cfg: dict, seed: int = 0, dtype=torch.float32, attn_implementation=None, **config):
+    """A random-init model of the config `cfg` (model_type and sizes) with `config` added; the value bias (Qwen2)
+    and per-head q/k norms (Qwen3, Gemma 3) randomized so that the conversion must carry them."""
+    cfg = dict(cfg)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg, **config)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
-    if arch == "qwen2":  # make the value bias matter
+    kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kw).eval()
+    if config.model_type == "qwen2":
         for layer in model.model.layers:
             layer.self_attn.v_proj.bias.data.normal_(0, 0.5)
     randomize_norms(model)

@@ -479,12 +479,12 @@ def test_sigterm_is_handled_like_ctrl_c(at_layer, ctx, monkeypatch):
 
 
 def test_internal_error_is_one_line_exit_1_and_tale_debug_shows_it(ctx, monkeypatch):
-    import tale_convert.cli as cli
+    import tale_convert.convert as convert_mod  # the CLI imports convert() from it once the options are checked
 
     def bug(*a, **k):
         raise RuntimeError("a bug\nover two lines")
 
-    monkeypatch.setattr(cli, "convert", bug)
+    monkeypatch.setattr(convert_mod, "convert", bug)
     monkeypatch.delenv("TALE_DEBUG", raising=False)
     r = run_case("convert", [ctx.model, "--out", ctx.out])
     assert (
