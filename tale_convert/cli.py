@@ -13,6 +13,7 @@ from tale_runtime import console
 from tale_runtime.schedule import PRESETS
 
 from . import ConvertError
+from .bundled import MODELS
 from .options import Options
 
 app = typer.Typer(
@@ -37,9 +38,17 @@ def _bands(s: str) -> tuple[int, int]:
 
 @app.command()
 def run(
-    model: str = typer.Argument("smollm2", help="`smollm2` (the default), a checkpoint dir, or a Hub id owner/name"),
+    model: str = typer.Argument(
+        "smollm2",
+        help="a bundled model (`smollm2`, the default; `gemma3-270m`), a checkpoint dir, or a Hub id owner/name",
+    ),
     out: str = typer.Option(..., "--out", "-o", help="artifact directory to write"),
-    group: int = typer.Option(D.group, help="KV heads per latent group g (must divide the KV heads)"),
+    group: Optional[int] = typer.Option(
+        None,
+        help=f"KV heads per latent group g (must divide the KV heads; default {D.group}, for a bundled model its own: "
+        + ", ".join(f"{m.alias} {m.group}" for m in MODELS.values())
+        + ")",
+    ),
     calib: Optional[list[Path]] = typer.Option(
         None, help="calibration .txt/.json/.jsonl/.parquet file (repeatable); default: the bundled CC0 corpus"
     ),
@@ -107,6 +116,8 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors (and --json's object)"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="the per-layer table in the report"),
 ) -> None:
+    if group is None:
+        group = MODELS[model].group if model in MODELS else D.group
     opts = Options(
         group=group,
         calib=calib or None,

@@ -17,7 +17,8 @@ from safetensors import SafetensorError, safe_open
 from tale_runtime import families
 from tale_runtime.artifact import MANIFEST, sha256_file
 
-from . import ConvertError, smollm2
+from . import ConvertError
+from .bundled import DEFAULT, MODELS
 
 SUPPORTED = families.SUPPORTED
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
@@ -31,12 +32,11 @@ class Source:
     revision: str | None  # Hub commit, None when local
     license: str | None
     origin: str | None = None  # how a non-Hub checkpoint was made (the GGUF alias)
+    bundled: str | None = None  # the alias of a bundled model (tale_convert.bundled), whose GGUF file is hashed too
 
     def file_hashes(self) -> dict[str, str]:
         """sha256 of the weight files, keyed by name. Hub blobs are named by their sha256 already."""
         files = sorted(f for f in self.path.iterdir() if f.name.endswith(WEIGHT_SUFFIXES))
-        if self.origin:
-            files.append(smollm2.gguf_path())
 
         def digest(f: Path) -> str:
             blob = f.resolve()
@@ -45,7 +45,10 @@ class Source:
 
         # hashlib releases the GIL: the shards of a big local checkpoint hash in parallel
         with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-            return dict(zip((f.name for f in files), pool.map(digest, files)))
+            out = dict(zip((f.name for f in files), pool.map(digest, files)))
+        if self.bundled:
+            out.update(MODELS[self.bundled].gguf_hashes())
+        return out
 
 
 @dataclass
@@ -82,14 +85,16 @@ class Arch:
 
 
 def resolve(model: str | None) -> Source:
-    """MODEL: `smollm2` (the default), a local checkpoint directory, or a Hub id `owner/name`."""
-    if model in (None, "", smollm2.ALIAS):
+    """MODEL: a bundled model's alias (`smollm2`, the default; `gemma3-270m`), a local checkpoint directory, or a
+    Hub id `owner/name`."""
+    if model in (None, "") or model in MODELS:
+        b = MODELS[model or DEFAULT]
         try:
-            path = smollm2.smollm2_dir()
+            path = b.path()
         except FileNotFoundError as e:
             raise ConvertError(str(e)) from None
         origin = (path / "SOURCE").read_text().strip()
-        return Source(path, smollm2.HUB_ID, None, "apache-2.0", origin=f"{origin}, dequantized to bf16")
+        return Source(path, b.hub_id, None, b.license, origin=f"{origin}, dequantized to bf16", bundled=b.alias)
     p = Path(model).expanduser()
     if p.exists():
         if not (p / "config.json").is_file():
