@@ -54,8 +54,9 @@ PRESETS = {
     # the loss is spread over the latents' rank cut, the middle keys and the recent level, and the rank cut is the
     # cheapest to buy back per byte; so the latents keep 5R/6 (before: 2R/3), paid for by 8 fewer key coefficients
     # and half the recent share (6.03x at +1.25% / +1.24% on the test texts, where 80 coefficients, 2R/3 and 10%
-    # recent gave 6.10x at +0.81% / +1.86%; 64 coefficients lose botchan: +1.80%). The torch path reads it (dynamic
-    # cache); the Triton kernel does not yet. Every preset rotates its latents (docs/notes.md, "rotated latents")
+    # recent gave 6.10x at +0.81% / +1.86%; 64 coefficients lose botchan: +1.80%). The torch reference reads it on
+    # either cache (GPU kernels: docs/kernels.md, "Low-rank keys"). Every preset rotates its latents (docs/notes.md,
+    # "rotated latents")
     "lowrank": dict(
         bits=(3, 4, 8),
         key_bits=(4, 4, 8),
