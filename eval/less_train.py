@@ -22,7 +22,7 @@ import typer
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tale_convert.smollm2 import cache_root
+from tale_convert.bundled import cache_root
 from tale_convert.stats import calibration_batches
 
 from . import capture

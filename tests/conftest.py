@@ -131,9 +131,9 @@ def converted(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from tale_convert.smollm2 import smollm2_dir
+    from tale_convert.bundled import SMOLLM2
 
-    return smollm2_dir()
+    return SMOLLM2.path()
 
 
 def _artifact_key(opts) -> str:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tale_convert.smollm2 import HUB_ID
+from tale_convert.bundled import SMOLLM2
 from tale_runtime.artifact import O_FUSED, U_V, V_V, Schedule, read_manifest, verify_files
 
 pytestmark = pytest.mark.slow
@@ -56,11 +56,11 @@ def test_manifest(smollm2_artifact):
     assert s.ranks == [[R // 2, R]] * L and s.sinks == 4
     bits = 0.9 * (2 * n + 2 * 96 / g) + 0.1 * (4 * n + 4 * R / g)  # per token and KV head (DESIGN.md 1)
     assert m["nominal_ratio"] == pytest.approx(32 * n / bits, abs=1e-4)
-    assert m["base"]["id"] == HUB_ID and m["base"]["license"] == "apache-2.0"
+    assert m["base"]["id"] == SMOLLM2.hub_id and m["base"]["license"] == "apache-2.0"
     assert any(f.endswith(".gguf") for f in m["base"]["files"])
     assert (m["calibration"]["samples"], m["calibration"]["seq_len"]) == (64, 512)
     assert all(0.5 < e0 < 1 for e0, _ in m["energy_kept"])
-    assert (smollm2_artifact / "README.md").read_text().startswith(f"---\nbase_model: {HUB_ID}\n")
+    assert (smollm2_artifact / "README.md").read_text().startswith(f"---\nbase_model: {SMOLLM2.hub_id}\n")
 
 
 def test_factors_reproduce_base_weights(art, base):
