@@ -115,7 +115,9 @@ def draw(model, device: torch.device, dtype: torch.dtype, skip: tuple[str, ...] 
             gen = torch.Generator(device).manual_seed(zlib.crc32(name.encode()))
             full = torch.randn(p.shape, generator=gen, device=device, dtype=dtype).mul_(0.02)
         if isinstance(p, DTensor):
-            local = DtensorShardOperation(p).shard_tensor(full, device=device, dtype=dtype)
+            # the shard is a view of the whole tensor: a copy of its own, or every rank keeps the whole model
+            local = DtensorShardOperation(p).shard_tensor(full, device=device, dtype=dtype).clone()
+            del full
             full = _dtensor_from_local_like(local, p)
         module._parameters[leaf] = nn.Parameter(full, requires_grad=False)
 

@@ -70,6 +70,22 @@ def _register_styles() -> None:
     ALL_PARALLEL_STYLES.register("tale_groups", GroupShard())
 
 
+# transformers.distributed (its TP plan styles, DTensor sharding helpers) as this module uses it appeared in 5.22
+MIN_TRANSFORMERS = "5.22"
+
+
+def check_transformers() -> None:
+    """One line (ValueError) where the installed transformers predates the tensor-parallel API used here."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        raise ValueError(
+            f"tensor parallelism needs transformers >= {MIN_TRANSFORMERS} (installed: {transformers.__version__}): "
+            f"pip install -U 'transformers>={MIN_TRANSFORMERS},<5.25'"
+        )
+
+
 def check_whole(tp_size) -> None:
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ValueError(f"tp_size must be a whole number >= 1, got {tp_size!r}")
@@ -89,6 +105,7 @@ def check_size(tp_size: int, num_groups: int, group_size: int, root=None) -> Non
 def start(tp_size: int, device: torch.device | None):
     """Join the torchrun job as one of tp_size ranks: (DistributedConfig, this rank's device, transformers' mesh).
     One line (ValueError) when not started by torchrun with tp_size processes, or for a device of another kind."""
+    check_transformers()
     from transformers import DistributedConfig, PreTrainedModel
 
     world = os.environ.get("WORLD_SIZE")

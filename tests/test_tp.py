@@ -204,3 +204,16 @@ def test_tale_run_tp_without_torchrun_is_one_line(artifacts, monkeypatch):
     r = invoke(cli.main, [artifacts["good"], "-p", "hi", "--tp", "2", "--device", "cpu"])
     assert r.exit_code == 2 and r.stdout == ""
     assert r.stderr == "error: tp_size 2 needs one process per rank: start it with torchrun --nproc-per-node 2 ...\n"
+
+
+def test_tale_run_tp_with_an_old_transformers_is_one_line(artifacts, monkeypatch):
+    """transformers before 5.22 has no transformers.distributed: one line that says which version to install."""
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    r = invoke(cli.main, [artifacts["good"], "-p", "hi", "--tp", "2", "--device", "cpu"])
+    assert r.exit_code == 2 and r.stdout == ""
+    assert r.stderr == (
+        "error: tensor parallelism needs transformers >= 5.22 (installed: 5.17.0): "
+        "pip install -U 'transformers>=5.22,<5.25'\n"
+    )
