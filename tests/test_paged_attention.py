@@ -154,7 +154,7 @@ def test_refusals():
     with pytest.raises(ValueError, match="key bits"):
         paged.PagedFormat(N, g, RANK, 3, 2)
     with pytest.raises(ValueError, match="straddles"):
-        paged.PagedFormat(N, 4, 48, 2, 2, lat_group=8)  # 2-bit latents of rank 48: planes of 12 channels
+        paged.PagedFormat(N, 4, 48, 2, 2, key_group=8, lat_group=8)  # 2-bit latents of rank 48: planes of 12 channels
     q, kn, hn, pool, bt, ln = case(fmt(2, 2), [9], 8, garbage=False)
     with pytest.raises(ValueError, match="block table"):
         pa.paged_latent_attention(q, kn, hn, pool, bt.long(), ln, 1.0)
