@@ -158,9 +158,9 @@ def main() -> int:
                     view = contiguous_view(fmt, k, h)
                     if not attention.supported(q, kn, hn, view):
                         raise RuntimeError("the contiguous kernel declines this view")
-                    args = (q, kn, hn, view, scale)
-                    t_cont = float("nan") if dry else harness.timeit(lambda a=args: attention.latent_attention(*a))
-                    del view, args
+                    call = (q, kn, hn, view, scale)
+                    t_cont = float("nan") if dry else harness.timeit(lambda a=call: attention.latent_attention(*a))
+                    del view, call
                     t_sdpa, be = (float("nan"), "") if dry else sdpa_us(s, B, L, dt)
                     for ps in pages:
                         pool, bt, ln = paged_cache(fmt, k, h, ps)
@@ -170,8 +170,8 @@ def main() -> int:
                         ok &= good
                         t_pg = float("nan")
                         if not dry:
-                            args = (q, kn, hn, pool, bt, ln, scale, cfg)
-                            t_pg = harness.timeit(lambda a=args: paged_latent_attention(*a))
+                            call = (q, kn, hn, pool, bt, ln, scale, cfg)
+                            t_pg = harness.timeit(lambda a=call: paged_latent_attention(*a))
                         row = [f"{kv[0]}/{kv[1]}", f"{L // 1024}K" if L >= 1024 else L, B, ps, harness.fmt(t_pg),
                                harness.fmt(t_cont), harness.fmt(t_pg / t_cont, 2), f"{harness.fmt(t_sdpa)} {be}".strip(),
                                f"{err:.1e}" + ("" if good else " FAIL")]  # fmt: skip
