@@ -17,6 +17,8 @@ _EXPORTS = {
     "latent_attention": ".attention",
     "supported": ".attention",
     "latent_attention_lowrank": ".lowrank_attention",
+    "PagedConfig": ".paged_attention",
+    "paged_latent_attention": ".paged_attention",
     "dequantize": ".quant",
     "quantize": ".quant",
     "requantize": ".quant",

@@ -1,0 +1,415 @@
+"""Fused decode attention (T = 1) over a paged TALE cache (tale_runtime.paged: per-token slots in a byte pool,
+addressed by a block table), split-K with a combine, as the contiguous kernel (attention.py) does it.
+
+Grid (splits, G, B): a program takes a chunk of sequence b's tokens (computed on the device from its length, so
+lengths may change between replays of a captured graph) for all g * rep query heads of latent group c. Per tile of
+BT tokens:
+- page ids of the tile's tokens from the block table (a tile may span pages: page_size need not divide BT), so
+  every token's slot base is page * page_stride + offset * slot_stride: the slot holds the group's g key rows, their
+  per-token scales/zeros, the latent codes and theirs, one after the other (tale_runtime.paged);
+- keys of the g KV heads as one [BT, g * n / planes] tile per plane, dequantized per token over channel groups and
+  scored on tensor cores against a block-diagonal query tile (row r keeps KV head r // rep's channels);
+- online softmax in base 2, latents plane by plane (attention._lat_plane: per token over channel groups).
+Each program writes a partial (max, sum, acc[:rank]); attention._combine merges them with the new token (exact k, h)
+into z [B, 1, H, R], the contiguous kernel's result, so the fused O^r applies unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tale_runtime.paged import PagedPool, _planes, paged_attention_reference
+from tale_runtime.quant import META_SHIFT
+
+from ._common import TL_DTYPE, interpreting, plane, plane_asm, pow2, runnable, to_float
+from .attention import LOG2E, _combine, _dot, _lat_plane, _meta, _num_sms, _partials, _shifted, _store_partial
+
+
+@triton.jit
+def _q_plane(q_ptr, qoff, qm, i: tl.constexpr, PK: tl.constexpr, sh, DOT: tl.constexpr):
+    """Query plane i, block-diagonal [QGP, KW] (channels i * PK + column % PK of its KV head), times sh in DOT."""
+    return (tl.load(q_ptr + qoff + i * PK, mask=qm, other=0.0).to(tl.float32) * sh).to(DOT)
+
+
+@triton.jit
+def _key_plane(
+    u8_ptr,
+    e_ptr,
+    m_ptr,
+    kb,
+    base,
+    col,
+    ju,
+    kmask,
+    tm,
+    sh,
+    i: tl.constexpr,
+    N: tl.constexpr,
+    GS: tl.constexpr,
+    KBITS: tl.constexpr,
+    PK: tl.constexpr,
+    KW: tl.constexpr,
+    KGRP: tl.constexpr,
+    KS: tl.constexpr,
+    KZ: tl.constexpr,
+    MSZ: tl.constexpr,
+    ESZ: tl.constexpr,
+    META: tl.constexpr,
+    BT: tl.constexpr,
+    DOT: tl.constexpr,
+    ASM: tl.constexpr,
+    SH: tl.constexpr,
+):
+    """Channels i * PK + u % PK of KV head u // PK of the tile's tokens, dequantized: [BT, KW] in DOT, times SH.
+    kb: the tile's packed key bytes [BT, KW] (2/4 bits; loaded once for all planes). Columns past the group's heads
+    and tokens past the chunk come out zero (scales masked)."""
+    if KBITS == 16:
+        kc = _shifted(
+            tl.load(e_ptr + (base // ESZ)[:, None] + (ju * N + i * PK + col % PK)[None, :], mask=kmask, other=0.0),
+            sh,
+            SH,
+            DOT,
+        )
+    else:
+        # scale groups of the tile's columns: W columns each (a whole group, or the plane when a group spans planes)
+        W: tl.constexpr = PK if PK < KGRP else KGRP
+        NGK: tl.constexpr = N // KGRP
+        m = tl.arange(0, KW // W)
+        mh = m // (PK // W)  # the group's KV head
+        moff = mh * NGK + (i * PK + (m % (PK // W)) * W) // KGRP
+        mm = tm[:, None] & (mh < GS)[None, :]
+        soff = (base // MSZ)[:, None] + moff[None, :]
+        ks, kz = _meta(m_ptr + KS // MSZ, m_ptr + KZ // MSZ, soff, mm, 1.0, sh, META, DOT, SH)
+        if KBITS < 8 and ASM:  # unpack and scale in one PTX block, 4 codes per register
+            kc = plane_asm(tl.reshape(kb, (BT, KW // W, W)), ks[:, :, None], kz[:, :, None], i, KBITS, DOT)
+            kc = tl.reshape(kc, (BT, KW))
+        else:
+            if KBITS < 8:
+                kc = plane(kb, i, KBITS, DOT)
+            else:
+                kc = to_float(
+                    tl.load(u8_ptr + base[:, None] + (ju * N + i * PK + col % PK)[None, :], mask=kmask, other=0).to(
+                        tl.int32
+                    ),
+                    8,
+                    DOT,
+                )
+            kc = tl.reshape(tl.reshape(kc, (BT, KW // W, W)) * ks[:, :, None] + kz[:, :, None], (BT, KW))
+    return kc
+
+
+@triton.jit
+def _paged_kernel(
+    q_ptr,
+    s_qb,
+    s_qh,
+    u8_ptr,  # the pool as bytes
+    e_ptr,  # the pool as the cache dtype (16-bit keys and latents)
+    m_ptr,  # the pool as the scale/zero dtype
+    bt_ptr,
+    s_bt,
+    len_ptr,
+    s_page,  # bytes
+    s_slot,
+    s_grp,
+    pm_ptr,
+    pl_ptr,
+    pacc_ptr,
+    s_acc,
+    rk_ptr,
+    n_slots,
+    H,
+    S,
+    qk_scale,
+    sh,
+    PS: tl.constexpr,
+    GS: tl.constexpr,
+    REP: tl.constexpr,
+    QGP: tl.constexpr,
+    N: tl.constexpr,
+    KBITS: tl.constexpr,
+    NPK: tl.constexpr,
+    PK: tl.constexpr,
+    KW: tl.constexpr,
+    KGRP: tl.constexpr,
+    KS: tl.constexpr,  # byte offsets of the slot's fields (tale_runtime.paged.PagedFormat.offsets)
+    KZ: tl.constexpr,
+    LOFF: tl.constexpr,
+    LS: tl.constexpr,
+    LZ: tl.constexpr,
+    RANK: tl.constexpr,
+    HBITS: tl.constexpr,
+    NPH: tl.constexpr,
+    P: tl.constexpr,
+    PP: tl.constexpr,
+    VG: tl.constexpr,
+    MSZ: tl.constexpr,
+    ESZ: tl.constexpr,
+    META: tl.constexpr,
+    BT: tl.constexpr,
+    KASM: tl.constexpr,
+    HASM: tl.constexpr,
+    DOT: tl.constexpr,
+    SH: tl.constexpr,
+):
+    """Program (split sp, latent group c, sequence b): partial (max, sum, acc[:RANK]) of the group's query heads."""
+    sp = tl.program_id(0)
+    c = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    QG: tl.constexpr = GS * REP
+    L = tl.load(len_ptr + b).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(L, S), BT) * BT
+    t_start = sp * chunk
+    t_end = tl.minimum(t_start + chunk, L)
+
+    rows = tl.arange(0, QGP)
+    head = c * QG + rows
+    rmask = rows < QG
+    col = tl.arange(0, KW)
+    ju = col // PK
+    kcol = col < GS * PK
+    qm = rmask[:, None] & ((rows // REP)[:, None] == ju[None, :])
+    qoff = b * s_qb + head[:, None] * s_qh + (col % PK)[None, :]
+    # the query planes, held in registers (times the operand shift; the score scale goes on the logits)
+    q0 = _q_plane(q_ptr, qoff, qm, 0, PK, sh, DOT)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if NPK > 1:
+        q1 = _q_plane(q_ptr, qoff, qm, 1, PK, sh, DOT)
+    if NPK > 2:
+        q2 = _q_plane(q_ptr, qoff, qm, 2, PK, sh, DOT)
+        q3 = _q_plane(q_ptr, qoff, qm, 3, PK, sh, DOT)
+    q_scale = qk_scale / (SH * SH)
+    hm = (1.0, sh)
+
+    m_i = tl.full([QGP], float("-inf"), tl.float32)
+    l_i = tl.zeros([QGP], tl.float32)
+    acc0 = tl.zeros([QGP, PP], tl.float32)
+    acc1 = tl.zeros([QGP, PP], tl.float32)
+    acc2 = tl.zeros([QGP, PP], tl.float32)
+    acc3 = tl.zeros([QGP, PP], tl.float32)
+    jp = tl.arange(0, PP)
+    for t0 in range(t_start, t_end, BT):
+        t = t0 + tl.arange(0, BT)
+        tm = t < t_end
+        page = tl.load(bt_ptr + b * s_bt + t // PS, mask=tm, other=0).to(tl.int64)
+        base = page * s_page + (t % PS) * s_slot + c * s_grp  # [BT] the slot of each token (bytes)
+        kmask = tm[:, None] & kcol[None, :]
+        kb = page  # stands in when the keys are not packed
+        if KBITS < 8:  # the g key rows: one contiguous run of bytes per token
+            kb = tl.load(u8_ptr + base[:, None] + col[None, :], mask=kmask, other=0)
+        # -- scores
+        logits = tl.zeros([QGP, BT], tl.float32)
+        k0 = _key_plane(
+            u8_ptr, e_ptr, m_ptr, kb, base, col, ju, kmask, tm, sh, 0, N, GS, KBITS, PK, KW, KGRP, KS, KZ, MSZ,
+            ESZ, META, BT, DOT, KASM, SH,
+        )  # fmt: skip
+        logits = _dot(q0, tl.trans(k0), logits, KW >= 32)
+        if NPK > 1:
+            k1 = _key_plane(
+                u8_ptr, e_ptr, m_ptr, kb, base, col, ju, kmask, tm, sh, 1, N, GS, KBITS, PK, KW, KGRP, KS, KZ, MSZ,
+                ESZ, META, BT, DOT, KASM, SH,
+            )  # fmt: skip
+            logits = _dot(q1, tl.trans(k1), logits, KW >= 32)
+        if NPK > 2:
+            k2 = _key_plane(
+                u8_ptr, e_ptr, m_ptr, kb, base, col, ju, kmask, tm, sh, 2, N, GS, KBITS, PK, KW, KGRP, KS, KZ, MSZ,
+                ESZ, META, BT, DOT, KASM, SH,
+            )  # fmt: skip
+            logits = _dot(q2, tl.trans(k2), logits, KW >= 32)
+            k3 = _key_plane(
+                u8_ptr, e_ptr, m_ptr, kb, base, col, ju, kmask, tm, sh, 3, N, GS, KBITS, PK, KW, KGRP, KS, KZ, MSZ,
+                ESZ, META, BT, DOT, KASM, SH,
+            )  # fmt: skip
+            logits = _dot(q3, tl.trans(k3), logits, KW >= 32)
+        logits = tl.where(tm[None, :], logits * q_scale, float("-inf"))
+        # -- online softmax
+        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(logits - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+        pd = p.to(DOT)
+        # -- latents, plane by plane
+        if HBITS == 16:
+            h_ptr = e_ptr
+            hoff = (base + LOFF) // ESZ
+        else:
+            h_ptr = u8_ptr
+            hoff = base + LOFF
+        soff = (base + LS) // MSZ
+        hz_ptr = m_ptr + (LZ - LS) // MSZ
+        hb = page  # stands in when the latents are not packed
+        if HBITS < 8:
+            hb = tl.load(u8_ptr + hoff[:, None] + jp[None, :], mask=tm[:, None] & (jp < P)[None, :], other=0)
+        x0 = _lat_plane(h_ptr, hb, hoff, m_ptr, hz_ptr, soff, tm, tm, hm, 0, HBITS, META, P, PP, VG, BT, DOT, HASM, SH)
+        acc0 = _dot(pd, x0, acc0 * alpha[:, None], PP >= 32)
+        if NPH > 1:
+            x1 = _lat_plane(
+                h_ptr, hb, hoff, m_ptr, hz_ptr, soff, tm, tm, hm, 1, HBITS, META, P, PP, VG, BT, DOT, HASM, SH
+            )
+            acc1 = _dot(pd, x1, acc1 * alpha[:, None], PP >= 32)
+        if NPH > 2:
+            x2 = _lat_plane(
+                h_ptr, hb, hoff, m_ptr, hz_ptr, soff, tm, tm, hm, 2, HBITS, META, P, PP, VG, BT, DOT, HASM, SH
+            )
+            acc2 = _dot(pd, x2, acc2 * alpha[:, None], PP >= 32)
+            x3 = _lat_plane(
+                h_ptr, hb, hoff, m_ptr, hz_ptr, soff, tm, tm, hm, 3, HBITS, META, P, PP, VG, BT, DOT, HASM, SH
+            )
+            acc3 = _dot(pd, x3, acc3 * alpha[:, None], PP >= 32)
+
+    if SH != 1.0:
+        acc0 = acc0 * (1.0 / SH)
+        acc1 = acc1 * (1.0 / SH)
+        acc2 = acc2 * (1.0 / SH)
+        acc3 = acc3 * (1.0 / SH)
+    prow = (b * H + head) * n_slots + sp
+    _store_partial(
+        pm_ptr, pl_ptr, pacc_ptr, s_acc, rk_ptr, sp, prow, rmask, m_i, l_i, jp, acc0, acc1, acc2, acc3, RANK, NPH, P
+    )
+
+
+@dataclass(frozen=True)
+class PagedConfig:
+    """Tuning knobs of the paged kernel (as attention.TritonConfig's): block_t tokens per tile; split_tokens tokens
+    per split (tests), else about `waves` programs per SM, at least `min_split` tokens each; asm: unpack 2/4-bit
+    codes with inline PTX (compiled 16-bit caches only)."""
+
+    block_t: int = 64
+    split_tokens: int | None = None
+    min_split: int = 64
+    waves: float = 2.0
+    num_warps: int = 4
+    num_stages: int = 2
+    asm: bool = True
+
+
+DEFAULT = PagedConfig()
+
+
+def _check(q, k_new, h_new, pool: PagedPool, block_table, lengths) -> None:
+    f = pool.fmt
+    B, H, T, n = q.shape
+    K, G = k_new.shape[1], h_new.shape[1]
+    if T != 1 or n != f.head_dim or K != G * f.group or G != pool.num_groups or H % K:
+        raise ValueError(
+            f"paged attention: query {tuple(q.shape)}, new key {tuple(k_new.shape)}, new latent {tuple(h_new.shape)}"
+            f" do not fit the pool ({pool.num_groups} groups of {f})"
+        )
+    if h_new.shape[-1] < f.rank or q.dtype != f.dtype or k_new.dtype != q.dtype or h_new.dtype != q.dtype:
+        raise ValueError(f"paged attention: new latent width {h_new.shape[-1]} or dtype {q.dtype} do not fit {f}")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != B:
+        raise ValueError(f"paged attention: block table must be int32 [{B}, max_pages], not {block_table.dtype}")
+    if lengths.shape != (B,) or lengths.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"paged attention: lengths must be int32/int64 [{B}]")
+    if not pool.data.is_contiguous():
+        raise ValueError("paged attention: the pool must be contiguous")
+
+
+def paged_latent_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    h_new: torch.Tensor,
+    pool: PagedPool,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    scaling: float,
+    config: PagedConfig | None = None,
+) -> torch.Tensor:
+    """z [B, 1, H, R] (float32) of one new token over the paged tokens and itself: paged_attention_reference's
+    result, by the Triton kernel (CPU tensors: the reference, unless TRITON_INTERPRET=1).
+
+    q [B, H, 1, n], k_new [B, K, 1, n] (post-RoPE), h_new [B, G, 1, R] (the new token attends exactly; it is not in
+    the pages), block_table [B, max_pages] int32 page ids, lengths [B] cached tokens per sequence (device tensors:
+    no host sync, so a call can be captured in a CUDA graph and replayed after the lengths changed)."""
+    cfg = config or DEFAULT
+    _check(q, k_new, h_new, pool, block_table, lengths)
+    if not runnable(q, k_new, h_new, pool.data, block_table, lengths):
+        return paged_attention_reference(q, k_new, h_new, pool, block_table, lengths, scaling)
+    f, o = pool.fmt, pool.fmt.offsets
+    B, H, _, n = q.shape
+    K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
+    rep, g = H // K, f.group
+    dev = q.device
+    # bf16 caches enter the tensor cores as float16 times 2^-8 (attention.py: their float16 scales read as they are)
+    dt = torch.float32 if q.dtype == torch.float32 else torch.float16
+    sh = META_SHIFT if q.dtype == torch.bfloat16 else 1.0
+    asm = cfg.asm and not interpreting() and q.dtype != torch.float32
+    kb, hb = f.key_bits, f.lat_bits
+    NPK, PK = _planes(n, kb)
+    NPH, P = _planes(f.rank, hb)
+    KW = max(16, pow2(g * PK))
+    PP = max(16, pow2(P))
+    BT = max(32, cfg.block_t)
+    cap = block_table.shape[1] * pool.page_size
+    if cfg.split_tokens:
+        S = max(1, triton.cdiv(cap, cfg.split_tokens))
+    else:
+        S = max(1, min(triton.cdiv(cap, cfg.min_split), round(cfg.waves * _num_sms(dev) / (B * G))))
+    n_slots, (pm, pl, pacc, rk) = _partials(B, H, R, [S], dev)
+    q, k_new, h_new = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_new, h_new))
+    data = pool.data
+    qk = scaling * LOG2E
+    _paged_kernel[(S, G, B)](
+        q,
+        q.stride(0),
+        q.stride(1),
+        data,
+        data.view(f.dtype),
+        data.view(f.meta_dtype),
+        block_table,
+        block_table.stride(0),
+        lengths,
+        data.stride(0),
+        data.stride(1),
+        data.stride(2),
+        pm,
+        pl,
+        pacc,
+        pacc.stride(2),
+        rk,
+        n_slots,
+        H,
+        S,
+        qk,
+        sh,
+        PS=pool.page_size,
+        GS=g,
+        REP=rep,
+        QGP=max(16, pow2(g * rep)),
+        N=n,
+        KBITS=kb,
+        NPK=NPK,
+        PK=PK,
+        KW=KW,
+        KGRP=f.key_group,
+        KS=o["key_scale"],
+        KZ=o["key_zero"],
+        LOFF=o["lat"],
+        LS=o["lat_scale"],
+        LZ=o["lat_zero"],
+        RANK=f.rank,
+        HBITS=hb,
+        NPH=NPH,
+        P=P,
+        PP=PP,
+        VG=f.lat_group,
+        MSZ=f.meta_dtype.itemsize,
+        ESZ=f.dtype.itemsize,
+        META=3 if f.shift == META_SHIFT else 0,
+        BT=BT,
+        KASM=asm and kb < 8,
+        HASM=asm and hb < 8,
+        DOT=TL_DTYPE[dt],
+        SH=sh,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return _combine(pm, pl, pacc, rk, n_slots, q, k_new, h_new, qk, rep, g)
