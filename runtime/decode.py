@@ -68,9 +68,23 @@ def _head(model, x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 def _own_copy(f):
     """f with a code object of its own. Dynamo keeps compiled graphs per code object, up to its recompile limit (8):
-    shared by every DecodeStep, the fifth model of another shape in a process failed to compile (fullgraph); copied,
-    each step's graphs are its own and go with it."""
+    shared by every model, the fifth model of another shape in a process failed to compile (fullgraph); copied per
+    model (_compiled), each model's graphs are its own and go with it."""
     return types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+
+
+# The compiled pieces per model and torch.compile backend, shared by every DecodeStep of that model: a new cache (each
+# model.generate call makes one) reuses what dynamo and inductor built for the first, as transformers' static cache
+# compiles once per process. Weak keys: the pieces go with their model.
+_PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _compiled(model, backend) -> tuple:
+    per_model = _PIECES.setdefault(model, {})
+    if backend not in per_model:
+        kw = dict(backend=backend, fullgraph=True)
+        per_model[backend] = tuple(torch.compile(_own_copy(f), **kw) for f in (_embed, _pre, _post, _head))
+    return per_model[backend]
 
 
 class _OverCache:
@@ -92,14 +106,11 @@ class DecodeStep(_OverCache):
     docstring). Same result as `model(...)` up to the rounding of fused kernels; `backend` is torch.compile's
     ("eager" or "aot_eager" in CPU tests: the tracing without inductor)."""
 
-    def __init__(self, model, cache, backend: str = "inductor"):
+    def __init__(self, model, cache, backend="inductor"):
         if not supports_step(model):
             raise ValueError("DecodeStep needs Llama-style decoder layers with TALE attention")
         self.model, self._cache = model, weakref.ref(cache)
-        kw = dict(backend=backend, fullgraph=True)
-        self.embed, self.pre, self.post, self.head = (
-            torch.compile(_own_copy(f), **kw) for f in (_embed, _pre, _post, _head)
-        )
+        self.embed, self.pre, self.post, self.head = _compiled(model, backend)
 
     def warm(self, ids: torch.Tensor, position_ids: torch.Tensor) -> None:
         """Compile every piece on these shapes without touching the cache: layer 0's pieces with and without the

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -33,11 +33,16 @@ class GenStats:
     nominal_ratio: float | None  # artifact.nominal_ratio of the schedule: no sinks, scales, zeros, residual
     attention: str = ""  # the decode attention backend (cache.backend_name)
     reused_tokens: int = 0  # prompt tokens the cache held already (a chat's earlier turns): not prefilled again
+    # the first decode step of a CUDA-graph decoder, part of decode_s: it compiles the step (once per model and
+    # process) and captures the graph (once per cache); the speed is of the steps after it
+    first_step_s: float = 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
-        steps = self.generated_tokens - 1
-        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+        steps, s = self.generated_tokens - 1, self.decode_s
+        if self.first_step_s and steps > 1:
+            steps, s = steps - 1, s - self.first_step_s
+        return steps / s if steps > 0 and s > 0 else 0.0
 
     @property
     def ratio(self) -> float:
@@ -54,6 +59,8 @@ class GenStats:
     def line(self) -> str:
         nominal = f"{self.nominal_ratio:.2f}x" if self.nominal_ratio else "n/a"
         speed = f"{self.decode_tokens_per_s:.1f} tok/s" if self.generated_tokens > 1 else "n/a"
+        if self.first_step_s and self.generated_tokens > 2:
+            speed += f" after a first step of {self.first_step_s:.2f} s (compile, CUDA graph capture)"
         reused = f" ({self.reused_tokens} reused from the cache)" if self.reused_tokens else ""
         return (
             f"prompt {self.prompt_tokens} tok{reused}, generated {self.generated_tokens} tok, "
@@ -260,6 +267,7 @@ def generate(
     seq = ids if repetition_penalty != 1.0 or stopper else None  # [1, L]: what the processors and stop strings read
 
     out: list[int] = []
+    first_s = 0.0
     t0 = time.perf_counter()
     logits = model(input_ids=ids[:, held:], **cache_arg(cache), use_cache=True, logits_to_keep=1).logits
     _sync(device)
@@ -281,6 +289,9 @@ def generate(
             if decoder is not None:
                 logits = decoder(step, pos)[:, None]
                 pos += 1
+                if len(out) == 1:
+                    _sync(device)
+                    first_s = time.perf_counter() - t1
             else:
                 logits = model(input_ids=step, **cache_arg(cache), use_cache=True, logits_to_keep=1).logits
     except KeyboardInterrupt as e:  # Ctrl-C mid-generation: tale-run prints the stats of what was generated
@@ -290,7 +301,8 @@ def generate(
     decode_s = time.perf_counter() - t1 if len(out) > 1 else 0.0
     if stream is not None and (text := stream.flush()):
         on_text(text)
-    return out, _stats(model, cache, ids.shape[1], len(out), prefill_s, decode_s, held)
+    stats = _stats(model, cache, ids.shape[1], len(out), prefill_s, decode_s, held)
+    return out, replace(stats, first_step_s=first_s if decode_s else 0.0)
 
 
 def _stats(model, cache, prompt: int, generated: int, prefill_s: float, decode_s: float, held: int = 0) -> GenStats:

@@ -140,6 +140,28 @@ def test_warm_compiles_every_piece_and_leaves_the_cache_alone():
     assert counters["stats"]["unique_graphs"] == 5
 
 
+def test_a_new_cache_of_the_same_model_compiles_nothing():
+    """model.generate makes a cache per call: the second cache's DecodeStep reuses the first one's compiled pieces
+    (compiled once per model and process), while another model compiles its own."""
+    from torch._dynamo.utils import counters
+
+    tm = talify(tiny_model("llama"), 2)
+    ids, mask, feed = _inputs(steps=3)
+    pos = mask.sum(-1, keepdim=True)
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    for model in (tm, tm, talify(tiny_model("llama", seed=1), 2)):
+        cache = new_cache(model, static=True, max_length=40)
+        with torch.inference_mode():
+            model(input_ids=ids, attention_mask=mask, **cache_arg(cache), use_cache=True)
+            step = DecodeStep(model, cache, backend="eager")
+            step.warm(feed[:, :1], pos)
+            step(feed[:, :1], pos)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [5, 5, 10]
+
+
 def test_many_models_in_one_process_each_compile():
     """Dynamo's recompile limit (8 graphs per code object) counts per DecodeStep, not per process: models of six
     shapes and dtypes in a row all compile (with the pieces shared, the fifth failed under fullgraph)."""

@@ -233,3 +233,16 @@ def test_chat_keeps_the_cache_across_turns(artifact):
     r = invoke(main, args, input="")
     assert (r.exit_code, r.stdout) == (0, "")  # EOF at once: a clean end
     assert invoke(main, [artifact, "--chat", "-p", "x"]).stderr.startswith("error: --chat reads its turns")
+
+
+def test_stats_speed_leaves_out_the_first_graph_step():
+    """On a GPU the first decode step compiles and captures the CUDA graph: the speed is of the steps after it, and the
+    stats line says what the first one took."""
+    from tale_runtime.generate import GenStats
+
+    plain = GenStats(10, 5, 0.5, 4.0, 100, 400, 4.0)
+    assert plain.decode_tokens_per_s == 1.0 and "after a first step" not in plain.line()
+    graphed = GenStats(10, 5, 0.5, 4.0, 100, 400, 4.0, first_step_s=3.0)
+    assert graphed.decode_tokens_per_s == 3.0  # 3 steps in the 1.0 s after the first
+    assert "decode 3.0 tok/s after a first step of 3.00 s (compile, CUDA graph capture)" in graphed.line()
+    assert graphed.as_dict()["first_step_s"] == 3.0
