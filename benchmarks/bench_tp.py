@@ -331,9 +331,9 @@ def attention(r: dict) -> str:
     return r.get("attention", "")
 
 
-def timings(args, device, dtype, tp_size: int, start) -> list[list]:
+def timings(args, device, dtype, tp_size: int, start, notes: list) -> list[list]:
     """Per model: TALE at every context, then TALE's factors are dropped and transformers runs on the base weights
-    alone (its peak memory holds nothing of TALE's)."""
+    alone (its peak memory holds nothing of TALE's). `notes` gets the largest-context estimates."""
     rows = []
     for shape in ["tiny"] if args.tiny else args.model.split(","):
         pair = Pair(shape, args.layers, args.group, device, dtype, tp_size, start, args.output_path)
@@ -349,6 +349,7 @@ def timings(args, device, dtype, tp_size: int, start) -> list[list]:
             for name in list(a.tale._parameters):
                 a.tale._parameters[name] = None
         free(device)
+        hfs = {}
         for ctx in args.ctx:
             hf = {"error": "not run (--no-hf)"}
             need = (base_bytes(c, dtype) + kv_bytes(c, ctx + args.warm + args.new, dtype)) / tp_size
@@ -362,8 +363,15 @@ def timings(args, device, dtype, tp_size: int, start) -> list[list]:
                 ids = prompt(c.vocab_size, ctx, device)
                 hf = timed(pair.use("transformers"), ids, args.new, args.warm, device, tp_size, **hf_static_kw(device))
                 log(shape, ctx, "transformers", hf)
+            hfs[ctx] = hf
             t = tale[ctx]
             speedup = hf["ms"] / t["ms"] if "ms" in hf and "ms" in t else float("nan")
+            floor = float("nan")
+            if args.bandwidth and "cache" in t:
+                floor = (
+                    (read_bytes(c, pair.group, dtype, pair.output) / tp_size + t["cache"] * GiB) / args.bandwidth / 1e6
+                )
+            over = t["ms"] / floor if "ms" in t and floor == floor else float("nan")
             rows.append(
                 [
                     f"{shape} ({c.num_hidden_layers} layers, g={pair.group}, {pair.output})",
@@ -373,11 +381,37 @@ def timings(args, device, dtype, tp_size: int, start) -> list[list]:
                     attention(t),
                     *cells(hf),
                     harness.fmt(speedup, 2) + "x" if speedup == speedup else "n/a",
+                    f"{harness.fmt(floor, 2)} ({harness.fmt(over, 2)}x)" if over == over else "n/a",
                 ]
             )
+        for name, res in (("TALE", tale), ("transformers", hfs)):
+            if (est := largest(res, args.ctx, device)) is not None:
+                notes.append(f"{shape}, {name}: largest context at batch 1 about {est // 1024}K tokens (estimated)")
         del pair, m
         free(device)
     return rows
+
+
+def read_bytes(c, group: int, dtype, output: str) -> int:
+    """Bytes of weights a TALE decode step reads, all ranks together: the base model but the embedding table (one row
+    is gathered) and v_proj (the latent projection A replaces it), plus A and, fused, O^r instead of W_O, or, factored,
+    B before W_O."""
+    d, n, H, K, L = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.num_hidden_layers
+    R, G = group * n, K // group
+    out = d * H * R - d * H * n if output == "fused" else G * R * R
+    return base_bytes(c, dtype) - (c.vocab_size * d + L * d * K * n - L * (G * d * R + out)) * dtype.itemsize
+
+
+def largest(res: dict, ctxs: list, device) -> int | None:
+    """The largest context at batch 1 that 92% of the GPU's memory holds, from the peaks of the two longest contexts
+    measured (peak grows linearly in the context: the cache and the prefill's activations)."""
+    ok = [c for c in ctxs if "peak" in res.get(c, {}) and res[c]["peak"] == res[c]["peak"]]
+    if device.type != "cuda" or len(ok) < 2:
+        return None
+    c1, c2 = sorted(ok)[-2:]
+    per = (res[c2]["peak"] - res[c1]["peak"]) / (c2 - c1)
+    total = torch.cuda.get_device_properties(device).total_memory / GiB
+    return int(c2 + (0.92 * total - res[c2]["peak"]) / per) if per > 0 else None
 
 
 def base_bytes(c, dtype) -> int:
@@ -436,7 +470,12 @@ def main() -> None:
     lines = [f"# Tensor parallelism: {tp_size} x {gpu}", ""]
     if tp_size > 1 and not args.no_check:
         lines += ["## TP against one process, same weights", "", check(args, device, dtype, tp_size, start)]
-    rows = timings(args, device, dtype, tp_size, start)
+    args.bandwidth = None
+    if device.type == "cuda":  # the yardstick of the byte floor: a device-to-device copy on this rank's GPU
+        args.bandwidth = gather(tp_size, harness.copy_bandwidth(str(device)))[0]
+        log(f"copy bandwidth {args.bandwidth:.0f} GB/s")
+    notes: list[str] = []
+    rows = timings(args, device, dtype, tp_size, start, notes)
     header = [
         "model",
         "GPUs",
@@ -448,6 +487,7 @@ def main() -> None:
         "transformers TP ms/token",
         "transformers peak GiB/GPU",
         "speed-up",
+        "TALE byte floor ms/token (TALE over it)",
     ]
     lines += [
         "## Decode, batch 1, model.generate",
@@ -455,6 +495,10 @@ def main() -> None:
         "TALE: static cache, CUDA-graph steps; transformers: static cache + torch.compile, same TP size.",
         "",
         harness.table(header, rows),
+        "",
+        "Byte floor: this rank's weights a step reads and its cache, over the copy bandwidth measured in the run"
+        + (f" ({args.bandwidth:.0f} GB/s)." if args.bandwidth else " (not on the CPU)."),
+        *(f"- {n}" for n in notes),
     ]
     if rank() == 0:
         text = "\n".join(lines)
