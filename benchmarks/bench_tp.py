@@ -4,7 +4,7 @@ Run one process per GPU under torchrun (a plain `python` run is one process: the
 
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py --model 8b --out tp2-8b.md        # the check, then 8B
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py --model 70b --no-check --out tp2-70b.md
-    torchrun --nproc-per-node 4 benchmarks/bench_tp.py --model 70b --ctx 32768 --out tp4-70b.md
+    torchrun --nproc-per-node 4 benchmarks/bench_tp.py --model 70b --no-check --output-path factored --out tp4-70b.md
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py --device cpu --tiny      # CPU, gloo: checks the script
 
 Models: random Llama weights (N(0, 0.02), norms 1) with Llama-3.1 shapes (70B: 80 layers, hidden 8192, 64 query /
