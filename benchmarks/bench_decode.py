@@ -36,9 +36,7 @@ import traceback
 
 import harness
 import torch
-import torch.nn.functional as F
 from harness import copy_bandwidth, fmt, graphed, timeit
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tale_kernels
 from tale_kernels import TritonConfig
@@ -309,32 +307,9 @@ def check(cfg: TritonConfig) -> bool:
 
 # -- the comparison ------------------------------------------------------------------------
 
-BACKENDS = {
-    "flash": SDPBackend.FLASH_ATTENTION,
-    "efficient": SDPBackend.EFFICIENT_ATTENTION,
-    "cudnn": SDPBackend.CUDNN_ATTENTION,
-}
-
 
 def best_sdpa(B: int, L: int) -> tuple[float, str]:
-    q = torch.randn(B, H, 1, N, device=DEV, dtype=DT)
-    kf = torch.randn(B, K, L + 1, N, device=DEV, dtype=DT)
-    vf = torch.randn(B, K, L + 1, N, device=DEV, dtype=DT)
-    best = (float("nan"), "none")
-    for name, be in BACKENDS.items():
-
-        def fn(be=be):
-            with sdpa_kernel([be]):
-                return F.scaled_dot_product_attention(q, kf, vf, enable_gqa=True)
-
-        try:
-            t = timeit(fn)
-        except RuntimeError:
-            torch.cuda.synchronize()
-            continue
-        if not t >= best[0]:
-            best = (t, name)
-    return best
+    return harness.best_sdpa(B, H, K, N, L, DT, DEV)
 
 
 def row(B: int, L: int, cfg: TritonConfig, copy_bw: float) -> dict:

@@ -24,7 +24,6 @@ if "--dry" in sys.argv:
 
 import harness
 import torch
-import torch.nn.functional as F
 
 TOL = 5e-3
 
@@ -85,35 +84,6 @@ def contiguous_view(fmt, k, h):
     return LayerView([Region(keys, lat, fmt.rank, pos, L)], next_pos=L)
 
 
-SDPA = ("cudnn", "flash", "efficient")
-
-
-def sdpa_us(s: dict, B: int, L: int, dt) -> tuple[float, str]:
-    """The fastest of cuDNN / flash / efficient SDPA over a 16-bit cache of L + 1 tokens (keys and values of head
-    dim n, GQA), CUDA-graph replays; cuDNN first."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    q = torch.randn(B, s["H"], 1, s["n"], device="cuda", dtype=dt)
-    kf = torch.randn(B, s["K"], L + 1, s["n"], device="cuda", dtype=dt)
-    vf = torch.randn_like(kf)
-    best = (float("nan"), "none")
-    for name in SDPA:
-        be = getattr(
-            SDPBackend, {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION"}.get(name, "EFFICIENT_ATTENTION")
-        )
-
-        def fn(be=be):
-            with sdpa_kernel([be]):
-                return F.scaled_dot_product_attention(q, kf, vf, enable_gqa=True)
-
-        try:
-            t = harness.timeit(fn)
-        except RuntimeError:
-            torch.cuda.synchronize()
-            continue
-        if not t >= best[0]:
-            best = (t, name)
-    return best
 
 
 def main() -> int:
@@ -161,7 +131,7 @@ def main() -> int:
                     call = (q, kn, hn, view, scale)
                     t_cont = float("nan") if dry else harness.timeit(lambda a=call: attention.latent_attention(*a))
                     del view, call
-                    t_sdpa, be = (float("nan"), "") if dry else sdpa_us(s, B, L, dt)
+                    t_sdpa, be = (float("nan"), "") if dry else harness.best_sdpa(B, s["H"], s["K"], s["n"], L, dt)
                     for ps in pages:
                         pool, bt, ln = paged_cache(fmt, k, h, ps)
                         z = paged_latent_attention(q, kn, hn, pool, bt, ln, scale, cfg)

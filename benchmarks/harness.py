@@ -173,6 +173,37 @@ def copy_bandwidth(device: str = "cuda") -> float:
     return bw
 
 
+def best_sdpa(B: int, H: int, K: int, n: int, L: int, dtype: torch.dtype, device: str = "cuda") -> tuple[float, str]:
+    """(us, name) of the fastest of cuDNN, flash and memory-efficient SDPA for one decode step (one query token) over
+    a 16-bit cache of L + 1 tokens: H query heads over K KV heads of head dim n (GQA), CUDA-graph replays: the
+    baseline every decode table is against."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(B, H, 1, n, device=device, dtype=dtype)
+    kf = torch.randn(B, K, L + 1, n, device=device, dtype=dtype)
+    vf = torch.randn_like(kf)
+    best = (float("nan"), "none")
+    for name, be in (
+        ("cudnn", SDPBackend.CUDNN_ATTENTION),
+        ("flash", SDPBackend.FLASH_ATTENTION),
+        ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+    ):
+
+        def fn(be=be):
+            with sdpa_kernel([be]):
+                return F.scaled_dot_product_attention(q, kf, vf, enable_gqa=True)
+
+        try:
+            t = timeit(fn)
+        except RuntimeError:  # the backend does not take these shapes
+            torch.cuda.synchronize()
+            continue
+        if not t >= best[0]:
+            best = (t, name)
+    return best
+
+
 def pct(us: float, mb: float, bw: float) -> str:
     """Microseconds and the share of the copy bandwidth `bw` (GB/s) that moving `mb` MB in them is."""
     return f"{us:.1f} ({mb * 1e6 / (us * 1e-6) / 1e9 / bw * 100:.0f}%)"

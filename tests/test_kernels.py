@@ -7,29 +7,18 @@ Every check draws fresh random inputs.
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
+from kernel_tests import CUDA, DEVICE, interpret, kernels  # noqa: F401  (interpret: autouse fixture)
 
-CUDA = torch.cuda.is_available()
-_PREV = os.environ.get("TRITON_INTERPRET")
-if not CUDA and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # triton and the kernels get built for the CPU interpreter
-triton = pytest.importorskip("triton")
-
-import tale_kernels  # noqa: E402
-from tale_kernels import TritonConfig, attention, quant  # noqa: E402
-
-if _PREV is None:  # the kernels are built; other modules' tests keep the torch paths on CPU
-    os.environ.pop("TRITON_INTERPRET", None)
-else:
-    os.environ["TRITON_INTERPRET"] = _PREV
-
+attention, quant = kernels("attention", "quant", kernel="_attn_kernel")
+import triton  # noqa: E402
 from tale_helpers import talify, tiny_model  # noqa: E402
 
+import tale_kernels  # noqa: E402
+from tale_kernels import TritonConfig  # noqa: E402
 from tale_runtime import new_cache, set_backend  # noqa: E402
 from tale_runtime import quant as ref_quant  # noqa: E402
 from tale_runtime.artifact import Level, Schedule, uniform_ranks  # noqa: E402
@@ -37,25 +26,6 @@ from tale_runtime.attention import latent_attention as ref_attention  # noqa: E4
 from tale_runtime.cache import TaleLayerCache  # noqa: E402
 from tale_runtime.model import cache_arg  # noqa: E402
 from tale_runtime.regions import LayerView, Region  # noqa: E402
-
-DEVICE = "cuda" if CUDA else "cpu"
-
-if not CUDA:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(attention._attn_kernel, InterpretedFunction):
-        # Triton's own library functions were built for the GPU when it was first imported
-        pytest.skip(
-            "triton was imported without TRITON_INTERPRET=1 before this module; run it alone "
-            "or with TRITON_INTERPRET=1",
-            allow_module_level=True,
-        )
-
-
-@pytest.fixture(autouse=True)
-def _interpret(monkeypatch):
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

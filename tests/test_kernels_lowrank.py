@@ -9,45 +9,19 @@ computed in the kernel. On CPU the kernel runs in Triton's interpreter (TRITON_I
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass, replace
 
 import pytest
 import torch
+from kernel_tests import CUDA, DEVICE, interpret, kernels  # noqa: F401  (interpret: autouse fixture)
 
-CUDA = torch.cuda.is_available()
-_PREV = os.environ.get("TRITON_INTERPRET")
-if not CUDA and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton")
-
-from tale_kernels import lowrank_attention as lra  # noqa: E402
-
-if _PREV is None:
-    os.environ.pop("TRITON_INTERPRET", None)
-else:
-    os.environ["TRITON_INTERPRET"] = _PREV
+(lra,) = kernels("lowrank_attention", kernel="_lr_kernel")
 
 from tale_runtime.attention import apply_rope  # noqa: E402
 from tale_runtime.attention import latent_attention as ref_attention  # noqa: E402
 from tale_runtime.key_basis import KeyBasis  # noqa: E402
 from tale_runtime.quant import quantize  # noqa: E402
 from tale_runtime.regions import LayerView, Region  # noqa: E402
-
-DEVICE = "cuda" if CUDA else "cpu"
-
-if not CUDA:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(lra._lr_kernel, InterpretedFunction):
-        pytest.skip("triton was imported without TRITON_INTERPRET=1 before this module", allow_module_level=True)
-
-
-@pytest.fixture(autouse=True)
-def _interpret(monkeypatch):
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -3,42 +3,14 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
+from kernel_tests import CUDA, DEVICE, interpret, kernels  # noqa: F401  (interpret: autouse fixture)
 
-CUDA = torch.cuda.is_available()
-_PREV = os.environ.get("TRITON_INTERPRET")
-if not CUDA and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # triton and the kernels get built for the CPU interpreter
-triton = pytest.importorskip("triton")
-
-from tale_kernels import paged_attention as pa  # noqa: E402
-
-if _PREV is None:
-    os.environ.pop("TRITON_INTERPRET", None)
-else:
-    os.environ["TRITON_INTERPRET"] = _PREV
+(pa,) = kernels("paged_attention", kernel="_paged_kernel")
 
 from tale_runtime import paged  # noqa: E402
 from tale_runtime.quant import dequantize, quantize  # noqa: E402
-
-DEVICE = "cuda" if CUDA else "cpu"
-
-if not CUDA:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(pa._paged_kernel, InterpretedFunction):
-        pytest.skip("triton was imported without TRITON_INTERPRET=1 before this module", allow_module_level=True)
-
-
-@pytest.fixture(autouse=True)
-def _interpret(monkeypatch):
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-
 
 # tiny shapes: G = 2 latent groups of g = 2 KV heads, 2 query heads per KV head, head dim 16, R = 32, rank 16
 G, g, REP, N, R, RANK = 2, 2, 2, 16, 32, 16
