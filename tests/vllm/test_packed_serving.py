@@ -79,7 +79,7 @@ def test_packed_16bit_slots_give_the_base_models_tokens(artifact_g2, base_run, c
     base_tokens, base_bytes = base_run
     tokens, _, got, _ = packed_run(artifact_g2, "k16v16")
     assert tokens == base_tokens
-    want = sum(f.slot_bytes for f in slot_formats(artifact_g2, 16))  # G = 1 slot per layer
+    want = sum(f.slot_bytes for f in slot_formats(artifact_g2, 16))  # per layer G = 1 slot (K = 2 heads, g = 2)
     with capsys.disabled():
         print(f"\npacked 16-bit: KV bytes/token {got} (fp32), base {base_bytes}")
     assert got == want == base_bytes  # one latent of R = 2n per two KV heads: the base's K*n values per token
