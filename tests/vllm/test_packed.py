@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import VLLM
 
 from tale_runtime.paged import PagedFormat, new_pool, read_slots, write_slots
 
-pytest.importorskip("vllm")
+pytest.importorskip(VLLM)  # vLLM itself, not this test directory
 
 
 def reference(q, k_old, h_old, k_new, h_new, scale, g):

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ENGINE, PROMPTS, greedy, kv_bytes_per_token, main_fixtures, shutdown
+from conftest import ENGINE, PROMPTS, VLLM, greedy, kv_bytes_per_token, main_fixtures, shutdown
 
 import tale_runtime.vllm as tale_vllm
 from tale_runtime.paged import PagedFormat
 
-vllm = pytest.importorskip("vllm")
+pytest.importorskip(VLLM)  # vLLM itself, not this test directory
+import vllm  # noqa: E402
 
 STEPS = 12
 

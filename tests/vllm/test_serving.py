@@ -9,12 +9,13 @@ import json
 import shutil
 
 import pytest
-from conftest import ENGINE, PROMPTS, greedy, kv_bytes_per_token, shutdown
+from conftest import ENGINE, PROMPTS, VLLM, greedy, kv_bytes_per_token, shutdown
 
 import tale_runtime.vllm as tale_vllm
 from tale_runtime.artifact import ArtifactError
 
-vllm = pytest.importorskip("vllm")
+pytest.importorskip(VLLM)  # vLLM itself, not this test directory
+import vllm  # noqa: E402
 
 
 @pytest.fixture(scope="module")
