@@ -3,7 +3,7 @@ KV bytes per token vLLM allocated against PagedFormat's formula and against a 16
 
     .venv-vllm/bin/python benchmarks/serve_packed.py ARTIFACT BASE_CHECKPOINT [--setting k16v16:full:1 ...]
 
-A setting is KV_CACHE:VALUE_RANK:EXACT_LAYERS (tale_runtime.vllm.engine_args). One engine per setting, in this process,
+A setting is KV_CACHE:VALUE_RANK:EXACT_LAYERS[:ROTATE] (tale_runtime.vllm.engine_args; ROTATE "hadamard" if left out). One engine per setting, in this process,
 one after the other; prints one markdown row per setting.
 """
 
@@ -69,7 +69,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("artifact")
     ap.add_argument("base")
-    ap.add_argument("--setting", action="append", help="KV_CACHE:VALUE_RANK:EXACT_LAYERS (repeatable)")
+    ap.add_argument("--setting", action="append", help="KV_CACHE:VALUE_RANK:EXACT_LAYERS[:ROTATE] (repeatable)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-tokens", type=int, default=16)
     args = ap.parse_args()
@@ -87,13 +87,14 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     for s in settings:
-        kv, rank, exact = s.split(":")
+        kv, rank, exact, rotate = (s.split(":") + ["hadamard"])[:4]
         rank = int(rank) if rank.isdigit() else rank
-        src = source.open_artifact(args.artifact, rank, kv_cache=kv, exact_layers=int(exact))
+        kw = dict(kv_cache=kv, exact_layers=int(exact), rotate=rotate)
+        src = source.open_artifact(args.artifact, rank, **kw)
         fmts = [src.paged_format(i, dtype) for i in range(a.num_layers)]
         formula = sum(a.num_groups * f.slot_bytes for f in fmts)
         at16 = sum(a.num_groups * src.paged_format(i, torch.bfloat16).slot_bytes for i in range(a.num_layers))
-        engine = dict(**tale_vllm.engine_args(args.artifact, rank, kv_cache=kv, exact_layers=int(exact)), **common)
+        engine = dict(**tale_vllm.engine_args(args.artifact, rank, **kw), **common)
         tokens, nbytes, start, gen = run(engine, args.max_tokens)
         same = sum(x == y for t, b in zip(tokens, base_tokens) for x, y in zip(t, b))
         whole = sum(t == b for t, b in zip(tokens, base_tokens))

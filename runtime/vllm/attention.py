@@ -20,6 +20,8 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
 
+from . import ROTATE
+
 # set on the hf_config by the model class before its layers are built: the value rank of each layer, and the packed
 # cache's slot format of each layer (stage 2; absent or None: stage 1)
 RANKS = "tale_ranks"
@@ -83,6 +85,9 @@ class TaleAttention(nn.Module):
             r = fmt.group * n
             backend, extra = TalePackedBackend.for_format(fmt), {"fmt": fmt}
         self.packed = fmt is not None
+        self.head_dim = n
+        # per-token key scales: a Hadamard rotation spreads the few large key channels over all of them (QuaRot)
+        self.rotate = self.packed and getattr(config, ROTATE, "hadamard") == "hadamard"
         self.q_size, self.k_size = self.num_heads * n, self.num_kv_heads * n
         self.h_size = self.num_kv_heads * (n if self.packed else r)
         self.z_size = self.num_heads * r
@@ -126,6 +131,12 @@ class TaleAttention(nn.Module):
         qkv, _ = self.qkv_proj(hidden_states)  # [T, (H + K) n + K r] on this rank
         q, k, h = qkv.split([self.q_size, self.k_size, self.h_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
+        if self.rotate:  # [T, heads * n] -> per head x Q
+            from tale_runtime.model import hadamard
+
+            Q, n = hadamard(self.head_dim, q.device, torch.float32), self.head_dim
+            q = (q.view(-1, self.num_heads, n).float() @ Q).to(q.dtype).view(q.shape)
+            k = (k.view(-1, self.num_kv_heads, n).float() @ Q).to(k.dtype).view(k.shape)
         # [T, H r]: per query head its latent output z_q (packed: r = R)
         z = self.attn(q, k, h, output_shape=torch.Size((q.shape[0], self.z_size)))
         out, _ = self.o_proj(z)  # [T, d]

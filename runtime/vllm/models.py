@@ -12,7 +12,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from vllm.platforms import current_platform
 
-from . import EXACT_LAYERS, KV_CACHE, VALUE_RANK, source
+from . import EXACT_LAYERS, KV_CACHE, ROTATE, VALUE_RANK, source
 from .attention import FORMATS, RANKS, TaleAttention
 
 
@@ -25,6 +25,7 @@ class TaleLlamaForCausalLM(LlamaForCausalLM):
             getattr(config, VALUE_RANK, "full"),
             kv_cache=getattr(config, KV_CACHE, None),
             exact_layers=getattr(config, EXACT_LAYERS, 1),
+            rotate=getattr(config, ROTATE, "hadamard"),
         )
         source.check_backend(src, current_platform.is_cpu())
         setattr(config, RANKS, list(src.ranks))

@@ -45,19 +45,24 @@ class Source:
 
     def paged_format(self, layer: int, dtype: torch.dtype) -> PagedFormat | None:
         """The slot of `layer` in the packed cache (None: stage 1). Keys and latents per token over groups of 32
-        channels (or the widest power of two below that fits the row and its packed planes), scales and zeros in 16
-        bits (tale_runtime.paged); ValueError where no group fits (a rank not a multiple of 8)."""
+        channels (16 or 8 where 32 does not fit a row or its packed planes), scales and zeros in 16 bits
+        (tale_runtime.paged)."""
         if self.bits is None:
             return None
         kb, hb = self.bits[layer]
         n, g, r = self.arch.head_dim, self.arch.group_size, self.ranks[layer]
-        error = None
-        for kg, hg in ((32, 32), (16, 32), (32, 16), (16, 16), (16, 8), (8, 8)):
-            try:
-                return PagedFormat(n, g, r, kb, hb, kg, hg, dtype)
-            except ValueError as e:
-                error = error or e
-        raise error
+        # each row's group on its own: the widest that divides it without straddling its packed planes
+        kg = next((c for c in (32, 16, 8) if _fits(n, g, r, kb, 16, c, 32)), 32)
+        hg = next((c for c in (32, 16, 8) if _fits(n, g, r, 16, hb, 32, c)), 32)
+        return PagedFormat(n, g, r, kb, hb, kg, hg, dtype)  # ValueError where none fits (a rank not a multiple of 8)
+
+
+def _fits(*args) -> bool:
+    try:
+        PagedFormat(*args)
+        return True
+    except ValueError:
+        return False
 
 
 def packed_bits(kv_cache: str, sched: Schedule, num_layers: int, exact_layers: int) -> tuple[tuple[int, int], ...]:
@@ -102,6 +107,7 @@ def open_artifact(
     verify: bool = True,
     kv_cache: str | None = None,
     exact_layers: int = 1,
+    rotate: str = "hadamard",
 ) -> Source:
     """The checked artifact at `path` (a directory or a Hub repo id); ArtifactError/ValueError in one line.
     kv_cache: None (stage 1: vLLM's 16-bit cache) or the packed cache's level, see packed_bits."""
@@ -133,6 +139,8 @@ def open_artifact(
             f"value rank {ranks[0]} cuts inside the latents' rotation blocks of {q} (use a multiple of {q})"
         )
     bits = None if kv_cache is None else packed_bits(kv_cache, sched, arch.num_layers, exact_layers)
+    if rotate not in ("hadamard", "none"):
+        raise ValueError(f"rotate must be 'hadamard' or 'none', got {rotate!r}")
     src = Source(root, config["model_type"], own_type, arch, ranks, verified, bits)
     if bits is not None:
         for i in range(arch.num_layers):

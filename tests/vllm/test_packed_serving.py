@@ -3,7 +3,8 @@ KV heads share one latent group: one slot per token and layer holds both keys an
 
 At 16 bits the slots hold the post-RoPE keys and full-rank latents exactly: the greedy tokens are the base model's.
 At 4 bits the oracle is tale_runtime on the same artifact with the same one-level schedule (every token at 4-bit
-per-token keys and latents, no sinks, each token quantized once it has attended as a new token: residual 1)."""
+per-token keys and latents, keys after a Hadamard rotation, no sinks, each token quantized once it has attended as a
+new token: residual 1)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ def oracle_logprobs(art, prompt_ids: list[int], tokens: list[int], bits: int = 4
         bits=bits,
         ranks=1.0,  # every latent at full rank R, as the engine's value rank "full"
         key_axis="token",
+        rotate="hadamard",
         key_channel_group=32,
         value_group=32,
         residual=1,

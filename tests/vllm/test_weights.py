@@ -125,9 +125,13 @@ def test_packed_levels_and_refusals(converted):
         ("k3v4", 1, r"the packed cache holds keys and latents at 2, 4, 8, 16 bits, not keys 3 / latents 4"),
         ("fp8", 1, r"kv cache must be 'level0' or 'k<bits>v<bits>' \(e.g. 'k4v4'\), got 'fp8'"),
         ("k4v4", -1, r"exact layers must be a whole number >= 0, got -1"),
+        ("k4v4", "rot", r"rotate must be 'hadamard' or 'none', got 'rot'"),
     ]:
         with pytest.raises(ValueError, match=msg) as e:
-            source.open_artifact(art, kv_cache=kv, exact_layers=exact)
+            if exact == "rot":
+                source.open_artifact(art, kv_cache=kv, rotate="rot")
+            else:
+                source.open_artifact(art, kv_cache=kv, exact_layers=exact)
         assert "\n" not in str(e.value)
 
 
@@ -137,5 +141,5 @@ def test_engine_args_carry_the_packed_level(converted):
 
     _, art = converted("llama", 2)
     args = tale_vllm.engine_args(art, "full", kv_cache="k4v4", exact_layers=0)  # R = 32 != n = 16: fine when packed
-    want = {"tale_value_rank": "full", "tale_kv_cache": "k4v4", "tale_kv_exact_layers": 0}
+    want = {"tale_value_rank": "full", "tale_kv_cache": "k4v4", "tale_kv_exact_layers": 0, "tale_kv_rotate": "hadamard"}
     assert args == {"model": str(art), "hf_overrides": want}
