@@ -1,7 +1,9 @@
 """Serve TALE artifacts with vLLM: out-of-tree model classes, registered through vLLM's general-plugin entry point.
 
-Stage 1: keys and latents are held by vLLM's own paged cache in 16 bits; each KV head's value is its group's latent
-cut to one rank per layer (docs/serving.md). Importing this package does not import vLLM.
+Stage 1 (the default): keys and latents are held by vLLM's own paged cache in 16 bits; each KV head's value is its
+group's latent cut to one rank per layer. The packed cache (stage 2, `engine_args(kv_cache=...)`): TALE's attention
+backend (packed.py) holds one packed slot per token, layer and latent group in vLLM's paged cache (docs/serving.md).
+Importing this package does not import vLLM.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ h = x A_c of the head's group cut to rank r (head size r; the g heads of a group
 attention then returns per query head z_q = sum_t s_qt h_t[:r], and o_proj, which holds O^r cut to those ranks, maps
 concat_q z_q to the hidden size (DESIGN.md 4: no value is reconstructed per cached token). At r = R (full rank) this
 is the base model's attention up to rounding; the prefill is not the base model's bit for bit, as tale_runtime's is.
+
+With the packed cache (a slot format per layer: FORMATS) the "v" rows are each group's latent once at full rank R and
+the attention is TALE's packed backend (packed.py), which returns z [T, H, R] for O^R whole.
 """
 
 from __future__ import annotations
