@@ -59,11 +59,10 @@ class PackedMetadataBuilder(AttentionMetadataBuilder[PackedMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
         m = common_attn_metadata
         B = m.num_reqs
-        seq_lens = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens.cpu()
         return PackedMetadata(
             num_actual_tokens=m.num_actual_tokens,
             query_start_loc=m.query_start_loc_cpu[: B + 1].tolist(),
-            seq_lens=seq_lens[:B].tolist(),
+            seq_lens=m.seq_lens[:B].tolist(),  # exact (the host copy is an upper bound under speculative decoding)
             block_table=m.block_table_tensor[:B],
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
         )
@@ -138,6 +137,10 @@ class TalePackedImpl(AttentionImpl[PackedMetadata]):
             raise ValueError("the TALE packed backend has no ALiBi, sliding window or logit soft cap")
         if kv_sharing_target_layer_name is not None:
             raise ValueError("the TALE packed backend does not share caches between layers")
+        if kv_cache_dtype != "auto":
+            raise ValueError(
+                f"the TALE packed cache sets its own bits (kv_cache=...): --kv-cache-dtype {kv_cache_dtype}"
+            )
         self.num_heads, self.head_size, self.scale = num_heads, head_size, scale
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
