@@ -36,6 +36,8 @@ main_fixtures.TINY["llama32"] = dict(
     num_key_value_heads=2,
     head_dim=32,
 )
+# three layers: the middle one packed between two 16-bit ones (slots of two sizes in one engine)
+main_fixtures.TINY["llama32x3"] = dict(main_fixtures.TINY["llama32"], num_hidden_layers=3)
 
 
 @pytest.fixture(scope="session")

@@ -42,10 +42,10 @@ def packed_run(art, kv_cache: str):
         shutdown(llm)
 
 
-def slot_formats(art, bits: int) -> list[PagedFormat]:
+def slot_formats(art, bits: int, exact_layers: int = 0) -> list[PagedFormat]:
     from tale_runtime.vllm import source
 
-    src = source.open_artifact(art, kv_cache=f"k{bits}v{bits}", exact_layers=0)
+    src = source.open_artifact(art, kv_cache=f"k{bits}v{bits}", exact_layers=exact_layers)
     return [src.paged_format(i, torch.float32) for i in range(src.arch.num_layers)]
 
 
@@ -121,3 +121,30 @@ def test_packed_4bit_follows_tale_runtime(artifact_g2, base_run, capsys):
     assert off_exact > 1e-2  # and the 4-bit tokens are not read back exact
     assert same_oracle == len(PROMPTS)
     assert same_base >= len(PROMPTS) * STEPS * 3 // 4  # 4-bit keys and latents: the greedy tokens mostly stay
+
+
+def test_packed_layers_between_16bit_ones(converted, capsys):
+    """exact_layers=1 (the default): the first and last layer hold 16-bit slots, the middle one 8-bit slots; vLLM
+    keeps both sizes in one engine, and the tokens read back follow the base model's closely but not exactly."""
+    base, art = converted("llama32x3", 2)
+    llm = vllm.LLM(model=str(base), **ENGINE)
+    try:
+        base_tokens, base_lps = greedy(llm, max_tokens=STEPS, logprobs=5)
+    finally:
+        shutdown(llm)
+    llm = vllm.LLM(**tale_vllm.engine_args(art, kv_cache="k8v8"), **ENGINE)
+    try:
+        tokens, lps = greedy(llm, max_tokens=STEPS, logprobs=5)
+        got = kv_bytes_per_token(llm)
+    finally:
+        shutdown(llm)
+    fmts = slot_formats(art, 8, exact_layers=1)
+    assert [(f.key_bits, f.lat_bits) for f in fmts] == [(16, 16), (8, 8), (16, 16)]
+    assert got == sum(f.slot_bytes for f in fmts) == 512 + 160 + 512
+    assert tokens == base_tokens
+    diff = max(
+        abs(a[t].logprob - b[t].logprob) for ra, rb in zip(lps, base_lps) for a, b in zip(ra, rb) for t in a if t in b
+    )
+    with capsys.disabled():
+        print(f"\npacked k8v8 between 16-bit layers: KV bytes/token {got}; max |log-prob - base| {diff:.2e}")
+    assert 0 < diff < 1e-2
