@@ -77,8 +77,10 @@ class TaleAttention(nn.Module):
         fmt = (getattr(config, FORMATS, None) or [None] * (layer + 1))[layer]
         self.num_heads = num_heads // tp
         self.num_kv_heads = max(1, num_kv_heads // tp)  # fewer KV heads than ranks: each rank holds a copy of one
-        backend, extra = (diffkv_backend(n, r) if r != n else None), {}
-        if fmt is not None:
+        backend, extra = None, {}
+        if fmt is None and r != n:
+            backend = diffkv_backend(n, r)
+        elif fmt is not None:
             # packed cache: the "v" rows are each group's latent at full rank R = g n, G R = K n rows, so vLLM's
             # value head size is n; the output z [T, H, R] goes through O^R whole (the slot keeps the first r)
             from .packed import TalePackedBackend
