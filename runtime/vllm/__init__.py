@@ -1,7 +1,9 @@
 """Serve TALE artifacts with vLLM: out-of-tree model classes, registered through vLLM's general-plugin entry point.
 
-Stage 1: keys and latents are held by vLLM's own paged cache in 16 bits; each KV head's value is its group's latent
-cut to one rank per layer (docs/serving.md). Importing this package does not import vLLM.
+Stage 1 (the default): keys and latents are held by vLLM's own paged cache in 16 bits; each KV head's value is its
+group's latent cut to one rank per layer. The packed cache (stage 2, `engine_args(kv_cache=...)`): TALE's attention
+backend (packed.py) holds one packed slot per token, layer and latent group in vLLM's paged cache (docs/serving.md).
+Importing this package does not import vLLM.
 """
 
 from __future__ import annotations
@@ -14,37 +16,55 @@ ARCHITECTURES = {
     "mistral": ("MistralForCausalLM", "TaleMistralForCausalLM"),
     "qwen2": ("Qwen2ForCausalLM", "TaleQwen2ForCausalLM"),
 }
-# the hf_config field that carries the value rank into the model (an hf_override; see engine_args)
+# the hf_config fields that carry the value rank and the packed cache's level into the model (hf_overrides; see
+# engine_args)
 VALUE_RANK = "tale_value_rank"
+KV_CACHE = "tale_kv_cache"
+EXACT_LAYERS = "tale_kv_exact_layers"
+ROTATE = "tale_kv_rotate"
 
 
 def register() -> None:
     """The `vllm.general_plugins` entry point: vLLM calls it in every process it starts."""
     from vllm import ModelRegistry
 
-    from . import config
+    from . import config, packed
 
     config.register()
+    packed.register()
     for _, tale in ARCHITECTURES.values():
         if tale not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(tale, f"tale_runtime.vllm.models:{tale}")
 
 
-def engine_args(path: str | os.PathLike, value_rank: int | str = "full", verify: bool = True) -> dict:
+def engine_args(
+    path: str | os.PathLike,
+    value_rank: int | str = "full",
+    verify: bool = True,
+    kv_cache: str | None = None,
+    exact_layers: int = 1,
+    rotate: str = "hadamard",
+) -> dict:
     """Keyword arguments of vllm.LLM (or EngineArgs) that serve the artifact at `path` with the TALE model class.
 
     Checked here, in the calling process, before vLLM starts an engine: the artifact (manifest, every file's sha256:
     tale_runtime.ArtifactError in one line) and the value rank (ValueError in one line, e.g. r != n on the CPU).
     value_rank: "full" (each layer's full latent rank R: the exact setting), "level0" (the manifest's level-0 rank of
     each layer, for every token) or a rank r <= R for every layer.
+    kv_cache: None (stage 1: keys and latents in vLLM's 16-bit cache) or the packed cache (stage 2, TALE's own
+    attention backend): "level0" (the artifact's level-0 key and latent bits) or "k<bits>v<bits>" (e.g. "k4v4"), each
+    layer's latents kept at its value rank; the first and last `exact_layers` layers at 16 bits. rotate: "hadamard"
+    (queries and keys rotated after RoPE before the keys are quantized per token, q.k unchanged) or "none".
     """
     from vllm.platforms import current_platform
 
     from .source import check_backend, open_artifact
 
-    src = open_artifact(path, value_rank, verify=verify)
+    src = open_artifact(path, value_rank, verify=verify, kv_cache=kv_cache, exact_layers=exact_layers, rotate=rotate)
     check_backend(src, current_platform.is_cpu())
     overrides = {VALUE_RANK: value_rank}
+    if kv_cache is not None:
+        overrides |= {KV_CACHE: kv_cache, EXACT_LAYERS: exact_layers, ROTATE: rotate}
     if not src.own_type:  # the base's config.json names the base class: name the TALE class instead
         overrides["architectures"] = [ARCHITECTURES[src.model_type][1]]
     return {"model": str(src.root), "hf_overrides": overrides}

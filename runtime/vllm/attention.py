@@ -5,6 +5,9 @@ h = x A_c of the head's group cut to rank r (head size r; the g heads of a group
 attention then returns per query head z_q = sum_t s_qt h_t[:r], and o_proj, which holds O^r cut to those ranks, maps
 concat_q z_q to the hidden size (DESIGN.md 4: no value is reconstructed per cached token). At r = R (full rank) this
 is the base model's attention up to rounding; the prefill is not the base model's bit for bit, as tale_runtime's is.
+
+With the packed cache (a slot format per layer: FORMATS) the "v" rows are each group's latent once at full rank R and
+the attention is TALE's packed backend (packed.py), which returns z [T, H, R] for O^R whole.
 """
 
 from __future__ import annotations
@@ -20,8 +23,12 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
 
-# set on the hf_config by the model class before its layers are built: the value rank of each layer
+from . import ROTATE
+
+# set on the hf_config by the model class before its layers are built: the value rank of each layer, and the packed
+# cache's slot format of each layer (stage 2; absent or None: stage 1)
 RANKS = "tale_ranks"
+FORMATS = "tale_paged_formats"
 
 
 def diffkv_backend(head_size: int, head_size_v: int):
@@ -67,13 +74,38 @@ class TaleAttention(nn.Module):
         tp = get_tensor_model_parallel_world_size()
         n = getattr(config, "head_dim", None) or hidden_size // num_heads
         r = getattr(config, RANKS)[layer]
+        fmt = (getattr(config, FORMATS, None) or [None] * (layer + 1))[layer]
         self.num_heads = num_heads // tp
         self.num_kv_heads = max(1, num_kv_heads // tp)  # fewer KV heads than ranks: each rank holds a copy of one
-        self.q_size, self.k_size, self.h_size = self.num_heads * n, self.num_kv_heads * n, self.num_kv_heads * r
+        backend, extra = None, {}
+        if fmt is None and r != n:
+            backend = diffkv_backend(n, r)
+        elif fmt is not None:
+            # packed cache: the "v" rows are each group's latent at full rank R = g n, G R = K n rows, so vLLM's
+            # value head size is n; the output z [T, H, R] goes through O^R whole (the slot keeps the first r)
+            from .packed import TalePackedBackend
+
+            if tp > 1:
+                raise ValueError("the TALE packed cache runs without tensor parallelism (not yet split by groups)")
+            r = fmt.group * n
+            backend, extra = TalePackedBackend.for_format(fmt), {"fmt": fmt}
+        self.packed = fmt is not None
+        self.head_dim = n
+        # per-token key scales: a Hadamard rotation spreads the few large key channels over all of them (QuaRot)
+        self.rotate = self.packed and getattr(config, ROTATE, "hadamard") == "hadamard"
+        self.q_size, self.k_size = self.num_heads * n, self.num_kv_heads * n
+        self.h_size = self.num_kv_heads * (n if self.packed else r)
+        self.z_size = self.num_heads * r
 
         # q and k as the base model's; the "v" rows are the latent projection A_c[:, :r] per KV head (source.py)
         self.qkv_proj = QKVParallelLinear(
-            hidden_size, n, num_heads, num_kv_heads, bias=bias, prefix=f"{prefix}.qkv_proj", v_head_size=r
+            hidden_size,
+            n,
+            num_heads,
+            num_kv_heads,
+            bias=bias,
+            prefix=f"{prefix}.qkv_proj",
+            v_head_size=n if self.packed else r,
         )
         # O^r cut to rank r: [H*r] -> d; a value bias reaches the output as a constant, hence the o_proj bias
         self.o_proj = RowParallelLinear(num_heads * r, hidden_size, bias=bias or bias_o_proj, prefix=f"{prefix}.o_proj")
@@ -95,14 +127,22 @@ class TaleAttention(nn.Module):
             per_layer_sliding_window=sliding,
             attn_type=attn_type,
             prefix=f"{prefix}.attn",
-            attn_backend=diffkv_backend(n, r) if r != n else None,
-            head_size_v=r,
+            attn_backend=backend,
+            head_size_v=n if self.packed else r,
+            **extra,
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)  # [T, (H + K) n + K r] on this rank
         q, k, h = qkv.split([self.q_size, self.k_size, self.h_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
-        z = self.attn(q, k, h)  # [T, H r]: per query head its latent output z_q
+        if self.rotate:  # [T, heads * n] -> per head x Q
+            from tale_runtime.model import hadamard
+
+            Q, n = hadamard(self.head_dim, q.device, torch.float32), self.head_dim
+            q = (q.view(-1, self.num_heads, n).float() @ Q).to(q.dtype).view(q.shape)
+            k = (k.view(-1, self.num_kv_heads, n).float() @ Q).to(k.dtype).view(k.shape)
+        # [T, H r]: per query head its latent output z_q (packed: r = R)
+        z = self.attn(q, k, h, output_shape=torch.Size((q.shape[0], self.z_size)))
         out, _ = self.o_proj(z)  # [T, d]
         return out

@@ -12,17 +12,25 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from vllm.platforms import current_platform
 
-from . import VALUE_RANK, source
-from .attention import RANKS, TaleAttention
+from . import EXACT_LAYERS, KV_CACHE, ROTATE, VALUE_RANK, source
+from .attention import FORMATS, RANKS, TaleAttention
 
 
 class TaleLlamaForCausalLM(LlamaForCausalLM):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         config = vllm_config.model_config.hf_config
         # checked again in every process that builds the model: it reads the files itself
-        src = source.open_artifact(vllm_config.model_config.model, getattr(config, VALUE_RANK, "full"))
+        src = source.open_artifact(
+            vllm_config.model_config.model,
+            getattr(config, VALUE_RANK, "full"),
+            kv_cache=getattr(config, KV_CACHE, None),
+            exact_layers=getattr(config, EXACT_LAYERS, 1),
+            rotate=getattr(config, ROTATE, "hadamard"),
+        )
         source.check_backend(src, current_platform.is_cpu())
         setattr(config, RANKS, list(src.ranks))
+        dtype = vllm_config.model_config.dtype
+        setattr(config, FORMATS, [src.paged_format(i, dtype) for i in range(src.arch.num_layers)])
         layer = functools.partial(LlamaDecoderLayer, attn_layer_type=TaleAttention)
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer)
         self.tale_source = src

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tale_runtime.artifact import ArtifactError, read_manifest, schedule_of, verify_files
+from tale_runtime.artifact import ArtifactError, Schedule, read_manifest, schedule_of, verify_files
+from tale_runtime.paged import BITS, PagedFormat
 from tale_runtime.remote_code import base_dict, is_tale
 from tale_runtime.spec import Arch
 
@@ -35,10 +36,53 @@ class Source:
     arch: Arch
     ranks: tuple[int, ...]  # value rank r per layer: the head size of vLLM's values
     verified: frozenset[str] | None  # the files checked against the manifest (None: not checked)
+    # the packed cache (stage 2): (key bits, latent bits) per layer; None: keys and latents in vLLM's 16-bit cache
+    bits: tuple[tuple[int, int], ...] | None = None
 
     def same_head_size(self) -> bool:
         """Keys and values of one head size in every layer: what vLLM's ordinary attention backends hold."""
-        return all(r == self.arch.head_dim for r in self.ranks)
+        return self.bits is not None or all(r == self.arch.head_dim for r in self.ranks)
+
+    def paged_format(self, layer: int, dtype: torch.dtype) -> PagedFormat | None:
+        """The slot of `layer` in the packed cache (None: stage 1). Keys and latents per token over groups of 32
+        channels (16 or 8 where 32 does not fit a row or its packed planes), scales and zeros in 16 bits
+        (tale_runtime.paged)."""
+        if self.bits is None:
+            return None
+        kb, hb = self.bits[layer]
+        n, g, r = self.arch.head_dim, self.arch.group_size, self.ranks[layer]
+        # each row's group on its own: the widest that divides it without straddling its packed planes
+        kg = next((c for c in (32, 16, 8) if _fits(n, g, r, kb, 16, c, 32)), 32)
+        hg = next((c for c in (32, 16, 8) if _fits(n, g, r, 16, hb, 32, c)), 32)
+        return PagedFormat(n, g, r, kb, hb, kg, hg, dtype)  # ValueError where none fits (a rank not a multiple of 8)
+
+
+def _fits(*args) -> bool:
+    try:
+        PagedFormat(*args)
+        return True
+    except ValueError:
+        return False
+
+
+def packed_bits(kv_cache: str, sched: Schedule, num_layers: int, exact_layers: int) -> tuple[tuple[int, int], ...]:
+    """(key bits, latent bits) per layer: kv_cache "level0" (the schedule's level 0) or "k<bits>v<bits>" (e.g.
+    "k4v4"); the first and last `exact_layers` layers at 16 bits."""
+    if kv_cache == "level0":
+        kb, hb = sched.levels[0].key_bits, sched.levels[0].bits
+    elif m := re.fullmatch(r"k(\d+)v(\d+)", str(kv_cache)):
+        kb, hb = int(m.group(1)), int(m.group(2))
+    else:
+        raise ValueError(f"kv cache must be 'level0' or 'k<bits>v<bits>' (e.g. 'k4v4'), got {kv_cache!r}")
+    if kb not in BITS or hb not in BITS:
+        raise ValueError(
+            f"the packed cache holds keys and latents at {', '.join(map(str, BITS))} bits, not keys {kb} / latents {hb}"
+        )
+    if not (isinstance(exact_layers, int) and 0 <= exact_layers):
+        raise ValueError(f"exact layers must be a whole number >= 0, got {exact_layers!r}")
+    return tuple(
+        (16, 16) if i < exact_layers or i >= num_layers - exact_layers else (kb, hb) for i in range(num_layers)
+    )
 
 
 def value_ranks(value_rank: int | str, arch: Arch, level0: list[int]) -> tuple[int, ...]:
@@ -57,8 +101,16 @@ def value_ranks(value_rank: int | str, arch: Arch, level0: list[int]) -> tuple[i
     return (r,) * L
 
 
-def open_artifact(path: str | os.PathLike, value_rank: int | str = "full", verify: bool = True) -> Source:
-    """The checked artifact at `path` (a directory or a Hub repo id); ArtifactError/ValueError in one line."""
+def open_artifact(
+    path: str | os.PathLike,
+    value_rank: int | str = "full",
+    verify: bool = True,
+    kv_cache: str | None = None,
+    exact_layers: int = 1,
+    rotate: str = "hadamard",
+) -> Source:
+    """The checked artifact at `path` (a directory or a Hub repo id); ArtifactError/ValueError in one line.
+    kv_cache: None (stage 1: vLLM's 16-bit cache) or the packed cache's level, see packed_bits."""
     from tale_runtime.load import SUPPORTED, resolve
 
     root = resolve(path)
@@ -86,7 +138,16 @@ def open_artifact(path: str | os.PathLike, value_rank: int | str = "full", verif
         raise ValueError(
             f"value rank {ranks[0]} cuts inside the latents' rotation blocks of {q} (use a multiple of {q})"
         )
-    src = Source(root, config["model_type"], own_type, arch, ranks, verified)
+    bits = None if kv_cache is None else packed_bits(kv_cache, sched, arch.num_layers, exact_layers)
+    if rotate not in ("hadamard", "none"):
+        raise ValueError(f"rotate must be 'hadamard' or 'none', got {rotate!r}")
+    src = Source(root, config["model_type"], own_type, arch, ranks, verified, bits)
+    if bits is not None:
+        for i in range(arch.num_layers):
+            try:
+                src.paged_format(i, torch.float32)
+            except ValueError as e:
+                raise ValueError(f"layer {i}: {e}") from None
     if not src.same_head_size() and len(set(ranks)) > 1:
         # vLLM's different-head-size backends (TRITON_ATTN_DIFFKV, FLASH_ATTN_DIFFKV) hold one value size per model
         raise ValueError(f"value ranks {sorted(set(ranks))} differ across layers: vLLM holds one value head size")
@@ -142,15 +203,19 @@ def tensors(src: Source) -> Iterator[tuple[str, torch.Tensor]]:
         raise ArtifactError(f"{src.root}: the tensors cover layers {sorted(held)}, the manifest {src.arch.num_layers}")
     for i in sorted(held):
         prefix = f"model.layers.{i}.self_attn."
-        for name, t in attention_tensors(held.pop(i), src.arch, src.ranks[i], f"{src.root}: layer {i}"):
+        r = None if src.bits is not None else src.ranks[i]  # packed: the full-rank latents (the slot keeps r)
+        for name, t in attention_tensors(held.pop(i), src.arch, r, f"{src.root}: layer {i}"):
             yield prefix + name, t
 
 
-def attention_tensors(t: dict[str, torch.Tensor], a: Arch, r: int, where: str) -> Iterator[tuple[str, torch.Tensor]]:
+def attention_tensors(
+    t: dict[str, torch.Tensor], a: Arch, r: int | None, where: str
+) -> Iterator[tuple[str, torch.Tensor]]:
     """One layer's value and output projections for vLLM (DESIGN.md 3-4), from u_v [G, d, R] and o_fused [d, H*R].
 
     KV head m's value is the latent of its group c = m // g cut to rank r: x A_c[:, :r] (the g heads of a group hold
     the same latent). Query head q's latent output z_q [r] maps to the hidden size through rows q*R .. q*R + r of O^r.
+    r None (the packed cache): each group's latent once at full rank, v_proj.weight [G*R, d], and O^R whole.
     A value bias b passes through attention unchanged (softmax weights sum to 1): its output concat_q b_m(q) W_O
     becomes the o_proj bias, and the value (latent) bias is zero."""
     for need in ("tale.u_v", "tale.o_fused"):
@@ -168,12 +233,17 @@ def attention_tensors(t: dict[str, torch.Tensor], a: Arch, r: int, where: str) -
     u, o = t["tale.u_v"], t["tale.o_fused"]
     if tuple(u.shape) != (G, d, R) or tuple(o.shape) != (d, H * R):
         raise ArtifactError(f"{where}: u_v {tuple(u.shape)} / o_fused {tuple(o.shape)} do not match the manifest")
-    # [G, d, R] -> per KV head [K, r, d] (nn.Linear layout) -> [K*r, d]
-    yield "v_proj.weight", u[:, :, :r].transpose(1, 2).repeat_interleave(g, dim=0).reshape(K * r, d).contiguous()
-    yield "o_proj.weight", o.view(d, H, R)[:, :, :r].reshape(d, H * r).contiguous()
+    if r is None:  # [G, d, R] -> [G*R, d] (G*R = K*n: vLLM's value rows at head size n)
+        rows = G * R
+        yield "v_proj.weight", u.transpose(1, 2).reshape(rows, d).contiguous()
+        yield "o_proj.weight", o
+    else:  # [G, d, R] -> per KV head [K, r, d] (nn.Linear layout) -> [K*r, d]
+        rows = K * r
+        yield "v_proj.weight", u[:, :, :r].transpose(1, 2).repeat_interleave(g, dim=0).reshape(rows, d).contiguous()
+        yield "o_proj.weight", o.view(d, H, R)[:, :, :r].reshape(d, H * r).contiguous()
     bias = t.get("v_proj.bias")
     if bias is not None:
-        yield "v_proj.bias", torch.zeros(K * r, dtype=bias.dtype)
+        yield "v_proj.bias", torch.zeros(rows, dtype=bias.dtype)
         w_o = t["o_proj.weight"].double()  # [d, H*n]
         b = bias.double().view(K, 1, n).expand(K, H // K, n).reshape(H * n)
         out = w_o @ b

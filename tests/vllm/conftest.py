@@ -5,6 +5,7 @@ built by the same save_tiny and converted with the same tiny converter options."
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 from pathlib import Path
@@ -17,6 +18,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# what the engine tests import-or-skip: `import vllm` alone finds this directory as a namespace package where vLLM is
+# not installed (tests/ is on sys.path), so they ask for a module only vLLM has
+VLLM = "vllm.v1.attention.backend"
 
 _spec = importlib.util.spec_from_file_location("tale_tests_conftest", Path(__file__).parents[1] / "conftest.py")
 main_fixtures = importlib.util.module_from_spec(_spec)
@@ -31,6 +36,8 @@ main_fixtures.TINY["llama32"] = dict(
     num_key_value_heads=2,
     head_dim=32,
 )
+# three layers: the middle one packed between two 16-bit ones (slots of two sizes in one engine)
+main_fixtures.TINY["llama32x3"] = dict(main_fixtures.TINY["llama32"], num_hidden_layers=3)
 
 
 @pytest.fixture(scope="session")
@@ -65,3 +72,59 @@ def converted(tmp_path_factory):
         return built[arch, group]
 
     return make
+
+
+PROMPTS = [
+    "The",
+    "Once upon a time there was",
+    "The capital of France is a city that many people visit every year because",
+    "In the beginning the printing museum had only one press, and the code that opened its archive was",
+]
+ENGINE = dict(dtype="float32", max_model_len=128, enforce_eager=True, max_num_seqs=4, seed=0)
+
+
+def greedy(llm, prompts=PROMPTS, max_tokens: int = 12, logprobs: int | None = None):
+    """Greedy token ids per prompt (and, with `logprobs`, vLLM's top log-probabilities of each step)."""
+    import vllm
+
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    tokens = [list(o.token_ids) for o in outs]
+    return tokens if logprobs is None else (tokens, [o.logprobs for o in outs])
+
+
+def kv_bytes_per_token(llm) -> int:
+    """The bytes vLLM allocated for one token's keys and values, over all layers (its cache tensors)."""
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+
+    def per_token(model):
+        from vllm.model_executor.layers.attention import Attention
+
+        total = 0
+        for m in model.modules():
+            if isinstance(m, Attention):
+                t = m.kv_cache[0] if isinstance(m.kv_cache, list | tuple) else m.kv_cache
+                total += t.numel() * t.element_size() // (t.shape[0] * block)
+        return total
+
+    return llm.apply_model(per_token)[0]
+
+
+def shutdown(llm) -> None:
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+@pytest.fixture(scope="session")
+def base_run(tiny_llama):
+    """The base model under vLLM: greedy tokens of PROMPTS and KV bytes per token."""
+    import vllm
+
+    llm = vllm.LLM(model=str(tiny_llama), **ENGINE)
+    out = greedy(llm), kv_bytes_per_token(llm)
+    shutdown(llm)
+    return out

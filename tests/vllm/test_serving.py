@@ -1,67 +1,21 @@
 """vLLM serving of a TALE artifact on the CPU (stage 1: keys and latents in vLLM's 16-bit paged cache).
 
-One engine per model, shared by the module's tests: the base model's greedy tokens are taken first, then the TALE
-engine starts (in this process, one at a time)."""
+One engine per model, shared by the module's tests: the base model's greedy tokens are taken first (conftest.base_run,
+once per session), then the TALE engine starts (in this process, one at a time)."""
 
 from __future__ import annotations
 
-import gc
 import json
 import shutil
 
 import pytest
+from conftest import ENGINE, PROMPTS, VLLM, greedy, kv_bytes_per_token, shutdown
 
 import tale_runtime.vllm as tale_vllm
 from tale_runtime.artifact import ArtifactError
 
-vllm = pytest.importorskip("vllm")
-
-PROMPTS = [
-    "The",
-    "Once upon a time there was",
-    "The capital of France is a city that many people visit every year because",
-    "In the beginning the printing museum had only one press, and the code that opened its archive was",
-]
-ENGINE = dict(dtype="float32", max_model_len=128, enforce_eager=True, max_num_seqs=4, seed=0)
-
-
-def greedy(llm) -> list[list[int]]:
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-
-
-def kv_bytes_per_token(llm) -> int:
-    """The bytes vLLM allocated for one token's keys and values, over all layers (its cache tensors)."""
-    block = llm.llm_engine.vllm_config.cache_config.block_size
-
-    def per_token(model):
-        from vllm.model_executor.layers.attention import Attention
-
-        total = 0
-        for m in model.modules():
-            if isinstance(m, Attention):
-                t = m.kv_cache[0] if isinstance(m.kv_cache, list | tuple) else m.kv_cache
-                total += t.numel() * t.element_size() // (t.shape[0] * block)
-        return total
-
-    return llm.apply_model(per_token)[0]
-
-
-def shutdown(llm) -> None:
-    from vllm.distributed import cleanup_dist_env_and_memory
-
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
-
-
-@pytest.fixture(scope="module")
-def base_run(tiny_llama):
-    llm = vllm.LLM(model=str(tiny_llama), **ENGINE)
-    out = greedy(llm), kv_bytes_per_token(llm)
-    shutdown(llm)
-    return out
+pytest.importorskip(VLLM)  # vLLM itself, not this test directory
+import vllm  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ latent sum pad_R(h[:r]) (DESIGN.md 4), and at r = R the base model's attention o
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -13,7 +15,8 @@ from tale_runtime.vllm import source
 
 
 def vllm_side(t: dict, prefix: str, x: torch.Tensor, s: torch.Tensor, K: int) -> torch.Tensor:
-    """x [T, d], s [H, T] -> [d], as vLLM's qkv_proj 'v' rows, attention and o_proj compute it (float64)."""
+    """x [T, d], s [H, T] -> [d], as vLLM's qkv_proj 'v' rows, attention and o_proj compute it (float64). K: the
+    value heads (the packed cache: the G latent groups, query head q reading group q // (H / G))."""
     w = t[prefix + "v_proj.weight"].double()  # [K*r, d]
     hv = x @ w.T
     if prefix + "v_proj.bias" in t:
@@ -34,16 +37,17 @@ def test_latent_values_and_cut_output_equal_tale_runtime(converted, arch, group)
     _, art = converted(arch, group)
     model, _ = tale_runtime.load(art, device="cpu", dtype=torch.float32)
     torch.manual_seed(0)
-    for rank in ("full", 8):
-        src = source.open_artifact(art, rank)
+    for rank in ("full", 8, "packed"):
+        # packed: the tensors of the packed cache (each group's latent once, at full rank, and O^R whole)
+        src = source.open_artifact(art, 8, kv_cache="k4v4") if rank == "packed" else source.open_artifact(art, rank)
         t = dict(source.tensors(src))
         a = src.arch
         for i, layer in enumerate(model.model.layers):
-            att, r = layer.self_attn, src.ranks[i]
+            att, r = layer.self_attn, a.latent_rank if rank == "packed" else src.ranks[i]
             prefix = f"model.layers.{i}.self_attn."
             x = torch.randn(5, a.hidden_size, dtype=torch.float64)
             s = torch.softmax(torch.randn(a.num_heads, 5, dtype=torch.float64), -1)
-            got = vllm_side(t, prefix, x, s, a.num_kv_heads)
+            got = vllm_side(t, prefix, x, s, a.num_groups if rank == "packed" else a.num_kv_heads)
 
             # TaleAttention: z_q = sum_t s_qt pad_R(h_t[c(q)][:r]), output through O^r (+ the value bias's output)
             m = torch.arange(a.num_heads) // (a.num_heads // a.num_kv_heads)  # KV head of each query head
@@ -74,7 +78,7 @@ def test_value_rank_refusals(converted):
 
 def test_engine_args(converted):
     """engine_args names the TALE class and carries the value rank; on the CPU it refuses r != n before any engine."""
-    pytest.importorskip("vllm")
+    pytest.importorskip("vllm.v1.attention.backend")  # vLLM itself, not this test directory
     import tale_runtime.vllm as tale_vllm
 
     _, art = converted("llama", 2)
@@ -103,3 +107,39 @@ def test_rank_cut_inside_latent_rotation_blocks_refused(converted, tmp_path):
     assert len(source.open_artifact(art, 16).ranks) == 3
     with pytest.raises(ValueError, match=r"value rank 12 cuts inside the latents' rotation blocks of 8"):
         source.open_artifact(art, 12)
+
+
+def test_packed_levels_and_refusals(converted):
+    _, art = converted("llama", 2)  # 3 layers, head dim 16, g = 2: R = 32
+    src = source.open_artifact(art, "full", kv_cache="k4v4")  # first and last layer at 16 bits by default
+    assert src.bits == ((16, 16), (4, 4), (16, 16))
+    f = src.paged_format(1, torch.bfloat16)
+    assert (f.key_bits, f.lat_bits, f.rank, f.key_group, f.lat_group) == (4, 4, 32, 16, 32)
+    source.check_backend(src, cpu=True)  # R != n is served on the CPU by the packed backend
+    level0 = source.open_artifact(art, "level0", kv_cache="level0", exact_layers=0)
+    sched = json.loads((art / "tale_config.json").read_text())["schedule"]
+    lv = sched["levels"][0]
+    assert level0.bits == ((lv["key_bits"], lv["bits"]),) * 3
+    assert level0.ranks == tuple(r[0] for r in sched["ranks"])
+    for kv, exact, msg in [
+        ("k3v4", 1, r"the packed cache holds keys and latents at 2, 4, 8, 16 bits, not keys 3 / latents 4"),
+        ("fp8", 1, r"kv cache must be 'level0' or 'k<bits>v<bits>' \(e.g. 'k4v4'\), got 'fp8'"),
+        ("k4v4", -1, r"exact layers must be a whole number >= 0, got -1"),
+        ("k4v4", "rot", r"rotate must be 'hadamard' or 'none', got 'rot'"),
+    ]:
+        with pytest.raises(ValueError, match=msg) as e:
+            if exact == "rot":
+                source.open_artifact(art, kv_cache=kv, rotate="rot")
+            else:
+                source.open_artifact(art, kv_cache=kv, exact_layers=exact)
+        assert "\n" not in str(e.value)
+
+
+def test_engine_args_carry_the_packed_level(converted):
+    pytest.importorskip("vllm.v1.attention.backend")  # vLLM itself, not this test directory
+    import tale_runtime.vllm as tale_vllm
+
+    _, art = converted("llama", 2)
+    args = tale_vllm.engine_args(art, "full", kv_cache="k4v4", exact_layers=0)  # R = 32 != n = 16: fine when packed
+    want = {"tale_value_rank": "full", "tale_kv_cache": "k4v4", "tale_kv_exact_layers": 0, "tale_kv_rotate": "hadamard"}
+    assert args == {"model": str(art), "hf_overrides": want}

@@ -1,0 +1,202 @@
+"""TALE's packed cache in vLLM's paged cache (stage 2, docs/serving.md): an attention backend whose cache per layer
+holds one tale_runtime.paged slot per token and latent group, at one level (key bits, latent bits, rank) per layer.
+
+vLLM sees G cache "heads" per layer, each cell `PagedFormat.slot_bytes` bytes (the spec's num_head_slots and
+state_content_bytes, as vLLM's TurboQuant backend packs a token's key and value into one slot). The layer hands the
+backend the post-RoPE keys [T, K, n] and the full-rank latents [T, G, R] of its new tokens; the backend packs them into
+their slots (write_slots, vLLM's slot_mapping) and returns z [T, H, R] per query head, so the layer's fused O^R
+applies: cached tokens add to their first r channels, the new tokens (exact, causal among themselves) to all R. Decode
+rows go through paged_attention_reference in one batch, prefill rows one by one through the same latent attention
+over their pages (tale_runtime.attention.latent_attention). Torch only: the CPU's path, and the oracle of a GPU
+kernel (tale_kernels.paged_attention, not wired here).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from tale_runtime.attention import latent_attention
+from tale_runtime.paged import PagedFormat, PagedPool, paged_attention_reference, paged_view, write_slots
+
+NAME = "TALE_PACKED"
+
+
+def register() -> None:
+    """Name the backend in vLLM's registry (vLLM's Attention layer looks its backend up by name)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if NAME not in AttentionBackendEnum.__members__:
+        register_backend(NAME, f"{__name__}.TalePackedBackend")
+
+
+@dataclass
+class PackedMetadata(AttentionMetadata):
+    num_actual_tokens: int
+    query_start_loc: list[int]  # [B + 1] on the host: rows are taken one by one
+    seq_lens: list[int]  # [B] cached + new tokens of each row after this step
+    block_table: torch.Tensor  # [B, max_pages] int32
+    slot_mapping: torch.Tensor  # [N] page * page_size + offset (negative: padding)
+
+
+class PackedMetadataBuilder(AttentionMetadataBuilder[PackedMetadata]):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
+        m = common_attn_metadata
+        B = m.num_reqs
+        return PackedMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            query_start_loc=m.query_start_loc_cpu[: B + 1].tolist(),
+            seq_lens=m.seq_lens[:B].tolist(),  # exact (the host copy is an upper bound under speculative decoding)
+            block_table=m.block_table_tensor[:B],
+            slot_mapping=m.slot_mapping[: m.num_actual_tokens],
+        )
+
+
+class TalePackedBackend(AttentionBackend):
+    """The packed backend of one slot format; `for_format` makes the class of each format a layer uses."""
+
+    fmt: ClassVar[PagedFormat | None] = None
+    forward_includes_kv_cache_update: bool = True  # the slots are written in forward, from the exact k and h
+    accept_output_buffer: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return NAME
+
+    @staticmethod
+    def get_impl_cls():
+        return TalePackedImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return PackedMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(1)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # per layer [pages, page_size, G, slot_bytes]: the layout of tale_runtime.paged's pool
+        return (KVCacheLayout.LBNHC,)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def customize_spec(cls, spec):
+        """G cache heads of slot_bytes each per token, whatever the layer's K and head sizes."""
+        if cls.fmt is None or spec.state_content_bytes is not None:
+            return spec
+        return replace(spec, num_head_slots=spec.num_kv_heads // cls.fmt.group, state_content_bytes=cls.fmt.slot_bytes)
+
+    @classmethod
+    @functools.cache
+    def for_format(cls, fmt: PagedFormat) -> type[TalePackedBackend]:
+        """The backend class of one slot format (one per format, shared by the layers that use it)."""
+        return type(f"TalePackedBackend_k{fmt.key_bits}_v{fmt.lat_bits}_r{fmt.rank}", (cls,), {"fmt": fmt})
+
+
+class TalePackedImpl(AttentionImpl[PackedMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        fmt: PagedFormat | None = None,
+    ) -> None:
+        if fmt is None:
+            raise ValueError("the TALE packed backend needs its slot format (fmt=)")
+        if alibi_slopes is not None or sliding_window is not None or logits_soft_cap is not None:
+            raise ValueError("the TALE packed backend has no ALiBi, sliding window or logit soft cap")
+        if kv_sharing_target_layer_name is not None:
+            raise ValueError("the TALE packed backend does not share caches between layers")
+        if kv_cache_dtype != "auto":
+            raise ValueError(
+                f"the TALE packed cache sets its own bits (kv_cache=...): --kv-cache-dtype {kv_cache_dtype}"
+            )
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, scale
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.fmt = fmt
+        self.num_groups = self.num_kv_heads // fmt.group
+        self.latent_rank = fmt.group * head_size  # R: the width of the new tokens' latents and of z
+
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,  # [T, H, n]
+        key: torch.Tensor,  # [T, K, n] post-RoPE
+        value: torch.Tensor,  # [T, K, n] holding the latents [T, G, R] (G R = K n)
+        kv_cache: torch.Tensor,  # [pages, G, page_size, slot_bytes] (any dtype: its bytes are the slots)
+        attn_metadata: PackedMetadata | None,
+        output: torch.Tensor | None = None,  # [T * g, H, n] holding z [T, H, R]
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        H, K, G, n, R = self.num_heads, self.num_kv_heads, self.num_groups, self.head_size, self.latent_rank
+        z_out = output.view(-1, H, R)
+        if attn_metadata is None:  # the profiling run: no cache yet
+            return output.fill_(0)
+        N = attn_metadata.num_actual_tokens
+        z_out[N:].zero_()
+        if N == 0:
+            return output
+        pages = kv_cache.view(torch.uint8).transpose(1, 2)  # [pages, page_size, G, slot_bytes]
+        if not pages.is_contiguous():
+            raise RuntimeError(f"TALE packed cache: vLLM gave a non-contiguous page layout {tuple(kv_cache.stride())}")
+        pool = PagedPool(pages, self.fmt)
+        q, k, h = query[:N], key[:N].view(N, K, n), value[:N].reshape(N, G, R)
+        write_slots(pool, attn_metadata.slot_mapping, k, h)
+
+        S, qsl, bt = pool.page_size, attn_metadata.query_start_loc, attn_metadata.block_table
+        decode: list[int] = []
+        for i, seq_len in enumerate(attn_metadata.seq_lens):
+            s, e = qsl[i], qsl[i + 1]
+            if e - s == 1:
+                decode.append(i)
+            elif e > s:  # a prompt (or a chunk of one): its tokens attend to the pages before it and to each other
+                ctx = seq_len - (e - s)
+                view = paged_view(pool, bt[i : i + 1, : max(1, -(-ctx // S))], torch.tensor([ctx]))
+                z = latent_attention(_heads(q[s:e]), _heads(k[s:e]), _heads(h[s:e]), view, self.scale)
+                z_out[s:e] = z[0].to(z_out.dtype)
+        if decode:
+            rows = torch.tensor([qsl[i] for i in decode])
+            ctx = torch.tensor([attn_metadata.seq_lens[i] - 1 for i in decode])
+            width = max(1, -(-int(ctx.max()) // S))
+            z = paged_attention_reference(
+                q[rows][:, :, None], k[rows][:, :, None], h[rows][:, :, None], pool, bt[decode, :width], ctx, self.scale
+            )  # [B, 1, H, R]
+            z_out[rows] = z[:, 0].to(z_out.dtype)
+        return output
+
+
+def _heads(x: torch.Tensor) -> torch.Tensor:
+    """[T, heads, c] -> [1, heads, T, c]."""
+    return x.transpose(0, 1)[None]
