@@ -84,8 +84,6 @@ def contiguous_view(fmt, k, h):
     return LayerView([Region(keys, lat, fmt.rank, pos, L)], next_pos=L)
 
 
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry", action="store_true", help="CPU, Triton's interpreter, tiny shapes: the checks only")
