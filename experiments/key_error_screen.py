@@ -26,7 +26,7 @@ from tale_calib import documents, text_path
 from tale_runtime import load, new_cache
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.backends import TORCH, AttentionBackend
-from tale_runtime.model import cache_arg
+from tale_runtime.model import cache_arg, hadamard
 from tale_runtime.quant import quantize
 
 SINKS, START = 4, 128
@@ -105,7 +105,10 @@ def main() -> None:
     R = model.tale_spec.arch.latent_rank
     r0 = model.tale_spec.schedule.ranks[0][0]
     print(f"{args.artifact}: R {R}, paper middle: keys 2 bits, latents rank {r0} at 2 bits; botchan 1 x {args.ctx}")
-    print("layer window |q| |k|  spread logit(k2) logit(k4) | out: k2 k4 lat(r0,2b) lat(R,2b) lat(r0,16b) both")
+    print(
+        "layer window |q| |k|  spread logit(k2) logit(k4) logit(k2 hadamard) | out: k2 k4 lat(r0,2b) lat(R,2b) "
+        "lat(r0,16b) both"
+    )
     for i, (q, k, h) in enumerate(layers):
         attn = model.model.layers[i].self_attn
         win, sc, o = attn.sliding_window, attn.scaling, attn.tale.o_fused
@@ -118,6 +121,10 @@ def main() -> None:
             k2, _ = middle(k, h, kb, 16, R)
             _, lg2, _ = attention(q, k2, h, o, sc, win)
             row.append(f"{((lg2 - lg).masked_fill(~m, 0).pow(2).sum() / m.sum()).sqrt().item():9.3f}")
+        Qh = hadamard(k.shape[-1], k.device, torch.float32)  # schedule.rotate "hadamard": q Q . k Q = q . k
+        k2, _ = middle(k @ Qh, h, 2, 16, R)
+        _, lg2, _ = attention(q @ Qh, k2, h, o, sc, win)
+        row.append(f"{((lg2 - lg).masked_fill(~m, 0).pow(2).sum() / m.sum()).sqrt().item():9.3f}")
         outs = []
         for kb, vb, r in ((2, 16, R), (4, 16, R), (16, 2, r0), (16, 2, R), (16, 16, r0), (2, 2, r0)):
             k2, h2 = middle(k, h, kb, vb, r)
