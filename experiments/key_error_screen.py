@@ -5,8 +5,9 @@ runtime, then per layer quantizes the middle tokens (after the 4 sinks, in whole
 would: keys per channel over 32 tokens, latents per token over 32 channels after the rank cut, and reports for the
 queries after the prefill (position 128 on), under the layer's own sliding window:
 
-- `logit`: RMS of the attention-logit error q . (k' - k) * scaling (keys quantized, in nats), and `spread`: the RMS of
-  the logits around their per-query mean (what that error is measured against);
+- `logit`: RMS of the attention-logit error q . (k' - k) * scaling (keys quantized at 2 or 4 bits, and at 2 bits after
+  a Hadamard rotation of q and k, schedule.rotate), and `spread`: the RMS of the logits around their per-query mean
+  (what that error is measured against);
 - `out`: relative error of the attention output (through O^r) with only the keys, only the latents, or both
   quantized: which part of the cache costs what, layer by layer.
 
