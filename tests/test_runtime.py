@@ -82,15 +82,21 @@ def test_exact_settings_reproduce_the_original_model(arch, g):
     assert rel(decode_logits(tm, ids, 12), ref) > 1e-3
 
 
-def test_sliding_window_layers_keep_their_window():
-    base = tiny_model("mistral")
-    base.config.sliding_window = 12  # Mistral reads the window from the config at every forward
-    ids = ids_for(48)
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_sliding_window_layers_keep_their_window(arch):
+    """Token by token and in chunks (tale-eval's decode calls: chunks of 8), well past the window: Mistral's on every
+    layer; Gemma 3's sliding layer (window 24, local RoPE base) beside its global one."""
+    base = tiny_model(arch)
+    if arch == "mistral":
+        base.config.sliding_window = 12  # Mistral reads the window from the config at every forward
+    ids = ids_for(66)
     with torch.no_grad():
         ref = base(ids).logits[:, 9:-1]
-    tm = talify(base, 2, exact_schedule(32, 2))
+    R = 2 * base.model.layers[0].self_attn.head_dim
+    tm = talify(base, 2, exact_schedule(R, base.config.num_hidden_layers))
     assert rel(decode_logits(tm, ids, 10), ref) < 1e-4
-    assert rel(decode_logits(tm, ids, 10, chunks=[7, 1, 20, 10]), ref) < 1e-4
+    assert rel(decode_logits(tm, ids, 10, chunks=[7, 1, 20, 10, 18]), ref) < 1e-4
+    assert rel(decode_logits(tm, ids, 10, chunks=[8] * 7), ref) < 1e-4
 
 
 @pytest.mark.parametrize("arch,g", [("llama", 2), ("llama", 4), ("qwen2", 2), ("mha", 1)])
