@@ -1,7 +1,7 @@
 """What the product benchmarks share: model shapes with random weights, CUDA-event timing with the L2 flushed, the
-copy-bandwidth yardstick, and markdown tables.
+copy-bandwidth yardstick, the SDPA baseline, and markdown tables.
 
-Used by bench_decode.py, bench_cuda_decode.py, bench_e2e.py, bench_convert.py and bench_lowrank.py (run from the
+Used by every bench_*.py here, directly or through bench_decode / bench_e2e (run from the
 repo root: `python3 benchmarks/bench_X.py`; the script's directory is on sys.path, so `import harness` works).
 Importing it needs no GPU; the timing functions do.
 """
