@@ -14,7 +14,7 @@ LONG_PROMPT ?= calib/demo_long_prompt.txt
 JOBS ?= 2  # make errors: fault cases run at once
 TEST_JOBS ?= 2  # make test: pytest-xdist workers (one torch thread each)
 
-.PHONY: setup demo convert run run-long test eval frontier errors bench clean vllm-env test-vllm
+.PHONY: setup demo convert run run-long test test-gpu eval frontier errors bench clean vllm-env test-vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,17 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q -rs -n $(TEST_JOBS)
+
+# the test files that run kernels on a GPU (on a machine without one they run in Triton's interpreter, or skip):
+# on a GPU machine whose Python already holds torch and Triton, `make test-gpu PYTEST="python3 -m pytest"`
+GPU_TESTS ?= tests/test_cuda_layout.py tests/test_cuda_module.py tests/test_decode_step.py tests/test_frag.py \
+  tests/test_kernels.py tests/test_kernels_lowrank.py tests/test_key_rank.py tests/test_key_rope.py \
+  tests/test_mma_attention.py tests/test_paged_attention.py tests/test_quant_bands.py tests/test_static_cache.py
+PYTEST ?= $(BIN)/pytest
+GPU_JOBS ?= 8
+
+test-gpu:
+	$(PYTEST) -q -rs -m "not slow" -n $(GPU_JOBS) -p no:cacheprovider $(GPU_TESTS)
 
 eval: setup
 	$(BIN)/tale-eval $(OUT) --preset ci
