@@ -10,7 +10,6 @@ one after the other; prints one markdown row per setting.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import time
 
@@ -26,25 +25,10 @@ PROMPTS = [
 ]
 
 
-def kv_bytes_per_token(llm) -> int:
-    block = llm.llm_engine.vllm_config.cache_config.block_size
-
-    def per_token(model):
-        from vllm.model_executor.layers.attention import Attention
-
-        total = 0
-        for m in model.modules():
-            if isinstance(m, Attention):
-                t = m.kv_cache[0] if isinstance(m.kv_cache, list | tuple) else m.kv_cache
-                total += t.numel() * t.element_size() // (t.shape[0] * block)
-        return total
-
-    return llm.apply_model(per_token)[0]
-
-
 def run(engine: dict, max_tokens: int) -> tuple[list[list[int]], int, float, float]:
     import vllm
-    from vllm.distributed import cleanup_dist_env_and_memory
+
+    from tale_runtime.vllm import kv_bytes_per_token, shutdown
 
     t0 = time.perf_counter()
     llm = vllm.LLM(**engine)
@@ -53,10 +37,7 @@ def run(engine: dict, max_tokens: int) -> tuple[list[list[int]], int, float, flo
     tokens = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     t2 = time.perf_counter()
     nbytes = kv_bytes_per_token(llm)
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
+    shutdown(llm)
     return tokens, nbytes, t1 - t0, t2 - t1
 
 

@@ -68,3 +68,33 @@ def engine_args(
     if not src.own_type:  # the base's config.json names the base class: name the TALE class instead
         overrides["architectures"] = [ARCHITECTURES[src.model_type][1]]
     return {"model": str(src.root), "hf_overrides": overrides}
+
+
+def kv_bytes_per_token(llm) -> int:
+    """The bytes an in-process vllm.LLM allocated for one token's keys and values, over all layers (its cache
+    tensors): what its cache costs per token, to set beside PagedFormat's formula or a 16-bit cache."""
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+
+    def per_token(model):
+        from vllm.model_executor.layers.attention import Attention
+
+        total = 0
+        for m in model.modules():
+            if isinstance(m, Attention):
+                t = m.kv_cache[0] if isinstance(m.kv_cache, list | tuple) else m.kv_cache
+                total += t.numel() * t.element_size() // (t.shape[0] * block)
+        return total
+
+    return llm.apply_model(per_token)[0]
+
+
+def shutdown(llm) -> None:
+    """End an in-process vllm.LLM and free what it held, so that another engine can start in the same process."""
+    import gc
+
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()

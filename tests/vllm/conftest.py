@@ -5,12 +5,13 @@ built by the same save_tiny and converted with the same tiny converter options."
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import os
 from pathlib import Path
 
 import pytest
+
+from tale_runtime.vllm import kv_bytes_per_token, shutdown  # noqa: F401  (the engine tests import them from here)
 
 # the engine on a small shared CPU: in this process (one engine at a time, the model reachable by apply_model),
 # threads unpinned, a small cache
@@ -91,32 +92,6 @@ def greedy(llm, prompts=PROMPTS, max_tokens: int = 12, logprobs: int | None = No
     outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     tokens = [list(o.token_ids) for o in outs]
     return tokens if logprobs is None else (tokens, [o.logprobs for o in outs])
-
-
-def kv_bytes_per_token(llm) -> int:
-    """The bytes vLLM allocated for one token's keys and values, over all layers (its cache tensors)."""
-    block = llm.llm_engine.vllm_config.cache_config.block_size
-
-    def per_token(model):
-        from vllm.model_executor.layers.attention import Attention
-
-        total = 0
-        for m in model.modules():
-            if isinstance(m, Attention):
-                t = m.kv_cache[0] if isinstance(m.kv_cache, list | tuple) else m.kv_cache
-                total += t.numel() * t.element_size() // (t.shape[0] * block)
-        return total
-
-    return llm.apply_model(per_token)[0]
-
-
-def shutdown(llm) -> None:
-    from vllm.distributed import cleanup_dist_env_and_memory
-
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
 
 
 @pytest.fixture(scope="session")
