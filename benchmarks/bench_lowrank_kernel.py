@@ -302,6 +302,13 @@ def pieces(rot, specs) -> None:
     v = kernel_view(lowrank_view(1, 32768, (16, 1), rot))
     t = safe_time(lambda: lra.latent_attention_lowrank(q, k, h, v, N**-0.5, rope=rot))
     print(f"pieces: the kernel at joint rank 16 (attention, RoPE, latents; next to no rebuild): {t:.1f} us")
+    for r, blocks in specs:
+        v = kernel_view(lowrank_view(1, 32768, (r, blocks), rot))
+        for conc in (True, False):
+            t = safe_time(lambda v=v, c=conc: lra.latent_attention_lowrank(q, k, h, v, N**-0.5, rope=rot, concurrent=c))
+            print(
+                f"pieces: {label((r, blocks))}, regions {'side by side' if conc else 'one after another'}: {t:.1f} us"
+            )
     try:
         for kern in next(iter(lra._lr_kernel.device_caches.values()))[0].values():
             md = kern.metadata
@@ -335,7 +342,7 @@ def main() -> int:
     ap.add_argument("--pieces", action="store_true")
     ap.add_argument(
         "--sweep",
-        default="32x32x8x2x1,64x64x4x2x1,64x32x8x2x1,32x64x4x4x1",
+        default="32x32x8x4x1,32x32x8x2x1,64x32x8x4x1,32x32x4x4x1",
         help="block_t x coef_chunk x num_warps x waves x fused_heads (1/0), swept per key basis at 32K B=1; each "
         "basis' rows take its fastest ('' for the kernel's defaults)",
     )

@@ -30,6 +30,8 @@ sync, capturable in a CUDA graph.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -228,6 +230,8 @@ def _lr_kernel(
     WB: tl.constexpr,
     KC: tl.constexpr,
     KRC: tl.constexpr,
+    KPLANE: tl.constexpr,
+    NBKP: tl.constexpr,
     KBITS: tl.constexpr,
     KTG: tl.constexpr,
     KCG: tl.constexpr,
@@ -358,7 +362,27 @@ def _lr_kernel(
                 cb = (h0 % HPB) * NH
                 k_lo = tl.zeros([BT, WN], tl.float32)
                 k_hi = tl.zeros([BT, WN], tl.float32)
-                for c0 in range(0, KC, KRC):
+                if KPLANE:  # the packed rows loaded once (contiguous bytes), their code planes dequantized in turn
+                    NBK: tl.constexpr = KC * KBITS // 8
+                    jb = tl.arange(0, NBKP)
+                    jbm = jb < NBK
+                    kb = b * s_kb + blk * s_kh
+                    ksb = b * s_ksb + blk * s_ksh + (t0 // KTG) * s_kst  # the tile's token group: one row
+                    # masked by the tile's range, not by the positions: the loads need not wait for them (the
+                    # scores of slots that hold no token are masked below)
+                    byt = tl.load(
+                        k_ptr + kb + t[:, None] * s_kt + jb[None, :], mask=tm[:, None] & jbm[None, :], other=0
+                    ).to(tl.int32)
+                    for i in tl.static_range(8 // KBITS):
+                        ch = i * NBK + jb  # plane i: coefficient i NBK + j sits in byte j at bit i KBITS
+                        code = (byt >> (i * KBITS)) & ((1 << KBITS) - 1)
+                        sc = tl.load(ks_ptr + ksb + ch, mask=jbm, other=0.0).to(tl.float32) * kinv_s
+                        zr = tl.load(kz_ptr + ksb + ch, mask=jbm, other=0.0).to(tl.float32) * kinv_z
+                        coef = (code.to(tl.float32) * sc[None, :] + zr[None, :]).to(DOT)
+                        drow = blk * s_dblk + ch[:, None] * s_dec + cb + cols[None, :]
+                        k_lo = _dot(coef, tl.load(dec_ptr + drow, mask=jbm[:, None], other=0.0), k_lo, DOT)
+                        k_hi = _dot(coef, tl.load(dhi_ptr + drow, mask=jbm[:, None], other=0.0), k_hi, DOT)
+                for c0 in range(0, 0 if KPLANE else KC, KRC):
                     ch = c0 + tl.arange(0, KRC)
                     chm = ch < KC
                     cm2 = ok[:, None] & chm[None, :]
@@ -580,18 +604,25 @@ def _qargs(t: QTensor, C: int):
     return data, data.stride()[:3], sc, zr, sc.stride()[:3], bias, 1.0 / t.shift, (t.bits, tg, cg, s8, z8, bp)
 
 
-def _splits(regions: list[Region], B: int, G: int, n: int, K: int, sms: int, waves: float, min_split: int):
+def _splits(regions: list[Region], B: int, G: int, sms: int, waves: float, min_split: int):
     """Splits per region from capacities only (graph-safe): about `waves` programs per SM shared by the regions in
-    proportion to their work (low-rank keys cost their rebuild: r x n per KV head and slot), >= min_split slots."""
-    cost = []
-    for r in regions:
-        kw = K * (r.keys.shape[-1] * n / 64 if r.basis is not None else n) + G * r.rank
-        cost.append(r.capacity * kw)
+    proportion to their slots, >= min_split slots each. A tile costs about the same whatever its region holds (on an
+    H100 the kernel is bound by each tile's chain of dependent loads and layout conversions, not by the rebuild's
+    multiply-adds), so equal slots per program end the regions, which run side by side, together."""
     total = max(1.0, waves * sms / (B * G))
-    return [
-        max(1, min(triton.cdiv(r.capacity, min_split), round(total * w / max(1.0, sum(cost)))))
-        for r, w in zip(regions, cost)
-    ]
+    slots = max(1, sum(r.capacity for r in regions))
+    return [max(1, min(triton.cdiv(r.capacity, min_split), round(total * r.capacity / slots))) for r in regions]
+
+
+# side streams per device on which the regions' launches run concurrently (made once: a graph capture forks to them)
+_STREAMS: dict = {}
+
+
+def _side_streams(device, n: int) -> list:
+    have = _STREAMS.setdefault(str(device), [])
+    while len(have) < n:
+        have.append(torch.cuda.Stream(device=device))
+    return have[:n]
 
 
 def _lat_chunks(rank: int) -> tuple[int, int]:
@@ -630,9 +661,10 @@ def latent_attention_lowrank(
     block_t: int = 32,
     coef_chunk: int = 32,
     min_split: int = 64,
-    waves: float = 2.0,
+    waves: float = 4.0,
     split_tokens: int | None = None,
     fused_heads: bool = True,
+    concurrent: bool = True,
     num_warps: int = 8,
     num_stages: int = 2,
 ) -> torch.Tensor:
@@ -647,7 +679,8 @@ def latent_attention_lowrank(
     rebuilds the low-rank keys of a latent group's KV heads on a joint basis in one [block_t, coef_chunk] x
     [coef_chunk, g n/2] dot per RoPE half and scores them in one block-diagonal dot (the coefficients dequantized
     once per tile); False: head by head (the coefficients dequantized once per head, small dots). A per-head basis
-    is always rebuilt head by head (each head has its own coefficients)."""
+    is always rebuilt head by head (each head has its own coefficients). `concurrent`: the regions' launches run side
+    by side on side streams (CUDA; False: one after the other on the current stream)."""
     if not isinstance(view, LayerView):
         view = view.view()
     if supported(q, k_new, h_new, view, rope) is not None:
@@ -663,7 +696,7 @@ def latent_attention_lowrank(
     if split_tokens:
         splits = [max(1, triton.cdiv(r.capacity, split_tokens)) for r in regions]
     else:
-        splits = _splits(regions, B, G, n, K, sms, waves, min_split)
+        splits = _splits(regions, B, G, sms, waves, min_split)
     n_slots, (pm, pl, pacc, rk) = _attn._partials(B, H, R, splits, dev)
     dot = tl.float32 if q.dtype == torch.float32 else tl.float16
     rot = _rotary(rope)
@@ -676,115 +709,129 @@ def latent_attention_lowrank(
     NH = max(16, n // 2)
     BT = max(32, block_t)  # 16-token tiles gave wrong results compiled (docs/kernels.md, Triton quirks)
     slot0 = 0
-    for r, ns in zip(regions, splits):
-        lowrank = r.basis is not None
-        KC = r.keys.shape[-1] if lowrank else n
-        kd, kst, ks, kz, kss, kbias, kish, (KB, KTG, KCG, KS8, KZ8, KBP) = _qargs(r.keys, KC)
-        hd, hst, hs, hz, hss, hbias, hish, (HB, _, HG, HS8, HZ8, HBP) = _qargs(r.lat, r.rank)
-        if lowrank:
-            dec, dhi, mean = _basis_on(r.basis, NH, dev, torch.float32 if q.dtype == torch.float32 else torch.float16)
-            hpb = K // r.basis.blocks
-            wb = min(g, hpb) if fused_heads else 1
-        else:
-            dec = dhi = mean = kd
-            hpb, wb = 1, 1
-        if r.rope is None:
-            mode, cos, sin = 0, kd, kd
-        elif rot is None:
-            mode, cos, sin = 1, _c(r.rope[0]), _c(r.rope[1])
-        else:
-            mode, cos, sin = 2, kd, kd
-        cstr = cos.stride()[:2] if mode == 1 else (0, 0)
-        NLC, LC = _lat_chunks(r.rank)
-        ln = r.length
-        _lr_kernel[(ns, G, B)](
-            q,
-            q.stride(0),
-            q.stride(1),
-            qk,
-            r.pos,
-            r.pos.stride(0),
-            ln,
-            npos,
-            0 if win is None else int(win),
-            roff if mode == 2 else r.pos,
-            kd,
-            kst[0],
-            kst[1],
-            kst[2],
-            ks,
-            kz,
-            kss[0],
-            kss[1],
-            kss[2],
-            kbias,
-            kish,
-            dec,
-            dhi,
-            dec.stride(0) if lowrank else 0,
-            dec.stride(1) if lowrank else 0,
-            mean,
-            cos,
-            sin,
-            *cstr,
-            invf if mode == 2 else kd,
-            rot[1] if mode == 2 else 1.0,
-            hd,
-            hst[0],
-            hst[1],
-            hst[2],
-            hs,
-            hz,
-            hss[0],
-            hss[1],
-            hss[2],
-            hbias,
-            hish,
-            pm,
-            pl,
-            pacc,
-            pacc.stride(2),
-            rk,
-            slot0,
-            n_slots,
-            H,
-            ns,
-            N=n,
-            NH=NH,
-            GS=g,
-            REP=rep,
-            QGP=QGP,
-            BT=BT,
-            LOWRANK=lowrank,
-            HPB=hpb,
-            WB=wb,
-            KC=KC,
-            KRC=max(16, coef_chunk),
-            KBITS=KB,
-            KTG=KTG,
-            KCG=KCG,
-            KSF8=KS8,
-            KZF8=KZ8,
-            KBP=KBP,
-            ROPE=mode,
-            RDT=TL_DTYPE[q.dtype],
-            PRECISE=not interpreting(),
-            RANK=r.rank,
-            LC=LC,
-            NLC=NLC,
-            HBITS=HB,
-            HG=HG,
-            HSF8=HS8,
-            HZF8=HZ8,
-            HBP=HBP,
-            LENP=isinstance(ln, torch.Tensor),
-            NPP=isinstance(npos, torch.Tensor),
-            WIN=win is not None,
-            DOT=dot,
-            num_warps=num_warps,
-            num_stages=num_stages,
-        )
+    # the regions run side by side, each on a stream of its own (forked from and joined to the current one: a
+    # CUDA graph captures them as parallel branches)
+    cur = torch.cuda.current_stream(dev) if concurrent and dev.type == "cuda" and len(regions) > 1 else None
+    streams = [cur, *_side_streams(dev, len(regions) - 1)] if cur is not None else [None] * len(regions)
+    side = streams[1:] if cur is not None else []
+    for st in side:
+        st.wait_stream(cur)
+    for r, ns, st in zip(regions, splits, streams):
+        with torch.cuda.stream(st) if st is not None else contextlib.nullcontext():
+            lowrank = r.basis is not None
+            KC = r.keys.shape[-1] if lowrank else n
+            kd, kst, ks, kz, kss, kbias, kish, (KB, KTG, KCG, KS8, KZ8, KBP) = _qargs(r.keys, KC)
+            hd, hst, hs, hz, hss, hbias, hish, (HB, _, HG, HS8, HZ8, HBP) = _qargs(r.lat, r.rank)
+            if lowrank:
+                dec, dhi, mean = _basis_on(
+                    r.basis, NH, dev, torch.float32 if q.dtype == torch.float32 else torch.float16
+                )
+                hpb = K // r.basis.blocks
+                wb = min(g, hpb) if fused_heads else 1
+            else:
+                dec = dhi = mean = kd
+                hpb, wb = 1, 1
+            if r.rope is None:
+                mode, cos, sin = 0, kd, kd
+            elif rot is None:
+                mode, cos, sin = 1, _c(r.rope[0]), _c(r.rope[1])
+            else:
+                mode, cos, sin = 2, kd, kd
+            cstr = cos.stride()[:2] if mode == 1 else (0, 0)
+            NLC, LC = _lat_chunks(r.rank)
+            ln = r.length
+            _lr_kernel[(ns, G, B)](
+                q,
+                q.stride(0),
+                q.stride(1),
+                qk,
+                r.pos,
+                r.pos.stride(0),
+                ln,
+                npos,
+                0 if win is None else int(win),
+                roff if mode == 2 else r.pos,
+                kd,
+                kst[0],
+                kst[1],
+                kst[2],
+                ks,
+                kz,
+                kss[0],
+                kss[1],
+                kss[2],
+                kbias,
+                kish,
+                dec,
+                dhi,
+                dec.stride(0) if lowrank else 0,
+                dec.stride(1) if lowrank else 0,
+                mean,
+                cos,
+                sin,
+                *cstr,
+                invf if mode == 2 else kd,
+                rot[1] if mode == 2 else 1.0,
+                hd,
+                hst[0],
+                hst[1],
+                hst[2],
+                hs,
+                hz,
+                hss[0],
+                hss[1],
+                hss[2],
+                hbias,
+                hish,
+                pm,
+                pl,
+                pacc,
+                pacc.stride(2),
+                rk,
+                slot0,
+                n_slots,
+                H,
+                ns,
+                N=n,
+                NH=NH,
+                GS=g,
+                REP=rep,
+                QGP=QGP,
+                BT=BT,
+                LOWRANK=lowrank,
+                HPB=hpb,
+                WB=wb,
+                KC=KC,
+                KRC=max(16, coef_chunk),
+                KPLANE=lowrank and KB in (2, 4, 8) and KCG == 1 and KTG % BT == 0,
+                NBKP=max(16, pow2(KC * KB // 8)),
+                KBITS=KB,
+                KTG=KTG,
+                KCG=KCG,
+                KSF8=KS8,
+                KZF8=KZ8,
+                KBP=KBP,
+                ROPE=mode,
+                RDT=TL_DTYPE[q.dtype],
+                PRECISE=not interpreting(),
+                RANK=r.rank,
+                LC=LC,
+                NLC=NLC,
+                HBITS=HB,
+                HG=HG,
+                HSF8=HS8,
+                HZF8=HZ8,
+                HBP=HBP,
+                LENP=isinstance(ln, torch.Tensor),
+                NPP=isinstance(npos, torch.Tensor),
+                WIN=win is not None,
+                DOT=dot,
+                num_warps=num_warps,
+                num_stages=num_stages,
+            )
         slot0 += ns
+    for st in side:
+        cur.wait_stream(st)
     return _attn._combine(pm, pl, pacc, rk, n_slots if regions else 0, q, k_new, h_new, qk, rep, g)
 
 

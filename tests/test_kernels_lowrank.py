@@ -70,6 +70,7 @@ def make_view(
     meta="8/8",
     lat_bits=3,
     coef_bits=4,
+    coef_group=8,
     blocks=1,
     seed=0,
 ):
@@ -92,7 +93,8 @@ def make_view(
     for kind, used in zip(kinds, lay.lens):
         cap = used + extra
         if kind in ("lowrank", "chan4"):
-            cap = -(-cap // 8) * 8  # whole key groups
+            kg = coef_group if kind == "lowrank" else 8
+            cap = -(-cap // kg) * kg  # whole key groups
         pos = torch.full((B, cap), -1, dtype=torch.int32, device=DEVICE)
         pos[:, :used] = torch.arange(p0, p0 + used, dtype=torch.int32, device=DEVICE)
         for b, pb in enumerate(lay.pad):
@@ -110,7 +112,7 @@ def make_view(
             lat, rope, bs = quantize(h, 16, 1, -1), None, None
         elif kind == "lowrank":
             coef = rnd(B, blocks, cap, lay.r, s=3.0).to(dt)
-            keys = quantize(coef, coef_bits, 8, -2, meta)
+            keys = quantize(coef, coef_bits, coef_group, -2, meta)
             lat, rope, bs = quantize(h, lat_bits, 8, -1, meta), (cos, sin), basis
         elif kind == "chan4":
             keys = quantize(k_pre.to(dt), 4, 8, -2, meta)
@@ -119,6 +121,8 @@ def make_view(
             keys = quantize(k_pre.to(dt), 8, 8, -1, meta)
             lat, rope, bs = quantize(h, 8, 8, -1, meta), (cos, sin), None
         if extra:  # unused slots: garbage that must not leak in
+            if kind == "lowrank":  # the scales of token groups that hold no token
+                keys.scale[..., -(-used // coef_group) :, :] = float("nan")
             if keys.bits == 16:
                 keys.data[..., used:, :] = float("nan")
             if lat.bits == 16:
@@ -193,6 +197,14 @@ def test_empty_levels_sliding_window_device_lengths_and_unused_slots():
 def test_per_head_basis(B):
     """One basis block per KV head: coefficients [B, K, cap, r_h], each head rebuilt from its own."""
     check(Layout(B=B, r=12, pad=[0, 3, 5, 9][:B]), blocks=2)
+
+
+@pytest.mark.parametrize("coef_bits,blocks", [(4, 1), (4, 2), (2, 2), (8, 1)])
+def test_coefficients_in_tile_groups(coef_bits, blocks):
+    """Coefficients quantized over groups of 32 tokens (the preset's; a 32-slot tile lies in one group): the kernel
+    loads each packed row once and dequantizes it plane by plane. Token groups that hold no token have NaN scales; rows are padded."""
+    lay = Layout(B=2, r=24 if blocks == 1 else 12, pad=[0, 5], lens=(4, 70, 9, 3, 2))
+    check(lay, coef_bits=coef_bits, coef_group=32, blocks=blocks, extra=7, window=60, rope_modes=("kernel",))
 
 
 def test_per_head_basis_gqa_window_device_lengths_and_bf16():
