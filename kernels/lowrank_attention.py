@@ -363,25 +363,25 @@ def _lr_kernel(
                 k_lo = tl.zeros([BT, WN], tl.float32)
                 k_hi = tl.zeros([BT, WN], tl.float32)
                 if KPLANE:  # the packed rows loaded once (contiguous bytes), their code planes dequantized in turn
-                    NBK: tl.constexpr = KC * KBITS // 8
-                    jb = tl.arange(0, NBKP)
-                    jbm = jb < NBK
-                    kb = b * s_kb + blk * s_kh
-                    ksb = b * s_ksb + blk * s_ksh + (t0 // KTG) * s_kst  # the tile's token group: one row
+                    PNB: tl.constexpr = KC * KBITS // 8
+                    pj = tl.arange(0, NBKP)
+                    pjm = pj < PNB
+                    pkb = b * s_kb + blk * s_kh
+                    pksb = b * s_ksb + blk * s_ksh + (t0 // KTG) * s_kst  # the tile's token group: one row
                     # masked by the tile's range, not by the positions: the loads need not wait for them (the
                     # scores of slots that hold no token are masked below)
-                    byt = tl.load(
-                        k_ptr + kb + t[:, None] * s_kt + jb[None, :], mask=tm[:, None] & jbm[None, :], other=0
+                    pbyt = tl.load(
+                        k_ptr + pkb + t[:, None] * s_kt + pj[None, :], mask=tm[:, None] & pjm[None, :], other=0
                     ).to(tl.int32)
                     for i in tl.static_range(8 // KBITS):
-                        ch = i * NBK + jb  # plane i: coefficient i NBK + j sits in byte j at bit i KBITS
-                        code = (byt >> (i * KBITS)) & ((1 << KBITS) - 1)
-                        sc = tl.load(ks_ptr + ksb + ch, mask=jbm, other=0.0).to(tl.float32) * kinv_s
-                        zr = tl.load(kz_ptr + ksb + ch, mask=jbm, other=0.0).to(tl.float32) * kinv_z
-                        coef = (code.to(tl.float32) * sc[None, :] + zr[None, :]).to(DOT)
-                        drow = blk * s_dblk + ch[:, None] * s_dec + cb + cols[None, :]
-                        k_lo = _dot(coef, tl.load(dec_ptr + drow, mask=jbm[:, None], other=0.0), k_lo, DOT)
-                        k_hi = _dot(coef, tl.load(dhi_ptr + drow, mask=jbm[:, None], other=0.0), k_hi, DOT)
+                        pch = i * PNB + pj  # plane i: coefficient i PNB + j sits in byte j at bit i KBITS
+                        pcode = (pbyt >> (i * KBITS)) & ((1 << KBITS) - 1)
+                        psc = tl.load(ks_ptr + pksb + pch, mask=pjm, other=0.0).to(tl.float32) * kinv_s
+                        pzr = tl.load(kz_ptr + pksb + pch, mask=pjm, other=0.0).to(tl.float32) * kinv_z
+                        pcoef = (pcode.to(tl.float32) * psc[None, :] + pzr[None, :]).to(DOT)
+                        prow = blk * s_dblk + pch[:, None] * s_dec + cb + cols[None, :]
+                        k_lo = _dot(pcoef, tl.load(dec_ptr + prow, mask=pjm[:, None], other=0.0), k_lo, DOT)
+                        k_hi = _dot(pcoef, tl.load(dhi_ptr + prow, mask=pjm[:, None], other=0.0), k_hi, DOT)
                 for c0 in range(0, 0 if KPLANE else KC, KRC):
                     ch = c0 + tl.arange(0, KRC)
                     chm = ch < KC
