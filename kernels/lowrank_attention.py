@@ -231,7 +231,6 @@ def _lr_kernel(
     KC: tl.constexpr,
     KRC: tl.constexpr,
     KPLANE: tl.constexpr,
-    NBKP: tl.constexpr,
     KBITS: tl.constexpr,
     KTG: tl.constexpr,
     KCG: tl.constexpr,
@@ -362,26 +361,27 @@ def _lr_kernel(
                 cb = (h0 % HPB) * NH
                 k_lo = tl.zeros([BT, WN], tl.float32)
                 k_hi = tl.zeros([BT, WN], tl.float32)
-                if KPLANE:  # the packed rows loaded once (contiguous bytes), their code planes dequantized in turn
-                    PNB: tl.constexpr = KC * KBITS // 8
-                    pj = tl.arange(0, NBKP)
-                    pjm = pj < PNB
+                if KPLANE:  # packed rows read KRC contiguous bytes at a time, each chunk's code planes in turn
+                    PNB: tl.constexpr = KC * KBITS // 8  # bytes per row
                     pkb = b * s_kb + blk * s_kh
                     pksb = b * s_ksb + blk * s_ksh + (t0 // KTG) * s_kst  # the tile's token group: one row
-                    # masked by the tile's range, not by the positions: the loads need not wait for them (the
-                    # scores of slots that hold no token are masked below)
-                    pbyt = tl.load(
-                        k_ptr + pkb + t[:, None] * s_kt + pj[None, :], mask=tm[:, None] & pjm[None, :], other=0
-                    ).to(tl.int32)
-                    for i in tl.static_range(8 // KBITS):
-                        pch = i * PNB + pj  # plane i: coefficient i PNB + j sits in byte j at bit i KBITS
-                        pcode = (pbyt >> (i * KBITS)) & ((1 << KBITS) - 1)
-                        psc = tl.load(ks_ptr + pksb + pch, mask=pjm, other=0.0).to(tl.float32) * kinv_s
-                        pzr = tl.load(kz_ptr + pksb + pch, mask=pjm, other=0.0).to(tl.float32) * kinv_z
-                        pcoef = (pcode.to(tl.float32) * psc[None, :] + pzr[None, :]).to(DOT)
-                        prow = blk * s_dblk + pch[:, None] * s_dec + cb + cols[None, :]
-                        k_lo = _dot(pcoef, tl.load(dec_ptr + prow, mask=pjm[:, None], other=0.0), k_lo, DOT)
-                        k_hi = _dot(pcoef, tl.load(dhi_ptr + prow, mask=pjm[:, None], other=0.0), k_hi, DOT)
+                    for p0 in range(0, PNB, KRC):
+                        pj = p0 + tl.arange(0, KRC)
+                        pjm = pj < PNB
+                        # masked by the tile's range, not by the positions: the loads need not wait for them (the
+                        # scores of slots that hold no token are masked below)
+                        pbyt = tl.load(
+                            k_ptr + pkb + t[:, None] * s_kt + pj[None, :], mask=tm[:, None] & pjm[None, :], other=0
+                        ).to(tl.int32)
+                        for i in tl.static_range(8 // KBITS):
+                            pch = i * PNB + pj  # plane i: coefficient i PNB + j sits in byte j at bit i KBITS
+                            pcode = (pbyt >> (i * KBITS)) & ((1 << KBITS) - 1)
+                            psc = tl.load(ks_ptr + pksb + pch, mask=pjm, other=0.0).to(tl.float32) * kinv_s
+                            pzr = tl.load(kz_ptr + pksb + pch, mask=pjm, other=0.0).to(tl.float32) * kinv_z
+                            pcoef = (pcode.to(tl.float32) * psc[None, :] + pzr[None, :]).to(DOT)
+                            prow = blk * s_dblk + pch[:, None] * s_dec + cb + cols[None, :]
+                            k_lo = _dot(pcoef, tl.load(dec_ptr + prow, mask=pjm[:, None], other=0.0), k_lo, DOT)
+                            k_hi = _dot(pcoef, tl.load(dhi_ptr + prow, mask=pjm[:, None], other=0.0), k_hi, DOT)
                 for c0 in range(0, 0 if KPLANE else KC, KRC):
                     ch = c0 + tl.arange(0, KRC)
                     chm = ch < KC
@@ -804,7 +804,6 @@ def latent_attention_lowrank(
                 KC=KC,
                 KRC=max(16, coef_chunk),
                 KPLANE=lowrank and KB in (2, 4, 8) and KCG == 1 and KTG % BT == 0,
-                NBKP=max(16, pow2(KC * KB // 8)),
                 KBITS=KB,
                 KTG=KTG,
                 KCG=KCG,

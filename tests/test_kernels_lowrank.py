@@ -203,7 +203,8 @@ def test_per_head_basis(B):
 def test_coefficients_in_tile_groups(coef_bits, blocks):
     """Coefficients quantized over groups of 32 tokens (the preset's; a 32-slot tile lies in one group): the kernel
     loads each packed row once and dequantizes it plane by plane. Token groups that hold no token have NaN scales; rows are padded."""
-    lay = Layout(B=2, r=24 if blocks == 1 else 12, pad=[0, 5], lens=(4, 70, 9, 3, 2))
+    r = (48 if coef_bits == 8 else 24) if blocks == 1 else 12  # 8-bit 48: rows of 48 bytes, two 32-byte chunks
+    lay = Layout(B=2, r=r, pad=[0, 5], lens=(4, 70, 9, 3, 2))
     check(lay, coef_bits=coef_bits, coef_group=32, blocks=blocks, extra=7, window=60, rope_modes=("kernel",))
 
 
