@@ -316,6 +316,7 @@ def _lr_kernel(
     # keys per channel over token groups that each hold whole tiles (tiles start at multiples of BT): one row of
     # scales and zeros per tile
     KROW1: tl.constexpr = KTG % BT == 0
+    PNB: tl.constexpr = KC * KBITS // 8  # bytes per packed row of keys (the plane path: KPLANE)
 
     m_i = tl.full([QGP], float("-inf"), tl.float32)
     l_i = tl.zeros([QGP], tl.float32)
@@ -362,7 +363,6 @@ def _lr_kernel(
                 k_lo = tl.zeros([BT, WN], tl.float32)
                 k_hi = tl.zeros([BT, WN], tl.float32)
                 if KPLANE:  # packed rows read KRC contiguous bytes at a time, each chunk's code planes in turn
-                    PNB: tl.constexpr = KC * KBITS // 8  # bytes per row
                     pkb = b * s_kb + blk * s_kh
                     pksb = b * s_ksb + blk * s_ksh + (t0 // KTG) * s_kst  # the tile's token group: one row
                     for p0 in range(0, PNB, KRC):
