@@ -191,6 +191,11 @@ def _next_token(
     return int(torch.multinomial(scores[0].softmax(-1), 1, generator=gen))
 
 
+def _graphs(device: torch.device) -> bool:
+    """Whether decode steps over a static cache replay a CUDA graph (graph_decoder) on this device."""
+    return device.type == "cuda"
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -255,7 +260,7 @@ def generate(
     held = cache.get_seq_length()
     if held >= ids.shape[1]:
         raise ValueError(f"the cache holds {held} tokens; the sequence to continue has {ids.shape[1]}")
-    graphed = isinstance(cache, StaticTaleCache) and device.type == "cuda"
+    graphed = isinstance(cache, StaticTaleCache) and _graphs(device)
     stop = (
         eos_ids(model, tokenizer) if eos_token_id is None else set(torch.as_tensor(eos_token_id).reshape(-1).tolist())
     )
