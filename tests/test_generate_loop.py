@@ -1,12 +1,15 @@
 """tale_runtime.generate's decode loop: the greedy token read in one number, the graph decoder's branch (a stand-in
 decoder on the CPU: CUDA graphs need a GPU), and the cache holding exactly the generated sequence."""
 
+import importlib
+
 import pytest
 import torch
 from tale_helpers import byte_tokenizer, talify, tiny_model
 
 import tale_runtime.generate as gen
 from tale_runtime import new_cache
+from tale_runtime.load import _GraphedCall
 from tale_runtime.model import cache_arg
 
 
@@ -58,15 +61,16 @@ class StandInDecoder:
 
     def __init__(self, model, cache):
         self.model, self.cache = model, cache
-        self.ids, self.pos, self.logits = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), None
-        self.graph = self.error = None
+        self.ids = self.pos = self.logits = self.graph = self.error = None
         self.positions: list[int] = []
 
     def __call__(self, ids, position_ids):
+        if self.ids is None:
+            self.ids, self.pos = torch.empty_like(ids), torch.empty_like(position_ids)
         self.ids.copy_(ids)
         self.pos.copy_(position_ids)
-        self.positions.append(int(self.pos))
-        assert int(self.pos) == self.cache.get_seq_length()  # the token goes where the cache ends
+        self.positions.append(int(self.pos[0]))
+        assert int(self.pos[0]) == self.cache.get_seq_length()  # the token goes where the cache ends
         kw = dict(position_ids=self.pos, use_cache=True, logits_to_keep=1)
         logits = self.model(input_ids=self.ids, **cache_arg(self.cache), **kw).logits[:, -1]
         if self.logits is None:
@@ -107,3 +111,33 @@ def test_graph_decoder_branch(models, monkeypatch):
     out, stats = gen.generate(tm, prompt, max_new_tokens=20, cache=cache, eos_token_id=eos)
     assert out == free[: stop + 1] and len(decoders[-1].positions) == stop
     assert cache.get_seq_length() == 30 + len(out) - 1
+
+
+def test_model_generate_graphed_call(models, monkeypatch):
+    """model.generate's decode steps through _GraphedCall (CUDA-graph replays on CUDA, a stand-in decoder here): the
+    same sequences and logits as eager steps; the output around the decoder's logits buffer is built once and handed
+    out again while the decoder returns that buffer."""
+    tm = models[torch.float32]
+    ids = torch.randint(1, 320, (1, 30), generator=torch.Generator().manual_seed(4))
+    kw = dict(max_new_tokens=16, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    eager = tm.generate(ids, **cache_arg(new_cache(tm, static=True)), **kw)
+    decoders, outputs = [], []
+
+    def graph_decoder(model, cache, compile=True):  # made once per cache, like the real one
+        if not decoders or decoders[-1].cache is not cache:
+            decoders.append(StandInDecoder(model, cache))
+        return decoders[-1]
+
+    def call(self, *a, **k):
+        outputs.append(real(self, *a, **k))
+        return outputs[-1]
+
+    real = _GraphedCall.__call__
+    monkeypatch.setattr(importlib.import_module("tale_runtime.load"), "graph_decoder", graph_decoder)
+    monkeypatch.setattr(_GraphedCall, "__call__", call)
+    monkeypatch.setattr(type(tm), "_valid_auto_compile_criteria", lambda self, model_kwargs, config: True)
+    graphed = tm.generate(ids, **cache_arg(new_cache(tm, static=True)), **kw)
+    assert len(decoders) == 1 and len(outputs) == 15
+    assert torch.equal(graphed.sequences, eager.sequences) and len(set(graphed.sequences[0, 30:].tolist())) > 1
+    assert all(torch.equal(a, b) for a, b in zip(graphed.logits, eager.logits))
+    assert len({id(o) for o in outputs}) == 1 and outputs[0].logits.data_ptr() == decoders[0].logits.data_ptr()
