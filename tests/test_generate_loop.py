@@ -114,8 +114,9 @@ def test_graph_decoder_branch(models, monkeypatch):
 
 
 def test_model_generate_graphed_call(models, monkeypatch):
-    """model.generate's decode steps through _GraphedCall (CUDA-graph replays on CUDA, a stand-in decoder here): the
-    same sequences and logits as eager steps; the output around the decoder's logits buffer is built once and handed
+    """model.generate's decode steps through _GraphedCall (CUDA-graph replays on CUDA, a stand-in decoder here), over
+    a static cache larger than the call needs (as bench_generate.py sizes them): the same sequences and logits as
+    eager steps; the output around the decoder's logits buffer is built once and handed
     out again while the decoder returns that buffer."""
     tm = models[torch.float32]
     ids = torch.randint(1, 320, (1, 30), generator=torch.Generator().manual_seed(4))
@@ -136,7 +137,7 @@ def test_model_generate_graphed_call(models, monkeypatch):
     monkeypatch.setattr(importlib.import_module("tale_runtime.load"), "graph_decoder", graph_decoder)
     monkeypatch.setattr(_GraphedCall, "__call__", call)
     monkeypatch.setattr(type(tm), "_valid_auto_compile_criteria", lambda self, model_kwargs, config: True)
-    graphed = tm.generate(ids, **cache_arg(new_cache(tm, static=True)), **kw)
+    graphed = tm.generate(ids, **cache_arg(new_cache(tm, static=True, max_length=64)), **kw)  # larger than needed
     assert len(decoders) == 1 and len(outputs) == 15
     assert torch.equal(graphed.sequences, eager.sequences) and len(set(graphed.sequences[0, 30:].tolist())) > 1
     assert all(torch.equal(a, b) for a, b in zip(graphed.logits, eager.logits))
