@@ -171,12 +171,12 @@ def _next_token(
     """logits [V] -> token id: greedy at temperature 0, else sampled after transformers' processors (`procs`,
     default: `processors(temperature, top_p)`; `ids` [1, L]: the sequence so far, for a repetition penalty), which
     read the logits as float32. Non-finite logits are refused (NonFiniteLogits); greedy without processors reads the
-    token and the check in one device-to-host copy of one number, and never copies the row."""
+    token and the check in one device-to-host copy of one number, and on a GPU never copies the row."""
     if procs is None:
         procs = processors(temperature, top_p)
     if temperature <= 0 and not procs:
         # argmax in the logits' own dtype on a GPU (float32 holds every bfloat16/float16 value: the same index); the
-        # CPU reduces bfloat16 at half float32's speed, after a conversion that costs less than the difference
+        # CPU reduces bfloat16 more slowly than float32, by more than the conversion costs
         if logits.device.type == "cpu":
             logits = logits.float()
         tok = int(torch.where(torch.isfinite(logits).all(), logits.argmax(), -1))  # -1: not finite
