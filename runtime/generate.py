@@ -33,15 +33,17 @@ class GenStats:
     nominal_ratio: float | None  # artifact.nominal_ratio of the schedule: no sinks, scales, zeros, residual
     attention: str = ""  # the decode attention backend (cache.backend_name)
     reused_tokens: int = 0  # prompt tokens the cache held already (a chat's earlier turns): not prefilled again
-    # the first decode step of a CUDA-graph decoder, part of decode_s: it compiles the step (once per model and
-    # process) and captures the graph (once per cache); the speed is of the steps after it
+    # the first decode steps of a CUDA-graph decoder, up to its first replay, part of decode_s: they compile the step
+    # (once per model and process), run one step eagerly and capture the graph (once per cache); the speed is of the
+    # steps after them
     first_step_s: float = 0.0
+    first_steps: int = 1  # how many decode steps first_step_s covers
 
     @property
     def decode_tokens_per_s(self) -> float:
         steps, s = self.generated_tokens - 1, self.decode_s
-        if self.first_step_s and steps > 1:
-            steps, s = steps - 1, s - self.first_step_s
+        if self.first_step_s and steps > self.first_steps:
+            steps, s = steps - self.first_steps, s - self.first_step_s
         return steps / s if steps > 0 and s > 0 else 0.0
 
     @property
@@ -59,8 +61,9 @@ class GenStats:
     def line(self) -> str:
         nominal = f"{self.nominal_ratio:.2f}x" if self.nominal_ratio else "n/a"
         speed = f"{self.decode_tokens_per_s:.1f} tok/s" if self.generated_tokens > 1 else "n/a"
-        if self.first_step_s and self.generated_tokens > 2:
-            speed += f" after a first step of {self.first_step_s:.2f} s (compile, CUDA graph capture)"
+        if self.first_step_s and self.generated_tokens > self.first_steps + 1:
+            first = "a first step" if self.first_steps == 1 else f"the first {self.first_steps} steps"
+            speed += f" after {first} of {self.first_step_s:.2f} s (compile, CUDA graph capture)"
         reused = f" ({self.reused_tokens} reused from the cache)" if self.reused_tokens else ""
         return (
             f"prompt {self.prompt_tokens} tok{reused}, generated {self.generated_tokens} tok, "
@@ -165,25 +168,35 @@ def _next_token(
     procs: list[Callable] | None = None,
     ids: torch.Tensor | None = None,
 ) -> int:
-    """logits [V] (float32) -> token id: greedy at temperature 0, else sampled after transformers' processors
-    (`procs`, default: `processors(temperature, top_p)`; `ids` [1, L]: the sequence so far, for a repetition
-    penalty). Non-finite logits are refused (NonFiniteLogits); greedy without processors checks them in the same
-    device-to-host copy as the token."""
-    finite = torch.isfinite(logits).all()
+    """logits [V] -> token id: greedy at temperature 0, else sampled after transformers' processors (`procs`,
+    default: `processors(temperature, top_p)`; `ids` [1, L]: the sequence so far, for a repetition penalty), which
+    read the logits as float32. Non-finite logits are refused (NonFiniteLogits); greedy without processors reads the
+    token and the check in one device-to-host copy of one number, and on a GPU never copies the row."""
     if procs is None:
         procs = processors(temperature, top_p)
     if temperature <= 0 and not procs:
-        tok, finite = torch.stack([logits.argmax(), finite.long()]).tolist()
-    if not finite:
-        raise NonFiniteLogits(f"generated token {step + 1}")
-    if temperature <= 0 and not procs:
+        # argmax in the logits' own dtype on a GPU (float32 holds every bfloat16/float16 value: the same index); the
+        # CPU reduces bfloat16 more slowly than float32, by more than the conversion costs
+        if logits.device.type == "cpu":
+            logits = logits.float()
+        tok = int(torch.where(torch.isfinite(logits).all(), logits.argmax(), -1))  # -1: not finite
+        if tok < 0:
+            raise NonFiniteLogits(f"generated token {step + 1}")
         return tok
+    logits = logits.float()
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteLogits(f"generated token {step + 1}")
     scores = logits[None]
     for p in procs:
         scores = p(ids, scores)
     if temperature <= 0:
         return int(scores[0].argmax())
     return int(torch.multinomial(scores[0].softmax(-1), 1, generator=gen))
+
+
+def _graphs(device: torch.device) -> bool:
+    """Whether decode steps over a static cache replay a CUDA graph (graph_decoder) on this device."""
+    return device.type == "cuda"
 
 
 def _sync(device: torch.device) -> None:
@@ -250,7 +263,7 @@ def generate(
     held = cache.get_seq_length()
     if held >= ids.shape[1]:
         raise ValueError(f"the cache holds {held} tokens; the sequence to continue has {ids.shape[1]}")
-    graphed = isinstance(cache, StaticTaleCache) and device.type == "cuda"
+    graphed = isinstance(cache, StaticTaleCache) and _graphs(device)
     stop = (
         eos_ids(model, tokenizer) if eos_token_id is None else set(torch.as_tensor(eos_token_id).reshape(-1).tolist())
     )
@@ -267,33 +280,39 @@ def generate(
     seq = ids if repetition_penalty != 1.0 or stopper else None  # [1, L]: what the processors and stop strings read
 
     out: list[int] = []
-    first_s = 0.0
+    first_s, first_steps = 0.0, 0
     t0 = time.perf_counter()
     logits = model(input_ids=ids[:, held:], **cache_arg(cache), use_cache=True, logits_to_keep=1).logits
     _sync(device)
     prefill_s = time.perf_counter() - t0
     decoder = graph_decoder(model, cache, compile=compile) if graphed else None
     pos = torch.full((1, 1), ids.shape[1], dtype=torch.long, device=device)
+    step = torch.empty((1, 1), dtype=torch.long, device=device)  # [1, 1]: the token fed next
     t1 = time.perf_counter()
     try:
         while len(out) < max_new_tokens:
-            tok = _next_token(logits[0, -1].float(), temperature, top_p, gen, len(out), procs, seq)
+            # the GPU idles from here (the token's device-to-host copy waits for the step) until the next step is
+            # launched: only what decides whether to feed the token runs in between, the rest after the launch
+            tok = _next_token(logits[0, -1], temperature, top_p, gen, len(out), procs, seq)
             out.append(tok)
             if seq is not None:
                 seq = torch.cat([seq, seq.new_tensor([[tok]])], 1)
+            done = tok in stop or len(out) == max_new_tokens or (stopper is not None and bool(stopper(seq, None)[0]))
+            if not done:  # never a step past the last token: the cache holds exactly the sequence (chat turns)
+                step.fill_(tok)  # a kernel with the token as its argument: no host-to-device copy to wait for
+                if decoder is not None:
+                    logits = decoder(step, pos)[:, None]
+                    pos += 1
+                    if not first_steps and (decoder.graph is not None or decoder.error):
+                        # the steps before the first replay: compile, an eager warm-up step, the graph's capture
+                        _sync(device)
+                        first_s, first_steps = time.perf_counter() - t1, len(out)
+                else:
+                    logits = model(input_ids=step, **cache_arg(cache), use_cache=True, logits_to_keep=1).logits
             if stream is not None and tok not in stop and (text := stream.push(tok)):
                 on_text(text)
-            if tok in stop or len(out) == max_new_tokens or (stopper is not None and bool(stopper(seq, None)[0])):
+            if done:
                 break
-            step = torch.tensor([[tok]], device=device)
-            if decoder is not None:
-                logits = decoder(step, pos)[:, None]
-                pos += 1
-                if len(out) == 1:
-                    _sync(device)
-                    first_s = time.perf_counter() - t1
-            else:
-                logits = model(input_ids=step, **cache_arg(cache), use_cache=True, logits_to_keep=1).logits
     except KeyboardInterrupt as e:  # Ctrl-C mid-generation: tale-run prints the stats of what was generated
         e.tale_stats = _stats(model, cache, ids.shape[1], len(out), prefill_s, time.perf_counter() - t1, held)
         raise
@@ -302,7 +321,9 @@ def generate(
     if stream is not None and (text := stream.flush()):
         on_text(text)
     stats = _stats(model, cache, ids.shape[1], len(out), prefill_s, decode_s, held)
-    return out, replace(stats, first_step_s=first_s if decode_s else 0.0)
+    if not (decode_s and first_steps):
+        return out, stats
+    return out, replace(stats, first_step_s=first_s, first_steps=first_steps)
 
 
 def _stats(model, cache, prompt: int, generated: int, prefill_s: float, decode_s: float, held: int = 0) -> GenStats:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
 import json
 import os
@@ -14,6 +13,7 @@ from torch import nn
 
 from . import backends, families, key_basis, tp
 from .artifact import O_FUSED, ArtifactError, Schedule, read_manifest, schedule_of, verify_files
+from .decode import graph_decoder
 from .model import CACHE_KW, TALE_CACHES, TaleAttention, TaleCache, cache_arg
 from .schedule import override_schedule
 from .spec import Arch, CacheSpec, TaleSpec
@@ -281,7 +281,7 @@ class TaleGenerationMixin:
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
     def get_compiled_call(self, compile_config):
-        return functools.partial(_graphed_call, self, super().get_compiled_call(compile_config))
+        return _GraphedCall(self, super().get_compiled_call(compile_config))
 
 
 def _check_reuse(cache, need: int | None, max_new_tokens: int | None) -> None:
@@ -298,22 +298,33 @@ def _check_reuse(cache, need: int | None, max_new_tokens: int | None) -> None:
         )
 
 
-def _graphed_call(model, compiled, input_ids=None, position_ids=None, **kwargs):
-    """A decode step of generate(): one token per row over a StaticTaleCache replays its CUDA graph;
-    other caches get transformers' compiled call. kwargs carry the cache under CACHE_KW."""
-    cache = kwargs.get(CACHE_KW)
-    if not isinstance(cache, StaticTaleCache):
-        return compiled(input_ids=input_ids, position_ids=position_ids, **kwargs)
-    if input_ids is None or input_ids.shape[1] != 1:
-        return model(input_ids=input_ids, position_ids=position_ids, **kwargs)
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+class _GraphedCall:
+    """generate()'s decode call (one per generate() call): a step of one token per row over a StaticTaleCache replays
+    its CUDA graph; other caches get transformers' compiled call. kwargs carry the cache under CACHE_KW.
 
-    from .decode import graph_decoder
+    A replay returns the decoder's one logits buffer each time: the output built around it at the first replay is
+    handed out again at the next ones (generate() reads the logits and the cache from it and keeps neither; building
+    a ModelOutput costs ~20 us of Python a step, while the GPU waits for the step)."""
 
-    if position_ids is None:  # what the model itself would use: the cache position
-        position_ids = torch.full_like(input_ids, cache.get_seq_length())
-    logits = graph_decoder(model, cache)(input_ids, position_ids)
-    return CausalLMOutputWithPast(logits=logits[:, None], **cache_arg(cache))
+    def __init__(self, model, compiled):
+        self.model, self.compiled = model, compiled
+        self.last: tuple | None = None  # (logits [B, V] the decoder returned, the cache, the output holding them)
+
+    def __call__(self, input_ids=None, position_ids=None, **kwargs):
+        cache = kwargs.get(CACHE_KW)
+        if not isinstance(cache, StaticTaleCache):
+            return self.compiled(input_ids=input_ids, position_ids=position_ids, **kwargs)
+        if input_ids is None or input_ids.shape[1] != 1:
+            return self.model(input_ids=input_ids, position_ids=position_ids, **kwargs)
+        if position_ids is None:  # what the model itself would use: the cache position
+            position_ids = torch.full_like(input_ids, cache.get_seq_length())
+        logits = graph_decoder(self.model, cache)(input_ids, position_ids)
+        last = self.last
+        if last is None or last[0] is not logits or last[1] is not cache:
+            from transformers.modeling_outputs import CausalLMOutputWithPast
+
+            last = self.last = (logits, cache, CausalLMOutputWithPast(logits=logits[:, None], **cache_arg(cache)))
+        return last[2]
 
 
 _TALE_CLASSES: dict[type, type] = {}

@@ -246,3 +246,5 @@ def test_stats_speed_leaves_out_the_first_graph_step():
     assert graphed.decode_tokens_per_s == 3.0  # 3 steps in the 1.0 s after the first
     assert "decode 3.0 tok/s after a first step of 3.00 s (compile, CUDA graph capture)" in graphed.line()
     assert graphed.as_dict()["first_step_s"] == 3.0
+    two = GenStats(10, 6, 0.5, 4.0, 100, 400, 4.0, first_step_s=3.0, first_steps=2)  # an eager step, then the capture
+    assert two.decode_tokens_per_s == 3.0 and "decode 3.0 tok/s after the first 2 steps of 3.00 s" in two.line()
