@@ -361,15 +361,16 @@ def test_registered_as_a_named_backend():
         residual=8,
         key_rope="pre",
     )
-    tm = talify(base, 2, s)
-    assert new_cache(tm).backend.name == "torch"  # auto on the CPU
+    tm = talify(base, 2, s).to(DEVICE)
+    assert new_cache(tm).backend is not b  # "auto" never picks it
     cache = new_cache(tm, backend="triton-lowrank")
     assert cache.backend is b
-    ids = torch.randint(1, 320, (1, 40), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(1, 320, (1, 40), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     with torch.no_grad():
         tm(ids, **cache_arg(cache))
         gen = torch.Generator().manual_seed(1)
-        q = torch.randn(1, tm.config.num_attention_heads, 1, nh, generator=gen)
-        k, h = torch.randn(1, K, 1, nh, generator=gen), torch.randn(1, K // 2, 1, 2 * nh, generator=gen)
+        q = torch.randn(1, tm.config.num_attention_heads, 1, nh, generator=gen).to(DEVICE)
+        k = torch.randn(1, K, 1, nh, generator=gen).to(DEVICE)
+        h = torch.randn(1, K // 2, 1, 2 * nh, generator=gen).to(DEVICE)
         want = ref_attention(q, k, h, cache.layers[0].view(), nh**-0.5)
         assert rel(cache.attend(0, q, k, h, nh**-0.5), want) < 1e-4
