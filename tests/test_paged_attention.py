@@ -15,6 +15,10 @@ from tale_runtime.quant import dequantize, quantize  # noqa: E402
 # tiny shapes: G = 2 latent groups of g = 2 KV heads, 2 query heads per KV head, head dim 16, R = 32, rank 16
 G, g, REP, N, R, RANK = 2, 2, 2, 16, 32, 16
 K, H = G * g, G * g * REP
+# float32 caches: the interpreter's arithmetic is the reference's up to summation order; compiled, the kernel is
+# 2.4e-4 to 5.5e-4 off the float32 reference on an H100 at every bit width (16/16 included), as the contiguous
+# kernels' float32 tolerance on CUDA allows (tests/test_kernels.py TOL)
+F32 = 2e-3 if CUDA else 1e-5
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -60,7 +64,7 @@ SMALL = pa.PagedConfig(block_t=32, split_tokens=32)  # several splits per sequen
 
 @pytest.mark.parametrize("kb,hb", [(2, 2), (4, 4), (8, 8), (16, 16), (2, 4), (4, 16)])
 def test_kernel_matches_reference_float32(kb, hb):
-    """float32 caches: the kernel's arithmetic is the reference's up to summation order. Page size 8 (a tile spans
+    """float32 caches: within F32 of the reference (the interpreter: up to summation order). Page size 8 (a tile spans
     4 pages) and 64 (a tile lies in one page), odd lengths, a partial last page, an empty sequence."""
     f = fmt(kb, hb)
     for ps, lengths in ((8, [45, 3, 0, 70]), (64, [129, 1])):
@@ -68,8 +72,8 @@ def test_kernel_matches_reference_float32(kb, hb):
         z = pa.paged_latent_attention(q, kn, hn, pool, bt, ln, N**-0.5, SMALL)
         ref = paged.paged_attention_reference(q, kn, hn, pool, bt, ln, N**-0.5)
         assert z.shape == (len(lengths), 1, H, R) and torch.isfinite(z).all()
-        assert rel(z, ref) < 1e-5, (kb, hb, ps)
-        assert (z[..., RANK:] - ref[..., RANK:]).abs().max() < 1e-5  # past the rank: the new token only
+        assert rel(z, ref) < F32, (kb, hb, ps)
+        assert (z[..., RANK:] - ref[..., RANK:]).abs().max() < F32  # past the rank: the new token only
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -90,7 +94,7 @@ def test_lengths_read_on_the_device():
     ln.copy_(torch.tensor([33, 7], dtype=torch.int32))
     z1 = pa.paged_latent_attention(q, kn, hn, pool, bt, ln, N**-0.5)
     ref1 = paged.paged_attention_reference(q, kn, hn, pool, bt, ln, N**-0.5)
-    assert rel(z1, ref1) < 1e-5 and rel(z0, z1) > 1e-2
+    assert rel(z1, ref1) < F32 and rel(z0, z1) > 1e-2
 
 
 @pytest.mark.parametrize("kb,hb", [(2, 2), (4, 8), (16, 16)])
