@@ -281,6 +281,9 @@ class TaleLayerCache:
         self.q_pos: torch.Tensor | None = None  # [W] int64
         # key_rope "pre": the tables of RoPE at every cached position, shared with the cache's other layers
         self.rope = RopeTables() if rope is None else rope
+        # a sliding-window layer's window (its attention's, passed with each update): the levels then drop the key
+        # groups no later query can read, and the 16-bit baseline is what transformers' cache holds for such a layer
+        self.window: int | None = None
 
     # -- bookkeeping -------------------------------------------------------------------
 
@@ -303,11 +306,13 @@ class TaleLayerCache:
         return sum(t.numel() * t.element_size() for t in ts if t is not None) + sum(st.nbytes() for st in held)
 
     def baseline_nbytes(self) -> int:
-        """16-bit K+V bytes of the same tokens (batch rows x positions)."""
+        """16-bit K+V bytes of what transformers' cache holds for this layer: every position, or in a sliding-window
+        layer the last window - 1 (DynamicSlidingWindowLayer), batch rows x positions."""
         if self.valid is None:
             return 0
         B = self.valid.shape[0]
-        return 2 * B * self.K * self.kappa * self.n * 2
+        held = self.kappa if self.window is None else min(self.kappa, self.window - 1)
+        return 2 * B * self.K * held * self.n * 2
 
     # -- quantization of a span of exact tokens into level i --------------------------
 
@@ -374,13 +379,15 @@ class TaleLayerCache:
         valid: torch.Tensor | None = None,
         q: torch.Tensor | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        window: int | None = None,
     ) -> None:
         """Cache T new exact tokens: k [B, K, T, n] (post-RoPE), h [B, G, T, R].
 
         `valid` [B, T] marks real (non-padding) tokens; only read at the first call. `q` [B, H, T, n]: the
         tokens' post-RoPE queries times the attention scaling, read with keep="salient" (the last
         `key_group` of them are the observation window). `rope`: the (cos, sin) [B, T, r] the keys were rotated
-        by (r <= n channels: partial rotary), read with key_rope "pre".
+        by (r <= n channels: partial rotary), read with key_rope "pre". `window`: the layer's sliding window (its
+        attention reads positions j > i - window only): the levels then hold no key group that no later query reads.
         """
         B, T = k.shape[0], k.shape[-2]
         if self.s.key_rope == "pre":
@@ -425,6 +432,22 @@ class TaleLayerCache:
             self.res_h = h if self.res_h is None else torch.cat([self.res_h, h], dim=-2)
             self._flush()
         self._demote()
+        if window is not None:
+            self.window = window
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop the key groups of a sliding-window layer that no later query can read: every position <= kappa -
+        window (queries come at positions >= kappa and read j > i - window). Whole groups of each level; the sinks
+        (a few 16-bit tokens) and the residual stay."""
+        cut = self.kappa - self.window
+        for i, st in enumerate(self.levels):
+            if st is None or not st.length:
+                continue
+            u = self.s.unit(i)
+            live = (st.pos.view(-1, u) > cut).any(-1)  # [groups]: a group with a readable token stays whole
+            if not live.all():
+                self.levels[i] = st.take(torch.arange(st.length).view(-1, u)[live].flatten())
 
     def _empty_beyond_sinks(self) -> bool:
         return self.res_k is None and all(st is None for st in self.levels)

@@ -68,11 +68,11 @@ class TaleLayer(TaleLayerCache, TaleCacheLayer):
         TaleCacheLayer.__init__(self)
         TaleLayerCache.__init__(self, *args, **kwargs)
 
-    def update(self, key_states, value_states, valid=None, queries=None, rope=None):
+    def update(self, key_states, value_states, valid=None, queries=None, rope=None, window=None):
         """transformers' cache-layer update, as TALE caches it: post-RoPE keys [B, K, T, n] and the latents
-        h = x A [B, G, T, R] of T new exact tokens (`append`); returns them unchanged (attention over the cached
-        tokens reads view(), the new ones are passed to it apart)."""
-        self.append(key_states, value_states, valid, queries, rope)
+        h = x A [B, G, T, R] of T new exact tokens (`append`; `window`: the layer's sliding window); returns them
+        unchanged (attention over the cached tokens reads view(), the new ones are passed to it apart)."""
+        self.append(key_states, value_states, valid, queries, rope, window)
         return key_states, value_states
 
     def get_max_length(self) -> int:
@@ -322,7 +322,7 @@ class TaleAttention(nn.Module):
         q_c, k_c = rotate(q, Q), rotate(k, Q)
         # what a cache layer may read besides keys and latents: the queries (keep="salient") and the RoPE tables
         # the keys were rotated by (keys held before RoPE)
-        extra = dict(queries=q_c * self.scaling, rope=position_embeddings)
+        extra = dict(queries=q_c * self.scaling, rope=position_embeddings, window=self.sliding_window)
         if prefill:  # exact prefill; h = x A only fills the cache
             out, weights = self.exact(hidden_states, q, k, attention_mask, None, v, **kwargs)
             B, T, _ = hidden_states.shape

@@ -208,6 +208,7 @@ class StaticTaleLayer(TaleCacheLayer):
         self.basis: KeyBasis | None = None if cache.key_basis is None else cache.key_basis[layer_idx]
         self.bias: dict[int, float] = {}  # id(fp8 buffer) -> its bias on the host (the device scalar's value)
         self._view: LayerView | None = None
+        self.window: int | None = None  # a sliding-window layer's window (passed with each update): for the baseline
 
     # -- HF cache layer interface ------------------------------------------------------
 
@@ -215,11 +216,15 @@ class StaticTaleLayer(TaleCacheLayer):
     def kappa(self) -> int:
         return self.cache.book.kappa if self.cache.book else 0
 
-    def update(self, key_states, value_states, valid=None, queries=None, rope=None):
+    def update(self, key_states, value_states, valid=None, queries=None, rope=None, window=None):
         """transformers' cache-layer update, as TALE caches it: post-RoPE keys [B, K, T, n] and latents [B, G, T, R]
         of the step's T new tokens, written where the step's plan puts them (`valid` [B, T]: real tokens, read at the
         prefill; `rope`: the (cos, sin) [B or 1, T, n] the keys were rotated by, read with key_rope "pre"). The static
-        cache does not read queries (it places by recency)."""
+        cache does not read queries (it places by recency). `window` (a sliding-window layer's) only sets what the
+        16-bit baseline holds: the layers share one placement and hold every token (attention masks what a window
+        cannot read)."""
+        if window is not None:
+            self.window = window
         self.cache._write(self, key_states, value_states, valid, rope)
         return key_states, value_states
 
@@ -547,8 +552,10 @@ class StaticTaleCache(CacheStep, Cache):
     def baseline_nbytes(self) -> int:
         if self.book is None:
             return 0
-        B = self.pos[0].shape[0]
-        return 2 * B * self.K * self.book.kappa * self.n * 2 * self.num_layers
+        # what transformers' cache holds: every position, or a sliding-window layer's last window - 1
+        B, kappa = self.pos[0].shape[0], self.book.kappa
+        held = sum(kappa if lay.window is None else min(kappa, lay.window - 1) for lay in self.layers)
+        return 2 * B * self.K * held * self.n * 2
 
     # -- filling ----------------------------------------------------------------------------
 

@@ -61,9 +61,12 @@ def test_the_default_schedule_generates_and_compresses(arch, converted):
     assert model.tale_spec.schedule.levels[0].bits == 2  # the paper preset
     for static in (False, True):
         cache = new_cache(model, static=static)
-        out = model.generate(ids_for(60), **cache_arg(cache), max_new_tokens=20, do_sample=False, pad_token_id=0)
-        assert out.shape == (1, 80)
-        assert cache.baseline_nbytes() / cache.nbytes() > 1.5, static
+        out = model.generate(ids_for(60), **cache_arg(cache), max_new_tokens=100, do_sample=False, pad_token_id=0)
+        assert out.shape == (1, 160)
+        # against what transformers' cache holds (Gemma 3's sliding layer: its last 63 tokens). The dynamic cache
+        # drops what a window cannot read; the static one keeps every token, so its ratio there falls with the context
+        ratio = cache.baseline_nbytes() / cache.nbytes()
+        assert ratio > (1.2 if static and arch == "gemma3" else 1.5), (static, ratio)
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

@@ -11,7 +11,8 @@ import torch
 from tale_helpers import byte_tokenizer, exact_schedule, save_artifact, talify, tiny_model
 
 from tale_runtime import ArtifactError, load, new_cache, set_output_path
-from tale_runtime.artifact import Schedule, hash_files, nominal_ratio, uniform_ranks
+from tale_runtime.artifact import Level, Schedule, hash_files, nominal_ratio, uniform_ranks
+from tale_runtime.cache import TaleLayerCache
 from tale_runtime.generate import TextStream, generate
 from tale_runtime.load import override_schedule
 from tale_runtime.model import cache_arg
@@ -97,6 +98,40 @@ def test_sliding_window_layers_keep_their_window(arch):
     assert rel(decode_logits(tm, ids, 10), ref) < 1e-4
     assert rel(decode_logits(tm, ids, 10, chunks=[7, 1, 20, 10, 18]), ref) < 1e-4
     assert rel(decode_logits(tm, ids, 10, chunks=[8] * 7), ref) < 1e-4
+
+
+def test_sliding_window_layers_hold_only_their_window(monkeypatch):
+    """Gemma 3's sliding layer (window 24) on a lossy schedule, 66 tokens: its levels keep no key group that no later
+    query reads, so it holds fewer bytes than the global layer beside it, the same attention as a cache that keeps
+    everything, and its 16-bit baseline is what transformers' cache holds there (the last window - 1 tokens)."""
+    base = tiny_model("gemma3")
+    tm = talify(base, 2)
+    tm.tale_spec.schedule = schedule_for(tm, sinks=2, levels=[Level(4, 4, None), Level(4, 4, 0.25)])
+    ids = ids_for(66)
+    layers = tm.model.layers
+    W = layers[0].self_attn.sliding_window
+    assert W == 24 and layers[1].self_attn.sliding_window is None
+    cache = new_cache(tm)
+    with torch.no_grad():
+        tm(ids[:, :30], **cache_arg(cache))
+        for t in range(30, 66):
+            tm(ids[:, t : t + 1], **cache_arg(cache))
+    slide, full = cache.layers
+    cut = slide.kappa - W
+    for i, st in enumerate(slide.levels):  # every group a later query can still read
+        if st is not None and st.length:
+            assert bool((st.pos.view(-1, tm.tale_spec.schedule.unit(i)) > cut).any(-1).all()), i
+    held = sum(st.length for st in slide.levels if st is not None)
+    assert held < W + 2 * tm.tale_spec.schedule.key_group < sum(st.length for st in full.levels if st is not None)
+    assert slide.nbytes() < full.nbytes()
+    K, n = tm.config.num_key_value_heads, layers[0].self_attn.head_dim
+    assert slide.baseline_nbytes() == 2 * K * (W - 1) * n * 2 and full.baseline_nbytes() == 2 * K * 66 * n * 2
+    # the same decode over caches that keep every token (eviction off): the same logits
+    with torch.no_grad():
+        got = decode_logits(tm, ids, 30)
+        monkeypatch.setattr(TaleLayerCache, "_evict", lambda self: None)
+        want = decode_logits(tm, ids, 30)
+    assert rel(got, want) < 1e-6
 
 
 @pytest.mark.parametrize("arch,g", [("llama", 2), ("llama", 4), ("qwen2", 2), ("mha", 1)])
