@@ -47,7 +47,10 @@ class Source:
         with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
             out = dict(zip((f.name for f in files), pool.map(digest, files)))
         if self.bundled:
-            out.update(MODELS[self.bundled].gguf_hashes())
+            try:  # the manifest names the GGUF file by the digest its package records
+                out.update(MODELS[self.bundled].gguf_hashes())
+            except FileNotFoundError as e:  # the package is gone while its rebuilt checkpoint stays cached
+                raise ConvertError(str(e)) from None
         return out
 
 

