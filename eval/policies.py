@@ -45,15 +45,22 @@ class Dims:
     g: int  # KV heads per group
     R: int  # latent rank
     dtype: torch.dtype
+    windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None for a global layer (empty: none)
 
     @classmethod
     def of(cls, model) -> Dims:
         a = model.tale_spec.arch
-        return cls(a.num_layers, a.num_kv_heads, a.head_dim, a.num_groups, a.group_size, a.latent_rank, model.dtype)
+        windows = tuple(getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers)
+        return cls(
+            a.num_layers, a.num_kv_heads, a.head_dim, a.num_groups, a.group_size, a.latent_rank, model.dtype, windows
+        )
 
     def baseline_nbytes(self, batch: int, tokens: int) -> int:
-        """16-bit K+V bytes of `tokens` positions of `batch` rows: the reference of every ratio."""
-        return self.layers * 2 * batch * self.K * tokens * self.n * 2
+        """16-bit K+V bytes that transformers' cache holds after `tokens` positions of `batch` rows, the reference of
+        every ratio: every position, or in a sliding-window layer its last window - 1 (DynamicSlidingWindowLayer)."""
+        windows = self.windows or (None,) * self.layers
+        held = sum(tokens if w is None else min(tokens, w - 1) for w in windows)
+        return 2 * batch * self.K * held * self.n * 2
 
 
 @dataclass

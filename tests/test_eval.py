@@ -622,3 +622,21 @@ def test_cli_json_to_stdout_and_quiet(tiny_artifact):
     res = json.loads(r.stdout)
     assert [row["policy"] for row in res["results"]] == ["full", "tale"] and res["config"]["ctx"] == 64
     assert res["results"][1]["ratio"] > 1 and r.stderr == ""
+
+
+def test_the_reference_holds_what_transformers_holds_in_sliding_layers():
+    """Gemma 3 (a sliding layer of window 24 beside a global one): the 16-bit reference of every ratio counts the
+    last window - 1 tokens of the sliding layer, as transformers' cache holds them and as the TALE cache's own
+    baseline does; before the window fills, every token."""
+    from tale_runtime import new_cache
+
+    model = talify(tiny_model("gemma3"), 2)
+    d = policies.Dims.of(model)
+    assert d.windows == (24, None)
+    per_token = 2 * d.K * d.n * 2
+    assert d.baseline_nbytes(1, 20) == 2 * 20 * per_token
+    assert d.baseline_nbytes(1, 60) == (23 + 60) * per_token
+    cache = new_cache(model)
+    with torch.no_grad():
+        model(ids_of(1, 60), **cache_arg(cache))
+    assert cache.baseline_nbytes() == d.baseline_nbytes(1, 60)
