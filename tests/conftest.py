@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import importlib.util
@@ -160,13 +161,15 @@ def _bundled_artifact(alias: str, **opts) -> Path:
     root = cache_root() / "artifacts"
     out = root / f"{tag}-{_artifact_key(opts)}"
     if (out / "tale_config.json").is_file():
+        with contextlib.suppress(OSError):  # in use: the clean-up below spares builds used within the hour
+            os.utime(out)
         return out
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f".{tag}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent sessions: one converts, the others reuse
         if not (out / "tale_config.json").is_file():
             convert(alias, out, opts)
-            # older builds (other sources/settings), unless a session may still be reading one
+            # older builds (other sources/settings), unless a session used one within the hour (it may still read it)
             for stale in root.glob(f"{tag}-*"):
                 if stale != out and stale.is_dir() and time.time() - stale.stat().st_mtime > 3600:
                     shutil.rmtree(stale, ignore_errors=True)
