@@ -30,7 +30,7 @@ from tale_convert.policy import budget_ranks
 from tale_convert.stats import with_key_bands
 from tale_runtime import Schedule, key_basis, new_cache
 from tale_runtime.artifact import nominal_ratio
-from tale_runtime.cache import KEEP
+from tale_runtime.cache import KEEP, baseline_nbytes
 from tale_runtime.schedule import override_schedule
 
 from . import caches, less, less_train, tailorkv
@@ -58,9 +58,7 @@ class Dims:
     def baseline_nbytes(self, batch: int, tokens: int) -> int:
         """16-bit K+V bytes that transformers' cache holds after `tokens` positions of `batch` rows, the reference of
         every ratio: every position, or in a sliding-window layer its last window - 1 (DynamicSlidingWindowLayer)."""
-        windows = self.windows or (None,) * self.layers
-        held = sum(tokens if w is None else min(tokens, w - 1) for w in windows)
-        return 2 * batch * self.K * held * self.n * 2
+        return baseline_nbytes(batch, self.K, self.n, tokens, self.windows or [None] * self.layers)
 
 
 @dataclass

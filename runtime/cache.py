@@ -42,6 +42,14 @@ from .quant import Bands, QTensor, cat, dequantize, quantize, quantize_bands, re
 from .regions import LayerView, Region
 
 
+def baseline_nbytes(batch: int, kv_heads: int, head_dim: int, positions: int, windows) -> int:
+    """16-bit K+V bytes that transformers' cache holds after `positions` positions of `batch` rows, over layers of
+    sliding windows `windows` (one per layer; None: a global layer): every position, or a sliding-window layer's last
+    window - 1 (DynamicSlidingWindowLayer). The reference of every measured ratio."""
+    held = sum(positions if w is None else min(positions, w - 1) for w in windows)
+    return 2 * batch * kv_heads * held * head_dim * 2
+
+
 class TaleCacheLayer(CacheLayerMixin):
     """What transformers asks of a TALE cache layer, from its `kappa` (cached positions): the sequence length and the
     mask sizes. Regions are made by `update`, not by transformers' lazy initialization."""
@@ -310,9 +318,7 @@ class TaleLayerCache:
         layer the last window - 1 (DynamicSlidingWindowLayer), batch rows x positions."""
         if self.valid is None:
             return 0
-        B = self.valid.shape[0]
-        held = self.kappa if self.window is None else min(self.kappa, self.window - 1)
-        return 2 * B * self.K * held * self.n * 2
+        return baseline_nbytes(self.valid.shape[0], self.K, self.n, self.kappa, [self.window])
 
     # -- quantization of a span of exact tokens into level i --------------------------
 

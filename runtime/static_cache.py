@@ -50,7 +50,7 @@ from . import key_basis as kb
 from .artifact import Schedule
 from .attention import apply_rope
 from .backends import TORCH, AttentionBackend
-from .cache import CacheStep, TaleCacheLayer, band_index, demote_level, key_layout, quant_level
+from .cache import CacheStep, TaleCacheLayer, band_index, baseline_nbytes, demote_level, key_layout, quant_level
 from .frag import FragLevel, FragRegion, fits
 from .key_basis import KeyBasis
 from .placement import demotions, fill_counts, flush_count
@@ -552,10 +552,8 @@ class StaticTaleCache(CacheStep, Cache):
     def baseline_nbytes(self) -> int:
         if self.book is None:
             return 0
-        # what transformers' cache holds: every position, or a sliding-window layer's last window - 1
-        B, kappa = self.pos[0].shape[0], self.book.kappa
-        held = sum(kappa if lay.window is None else min(kappa, lay.window - 1) for lay in self.layers)
-        return 2 * B * self.K * held * self.n * 2
+        B, windows = self.pos[0].shape[0], [layer.window for layer in self.layers]
+        return baseline_nbytes(B, self.K, self.n, self.book.kappa, windows)
 
     # -- filling ----------------------------------------------------------------------------
 
