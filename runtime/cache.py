@@ -447,6 +447,8 @@ class TaleLayerCache:
         window (queries come at positions >= kappa and read j > i - window). Whole groups of each level; the sinks
         (a few 16-bit tokens) and the residual stay."""
         cut = self.kappa - self.window
+        if cut < 0:  # the window still reaches position 0: nothing to drop, no per-step scan of the levels
+            return
         for i, st in enumerate(self.levels):
             if st is None or not st.length:
                 continue
