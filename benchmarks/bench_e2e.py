@@ -59,8 +59,12 @@ def log(*a):
     print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
 
 
-def build(quick: bool, device: str, layers: int | None = None, dtype: torch.dtype | None = None):
-    """The random base model, and its TALE attention modules (sharing q/k/o projections)."""
+def build(
+    quick: bool, device: str, layers: int | None = None, dtype: torch.dtype | None = None, preset: str = "paper"
+):
+    """The random base model, and its TALE attention modules (sharing q/k/o projections). preset "lowrank": the
+    `lowrank` preset's schedule (tale-convert's, per-head key basis: 3/8 of each head's dims as coefficients) with a
+    random orthonormal key basis per layer, decoded by the low-rank-key kernel (`triton-lowrank`) on a GPU."""
     if quick:
         cfg = dict(harness.SMOKE, num_hidden_layers=2, head_dim=32)
     else:
@@ -100,8 +104,22 @@ def build(quick: bool, device: str, layers: int | None = None, dtype: torch.dtyp
     L = config.num_hidden_layers
     vg = 8 if quick else 32
     sched = Schedule(ranks=uniform_ranks(R, L, 0.5, value_group=vg), key_group=vg, value_group=vg, residual=vg)
+    basis, backend = None, "auto"
+    if preset == "lowrank":
+        from tale_convert.options import Options
+        from tale_runtime.key_basis import KeyBasis
+
+        opts = Options(group=g, preset="lowrank", key_group=vg, value_group=vg, key_basis_blocks="head")
+        sched = opts.schedule(R, L, Kh, n)
+        gen = torch.Generator().manual_seed(0)
+        basis = []
+        for _ in range(L):  # per KV head an orthonormal basis (timing does not depend on which)
+            enc = torch.linalg.qr(torch.randn(Kh, n, n, generator=gen))[0]
+            dec = enc.transpose(1, 2).contiguous()
+            basis.append(KeyBasis(enc.to(device), dec.to(device), torch.zeros(Kh * n, device=device), Kh, n))
+        backend = "triton-lowrank" if device == "cuda" else "auto"
     manifest = {"architecture": {"head_dim": n, "num_groups": G, "latent_rank": R, "group_size": g}}
-    model.tale_spec = TaleSpec(Arch.from_manifest(manifest, config), sched, None, manifest)
+    model.tale_spec = TaleSpec(Arch.from_manifest(manifest, config), sched, basis, manifest, backend=backend)
     return model, orig, tale
 
 

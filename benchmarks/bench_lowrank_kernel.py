@@ -342,9 +342,10 @@ def main() -> int:
     ap.add_argument("--pieces", action="store_true")
     ap.add_argument(
         "--sweep",
-        default="32x32x8x4x1,32x32x8x2x1,64x32x8x4x1,32x32x4x4x1",
-        help="block_t x coef_chunk x num_warps x waves x fused_heads (1/0), swept per key basis at 32K B=1; each "
-        "basis' rows take its fastest ('' for the kernel's defaults)",
+        default="32x32x8x4x1x0x0,32x32x8x4x1x1x1x4,32x32x8x4x1x1x1x8,64x32x8x4x1x1x1x4",
+        help="block_t x coef_chunk x num_warps x waves x fused_heads (1/0) [x two_pass x fast_rope (1/0) x "
+        "score_warps], swept per key basis at 32K B=1; each basis' rows take its fastest ('' for the kernel's "
+        "defaults)",
     )
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -384,8 +385,10 @@ def main() -> int:
             v = kernel_view(lowrank_view(1, 32768, spec, rot))
             best = (float("inf"), {})
             for cfg in a.sweep.split(","):
-                bt, kc, w, wv, fh = (int(x) for x in cfg.split("x"))
+                bt, kc, w, wv, fh, *more = (int(x) for x in cfg.split("x"))
                 kw = dict(block_t=bt, coef_chunk=kc, num_warps=w, waves=float(wv), fused_heads=bool(fh))
+                for name, x in zip(("two_pass", "fast_rope", "score_warps"), more):
+                    kw[name] = x if name == "score_warps" else bool(x)
                 t = safe_time(lambda kw=kw, v=v: lra.latent_attention_lowrank(q, k, h, v, N**-0.5, rope=rot, **kw))
                 print(f"sweep 32K B=1 basis {label(spec)} {kw}: {t:.1f} us", flush=True)
                 if t < best[0]:

@@ -21,6 +21,11 @@ BT slots and latent group:
 - scores of the group's query rows (a block-diagonal query tile, or the rows of one head), online softmax in base 2;
 - latents per token over channel groups (2/3/4/8/16 bits), p @ h in up to four channel chunks (_lat_chunks).
 
+Two launches per such region by default (two_pass): the scores of every slot first (grid (splits, K, B), a
+program per KV head: the rebuild and RoPE of one head, no latent accumulators), then the softmax and the latents over
+those scores (grid (splits, G, B)); the scores make a round trip through memory (8 bytes per slot and query head),
+which costs less than the fused program's register spills.
+
 Codes are read element-wise from the packed planes of runtime/quant.py (element c of a row in byte c % nb at bit
 (c // nb) * bits; 3 bits bit-sliced), so any width the cache writes is read in place; scales and zeros in 16 bits
 (the cache dtype, or float16 times 2^-8 for bf16 tensors) or fp8 times the tensor's bias (a float, or a device
@@ -72,6 +77,16 @@ def _round(x, RDT: tl.constexpr):
         y = x.to(tl.float16).to(tl.float32)
     else:
         y = x
+    return y
+
+
+@triton.jit
+def _approx(x, FN: tl.constexpr):
+    """cos or sin of float32 x in [-pi, pi] on the SFU (PTX cos/sin.approx: a few instructions, not libdevice's ~90)."""
+    if FN == "cos":
+        y = tl.inline_asm_elementwise("cos.approx.ftz.f32 $0, $1;", "=f,f", [x], tl.float32, True, 1)
+    else:
+        y = tl.inline_asm_elementwise("sin.approx.ftz.f32 $0, $1;", "=f,f", [x], tl.float32, True, 1)
     return y
 
 
@@ -215,6 +230,9 @@ def _lr_kernel(
     pacc_ptr,
     s_acc,
     rk_ptr,
+    sc_ptr,
+    s_scb,
+    s_sch,
     slot0,
     n_slots,
     H,
@@ -239,7 +257,7 @@ def _lr_kernel(
     KBP: tl.constexpr,
     ROPE: tl.constexpr,
     RDT: tl.constexpr,
-    PRECISE: tl.constexpr,
+    PRECISE: tl.constexpr,  # RoPE computed here (ROPE 2): 0 numpy's (interpreter), 1 libdevice, 2 the SFU
     RANK: tl.constexpr,
     LC: tl.constexpr,
     NLC: tl.constexpr,
@@ -252,6 +270,7 @@ def _lr_kernel(
     NPP: tl.constexpr,
     WIN: tl.constexpr,
     DOT: tl.constexpr,
+    PHASE: tl.constexpr = 0,
 ):
     """Program (split sp, latent group c, batch row b) of one region: its partial (m, l, acc[:RANK]) per query head
     of the group. LOWRANK: keys are [B, Hc, cap, KC] coefficients on a basis of Hc blocks of HPB = K / Hc KV heads
@@ -333,146 +352,179 @@ def _lr_kernel(
         ok = pv >= 0
         if WIN:
             ok = ok & (next_pos - pv < window)
-        if ROPE == 1:
-            cm = ok[:, None] & dm[None, :]
-            crow = b * s_cb + t[:, None] * s_ct + d[None, :]
-            cos_lo = tl.load(cos_ptr + crow, mask=cm, other=0.0).to(tl.float32)
-            cos_hi = tl.load(cos_ptr + crow + HALF, mask=cm, other=0.0).to(tl.float32)
-            sin_lo = tl.load(sin_ptr + crow, mask=cm, other=0.0).to(tl.float32)
-            sin_hi = tl.load(sin_ptr + crow + HALF, mask=cm, other=0.0).to(tl.float32)
-        elif ROPE == 2:
-            ang = (pv - roff).to(tl.float32)[:, None] * invf[None, :]  # one rounding, as the model's float32 product
-            # reduced to [-pi, pi] in float64 (exact to ~1e-11; then rounded to float32: <= 2e-7 off), so cosf/sinf
-            # take their fast path at any position
-            a64 = ang.to(tl.float64)
-            ang = (a64 - tl.floor(a64 * 0.15915494309189535 + 0.5) * 6.283185307179586).to(tl.float32)
-            if PRECISE:  # libdevice's cosf/sinf (the GPU)
-                cos_lo = _round(libdevice.cos(ang) * rope_scale, RDT)
-                sin_lo = _round(libdevice.sin(ang) * rope_scale, RDT)
-            else:  # the interpreter (numpy's)
-                cos_lo = _round(tl.cos(ang) * rope_scale, RDT)
-                sin_lo = _round(tl.sin(ang) * rope_scale, RDT)
-            cos_hi = cos_lo
-            sin_hi = sin_lo
-        logits = tl.zeros([QGP, BT], tl.float32)
-        for j in tl.static_range(GS // WB):
-            h0 = c * GS + j * WB  # the first KV head of this dot
-            if LOWRANK:  # k_pre = mean + c dec[:r] of heads h0 .. h0 + WB - 1: [BT, WN] per RoPE half
-                blk = h0 // HPB  # their basis block, and their first column in it
-                cb = (h0 % HPB) * NH
-                k_lo = tl.zeros([BT, WN], tl.float32)
-                k_hi = tl.zeros([BT, WN], tl.float32)
-                if KPLANE:  # packed rows read KRC contiguous bytes at a time, each chunk's code planes in turn
-                    pkb = b * s_kb + blk * s_kh
-                    pksb = b * s_ksb + blk * s_ksh + (t0 // KTG) * s_kst  # the tile's token group: one row
-                    for p0 in range(0, PNB, KRC):
-                        pj = p0 + tl.arange(0, KRC)
-                        pjm = pj < PNB
-                        # masked by the tile's range, not by the positions: the loads need not wait for them (the
-                        # scores of slots that hold no token are masked below)
-                        pbyt = tl.load(
-                            k_ptr + pkb + t[:, None] * s_kt + pj[None, :], mask=tm[:, None] & pjm[None, :], other=0
-                        ).to(tl.int32)
-                        for i in tl.static_range(8 // KBITS):
-                            pch = i * PNB + pj  # plane i: coefficient i PNB + j sits in byte j at bit i KBITS
-                            pcode = (pbyt >> (i * KBITS)) & ((1 << KBITS) - 1)
-                            psc = tl.load(ks_ptr + pksb + pch, mask=pjm, other=0.0).to(tl.float32) * kinv_s
-                            pzr = tl.load(kz_ptr + pksb + pch, mask=pjm, other=0.0).to(tl.float32) * kinv_z
-                            pcoef = (pcode.to(tl.float32) * psc[None, :] + pzr[None, :]).to(DOT)
-                            prow = blk * s_dblk + pch[:, None] * s_dec + cb + cols[None, :]
-                            k_lo = _dot(pcoef, tl.load(dec_ptr + prow, mask=pjm[:, None], other=0.0), k_lo, DOT)
-                            k_hi = _dot(pcoef, tl.load(dhi_ptr + prow, mask=pjm[:, None], other=0.0), k_hi, DOT)
-                for c0 in range(0, 0 if KPLANE else KC, KRC):
-                    ch = c0 + tl.arange(0, KRC)
-                    chm = ch < KC
-                    cm2 = ok[:, None] & chm[None, :]
-                    kb = b * s_kb + blk * s_kh
-                    ksb = b * s_ksb + blk * s_ksh
-                    coef = _deq(
-                        k_ptr, kb, t, s_kt, ch, cm2, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, KC, KTG, KCG,
+        if PHASE == 2:  # the tile's scores, written by the score launch (-inf where no token is)
+            scm = rmask[:, None] & tm[None, :]
+            logits = tl.load(sc_ptr + b * s_scb + head[:, None] * s_sch + t[None, :], mask=scm, other=0.0)
+        else:
+            if ROPE == 1:
+                cm = ok[:, None] & dm[None, :]
+                crow = b * s_cb + t[:, None] * s_ct + d[None, :]
+                cos_lo = tl.load(cos_ptr + crow, mask=cm, other=0.0).to(tl.float32)
+                cos_hi = tl.load(cos_ptr + crow + HALF, mask=cm, other=0.0).to(tl.float32)
+                sin_lo = tl.load(sin_ptr + crow, mask=cm, other=0.0).to(tl.float32)
+                sin_hi = tl.load(sin_ptr + crow + HALF, mask=cm, other=0.0).to(tl.float32)
+            elif ROPE == 2:
+                ang = (pv - roff).to(tl.float32)[:, None] * invf[None, :]  # one rounding, as the model's product
+                if PRECISE == 2:  # reduced to [-pi, pi] in float32 (Cody-Waite: 2 pi = C1 + C2, <= 2e-7 off), then
+                    # the SFU's approximations (abs error <= 2^-20.9 there: below the bf16 tables' rounding)
+                    kq = tl.floor(ang * 0.15915494309189535 + 0.5)
+                    ang = tl.fma(-kq, 6.2831854820251465, ang)
+                    ang = tl.fma(-kq, -1.7484556000744487e-07, ang)
+                    cos_lo = _round(_approx(ang, "cos") * rope_scale, RDT)
+                    sin_lo = _round(_approx(ang, "sin") * rope_scale, RDT)
+                else:  # reduced in float64 (exact to ~1e-11; then rounded to float32: <= 2e-7 off), so cosf/sinf
+                    # take their fast path at any position
+                    a64 = ang.to(tl.float64)
+                    ang = (a64 - tl.floor(a64 * 0.15915494309189535 + 0.5) * 6.283185307179586).to(tl.float32)
+                    if PRECISE:  # libdevice's cosf/sinf (the GPU)
+                        cos_lo = _round(libdevice.cos(ang) * rope_scale, RDT)
+                        sin_lo = _round(libdevice.sin(ang) * rope_scale, RDT)
+                    else:  # the interpreter (numpy's)
+                        cos_lo = _round(tl.cos(ang) * rope_scale, RDT)
+                        sin_lo = _round(tl.sin(ang) * rope_scale, RDT)
+                cos_hi = cos_lo
+                sin_hi = sin_lo
+            logits = tl.zeros([QGP, BT], tl.float32)
+            for j in tl.static_range(GS // WB):
+                h0 = c * GS + j * WB  # the first KV head of this dot
+                if LOWRANK:  # k_pre = mean + c dec[:r] of heads h0 .. h0 + WB - 1: [BT, WN] per RoPE half
+                    blk = h0 // HPB  # their basis block, and their first column in it
+                    cb = (h0 % HPB) * NH
+                    k_lo = tl.zeros([BT, WN], tl.float32)
+                    k_hi = tl.zeros([BT, WN], tl.float32)
+                    if KPLANE:  # packed rows read KRC contiguous bytes at a time, each chunk's code planes in turn
+                        pkb = b * s_kb + blk * s_kh
+                        pksb = b * s_ksb + blk * s_ksh + (t0 // KTG) * s_kst  # the tile's token group: one row
+                        for p0 in range(0, PNB, KRC):
+                            pj = p0 + tl.arange(0, KRC)
+                            pjm = pj < PNB
+                            # masked by the tile's range, not by the positions: the loads need not wait for them (the
+                            # scores of slots that hold no token are masked below)
+                            pbyt = tl.load(
+                                k_ptr + pkb + t[:, None] * s_kt + pj[None, :], mask=tm[:, None] & pjm[None, :], other=0
+                            ).to(tl.int32)
+                            for i in tl.static_range(8 // KBITS):
+                                pch = i * PNB + pj  # plane i: coefficient i PNB + j sits in byte j at bit i KBITS
+                                pcode = (pbyt >> (i * KBITS)) & ((1 << KBITS) - 1)
+                                psc = tl.load(ks_ptr + pksb + pch, mask=pjm, other=0.0).to(tl.float32) * kinv_s
+                                pzr = tl.load(kz_ptr + pksb + pch, mask=pjm, other=0.0).to(tl.float32) * kinv_z
+                                pcoef = (pcode.to(tl.float32) * psc[None, :] + pzr[None, :]).to(DOT)
+                                prow = blk * s_dblk + pch[:, None] * s_dec + cb + cols[None, :]
+                                k_lo = _dot(pcoef, tl.load(dec_ptr + prow, mask=pjm[:, None], other=0.0), k_lo, DOT)
+                                k_hi = _dot(pcoef, tl.load(dhi_ptr + prow, mask=pjm[:, None], other=0.0), k_hi, DOT)
+                    for c0 in range(0, 0 if KPLANE else KC, KRC):
+                        ch = c0 + tl.arange(0, KRC)
+                        chm = ch < KC
+                        cm2 = ok[:, None] & chm[None, :]
+                        kb = b * s_kb + blk * s_kh
+                        ksb = b * s_ksb + blk * s_ksh
+                        coef = _deq(
+                            k_ptr, kb, t, s_kt, ch, cm2, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, KC, KTG, KCG,
+                            t0, KROW1,
+                        ).to(DOT)  # fmt: skip
+                        drow = blk * s_dblk + ch[:, None] * s_dec + cb + cols[None, :]
+                        k_lo = _dot(coef, tl.load(dec_ptr + drow, mask=chm[:, None], other=0.0), k_lo, DOT)
+                        k_hi = _dot(coef, tl.load(dhi_ptr + drow, mask=chm[:, None], other=0.0), k_hi, DOT)
+                    # rows of the basis buffer (K NH each): mean lo, mean hi, column scale lo, column scale hi
+                    gc = h0 * NH + cols
+                    k_lo = k_lo * tl.load(mean_ptr + 2 * KNH + gc)[None, :] + tl.load(mean_ptr + gc)[None, :]
+                    k_hi = k_hi * tl.load(mean_ptr + 3 * KNH + gc)[None, :] + tl.load(mean_ptr + KNH + gc)[None, :]
+                else:  # plain keys of head h0 (WB = 1)
+                    km = ok[:, None] & dm[None, :]
+                    kb = b * s_kb + h0 * s_kh
+                    ksb = b * s_ksb + h0 * s_ksh
+                    k_lo = _deq(
+                        k_ptr,
+                        kb,
+                        t,
+                        s_kt,
+                        d,
+                        km,
+                        ks_ptr,
+                        kz_ptr,
+                        ksb,
+                        s_kst,
+                        kinv_s,
+                        kinv_z,
+                        KBITS,
+                        N,
+                        KTG,
+                        KCG,
+                        t0,
+                        KROW1,
+                    )
+                    k_hi = _deq(
+                        k_ptr, kb, t, s_kt, HALF + d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG,
                         t0, KROW1,
-                    ).to(DOT)  # fmt: skip
-                    drow = blk * s_dblk + ch[:, None] * s_dec + cb + cols[None, :]
-                    k_lo = _dot(coef, tl.load(dec_ptr + drow, mask=chm[:, None], other=0.0), k_lo, DOT)
-                    k_hi = _dot(coef, tl.load(dhi_ptr + drow, mask=chm[:, None], other=0.0), k_hi, DOT)
-                # rows of the basis buffer (K NH each): mean lo, mean hi, column scale lo, column scale hi
-                gc = h0 * NH + cols
-                k_lo = k_lo * tl.load(mean_ptr + 2 * KNH + gc)[None, :] + tl.load(mean_ptr + gc)[None, :]
-                k_hi = k_hi * tl.load(mean_ptr + 3 * KNH + gc)[None, :] + tl.load(mean_ptr + KNH + gc)[None, :]
-            else:  # plain keys of head h0 (WB = 1)
-                km = ok[:, None] & dm[None, :]
-                kb = b * s_kb + h0 * s_kh
-                ksb = b * s_ksb + h0 * s_ksh
-                k_lo = _deq(
-                    k_ptr, kb, t, s_kt, d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG, t0, KROW1
-                )
-                k_hi = _deq(
-                    k_ptr, kb, t, s_kt, HALF + d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG,
-                    t0, KROW1,
-                )  # fmt: skip
-            if ROPE != 0:  # x cos + rotate_half(x) sin, rotate_half(x) = (-x_hi, x_lo); the tables per head
+                    )  # fmt: skip
+                if ROPE != 0:  # x cos + rotate_half(x) sin, rotate_half(x) = (-x_hi, x_lo); the tables per head
+                    if WB == 1:
+                        r_lo = k_lo * cos_lo - k_hi * sin_lo
+                        k_hi = k_hi * cos_hi + k_lo * sin_hi
+                        k_lo = r_lo
+                    else:
+                        lo3 = tl.reshape(k_lo, (BT, WB, NH))
+                        hi3 = tl.reshape(k_hi, (BT, WB, NH))
+                        r_lo = lo3 * cos_lo[:, None, :] - hi3 * sin_lo[:, None, :]
+                        r_hi = hi3 * cos_hi[:, None, :] + lo3 * sin_hi[:, None, :]
+                        k_lo = tl.reshape(r_lo, (BT, WN))
+                        k_hi = tl.reshape(r_hi, (BT, WN))
                 if WB == 1:
-                    r_lo = k_lo * cos_lo - k_hi * sin_lo
-                    k_hi = k_hi * cos_hi + k_lo * sin_hi
-                    k_lo = r_lo
+                    sel_j = (jrow == j)[:, None]
+                    logits = _dot(tl.where(sel_j, q_lo, 0.0), tl.trans(k_lo), logits, DOT)
+                    logits = _dot(tl.where(sel_j, q_hi, 0.0), tl.trans(k_hi), logits, DOT)
                 else:
-                    lo3 = tl.reshape(k_lo, (BT, WB, NH))
-                    hi3 = tl.reshape(k_hi, (BT, WB, NH))
-                    r_lo = lo3 * cos_lo[:, None, :] - hi3 * sin_lo[:, None, :]
-                    r_hi = hi3 * cos_hi[:, None, :] + lo3 * sin_hi[:, None, :]
-                    k_lo = tl.reshape(r_lo, (BT, WN))
-                    k_hi = tl.reshape(r_hi, (BT, WN))
-            if WB == 1:
-                sel_j = (jrow == j)[:, None]
-                logits = _dot(tl.where(sel_j, q_lo, 0.0), tl.trans(k_lo), logits, DOT)
-                logits = _dot(tl.where(sel_j, q_hi, 0.0), tl.trans(k_hi), logits, DOT)
-            else:
-                logits = _dot(q_lo, tl.trans(k_lo), logits, DOT)
-                logits = _dot(q_hi, tl.trans(k_hi), logits, DOT)
+                    logits = _dot(q_lo, tl.trans(k_lo), logits, DOT)
+                    logits = _dot(q_hi, tl.trans(k_hi), logits, DOT)
         logits = tl.where(ok[None, :], logits, float("-inf"))
-        # -- online softmax (base 2)
-        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(logits - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
-        # -- latents, chunk by chunk
-        acc0 = _lat_chunk(
-            acc0, p, alpha, 0, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK, LC,
-            HBITS, HG, DOT,
-        )  # fmt: skip
-        if NLC > 1:
-            acc1 = _lat_chunk(
-                acc1, p, alpha, 1, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK, LC,
+        if PHASE == 1:  # the score launch: the tile's scores, for the latent launch
+            scm = rmask[:, None] & tm[None, :]
+            tl.store(sc_ptr + b * s_scb + head[:, None] * s_sch + t[None, :], logits, mask=scm)
+        else:
+            # -- online softmax (base 2)
+            m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(logits - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+            # -- latents, chunk by chunk
+            acc0 = _lat_chunk(
+                acc0, p, alpha, 0, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK, LC,
                 HBITS, HG, DOT,
             )  # fmt: skip
-        if NLC > 2:
-            acc2 = _lat_chunk(
-                acc2, p, alpha, 2, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK, LC,
-                HBITS, HG, DOT,
-            )  # fmt: skip
-        if NLC > 3:
-            acc3 = _lat_chunk(
-                acc3, p, alpha, 3, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK, LC,
-                HBITS, HG, DOT,
-            )  # fmt: skip
+            if NLC > 1:
+                acc1 = _lat_chunk(
+                    acc1, p, alpha, 1, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK, LC,
+                    HBITS, HG, DOT,
+                )  # fmt: skip
+            if NLC > 2:
+                acc2 = _lat_chunk(
+                    acc2, p, alpha, 2, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK, LC,
+                    HBITS, HG, DOT,
+                )  # fmt: skip
+            if NLC > 3:
+                acc3 = _lat_chunk(
+                    acc3, p, alpha, 3, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK, LC,
+                    HBITS, HG, DOT,
+                )  # fmt: skip
 
     # -- this split's partial, in kernels/attention.py's layout (channels past RANK are never written)
-    slot = slot0 + sp
-    tl.store(rk_ptr + slot + tl.arange(0, 1), tl.full([1], RANK, tl.int32))
-    prow = (b * H + head) * n_slots + slot
-    tl.store(pm_ptr + prow, m_i, mask=rmask)
-    tl.store(pl_ptr + prow, l_i, mask=rmask)
-    jl = tl.arange(0, LC)
-    base = pacc_ptr + prow[:, None] * s_acc + jl[None, :]
-    tl.store(base, acc0, mask=rmask[:, None] & (jl < RANK)[None, :])
-    if NLC > 1:
-        tl.store(base + LC, acc1, mask=rmask[:, None] & (LC + jl < RANK)[None, :])
-    if NLC > 2:
-        tl.store(base + 2 * LC, acc2, mask=rmask[:, None] & (2 * LC + jl < RANK)[None, :])
-    if NLC > 3:
-        tl.store(base + 3 * LC, acc3, mask=rmask[:, None] & (3 * LC + jl < RANK)[None, :])
+    if PHASE != 1:
+        slot = slot0 + sp
+        tl.store(rk_ptr + slot + tl.arange(0, 1), tl.full([1], RANK, tl.int32))
+        prow = (b * H + head) * n_slots + slot
+        tl.store(pm_ptr + prow, m_i, mask=rmask)
+        tl.store(pl_ptr + prow, l_i, mask=rmask)
+        jl = tl.arange(0, LC)
+        base = pacc_ptr + prow[:, None] * s_acc + jl[None, :]
+        tl.store(base, acc0, mask=rmask[:, None] & (jl < RANK)[None, :])
+        if NLC > 1:
+            tl.store(base + LC, acc1, mask=rmask[:, None] & (LC + jl < RANK)[None, :])
+        if NLC > 2:
+            tl.store(base + 2 * LC, acc2, mask=rmask[:, None] & (2 * LC + jl < RANK)[None, :])
+        if NLC > 3:
+            tl.store(base + 3 * LC, acc3, mask=rmask[:, None] & (3 * LC + jl < RANK)[None, :])
 
 
 # -- host side -------------------------------------------------------------------------------
@@ -658,13 +710,17 @@ def latent_attention_lowrank(
     *,
     rope=None,
     rope_offset: torch.Tensor | None = None,
-    block_t: int = 32,
+    block_t: int = 64,
     coef_chunk: int = 32,
     min_split: int = 64,
     waves: float = 4.0,
     split_tokens: int | None = None,
     fused_heads: bool = True,
     concurrent: bool = True,
+    two_pass: bool = True,
+    fast_rope: bool = True,
+    score_tokens: int = 256,
+    score_warps: int = 4,
     num_warps: int = 8,
     num_stages: int = 2,
 ) -> torch.Tensor:
@@ -680,7 +736,12 @@ def latent_attention_lowrank(
     [coef_chunk, g n/2] dot per RoPE half and scores them in one block-diagonal dot (the coefficients dequantized
     once per tile); False: head by head (the coefficients dequantized once per head, small dots). A per-head basis
     is always rebuilt head by head (each head has its own coefficients). `concurrent`: the regions' launches run side
-    by side on side streams (CUDA; False: one after the other on the current stream)."""
+    by side on side streams (CUDA; False: one after the other on the current stream). `two_pass` (regions with keys
+    before RoPE or low rank): a first launch writes every slot's scores [B, H, cap] float32, one program per KV head
+    and about `score_tokens` slots (`score_warps` warps: the key work alone, no latent accumulators, so no register
+    spills), a second runs softmax and latents over them; False: both per tile in one program (255 registers and
+    spills on an H100). `fast_rope`: RoPE computed in the kernel takes the SFU's cos/sin after a float32 reduction to
+    [-pi, pi] (abs error about 5e-7, below the bf16 tables' rounding), not libdevice's (about 90 instructions each)."""
     if not isinstance(view, LayerView):
         view = view.view()
     if supported(q, k_new, h_new, view, rope) is not None:
@@ -740,94 +801,104 @@ def latent_attention_lowrank(
             cstr = cos.stride()[:2] if mode == 1 else (0, 0)
             NLC, LC = _lat_chunks(r.rank)
             ln = r.length
-            _lr_kernel[(ns, G, B)](
-                q,
-                q.stride(0),
-                q.stride(1),
-                qk,
-                r.pos,
-                r.pos.stride(0),
-                ln,
-                npos,
-                0 if win is None else int(win),
-                roff if mode == 2 else r.pos,
-                kd,
-                kst[0],
-                kst[1],
-                kst[2],
-                ks,
-                kz,
-                kss[0],
-                kss[1],
-                kss[2],
-                kbias,
-                kish,
-                dec,
-                dhi,
-                dec.stride(0) if lowrank else 0,
-                dec.stride(1) if lowrank else 0,
-                mean,
-                cos,
-                sin,
-                *cstr,
-                invf if mode == 2 else kd,
-                rot[1] if mode == 2 else 1.0,
-                hd,
-                hst[0],
-                hst[1],
-                hst[2],
-                hs,
-                hz,
-                hss[0],
-                hss[1],
-                hss[2],
-                hbias,
-                hish,
-                pm,
-                pl,
-                pacc,
-                pacc.stride(2),
-                rk,
-                slot0,
-                n_slots,
-                H,
-                ns,
-                N=n,
-                NH=NH,
-                GS=g,
-                REP=rep,
-                QGP=QGP,
-                BT=BT,
-                LOWRANK=lowrank,
-                HPB=hpb,
-                WB=wb,
-                KC=KC,
-                KRC=max(16, coef_chunk),
-                KPLANE=lowrank and KB in (2, 4, 8) and KCG == 1 and KTG % BT == 0,
-                KBITS=KB,
-                KTG=KTG,
-                KCG=KCG,
-                KSF8=KS8,
-                KZF8=KZ8,
-                KBP=KBP,
-                ROPE=mode,
-                RDT=TL_DTYPE[q.dtype],
-                PRECISE=not interpreting(),
-                RANK=r.rank,
-                LC=LC,
-                NLC=NLC,
-                HBITS=HB,
-                HG=HG,
-                HSF8=HS8,
-                HZF8=HZ8,
-                HBP=HBP,
-                LENP=isinstance(ln, torch.Tensor),
-                NPP=isinstance(npos, torch.Tensor),
-                WIN=win is not None,
-                DOT=dot,
-                num_warps=num_warps,
-                num_stages=num_stages,
-            )
+            # two launches (two_pass): the scores of every slot first, many programs each holding only the key
+            # work; then softmax and latents over them. One launch: both per tile (today's fused program)
+            two = two_pass and (lowrank or mode != 0)
+            sc = torch.empty(B, H, r.capacity if two else 1, device=dev, dtype=torch.float32)
+            phases = ((1, max(ns, triton.cdiv(r.capacity, score_tokens))), (2, ns)) if two else ((0, ns),)
+            for phase, nsp in phases:
+                _lr_kernel[(nsp, K if phase == 1 else G, B)](
+                    q,
+                    q.stride(0),
+                    q.stride(1),
+                    qk,
+                    r.pos,
+                    r.pos.stride(0),
+                    ln,
+                    npos,
+                    0 if win is None else int(win),
+                    roff if mode == 2 else r.pos,
+                    kd,
+                    kst[0],
+                    kst[1],
+                    kst[2],
+                    ks,
+                    kz,
+                    kss[0],
+                    kss[1],
+                    kss[2],
+                    kbias,
+                    kish,
+                    dec,
+                    dhi,
+                    dec.stride(0) if lowrank else 0,
+                    dec.stride(1) if lowrank else 0,
+                    mean,
+                    cos,
+                    sin,
+                    *cstr,
+                    invf if mode == 2 else kd,
+                    rot[1] if mode == 2 else 1.0,
+                    hd,
+                    hst[0],
+                    hst[1],
+                    hst[2],
+                    hs,
+                    hz,
+                    hss[0],
+                    hss[1],
+                    hss[2],
+                    hbias,
+                    hish,
+                    pm,
+                    pl,
+                    pacc,
+                    pacc.stride(2),
+                    rk,
+                    sc,
+                    sc.stride(0),
+                    sc.stride(1),
+                    slot0,
+                    n_slots,
+                    H,
+                    nsp,
+                    N=n,
+                    NH=NH,
+                    GS=1 if phase == 1 else g,  # the score launch: a program per KV head
+                    REP=rep,
+                    QGP=max(16, pow2(rep)) if phase == 1 else QGP,
+                    BT=BT,
+                    LOWRANK=lowrank,
+                    HPB=hpb,
+                    WB=1 if phase == 1 else wb,
+                    KC=KC,
+                    KRC=max(16, coef_chunk),
+                    KPLANE=lowrank and KB in (2, 4, 8) and KCG == 1 and KTG % BT == 0,
+                    KBITS=KB,
+                    KTG=KTG,
+                    KCG=KCG,
+                    KSF8=KS8,
+                    KZF8=KZ8,
+                    KBP=KBP,
+                    ROPE=mode,
+                    RDT=TL_DTYPE[q.dtype],
+                    PRECISE=0 if interpreting() else 2 if fast_rope else 1,
+                    RANK=r.rank,
+                    LC=LC,
+                    NLC=NLC,
+                    HBITS=HB,
+                    HG=HG,
+                    HSF8=HS8,
+                    HZF8=HZ8,
+                    HBP=HBP,
+                    LENP=isinstance(ln, torch.Tensor),
+                    NPP=isinstance(npos, torch.Tensor),
+                    WIN=win is not None,
+                    DOT=dot,
+                    PHASE=phase,
+                    num_warps=score_warps if phase == 1 else num_warps,
+                    num_stages=num_stages,
+                )
         slot0 += ns
     for st in side:
         cur.wait_stream(st)
