@@ -517,11 +517,11 @@ def plan_batch(args, device, tp_size: int, held: float, workspace: float, per_ro
 
 
 def at_batch(B: int, how: str, attempt) -> dict:
-    """attempt(B) -> timed()'s dict; once more at 85% of B after an out-of-memory."""
+    """attempt(B) -> timed()'s dict; once more at 85% of B after running out of memory."""
     if B < 1:
         return dict(error=f"not even one row fits ({how})", batch=0, how=how)
     res = attempt(B)
-    if res.get("error") == "out of memory":
+    if "out of memory" in res.get("error", ""):  # torch's OutOfMemoryError, or a CUDA error while capturing a graph
         log(f"batch {B} ran out of memory: {int(B * 0.85)}")
         B, how = max(1, int(B * 0.85)), f"{how}; out of memory at {B}, 85% of it"
         res = attempt(B)
