@@ -5,7 +5,13 @@ Run one process per GPU under torchrun (a plain `python` run is one process: the
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py --model 8b --out tp2-8b.md        # the check, then 8B
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py --model 70b --no-check --out tp2-70b.md
     torchrun --nproc-per-node 4 benchmarks/bench_tp.py --model 70b --no-check --output-path factored --out tp4-70b.md
+    torchrun --nproc-per-node 4 benchmarks/bench_tp.py --model 70b --no-check --output-path factored --ctx 32768 \
+        --no-hf --throughput 32768                                  # TALE: batch 1 and the largest batch at 32K
+    torchrun --nproc-per-node 4 benchmarks/bench_tp.py --model 70b --no-check --output-path factored --ctx 131072 \
+        --no-tale --throughput 32768                                # transformers: 128K, and its largest batch at 32K
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py --device cpu --tiny      # CPU, gloo: checks the script
+    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --device cpu --tiny --throughput 96   # ... with --throughput
+    bash benchmarks/run_tp.sh OUT 540         # the 70B rows over 4 GPUs in 9 minutes, a timeout per step
 
 Models: random Llama weights (N(0, 0.02), norms 1) with Llama-3.1 shapes (70B: 80 layers, hidden 8192, 64 query /
 8 KV heads of 128, MLP 28672; 8B: 32 layers, hidden 4096, 32 / 8 heads, MLP 14336; vocab 128256), bf16, drawn on the
@@ -29,6 +35,17 @@ is the same base weights with the model's own attention, after TALE's factors ar
    device sync at every step; generate syncs at every step anyway). Peak = torch.cuda.max_memory_allocated during the
    call, the largest over the ranks. An out-of-memory is a row of its own; transformers is not run where its weights
    and 16-bit KV cache alone pass the GPU's memory.
+
+3. `--throughput CTX`: tokens/s (batch x 1000 / ms per token) at the largest batch that fits at CTX tokens, found
+   from bytes rather than by running out of memory: the batch-1 run gives what the process holds before it (`base`),
+   the prefill's peak and the decode steps' workspace (their peak over what they start with), and a batch of B holds
+   held + workspace + B x (one row's cache + its logits), which must stay under the ceiling (the driver's free memory
+   plus what torch holds, less `--headroom` GiB). That batch runs once; after an out-of-memory, once more at 85%.
+   TALE: one row prefilled, repeated to B rows (the cache's values do not change the timing), its static cache and
+   CUDA graphs; transformers' static cache (torch.compile): B rows of a `--short`-token prompt in a cache of CTX +
+   steps tokens, since its decode step attends over the whole cache, filled or not; its DynamicCache (eager): one
+   row prefilled, repeated. The largest context at batch 1 comes from the same numbers: (ceiling - base) over the
+   bytes per prompt token of the batch-1 prefill's peak (the prefill, not the cache, sets it).
 
 O^r is g times the size of W_O (40 GiB at 70B with g = 4): `--output-path auto` (the default) takes the factored
 output (B then W_O, the same result, O^r not built) when the weights with O^r would pass 80% of the GPU's memory
