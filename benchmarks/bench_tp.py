@@ -564,10 +564,11 @@ def tale_batch(pair, args, device, tp_size: int, ref: dict | None) -> dict:
     ws, assumed = workspace(ref, device)
 
     def filled() -> tuple:
-        """A one-row cache after the prompt's prefill (a forward), and the prompt one token longer."""
+        """A one-row cache after the prompt's prefill (a forward), and the prompt one token longer (not 0: generate
+        would take it for padding)."""
         cache = new_cache(m, static=True, max_length=ctx + 1 + args.warm + args.new)
         out = m(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1)
-        return cache, torch.cat([ids, out.logits[:, -1:].argmax(-1)], 1)
+        return cache, torch.cat([ids, out.logits[:, -1:].argmax(-1).clamp_min(1)], 1)
 
     first = [filled()]
     row = first[0][0].capacity_nbytes()  # the bytes of one row
@@ -622,7 +623,7 @@ def hf_batch(pair, args, device, dtype, tp_size: int, ref: dict | None, dynamic:
             ids = prompt(c.vocab_size, ctx, device)
             cache = DynamicCache(config=c)
             out = m(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1)
-            ids = torch.cat([ids, out.logits[:, -1:].argmax(-1)], 1).repeat(B, 1)
+            ids = torch.cat([ids, out.logits[:, -1:].argmax(-1).clamp_min(1)], 1).repeat(B, 1)
             del out
             cache.batch_repeat_interleave(B)
             kw = dict(disable_compile=True)
