@@ -815,7 +815,7 @@ def main() -> None:
             else f"## Throughput at {ctx} tokens, the largest batch that fits",
             "",
             "tokens/s = batch x 1000 / ms per token. TALE: one prefilled row repeated to the batch, static cache, CUDA "
-            f"graphs; transformers' static cache: a {min(args.short, ctx // 2)}-token prompt per row in a cache of the full length "
+            f"graphs; transformers' static cache: {min(args.short, ctx // 2)}-token prompts in a cache of the full length "
             "(its step attends over the whole cache); its DynamicCache: one prefilled row repeated, eager steps.",
             "",
             table,

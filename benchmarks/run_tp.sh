@@ -46,7 +46,7 @@ step() {  # step NAME LIMIT_S ARGS...: one torchrun of bench_tp.py
 for s in $STEPS; do
     case $s in
         tale) step tale "$(min 170 "$(left)")" --ctx 32768 --no-hf --throughput 32768 ;;
-        hf) step hf "$(min 330 "$(($(left) - 5))")" --ctx 131072 --no-tale --throughput 32768 ;;
+        hf) step hf "$(min 400 "$(($(left) - 5))")" --ctx 131072 --no-tale --throughput 32768 ;;
         largest)
             X=${LARGEST_CTX:-$(grep -ho "largest context at batch 1, TALE: [0-9]*" "$OUT/tale.log" 2>/dev/null | grep -o "[0-9]*$")}
             if [ -z "$X" ]; then
