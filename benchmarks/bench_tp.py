@@ -404,6 +404,7 @@ def timings(args, device, dtype, tp_size: int, start, notes: list, batch_rows: l
             del cache
             free(device)
             log(shape, ctx, "TALE", tale[ctx])
+        context_notes(shape, "TALE", tale, args, device, notes)  # before the batch runs: a hang there keeps the line
         if args.throughput and not args.no_tale:
             batch_rows.append(tale_batch(pair, args, device, tp_size, measured(tale, args.throughput)))
         for a in pair.tale:
@@ -454,21 +455,26 @@ def timings(args, device, dtype, tp_size: int, start, notes: list, batch_rows: l
                     f"{harness.fmt(floor, 2)} ({harness.fmt(over, 2)}x)" if over == over else "n/a",
                 ]
             )
+        context_notes(shape, "transformers", hfs, args, device, notes)
         if args.throughput and not args.no_hf:
             ref = measured(hfs, args.throughput)
             if not args.no_hf_dynamic:
                 batch_rows.append(hf_batch(pair, args, device, dtype, tp_size, ref, dynamic=True))
             batch_rows.append(hf_batch(pair, args, device, dtype, tp_size, ref, dynamic=False))
-        for name, res in (("TALE", tale), ("transformers", hfs)):
-            if (est := largest(res, args.ctx, device)) is not None:
-                notes.append(f"{shape}, {name}: largest context at batch 1 about {est // 1024}K tokens (estimated)")
-            if (one := largest_context(measured(res, max(args.ctx)))) is not None:
-                T, text = one
-                log(f"largest context at batch 1, {name}: {T} tokens (byte model)")
-                notes.append(f"{shape}, {name}: {text}")
         del pair, m
         free(device)
     return rows
+
+
+def context_notes(shape: str, name: str, res: dict, args, device, notes: list) -> None:
+    """The largest context at batch 1 from the runs `res` (per context): from the peaks of the two longest contexts,
+    and from the byte model (also logged, for a run that goes on to verify it)."""
+    if (est := largest(res, args.ctx, device)) is not None:
+        notes.append(f"{shape}, {name}: largest context at batch 1 about {est // 1024}K tokens (estimated)")
+    if (one := largest_context(measured(res, max(args.ctx)))) is not None:
+        T, text = one
+        log(f"largest context at batch 1, {name}: {T} tokens (byte model)")
+        notes.append(f"{shape}, {name}: {text}")
 
 
 def measured(res: dict, ctx: int) -> dict | None:
