@@ -5,7 +5,13 @@ Run one process per GPU under torchrun (a plain `python` run is one process: the
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py --model 8b --out tp2-8b.md        # the check, then 8B
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py --model 70b --no-check --out tp2-70b.md
     torchrun --nproc-per-node 4 benchmarks/bench_tp.py --model 70b --no-check --output-path factored --out tp4-70b.md
+    torchrun --nproc-per-node 4 benchmarks/bench_tp.py --model 70b --no-check --output-path factored --ctx 32768 \
+        --no-hf --throughput 32768                                  # TALE: batch 1 and the largest batch at 32K
+    torchrun --nproc-per-node 4 benchmarks/bench_tp.py --model 70b --no-check --output-path factored --ctx 131072 \
+        --no-tale --throughput 32768                                # transformers: 128K, and its largest batch at 32K
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py --device cpu --tiny      # CPU, gloo: checks the script
+    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --device cpu --tiny --throughput 96   # ... with --throughput
+    bash benchmarks/run_tp.sh OUT 540         # the 70B rows over 4 GPUs in 9 minutes, a timeout per step
 
 Models: random Llama weights (N(0, 0.02), norms 1) with Llama-3.1 shapes (70B: 80 layers, hidden 8192, 64 query /
 8 KV heads of 128, MLP 28672; 8B: 32 layers, hidden 4096, 32 / 8 heads, MLP 14336; vocab 128256), bf16, drawn on the
@@ -29,6 +35,17 @@ is the same base weights with the model's own attention, after TALE's factors ar
    device sync at every step; generate syncs at every step anyway). Peak = torch.cuda.max_memory_allocated during the
    call, the largest over the ranks. An out-of-memory is a row of its own; transformers is not run where its weights
    and 16-bit KV cache alone pass the GPU's memory.
+
+3. `--throughput CTX`: tokens/s (batch x 1000 / ms per token) at the largest batch that fits at CTX tokens, found
+   from bytes rather than by running out of memory: the batch-1 run gives what the process holds before it (`base`),
+   the prefill's peak and the decode steps' workspace (their peak over what they start with), and a batch of B holds
+   held + workspace + B x (one row's cache + its logits), which must stay under the ceiling (the driver's free memory
+   plus what torch holds, less `--headroom` GiB). That batch runs once; after an out-of-memory, once more at 85%.
+   TALE: one row prefilled, repeated to B rows (the cache's values do not change the timing), its static cache and
+   CUDA graphs; transformers' static cache (torch.compile): B rows of a `--short`-token prompt in a cache of CTX +
+   steps tokens, since its decode step attends over the whole cache, filled or not; its DynamicCache (eager): one
+   row prefilled, repeated. The largest context at batch 1 comes from the same numbers: (ceiling - base) over the
+   bytes per prompt token of the batch-1 prefill's peak (the prefill, not the cache, sets it).
 
 O^r is g times the size of W_O (40 GiB at 70B with g = 4): `--output-path auto` (the default) takes the factored
 output (B then W_O, the same result, O^r not built) when the weights with O^r would pass 80% of the GPU's memory
@@ -132,7 +149,7 @@ class Pair:
         if group is None:  # each rank holds whole groups: 8 KV heads in 2 groups of 4 split over 2 GPUs at most
             group = next(g for g in (4, 2, 1) if (K // g) % tp_size == 0)
         tp.check_size(tp_size, K // group, group)
-        self.group = group
+        self.group, self.shape = group, shape
         if layers:
             cfg["num_hidden_layers"] = layers
         config = AutoConfig.for_model("llama", **cfg)
@@ -186,20 +203,26 @@ def fits_fused(config, group: int, tp_size: int, dtype, device) -> bool:
 
 
 class Clock(LogitsProcessor):
-    """The time of every generate step, after a device sync."""
+    """The time of every generate step, after a device sync. On CUDA also, at the first step (the prefill's end): the
+    peak so far and what is held then; the peak is reset there, so the call's later peak is the decode steps'."""
 
     def __init__(self, device):
         self.device, self.t = device, []
+        self.prefill_peak = self.held = float("nan")
 
     def __call__(self, input_ids, scores):
         sync(self.device)
         self.t.append(time.perf_counter())
+        if len(self.t) == 1 and self.device.type == "cuda":
+            self.prefill_peak = torch.cuda.max_memory_allocated(self.device)
+            self.held = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
         return scores
 
 
-def prompt(vocab: int, T: int, device) -> torch.Tensor:
+def prompt(vocab: int, T: int, device, rows: int = 1) -> torch.Tensor:
     gen = torch.Generator("cpu").manual_seed(T)
-    return torch.randint(1, vocab, (1, T), generator=gen).to(device)
+    return torch.randint(1, vocab, (rows, T), generator=gen).to(device)
 
 
 def peak_reset(device) -> None:
@@ -212,21 +235,22 @@ def peak(device) -> float:
 
 
 @torch.inference_mode()
-def run(model, ids: torch.Tensor, new: int, cache=None, **kw):
-    """Greedy generate of `new` tokens: (tokens [new], logits [new, V] float32, step times)."""
-    clock = Clock(ids.device)
+def run(model, ids: torch.Tensor, new: int, cache=None, clock: Clock | None = None, logits: bool = True, **kw):
+    """Greedy generate of `new` tokens: (tokens [new] of row 0, its logits [new, V] float32 or None, step times)."""
+    clock = clock or Clock(ids.device)
     out = model.generate(
         ids,
         **({} if cache is None else cache_arg(cache)),
         max_new_tokens=new,
         min_new_tokens=new,
         do_sample=False,
-        output_logits=True,
+        output_logits=logits,
         return_dict_in_generate=True,
         logits_processor=LogitsProcessorList([clock]),
         **kw,
     )
-    return out.sequences[0, ids.shape[1] :].tolist(), torch.stack(out.logits)[:, 0].float(), clock.t
+    lg = torch.stack(out.logits)[:, 0].float() if logits else None
+    return out.sequences[0, ids.shape[1] :].tolist(), lg, clock.t
 
 
 def hf_static_kw(device) -> dict:
@@ -306,45 +330,83 @@ def free(device) -> None:
         torch.cuda.empty_cache()
 
 
-def timed(model, ids, new: int, warm: int, device, tp_size: int, cache=None, **kw) -> dict:
+def allocated(device) -> float:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else float("nan")
+
+
+def ceiling(device, headroom_gib: float) -> float:
+    """The most bytes torch may hold on this GPU: what the driver has free plus what torch holds allocated, after
+    empty_cache (what torch keeps reserved past that, such as a compiled step's CUDA graph pool, is not free for a
+    cache), less a headroom (NCCL and cuBLAS take memory outside the measured peaks). NaN on the CPU."""
+    if device.type != "cuda":
+        return float("nan")
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_allocated(device) - headroom_gib * GiB
+
+
+def timed(model, ids, new: int, warm: int, device, tp_size: int, cache=None, headroom: float = 3.0, **kw) -> dict:
+    """One generate call of `warm + new` steps: ms/token (median of the timed steps), peak GiB per GPU (the largest of
+    the ranks), and what the memory model reads (GiB, the largest of the ranks): `base` held before the call,
+    `prefill_peak`, `ws` the decode steps' peak over what they start with, `ceiling` (see ceiling())."""
     peak_reset(device)
+    base, clock = allocated(device), Clock(device)
+    t0 = time.perf_counter()
     try:
-        _, _, t = run(model, ids, warm + new, cache=cache, **kw)
+        _, _, t = run(model, ids, warm + new, cache=cache, clock=clock, logits=False, **kw)
         steps = [b - a for a, b in zip(t, t[1:])][warm - 1 :]  # t[0] ends the prefill
-        res = dict(ms=statistics.median(steps) * 1e3, peak=peak(device))
+        res = dict(ms=statistics.median(steps) * 1e3, peak=max(clock.prefill_peak / GiB, peak(device)))
+        res.update(
+            prefill_s=t[0] - t0,
+            base=base / GiB,
+            prefill_peak=clock.prefill_peak / GiB,
+            ws=peak(device) - clock.held / GiB,
+        )
     except torch.OutOfMemoryError:
         res = dict(error="out of memory")
     except RuntimeError as e:
         res = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:100]}")
-    if cache is not None and "error" not in res:
+    if hasattr(cache, "backend_name") and "error" not in res:  # a TALE cache
         res["cache"] = cache.nbytes() / GiB
         res["attention"] = cache.backend_name
     del cache
     free(device)
+    if "error" not in res:
+        res["ceiling"] = ceiling(device, headroom) / GiB
     every = gather(tp_size, res)
     if any("error" in r for r in every):
         return next(r for r in every if "error" in r)
-    return dict(every[0], peak=max(r["peak"] for r in every), cache=res.get("cache", float("nan")))
+    most = {k: max(r[k] for r in every) for k in ("peak", "base", "prefill_peak", "ws")}
+    return dict(every[0], **most, ceiling=min(r["ceiling"] for r in every), cache=res.get("cache", float("nan")))
 
 
 def attention(r: dict) -> str:
     return r.get("attention", "")
 
 
-def timings(args, device, dtype, tp_size: int, start, notes: list) -> list[list]:
-    """Per model: TALE at every context, then TALE's factors are dropped and transformers runs on the base weights
-    alone (its peak memory holds nothing of TALE's). `notes` gets the largest-context estimates."""
+def timings(args, device, dtype, tp_size: int, start, notes: list, batch_rows: list) -> list[list]:
+    """Per model: TALE at every context (and, with --throughput, at the largest batch), then TALE's factors are dropped
+    and transformers runs on the base weights alone (its peak memory holds nothing of TALE's). `notes` gets the
+    largest-context estimates, `batch_rows` the largest-batch rows."""
     rows = []
     for shape in ["tiny"] if args.tiny else args.model.split(","):
         pair = Pair(shape, args.layers, args.group, device, dtype, tp_size, start, args.output_path)
         c = pair.model.config
         log(f"{shape}: {c.num_hidden_layers} layers on {tp_size} rank(s), group {pair.group}, output {pair.output}")
-        tale = {}
+        tale, m = {}, None
         for ctx in args.ctx:
+            if args.no_tale:
+                tale[ctx] = {"error": "not run (--no-tale)"}
+                continue
             m = pair.use("tale")
             ids = prompt(c.vocab_size, ctx, device)
-            tale[ctx] = timed(m, ids, args.new, args.warm, device, tp_size, cache=new_cache(m, static=True))
+            cache = new_cache(m, static=True)
+            tale[ctx] = timed(m, ids, args.new, args.warm, device, tp_size, cache=cache, headroom=args.headroom)
+            del cache
+            free(device)
             log(shape, ctx, "TALE", tale[ctx])
+        context_notes(shape, "TALE", tale, args, device, notes)  # before the batch runs: a hang there keeps the line
+        if args.throughput and not args.no_tale:
+            batch_rows.append(tale_batch(pair, args, device, tp_size, measured(tale, args.throughput)))
         for a in pair.tale:
             for name in list(a.tale._parameters):
                 a.tale._parameters[name] = None
@@ -361,7 +423,16 @@ def timings(args, device, dtype, tp_size: int, start, notes: list) -> list[list]
                 hf = {"error": f"does not fit: weights + 16-bit KV cache {need / GiB:.0f} GiB per GPU"}
             elif not args.no_hf:
                 ids = prompt(c.vocab_size, ctx, device)
-                hf = timed(pair.use("transformers"), ids, args.new, args.warm, device, tp_size, **hf_static_kw(device))
+                hf = timed(
+                    pair.use("transformers"),
+                    ids,
+                    args.new,
+                    args.warm,
+                    device,
+                    tp_size,
+                    headroom=args.headroom,
+                    **hf_static_kw(device),
+                )
                 log(shape, ctx, "transformers", hf)
             hfs[ctx] = hf
             t = tale[ctx]
@@ -384,12 +455,237 @@ def timings(args, device, dtype, tp_size: int, start, notes: list) -> list[list]
                     f"{harness.fmt(floor, 2)} ({harness.fmt(over, 2)}x)" if over == over else "n/a",
                 ]
             )
-        for name, res in (("TALE", tale), ("transformers", hfs)):
-            if (est := largest(res, args.ctx, device)) is not None:
-                notes.append(f"{shape}, {name}: largest context at batch 1 about {est // 1024}K tokens (estimated)")
+        context_notes(shape, "transformers", hfs, args, device, notes)
+        if args.throughput and not args.no_hf:
+            ref = measured(hfs, args.throughput)
+            if not args.no_hf_dynamic:
+                batch_rows.append(hf_batch(pair, args, device, dtype, tp_size, ref, dynamic=True))
+            batch_rows.append(hf_batch(pair, args, device, dtype, tp_size, ref, dynamic=False))
         del pair, m
         free(device)
     return rows
+
+
+def context_notes(shape: str, name: str, res: dict, args, device, notes: list) -> None:
+    """The largest context at batch 1 from the runs `res` (per context): from the peaks of the two longest contexts,
+    and from the byte model (also logged, for a run that goes on to verify it)."""
+    if (est := largest(res, args.ctx, device)) is not None:
+        notes.append(f"{shape}, {name}: largest context at batch 1 about {est // 1024}K tokens (estimated)")
+    if (one := largest_context(measured(res, max(args.ctx)))) is not None:
+        T, text = one
+        log(f"largest context at batch 1, {name}: {T} tokens (byte model)")
+        notes.append(f"{shape}, {name}: {text}")
+
+
+def measured(res: dict, ctx: int) -> dict | None:
+    """The batch-1 run at `ctx` if it ran, else the one at the longest context that ran (what the memory model reads)."""
+    ok = {c: r for c, r in res.items() if "ms" in r}
+    if not ok:
+        return None
+    return dict(ok.get(ctx) or ok[max(ok)], ctx=ctx if ctx in ok else max(ok))
+
+
+# -- the largest batch, the largest context: from bytes ---------------------------------------------------------------
+#
+# Every number is bytes per GPU (this rank). A batch-1 generate call gives `base` (held before the call: weights and
+# what else the process keeps), the prefill's peak and the decode steps' workspace `ws` (their peak over what they
+# start with: the CUDA graph's pool, the attention kernel's partial sums, logits). A larger batch holds
+#     base + ws + B * (cache bytes of one row + its share of the step's transients)
+# and must stay under the ceiling (what the driver has free plus what torch reserved, less --headroom GiB). The
+# batch is run once at that B and stepped down once (by 15%) if it runs out of memory anyway.
+
+ROW_LOGITS = 4  # float32 copies of one row's logits a step makes (the gathered logits, generate's, argmax input)
+
+
+def fit_batch(ceiling: float, held: float, workspace: float, per_row: float) -> int:
+    """The largest B with held + workspace + B * per_row <= ceiling (0: not even one row)."""
+    return max(0, int((ceiling - held - workspace) // per_row))
+
+
+def context_fits(ceiling: float, base: float, prefill_peak: float, ctx: int) -> int:
+    """The largest prompt at batch 1 whose prefill fits, from one prefill's peak at `ctx` tokens: its bytes over
+    `base` (the cache and the prefill's activations) grow linearly in the prompt (no full-size mask; a constant part
+    counted per token only makes the estimate smaller)."""
+    return int((ceiling - base) // max((prefill_peak - base) / ctx, 1e-30))
+
+
+def largest_context(r: dict | None) -> tuple[int, str] | None:
+    """(tokens, a line) from a batch-1 run's memory on CUDA (None without one)."""
+    if r is None or r.get("ceiling", float("nan")) != r.get("ceiling", float("nan")):
+        return None
+    ceil, base, pk, ctx = r["ceiling"], r["base"], r["prefill_peak"], r["ctx"]
+    T = context_fits(ceil, base, pk, ctx)
+    per = (pk - base) * GiB / ctx / 1024
+    return T, (
+        f"largest context at batch 1 about {T // 1024}K tokens (byte model: {base:.1f} GiB held, "
+        f"{per:.1f} KiB per prompt token from the {ctx // 1024}K prefill's peak, ceiling {ceil:.1f} GiB per GPU)"
+    )
+
+
+def plan_batch(args, device, tp_size: int, held: float, workspace: float, per_row: float) -> tuple[int, str]:
+    """The batch to run and how it was found, the same on every rank (the smallest of the ranks'). `--batch` forces
+    it; on the CPU (no device memory to fill) it is 3 rows, enough to run the code."""
+    if args.batch:
+        B, how = args.batch, "--batch"
+    elif device.type != "cuda":
+        B, how = 3, "3 (CPU)"
+    else:
+        ceil = ceiling(device, args.headroom)
+        B = fit_batch(ceil, held, workspace, per_row)
+        how = (
+            f"bytes: {held / GiB:.1f} held + {workspace / GiB:.2f} workspace + B x {per_row / GiB:.3f} "
+            f"<= {ceil / GiB:.1f} GiB"
+        )
+    return min(gather(tp_size, (B, how)))
+
+
+def at_batch(B: int, how: str, attempt) -> dict:
+    """attempt(B) -> timed()'s dict; once more at 85% of B after running out of memory."""
+    if B < 1:
+        return dict(error=f"not even one row fits ({how})", batch=0, how=how)
+    res = attempt(B)
+    if "out of memory" in res.get("error", ""):  # torch's OutOfMemoryError, or a CUDA error while capturing a graph
+        log(f"batch {B} ran out of memory: {int(B * 0.85)}")
+        B, how = max(1, int(B * 0.85)), f"{how}; out of memory at {B}, 85% of it"
+        res = attempt(B)
+    return dict(res, batch=B, how=how)
+
+
+def workspace(ref: dict | None, device) -> tuple[float, str]:
+    """The decode steps' workspace (bytes) from the batch-1 run `ref`; 5% of the GPU when there is none (CUDA)."""
+    if ref is not None and ref.get("ws", float("nan")) == ref.get("ws", float("nan")):
+        return ref["ws"] * GiB, ""
+    if device.type != "cuda":
+        return 0.0, ""
+    return 0.05 * torch.cuda.get_device_properties(device).total_memory, " (workspace assumed: 5% of the GPU)"
+
+
+@torch.inference_mode()
+def tale_batch(pair, args, device, tp_size: int, ref: dict | None) -> dict:
+    """TALE's static cache at the largest batch that fits at --throughput tokens: one row prefilled (a forward),
+    repeated to B rows (the cache's values do not change the timing), then generate's steps over it (CUDA graphs)."""
+    m = pair.use("tale")
+    c, ctx = m.config, args.throughput
+    ids = prompt(c.vocab_size, ctx, device)
+    ws, assumed = workspace(ref, device)
+
+    def filled() -> tuple:
+        """A one-row cache after the prompt's prefill (a forward), and the prompt one token longer (not 0: generate
+        would take it for padding)."""
+        cache = new_cache(m, static=True, max_length=ctx + 1 + args.warm + args.new)
+        out = m(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1)
+        return cache, torch.cat([ids, out.logits[:, -1:].argmax(-1).clamp_min(1)], 1)
+
+    first = [filled()]
+    row = first[0][0].capacity_nbytes()  # the bytes of one row
+    free(device)
+
+    def attempt(B: int) -> dict:
+        cache, more = first.pop() if first else filled()
+        cache.batch_repeat_interleave(B)  # B rows replace the one
+        res = timed(m, more.repeat(B, 1), args.new, args.warm, device, tp_size, cache=cache, headroom=args.headroom)
+        del cache
+        free(device)
+        return res
+
+    per_row = row + ROW_LOGITS * 4 * c.vocab_size
+    B, how = plan_batch(args, device, tp_size, allocated(device) - row, ws, per_row)
+    res = at_batch(B, how + assumed, attempt)
+    log(pair.shape, ctx, "TALE, largest batch", res)
+    kind = "static" + (", CUDA graphs" if device.type == "cuda" else "")
+    return dict(res, runtime="TALE", cache_kind=kind, row=row / GiB, ctx=ctx)
+
+
+@torch.inference_mode()
+def hf_batch(pair, args, device, dtype, tp_size: int, ref: dict | None, dynamic: bool) -> dict:
+    """transformers at the largest batch that fits at --throughput tokens.
+    Static cache (with its torch.compile on CUDA): B rows of a --short-token prompt in a cache of --throughput +
+    steps tokens; its decode step attends over the whole cache, filled or not, so the step is the one of a full
+    prompt, without B full prefills.
+    DynamicCache (eager steps): one row prefilled, repeated to B rows (what the dynamic cache holds is the tokens)."""
+    from transformers import DynamicCache, StaticCache
+
+    m = pair.use("transformers")
+    c, ctx = m.config, args.throughput
+    steps = args.warm + args.new
+    ws, assumed = workspace(ref, device)
+    logits = ROW_LOGITS * 4 * c.vocab_size
+    if dynamic:
+        # a step's torch.cat holds a layer's old and new tensors at once: 1 / layers more per row
+        row = kv_bytes(c, ctx + steps, dtype) / tp_size * (1 + 1 / c.num_hidden_layers)
+        per_row = row + logits
+    else:
+        short = min(args.short, ctx // 2)
+        row = kv_bytes(c, ctx + steps, dtype) / tp_size
+        act = 0.0  # the short prompt's prefill activations per row, per token as measured by the batch-1 prefill
+        if ref is not None and device.type == "cuda":
+            act = max(0.0, (ref["prefill_peak"] - ref["base"]) * GiB - kv_bytes(c, ref["ctx"] + steps, dtype) / tp_size)
+            act = act / ref["ctx"] * short
+        per_row = row + act + logits
+    B, how = plan_batch(args, device, tp_size, allocated(device), ws, per_row)
+
+    def attempt(B: int) -> dict:
+        if dynamic:
+            ids = prompt(c.vocab_size, ctx, device)
+            cache = DynamicCache(config=c)
+            out = m(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1)
+            ids = torch.cat([ids, out.logits[:, -1:].argmax(-1).clamp_min(1)], 1).repeat(B, 1)
+            del out
+            cache.batch_repeat_interleave(B)
+            kw = dict(disable_compile=True)
+        else:
+            ids = prompt(c.vocab_size, short, device, rows=B)
+            cache = StaticCache(config=c, max_cache_len=ctx + steps)
+            kw = dict(disable_compile=device.type != "cuda")
+        res = timed(m, ids, args.new, args.warm, device, tp_size, cache=cache, headroom=args.headroom, **kw)
+        del cache
+        free(device)
+        return res
+
+    res = at_batch(B, how + assumed, attempt)
+    kind = (
+        "DynamicCache, eager"
+        if dynamic
+        else "static cache + torch.compile" + ("" if device.type == "cuda" else " (off on the CPU)")
+    )
+    log(pair.shape, ctx, f"transformers, {kind}, largest batch", res)
+    return dict(res, runtime="transformers", cache_kind=kind, row=row / GiB, ctx=ctx)
+
+
+def batch_table(rows: list[dict]) -> tuple[str, str]:
+    """The largest-batch rows as a markdown table, and the line of TALE's tokens/s over the best transformers'."""
+    out, rate = [], {}
+    for r in rows:
+        ok = "ms" in r
+        tps = r["batch"] * 1000 / r["ms"] if ok else float("nan")
+        if ok:
+            rate[r["runtime"]] = max(rate.get(r["runtime"], 0.0), tps)
+        out.append(
+            [
+                r["runtime"],
+                r["cache_kind"],
+                r["batch"],
+                harness.fmt(r["ms"], 2) if ok else r["error"],
+                harness.fmt(tps, 1),
+                harness.fmt(r.get("peak", float("nan")), 1),
+                harness.fmt(r["row"], 3),
+                r["how"],
+            ]
+        )
+    header = [
+        "runtime",
+        "cache",
+        "batch",
+        "ms/token",
+        "tokens/s",
+        "peak GiB/GPU",
+        "cache GiB per row per GPU",
+        "how the batch was found",
+    ]
+    ratio = ""
+    if "TALE" in rate and "transformers" in rate:
+        ratio = f"TALE / best transformers: **{rate['TALE'] / rate['transformers']:.2f}x** tokens/s"
+    return harness.table(header, out), ratio
 
 
 def read_bytes(c, group: int, dtype, output: str) -> int:
@@ -447,6 +743,18 @@ def main() -> None:
     ap.add_argument("--check-layers", type=int, default=None, help="layers of the 8B check model (default: all)")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' rows")
+    ap.add_argument("--no-tale", action="store_true", help="skip TALE's rows (transformers' alone)")
+    ap.add_argument(
+        "--throughput",
+        type=int,
+        default=None,
+        metavar="CTX",
+        help="also tokens/s at the largest batch that fits at CTX tokens (from bytes and the batch-1 run's memory)",
+    )
+    ap.add_argument("--batch", type=int, default=None, help="--throughput at this batch instead of the largest")
+    ap.add_argument("--no-hf-dynamic", action="store_true", help="--throughput without transformers' DynamicCache")
+    ap.add_argument("--short", type=int, default=512, help="prompt of transformers' static-cache batch (tokens)")
+    ap.add_argument("--headroom", type=float, default=3.0, help="GiB per GPU the memory model leaves free")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="a tiny model, short prompts: checks the script (CPU)")
     ap.add_argument("--out", default=None, help="also write the tables to this markdown file (rank 0)")
@@ -455,6 +763,8 @@ def main() -> None:
     if args.tiny:
         args.ctx = [c for c in args.ctx if c <= 512] or [96, 160]
         args.new, args.warm = min(args.new, 8), min(args.warm, 2)
+        if args.throughput:
+            args.throughput = min(args.throughput, max(args.ctx))
     dtype = torch.float32 if args.tiny else torch.bfloat16
     tp_size = int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device(args.device)
@@ -475,7 +785,8 @@ def main() -> None:
         args.bandwidth = gather(tp_size, harness.copy_bandwidth(str(device)))[0]
         log(f"copy bandwidth {args.bandwidth:.0f} GB/s")
     notes: list[str] = []
-    rows = timings(args, device, dtype, tp_size, start, notes)
+    batch_rows: list[dict] = []
+    rows = timings(args, device, dtype, tp_size, start, notes, batch_rows)
     header = [
         "model",
         "GPUs",
@@ -500,6 +811,22 @@ def main() -> None:
         + (f" ({args.bandwidth:.0f} GB/s)." if args.bandwidth else " (not on the CPU)."),
         *(f"- {n}" for n in notes),
     ]
+    if args.throughput:
+        ctx = args.throughput
+        table, ratio = batch_table(batch_rows)
+        lines += [
+            "",
+            f"## Throughput at {ctx // 1024}K tokens, the largest batch that fits"
+            if ctx >= 1024
+            else f"## Throughput at {ctx} tokens, the largest batch that fits",
+            "",
+            "tokens/s = batch x 1000 / ms per token. TALE: one prefilled row repeated to the batch, static cache, CUDA "
+            f"graphs; transformers' static cache: {min(args.short, ctx // 2)}-token prompts in a cache of the full length "
+            "(its step attends over the whole cache); its DynamicCache: one prefilled row repeated, eager steps.",
+            "",
+            table,
+            *([ratio] if ratio else []),
+        ]
     if rank() == 0:
         text = "\n".join(lines)
         print(text, flush=True)

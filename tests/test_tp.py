@@ -197,6 +197,44 @@ def test_bench_tp_cpu_path(ranks):
     cols = row.split("|")
     assert float(cols[4]) > 0 and cols[7].strip() == "torch reference" and float(cols[8]) > 0  # ms/token, attention
     assert ranks[1]["bench"] == ""
+    # --throughput: each runtime at the batch (3 rows on the CPU), tokens/s = batch x 1000 / ms per token
+    batch = {
+        tuple(c.strip() for c in ln.split("|")[1:3]): [c.strip() for c in ln.split("|")[3:]]
+        for ln in text.split("## Throughput")[1].splitlines()
+        if ln.startswith(("| TALE |", "| transformers |"))
+    }
+    assert set(batch) == {
+        ("TALE", "static"),
+        ("transformers", "DynamicCache, eager"),
+        ("transformers", "static cache + torch.compile (off on the CPU)"),
+    }
+    for b, ms, tps, *_ in batch.values():
+        assert b == "3" and float(ms) > 0 and abs(float(tps) - 3000 / float(ms)) <= 0.06 + 1e-3 * float(tps)
+    assert "TALE / best transformers: **" in text
+
+
+def test_bench_tp_memory_model():
+    """--throughput's byte model: the largest batch and the largest context from a batch-1 run's memory, and the sizes
+    it reads at Llama-3.1-70B shapes over 4 GPUs (docs/runtime.md's memory table: 131.4 GiB of base weights)."""
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    import bench_tp
+
+    G = bench_tp.GiB
+    assert bench_tp.fit_batch(80 * G, 40 * G, 2 * G, 2.5 * G) == 15  # 38 GiB over 2.5 per row
+    assert bench_tp.fit_batch(41 * G, 40 * G, 2 * G, 2.5 * G) == 0  # not even the workspace
+    run = dict(ceiling=76.0, base=34.0, prefill_peak=38.0, ctx=32768)  # 4 GiB over 32K tokens: 128 KiB per token
+    T, line = bench_tp.largest_context(run)
+    assert (
+        T == 42 * G // (128 * 1024) == 344064 and "about 336K tokens" in line and "128.0 KiB per prompt token" in line
+    )
+    assert bench_tp.largest_context(dict(run, ceiling=float("nan"))) is None  # the CPU: no device memory
+    assert bench_tp.largest_context(None) is None
+    assert bench_tp.workspace(dict(run, ws=1.5), torch.device("cpu")) == (1.5 * G, "")
+    from transformers import AutoConfig
+
+    c = AutoConfig.for_model("llama", **bench_tp.SHAPES["70b"])
+    assert round(bench_tp.base_bytes(c, torch.bfloat16) / G, 1) == 131.4
+    assert bench_tp.kv_bytes(c, 32768, torch.bfloat16) / 4 == 2.5 * G  # per GPU, a 32K row of the 16-bit cache
 
 
 def test_tale_run_tp_without_torchrun_is_one_line(artifacts, monkeypatch):

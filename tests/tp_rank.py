@@ -5,7 +5,7 @@
 Cases, in one process group (starting Python and torch costs more than all of them): greedy tokens and per-rank cache
 bytes through model.generate (dynamic cache with the fused output, and with the factored one and O^r left unread;
 static cache; tied embeddings); the compiled decode step; an artifact whose groups do not split over 2 ranks; a bad
-path on rank 1 only; the same through `tale-run --tp 2`; benchmarks/bench_tp.py --tiny.
+path on rank 1 only; the same through `tale-run --tp 2`; benchmarks/bench_tp.py --tiny (with --throughput).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def main() -> None:
     args = ["--prompt", "hello", "--max-new-tokens", "4", "--dtype", "fp32", "--device", "cpu", "--tp", "2"]
     res["cli"] = vars(invoke(cli.main, [good, *args]))
     res["cli_bad_path"] = vars(invoke(cli.main, [good if rank == 0 else good + "-missing", *args]))
-    res["bench"] = bench(["--device", "cpu", "--tiny", "--ctx", "64", "--new", "3"])
+    res["bench"] = bench(["--device", "cpu", "--tiny", "--ctx", "64", "--new", "3", "--throughput", "64"])
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump(res, f)
 
