@@ -7,12 +7,12 @@ import pytest
 import torch
 from tale_helpers import talify, tiny_model
 
-from tale_runtime import new_cache
+from tale_runtime import families, new_cache
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.attention import latent_attention
 from tale_runtime.generate import generate
 from tale_runtime.key_basis import KeyBasis, fit
-from tale_runtime.model import TaleCache, cache_arg
+from tale_runtime.model import TaleCache, TaleLayer, cache_arg
 from tale_runtime.quant import dequantize
 from tale_runtime.static_cache import StaticTaleCache
 
@@ -235,26 +235,111 @@ def test_chunk_too_long_for_the_residual_is_refused():
         sta.layers[0].append(torch.randn(1, K, 20, n), torch.randn(1, G, 20, R))
 
 
-@pytest.mark.parametrize("arch,g", [("llama", 2), ("qwen2", 4), ("mistral", 2), ("gemma3", 2), ("phi3", 1)])
-def test_generate_gives_the_dynamic_paths_tokens(arch, g):
-    """model.generate, batch 2 with left padding, greedy and beam search; Mistral and Gemma 3 with a sliding window."""
+def ring_reference(tm) -> TaleCache:
+    """A dynamic cache whose sliding-window layers keep every token exact (all in their sinks; attention masks by the
+    window): what the static cache's rings hold, the global layers on the model's schedule."""
+    cache = new_cache(tm)
+    for i, w in enumerate(families.sliding_windows(tm)):
+        if w is not None:
+            old = cache.layers[i]
+            exact = replace(old.s, sinks=1 << 30)
+            cache.layers[i] = TaleLayer(exact, i, old.K, old.n, old.G, old.R, old.keep, old.basis, old.rope)
+            cache.layers[i]._layer_idx = i
+    return cache
+
+
+def tale_model(arch: str, g: int, window: int | None = None):
     base = tiny_model(arch)
-    if arch == "mistral":
-        base.config.sliding_window = 24
+    if window:
+        base.config.sliding_window = window
     tm = talify(base, g)
     from tale_runtime.load import tale_class
 
     tm.__class__ = tale_class(type(tm))
+    return tm
+
+
+@pytest.mark.parametrize("arch,g", [("llama", 2), ("qwen2", 4), ("mistral", 2), ("gemma3", 2), ("phi3", 1)])
+def test_generate_gives_the_dynamic_paths_tokens(arch, g):
+    """model.generate, batch 2 with left padding, greedy and beam search; Mistral and Gemma 3 with a sliding window
+    (window 24), whose layers the static cache holds as exact rings: the dynamic path with those layers exact."""
+    tm = tale_model(arch, g, 24 if arch == "mistral" else None)
     ids = torch.randint(1, 320, (2, 30), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     ids[1, :7], mask[1, :7] = 0, 0
     kw = dict(attention_mask=mask, max_new_tokens=50, do_sample=False, pad_token_id=0)
-    want = tm.generate(ids, **kw)  # TaleGenerationMixin: a fresh dynamic TaleCache
+    want = tm.generate(ids, **cache_arg(ring_reference(tm)), **kw)
     cache = new_cache(tm, static=True)
     assert torch.equal(tm.generate(ids, **cache_arg(cache), **kw), want)
     assert cache.max_length == 30 + 50 - 1  # sized for the call by TaleGenerationMixin (the last token is never cached)
-    want = tm.generate(ids, num_beams=3, **kw)
+    assert [layer.ring for layer in cache.layers] == [23 if w else None for w in families.sliding_windows(tm)]
+    want = tm.generate(ids, num_beams=3, **cache_arg(ring_reference(tm)), **kw)
     assert torch.equal(tm.generate(ids, **cache_arg(new_cache(tm, static=True)), num_beams=3, **kw), want)
+
+
+def test_sliding_layers_hold_a_ring_of_their_window():
+    """Gemma 3's sliding layer (window W = 24) on the paper schedule: greedy tokens and logits of the static cache are
+    the dynamic path's with that layer exact, batch 2 with a padded row, a prompt shorter than W then past three
+    windows; token by token after a prompt longer than W, the sliding layer holds exactly the last W - 1 positions
+    (its bytes: that many 16-bit keys and full-rank latents, constant once past W) while the global layer grows."""
+    tm = tale_model("gemma3", 2)
+    W = families.sliding_windows(tm)[0]
+    assert W == 24 and families.sliding_windows(tm)[1] is None
+    ids = torch.randint(1, 320, (2, 12), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    ids[1, :7], mask[1, :7] = 0, 0
+    kw = dict(attention_mask=mask, max_new_tokens=3 * W, do_sample=False, pad_token_id=0)
+    kw |= dict(output_logits=True, return_dict_in_generate=True)
+    want = tm.generate(ids, **cache_arg(ring_reference(tm)), **kw)
+    got = tm.generate(ids, **cache_arg(new_cache(tm, static=True)), **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert (torch.stack(got.logits) - torch.stack(want.logits)).abs().max() < 1e-4
+
+    ids = torch.randint(1, 320, (1, 70), generator=torch.Generator().manual_seed(5))
+    cache = new_cache(tm, static=True, max_length=70)
+    slide, full = cache.layers
+    K, n, G, R = cache.K, cache.n, cache.G, cache.R
+    per_token = (K * n + G * R) * 4  # float32 keys and latents
+    held = []
+    with torch.no_grad():
+        tm(ids[:, :30], **cache_arg(cache))
+        for t in range(30, 70):
+            kappa = cache.book.kappa
+            (ring,) = slide.view().regions
+            pos = ring.pos[0][torch.arange(ring.capacity) < ring.length]
+            assert sorted(pos.tolist()) == list(range(kappa - W + 1, kappa)), kappa
+            assert slide.nbytes() == (W - 1) * per_token
+            held.append(full.nbytes())
+            tm(ids[:, t : t + 1], **cache_arg(cache))
+    assert held[-1] > held[0] and slide.capacity_nbytes() == (W - 1) * per_token
+    assert cache.baseline_nbytes() == 2 * K * (W - 1 + 70) * n * 2
+
+
+def test_ring_chunks_wrap_and_attend_as_every_token():
+    """A sliding layer's ring (window 7: 6 slots) fed a prefill past it and chunks that wrap around it, batch 2 with
+    a padded row: after each write it holds the last 6 positions (padding at -1), and attention over it, one new
+    token or several, equals attention over every token exact with the window's mask."""
+    s, B, W = replace(SCHEDULES["paper"], residual=16), 2, 7
+    gen = torch.Generator().manual_seed(3)
+    ref = TaleCache(replace(s, sinks=1 << 30), 1, K, n, G, R)
+    sta = StaticTaleCache(s, 1, K, n, G, R, max_length=60, windows=[W])
+    valid = torch.ones(B, 9, dtype=torch.bool)
+    valid[1, :3] = False
+    for T in (9, 1, 5, 1, 6, 1, 7, 2):  # chunks that fit the residual (16) of the global layers' bookkeeping
+        kappa = sta.book.kappa if sta.book else 0
+        k, h = torch.randn(B, K, T, n, generator=gen), torch.randn(B, G, T, R, generator=gen)
+        q = torch.randn(B, 4, T, n, generator=gen)
+        want = latent_attention(q, k, h, ref.layers[0].view(), 0.25, W)
+        got = latent_attention(q, k, h, sta.layers[0].view(), 0.25, W) if kappa else want
+        assert (got - want).abs().max() < 1e-6, kappa
+        for c in (ref, sta):
+            c.layers[0].append(k, h, valid if not kappa else None)
+        kappa += T
+        (ring,) = sta.layers[0].view().regions
+        used = ring.pos[:, torch.arange(ring.capacity) < ring.length]
+        held = range(max(0, kappa - W + 1), kappa)
+        assert sorted(used[0].tolist()) == list(held), kappa
+        assert sorted(used[1].tolist()) == sorted(p if p >= 3 else -1 for p in held), kappa
 
 
 def tale_schedule(model) -> Schedule:
