@@ -385,16 +385,22 @@ def test_batch_repeat_interleave_repeats_rows():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-@pytest.mark.parametrize("preset", ["paper", "tale"])
-def test_cuda_graph_steps_equal_eager_steps(preset):
+@pytest.mark.parametrize(
+    "preset,arch", [("paper", "llama"), ("tale", "llama"), ("paper", "mistral"), ("paper", "gemma3")]
+)
+def test_cuda_graph_steps_equal_eager_steps(preset, arch):
     """generate() replays CUDA-graph decode steps over a static cache (TaleGenerationMixin): the same tokens
     as eager steps over the same cache type, and logits within float32 rounding (the captured step is DecodeStep,
     whose fused kernels round differently; tests/test_decode_step.py checks graph == compiled step exactly).
     Both presets: the tale preset's key bands and fp8 biases (device scalars) must survive capture and re-biasing
-    between replays; runtime.generate takes this path for it by default (Schedule.fast_path)."""
-    from tale_runtime.decode import decoder_of
+    between replays; runtime.generate takes this path for it by default (Schedule.fast_path). Mistral (window 24 on
+    every layer) and Gemma 3 (a sliding layer, the model's own forward captured): the rings' device slots and lengths
+    advance inside the graph, past the window."""
+    from tale_runtime.decode import decoder_of, supports_step
 
-    base = tiny_model("llama")
+    base = tiny_model(arch)
+    if arch == "mistral":
+        base.config.sliding_window = 24
     tm = talify(base, 2, tale_schedule(base) if preset == "tale" else None).cuda()
     assert tm.tale_spec.schedule.fast_path()
     ids = torch.randint(1, 320, (2, 30), generator=torch.Generator().manual_seed(5)).cuda()
@@ -405,8 +411,28 @@ def test_cuda_graph_steps_equal_eager_steps(preset):
     dec = decoder_of(tm, cache)
     assert cache.backend.name == "triton" and dec is not None and dec.graph is not None and dec.error is None
     assert torch.equal(graphed.sequences, eager.sequences)
-    assert dec.step is not None and dec.compile_error is None
+    assert (dec.step is not None) == supports_step(tm) and dec.compile_error is None
+    assert any(layer.ring for layer in cache.layers) == (arch != "llama")
     assert all(float((a - b).norm() / b.norm()) < 1e-4 for a, b in zip(graphed.logits, eager.logits))
     a, _ = generate(tm, ids[0], max_new_tokens=40, static=False, eos_token_id=[])
     b, _ = generate(tm, ids[0], max_new_tokens=40, eos_token_id=[])  # on CUDA: static cache + CUDA graphs
     assert a == b
+
+
+def test_windows_are_fixed_when_the_cache_is_made():
+    """A sliding layer's ring is sized from the window the cache was made with: an update through another window, or
+    windows that do not give each layer one (or None), are refused; a cache made without windows keeps every token
+    and only counts the window in its baseline."""
+    with pytest.raises(ValueError, match="windows must give each of the 2 layers"):
+        StaticTaleCache(SCHEDULES["paper"], 2, K, n, G, R, max_length=50, windows=[8])
+    with pytest.raises(ValueError, match="windows must give each of the 1 layers"):
+        StaticTaleCache(SCHEDULES["paper"], 1, K, n, G, R, max_length=50, windows=[0])
+    sta = StaticTaleCache(SCHEDULES["paper"], 1, K, n, G, R, max_length=50, windows=[8])
+    with pytest.raises(ValueError, match="attends through a window of 9 tokens; the cache was made for 8"):
+        with sta.step(20):
+            sta.layers[0].update(torch.randn(1, K, 20, n), torch.randn(1, G, 20, R), window=9)
+    sta = StaticTaleCache(SCHEDULES["paper"], 1, K, n, G, R, max_length=50)
+    with sta.step(20):
+        sta.layers[0].update(torch.randn(1, K, 20, n), torch.randn(1, G, 20, R), window=8)
+    assert sta.layers[0].ring is None and len(sta.layers[0].view().regions) == 4
+    assert sta.baseline_nbytes() == 2 * K * 7 * n * 2
