@@ -414,7 +414,7 @@ def test_cuda_graph_steps_equal_eager_steps(preset, arch):
     assert (dec.step is not None) == supports_step(tm) and dec.compile_error is None
     assert any(layer.ring for layer in cache.layers) == (arch != "llama")
     assert all(float((a - b).norm() / b.norm()) < 1e-4 for a, b in zip(graphed.logits, eager.logits))
-    a, _ = generate(tm, ids[0], max_new_tokens=40, static=False, eos_token_id=[])
+    a, _ = generate(tm, ids[0], max_new_tokens=40, cache=ring_reference(tm), eos_token_id=[])  # eager, dynamic
     b, _ = generate(tm, ids[0], max_new_tokens=40, eos_token_id=[])  # on CUDA: static cache + CUDA graphs
     assert a == b
 
