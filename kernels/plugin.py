@@ -1,7 +1,8 @@
 """tale_kernels' attention backends, registered with tale_runtime.backends (entry point "tale_runtime.backends").
 
 - "cuda": the CUDA decode kernel (mma_attention) over a static cache in the fragment layout: Hopper, bf16, the paper
-  preset at head dim 128, latent groups of 4 KV heads, any whole number of query heads per KV head.
+  preset at head dim 128, latent groups of 4 KV heads, any whole number of query heads per KV head; no sliding-window
+  layers (their static cache is a 16-bit ring).
 - "triton": the Triton decode kernel (attention.py) over the row layout, dynamic or static: keys after RoPE at
   2/3/4/8/16 bits (whole or in bands), latents at 2/4/8/16 bits, any scale/zero format.
 - "triton-lowrank": the Triton kernel for keys before RoPE and low-rank keys (lowrank_attention.py), by name only.
@@ -68,6 +69,8 @@ def _cuda_reason(spec: CacheSpec) -> str | None:
     s, a = spec.schedule, spec.arch
     if not spec.static:
         return "reads static caches only (new_cache(model, static=True))"
+    if spec.sliding:  # its one launch reads the fragment layout's four regions, not a ring
+        return "sliding-window layers hold a 16-bit ring it does not read (the triton backend does)"
     if spec.dtype != torch.bfloat16:
         return f"reads bfloat16 caches, not {spec.dtype}"
     if not frag.kernel_heads(a.num_heads, a.num_kv_heads):

@@ -116,6 +116,18 @@ def rope_types(config) -> list[str | None]:
     return [None] * L
 
 
+def sliding_windows(model) -> tuple[int | None, ...]:
+    """Per decoder layer, the sliding window its attention reads through (None: a global layer): the attention
+    module's (Qwen2/3 and Gemma 3 mark sliding layers on it, TaleAttention keeps it), else the config's (Mistral and
+    Phi-3: every layer)."""
+    cfg, out = model.config, []
+    for layer in model.model.layers:
+        a = layer.self_attn
+        w = a.sliding_window if hasattr(a, "sliding_window") else getattr(cfg, "sliding_window", None)
+        out.append(int(w) if w else None)
+    return tuple(out)
+
+
 def embed_scale(model) -> float | None:
     """The factor the model's embedding layer multiplies token embeddings by (Gemma's scaled embedding: sqrt of the
     hidden size, from transformers' module), else None."""

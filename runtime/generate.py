@@ -226,7 +226,8 @@ def generate(
     else sampling (nucleus if top_p < 1) seeded by `seed`.
 
     Without `cache`: a StaticTaleCache for prompt + max_new_tokens tokens when `static` (default: on CUDA),
-    whose decode steps replay one CUDA graph, else a TaleCache. Both give the same tokens. `compile`: the graph
+    whose decode steps replay one CUDA graph, else a TaleCache. Both give the same tokens, but for sliding-window
+    layers, which the static cache holds exact (a ring of the window, docs/runtime.md). `compile`: the graph
     holds DecodeStep (torch.compile of the code around attention, runtime/decode.py), else the model's forward.
 
     `top_k`, `repetition_penalty`: transformers' logits processors (`processors`); `stop_strings`: stop once the

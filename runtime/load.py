@@ -438,7 +438,8 @@ def new_cache(
     a = spec.rank_arch()  # under tensor parallelism: this rank's heads and groups only
     sched = schedule or spec.schedule
     w = next(model.parameters())
-    cs = CacheSpec(a, sched, static, w.device, w.dtype)
+    windows = families.sliding_windows(model)
+    cs = CacheSpec(a, sched, static, w.device, w.dtype, windows)
     if isinstance(backend, backends.AttentionBackend):
         chosen = backend
     else:
@@ -453,6 +454,7 @@ def new_cache(
             num_heads=a.num_heads,
             backend=chosen,
             key_basis=spec.key_basis,
+            windows=windows,
         )
     rope_types = families.rope_types(model.config)
     return TaleCache(*shapes, keep=keep, key_basis=spec.key_basis, backend=chosen, rope_types=rope_types)
@@ -466,7 +468,9 @@ def set_backend(model, name: str = "auto", config=None) -> None:
         b = backends.get(name).configure(config)
         # refused now, not at the first generate: a backend that serves neither a dynamic nor a static cache here
         spec, w = model.tale_spec, next(model.parameters())
-        why = [b.supports(CacheSpec(spec.rank_arch(), spec.schedule, st, w.device, w.dtype)) for st in (False, True)]
+        windows = families.sliding_windows(model)
+        specs = [CacheSpec(spec.rank_arch(), spec.schedule, st, w.device, w.dtype, windows) for st in (False, True)]
+        why = [b.supports(cs) for cs in specs]
         if all(why):
             raise ValueError(f"attention backend {name!r} does not serve this model's caches: {why[0]}")
     elif config is not None:

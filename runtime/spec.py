@@ -133,3 +133,11 @@ class CacheSpec:
     static: bool
     device: torch.device
     dtype: torch.dtype = torch.bfloat16
+    # per layer, its attention's sliding window (None: a global layer); empty: none known. A static cache holds a
+    # sliding layer as a 16-bit ring of its window (runtime/static_cache.py), not in TALE's levels
+    windows: tuple[int | None, ...] = ()
+
+    @property
+    def sliding(self) -> bool:
+        """Some layer attends through a sliding window."""
+        return any(w is not None for w in self.windows)

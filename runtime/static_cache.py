@@ -22,6 +22,12 @@ Per layer (B batch rows, K KV heads, n head dim, G groups, R = g*n latent width,
               leave (demoted) from the read counter r_i; level 0 never wraps
     residual  keys [B, K, residual, n], latents [B, G, residual, R]   16-bit, the newest tokens
 
+A sliding-window layer (window W, `windows`) holds none of these: only W - 1 earlier tokens can ever be read (a query
+at position p reads positions > p - W, and p itself comes as the new token, attention running before the write), so
+it holds a ring of C = min(W - 1, max_length) slots, exact like the sinks:
+
+    ring      keys [B, K, C, n] (after RoPE), latents [B, G, C, R]   16-bit; the token at position p in slot p % C
+
 Shared by all layers (every layer holds the same positions):
 
     pos[j]    [B, cap_j] int32  cache position of each slot of region j; -1 = empty or padding
@@ -30,10 +36,12 @@ Shared by all layers (every layer holds the same positions):
     lens      [2 + levels] int32 slots in use per region (a prefix of the capacity: the high-water mark)
     next_pos  int64 scalar       position of the next token (kappa)
     res_slot  [1] int64          residual slot of the next decode token
+    rings[C]  Ring               per ring capacity C: pos [B, C] int32, length [] int32 (min(kappa, C): a prefix),
+                                 slot [1] int64 (next_pos % C, the slot of the next decode token)
 
 Counts are integer arithmetic on the host (placement.py): the host knows, without reading the device,
 when the residual fills (every `residual` steps) and when a level demotes a key group. A decode step
-that only writes the new token into the residual (slot and positions from the device tensors) is
+that only writes the new token into the residual and the rings (slots and positions from the device tensors) is
 what a CUDA graph captures; the flush and the demotions are fixed-size work (whole key groups) that
 runs after the step, outside the graph, every few steps.
 """
@@ -110,6 +118,26 @@ class Book:
             self.r[i] += m
             self.w[i - 1] += m
         return q, moves
+
+
+@dataclass
+class Ring:
+    """The slots of the sliding-window layers of one ring capacity C (shared by them: every layer holds the same
+    positions): the token at cache position p sits in slot p % C, so the ring holds the last C positions."""
+
+    cap: int
+    pos: torch.Tensor  # [B, C] int32: cache position of each slot; -1 = empty or padding
+    length: torch.Tensor  # [] int32: slots in use, min(kappa, C) (a prefix: slots fill in order before they wrap)
+    slot: torch.Tensor  # [1] int64: next_pos % C, where the next decode token goes
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.pos, self.length, self.slot]
+
+
+def ring_capacity(window: int, max_length: int) -> int:
+    """Slots of a sliding layer's ring: the W - 1 positions before a query's own that its window reaches (attention
+    reads the cache before the new tokens are written), or max_length if fewer tokens ever come."""
+    return max(1, min(window - 1, max_length))
 
 
 def capacities(s: Schedule, book: Book, max_length: int) -> list[int]:
@@ -208,7 +236,10 @@ class StaticTaleLayer(TaleCacheLayer):
         self.basis: KeyBasis | None = None if cache.key_basis is None else cache.key_basis[layer_idx]
         self.bias: dict[int, float] = {}  # id(fp8 buffer) -> its bias on the host (the device scalar's value)
         self._view: LayerView | None = None
-        self.window: int | None = None  # a sliding-window layer's window (passed with each update): for the baseline
+        # a sliding-window layer's window: made with it (the cache's `windows`), the layer holds a ring of that window;
+        # passed only with its updates, it sets the 16-bit baseline and the layer holds every token (attention masks)
+        self.window: int | None = cache.windows[layer_idx]
+        self.ring: int | None = None  # the ring's capacity (set at the allocation), None: the regions of the schedule
 
     # -- HF cache layer interface ------------------------------------------------------
 
@@ -220,11 +251,16 @@ class StaticTaleLayer(TaleCacheLayer):
         """transformers' cache-layer update, as TALE caches it: post-RoPE keys [B, K, T, n] and latents [B, G, T, R]
         of the step's T new tokens, written where the step's plan puts them (`valid` [B, T]: real tokens, read at the
         prefill; `rope`: the (cos, sin) [B or 1, T, n] the keys were rotated by, read with key_rope "pre"). The static
-        cache does not read queries (it places by recency). `window` (a sliding-window layer's) only sets what the
-        16-bit baseline holds: the layers share one placement and hold every token (attention masks what a window
-        cannot read)."""
-        if window is not None:
+        cache does not read queries (it places by recency). `window`: the layer's sliding window, which must be the
+        one the cache was made with (its ring); a cache made without windows only counts it in the 16-bit baseline
+        and holds every token (attention masks what a window cannot read)."""
+        if window is not None and self.cache.windows[self.layer_idx] is None:
             self.window = window
+        elif window != self.window and window is not None:
+            raise ValueError(
+                f"static cache: layer {self.layer_idx} attends through a window of {window} tokens; the cache was made "
+                f"for {self.window}"
+            )
         self.cache._write(self, key_states, value_states, valid, rope)
         return key_states, value_states
 
@@ -241,7 +277,7 @@ class StaticTaleLayer(TaleCacheLayer):
         for t in self._tensors():
             t.copy_(t.index_select(0, beam_idx.to(t.device)))
         if self.layer_idx == 0:
-            for p in self.cache.pos + self.cache._rope_tensors():
+            for p in self.cache.pos + self.cache._rope_tensors() + [r.pos for r in self.cache.rings.values()]:
                 p.copy_(p.index_select(0, beam_idx.to(p.device)))
 
     @property
@@ -259,6 +295,13 @@ class StaticTaleLayer(TaleCacheLayer):
         K, n, G, R = c.K, c.n, c.G, c.R
         S, caps = c.book.sink_cap, c.caps
         kw = dict(dtype=dtype, device=device)
+        self._view = None
+        self.ring = c.ring_of[self.layer_idx]
+        if self.ring is not None:  # a sliding layer: its ring only
+            self.ring_k = torch.zeros(B, K, self.ring, n, **kw)
+            self.ring_h = torch.zeros(B, G, self.ring, R, **kw)
+            self.frag, self.keys, self.lat, self.bias = [], [], [], {}
+            return
         self.sink_k = torch.zeros(B, K, S, n, **kw)
         self.sink_h = torch.zeros(B, G, S, R, **kw)
         if c.layout == "frag":
@@ -299,8 +342,12 @@ class StaticTaleLayer(TaleCacheLayer):
     def _qbufs(self) -> list[QTensor]:
         return [q for x in self.keys + self.lat for q in _qbufs(x)]
 
+    def _names(self) -> tuple[str, ...]:
+        """The 16-bit buffers of this layer (attribute names)."""
+        return ("ring_k", "ring_h") if self.ring is not None else ("sink_k", "sink_h", "res_k", "res_h")
+
     def _tensors(self) -> list[torch.Tensor]:
-        out = [self.sink_k, self.sink_h, self.res_k, self.res_h]
+        out = [getattr(self, nm) for nm in self._names()]
         for q in self._qbufs():
             out += [t for t in (q.data, q.scale, q.zero) if t is not None]
         return out + [t for f in self.frag for t in f.tensors()]
@@ -310,8 +357,10 @@ class StaticTaleLayer(TaleCacheLayer):
         b = self.cache.book
         if b is None:
             return 0
-        B = self.sink_k.shape[0]
         per_tok = lambda t: t.element_size() * t[0].numel() // t.shape[-2]  # noqa: E731  (one token, all rows)
+        if self.ring is not None:  # the slots in use: min(kappa, C)
+            return min(b.kappa, self.ring) * (per_tok(self.ring_k) + per_tok(self.ring_h)) * self.ring_k.shape[0]
+        B = self.sink_k.shape[0]
         total = b.sink_len * (per_tok(self.sink_k) + per_tok(self.sink_h))
         total += b.res_len * (per_tok(self.res_k) + per_tok(self.res_h))
         fp8 = 0
@@ -333,6 +382,11 @@ class StaticTaleLayer(TaleCacheLayer):
 
     def view(self) -> LayerView:
         """Every region over its whole capacity; lengths and positions are the cache's device tensors."""
+        if self._view is None and self.ring is not None:
+            r = self.cache.rings[self.ring]
+            self._view = LayerView(
+                [Region(_raw(self.ring_k), _raw(self.ring_h), self.cache.R, r.pos, r.length)], self.cache.next_pos
+            )
         if self._view is None:
             c = self.cache
             regions = [Region(_raw(self.sink_k), _raw(self.sink_h), c.R, c.pos[0], c.lens[0])]
@@ -371,6 +425,9 @@ class StaticTaleLayer(TaleCacheLayer):
     def _write_new(self, op, k: torch.Tensor, h: torch.Tensor, rope=None) -> None:
         """The step's new tokens where the plan puts them; `rope` (cos, sin) [B, T, n] with key_rope "pre"."""
         c = self.cache
+        if self.ring is not None:
+            self._write_ring(op, k, h)
+            return
         if op.decode:  # one token into the residual slot the device holds: capturable
             self.res_k.index_copy_(2, c.res_slot, k)
             self.res_h.index_copy_(2, c.res_slot, h)
@@ -391,6 +448,19 @@ class StaticTaleLayer(TaleCacheLayer):
             a = op.res_start
             self.res_k[:, :, a : a + op.n_res] = k[:, :, t:]
             self.res_h[:, :, a : a + op.n_res] = h[:, :, t:]
+
+    def _write_ring(self, op, k: torch.Tensor, h: torch.Tensor) -> None:
+        """The step's new tokens into the ring: position p at slot p % C; of T > C tokens only the last C."""
+        ring = self.cache.rings[self.ring]
+        if op.decode:  # at the slot the device holds: capturable
+            self.ring_k.index_copy_(2, ring.slot, k)
+            self.ring_h.index_copy_(2, ring.slot, h)
+            return
+        T, C = k.shape[-2], self.ring
+        m = min(T, C)
+        for slot, off, n in _spans(self.cache.book.kappa + T - m, m, C):
+            self.ring_k[:, :, slot : slot + n] = k[:, :, T - m + off : T - m + off + n]
+            self.ring_h[:, :, slot : slot + n] = h[:, :, T - m + off : T - m + off + n]
 
     def _flush(self, q: int, w: int) -> None:
         """Quantize the first q residual tokens into the top level at its write counter w."""
@@ -479,6 +549,7 @@ class _Op:
     fill_start: list[int] | None = None
     n_res: int = 0  # tokens into the residual, at res_start
     res_start: int = 0
+    rope_written: bool = False  # the step's RoPE tables are in place (key_rope "pre": by the first non-ring layer)
 
 
 class StaticTaleCache(CacheStep, Cache):
@@ -488,7 +559,8 @@ class StaticTaleCache(CacheStep, Cache):
     step as a CUDA graph. The prefill must be the first call; later calls take one token each (or short
     chunks that fit in the residual). `backend` serves decode attention (tale_runtime.backends); the quantized
     levels are held in the layout it reads (`layout` None), or in the one given ("row", or "frag": the CUDA kernel's,
-    which the torch reference reads too).
+    which the torch reference reads too). `windows`: per layer its attention's sliding window (None: a global layer);
+    a sliding layer holds a 16-bit ring of the tokens its window can still reach instead of the schedule's regions.
     """
 
     is_compileable = False
@@ -506,8 +578,12 @@ class StaticTaleCache(CacheStep, Cache):
         num_heads: int | None = None,
         backend: AttentionBackend = TORCH,
         key_basis: list[KeyBasis] | None = None,
+        windows: list[int | None] | tuple[int | None, ...] | None = None,
     ):
         layout = backend.layout if layout is None else layout
+        windows = [None] * num_layers if not windows else [None if w is None else int(w) for w in windows]
+        if len(windows) != num_layers or any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"static cache: windows must give each of the {num_layers} layers a window >= 1 or None")
         if layout not in ("row", "frag"):
             raise ValueError(f"static cache layout must be 'row' or 'frag', not {layout!r}")
         for i in range(num_layers):  # low-rank keys: every layer's basis, with the schedule's blocks and directions
@@ -528,6 +604,9 @@ class StaticTaleCache(CacheStep, Cache):
         self.num_layers = num_layers
         self.book: Book | None = None
         self.caps: list[int] = []
+        self.windows = windows
+        self.ring_of: list[int | None] = [None] * num_layers  # per layer its ring's capacity (set at the allocation)
+        self.rings: dict[int, Ring] = {}  # by capacity
         # counts buffer allocations: a CUDA graph captured over this cache's buffers (decode.CudaGraphDecoder) is valid
         # while it is unchanged
         self.generation = 0
@@ -546,7 +625,8 @@ class StaticTaleCache(CacheStep, Cache):
         """Bytes allocated (all layers, buffers and shared positions)."""
         if self.book is None:
             return 0
-        pos = sum(p.numel() * p.element_size() for p in self.pos + self._rope_tensors())
+        rings = [t for r in self.rings.values() for t in r.tensors()]
+        pos = sum(p.numel() * p.element_size() for p in self.pos + self._rope_tensors() + rings)
         return sum(layer.capacity_nbytes() for layer in self.layers) + pos
 
     def baseline_nbytes(self) -> int:
@@ -574,9 +654,16 @@ class StaticTaleCache(CacheStep, Cache):
         self.caps = capacities(s, probe, max_length)
         self.generation += 1
         self.book = book
+        self.ring_of = [None if w is None else ring_capacity(w, max_length) for w in self.windows]
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.rings = {
+            C: Ring(
+                C, torch.full((B, C), -1, **i32), torch.zeros((), **i32), torch.zeros(1, dtype=torch.long, device=dev)
+            )
+            for C in dict.fromkeys(c for c in self.ring_of if c is not None)
+        }
         for layer in self.layers:
             layer.allocate(B, k.dtype, dev)
-        i32 = dict(dtype=torch.int32, device=dev)
         caps = [book.sink_cap, *self.caps, s.residual]
         self.pos = [torch.full((B, c), -1, **i32) for c in caps]
         f32 = dict(dtype=torch.float32, device=dev)  # the tables as the dynamic cache reads them (RopeTables.at)
@@ -605,8 +692,9 @@ class StaticTaleCache(CacheStep, Cache):
             if self.book is None:
                 self._allocate(k, valid)
             st.op = self._plan(st.T, st.graph)
-            if rope is not None:
-                self._write_rope(st.op, rope)
+        if rope is not None and layer.ring is None and not st.op.rope_written:  # rings hold keys after RoPE
+            self._write_rope(st.op, rope)
+            st.op.rope_written = True
         layer._write_new(st.op, k, h, rope)
 
     def _write_rope(self, op: _Op, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -664,7 +752,12 @@ class StaticTaleCache(CacheStep, Cache):
         b = self.book
         if op.decode:
             B = self.pos[-1].shape[0]
-            self.pos[-1].index_copy_(1, self.res_slot, self.next_pos.view(1, 1).expand(B, 1).to(torch.int32))
+            p = self.next_pos.view(1, 1).expand(B, 1).to(torch.int32)
+            self.pos[-1].index_copy_(1, self.res_slot, p)
+            for r in self.rings.values():  # the slot's old token (position p - C) is one no query reads again
+                r.pos.index_copy_(1, r.slot, p)
+                r.slot.add_(1).remainder_(r.cap)
+                r.length.add_(1).clamp_(max=r.cap)
             self.next_pos += 1
             self.res_slot += 1
             self.lens[-1:] += 1
@@ -683,6 +776,10 @@ class StaticTaleCache(CacheStep, Cache):
             t += cnt
         if op.n_res:
             self.pos[-1][:, op.res_start : op.res_start + op.n_res] = pos[:, t:]
+        for r in self.rings.values():  # the last C tokens, position p at slot p % C
+            m = min(T, r.cap)
+            for slot, off, n in _spans(p0 + T - m, m, r.cap):
+                r.pos[:, slot : slot + n] = pos[:, T - m + off : T - m + off + n]
         b.add(self.schedule, T)
         self._maintain()
         self.sync_device()
@@ -705,7 +802,8 @@ class StaticTaleCache(CacheStep, Cache):
         q, moves = b.maintain(self.schedule)
         if q:
             for layer in self.layers:
-                layer._flush(q, wL)  # reads the residual's RoPE tables: they move after
+                if layer.ring is None:
+                    layer._flush(q, wL)  # reads the residual's RoPE tables: they move after
             left = res_before - q
             for t in self._tracks():
                 rp = t[-1]
@@ -716,7 +814,8 @@ class StaticTaleCache(CacheStep, Cache):
             self.pos[-1][:, left:res_before] = -1
         for i, m, r, w in moves:
             for layer in self.layers:
-                layer._demote(i, m, r, w)
+                if layer.ring is None:
+                    layer._demote(i, m, r, w)
             for t in self._tracks():
                 src, dst = t[1 + i], t[i]
                 moved = torch.cat([src[:, slot : slot + n] for slot, _, n in _spans(r, m, self.caps[i])], dim=1)
@@ -735,6 +834,9 @@ class StaticTaleCache(CacheStep, Cache):
             self.lens[j].fill_(v)
         self.next_pos.fill_(b.kappa)
         self.res_slot.fill_(b.res_len)
+        for r in self.rings.values():
+            r.length.fill_(min(b.kappa, r.cap))
+            r.slot.fill_(b.kappa % r.cap)
 
     # -- HF API ---------------------------------------------------------------------------
 
@@ -744,9 +846,8 @@ class StaticTaleCache(CacheStep, Cache):
             return
         self.generation += 1
         for layer in self.layers:
-            for obj, names in [(layer, ("sink_k", "sink_h", "res_k", "res_h"))]:
-                for nm in names:
-                    setattr(obj, nm, getattr(obj, nm).repeat_interleave(repeats, dim=0))
+            for nm in layer._names():
+                setattr(layer, nm, getattr(layer, nm).repeat_interleave(repeats, dim=0))
             for f in layer.frag:
                 f.repeat_interleave(repeats)
             for q in layer._qbufs():
@@ -756,4 +857,6 @@ class StaticTaleCache(CacheStep, Cache):
                     q.zero = q.zero.repeat_interleave(repeats, dim=0)
             layer._view = None
         self.pos = [p.repeat_interleave(repeats, dim=0) for p in self.pos]
+        for r in self.rings.values():
+            r.pos = r.pos.repeat_interleave(repeats, dim=0)
         self.rope = [None if r is None else tuple(x.repeat_interleave(repeats, dim=0) for x in r) for r in self.rope]

@@ -162,6 +162,9 @@ def test_the_backend_is_chosen_once_from_the_cache_spec(monkeypatch):
     monkeypatch.setattr(mma_attention, "available", lambda device: False)
     assert backends.choose(spec_of(16)).name == "triton"
     assert "Hopper" in backends.reasons(spec_of(16))["cuda"]
+    monkeypatch.setattr(mma_attention, "available", lambda device: True)
+    sliding = replace(spec_of(16), windows=(24, None))  # its static cache holds the sliding layer as a 16-bit ring
+    assert backends.choose(sliding).name == "triton" and "16-bit ring" in backends.reasons(sliding)["cuda"]
     monkeypatch.undo()
 
     tm = talify(tiny_model("llama"), 2)  # CPU: the reference, rows

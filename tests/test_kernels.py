@@ -330,6 +330,37 @@ def test_sliding_window_matches_reference(dtype):
         c.append(k, h)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.float16, torch.bfloat16] if CUDA else []), ids=str)
+def test_sliding_layers_ring_matches_reference(dtype):
+    """A sliding layer of the static cache: one 16-bit region, a ring of W - 1 = 19 slots (filling, then wrapped:
+    positions out of slot order), padding at -1 in one row, device length and next_pos; kernel == reference with the
+    window, step after step, and the window matters."""
+    from tale_runtime.static_cache import StaticTaleCache
+
+    K, n, G, R, W = 2, 16, 1, 32, 20
+    gen = torch.Generator().manual_seed(4)
+    s = Schedule(ranks=[[16, 32]], key_group=8, value_group=8, residual=8)
+    sta = StaticTaleCache(s, 1, K, n, G, R, max_length=60, windows=[W])
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+    valid = torch.ones(2, 12, dtype=torch.bool, device=DEVICE)
+    valid[1, :5] = False
+    layer = sta.layers[0]
+    layer.append(rnd(2, K, 12, n), rnd(2, G, 12, R), valid)
+    for t in range(12, 36, 3):
+        v = layer.view()
+        assert len(v.regions) == 1 and v.regions[0].capacity == W - 1
+        q, k, h = rnd(2, 4, 1, n), rnd(2, K, 1, n), rnd(2, G, 1, R)
+        assert attention.supported(q, k, h, v)
+        z, want = tale_kernels.latent_attention(q, k, h, v, 0.25, W), ref_attention(q, k, h, v, 0.25, W)
+        assert rel(z, want) < TOL[dtype], t
+        for _ in range(3):
+            layer.append(rnd(2, K, 1, n), rnd(2, G, 1, R))
+    assert rel(ref_attention(q, k, h, v, 0.25, 10), want) > 0.05  # a shorter window reads fewer of its tokens
+
+
 def _grow(t, extra: int, garbage: float):
     """t with `extra` more slots (token dim -2) holding garbage: NaN values/scales, random codes."""
 

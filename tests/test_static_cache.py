@@ -7,12 +7,12 @@ import pytest
 import torch
 from tale_helpers import talify, tiny_model
 
-from tale_runtime import new_cache
+from tale_runtime import families, new_cache
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.attention import latent_attention
 from tale_runtime.generate import generate
 from tale_runtime.key_basis import KeyBasis, fit
-from tale_runtime.model import TaleCache, cache_arg
+from tale_runtime.model import TaleCache, TaleLayer, cache_arg
 from tale_runtime.quant import dequantize
 from tale_runtime.static_cache import StaticTaleCache
 
@@ -235,26 +235,111 @@ def test_chunk_too_long_for_the_residual_is_refused():
         sta.layers[0].append(torch.randn(1, K, 20, n), torch.randn(1, G, 20, R))
 
 
-@pytest.mark.parametrize("arch,g", [("llama", 2), ("qwen2", 4), ("mistral", 2), ("gemma3", 2), ("phi3", 1)])
-def test_generate_gives_the_dynamic_paths_tokens(arch, g):
-    """model.generate, batch 2 with left padding, greedy and beam search; Mistral and Gemma 3 with a sliding window."""
+def ring_reference(tm) -> TaleCache:
+    """A dynamic cache whose sliding-window layers keep every token exact (all in their sinks; attention masks by the
+    window): what the static cache's rings hold, the global layers on the model's schedule."""
+    cache = new_cache(tm)
+    for i, w in enumerate(families.sliding_windows(tm)):
+        if w is not None:
+            old = cache.layers[i]
+            exact = replace(old.s, sinks=1 << 30)
+            cache.layers[i] = TaleLayer(exact, i, old.K, old.n, old.G, old.R, old.keep, old.basis, old.rope)
+            cache.layers[i]._layer_idx = i
+    return cache
+
+
+def tale_model(arch: str, g: int, window: int | None = None):
     base = tiny_model(arch)
-    if arch == "mistral":
-        base.config.sliding_window = 24
+    if window:
+        base.config.sliding_window = window
     tm = talify(base, g)
     from tale_runtime.load import tale_class
 
     tm.__class__ = tale_class(type(tm))
+    return tm
+
+
+@pytest.mark.parametrize("arch,g", [("llama", 2), ("qwen2", 4), ("mistral", 2), ("gemma3", 2), ("phi3", 1)])
+def test_generate_gives_the_dynamic_paths_tokens(arch, g):
+    """model.generate, batch 2 with left padding, greedy and beam search; Mistral and Gemma 3 with a sliding window
+    (window 24), whose layers the static cache holds as exact rings: the dynamic path with those layers exact."""
+    tm = tale_model(arch, g, 24 if arch == "mistral" else None)
     ids = torch.randint(1, 320, (2, 30), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     ids[1, :7], mask[1, :7] = 0, 0
     kw = dict(attention_mask=mask, max_new_tokens=50, do_sample=False, pad_token_id=0)
-    want = tm.generate(ids, **kw)  # TaleGenerationMixin: a fresh dynamic TaleCache
+    want = tm.generate(ids, **cache_arg(ring_reference(tm)), **kw)
     cache = new_cache(tm, static=True)
     assert torch.equal(tm.generate(ids, **cache_arg(cache), **kw), want)
     assert cache.max_length == 30 + 50 - 1  # sized for the call by TaleGenerationMixin (the last token is never cached)
-    want = tm.generate(ids, num_beams=3, **kw)
+    assert [layer.ring for layer in cache.layers] == [23 if w else None for w in families.sliding_windows(tm)]
+    want = tm.generate(ids, num_beams=3, **cache_arg(ring_reference(tm)), **kw)
     assert torch.equal(tm.generate(ids, **cache_arg(new_cache(tm, static=True)), num_beams=3, **kw), want)
+
+
+def test_sliding_layers_hold_a_ring_of_their_window():
+    """Gemma 3's sliding layer (window W = 24) on the paper schedule: greedy tokens and logits of the static cache are
+    the dynamic path's with that layer exact, batch 2 with a padded row, a prompt shorter than W then past three
+    windows; token by token after a prompt longer than W, the sliding layer holds exactly the last W - 1 positions
+    (its bytes: that many 16-bit keys and full-rank latents, constant once past W) while the global layer grows."""
+    tm = tale_model("gemma3", 2)
+    W = families.sliding_windows(tm)[0]
+    assert W == 24 and families.sliding_windows(tm)[1] is None
+    ids = torch.randint(1, 320, (2, 12), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    ids[1, :7], mask[1, :7] = 0, 0
+    kw = dict(attention_mask=mask, max_new_tokens=3 * W, do_sample=False, pad_token_id=0)
+    kw |= dict(output_logits=True, return_dict_in_generate=True)
+    want = tm.generate(ids, **cache_arg(ring_reference(tm)), **kw)
+    got = tm.generate(ids, **cache_arg(new_cache(tm, static=True)), **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert (torch.stack(got.logits) - torch.stack(want.logits)).abs().max() < 1e-4
+
+    ids = torch.randint(1, 320, (1, 70), generator=torch.Generator().manual_seed(5))
+    cache = new_cache(tm, static=True, max_length=70)
+    slide, full = cache.layers
+    K, n, G, R = cache.K, cache.n, cache.G, cache.R
+    per_token = (K * n + G * R) * 4  # float32 keys and latents
+    held = []
+    with torch.no_grad():
+        tm(ids[:, :30], **cache_arg(cache))
+        for t in range(30, 70):
+            kappa = cache.book.kappa
+            (ring,) = slide.view().regions
+            pos = ring.pos[0][torch.arange(ring.capacity) < ring.length]
+            assert sorted(pos.tolist()) == list(range(kappa - W + 1, kappa)), kappa
+            assert slide.nbytes() == (W - 1) * per_token
+            held.append(full.nbytes())
+            tm(ids[:, t : t + 1], **cache_arg(cache))
+    assert held[-1] > held[0] and slide.capacity_nbytes() == (W - 1) * per_token
+    assert cache.baseline_nbytes() == 2 * K * (W - 1 + 70) * n * 2
+
+
+def test_ring_chunks_wrap_and_attend_as_every_token():
+    """A sliding layer's ring (window 7: 6 slots) fed a prefill past it and chunks that wrap around it, batch 2 with
+    a padded row: after each write it holds the last 6 positions (padding at -1), and attention over it, one new
+    token or several, equals attention over every token exact with the window's mask."""
+    s, B, W = replace(SCHEDULES["paper"], residual=16), 2, 7
+    gen = torch.Generator().manual_seed(3)
+    ref = TaleCache(replace(s, sinks=1 << 30), 1, K, n, G, R)
+    sta = StaticTaleCache(s, 1, K, n, G, R, max_length=60, windows=[W])
+    valid = torch.ones(B, 9, dtype=torch.bool)
+    valid[1, :3] = False
+    for T in (9, 1, 5, 1, 6, 1, 7, 2):  # chunks that fit the residual (16) of the global layers' bookkeeping
+        kappa = sta.book.kappa if sta.book else 0
+        k, h = torch.randn(B, K, T, n, generator=gen), torch.randn(B, G, T, R, generator=gen)
+        q = torch.randn(B, 4, T, n, generator=gen)
+        want = latent_attention(q, k, h, ref.layers[0].view(), 0.25, W)
+        got = latent_attention(q, k, h, sta.layers[0].view(), 0.25, W) if kappa else want
+        assert (got - want).abs().max() < 1e-6, kappa
+        for c in (ref, sta):
+            c.layers[0].append(k, h, valid if not kappa else None)
+        kappa += T
+        (ring,) = sta.layers[0].view().regions
+        used = ring.pos[:, torch.arange(ring.capacity) < ring.length]
+        held = range(max(0, kappa - W + 1), kappa)
+        assert sorted(used[0].tolist()) == list(held), kappa
+        assert sorted(used[1].tolist()) == sorted(p if p >= 3 else -1 for p in held), kappa
 
 
 def tale_schedule(model) -> Schedule:
@@ -300,16 +385,22 @@ def test_batch_repeat_interleave_repeats_rows():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-@pytest.mark.parametrize("preset", ["paper", "tale"])
-def test_cuda_graph_steps_equal_eager_steps(preset):
+@pytest.mark.parametrize(
+    "preset,arch", [("paper", "llama"), ("tale", "llama"), ("paper", "mistral"), ("paper", "gemma3")]
+)
+def test_cuda_graph_steps_equal_eager_steps(preset, arch):
     """generate() replays CUDA-graph decode steps over a static cache (TaleGenerationMixin): the same tokens
     as eager steps over the same cache type, and logits within float32 rounding (the captured step is DecodeStep,
     whose fused kernels round differently; tests/test_decode_step.py checks graph == compiled step exactly).
     Both presets: the tale preset's key bands and fp8 biases (device scalars) must survive capture and re-biasing
-    between replays; runtime.generate takes this path for it by default (Schedule.fast_path)."""
-    from tale_runtime.decode import decoder_of
+    between replays; runtime.generate takes this path for it by default (Schedule.fast_path). Mistral (window 24 on
+    every layer) and Gemma 3 (a sliding layer, the model's own forward captured): the rings' device slots and lengths
+    advance inside the graph, past the window."""
+    from tale_runtime.decode import decoder_of, supports_step
 
-    base = tiny_model("llama")
+    base = tiny_model(arch)
+    if arch == "mistral":
+        base.config.sliding_window = 24
     tm = talify(base, 2, tale_schedule(base) if preset == "tale" else None).cuda()
     assert tm.tale_spec.schedule.fast_path()
     ids = torch.randint(1, 320, (2, 30), generator=torch.Generator().manual_seed(5)).cuda()
@@ -320,8 +411,28 @@ def test_cuda_graph_steps_equal_eager_steps(preset):
     dec = decoder_of(tm, cache)
     assert cache.backend.name == "triton" and dec is not None and dec.graph is not None and dec.error is None
     assert torch.equal(graphed.sequences, eager.sequences)
-    assert dec.step is not None and dec.compile_error is None
+    assert (dec.step is not None) == supports_step(tm) and dec.compile_error is None
+    assert any(layer.ring for layer in cache.layers) == (arch != "llama")
     assert all(float((a - b).norm() / b.norm()) < 1e-4 for a, b in zip(graphed.logits, eager.logits))
-    a, _ = generate(tm, ids[0], max_new_tokens=40, static=False, eos_token_id=[])
+    a, _ = generate(tm, ids[0], max_new_tokens=40, cache=ring_reference(tm), eos_token_id=[])  # eager, dynamic
     b, _ = generate(tm, ids[0], max_new_tokens=40, eos_token_id=[])  # on CUDA: static cache + CUDA graphs
     assert a == b
+
+
+def test_windows_are_fixed_when_the_cache_is_made():
+    """A sliding layer's ring is sized from the window the cache was made with: an update through another window, or
+    windows that do not give each layer one (or None), are refused; a cache made without windows keeps every token
+    and only counts the window in its baseline."""
+    with pytest.raises(ValueError, match="windows must give each of the 2 layers"):
+        StaticTaleCache(SCHEDULES["paper"], 2, K, n, G, R, max_length=50, windows=[8])
+    with pytest.raises(ValueError, match="windows must give each of the 1 layers"):
+        StaticTaleCache(SCHEDULES["paper"], 1, K, n, G, R, max_length=50, windows=[0])
+    sta = StaticTaleCache(SCHEDULES["paper"], 1, K, n, G, R, max_length=50, windows=[8])
+    with pytest.raises(ValueError, match="attends through a window of 9 tokens; the cache was made for 8"):
+        with sta.step(20):
+            sta.layers[0].update(torch.randn(1, K, 20, n), torch.randn(1, G, 20, R), window=9)
+    sta = StaticTaleCache(SCHEDULES["paper"], 1, K, n, G, R, max_length=50)
+    with sta.step(20):
+        sta.layers[0].update(torch.randn(1, K, 20, n), torch.randn(1, G, 20, R), window=8)
+    assert sta.layers[0].ring is None and len(sta.layers[0].view().regions) == 4
+    assert sta.baseline_nbytes() == 2 * K * 7 * n * 2
