@@ -149,18 +149,24 @@ def quant_level(
     h: torch.Tensor,
     order: list[list[int]] | None = None,
     basis: KeyBasis | None = None,
+    device_bias: bool = False,
 ) -> tuple[QTensor | Bands, QTensor]:
     """Exact tokens (k [B, K, T, n], h [B, G, T, R]) quantized at a level: keys per channel over token
     groups (in two bands at levels with key_hi_bits: `order` is the layer's Schedule.key_order; as
     coefficients on the layer's key `basis` at levels with key_rank), latents truncated to `rank` and
-    quantized per token over channel groups."""
+    quantized per token over channel groups. device_bias: fp8 biases as device scalars (quant.quantize)."""
     lv = s.levels[level]
-    lat = quantize(h[..., :rank].contiguous(), lv.bits, s.value_group, dim=-1, meta=s.value_meta)
-    return quant_keys(s, level, k, order, basis), lat
+    lat = quantize(h[..., :rank].contiguous(), lv.bits, s.value_group, -1, s.value_meta, device_bias)
+    return quant_keys(s, level, k, order, basis, device_bias), lat
 
 
 def quant_keys(
-    s: Schedule, level: int, k: torch.Tensor, order: list[list[int]] | None = None, basis: KeyBasis | None = None
+    s: Schedule,
+    level: int,
+    k: torch.Tensor,
+    order: list[list[int]] | None = None,
+    basis: KeyBasis | None = None,
+    device_bias: bool = False,
 ) -> QTensor | Bands:
     lv = s.levels[level]
     if lv.key_rank:
@@ -168,7 +174,7 @@ def quant_keys(
             raise ValueError("low-rank keys (key_rank) need the layer's key basis")
         k = basis.encode(k, lv.key_rank)
     if not lv.key_hi_bits:
-        return quantize(k, lv.key_bits, **key_layout(s, level))
+        return quantize(k, lv.key_bits, **key_layout(s, level), device_bias=device_bias)
     if order is None:
         raise ValueError("key bands need the layer's key_order")
     hi, lo = band_index(order, lv.key_hi_channels)

@@ -140,7 +140,7 @@ def quantize_bands(x: torch.Tensor, bands: list[tuple[int, torch.Tensor]], group
 META = ("16", "8/16", "8/8")
 BITS = (1, 2, 3, 4, 8)
 FP8 = torch.float8_e4m3fn
-_FP8_TABLE: torch.Tensor | None = None
+_FP8_TABLES: dict[str, torch.Tensor] = {}  # the finite float8_e4m3fn values, sorted, per device
 
 META_SHIFT = 2.0**-8
 
@@ -204,11 +204,10 @@ def _unpack3(packed: torch.Tensor) -> torch.Tensor:
 
 def _fp8_round(x: torch.Tensor, up: bool) -> torch.Tensor:
     """x (float32) -> the nearest float8_e4m3fn at or above (up) / at or below x, saturating at +-448."""
-    global _FP8_TABLE
-    if _FP8_TABLE is None:
+    t = _FP8_TABLES.get(str(x.device))
+    if t is None:  # made once per device, so a step captured in a CUDA graph later copies nothing from the host
         v = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
-        _FP8_TABLE = v[torch.isfinite(v)].unique()  # sorted, one zero
-    t = _FP8_TABLE.to(x.device)
+        t = _FP8_TABLES[str(x.device)] = v[torch.isfinite(v)].unique().to(x.device)  # sorted, one zero
     i = torch.searchsorted(t, x.contiguous(), right=not up) - (0 if up else 1)
     return t[i.clamp(0, len(t) - 1)].to(FP8)
 
@@ -222,7 +221,9 @@ def _grouped(x: torch.Tensor, group: int, dim: int) -> torch.Tensor:
     return x.reshape(*x.shape[:dim], size // group, group, *x.shape[dim + 1 :]), dim + 1
 
 
-def quantize(x: torch.Tensor, bits: int, group: int, dim: int, meta: str = "16") -> QTensor:
+def quantize(x: torch.Tensor, bits: int, group: int, dim: int, meta: str = "16", device_bias: bool = False) -> QTensor:
+    """device_bias: an fp8 format's bias stays a 0-d float32 tensor on x's device (the same value, no host read: what a
+    captured CUDA graph can run)."""
     if bits == 16:
         return QTensor(x, None, None, 16, group, dim)
     if bits not in BITS:
@@ -243,7 +244,11 @@ def quantize(x: torch.Tensor, bits: int, group: int, dim: int, meta: str = "16")
         bias = 1.0
     else:
         top = torch.maximum((mx - mn).amax() / qmax, mn.abs().amax() if meta == "8/8" else mn.new_zeros(()))
-        bias = 2.0 ** math.floor(math.log2(112.0 / top.item())) if top > 0 else 1.0
+        if device_bias:  # float64 as the host's math.log2 of the float32 top
+            t64 = top.double()
+            bias = torch.where(t64 > 0, torch.exp2(torch.floor(torch.log2(112.0 / t64))), 1.0).float()
+        else:
+            bias = 2.0 ** math.floor(math.log2(112.0 / top.item())) if top > 0 else 1.0
         zero = (mn * shift).to(mdt) if meta == "8/16" else _fp8_round(mn * bias, up=False)
         mn = zero.float() / (shift if meta == "8/16" else bias)  # codes against the stored zero and scale: none clip
         scale_s = _fp8_round((mx - mn).clamp_min(0) / qmax * bias, up=True)

@@ -49,6 +49,7 @@ runs after the step, outside the graph, every few steps.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -62,7 +63,7 @@ from .cache import CacheStep, TaleCacheLayer, band_index, baseline_nbytes, demot
 from .frag import FragLevel, FragRegion, fits
 from .key_basis import KeyBasis
 from .placement import demotions, fill_counts, flush_count
-from .quant import FP8, Bands, QTensor, _rebias, cat, meta_format
+from .quant import FP8, Bands, QTensor, _fp8_round, _rebias, cat, meta_format
 from .regions import LayerView, Region
 
 
@@ -318,6 +319,10 @@ class StaticTaleLayer(TaleCacheLayer):
                 for lv, C, r in zip(s.levels, caps, self.ranks)
             ]
         self.bias = {}
+        if c.direct:  # no bias yet: the first token's is taken (_put_dev: the smaller of the two)
+            for q in (self.keys[-1], self.lat[-1]):
+                if q.meta != "16":
+                    q.bias.fill_(float("inf"))
         self.res_k = torch.zeros(B, K, s.residual, n, **kw)
         self.res_h = torch.zeros(B, G, s.residual, R, **kw)
         self._view = None
@@ -414,19 +419,22 @@ class StaticTaleLayer(TaleCacheLayer):
         with c.step(k.shape[-2]):
             self.update(k, h, valid, rope=rope)
 
-    def _quant(self, i: int, k: torch.Tensor, h: torch.Tensor, rope) -> tuple:
+    def _quant(self, i: int, k: torch.Tensor, h: torch.Tensor, rope, device_bias: bool = False) -> tuple:
         """Exact tokens (k post-RoPE [B, K, T, n], h [B, G, T, R]) quantized at level i (cache.quant_level); with
         key_rope "pre" the keys are first rotated back by their tables `rope` (cos, sin [B, T, n]), as the dynamic
         cache does (TaleLayerCache._quant)."""
         if rope is not None:
             k = apply_rope(k.float(), rope[0].float(), -rope[1].float()).to(k.dtype)
-        return quant_level(self.cache.schedule, i, self.ranks[i], k, h, self.order, self.basis)
+        return quant_level(self.cache.schedule, i, self.ranks[i], k, h, self.order, self.basis, device_bias)
 
     def _write_new(self, op, k: torch.Tensor, h: torch.Tensor, rope=None) -> None:
         """The step's new tokens where the plan puts them; `rope` (cos, sin) [B, T, n] with key_rope "pre"."""
         c = self.cache
         if self.ring is not None:
             self._write_ring(op, k, h)
+            return
+        if op.decode and op.direct:  # one token straight into the per-token top level: capturable
+            self._write_direct(k, h, rope)
             return
         if op.decode:  # one token into the residual slot the device holds: capturable
             self.res_k.index_copy_(2, c.res_slot, k)
@@ -461,6 +469,36 @@ class StaticTaleLayer(TaleCacheLayer):
         for slot, off, n in _spans(self.cache.book.kappa + T - m, m, C):
             self.ring_k[:, :, slot : slot + n] = k[:, :, T - m + off : T - m + off + n]
             self.ring_h[:, :, slot : slot + n] = h[:, :, T - m + off : T - m + off + n]
+
+    def _write_direct(self, k: torch.Tensor, h: torch.Tensor, rope=None) -> None:
+        """A decode step's token quantized into the top level (per token, residual 1: the flush that would follow at
+        once) at the slot the device holds, fp8 biases kept on the device: no host read, so a CUDA graph captures it.
+        The same codes as the flush (_flush), which picks the bias on the host."""
+        c = self.cache
+        L = len(c.schedule.levels) - 1
+        keys, lat = self._quant(L, k, h, rope, device_bias=True)
+        self._put_dev(self.keys[L], keys, c.top_slot)
+        self._put_dev(self.lat[L], lat, c.top_slot)
+
+    def _put_dev(self, dst: QTensor, src: QTensor, slot: torch.Tensor) -> None:
+        """src's one token into dst's slot `slot` (a device index); fp8 formats re-biased on the device by _put's
+        rule (one bias per buffer, the smaller: what it holds and what comes are rescaled to it; exact)."""
+        if dst.meta != "16":
+            newb = torch.minimum(dst.bias, src.bias)  # dst.bias starts at inf: the first token's is taken
+            f, g = newb / dst.bias, newb / src.bias
+            dst.scale.copy_(_fp8_round(dst.scale.float() * f, up=True))
+            sc = _fp8_round(src.scale.float() * g, up=True)
+            if dst.zero.dtype == FP8:
+                dst.zero.copy_(_fp8_round(dst.zero.float() * f, up=False))
+                zr = _fp8_round(src.zero.float() * g, up=False)
+            else:
+                zr = src.zero
+            dst.bias.copy_(newb)
+            src = replace(src, scale=sc, zero=zr)
+        for d, x in ((dst.data, src.data), (dst.scale, src.scale), (dst.zero, src.zero)):
+            if d is not None:  # fp8 as its bytes (no index_copy_ for float8 on every device)
+                d, x = (d.view(torch.uint8), x.view(torch.uint8)) if d.dtype == FP8 else (d, x)
+                d.index_copy_(2, slot, x.to(d.dtype))
 
     def _flush(self, q: int, w: int) -> None:
         """Quantize the first q residual tokens into the top level at its write counter w."""
@@ -550,6 +588,7 @@ class _Op:
     n_res: int = 0  # tokens into the residual, at res_start
     res_start: int = 0
     rope_written: bool = False  # the step's RoPE tables are in place (key_rope "pre": by the first non-ring layer)
+    direct: bool = False  # decode: the token goes straight into the per-token top level (StaticTaleCache.direct)
 
 
 class StaticTaleCache(CacheStep, Cache):
@@ -594,6 +633,17 @@ class StaticTaleCache(CacheStep, Cache):
         if backend.layout != layout and backend.name != TORCH.name:  # the reference reads both
             raise ValueError(f"the {backend.name} backend reads the {backend.layout} layout, not {layout!r}")
         self.schedule = schedule
+        top = schedule.levels[-1]
+        # the top level takes each token on arrival (per-token keys, residual 1): a decode step writes it there itself,
+        # inside the captured graph, rather than into the residual for a flush on the host after each replay
+        self.direct = (
+            layout == "row"
+            and schedule.residual == 1
+            and top.key_axis == "token"
+            and not top.key_hi_bits
+            and not top.key_rank
+        )
+        self._bias_stale = False  # direct writes moved the top level's fp8 biases on the device (_pull_bias)
         self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank
         self.key_basis = key_basis  # per layer (levels with key_rank read it)
         self.rope: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per region (key_rope "pre"; None: sinks)
@@ -673,6 +723,8 @@ class StaticTaleCache(CacheStep, Cache):
         self.lens = torch.zeros(len(caps), **i32)
         self.next_pos = torch.zeros((), dtype=torch.int64, device=dev)
         self.res_slot = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.top_slot = torch.zeros(1, dtype=torch.int64, device=dev)  # direct: the top level's next slot
+        self._bias_stale = False
         self._valid0 = valid
 
     def _write(self, layer: StaticTaleLayer, k: torch.Tensor, h: torch.Tensor, valid, rope=None) -> None:
@@ -699,9 +751,10 @@ class StaticTaleCache(CacheStep, Cache):
 
     def _write_rope(self, op: _Op, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
         """The step's RoPE tables (cos, sin [B, T, n]) into the slots its tokens take (sinks need none: exact)."""
-        if op.decode:  # at the residual slot the device holds: capturable
-            for buf, x in zip(self.rope[-1], rope):
-                buf.index_copy_(1, self.res_slot, x.float())
+        if op.decode:  # at the residual's (or direct: the top level's) slot the device holds: capturable
+            bufs, slot = (self.rope[-2], self.top_slot) if op.direct else (self.rope[-1], self.res_slot)
+            for buf, x in zip(bufs, rope):
+                buf.index_copy_(1, slot, x.float())
             return
         t = op.take
         for i, cnt in enumerate(op.fill or []):
@@ -741,9 +794,10 @@ class StaticTaleCache(CacheStep, Cache):
                 "for that many: make it with a larger max_length"
             )
         if T == 1 and b.sink_len == b.sink_cap and b.res_len < b.residual_cap:
-            return _Op(decode=True)
+            return _Op(decode=True, direct=self._direct_step())
         if graph:
             raise RuntimeError("static cache: only a plain decode step (one token into the residual) can be captured")
+        self._pull_bias()  # the eager writes below read the fp8 biases on the host
         take, fill, n_res = copy.deepcopy(b).add(self.schedule, T)  # _commit advances the real bookkeeping
         return _Op(False, take, b.sink_len, fill, list(b.w) if fill else None, n_res, b.res_len)
 
@@ -753,14 +807,20 @@ class StaticTaleCache(CacheStep, Cache):
         if op.decode:
             B = self.pos[-1].shape[0]
             p = self.next_pos.view(1, 1).expand(B, 1).to(torch.int32)
-            self.pos[-1].index_copy_(1, self.res_slot, p)
+            if op.direct:  # the top level: ring slots (w mod its capacity), its length capped there (sync_device)
+                cap = self.caps[-1]
+                self.pos[-2].index_copy_(1, self.top_slot, p)
+                self.top_slot.add_(1).remainder_(cap)
+                self.lens[-2:-1].add_(1).clamp_(max=cap)
+            else:
+                self.pos[-1].index_copy_(1, self.res_slot, p)
+                self.res_slot += 1
+                self.lens[-1:] += 1
             for r in self.rings.values():  # the slot's old token (position p - C) is one no query reads again
                 r.pos.index_copy_(1, r.slot, p)
                 r.slot.add_(1).remainder_(r.cap)
                 r.length.add_(1).clamp_(max=r.cap)
             self.next_pos += 1
-            self.res_slot += 1
-            self.lens[-1:] += 1
             if not graph:
                 self.advance()
             return
@@ -790,16 +850,40 @@ class StaticTaleCache(CacheStep, Cache):
         b = self.book
         if self.max_length is not None and b.kappa >= self.max_length:
             raise ValueError(f"static cache: a token past its max_length ({self.max_length}) was written")
+        if self._direct_step():  # the token is in the top level already
+            b.w[-1] += 1
+            self._bias_stale = True
+        else:
+            b.res_len += 1
         b.kappa += 1
-        b.res_len += 1
         if self._maintain():
             self.sync_device()
+
+    def _direct_step(self) -> bool:
+        """The next one-token step writes straight into the top level (direct caches, nothing in the residual)."""
+        return self.direct and self.book.res_len == 0
+
+    def _pull_bias(self) -> None:
+        """After direct writes: the top level's fp8 biases, which moved on the device, into the layers' host copies
+        (one host read), before any eager write or demotion reads them."""
+        if not self._bias_stale:
+            return
+        self._bias_stale = False
+        held = [(layer, q) for layer in self.layers if layer.ring is None for q in (layer.keys[-1], layer.lat[-1])]
+        held = [(layer, q) for layer, q in held if q.meta != "16"]
+        if not held:
+            return
+        for (layer, q), v in zip(held, torch.stack([q.bias for _, q in held]).tolist()):
+            if math.isfinite(v):
+                layer.bias[id(q)] = v
 
     def _maintain(self) -> bool:
         b = self.book
         L = len(b.w) - 1
         res_before, wL = b.res_len, b.w[L]
         q, moves = b.maintain(self.schedule)
+        if q or moves:
+            self._pull_bias()
         if q:
             for layer in self.layers:
                 if layer.ring is None:
@@ -834,6 +918,7 @@ class StaticTaleCache(CacheStep, Cache):
             self.lens[j].fill_(v)
         self.next_pos.fill_(b.kappa)
         self.res_slot.fill_(b.res_len)
+        self.top_slot.fill_(b.w[-1] % self.caps[-1] if self.caps[-1] else 0)
         for r in self.rings.values():
             r.length.fill_(min(b.kappa, r.cap))
             r.slot.fill_(b.kappa % r.cap)

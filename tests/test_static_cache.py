@@ -172,6 +172,37 @@ def test_holds_the_dynamic_caches_low_rank_keys_at_every_step(blocks, prompt, pa
     assert (latent_attention(q, kn, hn, sta.layers[0].view(), 0.25) - want).abs().max() < 1e-5
 
 
+def test_per_token_top_level_takes_each_decode_token_without_a_host_read(monkeypatch):
+    """With a per-token top level and residual 1 (the lowrank preset) a decode step writes its token straight into the
+    top level, fp8 biases on the device, so a CUDA graph can capture it: no host read inside the step (what a capture
+    forbids), and the host's share after it (advance, as after a replay) leaves the codes the dynamic cache holds."""
+    (s, basis), B, prompt, steps = lowrank(K), 2, 37, 70
+    gen = torch.Generator().manual_seed(3)
+    cos, sin = rope_tables(B, prompt + steps)
+    dyn = TaleCache(s, 1, K, n, G, R, key_basis=[basis])
+    sta = StaticTaleCache(s, 1, K, n, G, R, max_length=prompt + steps, key_basis=[basis])
+    k, h = torch.randn(B, K, prompt, n, generator=gen), torch.randn(B, G, prompt, R, generator=gen)
+    for c in (dyn, sta):
+        c.layers[0].append(k, h, rope=(cos[:, :prompt], sin[:, :prompt]))
+    assert sta.direct and sta.capturable()
+
+    def no_host_read(*a, **kw):
+        raise AssertionError("a host read inside a captured step")
+
+    for t in range(prompt, prompt + steps):
+        k, h = torch.randn(B, K, 1, n, generator=gen), torch.randn(B, G, 1, R, generator=gen)
+        dyn.layers[0].append(k, h, rope=(cos[:, t : t + 1], sin[:, t : t + 1]))
+        assert sta.capturable()
+        with monkeypatch.context() as m:
+            for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+                m.setattr(torch.Tensor, name, no_host_read)
+            with sta.step(1, graph=True):
+                sta.layers[0].update(k, h, rope=(cos[:, t : t + 1], sin[:, t : t + 1]))
+        assert int(sta.lens[-1]) == 0  # the residual stays empty: the token went to the top level
+        sta.advance()  # what the decoder runs after each replay
+    assert_same(dyn, sta, B)
+
+
 def test_static_low_rank_refusals():
     """What the static cache cannot hold is refused in one line: no key basis, a basis of other blocks, keys without
     their RoPE tables, and the CUDA kernel's fragment layout."""
