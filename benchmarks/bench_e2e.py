@@ -59,9 +59,7 @@ def log(*a):
     print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
 
 
-def build(
-    quick: bool, device: str, layers: int | None = None, dtype: torch.dtype | None = None, preset: str = "paper"
-):
+def build(quick: bool, device: str, layers: int | None = None, dtype: torch.dtype | None = None, preset: str = "paper"):
     """The random base model, and its TALE attention modules (sharing q/k/o projections). preset "lowrank": the
     `lowrank` preset's schedule (tale-convert's, per-head key basis: 3/8 of each head's dims as coefficients) with a
     random orthonormal key basis per layer, decoded by the low-rank-key kernel (`triton-lowrank`) on a GPU."""

@@ -93,7 +93,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64, help="the n of ms/token")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--preset", default="paper", choices=["paper", "lowrank"], help="the TALE schedule (bench_e2e.build)")
+    ap.add_argument(
+        "--preset", default="paper", choices=["paper", "lowrank"], help="the TALE schedule (bench_e2e.build)"
+    )
     a = ap.parse_args()
     device = "cpu" if a.quick else "cuda"
     ctx, n, m = (64, 8, 2) if a.quick else (a.ctx, a.new, 4)
