@@ -128,9 +128,7 @@ def run_app(app: typer.Typer, argv: list[str] | None = None, user_errors: tuple[
     except typer.Exit as e:
         code = e.exit_code
     except (typer.Abort, KeyboardInterrupt):
-        sig = _received[0] if _received else signal.SIGINT
-        print(f"interrupted ({signal.Signals(sig).name})", file=sys.stderr)
-        code = 128 + sig
+        code = _interrupted()
     except SystemExit as e:  # click ends a broken pipe with exit 1 (its stdout wrapped to stay quiet): as below
         code = 128 + signal.SIGPIPE if type(sys.stdout).__name__ == "PacifyFlushWrapper" else e.code
     except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly, as `cat` does
@@ -150,10 +148,13 @@ def run_app(app: typer.Typer, argv: list[str] | None = None, user_errors: tuple[
         print("error: an argument is not valid UTF-8 text (bytes from another encoding?)", file=sys.stderr)
         code = EXIT_USER
     except Exception as e:
-        if debug():
+        env = None if _received else environment_error(e)
+        if _received:  # our KeyboardInterrupt raised inside library code that reported it as another error (torch
+            # turns it into a ValueError while it converts a sequence): the signal is what ended the command
+            code = _interrupted()
+        elif debug():
             raise
-        env = environment_error(e)
-        if env:
+        elif env:
             print(f"error: {env}", file=sys.stderr)
             code = EXIT_USER
         else:
@@ -162,6 +163,17 @@ def run_app(app: typer.Typer, argv: list[str] | None = None, user_errors: tuple[
                 file=sys.stderr,
             )
             code = EXIT_BUG
+    _exit(code)
+
+
+def _interrupted() -> int:
+    """The one line of an interruption, and its exit code (128 + the signal; Ctrl-C when none was recorded)."""
+    sig = _received[0] if _received else signal.SIGINT
+    print(f"interrupted ({signal.Signals(sig).name})", file=sys.stderr)
+    return 128 + sig
+
+
+def _exit(code) -> None:
     try:
         sys.stdout.flush()
     except BrokenPipeError:

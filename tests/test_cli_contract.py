@@ -343,3 +343,29 @@ def test_a_signal_whose_interrupt_a_finalizer_swallowed_still_ends_as_an_interru
     p = subprocess.run([sys.executable, "-c", SWALLOWED], capture_output=True, text=True, timeout=120)
     assert p.returncode == 143, p.stderr
     assert p.stderr.strip() == "interrupted (SIGTERM)", p.stderr
+
+
+WRAPPED = """
+import os, signal, time, typer
+from tale_runtime import console
+
+app = typer.Typer()
+
+@app.command()
+def main():
+    try:
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(0.2)
+    except KeyboardInterrupt as e:  # what torch does when it lands while a sequence is converted
+        raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'") from e
+
+console.run_app(app)
+"""
+
+
+def test_a_signal_that_library_code_reported_as_another_error_still_ends_as_an_interrupt():
+    """A signal's KeyboardInterrupt raised inside library code that turns it into another exception (torch: a
+    ValueError) is still an interruption: exit 129, one line, not an internal error."""
+    p = subprocess.run([sys.executable, "-c", WRAPPED], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 129, p.stderr
+    assert p.stderr.strip() == "interrupted (SIGHUP)", p.stderr
