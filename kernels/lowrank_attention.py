@@ -804,7 +804,7 @@ def latent_attention_lowrank(
             # two launches (two_pass): the scores of every slot first, many programs each holding only the key
             # work; then softmax and latents over them. One launch: both per tile (today's fused program)
             two = two_pass and (lowrank or mode != 0)
-            sc = torch.empty(B, H, r.capacity if two else 1, device=dev, dtype=torch.float32)
+            sc = torch.empty(B, H, r.capacity, device=dev, dtype=torch.float32) if two else pm  # pm: never read
             phases = ((1, max(ns, triton.cdiv(r.capacity, score_tokens))), (2, ns)) if two else ((0, ns),)
             for phase, nsp in phases:
                 _lr_kernel[(nsp, K if phase == 1 else G, B)](

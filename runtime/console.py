@@ -148,13 +148,12 @@ def run_app(app: typer.Typer, argv: list[str] | None = None, user_errors: tuple[
         print("error: an argument is not valid UTF-8 text (bytes from another encoding?)", file=sys.stderr)
         code = EXIT_USER
     except Exception as e:
-        env = None if _received else environment_error(e)
         if _received:  # our KeyboardInterrupt raised inside library code that reported it as another error (torch
             # turns it into a ValueError while it converts a sequence): the signal is what ended the command
             code = _interrupted()
         elif debug():
             raise
-        elif env:
+        elif env := environment_error(e):
             print(f"error: {env}", file=sys.stderr)
             code = EXIT_USER
         else:

@@ -327,6 +327,12 @@ def _rebias(q: QTensor, bias: float) -> QTensor:
     value falls below e4m3's subnormals, where scales round up and zeros down, as in quantize)."""
     if q.bias == bias:
         return q
+    return rescaled(q, bias)
+
+
+def rescaled(q: QTensor, bias: float | torch.Tensor) -> QTensor:
+    """_rebias without its shortcut: `bias` may be a device scalar (no host read; a bias it already has gives the
+    same bits back)."""
     f = bias / q.bias
     scale = _fp8_round(q.scale.float() * f, up=True)
     zero = _fp8_round(q.zero.float() * f, up=False) if q.zero.dtype == FP8 else q.zero

@@ -63,7 +63,7 @@ from .cache import CacheStep, TaleCacheLayer, band_index, baseline_nbytes, demot
 from .frag import FragLevel, FragRegion, fits
 from .key_basis import KeyBasis
 from .placement import demotions, fill_counts, flush_count
-from .quant import FP8, Bands, QTensor, _fp8_round, _rebias, cat, meta_format
+from .quant import FP8, Bands, QTensor, _rebias, cat, meta_format, rescaled
 from .regions import LayerView, Region
 
 
@@ -485,16 +485,12 @@ class StaticTaleLayer(TaleCacheLayer):
         rule (one bias per buffer, the smaller: what it holds and what comes are rescaled to it; exact)."""
         if dst.meta != "16":
             newb = torch.minimum(dst.bias, src.bias)  # dst.bias starts at inf: the first token's is taken
-            f, g = newb / dst.bias, newb / src.bias
-            dst.scale.copy_(_fp8_round(dst.scale.float() * f, up=True))
-            sc = _fp8_round(src.scale.float() * g, up=True)
+            held = rescaled(dst, newb)
+            dst.scale.copy_(held.scale)
             if dst.zero.dtype == FP8:
-                dst.zero.copy_(_fp8_round(dst.zero.float() * f, up=False))
-                zr = _fp8_round(src.zero.float() * g, up=False)
-            else:
-                zr = src.zero
+                dst.zero.copy_(held.zero)
             dst.bias.copy_(newb)
-            src = replace(src, scale=sc, zero=zr)
+            src = rescaled(src, newb)
         for d, x in ((dst.data, src.data), (dst.scale, src.scale), (dst.zero, src.zero)):
             if d is not None:  # fp8 as its bytes (no index_copy_ for float8 on every device)
                 d, x = (d.view(torch.uint8), x.view(torch.uint8)) if d.dtype == FP8 else (d, x)
