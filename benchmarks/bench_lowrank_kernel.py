@@ -4,9 +4,9 @@ kernel (kernels/mma_attention.py, static cache in the fragment layout) and Trito
 both over real static caches of the same length, and cuDNN/flash SDPA over a 16-bit cache.
 
 Shapes: 32 query heads, 8 KV heads, head dim 128, latent groups of 4 KV heads (R = 512). The lowrank preset's
-layout (tale_convert/policy.py): 4 sinks and no 16-bit tail after RoPE; the middle level (90%) as key coefficients
-before RoPE, 4 bits per coefficient over groups of 32 tokens, 3-bit latents at r0 = 320 (2R/3 rounded down to the
-value group); the recent 10% as 4-bit keys before RoPE per channel over 32 tokens with 4-bit full-rank latents; the
+layout (runtime/schedule.py): 4 sinks and no 16-bit tail after RoPE; the middle level (95%) as key coefficients
+before RoPE, 4 bits per coefficient over groups of 32 tokens, 3-bit latents at r0 = 416 (5R/6 rounded down to the
+value group); the recent 5% as 4-bit keys before RoPE per channel over 32 tokens with 4-bit full-rank latents; the
 last < 32 tokens as 8-bit keys per token over 64 channels with 8-bit latents; fp8 scales and zeros ("8/8")
 everywhere. Key bases (--ranks): "432" a joint basis at rank 432 (5/12 of K n = 1024, rounded up to 16), "160"
 joint at 160, "432h" a per-head basis with 432 coefficients in all (54 per KV head: the same bytes, 8x fewer
@@ -47,7 +47,7 @@ from tale_runtime.regions import LayerView, Region  # noqa: E402
 
 H, K, N, GS = 32, 8, 128, 4
 G, R = K // GS, GS * N
-R0, KG, VG, KCG = 320, 32, 32, 64
+R0, KG, VG, KCG = 416, 32, 32, 64
 DEV = "cpu" if DRY else "cuda"
 DT = torch.bfloat16
 BIAS = 64.0
@@ -101,7 +101,7 @@ def lengths(L: int) -> tuple[int, int, int, int]:
     """(sinks, low-rank middle, 4-bit recent, 8-bit newest) of L cached tokens."""
     n = L - 4
     l2 = n % KG
-    l1 = -(-(n // 10) // KG) * KG
+    l1 = -(-(n // 20) // KG) * KG
     return 4, n - l1 - l2, l1, l2
 
 
@@ -344,7 +344,7 @@ def main() -> int:
         "--sweep",
         default="32x32x8x4x1x0x0,32x32x8x4x1x1x1x4,32x32x8x4x1x1x1x8,64x32x8x4x1x1x1x4",
         help="block_t x coef_chunk x num_warps x waves x fused_heads (1/0) [x two_pass x fast_rope (1/0) x "
-        "score_warps], swept per key basis at 32K B=1; each basis' rows take its fastest ('' for the kernel's "
+        "score_warps x score_block], swept per key basis at 32K B=1; each basis' rows take its fastest ('' for the kernel's "
         "defaults)",
     )
     a = ap.parse_args()
@@ -387,8 +387,8 @@ def main() -> int:
             for cfg in a.sweep.split(","):
                 bt, kc, w, wv, fh, *more = (int(x) for x in cfg.split("x"))
                 kw = dict(block_t=bt, coef_chunk=kc, num_warps=w, waves=float(wv), fused_heads=bool(fh))
-                for name, x in zip(("two_pass", "fast_rope", "score_warps"), more):
-                    kw[name] = x if name == "score_warps" else bool(x)
+                for name, x in zip(("two_pass", "fast_rope", "score_warps", "score_block"), more):
+                    kw[name] = x if name in ("score_warps", "score_block") else bool(x)
                 t = safe_time(lambda kw=kw, v=v: lra.latent_attention_lowrank(q, k, h, v, N**-0.5, rope=rot, **kw))
                 print(f"sweep 32K B=1 basis {label(spec)} {kw}: {t:.1f} us", flush=True)
                 if t < best[0]:

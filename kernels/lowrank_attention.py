@@ -36,6 +36,7 @@ sync, capturable in a CUDA graph.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import triton
@@ -49,7 +50,7 @@ from tale_runtime.quant import FP8, QTensor
 from tale_runtime.regions import LayerView, Region
 
 from . import attention as _attn
-from ._common import TL_DTYPE, interpreting, pow2, runnable
+from ._common import TL_DTYPE, interpreting, plane, plane3, plane3_asm, plane_asm, pow2, runnable
 from .attention import _inv_bias
 
 LOG2E = 1.4426950408889634
@@ -181,6 +182,61 @@ def _lat_chunk(
 
 
 @triton.jit
+def _lat_plane(
+    acc,
+    pd,
+    alpha,
+    i: tl.constexpr,
+    lo0,
+    lo1,
+    hi,
+    hs_ptr,
+    hz_ptr,
+    srow,
+    ok,
+    inv_s,
+    inv_z,
+    BITS: tl.constexpr,
+    P: tl.constexpr,
+    PP: tl.constexpr,
+    VB: tl.constexpr,
+    HG: tl.constexpr,
+    BT: tl.constexpr,
+    DOT: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """acc * alpha + pd @ latent channels i P .. i P + P - 1 of the tile: plane i of 2/4-bit rows (bytes lo0), or
+    sub-plane i of 3-bit ones (low-byte half lo0 / lo1, high bits hi), all [BT, PP] bytes loaded once per tile, so
+    each code is a constant shift of a byte the thread holds. Scales and zeros per block of VB channels (VB divides
+    P and the group HG, so a block lies in one group): [BT, PP / VB] loads broadcast over the block."""
+    NBK: tl.constexpr = PP // VB
+    kb = tl.arange(0, NBK)
+    bm = ok[:, None] & (kb < P // VB)[None, :]
+    soff = srow[:, None] + ((i * P + kb * VB) // HG)[None, :]
+    sc = tl.load(hs_ptr + soff, mask=bm, other=0.0).to(tl.float32) * inv_s
+    zr = tl.load(hz_ptr + soff, mask=bm, other=0.0).to(tl.float32) * inv_z
+    if i % 2 == 0:
+        lo = lo0
+    else:
+        lo = lo1
+    if ASM:  # unpack and scale in PTX, 4 codes per register (kernels/_common.py)
+        s3 = sc.to(DOT)[:, :, None]
+        z3 = zr.to(DOT)[:, :, None]
+        if BITS == 3:
+            x3 = plane3_asm(tl.reshape(lo, (BT, NBK, VB)), tl.reshape(hi, (BT, NBK, VB)), s3, z3, i, DOT)
+        else:
+            x3 = plane_asm(tl.reshape(lo0, (BT, NBK, VB)), s3, z3, i, BITS, DOT)
+        x = tl.reshape(x3, (BT, PP))
+    else:
+        if BITS == 3:
+            c = plane3(lo, hi, i, tl.float32)
+        else:
+            c = plane(lo0, i, BITS, tl.float32)
+        x = tl.reshape(tl.reshape(c, (BT, NBK, VB)) * sc[:, :, None] + zr[:, :, None], (BT, PP))
+    return _dot(pd, x, acc * alpha[:, None], DOT)
+
+
+@triton.jit
 def _lr_kernel(
     q_ptr,
     s_qb,
@@ -266,6 +322,10 @@ def _lr_kernel(
     HSF8: tl.constexpr,
     HZF8: tl.constexpr,
     HBP: tl.constexpr,
+    HPL: tl.constexpr,
+    HP: tl.constexpr,
+    HVB: tl.constexpr,
+    HASM: tl.constexpr,
     LENP: tl.constexpr,
     NPP: tl.constexpr,
     WIN: tl.constexpr,
@@ -343,6 +403,10 @@ def _lr_kernel(
     acc1 = tl.zeros([QGP, LC], tl.float32)
     acc2 = tl.zeros([QGP, LC], tl.float32)
     acc3 = tl.zeros([QGP, LC], tl.float32)
+    acc4 = tl.zeros([QGP, LC], tl.float32)
+    acc5 = tl.zeros([QGP, LC], tl.float32)
+    acc6 = tl.zeros([QGP, LC], tl.float32)
+    acc7 = tl.zeros([QGP, LC], tl.float32)
     hbase = b * s_hb + c * s_hg
     hsbase = b * s_hsb + c * s_hsg
     for t0 in range(t_start, t_end, BT):
@@ -488,26 +552,73 @@ def _lr_kernel(
             p = tl.exp2(logits - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-            # -- latents, chunk by chunk
-            acc0 = _lat_chunk(
-                acc0, p, alpha, 0, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK, LC,
-                HBITS, HG, DOT,
-            )  # fmt: skip
-            if NLC > 1:
-                acc1 = _lat_chunk(
-                    acc1, p, alpha, 1, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK, LC,
-                    HBITS, HG, DOT,
+            if HPL > 0:  # -- latents by planes (LC = the padded plane width, NLC = HPL planes)
+                jp = tl.arange(0, LC)
+                bmask = tm[:, None] & (jp < HP)[None, :]
+                hrow = h_ptr + hbase + t[:, None] * s_ht + jp[None, :]
+                lo0 = tl.load(hrow, mask=bmask, other=0)
+                if HBITS == 3:  # low-byte halves of HP bytes each, then the high bits
+                    lo1 = tl.load(hrow + HP, mask=bmask, other=0)
+                    hi = tl.load(hrow + 2 * HP, mask=bmask, other=0)
+                else:
+                    lo1 = lo0
+                    hi = lo0
+                srow = hsbase + t * s_hst
+                pd = p.to(DOT)
+                acc0 = _lat_plane(
+                    acc0, pd, alpha, 0, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB, HG,
+                    BT, DOT, HASM,
                 )  # fmt: skip
-            if NLC > 2:
-                acc2 = _lat_chunk(
-                    acc2, p, alpha, 2, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK, LC,
-                    HBITS, HG, DOT,
+                acc1 = _lat_plane(
+                    acc1, pd, alpha, 1, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB, HG,
+                    BT, DOT, HASM,
                 )  # fmt: skip
-            if NLC > 3:
-                acc3 = _lat_chunk(
-                    acc3, p, alpha, 3, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK, LC,
-                    HBITS, HG, DOT,
+                if NLC > 2:
+                    acc2 = _lat_plane(
+                        acc2, pd, alpha, 2, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB,
+                        HG, BT, DOT, HASM,
+                    )  # fmt: skip
+                    acc3 = _lat_plane(
+                        acc3, pd, alpha, 3, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB,
+                        HG, BT, DOT, HASM,
+                    )  # fmt: skip
+                if NLC > 4:
+                    acc4 = _lat_plane(
+                        acc4, pd, alpha, 4, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB,
+                        HG, BT, DOT, HASM,
+                    )  # fmt: skip
+                    acc5 = _lat_plane(
+                        acc5, pd, alpha, 5, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB,
+                        HG, BT, DOT, HASM,
+                    )  # fmt: skip
+                    acc6 = _lat_plane(
+                        acc6, pd, alpha, 6, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB,
+                        HG, BT, DOT, HASM,
+                    )  # fmt: skip
+                    acc7 = _lat_plane(
+                        acc7, pd, alpha, 7, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB,
+                        HG, BT, DOT, HASM,
+                    )  # fmt: skip
+            else:  # -- latents, chunk by chunk
+                acc0 = _lat_chunk(
+                    acc0, p, alpha, 0, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK,
+                    LC, HBITS, HG, DOT,
                 )  # fmt: skip
+                if NLC > 1:
+                    acc1 = _lat_chunk(
+                        acc1, p, alpha, 1, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z,
+                        RANK, LC, HBITS, HG, DOT,
+                    )  # fmt: skip
+                if NLC > 2:
+                    acc2 = _lat_chunk(
+                        acc2, p, alpha, 2, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z,
+                        RANK, LC, HBITS, HG, DOT,
+                    )  # fmt: skip
+                if NLC > 3:
+                    acc3 = _lat_chunk(
+                        acc3, p, alpha, 3, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z,
+                        RANK, LC, HBITS, HG, DOT,
+                    )  # fmt: skip
 
     # -- this split's partial, in kernels/attention.py's layout (channels past RANK are never written)
     if PHASE != 1:
@@ -517,14 +628,22 @@ def _lr_kernel(
         tl.store(pm_ptr + prow, m_i, mask=rmask)
         tl.store(pl_ptr + prow, l_i, mask=rmask)
         jl = tl.arange(0, LC)
+        # accumulator i holds channels i CW + j, j < CV (planes: HP of LC; chunks: all LC below RANK)
+        CW: tl.constexpr = HP if HPL > 0 else LC
+        jm = rmask[:, None] & (jl < CW)[None, :]
         base = pacc_ptr + prow[:, None] * s_acc + jl[None, :]
-        tl.store(base, acc0, mask=rmask[:, None] & (jl < RANK)[None, :])
+        tl.store(base, acc0, mask=jm & (jl < RANK)[None, :])
         if NLC > 1:
-            tl.store(base + LC, acc1, mask=rmask[:, None] & (LC + jl < RANK)[None, :])
+            tl.store(base + CW, acc1, mask=jm & (CW + jl < RANK)[None, :])
         if NLC > 2:
-            tl.store(base + 2 * LC, acc2, mask=rmask[:, None] & (2 * LC + jl < RANK)[None, :])
+            tl.store(base + 2 * CW, acc2, mask=jm & (2 * CW + jl < RANK)[None, :])
         if NLC > 3:
-            tl.store(base + 3 * LC, acc3, mask=rmask[:, None] & (3 * LC + jl < RANK)[None, :])
+            tl.store(base + 3 * CW, acc3, mask=jm & (3 * CW + jl < RANK)[None, :])
+        if NLC > 4:
+            tl.store(base + 4 * CW, acc4, mask=jm & (4 * CW + jl < RANK)[None, :])
+            tl.store(base + 5 * CW, acc5, mask=jm & (5 * CW + jl < RANK)[None, :])
+            tl.store(base + 6 * CW, acc6, mask=jm & (6 * CW + jl < RANK)[None, :])
+            tl.store(base + 7 * CW, acc7, mask=jm & (7 * CW + jl < RANK)[None, :])
 
 
 # -- host side -------------------------------------------------------------------------------
@@ -689,6 +808,21 @@ def _lat_chunks(rank: int) -> tuple[int, int]:
     return best
 
 
+def _lat_planes(lat: QTensor, rank: int) -> tuple[int, int, int]:
+    """(planes, channels per plane, channels per scale block) where the kernel reads `lat` by planes (2/4-bit: the
+    8 / bits planes of runtime/quant.py; 3-bit: its 8 sub-planes of rank / 8 channels), else (0, 0, 0): 8/16 bits,
+    or planes wider than 256 channels (their accumulators would not fit). A scale block is the largest power of two
+    dividing both the plane width and the latents' channel group, so each lies in one group."""
+    if lat.bits not in (2, 3, 4):
+        return 0, 0, 0
+    npl = 8 if lat.bits == 3 else 8 // lat.bits
+    width = rank // npl
+    if rank % npl or width > 256:
+        return 0, 0, 0
+    common = math.gcd(width, lat.group)
+    return npl, width, common & -common
+
+
 def _pad_offset(view: LayerView, B: int, device) -> torch.Tensor:
     """Per row, its padding slots (pos -1 below the length): the rope position of a slot is its cache position
     minus them (transformers' generate: position_ids = cumsum(attention_mask) - 1). int32 [B], on the device."""
@@ -721,6 +855,7 @@ def latent_attention_lowrank(
     fast_rope: bool = True,
     score_tokens: int = 256,
     score_warps: int = 4,
+    score_block: int = 64,
     num_warps: int = 8,
     num_stages: int = 2,
 ) -> torch.Tensor:
@@ -738,7 +873,7 @@ def latent_attention_lowrank(
     is always rebuilt head by head (each head has its own coefficients). `concurrent`: the regions' launches run side
     by side on side streams (CUDA; False: one after the other on the current stream). `two_pass` (regions with keys
     before RoPE or low rank): a first launch writes every slot's scores [B, H, cap] float32, one program per KV head
-    and about `score_tokens` slots (`score_warps` warps: the key work alone, no latent accumulators, so no register
+    and about `score_tokens` slots in tiles of `score_block` (`score_warps` warps: the key work alone, no latent accumulators, so no register
     spills), a second runs softmax and latents over them; False: both per tile in one program (255 registers and
     spills on an H100). `fast_rope`: RoPE computed in the kernel takes the SFU's cos/sin after a float32 reduction to
     [-pi, pi] (abs error about 5e-7, below the bf16 tables' rounding), not libdevice's (about 90 instructions each)."""
@@ -799,7 +934,8 @@ def latent_attention_lowrank(
             else:
                 mode, cos, sin = 2, kd, kd
             cstr = cos.stride()[:2] if mode == 1 else (0, 0)
-            NLC, LC = _lat_chunks(r.rank)
+            HPL, HP, HVB = _lat_planes(r.lat, r.rank)
+            NLC, LC = (HPL, max(16, pow2(HP))) if HPL else _lat_chunks(r.rank)
             ln = r.length
             # two launches (two_pass): the scores of every slot first, many programs each holding only the key
             # work; then softmax and latents over them. One launch: both per tile (today's fused program)
@@ -807,6 +943,7 @@ def latent_attention_lowrank(
             sc = torch.empty(B, H, r.capacity, device=dev, dtype=torch.float32) if two else pm  # pm: never read
             phases = ((1, max(ns, triton.cdiv(r.capacity, score_tokens))), (2, ns)) if two else ((0, ns),)
             for phase, nsp in phases:
+                tile = max(32, score_block) if phase == 1 else BT
                 _lr_kernel[(nsp, K if phase == 1 else G, B)](
                     q,
                     q.stride(0),
@@ -867,13 +1004,13 @@ def latent_attention_lowrank(
                     GS=1 if phase == 1 else g,  # the score launch: a program per KV head
                     REP=rep,
                     QGP=max(16, pow2(rep)) if phase == 1 else QGP,
-                    BT=BT,
+                    BT=tile,
                     LOWRANK=lowrank,
                     HPB=hpb,
                     WB=1 if phase == 1 else wb,
                     KC=KC,
                     KRC=max(16, coef_chunk),
-                    KPLANE=lowrank and KB in (2, 4, 8) and KCG == 1 and KTG % BT == 0,
+                    KPLANE=lowrank and KB in (2, 4, 8) and KCG == 1 and KTG % tile == 0,
                     KBITS=KB,
                     KTG=KTG,
                     KCG=KCG,
@@ -891,6 +1028,10 @@ def latent_attention_lowrank(
                     HSF8=HS8,
                     HZF8=HZ8,
                     HBP=HBP,
+                    HPL=HPL,
+                    HP=HP,
+                    HVB=HVB,
+                    HASM=bool(HPL) and HVB >= 4 and not interpreting() and q.dtype != torch.float32,
                     LENP=isinstance(ln, torch.Tensor),
                     NPP=isinstance(npos, torch.Tensor),
                     WIN=win is not None,
