@@ -314,6 +314,7 @@ def _lr_kernel(
     ROPE: tl.constexpr,
     RDT: tl.constexpr,
     PRECISE: tl.constexpr,  # RoPE computed here (ROPE 2): 0 numpy's (interpreter), 1 libdevice, 2 the SFU
+    RSC: tl.constexpr,  # rope_scale != 1
     RANK: tl.constexpr,
     LC: tl.constexpr,
     NLC: tl.constexpr,
@@ -434,8 +435,15 @@ def _lr_kernel(
                     kq = tl.floor(ang * 0.15915494309189535 + 0.5)
                     ang = tl.fma(-kq, 6.2831854820251465, ang)
                     ang = tl.fma(-kq, -1.7484556000744487e-07, ang)
-                    cos_lo = _round(_approx(ang, "cos") * rope_scale, RDT)
-                    sin_lo = _round(_approx(ang, "sin") * rope_scale, RDT)
+                    cos_lo = _approx(ang, "cos")
+                    sin_lo = _approx(ang, "sin")
+                    if RSC:
+                        cos_lo = cos_lo * rope_scale
+                        sin_lo = sin_lo * rope_scale
+                    # rounded as the model's tables by the hardware's conversion (the interpreter, which truncates,
+                    # never takes this branch)
+                    cos_lo = cos_lo.to(RDT).to(tl.float32)
+                    sin_lo = sin_lo.to(RDT).to(tl.float32)
                 else:  # reduced in float64 (exact to ~1e-11; then rounded to float32: <= 2e-7 off), so cosf/sinf
                     # take their fast path at any position
                     a64 = ang.to(tl.float64)
@@ -1020,6 +1028,7 @@ def latent_attention_lowrank(
                     ROPE=mode,
                     RDT=TL_DTYPE[q.dtype],
                     PRECISE=0 if interpreting() else 2 if fast_rope else 1,
+                    RSC=mode == 2 and rot[1] != 1.0,
                     RANK=r.rank,
                     LC=LC,
                     NLC=NLC,
