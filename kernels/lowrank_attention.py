@@ -332,6 +332,7 @@ def _lr_kernel(
     WIN: tl.constexpr,
     DOT: tl.constexpr,
     PHASE: tl.constexpr = 0,
+    KALL: tl.constexpr = False,
 ):
     """Program (split sp, latent group c, batch row b) of one region: its partial (m, l, acc[:RANK]) per query head
     of the group. LOWRANK: keys are [B, Hc, cap, KC] coefficients on a basis of Hc blocks of HPB = K / Hc KV heads
@@ -457,102 +458,115 @@ def _lr_kernel(
                 cos_hi = cos_lo
                 sin_hi = sin_lo
             logits = tl.zeros([QGP, BT], tl.float32)
-            for j in tl.static_range(GS // WB):
-                h0 = c * GS + j * WB  # the first KV head of this dot
-                if LOWRANK:  # k_pre = mean + c dec[:r] of heads h0 .. h0 + WB - 1: [BT, WN] per RoPE half
-                    blk = h0 // HPB  # their basis block, and their first column in it
-                    cb = (h0 % HPB) * NH
-                    k_lo = tl.zeros([BT, WN], tl.float32)
-                    k_hi = tl.zeros([BT, WN], tl.float32)
-                    if KPLANE:  # packed rows read KRC contiguous bytes at a time, each chunk's code planes in turn
-                        pkb = b * s_kb + blk * s_kh
-                        pksb = b * s_ksb + blk * s_ksh + (t0 // KTG) * s_kst  # the tile's token group: one row
-                        for p0 in range(0, PNB, KRC):
-                            pj = p0 + tl.arange(0, KRC)
-                            pjm = pj < PNB
-                            # masked by the tile's range, not by the positions: the loads need not wait for them (the
-                            # scores of slots that hold no token are masked below)
-                            pbyt = tl.load(
-                                k_ptr + pkb + t[:, None] * s_kt + pj[None, :], mask=tm[:, None] & pjm[None, :], other=0
-                            ).to(tl.int32)
-                            for i in tl.static_range(8 // KBITS):
-                                pch = i * PNB + pj  # plane i: coefficient i PNB + j sits in byte j at bit i KBITS
-                                pcode = (pbyt >> (i * KBITS)) & ((1 << KBITS) - 1)
-                                psc = tl.load(ks_ptr + pksb + pch, mask=pjm, other=0.0).to(tl.float32) * kinv_s
-                                pzr = tl.load(kz_ptr + pksb + pch, mask=pjm, other=0.0).to(tl.float32) * kinv_z
-                                pcoef = (pcode.to(tl.float32) * psc[None, :] + pzr[None, :]).to(DOT)
-                                prow = blk * s_dblk + pch[:, None] * s_dec + cb + cols[None, :]
-                                k_lo = _dot(pcoef, tl.load(dec_ptr + prow, mask=pjm[:, None], other=0.0), k_lo, DOT)
-                                k_hi = _dot(pcoef, tl.load(dhi_ptr + prow, mask=pjm[:, None], other=0.0), k_hi, DOT)
-                    for c0 in range(0, 0 if KPLANE else KC, KRC):
-                        ch = c0 + tl.arange(0, KRC)
-                        chm = ch < KC
-                        cm2 = ok[:, None] & chm[None, :]
-                        kb = b * s_kb + blk * s_kh
-                        ksb = b * s_ksb + blk * s_ksh
-                        coef = _deq(
-                            k_ptr, kb, t, s_kt, ch, cm2, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, KC, KTG, KCG,
+            # KALL (the score launch): this program scores every KV head of its slots, RoPE's cos/sin made once
+            for cc in range(H // QG if KALL else 1):
+                cg = c + cc  # c is 0 where KALL
+                logits = tl.zeros([QGP, BT], tl.float32)
+                if KALL:
+                    head = cg * QG + rows
+                    qm = rmask[:, None] & dm[None, :]
+                    qrow = q_ptr + b * s_qb + head[:, None] * s_qh
+                    q_lo = tl.load(qrow + d[None, :], mask=qm, other=0.0).to(tl.float32) * qk_scale
+                    q_hi = tl.load(qrow + HALF + d[None, :], mask=qm, other=0.0).to(tl.float32) * qk_scale
+                for j in tl.static_range(GS // WB):
+                    h0 = cg * GS + j * WB  # the first KV head of this dot
+                    if LOWRANK:  # k_pre = mean + c dec[:r] of heads h0 .. h0 + WB - 1: [BT, WN] per RoPE half
+                        blk = h0 // HPB  # their basis block, and their first column in it
+                        cb = (h0 % HPB) * NH
+                        k_lo = tl.zeros([BT, WN], tl.float32)
+                        k_hi = tl.zeros([BT, WN], tl.float32)
+                        if KPLANE:  # packed rows read KRC contiguous bytes at a time, each chunk's code planes in turn
+                            pkb = b * s_kb + blk * s_kh
+                            pksb = b * s_ksb + blk * s_ksh + (t0 // KTG) * s_kst  # the tile's token group: one row
+                            for p0 in range(0, PNB, KRC):
+                                pj = p0 + tl.arange(0, KRC)
+                                pjm = pj < PNB
+                                # masked by the tile's range, not by the positions: the loads need not wait for them (the
+                                # scores of slots that hold no token are masked below)
+                                pbyt = tl.load(
+                                    k_ptr + pkb + t[:, None] * s_kt + pj[None, :],
+                                    mask=tm[:, None] & pjm[None, :],
+                                    other=0,
+                                ).to(tl.int32)
+                                for i in tl.static_range(8 // KBITS):
+                                    pch = i * PNB + pj  # plane i: coefficient i PNB + j sits in byte j at bit i KBITS
+                                    pcode = (pbyt >> (i * KBITS)) & ((1 << KBITS) - 1)
+                                    psc = tl.load(ks_ptr + pksb + pch, mask=pjm, other=0.0).to(tl.float32) * kinv_s
+                                    pzr = tl.load(kz_ptr + pksb + pch, mask=pjm, other=0.0).to(tl.float32) * kinv_z
+                                    pcoef = (pcode.to(tl.float32) * psc[None, :] + pzr[None, :]).to(DOT)
+                                    prow = blk * s_dblk + pch[:, None] * s_dec + cb + cols[None, :]
+                                    k_lo = _dot(pcoef, tl.load(dec_ptr + prow, mask=pjm[:, None], other=0.0), k_lo, DOT)
+                                    k_hi = _dot(pcoef, tl.load(dhi_ptr + prow, mask=pjm[:, None], other=0.0), k_hi, DOT)
+                        for c0 in range(0, 0 if KPLANE else KC, KRC):
+                            ch = c0 + tl.arange(0, KRC)
+                            chm = ch < KC
+                            cm2 = ok[:, None] & chm[None, :]
+                            kb = b * s_kb + blk * s_kh
+                            ksb = b * s_ksb + blk * s_ksh
+                            coef = _deq(
+                                k_ptr, kb, t, s_kt, ch, cm2, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, KC, KTG, KCG,
+                                t0, KROW1,
+                            ).to(DOT)  # fmt: skip
+                            drow = blk * s_dblk + ch[:, None] * s_dec + cb + cols[None, :]
+                            k_lo = _dot(coef, tl.load(dec_ptr + drow, mask=chm[:, None], other=0.0), k_lo, DOT)
+                            k_hi = _dot(coef, tl.load(dhi_ptr + drow, mask=chm[:, None], other=0.0), k_hi, DOT)
+                        # rows of the basis buffer (K NH each): mean lo, mean hi, column scale lo, column scale hi
+                        gc = h0 * NH + cols
+                        k_lo = k_lo * tl.load(mean_ptr + 2 * KNH + gc)[None, :] + tl.load(mean_ptr + gc)[None, :]
+                        k_hi = k_hi * tl.load(mean_ptr + 3 * KNH + gc)[None, :] + tl.load(mean_ptr + KNH + gc)[None, :]
+                    else:  # plain keys of head h0 (WB = 1)
+                        km = ok[:, None] & dm[None, :]
+                        kb = b * s_kb + h0 * s_kh
+                        ksb = b * s_ksb + h0 * s_ksh
+                        k_lo = _deq(
+                            k_ptr,
+                            kb,
+                            t,
+                            s_kt,
+                            d,
+                            km,
+                            ks_ptr,
+                            kz_ptr,
+                            ksb,
+                            s_kst,
+                            kinv_s,
+                            kinv_z,
+                            KBITS,
+                            N,
+                            KTG,
+                            KCG,
+                            t0,
+                            KROW1,
+                        )
+                        k_hi = _deq(
+                            k_ptr, kb, t, s_kt, HALF + d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG,
                             t0, KROW1,
-                        ).to(DOT)  # fmt: skip
-                        drow = blk * s_dblk + ch[:, None] * s_dec + cb + cols[None, :]
-                        k_lo = _dot(coef, tl.load(dec_ptr + drow, mask=chm[:, None], other=0.0), k_lo, DOT)
-                        k_hi = _dot(coef, tl.load(dhi_ptr + drow, mask=chm[:, None], other=0.0), k_hi, DOT)
-                    # rows of the basis buffer (K NH each): mean lo, mean hi, column scale lo, column scale hi
-                    gc = h0 * NH + cols
-                    k_lo = k_lo * tl.load(mean_ptr + 2 * KNH + gc)[None, :] + tl.load(mean_ptr + gc)[None, :]
-                    k_hi = k_hi * tl.load(mean_ptr + 3 * KNH + gc)[None, :] + tl.load(mean_ptr + KNH + gc)[None, :]
-                else:  # plain keys of head h0 (WB = 1)
-                    km = ok[:, None] & dm[None, :]
-                    kb = b * s_kb + h0 * s_kh
-                    ksb = b * s_ksb + h0 * s_ksh
-                    k_lo = _deq(
-                        k_ptr,
-                        kb,
-                        t,
-                        s_kt,
-                        d,
-                        km,
-                        ks_ptr,
-                        kz_ptr,
-                        ksb,
-                        s_kst,
-                        kinv_s,
-                        kinv_z,
-                        KBITS,
-                        N,
-                        KTG,
-                        KCG,
-                        t0,
-                        KROW1,
-                    )
-                    k_hi = _deq(
-                        k_ptr, kb, t, s_kt, HALF + d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG,
-                        t0, KROW1,
-                    )  # fmt: skip
-                if ROPE != 0:  # x cos + rotate_half(x) sin, rotate_half(x) = (-x_hi, x_lo); the tables per head
+                        )  # fmt: skip
+                    if ROPE != 0:  # x cos + rotate_half(x) sin, rotate_half(x) = (-x_hi, x_lo); the tables per head
+                        if WB == 1:
+                            r_lo = k_lo * cos_lo - k_hi * sin_lo
+                            k_hi = k_hi * cos_hi + k_lo * sin_hi
+                            k_lo = r_lo
+                        else:
+                            lo3 = tl.reshape(k_lo, (BT, WB, NH))
+                            hi3 = tl.reshape(k_hi, (BT, WB, NH))
+                            r_lo = lo3 * cos_lo[:, None, :] - hi3 * sin_lo[:, None, :]
+                            r_hi = hi3 * cos_hi[:, None, :] + lo3 * sin_hi[:, None, :]
+                            k_lo = tl.reshape(r_lo, (BT, WN))
+                            k_hi = tl.reshape(r_hi, (BT, WN))
                     if WB == 1:
-                        r_lo = k_lo * cos_lo - k_hi * sin_lo
-                        k_hi = k_hi * cos_hi + k_lo * sin_hi
-                        k_lo = r_lo
+                        sel_j = (jrow == j)[:, None]
+                        logits = _dot(tl.where(sel_j, q_lo, 0.0), tl.trans(k_lo), logits, DOT)
+                        logits = _dot(tl.where(sel_j, q_hi, 0.0), tl.trans(k_hi), logits, DOT)
                     else:
-                        lo3 = tl.reshape(k_lo, (BT, WB, NH))
-                        hi3 = tl.reshape(k_hi, (BT, WB, NH))
-                        r_lo = lo3 * cos_lo[:, None, :] - hi3 * sin_lo[:, None, :]
-                        r_hi = hi3 * cos_hi[:, None, :] + lo3 * sin_hi[:, None, :]
-                        k_lo = tl.reshape(r_lo, (BT, WN))
-                        k_hi = tl.reshape(r_hi, (BT, WN))
-                if WB == 1:
-                    sel_j = (jrow == j)[:, None]
-                    logits = _dot(tl.where(sel_j, q_lo, 0.0), tl.trans(k_lo), logits, DOT)
-                    logits = _dot(tl.where(sel_j, q_hi, 0.0), tl.trans(k_hi), logits, DOT)
-                else:
-                    logits = _dot(q_lo, tl.trans(k_lo), logits, DOT)
-                    logits = _dot(q_hi, tl.trans(k_hi), logits, DOT)
+                        logits = _dot(q_lo, tl.trans(k_lo), logits, DOT)
+                        logits = _dot(q_hi, tl.trans(k_hi), logits, DOT)
+                if PHASE == 1:  # the score launch: the tile's scores, for the latent launch
+                    scm = rmask[:, None] & tm[None, :]
+                    sco = tl.where(ok[None, :], logits, float("-inf"))
+                    tl.store(sc_ptr + b * s_scb + head[:, None] * s_sch + t[None, :], sco, mask=scm)
         logits = tl.where(ok[None, :], logits, float("-inf"))
-        if PHASE == 1:  # the score launch: the tile's scores, for the latent launch
-            scm = rmask[:, None] & tm[None, :]
-            tl.store(sc_ptr + b * s_scb + head[:, None] * s_sch + t[None, :], logits, mask=scm)
-        else:
+        if PHASE != 1:
             # -- online softmax (base 2)
             m_new = tl.maximum(m_i, tl.max(logits, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -864,6 +878,7 @@ def latent_attention_lowrank(
     score_tokens: int = 256,
     score_warps: int = 4,
     score_block: int = 64,
+    score_heads: bool = True,
     num_warps: int = 8,
     num_stages: int = 2,
 ) -> torch.Tensor:
@@ -880,9 +895,10 @@ def latent_attention_lowrank(
     once per tile); False: head by head (the coefficients dequantized once per head, small dots). A per-head basis
     is always rebuilt head by head (each head has its own coefficients). `concurrent`: the regions' launches run side
     by side on side streams (CUDA; False: one after the other on the current stream). `two_pass` (regions with keys
-    before RoPE or low rank): a first launch writes every slot's scores [B, H, cap] float32, one program per KV head
-    and about `score_tokens` slots in tiles of `score_block` (`score_warps` warps: the key work alone, no latent accumulators, so no register
-    spills), a second runs softmax and latents over them; False: both per tile in one program (255 registers and
+    before RoPE or low rank): a first launch writes every slot's scores [B, H, cap] float32 (`score_warps` warps:
+    the key work alone, no latent accumulators, so no register spills; tiles of `score_block` slots), a program per
+    KV head and about `score_tokens` slots, or (`score_heads`) a program for every KV head of about score_tokens / K
+    slots that computes RoPE's cos/sin once for all of them; a second runs softmax and latents over them; False: both per tile in one program (255 registers and
     spills on an H100). `fast_rope`: RoPE computed in the kernel takes the SFU's cos/sin after a float32 reduction to
     [-pi, pi] (abs error about 5e-7, below the bf16 tables' rounding), not libdevice's (about 90 instructions each)."""
     if not isinstance(view, LayerView):
@@ -949,10 +965,13 @@ def latent_attention_lowrank(
             # work; then softmax and latents over them. One launch: both per tile (today's fused program)
             two = two_pass and (lowrank or mode != 0)
             sc = torch.empty(B, H, r.capacity, device=dev, dtype=torch.float32) if two else pm  # pm: never read
-            phases = ((1, max(ns, triton.cdiv(r.capacity, score_tokens))), (2, ns)) if two else ((0, ns),)
+            # the score launch's programs: about score_tokens slots of one KV head each, or (score_heads) of all K
+            per = max(max(32, score_block), score_tokens // K) if score_heads else score_tokens
+            phases = ((1, max(ns, triton.cdiv(r.capacity, per))), (2, ns)) if two else ((0, ns),)
             for phase, nsp in phases:
                 tile = max(32, score_block) if phase == 1 else BT
-                _lr_kernel[(nsp, K if phase == 1 else G, B)](
+                kall = score_heads and phase == 1
+                _lr_kernel[(nsp, 1 if kall else K if phase == 1 else G, B)](
                     q,
                     q.stride(0),
                     q.stride(1),
@@ -1046,6 +1065,7 @@ def latent_attention_lowrank(
                     WIN=win is not None,
                     DOT=dot,
                     PHASE=phase,
+                    KALL=kall,
                     num_warps=score_warps if phase == 1 else num_warps,
                     num_stages=num_stages,
                 )

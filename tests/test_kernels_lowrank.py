@@ -171,6 +171,27 @@ def test_lowrank_preset_layout(B):
     check(Layout(B=B, pad=[0, 3, 5, 9][:B]))
 
 
+@pytest.mark.parametrize(
+    "launch",
+    [
+        dict(two_pass=False),  # scores, softmax and latents in one program per tile
+        dict(score_heads=False),  # a score program per KV head
+        dict(score_block=32, score_tokens=32),  # 32-slot score tiles, one per program
+    ],
+)
+def test_launch_variants(launch):
+    """Every way the kernel can split its work gives the reference's result (a per-head and a joint basis, 3-bit
+    latents read by sub-planes, left padding, a window, device lengths, unused slots)."""
+    rot = rotary(32)
+    for blocks, r in ((1, 24), (2, 12)):
+        lay = Layout(B=2, r=r, pad=[0, 5], lens=(4, 70, 24, 9, 3))
+        view = make_view(lay, rot, blocks=blocks, extra=3, tensor_len=True)
+        q, k, h = new_token(lay, rot)
+        ref = ref_attention(q.float(), k.float(), h.float(), view, lay.n**-0.5, 50)
+        z = lra.latent_attention_lowrank(q, k, h, view, lay.n**-0.5, 50, rope=rot, split_tokens=32, **launch)
+        assert rel(z, ref) <= 1e-4, (blocks, launch, rel(z, ref))
+
+
 @pytest.mark.parametrize("H,K,G", [(4, 4, 2), (8, 2, 1), (16, 2, 2), (16, 2, 1)])  # GQA ratios 1, 4, 8
 def test_gqa_ratios(H, K, G):
     check(Layout(H=H, K=K, G=G, lens=(4, 37, 9, 5, 2)))
