@@ -878,7 +878,7 @@ def latent_attention_lowrank(
     score_tokens: int = 256,
     score_warps: int = 4,
     score_block: int = 64,
-    score_heads: bool = True,
+    score_heads: bool | None = None,
     num_warps: int = 8,
     num_stages: int = 2,
 ) -> torch.Tensor:
@@ -966,11 +966,13 @@ def latent_attention_lowrank(
             two = two_pass and (lowrank or mode != 0)
             sc = torch.empty(B, H, r.capacity, device=dev, dtype=torch.float32) if two else pm  # pm: never read
             # the score launch's programs: about score_tokens slots of one KV head each, or (score_heads) of all K
-            per = max(max(32, score_block), score_tokens // K) if score_heads else score_tokens
+            # (None: all K where a head's rebuild is small, i.e. not over a joint basis: measured on an H100)
+            heads = score_heads if score_heads is not None else not (lowrank and r.basis.blocks == 1 and K > 1)
+            per = max(max(32, score_block), score_tokens // K) if heads else score_tokens
             phases = ((1, max(ns, triton.cdiv(r.capacity, per))), (2, ns)) if two else ((0, ns),)
             for phase, nsp in phases:
                 tile = max(32, score_block) if phase == 1 else BT
-                kall = score_heads and phase == 1
+                kall = heads and phase == 1
                 _lr_kernel[(nsp, 1 if kall else K if phase == 1 else G, B)](
                     q,
                     q.stride(0),
