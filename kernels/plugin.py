@@ -5,7 +5,8 @@
   layers (their static cache is a 16-bit ring).
 - "triton": the Triton decode kernel (attention.py) over the row layout, dynamic or static: keys after RoPE at
   2/3/4/8/16 bits (whole or in bands), latents at 2/4/8/16 bits, any scale/zero format.
-- "triton-lowrank": the Triton kernel for keys before RoPE and low-rank keys (lowrank_attention.py), by name only.
+- "triton-lowrank": the Triton kernel for keys before RoPE and low-rank keys (lowrank_attention.py), the last "auto"
+  tries.
 
 Each `supports` reads only the cache's spec (shapes, schedule, device): the decision is made once, when the cache is
 made. A call a kernel still declines (a format it does not read) runs on the torch reference inside the kernel's
@@ -119,14 +120,13 @@ def _lowrank_reason(spec: CacheSpec) -> str | None:
 @dataclass(frozen=True)
 class LowRankBackend(backends.AttentionBackend):
     """The Triton kernel for keys before RoPE and low-rank keys (lowrank_attention.py): reads every layout of the
-    lowrank preset, with RoPE from each region's tables. Correct against the reference, but not fast (on an H100 at 32K
-    batch 1: 478 us against the paper CUDA kernel's 35 us and SDPA's 64 us, docs/performance.md), so "auto" does not
-    pick it: by name only."""
+    lowrank preset, with RoPE from each region's tables. Slower than the paper kernels (on an H100 at 32K batch 1:
+    213 us against the paper CUDA kernel's 36 us, docs/performance.md) but far faster than the torch reference, so
+    "auto" picks it last: for the caches the other kernels do not read."""
 
     name: str = "triton-lowrank"
     label: str = "triton low-rank-key kernel"
     priority: int = 10
-    auto: bool = False
 
     def supports(self, spec: CacheSpec) -> str | None:
         return _lowrank_reason(spec)

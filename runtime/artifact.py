@@ -95,11 +95,13 @@ class Schedule:
         )
 
     def fast_path(self) -> bool:
-        """What the GPU fast path reads: the Triton decode kernel reads every level of it (per-channel keys at
-        2/3/4/8/16 bits, whole or in bands; latents at 2/4/8/16 bits; any scale/zero format; keys after RoPE). The
-        paper and tale presets of tale-convert qualify, lowrank does not (the static cache holds it, the torch
-        reference reads it)."""
-        return self.key_rope == "post" and all(lv.key_axis == "channel" and lv.bits != 3 for lv in self.levels)
+        """Whether a GPU decode kernel reads every level of it, so that decoding on CUDA takes the static cache and
+        CUDA-graph steps: the paper kernels (keys after RoPE per channel at 2/3/4/8/16 bits, whole or in bands;
+        latents at 2/4/8/16 bits; the paper and tale presets), or the low-rank-key kernel (keys before RoPE, low-rank
+        keys, per-token keys, 3-bit latents; no key bands: the lowrank preset). Only key bands together with one of
+        those are read by the torch reference alone."""
+        paper = self.key_rope == "post" and all(lv.key_axis == "channel" and lv.bits != 3 for lv in self.levels)
+        return paper or not any(lv.key_hi_bits for lv in self.levels)
 
     def validate(self, R: int, num_layers: int | None = None) -> None:
         if self.sinks < 0:

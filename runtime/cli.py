@@ -266,8 +266,8 @@ def run(
             raise CliError(f"{name} {v} is not below the model's context ({ctx} tokens): nothing would be compressed")
     if dev.type == "cuda" and not sched.fast_path():
         say.note(
-            "note: the GPU kernels do not read this schedule (keys before RoPE, low-rank keys, "
-            "per-token keys or 3-bit latents): decoding through the torch reference on the dynamic cache, far slower "
+            "note: the GPU kernels do not read this schedule (key bands with keys before RoPE, per-token keys or "
+            "3-bit latents): decoding through the torch reference on the dynamic cache, far slower "
             "(docs/performance.md)"
         )
     opts = dict(

@@ -361,16 +361,17 @@ def test_real_cache_through_a_tiny_model():
 
 
 def test_registered_as_a_named_backend():
-    """The runtime finds the kernel as the "triton-lowrank" backend (by name only: "auto" keeps the reference for
-    low-rank keys), and a cache made with it gives the reference's attention over its own view."""
+    """The runtime finds the kernel as the "triton-lowrank" backend, which "auto" picks on a GPU for the caches no
+    other kernel reads (keys before RoPE here) and never elsewhere, and a cache made with it gives the reference's
+    attention over its own view."""
     from tale_helpers import talify, tiny_model
 
     from tale_runtime import backends, new_cache
     from tale_runtime.artifact import Level, Schedule
     from tale_runtime.model import cache_arg
+    from tale_runtime.spec import CacheSpec
 
     b = backends.get("triton-lowrank")
-    assert not b.auto
     base = tiny_model("llama")
     L, nh, K = base.config.num_hidden_layers, base.config.head_dim, base.config.num_key_value_heads
     s = Schedule(
@@ -383,7 +384,11 @@ def test_registered_as_a_named_backend():
         key_rope="pre",
     )
     tm = talify(base, 2, s).to(DEVICE)
-    assert new_cache(tm).backend is not b  # "auto" never picks it
+    arch = tm.tale_spec.rank_arch()
+    cuda = torch.device("cuda")
+    for sched, want in ((s, b), (replace(s, key_rope="post"), backends.get("triton"))):
+        assert backends.choose(CacheSpec(arch, sched, False, cuda)) is want  # on a GPU: the first that reads it
+    assert backends.choose(CacheSpec(arch, s, False, torch.device("cpu"))) is backends.TORCH  # elsewhere: torch
     cache = new_cache(tm, backend="triton-lowrank")
     assert cache.backend is b
     ids = torch.randint(1, 320, (1, 40), generator=torch.Generator().manual_seed(0)).to(DEVICE)

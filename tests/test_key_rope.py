@@ -131,7 +131,9 @@ def test_refusals_and_the_manifest_round_trip():
         replace(s, key_rope="pre", rotate="hadamard").validate(32, 2)
     assert "key_rope" not in s.to_dict()
     assert Schedule.from_dict(pre(s).to_dict()).key_rope == "pre"
-    assert not pre(s).fast_path() and s.fast_path()
+    assert pre(s).fast_path() and s.fast_path()  # the low-rank-key kernel reads keys before RoPE, without bands:
+    banded = replace(s, levels=[replace(lv, key_hi_bits=4) for lv in s.levels])
+    assert banded.fast_path() and not pre(banded).fast_path()
     tm = talify(tiny_model("llama"), 2, pre(s))
     # the static cache keeps pre-RoPE keys with their RoPE tables (equal to the dynamic cache: test_static_cache)
     assert new_cache(tm, static=True, max_length=64).schedule.key_rope == "pre"
