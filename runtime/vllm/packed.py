@@ -89,45 +89,57 @@ class PackedMetadataBuilder(AttentionMetadataBuilder[PackedMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
         m = common_attn_metadata
         B = m.num_reqs
-        qsl = m.query_start_loc_cpu[: B + 1].tolist()
-        seq_lens = m.seq_lens[:B].tolist()  # exact (the host copy is an upper bound under speculative decoding)
-        meta = PackedMetadata(
-            num_actual_tokens=m.num_actual_tokens,
-            query_start_loc=qsl,
-            seq_lens=seq_lens,
-            block_table=m.block_table_tensor[:B],
-            slot_mapping=m.slot_mapping[: m.num_actual_tokens],
+        return packed_metadata(
+            m.num_actual_tokens,
+            m.query_start_loc_cpu[: B + 1].tolist(),
+            m.seq_lens[:B].tolist(),  # exact (the host copy is an upper bound under speculative decoding)
+            m.block_table_tensor[:B],
+            m.slot_mapping[: m.num_actual_tokens],
+            self.page_size,
+            self.device,
+            self.rows,
         )
-        new = [qsl[i + 1] - qsl[i] for i in range(B)]
-        ctx = [s - t for s, t in zip(seq_lens, new)]
-        decode = [i for i in range(B) if new[i] == 1]
-        if decode:
-            dev = self.device
-            meta.decode_rows = torch.tensor(decode, device=dev)
-            meta.decode_tokens = torch.tensor([qsl[i] for i in decode], device=dev)
-            meta.decode_ctx = torch.tensor([ctx[i] for i in decode], dtype=torch.int32, device=dev)
-            meta.decode_pages = max(1, -(-max(ctx[i] for i in decode) // self.page_size))
-        if self.rows is not None and B:
-            self._sinks(meta, qsl, new, ctx)
-        return meta
 
-    def _sinks(self, meta: PackedMetadata, qsl: list[int], new: list[int], ctx: list[int]) -> None:
-        A, dev = self.alpha, self.device
-        first_pages = meta.block_table[:, 0].cpu().numpy()
-        rows = self.rows.assign(first_pages, np.array(ctx))
-        tokens, at = [], []
-        for i, row in enumerate(rows.tolist()):
-            if row >= 0 and ctx[i] < A:  # this step writes the request's positions ctx .. alpha - 1 (as far as it goes)
-                w = min(new[i], A - ctx[i])
-                tokens += range(qsl[i], qsl[i] + w)
-                at += range(row * A + ctx[i], row * A + ctx[i] + w)
-        meta.alpha, meta.sink_rows = A, self.rows.rows
-        meta.sink_row = torch.from_numpy(rows).to(dev)
-        meta.sink_first = torch.tensor(
-            [min(A, c) if r >= 0 else 0 for r, c in zip(rows.tolist(), ctx)], dtype=torch.int32, device=dev
-        )
-        meta.sink_write_tokens = torch.tensor(tokens, dtype=torch.long, device=dev)
-        meta.sink_write_at = torch.tensor(at, dtype=torch.long, device=dev)
+
+def packed_metadata(
+    num_actual_tokens: int,
+    qsl: list[int],
+    seq_lens: list[int],
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    page_size: int,
+    device,
+    rows: SinkRows | None = None,
+) -> PackedMetadata:
+    """A step's metadata, once for every layer: which rows decode, and with sinks each request's row and the new
+    tokens below alpha."""
+    meta = PackedMetadata(num_actual_tokens, qsl, seq_lens, block_table, slot_mapping)
+    B = len(seq_lens)
+    new = [qsl[i + 1] - qsl[i] for i in range(B)]
+    ctx = [s - t for s, t in zip(seq_lens, new)]
+    decode = [i for i in range(B) if new[i] == 1]
+    if decode:
+        meta.decode_rows = torch.tensor(decode, device=device)
+        meta.decode_tokens = torch.tensor([qsl[i] for i in decode], device=device)
+        meta.decode_ctx = torch.tensor([ctx[i] for i in decode], dtype=torch.int32, device=device)
+        meta.decode_pages = max(1, -(-max(ctx[i] for i in decode) // page_size))
+    if rows is None or not B:
+        return meta
+    A = rows.alpha
+    row_of = rows.assign(block_table[:, 0].cpu().numpy(), np.array(ctx)).tolist()
+    tokens, at = [], []
+    for i, row in enumerate(row_of):
+        if row >= 0 and ctx[i] < A:  # this step writes the request's positions ctx .. alpha - 1 (as far as it goes)
+            w = min(new[i], A - ctx[i])
+            tokens += range(qsl[i], qsl[i] + w)
+            at += range(row * A + ctx[i], row * A + ctx[i] + w)
+    meta.alpha, meta.sink_rows = A, rows.rows
+    meta.sink_row = torch.tensor(row_of, device=device)
+    first = [min(A, c) if r >= 0 else 0 for r, c in zip(row_of, ctx)]
+    meta.sink_first = torch.tensor(first, dtype=torch.int32, device=device)
+    meta.sink_write_tokens = torch.tensor(tokens, dtype=torch.long, device=device)
+    meta.sink_write_at = torch.tensor(at, dtype=torch.long, device=device)
+    return meta
 
 
 class TalePackedBackend(AttentionBackend):
