@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tale_runtime.paged import PagedPool, _planes, paged_attention_reference
-from tale_runtime.quant import META_SHIFT
+from tale_runtime.attention import cached_keys
+from tale_runtime.paged import PagedPool, Sinks, _planes, paged_attention_reference, paged_view
+from tale_runtime.quant import META_SHIFT, dequantize
 
 from ._common import TL_DTYPE, interpreting, plane, plane_asm, pow2, runnable, to_float
 from .attention import LOG2E, _combine, _dot, _lat_plane, _meta, _num_sms, _partials, _shifted, _store_partial
@@ -329,10 +330,15 @@ def paged_latent_attention(
     q [B, H, 1, n], k_new [B, K, 1, n] (post-RoPE), h_new [B, G, 1, R] (the new token attends exactly; it is not in
     the pages), block_table [B, max_pages] int32 page ids, lengths [B] cached tokens per sequence (device tensors:
     no host sync, so a call can be captured in a CUDA graph and replayed after the lengths changed)."""
-    cfg = config or DEFAULT
     _check(q, k_new, h_new, pool, block_table, lengths)
     if not runnable(q, k_new, h_new, pool.data, block_table, lengths):
         return paged_attention_reference(q, k_new, h_new, pool, block_table, lengths, scaling)
+    return _combine(*_launch(q, k_new, h_new, pool, block_table, lengths, scaling, config or DEFAULT, 0))
+
+
+def _launch(q, k_new, h_new, pool: PagedPool, block_table, lengths, scaling: float, cfg: PagedConfig, extra: int):
+    """The paged kernel's partials, with `extra` more slots per row left for the caller to fill: the arguments of
+    _combine."""
     f, o = pool.fmt, pool.fmt.offsets
     B, H, _, n = q.shape
     K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
@@ -353,7 +359,7 @@ def paged_latent_attention(
         S = max(1, triton.cdiv(cap, cfg.split_tokens))
     else:
         S = max(1, min(triton.cdiv(cap, cfg.min_split), round(cfg.waves * _num_sms(dev) / (B * G))))
-    n_slots, (pm, pl, pacc, rk) = _partials(B, H, R, [S], dev)
+    n_slots, (pm, pl, pacc, rk) = _partials(B, H, R, [S] + [1] * extra, dev)
     q, k_new, h_new = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_new, h_new))
     data = pool.data
     qk = scaling * LOG2E
@@ -412,4 +418,67 @@ def paged_latent_attention(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    return _combine(pm, pl, pacc, rk, n_slots, q, k_new, h_new, qk, rep, g)
+    return pm, pl, pacc, rk, n_slots, q, k_new, h_new, qk, rep, g
+
+
+def paged_latent_attention_sinks(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    h_new: torch.Tensor,
+    pool: PagedPool,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    scaling: float,
+    sinks: Sinks,
+    config: PagedConfig | None = None,
+) -> torch.Tensor:
+    """paged_latent_attention with each sequence's first tokens read from 16-bit sinks outside the pages
+    (tale_runtime.paged.Sinks; paged_attention_reference(..., sinks) is the reference): one softmax over the sinks,
+    the pages from position sinks.first[b] on, and the new token.
+
+    The kernel reads the pages from page P0 = ceil(A / page_size) on; the first P0 pages of every sequence (their
+    positions first[b] .. P0 * page_size) and the sinks, at most A + P0 * page_size tokens, are scored in torch into
+    one more partial per row (max, sum, accumulator, in the kernel's base 2), which the kernel's combine merges with
+    the splits and the new token. No host sync: the partial is computed from device tensors."""
+    _check(q, k_new, h_new, pool, block_table, lengths)
+    if not runnable(q, k_new, h_new, pool.data, block_table, lengths):
+        return paged_attention_reference(q, k_new, h_new, pool, block_table, lengths, scaling, sinks)
+    B, H, _, n = q.shape
+    K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
+    A, PS = sinks.keys.shape[-2], pool.page_size
+    if tuple(sinks.keys.shape) != (B, K, A, n) or tuple(sinks.lat.shape) != (B, G, A, R) or sinks.first.shape != (B,):
+        raise ValueError(
+            f"paged attention: sinks {tuple(sinks.keys.shape)} / {tuple(sinks.lat.shape)} / {tuple(sinks.first.shape)}"
+            f" do not fit the query {tuple(q.shape)} and new latent {tuple(h_new.shape)}"
+        )
+    P0 = min(block_table.shape[1], -(-A // PS))
+    rest = block_table[:, P0:]
+    if rest.shape[1] == 0:  # every sequence fits its first pages: the kernel reads one empty page per row
+        rest = block_table[:, :1]
+    rest_len = (lengths - P0 * PS).clamp(min=0)
+    parts = _launch(q, k_new, h_new, pool, rest, rest_len, scaling, config or DEFAULT, 1)
+    pm, pl, pacc, rk, n_slots, qk = parts[0], parts[1], parts[2], parts[3], parts[4], parts[8]
+    # the sinks and the first pages' tokens from first[b] on: [B, K, A + P0 * PS, n] keys, [B, G, ., R] latents
+    view = paged_view(pool, block_table[:, :P0], lengths.clamp(max=P0 * PS), sinks)
+    keys, pos, oks = cached_keys(view, torch.float32, B, K, n, q.device)
+    lat = torch.cat(
+        [
+            torch.nn.functional.pad(dequantize(r.lat, torch.float32), (0, R - r.rank)).masked_fill(
+                ~ok[:, None, :, None], 0.0
+            )
+            for r, ok in zip(view.regions, oks)
+        ],
+        dim=-2,
+    )
+    rep, g = H // K, K // G
+    s = torch.einsum("bkin,bkln->bkil", q[:, :, 0].float().view(B, K, rep, n), keys) * qk  # [B, K, rep, L] base 2
+    s = s.masked_fill((pos < 0)[:, None, None], float("-inf")).reshape(B, H, -1)
+    m = s.amax(-1)  # [B, H]; -inf where the row has none of these tokens
+    p = torch.exp2(s - torch.where(m == float("-inf"), 0.0, m)[..., None])
+    acc = torch.einsum("bcql,bclr->bcqr", p.view(B, G, g * rep, -1), lat).reshape(B, H, R)
+    last = n_slots - 1
+    pm[:, :, last], pl[:, :, last] = m, p.sum(-1)
+    pacc[:, :, last].zero_()
+    pacc[:, :, last, :R] = acc
+    rk[last] = R
+    return _combine(*parts)

@@ -141,9 +141,10 @@ def register() -> None:
     """Entry point: import what Triton needs (ImportError without it: nothing registered) and register."""
     import triton  # noqa: F401
 
-    from . import frag_pack, quant
+    from . import frag_pack, paged_attention, quant
     from .attention import TritonConfig
 
-    backends.register(TritonBackend(config=TritonConfig()), ops={"quant": quant, "frag_pack": frag_pack})
+    ops = {"quant": quant, "frag_pack": frag_pack, "paged_attention": paged_attention}
+    backends.register(TritonBackend(config=TritonConfig()), ops=ops)
     backends.register(CudaBackend())
     backends.register(LowRankBackend())

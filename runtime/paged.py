@@ -226,10 +226,36 @@ def read_slots(pool: PagedPool, slot_mapping: torch.Tensor) -> tuple[torch.Tenso
     return dequantize(keys, f.dtype)[0].transpose(0, 1), dequantize(lat, f.dtype)[0].transpose(0, 1)
 
 
-def paged_view(pool: PagedPool, block_table: torch.Tensor, lengths: torch.Tensor) -> LayerView:
-    """The pages of every sequence as one region (gather): what tale_runtime.attention reads."""
+@dataclass
+class Sinks:
+    """The first tokens of each sequence held at 16 bits outside the pages (TALE's sinks): keys [B, K, A, n] (post-RoPE,
+    as the pages'), full-rank latents [B, G, A, R], and `first` [B]: sequence b's positions below first[b] (<= A) are
+    read from here, its pages from position first[b] on (their slots below it are not read)."""
+
+    keys: torch.Tensor
+    lat: torch.Tensor
+    first: torch.Tensor
+
+
+def paged_view(
+    pool: PagedPool, block_table: torch.Tensor, lengths: torch.Tensor, sinks: Sinks | None = None
+) -> LayerView:
+    """The pages of every sequence as one region (gather), after the sinks' region if any: what
+    tale_runtime.attention reads."""
     keys, lat, pos = gather(pool, block_table, lengths)
-    return LayerView([Region(keys, lat, pool.fmt.rank, pos, pos.shape[-1])], next_pos=0)
+    if sinks is None:
+        return LayerView([Region(keys, lat, pool.fmt.rank, pos, pos.shape[-1])], next_pos=0)
+    first = sinks.first.to(pos.device)[:, None]
+    pos = pos.masked_fill(pos < first, -1)
+    B, _, A, _ = sinks.keys.shape
+    a = torch.arange(A, device=pos.device, dtype=torch.int32)
+    spos = torch.where(a[None, :] < first, a[None, :], -1).to(torch.int32)  # [B, A]
+    sk = QTensor(sinks.keys, None, None, 16, 1, -1)
+    sh = QTensor(sinks.lat, None, None, 16, 1, -1)
+    return LayerView(
+        [Region(sk, sh, sinks.lat.shape[-1], spos, A), Region(keys, lat, pool.fmt.rank, pos, pos.shape[-1])],
+        next_pos=0,
+    )
 
 
 def paged_attention_reference(
@@ -240,8 +266,10 @@ def paged_attention_reference(
     block_table: torch.Tensor,
     lengths: torch.Tensor,
     scaling: float,
+    sinks: Sinks | None = None,
 ) -> torch.Tensor:
     """Decode attention (T = 1) over the paged tokens plus the new exact one, in float32: the pages gathered and
     dequantized, then tale_runtime.attention.latent_attention. q [B, H, 1, n], k_new [B, K, 1, n], h_new [B, G, 1,
-    R] -> z [B, 1, H, R]; cached tokens add only to their first `rank` channels."""
-    return latent_attention(q, k_new, h_new, paged_view(pool, block_table, lengths), scaling)
+    R] -> z [B, 1, H, R]; cached tokens add only to their first `rank` channels (sinks: to all R, in one softmax with
+    the pages)."""
+    return latent_attention(q, k_new, h_new, paged_view(pool, block_table, lengths, sinks), scaling)

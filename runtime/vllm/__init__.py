@@ -22,6 +22,7 @@ VALUE_RANK = "tale_value_rank"
 KV_CACHE = "tale_kv_cache"
 EXACT_LAYERS = "tale_kv_exact_layers"
 ROTATE = "tale_kv_rotate"
+SINKS = "tale_kv_sinks"
 
 
 def register() -> None:
@@ -44,6 +45,7 @@ def engine_args(
     kv_cache: str | None = None,
     exact_layers: int = 1,
     rotate: str = "hadamard",
+    sinks: int | None = None,
 ) -> dict:
     """Keyword arguments of vllm.LLM (or EngineArgs) that serve the artifact at `path` with the TALE model class.
 
@@ -54,17 +56,21 @@ def engine_args(
     kv_cache: None (stage 1: keys and latents in vLLM's 16-bit cache) or the packed cache (stage 2, TALE's own
     attention backend): "level0" (the artifact's level-0 key and latent bits) or "k<bits>v<bits>" (e.g. "k4v4"), each
     layer's latents kept at its value rank; the first and last `exact_layers` layers at 16 bits. rotate: "hadamard"
-    (queries and keys rotated after RoPE before the keys are quantized per token, q.k unchanged) or "none".
+    (queries and keys rotated after RoPE before the keys are quantized per token, q.k unchanged) or "none". sinks:
+    the first tokens of each request kept at 16 bits beside the packed pages (None: the artifact's schedule's sinks;
+    0: none).
     """
     from vllm.platforms import current_platform
 
     from .source import check_backend, open_artifact
 
-    src = open_artifact(path, value_rank, verify=verify, kv_cache=kv_cache, exact_layers=exact_layers, rotate=rotate)
+    src = open_artifact(
+        path, value_rank, verify=verify, kv_cache=kv_cache, exact_layers=exact_layers, rotate=rotate, sinks=sinks
+    )
     check_backend(src, current_platform.is_cpu())
     overrides = {VALUE_RANK: value_rank}
     if kv_cache is not None:
-        overrides |= {KV_CACHE: kv_cache, EXACT_LAYERS: exact_layers, ROTATE: rotate}
+        overrides |= {KV_CACHE: kv_cache, EXACT_LAYERS: exact_layers, ROTATE: rotate, SINKS: src.sinks}
     if not src.own_type:  # the base's config.json names the base class: name the TALE class instead
         overrides["architectures"] = [ARCHITECTURES[src.model_type][1]]
     return {"model": str(src.root), "hf_overrides": overrides}

@@ -12,7 +12,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from vllm.platforms import current_platform
 
-from . import EXACT_LAYERS, KV_CACHE, ROTATE, VALUE_RANK, source
+from . import EXACT_LAYERS, KV_CACHE, ROTATE, SINKS, VALUE_RANK, source
 from .attention import FORMATS, RANKS, TaleAttention
 
 
@@ -26,11 +26,16 @@ class TaleLlamaForCausalLM(LlamaForCausalLM):
             kv_cache=getattr(config, KV_CACHE, None),
             exact_layers=getattr(config, EXACT_LAYERS, 1),
             rotate=getattr(config, ROTATE, "hadamard"),
+            sinks=getattr(config, SINKS, None),
         )
         source.check_backend(src, current_platform.is_cpu())
         setattr(config, RANKS, list(src.ranks))
         dtype = vllm_config.model_config.dtype
         setattr(config, FORMATS, [src.paged_format(i, dtype) for i in range(src.arch.num_layers)])
+        if src.bits is not None:
+            from .packed import SINK_TOKENS
+
+            setattr(config, SINK_TOKENS, src.sinks)
         layer = functools.partial(LlamaDecoderLayer, attn_layer_type=TaleAttention)
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer)
         self.tale_source = src

@@ -38,6 +38,7 @@ class Source:
     verified: frozenset[str] | None  # the files checked against the manifest (None: not checked)
     # the packed cache (stage 2): (key bits, latent bits) per layer; None: keys and latents in vLLM's 16-bit cache
     bits: tuple[tuple[int, int], ...] | None = None
+    sinks: int = 0  # the packed cache's 16-bit sinks per request
 
     def same_head_size(self) -> bool:
         """Keys and values of one head size in every layer: what vLLM's ordinary attention backends hold."""
@@ -108,9 +109,11 @@ def open_artifact(
     kv_cache: str | None = None,
     exact_layers: int = 1,
     rotate: str = "hadamard",
+    sinks: int | None = None,
 ) -> Source:
     """The checked artifact at `path` (a directory or a Hub repo id); ArtifactError/ValueError in one line.
-    kv_cache: None (stage 1: vLLM's 16-bit cache) or the packed cache's level, see packed_bits."""
+    kv_cache: None (stage 1: vLLM's 16-bit cache) or the packed cache's level, see packed_bits; sinks: the packed
+    cache's 16-bit sinks (None: the schedule's)."""
     from tale_runtime.load import SUPPORTED, resolve
 
     root = resolve(path)
@@ -141,7 +144,13 @@ def open_artifact(
     bits = None if kv_cache is None else packed_bits(kv_cache, sched, arch.num_layers, exact_layers)
     if rotate not in ("hadamard", "none"):
         raise ValueError(f"rotate must be 'hadamard' or 'none', got {rotate!r}")
-    src = Source(root, config["model_type"], own_type, arch, ranks, verified, bits)
+    if sinks is None:
+        sinks = sched.sinks if bits is not None else 0
+    if not isinstance(sinks, int) or isinstance(sinks, bool) or sinks < 0:
+        raise ValueError(f"sinks must be a whole number >= 0, got {sinks!r}")
+    if sinks and bits is None:
+        raise ValueError("sinks are kept by the packed cache only (kv_cache=...)")
+    src = Source(root, config["model_type"], own_type, arch, ranks, verified, bits, sinks)
     if bits is not None:
         for i in range(arch.num_layers):
             try:

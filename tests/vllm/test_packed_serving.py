@@ -30,10 +30,10 @@ def artifact_g2(tiny_llama, tmp_path_factory):
     return out
 
 
-def packed_run(art, kv_cache: str):
+def packed_run(art, kv_cache: str, sinks: int = 0):
     """Greedy tokens, top-5 log-probabilities per step, KV bytes per token and the prompts' token ids of the packed
     engine."""
-    llm = vllm.LLM(**tale_vllm.engine_args(art, kv_cache=kv_cache, exact_layers=0), **ENGINE)
+    llm = vllm.LLM(**tale_vllm.engine_args(art, kv_cache=kv_cache, exact_layers=0, sinks=sinks), **ENGINE)
     try:
         tokens, logprobs = greedy(llm, max_tokens=STEPS, logprobs=5)
         prompt_ids = [llm.get_tokenizer()(p).input_ids for p in PROMPTS]
@@ -49,7 +49,7 @@ def slot_formats(art, bits: int, exact_layers: int = 0) -> list[PagedFormat]:
     return [src.paged_format(i, torch.float32) for i in range(src.arch.num_layers)]
 
 
-def oracle_logprobs(art, prompt_ids: list[int], tokens: list[int], bits: int = 4) -> torch.Tensor:
+def oracle_logprobs(art, prompt_ids: list[int], tokens: list[int], bits: int = 4, sinks: int = 0) -> torch.Tensor:
     """tale_runtime's log-probabilities [steps, vocab] along `tokens` (teacher-forced), one per-token level."""
     import tale_runtime
     from tale_runtime.load import new_cache
@@ -58,7 +58,7 @@ def oracle_logprobs(art, prompt_ids: list[int], tokens: list[int], bits: int = 4
         art,
         device="cpu",
         dtype=torch.float32,
-        sinks=0,
+        sinks=sinks,
         recent=[],
         bits=bits,
         ranks=1.0,  # every latent at full rank R, as the engine's value rank "full"
@@ -88,9 +88,12 @@ def test_packed_16bit_slots_give_the_base_models_tokens(artifact_g2, base_run, c
     assert got == want == base_bytes  # one latent of R = 2n per two KV heads: the base's K*n values per token
 
 
-def test_packed_4bit_follows_tale_runtime(artifact_g2, base_run, capsys):
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_packed_4bit_follows_tale_runtime(artifact_g2, base_run, capsys, sinks):
+    """sinks = 4: the first 4 tokens of each request at 16 bits in the sinks buffer (the shortest prompt's sinks are
+    partly generated tokens), as tale_runtime's sinks."""
     base_tokens, base_bytes = base_run
-    tokens, logprobs, got, prompt_ids = packed_run(artifact_g2, "k4v4")
+    tokens, logprobs, got, prompt_ids = packed_run(artifact_g2, "k4v4", sinks)
     fmts = slot_formats(artifact_g2, 4)
     assert got == sum(f.slot_bytes for f in fmts)
     a = main_fixtures.TINY["llama32"]
@@ -100,7 +103,7 @@ def test_packed_4bit_follows_tale_runtime(artifact_g2, base_run, capsys):
 
     worst, same_oracle, same_base, off_exact = 0.0, 0, 0, 0.0
     for ids, toks, lps, base in zip(prompt_ids, tokens, logprobs, base_tokens):
-        want = oracle_logprobs(artifact_g2, ids, toks)
+        want = oracle_logprobs(artifact_g2, ids, toks, sinks=sinks)
         exact = oracle_logprobs(artifact_g2, ids, toks, bits=16)
         for step, top in enumerate(lps):
             top_ids = list(top)
@@ -111,7 +114,7 @@ def test_packed_4bit_follows_tale_runtime(artifact_g2, base_run, capsys):
         same_base += sum(x == y for x, y in zip(toks, base))
     with capsys.disabled():
         print(
-            f"\npacked k4v4: KV bytes/token {got} (fp32 cache; vLLM's fp32 base {base_bytes}: {base_bytes / got:.2f}x); "
+            f"\npacked k4v4, {sinks} sinks: KV bytes/token {got} (fp32 cache; vLLM's fp32 base {base_bytes}: {base_bytes / got:.2f}x); "
             f"at bf16 {bf16_packed} vs vLLM's bf16 cache {bf16}: {bf16 / bf16_packed:.2f}x; max |log-prob - "
             f"tale_runtime| {worst:.2e} over {len(PROMPTS)} x {STEPS} steps (top 5; vs 16-bit tokens {off_exact:.2e}); "
             f"greedy argmax = tale_runtime's "

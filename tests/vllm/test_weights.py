@@ -141,5 +141,17 @@ def test_engine_args_carry_the_packed_level(converted):
 
     _, art = converted("llama", 2)
     args = tale_vllm.engine_args(art, "full", kv_cache="k4v4", exact_layers=0)  # R = 32 != n = 16: fine when packed
+    from tale_runtime.artifact import read_manifest, schedule_of
+
+    sinks = schedule_of(read_manifest(art)).sinks  # the default: the artifact's sinks
+    assert sinks > 0
     want = {"tale_value_rank": "full", "tale_kv_cache": "k4v4", "tale_kv_exact_layers": 0, "tale_kv_rotate": "hadamard"}
-    assert args == {"model": str(art), "hf_overrides": want}
+    assert args == {"model": str(art), "hf_overrides": want | {"tale_kv_sinks": sinks}}
+    args = tale_vllm.engine_args(art, "full", kv_cache="k4v4", exact_layers=0, sinks=0)
+    assert args["hf_overrides"]["tale_kv_sinks"] == 0
+    for kw, msg in [
+        (dict(kv_cache="k4v4", sinks=-1), "sinks must be a whole number >= 0, got -1"),
+        (dict(sinks=4), r"sinks are kept by the packed cache only \(kv_cache=...\)"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            tale_vllm.engine_args(art, "full", **kw)
