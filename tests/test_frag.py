@@ -140,7 +140,8 @@ def spec_of(heads, schedule=PAPER, static=True, device="cuda", dtype=torch.bfloa
 
 def test_the_backend_is_chosen_once_from_the_cache_spec(monkeypatch):
     """backends.choose: on a GPU the fastest backend that serves the cache (the CUDA kernel for paper-preset static
-    caches of a whole number of query heads per KV head on Hopper, else the Triton kernel, else the reference); on
+    caches of a whole number of query heads per KV head on Hopper, else the Triton kernel, else the low-rank-key
+    kernel, else the reference); on
     the CPU the reference; a named backend that does not serve the cache is refused with its reason. new_cache hands
     the choice to the cache, whose layout follows from it, and generate()'s stats name it."""
     from tale_helpers import talify, tiny_model
@@ -152,8 +153,9 @@ def test_the_backend_is_chosen_once_from_the_cache_spec(monkeypatch):
         assert backends.choose(spec_of(heads)).name == want, heads
     assert backends.choose(spec_of(16, static=False)).name == "triton"  # the CUDA kernel reads static caches only
     assert backends.choose(spec_of(16, dtype=torch.float32)).name == "triton"
-    lowrank = replace(PAPER, key_rope="pre")
-    assert backends.choose(spec_of(16, lowrank, static=False)).name == "torch"
+    lowrank = replace(PAPER, key_rope="pre")  # keys before RoPE: only the low-rank-key kernel reads them
+    assert backends.choose(spec_of(16, lowrank, static=False)).name == "triton-lowrank"
+    assert backends.choose(spec_of(16, lowrank, device="cpu")).name == "torch"
     assert backends.choose(spec_of(16, device="cpu")).name == "torch"
     with pytest.raises(ValueError, match="'cuda' does not serve this cache: reads static caches only"):
         backends.choose(spec_of(16, static=False), "cuda")
