@@ -92,6 +92,17 @@ def _approx(x, FN: tl.constexpr):
 
 
 @triton.jit
+def _q_halves(q_ptr, b, s_qb, s_qh, head, rmask, d, dm, HALF: tl.constexpr, qk_scale):
+    """The query rows `head` [QGP] of batch row b: their RoPE halves [QGP, NH] in float32, times qk_scale (rows past
+    rmask and channels past dm: 0)."""
+    qrow = q_ptr + b * s_qb + head[:, None] * s_qh
+    qm = rmask[:, None] & dm[None, :]
+    q_lo = tl.load(qrow + d[None, :], mask=qm, other=0.0).to(tl.float32) * qk_scale
+    q_hi = tl.load(qrow + HALF + d[None, :], mask=qm, other=0.0).to(tl.float32) * qk_scale
+    return q_lo, q_hi
+
+
+@triton.jit
 def _deq(
     d_ptr,
     base,
@@ -368,12 +379,10 @@ def _lr_kernel(
     dm = d < HALF
     cols = tl.arange(0, WN)
     cd = cols % NH
-    qrow = q_ptr + b * s_qb + head[:, None] * s_qh
     if WB == 1:  # head by head: the rows of head j picked per dot from the query halves
-        qm = rmask[:, None] & dm[None, :]
-        q_lo = tl.load(qrow + d[None, :], mask=qm, other=0.0).to(tl.float32) * qk_scale
-        q_hi = tl.load(qrow + HALF + d[None, :], mask=qm, other=0.0).to(tl.float32) * qk_scale
+        q_lo, q_hi = _q_halves(q_ptr, b, s_qb, s_qh, head, rmask, d, dm, HALF, qk_scale)
     else:  # the group's heads side by side (WB = GS): a block-diagonal query tile [QGP, GS NH] per half
+        qrow = q_ptr + b * s_qb + head[:, None] * s_qh
         sel = rmask[:, None] & ((cols // NH)[None, :] == jrow[:, None]) & (cd < HALF)[None, :]
         q_lo = (tl.load(qrow + cd[None, :], mask=sel, other=0.0).to(tl.float32) * qk_scale).to(DOT)
         q_hi = (tl.load(qrow + HALF + cd[None, :], mask=sel, other=0.0).to(tl.float32) * qk_scale).to(DOT)
@@ -464,10 +473,7 @@ def _lr_kernel(
                 logits = tl.zeros([QGP, BT], tl.float32)
                 if KALL:
                     head = cg * QG + rows
-                    qm = rmask[:, None] & dm[None, :]
-                    qrow = q_ptr + b * s_qb + head[:, None] * s_qh
-                    q_lo = tl.load(qrow + d[None, :], mask=qm, other=0.0).to(tl.float32) * qk_scale
-                    q_hi = tl.load(qrow + HALF + d[None, :], mask=qm, other=0.0).to(tl.float32) * qk_scale
+                    q_lo, q_hi = _q_halves(q_ptr, b, s_qb, s_qh, head, rmask, d, dm, HALF, qk_scale)
                 for j in tl.static_range(GS // WB):
                     h0 = cg * GS + j * WB  # the first KV head of this dot
                     if LOWRANK:  # k_pre = mean + c dec[:r] of heads h0 .. h0 + WB - 1: [BT, WN] per RoPE half
@@ -821,7 +827,8 @@ def _side_streams(device, n: int) -> list:
 def _lat_chunks(rank: int) -> tuple[int, int]:
     """(chunks, channels per chunk: a power of two) that cover `rank` latent channels with the fewest padded ones
     (every padded channel is unpacked and multiplied like a real one), chunks of 64 to 128 (fewer where the rank is
-    smaller, more where 4 do not cover it); ties: fewer chunks. 320 (the lowrank preset's r0): 3 x 128, not 4 x 128."""
+    smaller, more where 4 do not cover it); ties: fewer chunks. 320: 3 x 128, not 4 x 128. (2/3/4-bit latents are read
+    by planes instead: _lat_planes.)"""
     best, low = None, min(64, max(16, pow2(rank)))
     for nlc in (1, 2, 3, 4):
         lc = max(16, pow2(triton.cdiv(rank, nlc)))
@@ -928,6 +935,7 @@ def latent_attention_lowrank(
     QGP = max(16, pow2(g * rep))
     NH = max(16, n // 2)
     BT = max(32, block_t)  # 16-token tiles gave wrong results compiled (docs/kernels.md, Triton quirks)
+    SBT = max(32, score_block)  # the score launch's tiles
     slot0 = 0
     # the regions run side by side, each on a stream of its own (forked from and joined to the current one: a
     # CUDA graph captures them as parallel branches)
@@ -968,10 +976,10 @@ def latent_attention_lowrank(
             # the score launch's programs: about score_tokens slots of one KV head each, or (score_heads) of all K
             # (None: all K where a head's rebuild is small, i.e. not over a joint basis: measured on an H100)
             heads = score_heads if score_heads is not None else not (lowrank and r.basis.blocks == 1 and K > 1)
-            per = max(max(32, score_block), score_tokens // K) if heads else score_tokens
+            per = max(SBT, score_tokens // K) if heads else score_tokens
             phases = ((1, max(ns, triton.cdiv(r.capacity, per))), (2, ns)) if two else ((0, ns),)
             for phase, nsp in phases:
-                tile = max(32, score_block) if phase == 1 else BT
+                tile = SBT if phase == 1 else BT
                 kall = heads and phase == 1
                 _lr_kernel[(nsp, 1 if kall else K if phase == 1 else G, B)](
                     q,
