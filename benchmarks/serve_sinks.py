@@ -11,19 +11,12 @@ Engines in this process, one after the other (float32); prints one markdown row 
 from __future__ import annotations
 
 import argparse
-import os
+import sys
 import time
+from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-PROMPTS = [
-    "The chemical symbol for gold is",
-    "Once upon a time there was a little girl who",
-    "The capital of France is a city that many people visit every year because",
-    "Water boils at a temperature of",
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_packed import PROMPTS  # noqa: E402  (and its vLLM engine environment, set on import)
 
 
 def generate(engine: dict, max_tokens: int):
