@@ -178,7 +178,7 @@ def quant_keys(
     if order is None:
         raise ValueError("key bands need the layer's key_order")
     hi, lo = band_index(order, lv.key_hi_channels)
-    return quantize_bands(k, [(lv.key_bits, lo), (lv.key_hi_bits, hi)], s.key_group, s.key_meta)
+    return quantize_bands(k, [(lv.key_bits, lo), (lv.key_hi_bits, hi)], s.key_group, s.key_meta, device_bias)
 
 
 def demote_level(
@@ -189,20 +189,21 @@ def demote_level(
     rank: int,
     order: list[list[int]] | None = None,
     basis: KeyBasis | None = None,
+    device_bias: bool = False,
 ) -> tuple[QTensor | Bands, QTensor]:
     """Tokens of the level above requantized into `level` (keys [B, K, T, n], latents truncated to `rank`):
-    the demotion step of both caches."""
-    lv, src = s.levels[level], s.levels[level + 1].key_rank
+    the demotion step of both caches. device_bias: fp8 biases as device scalars (quant.quantize)."""
+    lv, src, db = s.levels[level], s.levels[level + 1].key_rank, device_bias
     if lv.key_rank and src:  # coefficients to fewer coefficients: truncate, as latents
-        keys = requantize(keys, lv.key_bits, min(lv.key_rank, src), **key_layout(s, level))
+        keys = requantize(keys, lv.key_bits, min(lv.key_rank, src), **key_layout(s, level), device_bias=db)
     elif lv.key_rank or src:  # between plain keys and coefficients: through the keys before RoPE
         x = dequantize(keys)
-        keys = quant_keys(s, level, basis.decode(x) if src else x, order, basis)
+        keys = quant_keys(s, level, basis.decode(x) if src else x, order, basis, db)
     elif lv.key_hi_bits:  # into bands; requantize handles bands into a plain level
-        keys = quant_keys(s, level, dequantize(keys), order)
+        keys = quant_keys(s, level, dequantize(keys), order, device_bias=db)
     else:
-        keys = requantize(keys, lv.key_bits, **key_layout(s, level))
-    return keys, requantize(lat, lv.bits, rank, meta=s.value_meta)
+        keys = requantize(keys, lv.key_bits, **key_layout(s, level), device_bias=db)
+    return keys, requantize(lat, lv.bits, rank, meta=s.value_meta, device_bias=db)
 
 
 def band_index(order: list[list[int]], m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -130,10 +130,14 @@ def _expand(idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return idx.to(x.device)[..., None, :].expand(*lead, K, x.shape[-2], c)
 
 
-def quantize_bands(x: torch.Tensor, bands: list[tuple[int, torch.Tensor]], group: int, meta: str = "16") -> Bands:
+def quantize_bands(
+    x: torch.Tensor, bands: list[tuple[int, torch.Tensor]], group: int, meta: str = "16", device_bias: bool = False
+) -> Bands:
     """x [..., K, T, n] -> Bands: per (bits, index [K, c]) the channels index[k] of head k, per channel
     over `group` tokens (dim -2). The index sets must partition each head's channels."""
-    parts = [quantize(x.gather(-1, _expand(idx, x)).contiguous(), bits, group, -2, meta) for bits, idx in bands]
+    parts = [
+        quantize(x.gather(-1, _expand(idx, x)).contiguous(), bits, group, -2, meta, device_bias) for bits, idx in bands
+    ]
     return Bands(parts, [idx for _, idx in bands], x.shape[-1])
 
 
@@ -282,13 +286,16 @@ def requantize(
     group: int | None = None,
     dim: int | None = None,
     meta: str | None = None,
+    device_bias: bool = False,
 ) -> QTensor:
     """Demotion: dequantize, keep the first `rank` channels, quantize to `bits` (by default with q's
-    group, dim and meta; a level may use another layout). One pass on CUDA for the plain layout."""
+    group, dim and meta; a level may use another layout). One pass on CUDA for the plain layout. device_bias: as
+    quantize's."""
     if isinstance(q, Bands):
         x = q.dequantize()
         x = x if rank is None else x[..., :rank].contiguous()
-        return quantize(x, bits, group or q.parts[0].group, -2 if dim is None else dim, meta or q.parts[0].meta)
+        g, d = group or q.parts[0].group, -2 if dim is None else dim
+        return quantize(x, bits, g, d, meta or q.parts[0].meta, device_bias)
     group, dim, meta = group or q.group, q.dim if dim is None else dim, meta or q.meta
     k = _kernels(q.data)
     shape = q.shape if rank is None else torch.Size([*q.shape[:-1], rank])
@@ -298,7 +305,7 @@ def requantize(
     x = dequantize(q)
     if rank is not None:
         x = x[..., :rank].contiguous()
-    return quantize(x, bits, group, dim, meta)
+    return quantize(x, bits, group, dim, meta, device_bias)
 
 
 def cat(parts: list[QTensor | Bands]) -> QTensor | Bands:

@@ -192,6 +192,54 @@ def _raw(t: torch.Tensor) -> QTensor:
     return QTensor(t, None, None, 16, 1, -2)
 
 
+@dataclass
+class Slots:
+    """Slots of a level addressed on the device (a captured graph reads the current ones): `tok` [m] int64 the
+    tokens' slots, `grp` the scale rows of keys quantized over token groups (slot // key_group, whole groups)."""
+
+    tok: torch.Tensor
+    grp: torch.Tensor
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8 else t  # fp8 as its bytes: not every device indexes float8
+
+
+def _by_group(q: QTensor) -> bool:
+    return q.dim in (-2, q.data.dim() - 2)  # keys over token groups: one scale row per group (as _rows)
+
+
+def take_at(q: QTensor | Bands, at: Slots) -> QTensor | Bands:
+    """The tokens at slots `at` of a buffer [B, X, C, ...] (dim 2), with the buffer's bias (a device scalar)."""
+    if isinstance(q, Bands):
+        return Bands([take_at(p, at) for p in q.parts], q.index, q.n)
+    rows = at.grp if _by_group(q) else at.tok
+    sel = [None if t is None else _bytes(t).index_select(2, rows).view(t.dtype) for t in (q.scale, q.zero)]
+    return replace(q, data=q.data.index_select(2, at.tok), scale=sel[0], zero=sel[1])
+
+
+def put_at(dst: QTensor | Bands, src: QTensor | Bands, at: Slots) -> None:
+    """src's tokens into dst's slots `at`; fp8 formats re-biased on the device by the host's rule (one bias per buffer,
+    the smaller: what it holds and what comes are rescaled to it, exact; a bias of inf, an empty buffer, takes the
+    first write's). No host read: a CUDA graph captures it. The same codes as StaticTaleLayer._put."""
+    if isinstance(dst, Bands):
+        for d, x in zip(dst.parts, src.parts):
+            put_at(d, x, at)
+        return
+    if dst.meta != "16":
+        newb = torch.minimum(dst.bias, src.bias)
+        held = rescaled(dst, newb)
+        dst.scale.copy_(held.scale)
+        if dst.zero.dtype == FP8:
+            dst.zero.copy_(held.zero)
+        dst.bias.copy_(newb)
+        src = rescaled(src, newb)
+    rows = at.grp if _by_group(dst) else at.tok
+    for d, x, ix in ((dst.data, src.data, at.tok), (dst.scale, src.scale, rows), (dst.zero, src.zero, rows)):
+        if d is not None:
+            _bytes(d).index_copy_(2, ix, _bytes(x.to(d.dtype)))
+
+
 def _empty_q(
     lead: tuple,
     tokens: int,
@@ -319,10 +367,9 @@ class StaticTaleLayer(TaleCacheLayer):
                 for lv, C, r in zip(s.levels, caps, self.ranks)
             ]
         self.bias = {}
-        if c.direct:  # no bias yet: the first token's is taken (_put_dev: the smaller of the two)
-            for q in (self.keys[-1], self.lat[-1]):
-                if q.meta != "16":
-                    q.bias.fill_(float("inf"))
+        for q in self._qbufs():  # no bias yet: the first write's is taken (put_at: the smaller of the two)
+            if q.meta != "16":
+                q.bias.fill_(float("inf"))
         self.res_k = torch.zeros(B, K, s.residual, n, **kw)
         self.res_h = torch.zeros(B, G, s.residual, R, **kw)
         self._view = None
@@ -477,24 +524,9 @@ class StaticTaleLayer(TaleCacheLayer):
         c = self.cache
         L = len(c.schedule.levels) - 1
         keys, lat = self._quant(L, k, h, rope, device_bias=True)
-        self._put_dev(self.keys[L], keys, c.top_slot)
-        self._put_dev(self.lat[L], lat, c.top_slot)
-
-    def _put_dev(self, dst: QTensor, src: QTensor, slot: torch.Tensor) -> None:
-        """src's one token into dst's slot `slot` (a device index); fp8 formats re-biased on the device by _put's
-        rule (one bias per buffer, the smaller: what it holds and what comes are rescaled to it; exact)."""
-        if dst.meta != "16":
-            newb = torch.minimum(dst.bias, src.bias)  # dst.bias starts at inf: the first token's is taken
-            held = rescaled(dst, newb)
-            dst.scale.copy_(held.scale)
-            if dst.zero.dtype == FP8:
-                dst.zero.copy_(held.zero)
-            dst.bias.copy_(newb)
-            src = rescaled(src, newb)
-        for d, x in ((dst.data, src.data), (dst.scale, src.scale), (dst.zero, src.zero)):
-            if d is not None:  # fp8 as its bytes (no index_copy_ for float8 on every device)
-                d, x = (d.view(torch.uint8), x.view(torch.uint8)) if d.dtype == FP8 else (d, x)
-                d.index_copy_(2, slot, x.to(d.dtype))
+        at = Slots(c.top_slot, c.top_slot)  # per-token keys: a scale row per slot
+        put_at(self.keys[L], keys, at)
+        put_at(self.lat[L], lat, at)
 
     def _flush(self, q: int, w: int) -> None:
         """Quantize the first q residual tokens into the top level at its write counter w."""
@@ -518,6 +550,15 @@ class StaticTaleLayer(TaleCacheLayer):
         keys, lat = demote_level(c.schedule, i - 1, kq, hq, self.ranks[i - 1], self.order, self.basis)
         for slot, off, n in _spans(w, m, c.caps[i - 1]):
             self._put_level(i - 1, keys, lat, slot, off, n)
+
+    def _demote_at(self, i: int, src: Slots, dst: Slots) -> None:
+        """_demote with the slots on the device and the fp8 biases there: no host read, so a CUDA graph captures it
+        (StaticTaleCache._move_at); the same codes as _demote."""
+        s = self.cache.schedule
+        kq, hq = take_at(self.keys[i], src), take_at(self.lat[i], src)
+        keys, lat = demote_level(s, i - 1, kq, hq, self.ranks[i - 1], self.order, self.basis, device_bias=True)
+        put_at(self.keys[i - 1], keys, dst)
+        put_at(self.lat[i - 1], lat, dst)
 
     def _put_level(self, i: int, keys, lat, slot: int, off: int, n: int) -> None:
         """Tokens [off, off + n) of a level's keys and latents into its slots [slot, slot + n)."""
@@ -639,7 +680,11 @@ class StaticTaleCache(CacheStep, Cache):
             and not top.key_hi_bits
             and not top.key_rank
         )
-        self._bias_stale = False  # direct writes moved the top level's fp8 biases on the device (_pull_bias)
+        self._bias_stale = False  # device writes moved fp8 biases on the device, not yet on the host (_pull_bias)
+        # demotions on the device (_move_at), on CUDA one captured graph per (level, tokens), valid for a generation
+        self._moves: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
+        self._moves_gen = -1
+        self.graph_error: str | None = None  # why capturing a demotion failed (they then run eagerly)
         self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank
         self.key_basis = key_basis  # per layer (levels with key_rank read it)
         self.rope: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per region (key_rope "pre"; None: sinks)
@@ -720,6 +765,7 @@ class StaticTaleCache(CacheStep, Cache):
         self.next_pos = torch.zeros((), dtype=torch.int64, device=dev)
         self.res_slot = torch.zeros(1, dtype=torch.int64, device=dev)
         self.top_slot = torch.zeros(1, dtype=torch.int64, device=dev)  # direct: the top level's next slot
+        self.move_base = torch.zeros(2, dtype=torch.int64, device=dev)  # _move_at: first slot read, first written
         self._bias_stale = False
         self._valid0 = valid
 
@@ -860,13 +906,12 @@ class StaticTaleCache(CacheStep, Cache):
         return self.direct and self.book.res_len == 0
 
     def _pull_bias(self) -> None:
-        """After direct writes: the top level's fp8 biases, which moved on the device, into the layers' host copies
-        (one host read), before any eager write or demotion reads them."""
+        """After device writes (direct writes, demotions on the device): the fp8 biases, which moved on the device,
+        into the layers' host copies (one host read), before any eager write or host demotion reads them."""
         if not self._bias_stale:
             return
         self._bias_stale = False
-        held = [(layer, q) for layer in self.layers if layer.ring is None for q in (layer.keys[-1], layer.lat[-1])]
-        held = [(layer, q) for layer, q in held if q.meta != "16"]
+        held = [(layer, q) for layer in self.layers if layer.ring is None for q in layer._qbufs() if q.meta != "16"]
         if not held:
             return
         for (layer, q), v in zip(held, torch.stack([q.bias for _, q in held]).tolist()):
@@ -878,7 +923,8 @@ class StaticTaleCache(CacheStep, Cache):
         L = len(b.w) - 1
         res_before, wL = b.res_len, b.w[L]
         q, moves = b.maintain(self.schedule)
-        if q or moves:
+        on_dev = [self._on_device(i, m, r, w) for i, m, r, w in moves]
+        if q or not all(on_dev):
             self._pull_bias()
         if q:
             for layer in self.layers:
@@ -892,7 +938,10 @@ class StaticTaleCache(CacheStep, Cache):
                 if left:
                     rp[:, :left] = rp[:, q : q + left].clone()
             self.pos[-1][:, left:res_before] = -1
-        for i, m, r, w in moves:
+        for (i, m, r, w), dev in zip(moves, on_dev):
+            if dev:
+                self._move_at(i, m, r, w)
+                continue
             for layer in self.layers:
                 if layer.ring is None:
                     layer._demote(i, m, r, w)
@@ -904,6 +953,52 @@ class StaticTaleCache(CacheStep, Cache):
             for slot, _, n in _spans(r, m, self.caps[i]):
                 self.pos[1 + i][:, slot : slot + n] = -1
         return bool(q or moves)
+
+    def _on_device(self, i: int, m: int, r: int, w: int) -> bool:
+        """Whether a demotion runs addressed on the device (_move_at): row layout, whole key groups."""
+        g = self.schedule.key_group
+        return self.layout == "row" and not (m % g or r % g or w % g)
+
+    def _move_at(self, i: int, m: int, r: int, w: int) -> None:
+        """Demote m tokens from level i (read counter r) to level i - 1 (write counter w) in every layer, with the
+        slots and the fp8 biases on the device: on CUDA a graph per (i, m), captured at its second run (the first,
+        eager, warms it up) and replayed after; the slots come from `move_base`, set without a host read."""
+        self.move_base[0].fill_(r % self.caps[i])
+        self.move_base[1].fill_(w % self.caps[i - 1])
+        self._bias_stale = True
+        if self._moves_gen != self.generation:  # new buffers: graphs over the old ones are stale
+            self._moves, self._moves_gen = {}, self.generation
+        key, dev = (i, m), self.move_base.device
+        if dev.type != "cuda" or self.graph_error or key not in self._moves:
+            self._move_body(i, m)
+            self._moves[key] = None  # warm: capture at the next one
+            return
+        graph = self._moves[key]
+        if graph is None:
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    self._move_body(i, m)
+            except Exception as e:  # noqa: BLE001  (the captured work never ran: run it eagerly from now on)
+                self.graph_error = f"{type(e).__name__}: {e}"
+                self._move_body(i, m)
+                return
+            self._moves[key] = graph
+        graph.replay()
+
+    def _move_body(self, i: int, m: int) -> None:
+        """_move_at's work, from the slots in `move_base`: every layer's codes, then positions and RoPE tables."""
+        g = self.schedule.key_group
+        ar = torch.arange(m, device=self.move_base.device)
+        a = (self.move_base[0] + ar) % self.caps[i]  # [m] slots read in level i
+        b = (self.move_base[1] + ar) % self.caps[i - 1]  # [m] slots written in level i - 1
+        src, dst = Slots(a, a[::g] // g), Slots(b, b[::g] // g)
+        for layer in self.layers:
+            if layer.ring is None:
+                layer._demote_at(i, src, dst)
+        for t in self._tracks():
+            t[i].index_copy_(1, b, t[1 + i].index_select(1, a))
+        self.pos[1 + i].index_fill_(1, a, -1)
 
     def sync_device(self) -> None:
         """Device lengths and counters from the host bookkeeping (fills: no host sync); also what a decoder calls

@@ -90,7 +90,8 @@ def assert_same(dyn: TaleCache, sta: StaticTaleCache, B: int) -> None:
 @pytest.mark.parametrize("prompt,pad", [(40, 0), (3, 0), (70, 5)])
 def test_holds_the_dynamic_caches_tokens_at_every_step(name, prompt, pad):
     """Same k, h into both caches: the same positions at the same level with bit-identical codes, through
-    flushes, demotions and ring wrap-arounds (200 decode steps), with and without left padding."""
+    flushes, demotions (on the device: StaticTaleCache._move_at) and ring wrap-arounds (200 decode steps, magnitudes
+    that move fp8 biases both ways), with and without left padding."""
     s, B, steps = SCHEDULES[name], 2, 200
     gen = torch.Generator().manual_seed(0)
     dyn = TaleCache(s, 1, K, n, G, R)
@@ -102,7 +103,8 @@ def test_holds_the_dynamic_caches_tokens_at_every_step(name, prompt, pad):
         c.layers[0].append(k, h, valid)
     assert_same(dyn, sta, B)
     for t in range(steps):
-        k, h = torch.randn(B, K, 1, n, generator=gen), torch.randn(B, G, 1, R, generator=gen)
+        amp = 2.0 ** ((t // 11) % 3 - 1)  # magnitudes that move the fp8 biases: buffers re-biased both ways
+        k, h = amp * torch.randn(B, K, 1, n, generator=gen), amp * torch.randn(B, G, 1, R, generator=gen)
         for c in (dyn, sta):
             c.layers[0].append(k, h)
         if t % 7 == 0 or t == steps - 1:
@@ -159,7 +161,8 @@ def test_holds_the_dynamic_caches_low_rank_keys_at_every_step(blocks, prompt, pa
         c.layers[0].append(k, h, valid, rope=(cos[:, :prompt], sin[:, :prompt]))
     assert_same(dyn, sta, B)
     for t in range(prompt, prompt + steps):
-        k, h = torch.randn(B, K, 1, n, generator=gen), torch.randn(B, G, 1, R, generator=gen)
+        amp = 2.0 ** ((t // 11) % 3 - 1)  # magnitudes that move the fp8 biases: buffers re-biased both ways
+        k, h = amp * torch.randn(B, K, 1, n, generator=gen), amp * torch.randn(B, G, 1, R, generator=gen)
         for c in (dyn, sta):
             c.layers[0].append(k, h, rope=(cos[:, t : t + 1], sin[:, t : t + 1]))
         if t % 9 == 0 or t == prompt + steps - 1:
@@ -175,7 +178,8 @@ def test_holds_the_dynamic_caches_low_rank_keys_at_every_step(blocks, prompt, pa
 def test_per_token_top_level_takes_each_decode_token_without_a_host_read(monkeypatch):
     """With a per-token top level and residual 1 (the lowrank preset) a decode step writes its token straight into the
     top level, fp8 biases on the device, so a CUDA graph can capture it: no host read inside the step (what a capture
-    forbids), and the host's share after it (advance, as after a replay) leaves the codes the dynamic cache holds."""
+    forbids), nor in the demotions after it (advance, as after a replay: slots and biases on the device, what a graph
+    per demotion captures), and the codes are the dynamic cache's."""
     (s, basis), B, prompt, steps = lowrank(K), 2, 37, 70
     gen = torch.Generator().manual_seed(3)
     cos, sin = rope_tables(B, prompt + steps)
@@ -189,6 +193,7 @@ def test_per_token_top_level_takes_each_decode_token_without_a_host_read(monkeyp
     def no_host_read(*a, **kw):
         raise AssertionError("a host read inside a captured step")
 
+    demoted = 0
     for t in range(prompt, prompt + steps):
         k, h = torch.randn(B, K, 1, n, generator=gen), torch.randn(B, G, 1, R, generator=gen)
         dyn.layers[0].append(k, h, rope=(cos[:, t : t + 1], sin[:, t : t + 1]))
@@ -198,8 +203,11 @@ def test_per_token_top_level_takes_each_decode_token_without_a_host_read(monkeyp
                 m.setattr(torch.Tensor, name, no_host_read)
             with sta.step(1, graph=True):
                 sta.layers[0].update(k, h, rope=(cos[:, t : t + 1], sin[:, t : t + 1]))
+            moved = sta.book.r[:]
+            sta.advance()  # what the decoder runs after each replay
+            demoted += sta.book.r != moved
         assert int(sta.lens[-1]) == 0  # the residual stays empty: the token went to the top level
-        sta.advance()  # what the decoder runs after each replay
+    assert demoted >= 5
     assert_same(dyn, sta, B)
 
 
