@@ -5,9 +5,11 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch._dynamo.testing
 from tale_helpers import talify, tiny_model
 
 from tale_runtime import families, new_cache
+from tale_runtime import static_cache as sc
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.attention import latent_attention
 from tale_runtime.generate import generate
@@ -209,6 +211,17 @@ def test_per_token_top_level_takes_each_decode_token_without_a_host_read(monkeyp
         assert int(sta.lens[-1]) == 0  # the residual stays empty: the token went to the top level
     assert demoted >= 5
     assert_same(dyn, sta, B)
+
+
+def test_device_writes_trace_as_whole_graphs(monkeypatch):
+    """The top level's write and the demotions, which inductor compiles on CUDA (static_cache.fused), trace without a
+    graph break (fullgraph: a break would fail here, not on a GPU) and keep the dynamic cache's codes."""
+    counter = torch._dynamo.testing.CompileCounter()
+    traced = {f: torch.compile(f, backend=counter, fullgraph=True) for f in (sc.write_top, sc.demote_at)}
+    monkeypatch.setattr(sc, "fused", lambda fn, device: traced[fn])
+    torch._dynamo.reset()
+    test_per_token_top_level_takes_each_decode_token_without_a_host_read(monkeypatch)
+    assert counter.frame_count >= 3  # write_top, demote_at per level: traced, not skipped
 
 
 def test_static_low_rank_refusals():
