@@ -202,7 +202,8 @@ class Slots:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype == FP8 else t  # fp8 as its bytes: not every device indexes float8
+    """fp8 as its bytes: not every device indexes float8 eagerly (inductor does, and cannot view a result's dtype)."""
+    return t.view(torch.uint8) if t.dtype == FP8 and not torch.compiler.is_compiling() else t
 
 
 def _by_group(q: QTensor) -> bool:
