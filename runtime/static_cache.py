@@ -202,8 +202,9 @@ class Slots:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """fp8 as its bytes: not every device indexes float8 eagerly (inductor does, and cannot view a result's dtype)."""
-    return t.view(torch.uint8) if t.dtype == FP8 and not torch.compiler.is_compiling() else t
+    """fp8 as its bytes: not every device indexes float8 eagerly (inductor on CUDA does, and cannot view a result's
+    dtype)."""
+    return t if t.dtype != FP8 or (t.is_cuda and torch.compiler.is_compiling()) else t.view(torch.uint8)
 
 
 def _by_group(q: QTensor) -> bool:
