@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import copy
 import math
+import types
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -298,15 +299,20 @@ def demote_at(s: Schedule, level: int, rank: int, keys, lat, keys_to, lat_to, or
 _FUSED: dict = {}
 
 
-def fused(fn, device: torch.device):
+def fused(fn, device: torch.device, key: tuple = ()):
     """fn as inductor compiles it on CUDA, else fn. Per layer and step these are ~180 (write_top) and ~300
     (demote_at) small ops: inside a CUDA graph each still costs a launch (about 10 ms a token at 32 layers), compiled
-    they are a few fused kernels. The same codes (checked against the eager path on the GPU)."""
+    they are a few fused kernels. The same codes (checked against the eager path on the GPU). `key`: what fixes the
+    integers fn reads (schedule, level, rank): each key compiles a code object of its own, so that dynamo keeps them
+    constant (one that changed between calls would become symbolic, and bit widths cannot) while tensor sizes, which
+    change with every cache's capacity, may become dynamic."""
     if device.type != "cuda":
         return fn
-    if fn not in _FUSED:
-        _FUSED[fn] = torch.compile(fn, fullgraph=True)
-    return _FUSED[fn]
+    f = _FUSED.get((fn, key))
+    if f is None:
+        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        f = _FUSED[fn, key] = torch.compile(own, fullgraph=True)
+    return f
 
 
 class StaticTaleLayer(TaleCacheLayer):
@@ -560,7 +566,7 @@ class StaticTaleLayer(TaleCacheLayer):
         c = self.cache
         L = len(c.schedule.levels) - 1
         args = (c.schedule, L, self.ranks[L], k, h, rope, self.keys[L], self.lat[L], self.order, self.basis, c.top_slot)
-        fused(write_top, k.device)(*args)
+        fused(write_top, k.device, (c.schedule_key, L, self.ranks[L]))(*args)
 
     def _flush(self, q: int, w: int) -> None:
         """Quantize the first q residual tokens into the top level at its write counter w."""
@@ -590,7 +596,7 @@ class StaticTaleLayer(TaleCacheLayer):
         (StaticTaleCache._move_at); the same codes as _demote."""
         keys, lat = (self.keys[i], self.lat[i]), (self.keys[i - 1], self.lat[i - 1])
         args = (self.cache.schedule, i - 1, self.ranks[i - 1], *keys, *lat, self.order, self.basis, src, dst)
-        fused(demote_at, src.tok.device)(*args)
+        fused(demote_at, src.tok.device, (self.cache.schedule_key, i, self.ranks[i - 1]))(*args)
 
     def _put_level(self, i: int, keys, lat, slot: int, off: int, n: int) -> None:
         """Tokens [off, off + n) of a level's keys and latents into its slots [slot, slot + n)."""
@@ -702,6 +708,7 @@ class StaticTaleCache(CacheStep, Cache):
         if backend.layout != layout and backend.name != TORCH.name:  # the reference reads both
             raise ValueError(f"the {backend.name} backend reads the {backend.layout} layout, not {layout!r}")
         self.schedule = schedule
+        self.schedule_key = repr(schedule)  # what the compiled writes are specialized on (fused)
         top = schedule.levels[-1]
         # the top level takes each token on arrival (per-token keys, residual 1): a decode step writes it there itself,
         # inside the captured graph, rather than into the residual for a flush on the host after each replay

@@ -218,7 +218,7 @@ def test_device_writes_trace_as_whole_graphs(monkeypatch):
     graph break (fullgraph: a break would fail here, not on a GPU) and keep the dynamic cache's codes."""
     counter = torch._dynamo.testing.CompileCounter()
     traced = {f: torch.compile(f, backend=counter, fullgraph=True) for f in (sc.write_top, sc.demote_at)}
-    monkeypatch.setattr(sc, "fused", lambda fn, device: traced[fn])
+    monkeypatch.setattr(sc, "fused", lambda fn, device, key=(): traced[fn])
     torch._dynamo.reset()
     test_per_token_top_level_takes_each_decode_token_without_a_host_read(monkeypatch)
     assert counter.frame_count >= 3  # write_top, demote_at per level: traced, not skipped
