@@ -51,6 +51,7 @@ from __future__ import annotations
 import copy
 import math
 import types
+import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -309,9 +310,20 @@ def fused(fn, device: torch.device, key: tuple = ()):
     if device.type != "cuda":
         return fn
     f = _FUSED.get((fn, key))
-    if f is None:
-        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        f = _FUSED[fn, key] = torch.compile(own, fullgraph=True)
+    if f is None:  # a name of its own too: dynamo's record of which inputs varied is kept per file, line and name
+        name = f"{fn.__name__}_{len(_FUSED)}"
+        code = fn.__code__.replace(co_name=name, co_qualname=name)
+        compiled = torch.compile(types.FunctionType(code, fn.__globals__, name), fullgraph=True)
+
+        def f(*args):
+            try:
+                return compiled(*args)
+            except Exception as e:  # noqa: BLE001  (compiling failed before anything ran: the same ops, unfused)
+                warnings.warn(f"compiling {fn.__name__} failed, it runs op by op: {type(e).__name__}", stacklevel=2)
+                _FUSED[fn, key] = fn
+                return fn(*args)
+
+        _FUSED[fn, key] = f
     return f
 
 
