@@ -300,6 +300,16 @@ def demote_at(s: Schedule, level: int, rank: int, keys, lat, keys_to, lat_to, or
 _FUSED: dict = {}
 
 
+def _exact() -> dict:
+    """Inductor options for eager's rounding (no FMA contraction; IEEE division where the version offers it): a
+    quantizer's codes flip at rounding boundaries, and the static cache must hold the dynamic cache's codes."""
+    from torch._inductor import config
+
+    return {"emulate_precision_casts": True} | (
+        {"eager_numerics.division_rounding": True} if hasattr(config, "eager_numerics") else {}
+    )
+
+
 def fused(fn, device: torch.device, key: tuple = ()):
     """fn as inductor compiles it on CUDA, else fn. Per layer and step these are ~180 (write_top) and ~300
     (demote_at) small ops: inside a CUDA graph each still costs a launch (about 10 ms a token at 32 layers), compiled
@@ -313,7 +323,7 @@ def fused(fn, device: torch.device, key: tuple = ()):
     if f is None:  # a name of its own too: dynamo's record of which inputs varied is kept per file, line and name
         name = f"{fn.__name__}_{len(_FUSED)}"
         code = fn.__code__.replace(co_name=name, co_qualname=name)
-        compiled = torch.compile(types.FunctionType(code, fn.__globals__, name), fullgraph=True)
+        compiled = torch.compile(types.FunctionType(code, fn.__globals__, name), fullgraph=True, options=_exact())
 
         def f(*args):
             try:
