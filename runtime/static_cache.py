@@ -588,7 +588,7 @@ class StaticTaleLayer(TaleCacheLayer):
         c = self.cache
         L = len(c.schedule.levels) - 1
         args = (c.schedule, L, self.ranks[L], k, h, rope, self.keys[L], self.lat[L], self.order, self.basis, c.top_slot)
-        fused(write_top, k.device, (c.schedule_key, L, self.ranks[L]))(*args)
+        c.writer(write_top, k.device, L, self.ranks[L])(*args)
 
     def _flush(self, q: int, w: int) -> None:
         """Quantize the first q residual tokens into the top level at its write counter w."""
@@ -618,7 +618,7 @@ class StaticTaleLayer(TaleCacheLayer):
         (StaticTaleCache._move_at); the same codes as _demote."""
         keys, lat = (self.keys[i], self.lat[i]), (self.keys[i - 1], self.lat[i - 1])
         args = (self.cache.schedule, i - 1, self.ranks[i - 1], *keys, *lat, self.order, self.basis, src, dst)
-        fused(demote_at, src.tok.device, (self.cache.schedule_key, i, self.ranks[i - 1]))(*args)
+        self.cache.writer(demote_at, src.tok.device, i, self.ranks[i - 1])(*args)
 
     def _put_level(self, i: int, keys, lat, slot: int, off: int, n: int) -> None:
         """Tokens [off, off + n) of a level's keys and latents into its slots [slot, slot + n)."""
@@ -731,6 +731,9 @@ class StaticTaleCache(CacheStep, Cache):
             raise ValueError(f"the {backend.name} backend reads the {backend.layout} layout, not {layout!r}")
         self.schedule = schedule
         self.schedule_key = repr(schedule)  # what the compiled writes are specialized on (fused)
+        # fp8 scales: the writes are torch ops that inductor fuses; 16-bit ones have tale_kernels' quantizers on CUDA
+        # (fused already, and what the dynamic cache runs: compiled, the torch formula would round otherwise)
+        self.fuse = schedule.key_meta != "16" and schedule.value_meta != "16"
         top = schedule.levels[-1]
         # the top level takes each token on arrival (per-token keys, residual 1): a decode step writes it there itself,
         # inside the captured graph, rather than into the residual for a flush on the host after each replay
@@ -1014,6 +1017,10 @@ class StaticTaleCache(CacheStep, Cache):
             for slot, _, n in _spans(r, m, self.caps[i]):
                 self.pos[1 + i][:, slot : slot + n] = -1
         return bool(q or moves)
+
+    def writer(self, fn, device: torch.device, level: int, rank: int):
+        """write_top or demote_at as this cache runs it: compiled (fused) for fp8 scales on CUDA, else as it is."""
+        return fused(fn, device, (self.schedule_key, level, rank)) if self.fuse else fn
 
     def _on_device(self, i: int, m: int, r: int, w: int) -> bool:
         """Whether a demotion runs addressed on the device (_move_at): row layout, whole key groups."""
