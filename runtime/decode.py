@@ -2,9 +2,9 @@
 
 The step has fixed shapes: input ids [B, 1] and positions [B, 1] live in static buffers, every cache
 region is read over its whole capacity with lengths on the device, and the new token goes into the
-residual at a device-held slot. What changes shape or runs only every few steps (the flush of the
-residual, demotions) stays outside the graph: after each replay, `StaticTaleCache.advance()` counts
-the token on the host and runs that fixed-size work when the schedule says so.
+residual at a device-held slot. What runs only every few steps (the flush of the residual, demotions)
+stays outside this graph: after each replay, `StaticTaleCache.advance()` counts the token on the host
+and runs that fixed-size work when the schedule says so (demotions as CUDA graphs of their own).
 
 Inside a graph, Python costs nothing but every kernel launch still costs a few microseconds: the HF
 forward launches ~40 kernels per layer (RMSNorm as ~6 ops, RoPE ~10, residual adds, casts). With

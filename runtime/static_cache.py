@@ -43,7 +43,10 @@ Counts are integer arithmetic on the host (placement.py): the host knows, withou
 when the residual fills (every `residual` steps) and when a level demotes a key group. A decode step
 that only writes the new token into the residual and the rings (slots and positions from the device tensors) is
 what a CUDA graph captures; the flush and the demotions are fixed-size work (whole key groups) that
-runs after the step, outside the graph, every few steps.
+runs after the step, outside its graph, every few steps. Demotions in the row layout are addressed on the device
+(`move_base`: the first slot read and written; fp8 biases there), so on CUDA each (level, tokens) is a CUDA graph
+of its own, captured at its second run and replayed after; with fp8 scales the per-layer writes are compiled
+(`fused`). The fragment layout's demotions and the flushes run eagerly.
 """
 
 from __future__ import annotations

@@ -224,6 +224,51 @@ def test_device_writes_trace_as_whole_graphs(monkeypatch):
     assert counter.frame_count >= 3  # write_top, demote_at per level: traced, not skipped
 
 
+def _run_modes(s, basis, mode: str, monkeypatch, prompt=70, steps=180, B=2, L=3):
+    """Buffers of a 3-layer static cache on CUDA after a prompt and `steps` decode steps: `host` the uncompiled writes
+    and host demotions (the reference), `eager` compiled writes and demotions on the device, `graph` those captured."""
+    dev = "cuda"
+    with monkeypatch.context() as m:
+        if mode == "host":
+            m.setattr(StaticTaleCache, "_on_device", lambda self, *a: False)
+            m.setattr(sc, "fused", lambda fn, device, key=(): fn)
+        gen = torch.Generator().manual_seed(0)
+        s = replace(s, ranks=s.ranks * L, key_order=None if s.key_order is None else s.key_order * L)
+        bases = None if basis is None else [replace(basis, enc=basis.enc.to(dev), dec=basis.dec.to(dev))] * L
+        sta = StaticTaleCache(s, L, K, n, G, R, max_length=prompt + steps, key_basis=bases)
+        sta.graph_error = "eager" if mode == "eager" else None
+        pre = s.key_rope == "pre"
+        cos, sin = (x.to(dev) for x in rope_tables(B, prompt + steps))
+        valid = torch.ones(B, prompt, dtype=torch.bool, device=dev)
+        valid[1, :3] = False
+        for p in range(-1, steps):
+            T, amp = (prompt, 1.0) if p < 0 else (1, 2.0 ** ((p // 11) % 3 - 1))
+            t0 = 0 if p < 0 else prompt + p
+            k = amp * torch.randn(B, K, T, n, generator=gen).to(dev)
+            h = amp * torch.randn(B, G, T, R, generator=gen).to(dev)
+            with sta.step(T):
+                for layer in sta.layers:
+                    tab = (cos[:, t0 : t0 + T], sin[:, t0 : t0 + T]) if pre else None
+                    layer.update(k, h, valid if p < 0 else None, rope=tab)
+        if mode == "graph" and s.levels[0].key_hi_bits == 0:  # key bands build their channel index on the host: eager
+            assert sta.graph_error is None and any(g is not None for g in sta._moves.values())
+        out = [x for layer in sta.layers for x in layer._tensors()] + sta.pos + sta._rope_tensors() + [sta.lens]
+        out += [q.bias for layer in sta.layers for q in layer._qbufs() if q.meta != "16"]
+        return [x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x.clone() for x in out]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and inductor's GPU kernels")
+@pytest.mark.parametrize("name", ["lowrank-joint", "lowrank-per-head", "tale", "three-levels"])
+def test_device_demotions_and_fused_writes_hold_the_host_paths_codes_on_cuda(name, monkeypatch):
+    """On CUDA the demotions run as captured graphs and, with fp8 scales, the writes as inductor's kernels: the buffers
+    are bit-identical to the uncompiled host path's, through demotions, ring wrap-arounds and moving biases."""
+    s, basis = {"lowrank-joint": lowrank(1), "lowrank-per-head": lowrank(K)}.get(name, (SCHEDULES.get(name), None))
+    want = _run_modes(s, basis, "host", monkeypatch)
+    for mode in ("eager", "graph"):
+        got = _run_modes(s, basis, mode, monkeypatch)
+        assert all(torch.equal(a, b) for a, b in zip(want, got)), f"{name}: {mode} differs from the host path"
+
+
 def test_static_low_rank_refusals():
     """What the static cache cannot hold is refused in one line: no key basis, a basis of other blocks, keys without
     their RoPE tables, and the CUDA kernel's fragment layout."""
