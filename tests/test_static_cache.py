@@ -234,7 +234,11 @@ def _run_modes(s, basis, mode: str, monkeypatch, prompt=70, steps=180, B=2, L=3)
             m.setattr(sc, "fused", lambda fn, device, key=(): fn)
         gen = torch.Generator().manual_seed(0)
         s = replace(s, ranks=s.ranks * L, key_order=None if s.key_order is None else s.key_order * L)
-        bases = None if basis is None else [replace(basis, enc=basis.enc.to(dev), dec=basis.dec.to(dev))] * L
+        bases = (
+            None
+            if basis is None
+            else [replace(basis, enc=basis.enc.to(dev), dec=basis.dec.to(dev), mean=basis.mean.to(dev))] * L
+        )
         sta = StaticTaleCache(s, L, K, n, G, R, max_length=prompt + steps, key_basis=bases)
         sta.graph_error = "eager" if mode == "eager" else None
         pre = s.key_rope == "pre"
