@@ -31,6 +31,7 @@ _EXPORTS = {
     "resolve": "load",
     "set_backend": "load",
     "set_output_path": "load",
+    "set_prefill_chunk": "model",
 }
 __all__ = sorted([*_EXPORTS, "backends"])
 

@@ -14,7 +14,7 @@ from torch import nn
 from . import backends, families, key_basis, tp
 from .artifact import O_FUSED, ArtifactError, Schedule, read_manifest, schedule_of, verify_files
 from .decode import graph_decoder
-from .model import CACHE_KW, TALE_CACHES, TaleAttention, TaleCache, cache_arg
+from .model import CACHE_KW, TALE_CACHES, TaleAttention, TaleCache, cache_arg, chunked_prefill
 from .schedule import override_schedule
 from .spec import Arch, CacheSpec, TaleSpec
 from .static_cache import StaticTaleCache
@@ -254,7 +254,8 @@ class TaleGenerationMixin:
         if not isinstance(cache, TALE_CACHES):
             return super().forward(input_ids, *args, **kwargs)
         x = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
-        with cache.step(x.shape[1], graph=tale_graph):
+        # a long prompt over an empty cache: each decoder layer over pieces of it (runtime/model.py chunked_prefill)
+        with cache.step(x.shape[1], graph=tale_graph), chunked_prefill(self, cache, x.shape[1], kwargs):
             return super().forward(input_ids, *args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):

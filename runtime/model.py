@@ -4,7 +4,8 @@ TaleCache.
 Prefill (empty cache): exact q, k, v through the original projections (v_proj kept in the
 artifact), exact attention through the model's own attention function (SDPA/flash), output
 through the original W_O: bit-identical to the base model; then the prompt is cached as
-keys + latents h = x A by region.
+keys + latents h = x A by region. A prompt longer than the model's prefill chunk runs each decoder
+layer over pieces of it in turn (chunked_prefill): the same exact attention, a fraction of the memory.
 Later calls (decode, or chunks after a prefix): attention over the compressed cache plus the
 new exact tokens, summed in latent space, output through O^r (fused) or B then W_O
 (factored). Values are never reconstructed per cached token.
@@ -12,9 +13,12 @@ new exact tokens, summed in latent space, output through O^r (fused) or B then W
 
 from __future__ import annotations
 
-from dataclasses import replace
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
+import torch.nn.attention.bias as attn_bias
 from torch import nn
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -212,6 +216,7 @@ class TaleAttention(nn.Module):
         # sum to 1), so later calls add it after attention.
         self.v_proj = getattr(orig, "v_proj", None)
         self.output_path = "fused"  # or "factored"
+        self.pieces: _Pieces | None = None  # set while chunked_prefill runs this layer over pieces of the prompt
 
     def shard_heads(self, tp_size: int) -> None:
         """Count this rank's heads and groups (tensor parallelism: whole latent groups per rank, runtime/tp.py)."""
@@ -319,6 +324,8 @@ class TaleAttention(nn.Module):
             return self.exact(hidden_states, q, k, attention_mask, cache, v, **kwargs)
 
         Q = rotation(cache, self.head_dim, k.device)
+        if prefill and self.pieces is not None:
+            return self.prefill_piece(hidden_states, q, k, v, attention_mask, cache, Q, **kwargs)
         q_c, k_c = rotate(q, Q), rotate(k, Q)
         # what a cache layer may read besides keys and latents: the queries (keep="salient") and the RoPE tables
         # the keys were rotated by (keys held before RoPE)
@@ -333,6 +340,156 @@ class TaleAttention(nn.Module):
         z = cache.attend(self.layer_idx, q_c, k_c, h, self.scaling, self.sliding_window)
         cache.update(k_c, h, self.layer_idx, **extra)
         return self.output(z), None
+
+    def prefill_piece(self, x, q, k, v, attention_mask, cache, Q, **kwargs):
+        """One piece (positions start .. start + t - 1) of a prefill in pieces (chunked_prefill): its queries
+        [B, H, t, n] attend over the exact keys and values of every token up to its last, which this layer holds for
+        the whole prompt until its last piece, output through W_O. The last piece caches the whole prompt at once,
+        as a prefill in one piece does (same keys, latents, valid tokens and last queries)."""
+        p = self.pieces
+        B, _, t, _ = q.shape
+        s, e = p.start, p.start + t
+        if p.k is None:  # [B, K, T, n] keys after RoPE and values, [B, G, T, R] latents
+            p.k, p.v = (k.new_empty(B, k.shape[1], p.T, k.shape[-1]) for _ in range(2))
+            p.h = x.new_empty(B, self.G, p.T, self.R)
+        p.k[:, :, s:e], p.v[:, :, s:e] = k, v
+        p.h[:, :, s:e] = self.latents(x)
+        keys, values = p.k[:, :, :e], p.v[:, :, :e]
+        if attention_mask is None and s > 0:
+            # causal with the piece's rows at the bottom right of [t, e]: SDPA's flash kernel on CUDA, no mask made
+            causal = attn_bias.causal_lower_right(t, e)
+            gqa = self.H != k.shape[1]
+            out = nn.functional.scaled_dot_product_attention(
+                q, keys, values, attn_mask=causal, scale=self.scaling, enable_gqa=gqa
+            )
+            out = self.o_proj(out.transpose(1, 2).reshape(B, t, -1))
+        else:  # the first piece (square causal), or the rows of a 4D mask (padding, sliding windows)
+            out, _ = self.attend_exact(q, keys, values, attention_mask, **kwargs)
+        # keep="salient" reads the prompt's last key_group queries (TaleLayerCache.append)
+        W = cache.schedule.key_group
+        qs = rotate(q[..., -W:, :], Q) * self.scaling
+        p.q = qs if p.q is None else torch.cat([p.q, qs], -2)[..., -W:, :]
+        if e == p.T:
+            extra = dict(queries=p.q, rope=p.rope, window=self.sliding_window)
+            cache.update(rotate(p.k, Q), p.h, self.layer_idx, valid=p.valid, **extra)
+            p.k = p.v = p.h = None
+        return out, None
+
+
+# -- the prefill in pieces -----------------------------------------------------------------------------------------
+
+# Prompts longer than this many tokens are prefilled in pieces of this many (set_prefill_chunk; 0: in one piece).
+# A piece's temporaries are the whole-width ones of a decoder layer (~100-200 KiB per token at Llama-3.1-70B widths
+# over 4 GPUs): 4096 tokens keep them under 1 GiB, and each piece's matmuls large.
+PREFILL_CHUNK = 4096
+# SDPA's enable_gqa (K/V heads read by several query heads without copies) appeared in torch 2.5
+_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def set_prefill_chunk(model, tokens: int) -> None:
+    """Prefill prompts of more than `tokens` tokens in pieces of `tokens` (0: every prompt in one piece)."""
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        raise ValueError(f"prefill chunk must be a whole number of tokens >= 0 (0: off), got {tokens!r}")
+    model.tale_prefill_chunk = tokens
+
+
+@dataclass
+class _Pieces:
+    """A decoder layer's prefill in pieces: the prompt's length, its valid tokens [B, T] and RoPE tables, where the
+    current piece starts, and what the layer holds until its last piece (TaleAttention.prefill_piece)."""
+
+    T: int
+    valid: torch.Tensor | None
+    rope: tuple[torch.Tensor, torch.Tensor]
+    start: int = 0
+    k: torch.Tensor | None = None  # [B, K, T, n] every token's key after RoPE
+    v: torch.Tensor | None = None  # [B, K, T, n] and exact value
+    h: torch.Tensor | None = None  # [B, G, T, R] latents
+    q: torch.Tensor | None = None  # [B, H, <= key_group, n] the last queries, rotated and scaled
+
+
+@contextmanager
+def chunked_prefill(model, cache, T: int, kwargs: dict):
+    """A forward of `model` over T new tokens and `cache` (kwargs: the forward's), with the prefill in pieces where it
+    applies: an empty TALE cache, a prompt of more than the model's prefill chunk (set_prefill_chunk, default
+    PREFILL_CHUNK), SDPA attention, no hidden states or attention weights asked for, and a mask that is None or 4D.
+
+    Each decoder layer then runs over the prompt a piece at a time (its own forward over the piece's rows, RoPE
+    tables and mask rows), writing each piece's output over its input: a row's output depends on its own input and
+    on the exact keys and values of the rows before it, which the layer's attention holds for the whole prompt until
+    its last piece (TaleAttention.prefill_piece). The final norm runs by pieces the same way. So what a prefill holds
+    beyond the cache is one hidden state per token, one layer's exact keys, values and latents, and one piece's
+    temporaries, instead of a layer's whole-width temporaries for every token. The same math as one piece: row by row
+    the same operations, each query over the same keys."""
+    size = getattr(model, "tale_prefill_chunk", PREFILL_CHUNK)
+    cfg = model.config
+    asked = any(kwargs.get(k, getattr(cfg, k, False)) for k in ("output_hidden_states", "output_attentions"))
+    layers = model.model.layers
+    if (
+        not size
+        or T <= size
+        or not _GQA
+        or asked
+        or cache.get_seq_length() != 0
+        or cfg._attn_implementation != "sdpa"
+        or not all(isinstance(layer.self_attn, TaleAttention) for layer in layers)
+    ):
+        yield
+        return
+    user = kwargs.get("inputs_embeds")  # the caller's tensor: never written over
+    norm = getattr(model.model, "norm", None)
+    patched = [*layers, *([norm] if norm is not None else [])]
+    for layer in layers:
+        layer.forward = partial(_layer_in_pieces, layer, size, user)
+    if norm is not None:
+        norm.forward = partial(_rows_in_pieces, norm, size, user)
+    try:
+        yield
+    finally:
+        for m in patched:
+            del m.forward  # the class's forward again
+
+
+def _layer_in_pieces(layer, size: int, user, hidden_states, *args, **kwargs):
+    """A decoder layer's forward over hidden_states [B, T, d] in pieces of `size` rows (chunked_prefill); the
+    layer's own forward where its arguments are not the ones known here."""
+    forward = type(layer).forward.__get__(layer)
+    x, mask, rope, pos = hidden_states, kwargs.get("attention_mask"), kwargs.get("position_embeddings"), None
+    B, T = x.shape[:2]
+    known = ("attention_mask", "position_ids")
+    if (
+        args
+        or rope is None
+        or any(isinstance(v, torch.Tensor) for k, v in kwargs.items() if k not in known)
+        or (mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-2] != T))
+    ):
+        return forward(x, *args, **kwargs)
+    pos = kwargs.get("position_ids")
+    out = torch.empty_like(x) if x is user else x
+    attn = layer.self_attn
+    attn.pieces = _Pieces(T, _valid_from_mask(mask, B, T, x.device), rope)
+    try:
+        for s in range(0, T, size):
+            e = min(T, s + size)
+            kw = dict(kwargs, position_embeddings=tuple(r[:, s:e] for r in rope))
+            if pos is not None:
+                kw["position_ids"] = pos[..., s:e]
+            if mask is not None:  # the piece's rows, over the keys up to its last
+                kw["attention_mask"] = mask[:, :, s:e, : mask.shape[-1] - T + e]
+            attn.pieces.start = s
+            out[:, s:e] = forward(x[:, s:e], **kw)  # rows s:e are read by this piece only
+    finally:
+        attn.pieces = None
+    return out
+
+
+def _rows_in_pieces(module, size: int, user, x):
+    """A row-wise module (the final norm) over x [B, T, d] in pieces of `size` rows, written over x."""
+    forward = type(module).forward.__get__(module)
+    out = torch.empty_like(x) if x is user else x
+    for s in range(0, x.shape[1], size):
+        out[:, s : s + size] = forward(x[:, s : s + size])
+    return out
 
 
 def _valid_from_mask(mask, B: int, T: int, device) -> torch.Tensor | None:
