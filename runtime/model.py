@@ -356,13 +356,7 @@ class TaleAttention(nn.Module):
         p.h[:, :, s:e] = self.latents(x)
         keys, values = p.k[:, :, :e], p.v[:, :, :e]
         if attention_mask is None and s > 0:
-            # causal with the piece's rows at the bottom right of [t, e]: SDPA's flash kernel on CUDA, no mask made
-            causal = attn_bias.causal_lower_right(t, e)
-            gqa = self.H != k.shape[1]
-            out = nn.functional.scaled_dot_product_attention(
-                q, keys, values, attn_mask=causal, scale=self.scaling, enable_gqa=gqa
-            )
-            out = self.o_proj(out.transpose(1, 2).reshape(B, t, -1))
+            out = self.o_proj(_causal_below(q, keys, values, self.scaling).transpose(1, 2).reshape(B, t, -1))
         else:  # the first piece (square causal), or the rows of a 4D mask (padding, sliding windows)
             out, _ = self.attend_exact(q, keys, values, attention_mask, **kwargs)
         # keep="salient" reads the prompt's last key_group queries (TaleLayerCache.append)
@@ -384,6 +378,22 @@ class TaleAttention(nn.Module):
 PREFILL_CHUNK = 4096
 # SDPA's enable_gqa (K/V heads read by several query heads without copies) appeared in torch 2.5
 _GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def _causal_below(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the queries q [B, H, t, n] of the last t positions over the keys and values k, v
+    [B, K, e, n] of positions 0 .. e - 1: [B, H, t, n]. SDPA with torch's lower-right causal bias: on CUDA its flash
+    kernel (16-bit), which reads each KV head for its query heads and makes no mask; where flash does not apply
+    (float32 on CUDA) the memory-efficient kernel, which needs as many KV heads as query heads; the CPU makes the
+    [t, e] mask."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1 and q.is_cuda:
+        from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+        if not can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True)):
+            k, v, rep = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), 1
+    causal = attn_bias.causal_lower_right(q.shape[-2], k.shape[-2])
+    return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=scale, enable_gqa=rep > 1)
 
 
 def set_prefill_chunk(model, tokens: int) -> None:

@@ -119,9 +119,15 @@ def one_process(path, prompt, **cache_kw) -> tuple[list[int], int, list[float]]:
     return out.sequences[0, len(prompt) :].tolist(), cache.nbytes(), out.logits[0][0, :8].tolist()
 
 
-@pytest.mark.parametrize("case", ["dynamic", "static", "factored"])
+@pytest.mark.parametrize("case", ["dynamic", "static", "factored", "pieces", "pieces_static"])
 def test_two_ranks_give_the_tokens_of_one_process_with_half_the_cache(ranks, artifacts, prompt, case):
-    kw = {"static": dict(static=True), "factored": dict(factored=True)}.get(case, {})
+    """pieces: the ranks prefill the 40-token prompt in pieces of 16 (each piece's all-reduces in step), the one
+    process in one piece."""
+    kw = {"static": dict(static=True), "pieces_static": dict(static=True), "factored": dict(factored=True)}.get(
+        case, {}
+    )
+    if case.startswith("pieces"):
+        assert [r["piece_rows"] for r in ranks] == [[16, 16, len(prompt) - 32, 1]] * 2  # three pieces, then a step
     tokens, nbytes, logits = one_process(artifacts["good"], prompt, **kw)
     assert [r["tp"] for r in ranks] == [[2, 0], [2, 1]]
     assert all(r["local_groups"] == [1, 1, 1] for r in ranks)  # 2 groups per layer, one per rank

@@ -4,7 +4,7 @@
 
 Cases, in one process group (starting Python and torch costs more than all of them): greedy tokens and per-rank cache
 bytes through model.generate (dynamic cache with the fused output, and with the factored one and O^r left unread;
-static cache; tied embeddings); the compiled decode step; an artifact whose groups do not split over 2 ranks; a bad
+static cache; both with the prefill in pieces; tied embeddings); the compiled decode step; an artifact whose groups do not split over 2 ranks; a bad
 path on rank 1 only; the same through `tale-run --tp 2`; benchmarks/bench_tp.py --tiny (with --throughput).
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tale_helpers import invoke
 
-from tale_runtime import cli, load, new_cache
+from tale_runtime import cli, load, new_cache, set_prefill_chunk
 from tale_runtime.model import cache_arg
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -75,6 +75,14 @@ def main() -> None:
     res["local_groups"] = [layer.self_attn.tale.u_v.shape[0] for layer in model.model.layers]
     res["dynamic"] = generate(model, ids, new)
     res["static"] = generate(model, ids, new, static=True)
+    set_prefill_chunk(model, 16)  # the prompt's prefill in pieces of 16 tokens (runtime/model.py chunked_prefill)
+    rows: list[int] = []  # the rows of each call of layer 0's MLP: the pieces, then the decode steps
+    hook = model.model.layers[0].mlp.register_forward_hook(lambda m, a, o: rows.append(a[0].shape[1]))
+    res["pieces"] = generate(model, ids, new)
+    hook.remove()
+    res["piece_rows"] = rows[:4]
+    res["pieces_static"] = generate(model, ids, new, static=True)
+    set_prefill_chunk(model, 0)
     res["decode_step"] = decode_step(model, ids)
     del model
     model, _ = load(good, device="cpu", dtype=torch.float32, tp_size=2, output_path="factored")  # O^r left unread
