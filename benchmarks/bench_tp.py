@@ -68,10 +68,10 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
-from tale_runtime import new_cache, set_output_path, tp
+from tale_runtime import new_cache, set_output_path, set_prefill_chunk, tp
 from tale_runtime.artifact import Schedule, uniform_ranks
 from tale_runtime.load import finish
-from tale_runtime.model import TaleAttention, cache_arg
+from tale_runtime.model import PREFILL_CHUNK, TaleAttention, cache_arg
 from tale_runtime.spec import Arch, TaleSpec
 
 GiB = harness.GIB
@@ -391,7 +391,14 @@ def timings(args, device, dtype, tp_size: int, start, notes: list, batch_rows: l
     for shape in ["tiny"] if args.tiny else args.model.split(","):
         pair = Pair(shape, args.layers, args.group, device, dtype, tp_size, start, args.output_path)
         c = pair.model.config
-        log(f"{shape}: {c.num_hidden_layers} layers on {tp_size} rank(s), group {pair.group}, output {pair.output}")
+        if args.prefill_chunk is not None:
+            set_prefill_chunk(pair.model, args.prefill_chunk)
+        chunk = getattr(pair.model, "tale_prefill_chunk", PREFILL_CHUNK)
+        pieces = f"prompts over {chunk} tokens in pieces of {chunk}" if chunk else "in one piece"
+        log(
+            f"{shape}: {c.num_hidden_layers} layers on {tp_size} rank(s), group {pair.group}, output {pair.output}, "
+            f"TALE prefills {pieces}"
+        )
         tale, m = {}, None
         for ctx in args.ctx:
             if args.no_tale:
@@ -755,6 +762,12 @@ def main() -> None:
     ap.add_argument("--no-hf-dynamic", action="store_true", help="--throughput without transformers' DynamicCache")
     ap.add_argument("--short", type=int, default=512, help="prompt of transformers' static-cache batch (tokens)")
     ap.add_argument("--headroom", type=float, default=3.0, help="GiB per GPU the memory model leaves free")
+    ap.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="TALE's prefill in pieces of this many tokens (0: one piece; default: the runtime's, set_prefill_chunk)",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="a tiny model, short prompts: checks the script (CPU)")
     ap.add_argument("--out", default=None, help="also write the tables to this markdown file (rank 0)")

@@ -192,6 +192,7 @@ def main() -> None:
     ap.add_argument("--dynamic", action="store_true", help="the dynamic cache (default: the static cache)")
     ap.add_argument("--generate", action="store_true", help="through model.generate (one new token)")
     ap.add_argument("--top", type=int, default=16, help="rows of the breakdown")
+    ap.add_argument("--depth", type=int, default=80, help="layers to extrapolate to (each adds its cache)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     model = build(args.layers, dtype, LLAMA_70B_TP4)
@@ -211,8 +212,13 @@ def main() -> None:
     for k, v in sorted(p["rows"].items(), key=lambda kv: -abs(kv[1]))[: args.top]:
         if abs(v) >= 0.01 * KiB:
             print(f"  {v / KiB:8.2f}  {k}")
-    per_layer = (p["peak"] - p["held"]) / KiB
-    print(f"transient at the peak: {per_layer:.2f} KiB/token")
+    transient, cache = (p["peak"] - p["held"]) / KiB, p["held"] / KiB / args.layers
+    const = (b["peak"] - p["peak"] * b["T"]) / 2**20
+    print(f"transient at the peak: {transient:.2f} KiB/token, plus {const:.1f} MiB whatever the length")
+    print(
+        f"at {args.depth} layers: {transient:.2f} + {args.depth} x {cache:.3f} (cache per layer) = "
+        f"{transient + args.depth * cache:.1f} KiB per prompt token"
+    )
 
 
 if __name__ == "__main__":

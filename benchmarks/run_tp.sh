@@ -1,14 +1,15 @@
 #!/bin/bash
 # bench_tp.py's rows at Llama-3.1-70B shapes over N GPUs (default 4), in one time budget (seconds, default 540):
 #
-#     bash benchmarks/run_tp.sh OUT_DIR [BUDGET_S] [STEPS]          # STEPS: any of "tale hf largest", in that order
+#     bash benchmarks/run_tp.sh OUT_DIR [BUDGET_S] [STEPS]      # STEPS: any of "tale hf largest tale128", in order
 #
-#   tale     TALE, batch 1 at 32K; tokens/s at the largest batch that fits at 32K; the largest context at batch 1
-#            (byte model, from the 32K prefill's peak)
+#   tale     TALE, batch 1 at 32K; tokens/s at the largest batch that fits at 32K (THROUGHPUT=, empty: not run);
+#            the largest context at batch 1 (byte model, from the 32K prefill's peak)
 #   hf       transformers' TP, batch 1 at 128K (static cache + compile); tokens/s at the largest batch that fits at
 #            32K (DynamicCache, then static cache + compile); its largest context at batch 1 (from the 128K prefill)
-#   largest  TALE, batch 1 at the largest context the tale step computed (or LARGEST_CTX), when the time left covers
-#            its prefill (estimated from the two prefills above: t = a T + b T^2)
+#   largest  TALE, batch 1 at the largest context the tale step computed (or LARGEST_CTX; at most LARGEST_CAP), when
+#            the time left covers its prefill (estimated from the two prefills above: t = a T + b T^2)
+#   tale128  TALE, batch 1 at 128K
 #
 # BENCH_ARGS replaces "--model 70b --no-check --output-path factored" (the CPU: BENCH_ARGS="--device cpu --tiny
 # --no-check" N=2 LARGEST_CTX=128 runs every step on the tiny model). Each step runs under its own `timeout`; every measured row is logged as it comes (OUT_DIR/STEP.log, lines "[ time]"),
@@ -45,7 +46,10 @@ step() {  # step NAME LIMIT_S ARGS...: one torchrun of bench_tp.py
 
 for s in $STEPS; do
     case $s in
-        tale) step tale "$(min 170 "$(left)")" --ctx 32768 --no-hf --throughput 32768 ;;
+        tale)
+            TPUT=${THROUGHPUT-32768}
+            step tale "$(min 170 "$(left)")" --ctx 32768 --no-hf ${TPUT:+--throughput "$TPUT"}
+            ;;
         hf) step hf "$(min 400 "$(($(left) - 5))")" --ctx 131072 --no-tale --throughput 32768 ;;
         largest)
             X=${LARGEST_CTX:-$(grep -ho "largest context at batch 1, TALE: [0-9]*" "$OUT/tale.log" 2>/dev/null | grep -o "[0-9]*$")}
@@ -54,6 +58,10 @@ for s in $STEPS; do
                 continue
             fi
             X=$((X >= 2048 ? X / 1024 * 1024 : X))
+            if [ -n "${LARGEST_CAP:-}" ] && [ "$X" -gt "$LARGEST_CAP" ]; then
+                echo "largest: $X tokens (byte model), run at LARGEST_CAP=$LARGEST_CAP (the time a prefill takes)"
+                X=$LARGEST_CAP
+            fi
             # the prefill's seconds at X from the TALE 32K and transformers 128K prefills (the same base forward)
             EST=$(python3 - "$OUT" "$X" << 'EOF'
 import re
@@ -86,6 +94,7 @@ EOF
             fi
             step largest "$(($(left) - 5))" --ctx "$X" --no-hf --new 8 --warm 2
             ;;
+        tale128) step tale128 "$(($(left) - 5))" --ctx 131072 --no-hf ;;
         *) echo "unknown step $s" ;;
     esac
 done
