@@ -464,7 +464,10 @@ def _layer_in_pieces(layer, size: int, user, hidden_states, *args, **kwargs):
     """A decoder layer's forward over hidden_states [B, T, d] in pieces of `size` rows (chunked_prefill); the
     layer's own forward where its arguments are not the ones known here."""
     forward = type(layer).forward.__get__(layer)
-    x, mask, rope, pos = hidden_states, kwargs.get("attention_mask"), kwargs.get("position_embeddings"), None
+    x, mask, rope, pos = (
+        hidden_states,
+        *(kwargs.get(k) for k in ("attention_mask", "position_embeddings", "position_ids")),
+    )
     B, T = x.shape[:2]
     known = ("attention_mask", "position_ids")
     if (
@@ -474,7 +477,6 @@ def _layer_in_pieces(layer, size: int, user, hidden_states, *args, **kwargs):
         or (mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-2] != T))
     ):
         return forward(x, *args, **kwargs)
-    pos = kwargs.get("position_ids")
     out = torch.empty_like(x) if x is user else x
     attn = layer.self_attn
     attn.pieces = _Pieces(T, _valid_from_mask(mask, B, T, x.device), rope)
