@@ -45,7 +45,9 @@ is the same base weights with the model's own attention, after TALE's factors ar
    CUDA graphs; transformers' static cache (torch.compile): B rows of a `--short`-token prompt in a cache of CTX +
    steps tokens, since its decode step attends over the whole cache, filled or not; its DynamicCache (eager): one
    row prefilled, repeated. The largest context at batch 1 comes from the same numbers: (ceiling - base) over the
-   bytes per prompt token of the batch-1 prefill's peak (the prefill, not the cache, sets it).
+   bytes per prompt token of the batch-1 prefill's peak (its activations and the cache). TALE prefills a prompt of
+   more than 4096 tokens in pieces (`--prefill-chunk`, docs/runtime.md "Long prompts"): one piece's temporaries are
+   then a constant part, which counted per token only makes the estimate smaller (by ~0.3 GiB over the context).
 
 O^r is g times the size of W_O (40 GiB at 70B with g = 4): `--output-path auto` (the default) takes the factored
 output (B then W_O, the same result, O^r not built) when the weights with O^r would pass 80% of the GPU's memory
