@@ -19,6 +19,7 @@ from functools import partial
 
 import torch
 import torch.nn.attention.bias as attn_bias
+from packaging.version import Version
 from torch import nn
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -378,7 +379,7 @@ class TaleAttention(nn.Module):
 # 1 GiB, and each piece's matmuls large.
 PREFILL_CHUNK = 0
 # SDPA's enable_gqa (K/V heads read by several query heads without copies) appeared in torch 2.5
-_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+_GQA = Version(torch.__version__).release[:2] >= (2, 5)
 
 
 def _causal_below(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
