@@ -188,6 +188,13 @@ def run(
         None, "--value-group", metavar="N", help="channels per latent quantization group"
     ),
     residual: Optional[str] = typer.Option(None, "--residual", metavar="N", help="16-bit recent tail length"),
+    prefill_chunk: Optional[int] = typer.Option(
+        None,
+        "--prefill-chunk",
+        metavar="N",
+        help="prefill prompts longer than N tokens in pieces of N: the same result, far less activation memory at long "
+        "contexts (default 4096; 0: in one piece)",
+    ),
     tp: int = typer.Option(
         1, "--tp", min=1, help="tensor parallelism over N GPUs: run under torchrun --nproc-per-node N (docs/runtime.md)"
     ),
@@ -221,6 +228,8 @@ def run(
         raise CliError(f"--dtype must be one of bf16, fp16, fp32; got {dtype!r}")
     if output_path not in ("fused", "factored"):
         raise CliError(f"--output-path must be fused or factored; got {output_path!r}")
+    if prefill_chunk is not None and prefill_chunk < 0:
+        raise CliError(f"--prefill-chunk must be a whole number of tokens >= 0 (0: one piece), got {prefill_chunk}")
     if tp > 1 and (chat or compare_full):
         raise CliError(f"{'--chat' if chat else '--compare-full'} runs on one process: not with --tp")
     dev = console.device(device)
@@ -253,6 +262,10 @@ def run(
         )
     except (ArtifactError, ValueError) as e:
         raise CliError(str(e)) from None
+    if prefill_chunk is not None:
+        from .model import set_prefill_chunk
+
+        set_prefill_chunk(m, prefill_chunk)
     if tok is None:
         raise CliError(f"{model}: the artifact has no tokenizer")
     if (chat or system is not None) and not tok.chat_template:

@@ -373,11 +373,10 @@ class TaleAttention(nn.Module):
 
 # -- the prefill in pieces -----------------------------------------------------------------------------------------
 
-# Prompts longer than this many tokens are prefilled in pieces of this many (set_prefill_chunk; 0: in one piece, the
-# default until the pieces' CUDA attention path has been measured on a GPU). A piece's temporaries are the whole-width
-# ones of a decoder layer (~100-200 KiB per token at Llama-3.1-70B widths over 4 GPUs): 4096 tokens keep them under
-# 1 GiB, and each piece's matmuls large.
-PREFILL_CHUNK = 0
+# Prompts longer than this many tokens are prefilled in pieces of this many (set_prefill_chunk; 0: in one piece). A
+# piece's temporaries are the whole-width ones of a decoder layer (~100-200 KiB per token at Llama-3.1-70B widths over
+# 4 GPUs): 4096 tokens keep them under 1 GiB, and each piece's matmuls large.
+PREFILL_CHUNK = 4096
 # SDPA's enable_gqa (K/V heads read by several query heads without copies) appeared in torch 2.5
 _GQA = Version(torch.__version__).release[:2] >= (2, 5)
 

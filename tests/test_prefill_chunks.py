@@ -171,7 +171,7 @@ def test_generate_in_pieces_gives_the_same_tokens(static):
 
 def test_prefill_chunk_knob():
     tm = talify(tiny_model("llama"), 2)
-    assert PREFILL_CHUNK == 0 and getattr(tm, "tale_prefill_chunk", PREFILL_CHUNK) == PREFILL_CHUNK
+    assert PREFILL_CHUNK == 4096 and getattr(tm, "tale_prefill_chunk", PREFILL_CHUNK) == PREFILL_CHUNK
     for bad in (-1, 2.5, True, "16"):
         with pytest.raises(ValueError, match="prefill chunk must be a whole number"):
             set_prefill_chunk(tm, bad)

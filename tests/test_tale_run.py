@@ -32,6 +32,29 @@ def test_happy_path_streams_and_reports(artifact):
     assert r.stdout.endswith("\n") and len(r.stdout) > 1
 
 
+def test_prefill_in_pieces_gives_the_same_answer(artifact, monkeypatch):
+    """--prefill-chunk 8 prefills the 23-token prompt in pieces (every layer's forward sees 8, 8, 7 rows): the same
+    greedy text and cache bytes as in one piece (--prefill-chunk 0)."""
+    from tale_runtime import model as runtime_model
+
+    pieces = []
+    real = runtime_model._layer_in_pieces
+
+    def spy(layer, size, *a, **kw):
+        pieces.append(size)
+        return real(layer, size, *a, **kw)
+
+    monkeypatch.setattr(runtime_model, "_layer_in_pieces", spy)
+    out = {}
+    for chunk in ("8", "0"):
+        pieces.clear()
+        r = run(artifact, "--prompt", "héllo", "--max-new-tokens", "12", "--dtype", "fp32", "--prefill-chunk", chunk)
+        assert r.exit_code == 0, r.stderr
+        out[chunk] = (r.stdout, STATS.search(r.stderr).groups())  # tokens in and out, the measured ratio
+        assert pieces == ([8] * 2 if chunk == "8" else [])  # the tiny model's 2 layers, in pieces of 8 or not at all
+    assert out["8"] == out["0"]
+
+
 def test_raw_prompt_file_overrides_and_factored_path(artifact, tmp_path):
     f = tmp_path / "p.txt"
     f.write_text("abc")
@@ -142,6 +165,8 @@ def bump_major(path):
         (["--prompt", "hi", "--dtype", "int8"], None, "--dtype must be one of bf16, fp16, fp32"),
         (["--prompt", "hi", "--output-path", "both"], None, "--output-path must be fused or factored"),
         (["--prompt", "hi", "--device", "tpu"], None, "--device 'tpu': unknown device"),
+        (["--prompt", "hi", "--prefill-chunk", "-4"], None, "--prefill-chunk must be a whole number of tokens >= 0"),
+        (["--prompt", "hi", "--prefill-chunk", "4k"], None, "Invalid value for '--prefill-chunk'"),
     ],
 )
 def test_errors_are_one_line(artifact, tmp_path, args, breakage, message):
