@@ -5,12 +5,13 @@ both over real static caches of the same length, and cuDNN/flash SDPA over a 16-
 
 Shapes: 32 query heads, 8 KV heads, head dim 128, latent groups of 4 KV heads (R = 512). The lowrank preset's
 layout (runtime/schedule.py): 4 sinks and no 16-bit tail after RoPE; the middle level (95%) as key coefficients
-before RoPE, 4 bits per coefficient over groups of 32 tokens, 3-bit latents at r0 = 416 (5R/6 rounded down to the
-value group); the recent 5% as 4-bit keys before RoPE per channel over 32 tokens with 4-bit full-rank latents; the
-last < 32 tokens as 8-bit keys per token over 64 channels with 8-bit latents; fp8 scales and zeros ("8/8")
-everywhere. Key bases (--ranks): "432" a joint basis at rank 432 (5/12 of K n = 1024, rounded up to 16), "160"
-joint at 160, "432h" a per-head basis with 432 coefficients in all (54 per KV head: the same bytes, 8x fewer
-rebuild multiply-adds). RoPE: Llama-3.1's (theta 5e5, llama3 scaling) computed in the kernel from the rotary's
+before RoPE, 4 bits per coefficient over groups of 32 tokens, 3-bit latents at r0 = --r0 (the preset's: R) with
+scales per --value-group channels (the preset's: 64, every level); the recent 5% as 4-bit keys before RoPE per
+channel over 32 tokens with 4-bit full-rank latents; the last < 32 tokens as 8-bit keys per token over 64 channels
+with 8-bit latents; fp8 scales and zeros ("8/8") everywhere. Key bases (--ranks): "296" a joint basis at rank 296
+(the preset's 7/24 of K n = 1024), "160" joint at 160 (what ShadowKV keeps), "320h" a per-head basis with 320
+coefficients in all (the preset's 40 per KV head with --key-basis-blocks head: 8x fewer rebuild multiply-adds per
+coefficient). The tables of 2026-11-28 in docs/performance.md ran the earlier preset: --r0 416 --value-group 32. RoPE: Llama-3.1's (theta 5e5, llama3 scaling) computed in the kernel from the rotary's
 inv_freq. Random codes and metadata (real weights cannot travel), bf16. Times: medians of CUDA-graph replays with
 L2 flushed before each (benchmarks/harness.py timeit). Error: relative L2 error of the row's low-rank call against
 the float32 reference.
@@ -47,7 +48,7 @@ from tale_runtime.regions import LayerView, Region  # noqa: E402
 
 H, K, N, GS = 32, 8, 128, 4
 G, R = K // GS, GS * N
-R0, KG, VG, KCG = 416, 32, 32, 64
+R0, KG, VG, KCG = 512, 32, 64, 64  # main() sets R0 and VG from --r0 and --value-group
 DEV = "cpu" if DRY else "cuda"
 DT = torch.bfloat16
 BIAS = 64.0
@@ -337,7 +338,9 @@ def main() -> int:
     ap.add_argument("--dry", action="store_true")
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--batches", default="1,4")
-    ap.add_argument("--ranks", default="432h,160,432", help="key bases: r joint, or <total>h per head")
+    ap.add_argument("--ranks", default="320h,296,160", help="key bases: r joint, or <total>h per head")
+    ap.add_argument("--r0", type=int, default=512, help="the low-rank level's latent rank")
+    ap.add_argument("--value-group", type=int, default=64, help="latent channels per scale")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--pieces", action="store_true")
     ap.add_argument(
@@ -349,8 +352,9 @@ def main() -> int:
     )
     a = ap.parse_args()
     torch.manual_seed(0)
+    global H, K, N, GS, G, R, R0, KG, VG, KCG
+    R0, VG = a.r0, a.value_group
     if DRY:
-        global H, K, N, GS, G, R, R0, KG, VG, KCG
         H, K, N, GS, G, R, R0, KG, VG, KCG = 8, 4, 32, 2, 2, 64, 40, 8, 8, 16
     rot = rotary(DEV)
     if DRY:

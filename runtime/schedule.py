@@ -47,27 +47,27 @@ PRESETS = {
         key_bands=(3, 0.5),  # (bits, share of the head dim): 32 of 64 channels per KV head at 3 bits
         rotate_latents=True,
     ),
-    # low-rank keys (docs/notes.md, "low-rank keys before RoPE"): the middle level's keys before RoPE as 3/8 of the
-    # joined key dim (72 of 192 on SmolLM2) in coefficients on the calibrated key basis at 4 bits, 3-bit latents at
-    # r0 = 5R/6, a recent level of 5% at 4 bits, fp8 scales and zeros, newest tokens at 8 bits per token. Where the
-    # bytes go (docs/notes.md, "where the lowrank schedule loses on eb1911"): on text the calibration did not cover
-    # the loss is spread over the latents' rank cut, the middle keys and the recent level, and the rank cut is the
-    # cheapest to buy back per byte; so the latents keep 5R/6 (before: 2R/3), paid for by 8 fewer key coefficients
-    # and half the recent share (6.03x at +1.25% / +1.24% on the test texts, where 80 coefficients, 2R/3 and 10%
-    # recent gave 6.10x at +0.81% / +1.86%; 64 coefficients lose botchan: +1.80%). The torch reference reads it on
-    # either cache (GPU kernels: docs/kernels.md, "Low-rank keys"). Every preset rotates its latents (docs/notes.md,
-    # "rotated latents")
+    # low-rank keys (docs/notes.md, "low-rank keys before RoPE"): the middle level's keys before RoPE as 7/24 of the
+    # joined key dim (56 of 192 on SmolLM2) in coefficients on the calibrated key basis at 4 bits, 3-bit latents at
+    # full rank with scales per 64 channels, a recent level of 5% at 4 bits, fp8 scales and zeros, newest tokens at 8
+    # bits per token. Where the bytes go (docs/notes.md, "where the lowrank schedule loses on eb1911"): on text the
+    # calibration did not cover the latents' rank cut is the largest loss and the cheapest to buy back per byte; the
+    # latents keep every channel, paid for by half their scales and 16 fewer key coefficients (over 4 windows of each
+    # test text: 6.10x at +0.85% / +1.49%, where r0 5R/6, 72 coefficients and scales per 32 channels gave 6.03x at
+    # +0.88% / +2.03%: docs/notes.md, "the latents at full rank"). The low-rank-key kernel reads it on CUDA
+    # (docs/kernels.md). Every preset rotates its latents (docs/notes.md, "rotated latents")
     "lowrank": dict(
         bits=(3, 4, 8),
         key_bits=(4, 4, 8),
         recent=(0.05, 0.0),
-        r0=5 / 6,
+        r0=1.0,
+        value_group=64,
         key_axis=("channel", "channel", "token"),
         residual=1,
         key_meta="8/8",
         value_meta="8/8",
         key_rope="pre",
-        key_rank=(3 / 8, 0, 0),  # per level, a fraction of the joined key dim K n (0: plain keys)
+        key_rank=(7 / 24, 0, 0),  # per level, a fraction of the joined key dim K n (0: plain keys)
         rotate_latents=True,
     ),
 }

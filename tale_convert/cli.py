@@ -103,7 +103,9 @@ def run(
     ),
     key_bits: Optional[str] = typer.Option(None, help="key bits per level (default: the preset's, or --bits)"),
     key_group: int = typer.Option(D.key_group, help="tokens per key quantization group"),
-    value_group: int = typer.Option(D.value_group, help="channels per latent quantization group"),
+    value_group: Optional[int] = typer.Option(
+        None, help="channels per latent quantization group (default: the preset's: 32, lowrank 64)"
+    ),
     residual: Optional[int] = typer.Option(None, help="16-bit residual tokens (default: the preset's)"),
     policy: str = typer.Option(D.policy, help="level-0 rank per layer: uniform, energy, fisher or progressive"),
     energy: float = typer.Option(D.energy, help="--policy energy: whitened spectral energy kept per layer at level 0"),

@@ -33,7 +33,7 @@ class Options:
     bits: tuple[int, ...] | None = None  # value bits per level
     key_bits: tuple[int, ...] | None = None  # default: the preset's, or = bits when bits are given
     key_group: int = 32
-    value_group: int = 32
+    value_group: int | None = None  # channels per latent quantization group; None: the preset's (else 32)
     residual: int | None = None
     # "paper" (default): the paper's schedule (KIVI layout, 16-bit scales); "tale": the best measured per byte on
     # SmolLM2 (docs/quality.md: middle keys 2-bit with the most important half of each head's channels at 3 bits,
@@ -54,6 +54,14 @@ class Options:
     resume: bool = False
     policy: str = "uniform"  # rank policy (tale_convert.policy): uniform, energy, fisher, progressive
     energy: float = 0.9  # energy policy: whitened spectral energy kept per layer at level 0
+
+    def latent_group(self, R: int) -> int:
+        """Channels per latent quantization group: --value-group, else the preset's where it divides R (the latents
+        of a KV group), else 32."""
+        if self.value_group is not None:
+            return self.value_group
+        vg = PRESETS.get(self.preset, {}).get("value_group", 32)
+        return vg if R % vg == 0 else 32
 
     def bands(self, head_dim: int) -> tuple[int, int] | None:
         """(bits, channels per KV head) of the middle level's key bands: --key-bands, else the preset's
@@ -83,7 +91,7 @@ class Options:
         where the latent groups can be rotation blocks (a power of two dividing R), else the SVD basis as it is."""
         if self.rotate_latents is not None:
             return self.rotate_latents
-        return preset.get("rotate_latents", False) and rotation_fits(self.value_group, R)
+        return preset.get("rotate_latents", False) and rotation_fits(self.latent_group(R), R)
 
     def schedule(self, R: int, num_layers: int, kv_heads: int = 1, head_dim: int | None = None) -> Schedule:
         """The schedule of the options; kv_heads x head_dim (the joined keys of a layer) sizes a preset's low-rank
@@ -121,7 +129,8 @@ class Options:
         blocks = self.blocks(kv_heads)
         for lv, f in zip(levels, kr):  # a fraction of the joined keys, split over the blocks
             lv.key_rank = max(8, round(f * kv_heads * (head_dim or 0) / blocks / 8) * 8) if f else 0
-        ranks = uniform_ranks(R, num_layers, r0, self.value_group, len(levels))
+        vg = self.latent_group(R)
+        ranks = uniform_ranks(R, num_layers, r0, vg, len(levels))
         n = R // self.group
         # the preset's residual fits its own levels; per-channel newest keys need at least one key group (KIVI)
         residual = self.residual or (p["residual"] if axes[-1] == "token" else None) or self.key_group
@@ -130,13 +139,13 @@ class Options:
             levels,
             ranks,
             self.key_group,
-            self.value_group,
+            vg,
             residual,
             key_meta=p["key_meta"],
             value_meta=p["value_meta"],
             key_channel_group=n,
             key_rope=p.get("key_rope", "post"),
-            latent_rotation=self.value_group if self._rotate_latents(p, R) else 0,
+            latent_rotation=vg if self._rotate_latents(p, R) else 0,
             key_blocks=blocks if self.wants_basis() else 1,
         )
         try:

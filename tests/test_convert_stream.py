@@ -58,7 +58,7 @@ def reference(model_dir, opts: Options, dtype: torch.dtype) -> dict[str, torch.T
         C = calibrate.run_layer(layer, hidden, rope, i, covariance=True)
         f = whiten(C, layer.self_attn.v_proj.weight.T, opts.group, n)
         if rotate:
-            f = rotate_latents(f, opts.value_group)
+            f = rotate_latents(f, opts.latent_group(opts.group * n))
         p = f"model.layers.{i}.self_attn."
         out[p + U_V], out[p + V_V] = f.A.to(dtype), f.B.to(dtype)
         out[p + O_FUSED] = fuse(f.B, layer.self_attn.o_proj.weight.T.double(), H).T.to(dtype)

@@ -282,7 +282,7 @@ def test_key_bands_come_from_one_load_of_the_artifact_and_the_basis_from_the_lay
 
 
 def test_the_lowrank_preset_converts_with_its_basis_and_holds_fewer_bytes(tiny_model_dir, tmp_path):
-    """tale-convert --preset lowrank: the middle level's keys low-rank (3/8 of K n), a key basis written without
+    """tale-convert --preset lowrank: the middle level's keys low-rank (7/24 of K n), a key basis written without
     --key-basis, and a cache smaller than the paper preset's on the same tokens."""
     src = str(tiny_model_dir("llama"))
     out = tmp_path / "lr"
@@ -291,7 +291,7 @@ def test_the_lowrank_preset_converts_with_its_basis_and_holds_fewer_bytes(tiny_m
     model, _ = load(out, device="cpu", dtype=torch.float32)
     s = model.tale_spec.schedule
     C = model.config.num_key_value_heads * model.model.layers[0].self_attn.head_dim
-    assert s.key_rope == "pre" and [lv.key_rank for lv in s.levels] == [max(8, round(3 * C / 8 / 8) * 8), 0, 0]
+    assert s.key_rope == "pre" and [lv.key_rank for lv in s.levels] == [max(8, round(7 * C / 24 / 8) * 8), 0, 0]
     assert (out / FILE).is_file() and model.tale_spec.key_basis is not None
     card = (out / "README.md").read_text()
     assert f"4 ({s.levels[0].key_rank} coefficients of {C})" in card and "key_basis.safetensors" in card
@@ -317,13 +317,18 @@ def test_a_preset_with_per_level_key_layouts_refuses_another_level_count():
     with pytest.raises(ConvertError, match="lowrank sets its per-level key layout for 3 levels; --bits gives 2"):
         Options(preset="lowrank", bits=(2, 4), recent=(0.1,)).schedule(64, 2, kv_heads=1, head_dim=64)
     s = Options(preset="lowrank", bits=(2, 4, 8), recent=(0.1, 0.0)).schedule(64, 2, kv_heads=3, head_dim=64)
-    assert [lv.key_rank for lv in s.levels] == [72, 0, 0] and s.levels[-1].key_axis == "token"
-    # its middle latents keep 5R/6 (the rank cut costs the most per byte, docs/notes.md, "where the lowrank schedule
-    # loses on eb1911")
-    assert Options(preset="lowrank").schedule(192, 2, kv_heads=3, head_dim=64).ranks == [[160, 192, 192]] * 2
-    # per-head bases: the same share of the joined keys, counted per head (72 / 3 -> 24 of 64), in 3 blocks
+    assert [lv.key_rank for lv in s.levels] == [56, 0, 0] and s.levels[-1].key_axis == "token"
+    # its latents keep every channel, with scales per 64 channels where they divide R (the rank cut costs the most
+    # per byte, docs/notes.md, "the latents at full rank"); else per 32; --value-group wins
+    s = Options(preset="lowrank").schedule(192, 2, kv_heads=3, head_dim=64)
+    assert s.ranks == [[192, 192, 192]] * 2 and s.value_group == s.latent_rotation == 64
+    s = Options(preset="lowrank").schedule(96, 2, kv_heads=3, head_dim=32)
+    assert s.ranks == [[96, 96, 96]] * 2 and s.value_group == s.latent_rotation == 32
+    assert Options(preset="lowrank", value_group=16).schedule(192, 2, kv_heads=3, head_dim=64).value_group == 16
+    assert Options().schedule(192, 2).value_group == 32  # the paper preset's
+    # per-head bases: the same share of the joined keys, counted per head (56 / 3 -> 16 of 64), in 3 blocks
     s = Options(preset="lowrank", key_basis_blocks="head").schedule(192, 2, kv_heads=3, head_dim=64)
-    assert [lv.key_rank for lv in s.levels] == [24, 0, 0] and s.key_blocks == 3
+    assert [lv.key_rank for lv in s.levels] == [16, 0, 0] and s.key_blocks == 3
     assert "key_blocks" in s.to_dict() and "key_blocks" not in Options(preset="lowrank").schedule(192, 2).to_dict()
     with pytest.raises(ConvertError, match="unknown --key-basis-blocks 'diag'"):
         Options(preset="lowrank", key_basis_blocks="diag").schedule(192, 2, kv_heads=3, head_dim=64)
