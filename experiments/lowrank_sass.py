@@ -6,13 +6,12 @@ at Llama-3.1-8B shapes, 32K tokens, batch 1, over bench_lowrank_kernel.py's view
     KW='{"score_block": 32}' python experiments/lowrank_sass.py 512 64 320h    # kernel options (latent_attention_lowrank)
 
 The launches are captured from latent_attention_lowrank (nothing runs) and compiled as the JIT would specialize them
-(tensors and ints divisible by 16 marked so). Triton of this environment, ptxas/cuobjdump from its wheel.
+(tensors and ints divisible by 16 marked so); experiments/sass_common.py reads the cubins (written to $SASS_OUT).
 """
 
 import json
 import os
 import re
-import subprocess
 import sys
 
 import torch
@@ -27,6 +26,7 @@ R0, VG, SPEC = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 sys.argv = sys.argv[:1]
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import bench_lowrank_kernel as b  # noqa: E402
+from sass_common import sass  # noqa: E402
 
 b.DEV, b.R0, b.VG = "cpu", R0, VG
 from tale_kernels import lowrank_attention as lra  # noqa: E402
@@ -59,7 +59,6 @@ TY = {
     torch.int64: "*i64",
     torch.float8_e4m3fn: "*fp8e4nv",
 }
-bd = os.path.dirname(triton.__file__) + "/backends/nvidia/bin/"
 for n, (grid, a, kw) in enumerate(calls):
     kw = dict(kw)
     warps, stages = kw.pop("num_warps"), kw.pop("num_stages")
@@ -88,18 +87,9 @@ for n, (grid, a, kw) in enumerate(calls):
         target=GPUTarget("cuda", 90, 32),
         options=dict(num_warps=warps, num_stages=stages),
     )
-    cub = f"/tmp/lr_{n}.cubin"
-    open(cub, "wb").write(kern.asm["cubin"])
-    res = subprocess.run([bd + "cuobjdump", "-res-usage", cub], capture_output=True, text=True).stdout
-    sass = subprocess.run([bd + "cuobjdump", "-sass", cub], capture_output=True, text=True).stdout
-    ops = re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T] )?([A-Z0-9_]+)", sass, re.M)
-    regs = re.findall(r"REG:(\d+)", res)
-    stack = re.findall(r"STACK:(\d+)", res)
-    loops = []
-    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T] )?BRA (0x[0-9a-f]+)", sass):
-        at, to = int(m.group(1), 16), int(m.group(2), 16)
-        if to < at:
-            loops.append((at - to) // 16)
+    res, _, ops, loops = sass(kern, f"lowrank_{n}")
+    regs, stack = re.findall(r"REG:(\d+)", res), re.findall(r"STACK:(\d+)", res)
+    loops = [(at - to) // 16 for to, at in loops]
     print(
         f"launch {n}: grid {grid} PHASE {kw.get('PHASE')} LOWRANK {kw.get('LOWRANK')} BT {kw.get('BT')} warps {warps} "
         f"HPL {kw.get('HPL')} HP {kw.get('HP')} LC {kw.get('LC')} HVB {kw.get('HVB')}: regs {regs} stack {stack} "

@@ -21,39 +21,27 @@ instruction mix and the loop bounds (backward branches); instructions per tile =
 
 import collections
 import os
-import re
-import subprocess
 import sys
 
 import torch
 import triton
 import triton.language as tl
+from sass_common import sass
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import tale_kernels.attention as A
-import tale_kernels.attention_split as S
 
 
 def report(name, k):
-    bd = os.path.dirname(triton.__file__) + "/backends/nvidia/bin/"
-    out = os.environ.get("SASS_OUT", "/tmp")
-    cub = f"{out}/{name}.cubin"
-    open(cub, "wb").write(k.asm["cubin"])
-    res = subprocess.run([bd + "cuobjdump", "-res-usage", cub], capture_output=True, text=True).stdout
-    sass = subprocess.run([bd + "cuobjdump", "-sass", cub], capture_output=True, text=True).stdout
-    open(f"{out}/{name}.sass", "w").write(sass)
-    open(f"{out}/{name}.ttgir", "w").write(k.asm["ttgir"])
+    res, _, ops, loops = sass(k, name)
     print(
         name, "shared", k.metadata.shared, [ln.strip().split(" CONSTANT")[0] for ln in res.splitlines() if "REG" in ln]
     )
-    ops = re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T] )?([A-Z0-9_]+)", sass, re.M)
     print("  instructions", len(ops), "mix", collections.Counter(op for _, op in ops).most_common(12))
-    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T] )?BRA (0x[0-9a-f]+)", sass):
-        at, to = int(m.group(1), 16), int(m.group(2), 16)
-        if to < at:
-            bars = sum(1 for a, op in ops if op == "BAR" and to <= int(a, 16) <= at)
-            print(f"  loop {to:#x}..{at:#x}: {(at - to) // 16} instructions, {bars} barriers")
+    for to, at in loops:
+        bars = sum(1 for a, op in ops if op == "BAR" and to <= int(a, 16) <= at)
+        print(f"  loop {to:#x}..{at:#x}: {(at - to) // 16} instructions, {bars} barriers")
 
 
 def plain_arg(i, nm, ptrs, sig, attrs):
@@ -176,6 +164,8 @@ def region_cfg(kind, b):
 
 
 def region_kernel(kind, bits_list):
+    import tale_kernels.attention_split as S  # the split kernels this kind compiles (no longer in tale_kernels)
+
     regs_t = tuple(KEYS_T if kind == "keys" else LAT_T for _ in bits_list)
     cfg = tuple(region_cfg(kind, b) for b in bits_list)
     # divisibility of the pointers and strides of every region (paths into the tuple argument)
