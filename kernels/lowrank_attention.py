@@ -47,7 +47,7 @@ from tale_runtime.attention import latent_attention as reference
 from tale_runtime.frag import FragRegion
 from tale_runtime.key_basis import KeyBasis
 from tale_runtime.quant import FP8, QTensor
-from tale_runtime.regions import LayerView, Region
+from tale_runtime.regions import LayerView, Region, Rotary
 
 from . import attention as _attn
 from ._common import TL_DTYPE, interpreting, plane, plane3, plane3_asm, plane_asm, pow2, runnable
@@ -771,7 +771,10 @@ def supported(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, view, r
                 return why
         elif why := _qt_reason(r.keys, n, (B, K), cap, q.dtype, "keys"):
             return why
-        if r.rope is not None and rot is None:
+        if isinstance(r.rope, Rotary) and rot is None:
+            if r.rope.inv_freq.numel() * 2 != n or r.rope.dtype != q.dtype or tuple(r.rope.offset.shape) != (B,):
+                return f"a Rotary of {r.rope.inv_freq.numel()} frequencies in {r.rope.dtype} (head dim {n}, {q.dtype})"
+        elif r.rope is not None and rot is None:
             cos, sin = r.rope
             if tuple(cos.shape) != (B, cap, n) or tuple(sin.shape) != (B, cap, n) or cos.stride() != sin.stride():
                 return "RoPE tables are not [B, cap, n]"
@@ -874,7 +877,7 @@ def latent_attention_lowrank(
     rope=None,
     rope_offset: torch.Tensor | None = None,
     block_t: int = 64,
-    coef_chunk: int = 32,
+    coef_chunk: int = 16,  # 40 coefficients per head in 3 chunks, not 2 of 32: 193 -> 185 us at 32K batch 1 (H200)
     min_split: int = 64,
     waves: float = 4.0,
     split_tokens: int | None = None,
@@ -892,7 +895,8 @@ def latent_attention_lowrank(
     """Decode attention over a view with keys before RoPE / low-rank keys: z [B, T, H, R] float32, the backend
     signature of tale_runtime.attention.latent_attention (which runs what `supported` declines).
 
-    `rope`: None reads each pre-RoPE region's (cos, sin) tables (exact for any positions, 4 n bytes per slot);
+    `rope`: None rotates each pre-RoPE region by its own rope: its (cos, sin) tables (exact for any positions, 8 n
+    bytes per slot), or its Rotary (computed here from the slots' positions, like a given rotary);
     the model's rotary embedding (model.model.rotary_emb: .inv_freq, .attention_scaling) or a pair
     (inv_freq, attention_scaling) computes them in the kernel at each slot's rope position = cache position minus
     `rope_offset` [B] (default: the row's padding slots, transformers' convention for left-padded batches).
@@ -927,8 +931,8 @@ def latent_attention_lowrank(
     n_slots, (pm, pl, pacc, rk) = _attn._partials(B, H, R, splits, dev)
     dot = tl.float32 if q.dtype == torch.float32 else tl.float16
     rot = _rotary(rope)
-    if rot is not None:
-        invf = rot[0].to(device=dev, dtype=torch.float32).contiguous()
+    if rot is not None:  # the caller's rotary rotates every region held before RoPE
+        rot = (rot[0].to(device=dev, dtype=torch.float32).contiguous(), rot[1])
         roff = rope_offset if rope_offset is not None else _pad_offset(view, B, dev)
         roff = roff.to(device=dev, dtype=torch.int32).contiguous()
     npos, win = view.next_pos, window
@@ -959,12 +963,16 @@ def latent_attention_lowrank(
             else:
                 dec = dhi = mean = kd
                 hpb, wb = 1, 1
+            # RoPE: none (keys after it), the region's tables (1), or computed here (2) from a rotary: the caller's,
+            # or the region's own (a cache that holds no tables)
+            invf, rsc, ro = kd, 1.0, r.pos
             if r.rope is None:
                 mode, cos, sin = 0, kd, kd
-            elif rot is None:
-                mode, cos, sin = 1, _c(r.rope[0]), _c(r.rope[1])
-            else:
+            elif rot is not None or isinstance(r.rope, Rotary):
                 mode, cos, sin = 2, kd, kd
+                (invf, rsc), ro = (rot, roff) if rot is not None else ((r.rope.inv_freq, r.rope.scaling), r.rope.offset)
+            else:
+                mode, cos, sin = 1, _c(r.rope[0]), _c(r.rope[1])
             cstr = cos.stride()[:2] if mode == 1 else (0, 0)
             HPL, HP, HVB = _lat_planes(r.lat, r.rank)
             NLC, LC = (HPL, max(16, pow2(HP))) if HPL else _lat_chunks(r.rank)
@@ -991,7 +999,7 @@ def latent_attention_lowrank(
                     ln,
                     npos,
                     0 if win is None else int(win),
-                    roff if mode == 2 else r.pos,
+                    ro,
                     kd,
                     kst[0],
                     kst[1],
@@ -1011,8 +1019,8 @@ def latent_attention_lowrank(
                     cos,
                     sin,
                     *cstr,
-                    invf if mode == 2 else kd,
-                    rot[1] if mode == 2 else 1.0,
+                    invf,
+                    rsc,
                     hd,
                     hst[0],
                     hst[1],
@@ -1057,7 +1065,7 @@ def latent_attention_lowrank(
                     ROPE=mode,
                     RDT=TL_DTYPE[q.dtype],
                     PRECISE=0 if interpreting() else 2 if fast_rope else 1,
-                    RSC=mode == 2 and rot[1] != 1.0,
+                    RSC=rsc != 1.0,
                     RANK=r.rank,
                     LC=LC,
                     NLC=NLC,

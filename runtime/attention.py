@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .quant import dequantize
-from .regions import LayerView
+from .regions import LayerView, Rotary
 
 
 def latent_attention(
@@ -82,7 +82,7 @@ def cached_keys(view: LayerView, dtype, B: int, K: int, n: int, device):
     if not regions:
         empty = torch.zeros(B, K, 0, n, dtype=dtype, device=device)
         return empty, torch.zeros(B, 0, dtype=torch.long, device=device), []
-    keys = torch.cat([_post_rope(_keys(r, dtype), r.rope) for r in regions], dim=-2)
+    keys = torch.cat([_post_rope(_keys(r, dtype), r) for r in regions], dim=-2)
     pos = torch.cat([r.pos.long().masked_fill(~ok, -1) for r, ok in zip(regions, oks)], dim=-1)
     return keys, pos, oks
 
@@ -93,9 +93,12 @@ def _keys(r, dtype) -> torch.Tensor:
     return k if r.basis is None else r.basis.decode(k)
 
 
-def _post_rope(k: torch.Tensor, rope) -> torch.Tensor:
-    """A region's dequantized keys after RoPE: held before it (Schedule.key_rope "pre"), rotated as read."""
-    return k if rope is None else apply_rope(k, rope[0].to(k.dtype), rope[1].to(k.dtype))
+def _post_rope(k: torch.Tensor, r) -> torch.Tensor:
+    """Region r's dequantized keys after RoPE: held before it (Schedule.key_rope "pre"), rotated as read."""
+    if r.rope is None:
+        return k
+    cos, sin = r.rope.tables(r.pos) if isinstance(r.rope, Rotary) else r.rope
+    return apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
 
 
 def key_mass(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:

@@ -116,6 +116,26 @@ def rope_types(config) -> list[str | None]:
     return [None] * L
 
 
+# RoPE types whose frequencies follow the sequence's length (transformers' dynamic_rope_update), not the position alone
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def rotary(model) -> tuple[torch.Tensor, float] | None:
+    """(inv_freq [n/2] float32, attention_scaling) of the RoPE the model's global layers apply, where it rotates whole
+    heads by the position alone (any scaling folded into inv_freq: linear, llama3, yarn); None otherwise (a
+    "dynamic" or "longrope" RoPE, a partial rotary, a model without transformers' rotary_emb)."""
+    rot = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rot is None or rotary_dim(model.config) != head_dim(model.config):
+        return None
+    kind, prefix = getattr(rot, "rope_type", None), ""
+    if isinstance(kind, dict):  # per layer type (Gemma 3): the global layers' (sliding ones are held after RoPE)
+        kind, prefix = kind.get("full_attention"), "full_attention_"
+    inv, scaling = getattr(rot, prefix + "inv_freq", None), getattr(rot, prefix + "attention_scaling", None)
+    if kind is None or kind in LENGTH_DEPENDENT_ROPE or not isinstance(inv, torch.Tensor) or scaling is None:
+        return None
+    return inv.float(), float(scaling)
+
+
 def sliding_windows(model) -> tuple[int | None, ...]:
     """Per decoder layer, the sliding window its attention reads through (None: a global layer): the attention
     module's (Qwen2/3 and Gemma 3 mark sliding layers on it, TaleAttention keeps it), else the config's (Mistral and

@@ -456,6 +456,7 @@ def new_cache(
             backend=chosen,
             key_basis=spec.key_basis,
             windows=windows,
+            rotary=families.rotary(model) if sched.key_rope == "pre" else None,
         )
     rope_types = families.rope_types(model.config)
     return TaleCache(*shapes, keep=keep, key_basis=spec.key_basis, backend=chosen, rope_types=rope_types)

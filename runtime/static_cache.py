@@ -69,7 +69,7 @@ from .frag import FragLevel, FragRegion, fits
 from .key_basis import KeyBasis
 from .placement import demotions, fill_counts, flush_count
 from .quant import FP8, Bands, QTensor, _rebias, cat, meta_format, rescaled
-from .regions import LayerView, Region
+from .regions import LayerView, Region, Rotary
 
 
 @dataclass
@@ -510,7 +510,7 @@ class StaticTaleLayer(TaleCacheLayer):
             c = self.cache
             regions = [Region(_raw(self.sink_k), _raw(self.sink_h), c.R, c.pos[0], c.lens[0])]
             for i, (k, h) in enumerate(zip(self.keys, self.lat)):
-                rope = c.rope[1 + i] if c.rope else None  # keys held before RoPE: rotated as they are read
+                rope = c.rotary or (c.rope[1 + i] if c.rope else None)  # keys before RoPE: rotated as they are read
                 basis = self.basis if c.schedule.levels[i].key_rank else None
                 regions.append(Region(k, h, self.ranks[i], c.pos[1 + i], c.lens[1 + i], rope, basis))
             for i, f in enumerate(self.frag):
@@ -597,7 +597,7 @@ class StaticTaleLayer(TaleCacheLayer):
         """Quantize the first q residual tokens into the top level at its write counter w."""
         c = self.cache
         L = len(c.schedule.levels) - 1
-        tab = None if not c.rope else tuple(x[:, :q] for x in c.rope[-1])
+        tab = c.rotary.tables(c.pos[-1][:, :q]) if c.rotary else tuple(x[:, :q] for x in c.rope[-1]) if c.rope else None
         keys, lat = self._quant(L, self.res_k[:, :, :q], self.res_h[:, :, :q], tab)
         for slot, off, n in _spans(w, q, c.caps[L]):
             self._put_level(L, keys, lat, slot, off, n)
@@ -718,6 +718,7 @@ class StaticTaleCache(CacheStep, Cache):
         backend: AttentionBackend = TORCH,
         key_basis: list[KeyBasis] | None = None,
         windows: list[int | None] | tuple[int | None, ...] | None = None,
+        rotary: tuple[torch.Tensor, float] | None = None,
     ):
         layout = backend.layout if layout is None else layout
         windows = [None] * num_layers if not windows else [None if w is None else int(w) for w in windows]
@@ -755,6 +756,12 @@ class StaticTaleCache(CacheStep, Cache):
         self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank
         self.key_basis = key_basis  # per layer (levels with key_rank read it)
         self.rope: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per region (key_rope "pre"; None: sinks)
+        # key_rope "pre": the model's RoPE (inv_freq, attention_scaling; families.rotary) where it depends on the
+        # position alone. The cache then holds no tables (8 n bytes per slot, read by every layer's decode): the
+        # regions' keys are rotated by a Rotary made from their positions, checked against the model's tables at
+        # every prefill write (on a mismatch the cache falls back to tables)
+        self._rotary_args = rotary
+        self.rotary: Rotary | None = None
         self.layout = layout
         self.num_heads = num_heads
         self.backend = backend
@@ -824,10 +831,17 @@ class StaticTaleCache(CacheStep, Cache):
             layer.allocate(B, k.dtype, dev)
         caps = [book.sink_cap, *self.caps, s.residual]
         self.pos = [torch.full((B, c), -1, **i32) for c in caps]
-        f32 = dict(dtype=torch.float32, device=dev)  # the tables as the dynamic cache reads them (RopeTables.at)
         pre = s.key_rope == "pre"
-        self.rope = [None] + [(torch.zeros(B, c, self.n, **f32), torch.zeros(B, c, self.n, **f32)) for c in caps[1:]]
-        self.rope = self.rope if pre else []
+        self.rotary, self.rope = None, []
+        if pre and self._rotary_args is not None:  # the row's left padding: rope position = cache position - it
+            inv, scaling = self._rotary_args
+            lead = (~valid).int().cumprod(dim=-1).sum(dim=-1, dtype=torch.int32)
+            self.rotary = Rotary(inv.to(device=dev, dtype=torch.float32).contiguous(), scaling, lead, k.dtype)
+        elif pre:
+            f32 = dict(dtype=torch.float32, device=dev)  # the tables as the dynamic cache reads them (RopeTables.at)
+            self.rope = [None] + [
+                (torch.zeros(B, c, self.n, **f32), torch.zeros(B, c, self.n, **f32)) for c in caps[1:]
+            ]
         self.lens = torch.zeros(len(caps), **i32)
         self.next_pos = torch.zeros((), dtype=torch.int64, device=dev)
         self.res_slot = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -854,7 +868,10 @@ class StaticTaleCache(CacheStep, Cache):
                 self._allocate(k, valid)
             st.op = self._plan(st.T, st.graph)
         if rope is not None and layer.ring is None and not st.op.rope_written:  # rings hold keys after RoPE
-            self._write_rope(st.op, rope)
+            if self.rotary is not None and not st.op.decode and not self._rotary_matches(rope):
+                self._tables_from_rotary()
+            if self.rotary is None:
+                self._write_rope(st.op, rope)
             st.op.rope_written = True
         layer._write_new(st.op, k, h, rope)
 
@@ -875,7 +892,27 @@ class StaticTaleCache(CacheStep, Cache):
             for buf, x in zip(self.rope[-1], rope):
                 buf[:, op.res_start : op.res_start + op.n_res] = x[:, t:]
 
+    def _rotary_matches(self, rope: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        """Whether the Rotary makes the very tables (cos, sin [B, T, n]) the model rotated this write's tokens by
+        (cache positions kappa .. kappa + T - 1; padding not compared)."""
+        B, T, p0, dev = rope[0].shape[0], rope[0].shape[1], self.book.kappa, rope[0].device
+        pos = torch.arange(p0, p0 + T, dtype=torch.int32, device=dev).expand(B, T)
+        ok = self._valid0 if p0 == 0 else torch.ones(B, T, dtype=torch.bool, device=dev)
+        mine = self.rotary.tables(pos)
+        return all(torch.equal(a.float()[ok], b[ok]) for a, b in zip(rope, mine))
+
+    def _tables_from_rotary(self) -> None:
+        """Fall back to stored tables (the model's positions do not follow the cache's, or its RoPE is not the
+        Rotary's): the slots written so far get the Rotary's tables, which matched them."""
+        rot, self.rotary = self.rotary, None
+        self.rope = [None] + [tuple(x.contiguous() for x in rot.tables(p)) for p in self.pos[1:]]
+        self.generation += 1  # captured graphs read the regions' rotation
+        for layer in self.layers:
+            layer._view = None
+
     def _rope_tensors(self) -> list[torch.Tensor]:
+        if self.rotary is not None:
+            return [self.rotary.offset]
         return [x for r in self.rope if r is not None for x in r]
 
     def _tracks(self) -> list[list]:
@@ -1114,3 +1151,4 @@ class StaticTaleCache(CacheStep, Cache):
         for r in self.rings.values():
             r.pos = r.pos.repeat_interleave(repeats, dim=0)
         self.rope = [None if r is None else tuple(x.repeat_interleave(repeats, dim=0) for x in r) for r in self.rope]
+        self.rotary = self.rotary and self.rotary.repeat_interleave(repeats)

@@ -21,7 +21,7 @@ from tale_runtime.attention import apply_rope  # noqa: E402
 from tale_runtime.attention import latent_attention as ref_attention  # noqa: E402
 from tale_runtime.key_basis import KeyBasis  # noqa: E402
 from tale_runtime.quant import quantize  # noqa: E402
-from tale_runtime.regions import LayerView, Region  # noqa: E402
+from tale_runtime.regions import LayerView, Region, Rotary  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -294,11 +294,23 @@ def test_without_rope_scaling_and_supported_reasons():
     assert "one" in lra.supported(q.expand(-1, -1, 2, -1), k, h, view)  # two new tokens: the reference
     half = (rot.inv_freq[: lay.n // 4], 1.0)
     assert "inv_freq" in lra.supported(q, k, h, view, rope=half)
+    # a region's own Rotary serves like a given rotary; one of the wrong size or dtype is left to the reference
+    B = q.shape[0]
+    own = [replace(r, rope=Rotary(rot.inv_freq, rot.attention_scaling, torch.zeros(B, dtype=torch.int32, device=q.device), q.dtype)) if r.rope is not None else r for r in view.regions]  # fmt: skip
+    assert rel(lra.latent_attention_lowrank(q, k, h, LayerView(own, view.next_pos), 0.2), ref) < 1e-4
+    for bad in (
+        Rotary(rot.inv_freq[: lay.n // 4], 1.0, own[1].rope.offset, q.dtype),
+        replace(own[1].rope, dtype=torch.float16),
+    ):
+        odd = [replace(r, rope=bad) if r.rope is not None else r for r in view.regions]
+        assert "Rotary" in lra.supported(q, k, h, LayerView(odd, view.next_pos))
 
 
-def test_real_cache_through_a_tiny_model():
+@pytest.mark.parametrize("static", [False, True])
+def test_real_cache_through_a_tiny_model(static):
     """A tiny llama talified with the lowrank preset's schedule (a random key basis), filled by a left-padded
-    prefill and decode steps through the model; the kernel as the attention backend matches the reference."""
+    prefill and decode steps through the model; the kernel as the attention backend matches the reference. The
+    dynamic cache's regions carry RoPE tables, the static cache's a Rotary (the kernel computes RoPE from it)."""
     from tale_helpers import talify, tiny_model
 
     from tale_runtime import backends, new_cache
@@ -353,9 +365,11 @@ def test_real_cache_through_a_tiny_model():
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
     with torch.no_grad():
-        cache = new_cache(tm, backend=Checked())
+        cache = new_cache(tm, backend=Checked(), static=static, max_length=60 if static else None)
         tm.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, **cache_arg(cache))
-    kinds = {(r.basis is not None, r.rope is not None, r.keys.bits) for r in cache.layers[0].view().regions}
+    regions = cache.layers[0].view().regions
+    kinds = {(r.basis is not None, r.rope is not None, r.keys.bits) for r in regions}
+    assert all(isinstance(r.rope, Rotary) == static for r in regions if r.rope is not None)
     assert (True, True, 4) in kinds and (False, True, 8) in kinds and (False, False, 16) in kinds, kinds
     assert len(calls) == 2 * L * 3 and max(calls) < 1e-4, calls
 

@@ -186,3 +186,62 @@ def test_the_layers_of_a_cache_share_one_rope_table():
     assert t.length == 4
     with pytest.raises(RuntimeError, match="rope tables hold 4 positions"):
         t.extend(cos, cos, 6)
+
+
+def _generate_logits(model, ids, mask, cache, n: int = 20) -> torch.Tensor:
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, **cache_arg(cache), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    return torch.stack(out.logits, 1)
+
+
+def _tables_cache(model, **kw):
+    """A static cache made to store RoPE tables (as for a model whose RoPE the cache cannot make itself)."""
+    cache = new_cache(model, static=True, **kw)
+    cache._rotary_args = None
+    return cache
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_static_cache_makes_the_models_rotation_from_positions(arch):
+    """A static cache of a model whose RoPE depends on the position alone stores no tables: its regions carry a
+    Rotary that makes the model's very tables, so generate (left padding, demotions) gives the same logits bit for bit
+    as a cache that stores them, in fewer bytes."""
+    base = tiny_model(arch)
+    lossy = talify(base, 2)
+    lossy.tale_spec.schedule = pre(lossy.tale_spec.schedule)
+    ids, mask = left_pad([ids_for(T, seed=T)[0] for T in (37, 9, 20)])
+    made = new_cache(lossy, static=True, max_length=80)
+    got = _generate_logits(lossy, ids, mask, made)
+    stored = _tables_cache(lossy, max_length=80)
+    want = _generate_logits(lossy, ids, mask, stored)
+    assert made.rotary is not None and made.rope == [] and stored.rotary is None and stored.rope
+    assert torch.equal(made.rotary.offset, torch.tensor([0, 28, 17], dtype=torch.int32))
+    assert torch.equal(got, want)
+    regions = [r for r in made.layers[0].view().regions if r.rope is not None]
+    assert regions and all(r.rope is made.rotary for r in regions)
+    assert made.capacity_nbytes() < stored.capacity_nbytes()
+
+
+@pytest.mark.parametrize("shift_from", [0, 1])
+def test_positions_that_do_not_follow_the_cache_fall_back_to_tables(shift_from):
+    """position_ids of its own (here shifted by 5, from the prefill or from a later chunk) are not what the
+    Rotary makes: the cache then stores tables, those of the chunks it already holds included, and decodes exactly
+    as a cache that stored them from the start."""
+    base = tiny_model("llama")
+    lossy = talify(base, 2)
+    lossy.tale_spec.schedule = pre(lossy.tale_spec.schedule)
+    ids = ids_for(60)
+    pos = torch.arange(60)[None] + torch.tensor([0, 5])[(torch.arange(60) >= (24 if shift_from else 0)).long()]
+    out = []
+    for cache in (new_cache(lossy, static=True, max_length=60), _tables_cache(lossy, max_length=60)):
+        logits = []
+        with torch.no_grad():
+            for a, b in [(0, 24), (24, 28), *((t, t + 1) for t in range(28, 60))]:
+                step = lossy(ids[:, a:b], position_ids=pos[:, a:b], **cache_arg(cache)).logits[:, -1]
+                logits.append(step)
+        out.append(torch.stack(logits))
+        assert cache.rotary is None and cache.rope
+    assert torch.equal(out[0], out[1])
