@@ -81,6 +81,9 @@ def convert_once(src: Path, out: Path, args) -> dict:
         str(args.samples),
         "--seq-len",
         str(args.seq_len),
+        "--preset",
+        args.preset,
+        *(["--key-basis-blocks", args.key_basis_blocks] if args.key_basis_blocks else []),
     ]
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -92,10 +95,19 @@ def convert_once(src: Path, out: Path, args) -> dict:
     return rep
 
 
-def one(src: str, out: str, group: int, samples: int, seq_len: int) -> None:
+def one(src: str, out: str, args) -> None:
     from tale_convert.convert import Options, convert
 
-    rep = convert(src, out, Options(group=group, device=DEVICE, samples=samples, seq_len=seq_len, overwrite=True))
+    opts = Options(
+        group=args.group,
+        device=DEVICE,
+        samples=args.samples,
+        seq_len=args.seq_len,
+        overwrite=True,
+        preset=args.preset,
+        key_basis_blocks=args.key_basis_blocks,
+    )
+    rep = convert(src, out, opts)
     size = sum(f.stat().st_size for f in Path(out).iterdir())
     print(
         json.dumps(
@@ -191,7 +203,29 @@ def drop_caches() -> bool:
         return False
 
 
+def deep_rows(work: Path, args, row) -> list[str]:
+    """The 70B-shaped conversions (one checkpoint of max(--deep) layers, its first layers for the others); the check
+    lines of the shallowest artifact."""
+    lines = []
+    t = time.perf_counter()
+    deep = write_random_llama(work / "llama70b", dict(LLAMA_70B, num_hidden_layers=max(args.deep)), seed=1)
+    print(f"70B-shaped checkpoint ({max(args.deep)} layers) written in {time.perf_counter() - t:.1f} s", flush=True)
+    for L in sorted(args.deep):
+        src = deep if L == max(args.deep) else first_layers(deep, work / f"llama70b-{L}", L)
+        cold = drop_caches()
+        out = work / f"llama70b-{L}-tale"
+        row(f"70B layer shapes{'' if cold else ' (warm cache)'}", L, convert_once(src, out, args))
+        if L == min(args.deep):
+            lines += check(src, out)
+            print(lines[-2:], flush=True)
+        shutil.rmtree(out)
+
+    return lines
+
+
 def main() -> None:
+    from tale_convert.options import Options
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench-convert"))
     ap.add_argument("--report", type=Path, default=None, help="markdown table written here")
@@ -202,6 +236,9 @@ def main() -> None:
     ap.add_argument("--skip-8b", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="small shapes on the CPU: checks the script only")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--preset", default=Options().preset, help="tale-convert's --preset")
+    ap.add_argument("--key-basis-blocks", default=None, help="tale-convert's --key-basis-blocks (joint, head)")
+    ap.add_argument("--skip-70b", action="store_true")
     ap.add_argument("--one", nargs=2, metavar=("SRC", "OUT"))
     args = ap.parse_args()
     global DEVICE, LLAMA_8B, LLAMA_70B
@@ -209,7 +246,7 @@ def main() -> None:
     if args.smoke:
         LLAMA_8B, LLAMA_70B = SMOKE_8B, SMOKE_70B
     if args.one:
-        return one(*args.one, args.group, args.samples, args.seq_len)
+        return one(*args.one, args)
 
     work = args.work
     shutil.rmtree(work, ignore_errors=True)
@@ -217,7 +254,8 @@ def main() -> None:
     dev = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     lines = [
         f"device: {dev}; torch {torch.__version__}; local disk {disk_speed(work)}; "
-        f"calibration {args.samples} x {args.seq_len} tokens; --group {args.group}; bf16 in and out"
+        f"calibration {args.samples} x {args.seq_len} tokens; --group {args.group} --preset {args.preset}"
+        f"{' --key-basis-blocks ' + args.key_basis_blocks if args.key_basis_blocks else ''}; bf16 in and out"
     ]
     print(lines[0], flush=True)
     rows = []
@@ -248,18 +286,8 @@ def main() -> None:
         shutil.rmtree(work / "llama8b-tale")
         shutil.rmtree(src)
 
-    t = time.perf_counter()
-    deep = write_random_llama(work / "llama70b", dict(LLAMA_70B, num_hidden_layers=max(args.deep)), seed=1)
-    print(f"70B-shaped checkpoint ({max(args.deep)} layers) written in {time.perf_counter() - t:.1f} s", flush=True)
-    for L in sorted(args.deep):
-        src = deep if L == max(args.deep) else first_layers(deep, work / f"llama70b-{L}", L)
-        cold = drop_caches()
-        out = work / f"llama70b-{L}-tale"
-        row(f"70B layer shapes{'' if cold else ' (warm cache)'}", L, convert_once(src, out, args))
-        if L == min(args.deep):
-            lines += check(src, out)
-            print(lines[-2:], flush=True)
-        shutil.rmtree(out)
+    if not args.skip_70b:
+        lines += deep_rows(work, args, row)
 
     fit = [r for r in rows if r["name"].startswith("70B")]
     if len(fit) >= 2:
