@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tale_helpers import exact_schedule, talify, tiny_model
+from tale_helpers import TINY, exact_schedule, random_model, talify, tiny_model
 from test_runtime import decode_logits, hf_greedy, ids_for, left_pad, rel
 
 from tale_runtime import ArtifactError, new_cache
@@ -204,7 +204,7 @@ def _tables_cache(model, **kw):
     return cache
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_a_static_cache_makes_the_models_rotation_from_positions(arch):
     """A static cache of a model whose RoPE depends on the position alone stores no tables: its regions carry a
     Rotary that makes the model's very tables, so generate (left padding, demotions) gives the same logits bit for bit
@@ -220,7 +220,7 @@ def test_a_static_cache_makes_the_models_rotation_from_positions(arch):
     assert made.rotary is not None and made.rope == [] and stored.rotary is None and stored.rope
     assert torch.equal(made.rotary.offset, torch.tensor([0, 28, 17], dtype=torch.int32))
     assert torch.equal(got, want)
-    regions = [r for r in made.layers[0].view().regions if r.rope is not None]
+    regions = [r for r in made.layers[-1].view().regions if r.rope is not None]  # a global layer (Gemma 3: the last)
     assert regions and all(r.rope is made.rotary for r in regions)
     assert made.capacity_nbytes() < stored.capacity_nbytes()
 
@@ -245,3 +245,20 @@ def test_positions_that_do_not_follow_the_cache_fall_back_to_tables(shift_from):
         out.append(torch.stack(logits))
         assert cache.rotary is None and cache.rope
     assert torch.equal(out[0], out[1])
+
+
+def test_the_rotary_a_cache_can_make_itself():
+    """families.rotary: the inv_freq and scaling of the global layers' RoPE where it depends on the position alone;
+    None for a partial rotary (Phi-3) and for RoPE whose frequencies follow the length ("dynamic")."""
+    from tale_runtime import families
+
+    llama = tiny_model("llama")
+    inv, scaling = families.rotary(llama)
+    assert torch.equal(inv, llama.model.rotary_emb.inv_freq.float()) and scaling == 1.0
+    gemma = tiny_model("gemma3")  # a sliding layer (local base) and a global one (linear scaling by 8)
+    inv, scaling = families.rotary(gemma)
+    assert torch.equal(inv, gemma.model.rotary_emb.full_attention_inv_freq.float())
+    assert not torch.equal(inv, gemma.model.rotary_emb.sliding_attention_inv_freq.float())
+    assert families.rotary(tiny_model("phi3")) is None
+    dynamic = random_model(TINY["llama"], rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    assert dynamic.model.rotary_emb.rope_type == "dynamic" and families.rotary(dynamic) is None
