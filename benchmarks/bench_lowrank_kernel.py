@@ -347,7 +347,7 @@ def main() -> int:
         "--sweep",
         default="32x32x8x4x1x0x0,32x32x8x4x1x1x1x4,32x32x8x4x1x1x1x8,64x32x8x4x1x1x1x4",
         help="block_t x coef_chunk x num_warps x waves x fused_heads (1/0) [x two_pass x fast_rope (1/0) x "
-        "score_warps x score_block x score_heads], swept per key basis at 32K B=1; each basis' rows take its fastest ('' for the kernel's "
+        "score_warps x score_block x score_heads x score_groups], swept per key basis at 32K B=1; each basis' rows take its fastest ('' for the kernel's "
         "defaults)",
     )
     a = ap.parse_args()
@@ -391,7 +391,8 @@ def main() -> int:
             for cfg in a.sweep.split(","):
                 bt, kc, w, wv, fh, *more = (int(x) for x in cfg.split("x"))
                 kw = dict(block_t=bt, coef_chunk=kc, num_warps=w, waves=float(wv), fused_heads=bool(fh))
-                for name, x in zip(("two_pass", "fast_rope", "score_warps", "score_block", "score_heads"), more):
+                names = ("two_pass", "fast_rope", "score_warps", "score_block", "score_heads", "score_groups")
+                for name, x in zip(names, more):
                     kw[name] = x if name in ("score_warps", "score_block") else bool(x)
                 t = safe_time(lambda kw=kw, v=v: lra.latent_attention_lowrank(q, k, h, v, N**-0.5, rope=rot, **kw))
                 print(f"sweep 32K B=1 basis {label(spec)} {kw}: {t:.1f} us", flush=True)

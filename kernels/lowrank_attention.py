@@ -889,6 +889,7 @@ def latent_attention_lowrank(
     score_warps: int = 4,
     score_block: int = 64,
     score_heads: bool | None = None,
+    score_groups: bool = False,
     num_warps: int = 8,
     num_stages: int = 2,
 ) -> torch.Tensor:
@@ -909,7 +910,9 @@ def latent_attention_lowrank(
     before RoPE or low rank): a first launch writes every slot's scores [B, H, cap] float32 (`score_warps` warps:
     the key work alone, no latent accumulators, so no register spills; tiles of `score_block` slots), a program per
     KV head and about `score_tokens` slots, or (`score_heads`) a program for every KV head of about score_tokens / K
-    slots that computes RoPE's cos/sin once for all of them; a second runs softmax and latents over them; False: both per tile in one program (255 registers and
+    slots that computes RoPE's cos/sin once for all of them, or (`score_groups`, a joint basis) a program per latent
+    group that rebuilds its g KV heads in one dot per RoPE half (the coefficients dequantized once per tile for the g
+    heads, not once per head); a second runs softmax and latents over them; False: both per tile in one program (255 registers and
     spills on an H100). `fast_rope`: RoPE computed in the kernel takes the SFU's cos/sin after a float32 reduction to
     [-pi, pi] (abs error about 5e-7, below the bf16 tables' rounding), not libdevice's (about 90 instructions each)."""
     if not isinstance(view, LayerView):
@@ -985,11 +988,13 @@ def latent_attention_lowrank(
             # (None: all K where a head's rebuild is small, i.e. not over a joint basis: measured on an H100)
             heads = score_heads if score_heads is not None else not (lowrank and r.basis.blocks == 1 and K > 1)
             per = max(SBT, score_tokens // K) if heads else score_tokens
+            grp = score_groups and not heads and wb > 1  # the score launch by latent groups (a joint basis)
             phases = ((1, max(ns, triton.cdiv(r.capacity, per))), (2, ns)) if two else ((0, ns),)
             for phase, nsp in phases:
                 tile = SBT if phase == 1 else BT
                 kall = heads and phase == 1
-                _lr_kernel[(nsp, 1 if kall else K if phase == 1 else G, B)](
+                whole = phase != 1 or grp  # programs of whole latent groups
+                _lr_kernel[(nsp, 1 if kall else G if whole else K, B)](
                     q,
                     q.stride(0),
                     q.stride(1),
@@ -1046,13 +1051,13 @@ def latent_attention_lowrank(
                     nsp,
                     N=n,
                     NH=NH,
-                    GS=1 if phase == 1 else g,  # the score launch: a program per KV head
+                    GS=g if whole else 1,  # the score launch: a program per KV head, unless by groups
                     REP=rep,
-                    QGP=max(16, pow2(rep)) if phase == 1 else QGP,
+                    QGP=QGP if whole else max(16, pow2(rep)),
                     BT=tile,
                     LOWRANK=lowrank,
                     HPB=hpb,
-                    WB=1 if phase == 1 else wb,
+                    WB=wb if whole else 1,
                     KC=KC,
                     KRC=max(16, coef_chunk),
                     KPLANE=lowrank and KB in (2, 4, 8) and KCG == 1 and KTG % tile == 0,
