@@ -37,6 +37,9 @@ class KeyBasis:
     mean: torch.Tensor
     heads: int  # K
     head_dim: int  # n
+    # tensor parallelism over a joint basis: each rank holds its heads' rows of enc and columns of dec (shard), encodes
+    # its heads' share of every coefficient, and the shares are summed over this process group
+    group: object | None = None
 
     def __post_init__(self):
         if self.enc.ndim == 2:  # [K n, C]: one joint block
@@ -57,6 +60,10 @@ class KeyBasis:
         Kb = self.blocks
         x = k.float().transpose(1, 2).reshape(B, T, K * n) - self.mean.to(k.device)
         c = torch.einsum("btjn,jnr->bjtr", x.view(B, T, Kb, K * n // Kb), self.enc[:, :, :rank].to(k.device))
+        if self.group is not None:  # functional (traceable): the static cache's compiled writes call this too
+            from torch.distributed import _functional_collectives as funcol
+
+            c = funcol.all_reduce(c, "sum", self.group)
         return c.to(k.dtype)
 
     def decode(self, c: torch.Tensor) -> torch.Tensor:
@@ -95,6 +102,21 @@ def pair_mean(q2: torch.Tensor, K: int, n: int) -> torch.Tensor:
     return (0.5 * (e + e.roll(n // 2, -1))).flatten()
 
 
+def shard(basis: KeyBasis, rank: int, size: int, group) -> KeyBasis:
+    """A tensor-parallel rank's part of a layer's basis; the rank holds KV heads [rank K/size, (rank + 1) K/size) (whole
+    latent groups). Per head: those heads' blocks. Joint: every coefficient, from those heads' rows of enc and for
+    their columns of dec; encoding sums the ranks' shares over `group` (each rank caches all the coefficients and
+    rebuilds its own heads)."""
+    K, n = basis.heads, basis.head_dim
+    k = K // size
+    lo, hi = rank * k * n, (rank + 1) * k * n
+    if basis.blocks == K:
+        part = slice(rank * k, (rank + 1) * k)
+        return KeyBasis(basis.enc[part], basis.dec[part], basis.mean[lo:hi], k, n)
+    enc, dec = basis.enc[:, lo:hi].contiguous(), basis.dec[:, :, lo:hi].contiguous()
+    return KeyBasis(enc, dec, basis.mean[lo:hi].contiguous(), k, n, group)
+
+
 def missing(schedule, basis: KeyBasis | list[KeyBasis] | None) -> str | None:
     """Why the schedule's levels with low-rank keys cannot read `basis` (one layer's, or every layer's), or None when
     they can: the one check behind load(), tale-eval's overrides and TaleLayerCache. key_rank counts coefficients per
@@ -105,7 +127,8 @@ def missing(schedule, basis: KeyBasis | list[KeyBasis] | None) -> str | None:
     if basis is None:
         return f"key_rank {kr} needs the artifact's key basis (tale-convert --key-basis)"
     bases = basis if isinstance(basis, list) else [basis]
-    if any(b.blocks != schedule.key_blocks for b in bases):
+    # key_blocks is 1 (joint) or the model's K (per head); a tensor-parallel rank's per-head basis has its own K / N
+    if any(b.blocks != (1 if schedule.key_blocks == 1 else b.heads) for b in bases):
         return (
             f"the schedule counts key_rank in {schedule.key_blocks} key basis block(s), the key basis has "
             f"{bases[0].blocks}"

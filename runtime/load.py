@@ -158,8 +158,6 @@ def load(
                     f"{', '.join(families.TENSOR_PARALLEL)}): use tp_size 1"
                 )
             tp.check_size(tp_size, arch.num_groups, g, root)
-            if any(lv.key_rank for lv in sched.levels):
-                raise ValueError("low-rank keys (key_rank) are not split over tensor-parallel ranks: use tp_size 1")
 
     model, rank_tp = meta_model(config, g, dtype, tp_cfg, mesh)
 
@@ -194,6 +192,9 @@ def load(
             model.tie_weights()
         # low-rank keys (Level.key_rank): the artifact's key basis, if it has one (verify_files refused it unlisted)
         basis = key_basis.load_file(root, arch.num_layers, arch.num_kv_heads, arch.head_dim, device)
+        if basis is not None and rank_tp is not None:  # this rank's heads (runtime/key_basis.py, shard)
+            group = rank_tp.mesh.get_group()
+            basis = [key_basis.shard(b, rank_tp.rank, rank_tp.size, group) for b in basis]
         if why := key_basis.missing(sched, basis):
             raise ArtifactError(f"{root}: the schedule's low-rank keys: {why}")
     finish(model, device, TaleSpec(arch, sched, basis, manifest, root, tp=rank_tp))

@@ -1,10 +1,10 @@
 """One rank of tests/test_tp.py: started twice (RANK 0 and 1, gloo on the CPU), writes what it saw to OUT.rank{r}.json.
 
-    python tests/tp_rank.py OUT GOOD_ARTIFACT ODD_ARTIFACT TIED_ARTIFACT PROMPT_IDS NEW_TOKENS
+    python tests/tp_rank.py OUT GOOD_ARTIFACT ODD_ARTIFACT TIED_ARTIFACT LOWRANK_ARTIFACT LOWRANK_HEAD_ARTIFACT PROMPT_IDS NEW_TOKENS
 
 Cases, in one process group (starting Python and torch costs more than all of them): greedy tokens and per-rank cache
 bytes through model.generate (dynamic cache with the fused output, and with the factored one and O^r left unread;
-static cache; both with the prefill in pieces; tied embeddings); the compiled decode step; an artifact whose groups do not split over 2 ranks; a bad
+static cache; both with the prefill in pieces; tied embeddings; low-rank keys on a joint and a per-head basis); the compiled decode step; an artifact whose groups do not split over 2 ranks; a bad
 path on rank 1 only; the same through `tale-run --tp 2`; benchmarks/bench_tp.py --tiny (with --throughput).
 """
 
@@ -37,6 +37,17 @@ def generate(model, ids: list[int], new: int, **cache_kw) -> tuple[list[int], in
 
 
 @torch.inference_mode()
+def coefficients(model, ids: list[int]) -> list[float]:
+    """Layer 0's low-rank key coefficients after a prefill of ids (dynamic cache), dequantized."""
+    from tale_runtime.quant import dequantize
+
+    cache = new_cache(model)
+    model(torch.tensor([ids]), **cache_arg(cache))
+    region = next(r for r in cache.layers[0].view().regions if r.basis is not None)
+    return dequantize(region.keys).flatten().tolist()
+
+
+@torch.inference_mode()
 def decode_step(model, ids: list[int]) -> bool:
     """DecodeStep (what the CUDA graph of a GPU decode step holds: the code around attention compiled, here traced
     without inductor) gives the model's forward's logits bit for bit under tensor parallelism."""
@@ -65,7 +76,7 @@ def failure(fn) -> dict | None:
 
 
 def main() -> None:
-    out, good, odd, tied, prompt, new = sys.argv[1:7]
+    out, good, odd, tied, lowrank, lowrank_head, prompt, new = sys.argv[1:9]
     rank = int(os.environ["RANK"])
     ids, new = json.loads(prompt), int(new)
     res: dict = {"rank": rank}
@@ -90,6 +101,12 @@ def main() -> None:
     del model
     model, _ = load(tied, device="cpu", dtype=torch.float32, tp_size=2)
     res["tied"] = generate(model, ids, new)
+    for name, path in (("lowrank", lowrank), ("lowrank_head", lowrank_head)):
+        model, _ = load(path, device="cpu", dtype=torch.float32, tp_size=2)
+        res[name] = generate(model, ids, new)
+        res[name + "_static"] = generate(model, ids, new, static=True)
+        res[name + "_coefficients"] = coefficients(model, ids)
+        del model
     res["odd"] = failure(lambda: load(odd, device="cpu", dtype=torch.float32, tp_size=2))
     res["bad_path"] = failure(
         lambda: load(good if rank == 0 else good + "-missing", device="cpu", dtype=torch.float32, tp_size=2)
