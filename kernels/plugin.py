@@ -120,9 +120,9 @@ def _lowrank_reason(spec: CacheSpec) -> str | None:
 @dataclass(frozen=True)
 class LowRankBackend(backends.AttentionBackend):
     """The Triton kernel for keys before RoPE and low-rank keys (lowrank_attention.py): reads every layout of the
-    lowrank preset, with RoPE from each region's tables. Slower than the paper kernels (on an H100 at 32K batch 1:
-    213 us against the paper CUDA kernel's 36 us, docs/performance.md) but far faster than the torch reference, so
-    "auto" picks it last: for the caches the other kernels do not read."""
+    lowrank preset, with RoPE from each region's tables or Rotary. Slower than the paper kernels (on an H200 at 32K
+    batch 1, per-head key basis: 186 us against the paper CUDA kernel's 34 us, docs/performance.md) but far faster
+    than the torch reference, so "auto" picks it last: for the caches the other kernels do not read."""
 
     name: str = "triton-lowrank"
     label: str = "triton low-rank-key kernel"
