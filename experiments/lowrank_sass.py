@@ -26,7 +26,7 @@ R0, VG, SPEC = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 sys.argv = sys.argv[:1]
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import bench_lowrank_kernel as b  # noqa: E402
-from sass_common import sass  # noqa: E402
+from sass_common import POINTER_TYPES, sass  # noqa: E402
 
 b.DEV, b.R0, b.VG = "cpu", R0, VG
 from tale_kernels import lowrank_attention as lra  # noqa: E402
@@ -50,15 +50,6 @@ spec = b.parse_spec(SPEC)
 q, k, h = b.new_token(1)
 v = b.kernel_view(b.lowrank_view(1, 32768, spec, rot))
 lra.latent_attention_lowrank(q, k, h, v, 128**-0.5, rope=rot, **json.loads(os.environ.get("KW", "{}")))
-TY = {
-    torch.uint8: "*u8",
-    torch.bfloat16: "*bf16",
-    torch.float16: "*fp16",
-    torch.float32: "*fp32",
-    torch.int32: "*i32",
-    torch.int64: "*i64",
-    torch.float8_e4m3fn: "*fp8e4nv",
-}
 for n, (grid, a, kw) in enumerate(calls):
     kw = dict(kw)
     warps, stages = kw.pop("num_warps"), kw.pop("num_stages")
@@ -72,7 +63,7 @@ for n, (grid, a, kw) in enumerate(calls):
             continue
         val = pos.pop(0)
         if isinstance(val, torch.Tensor):
-            sig[nm] = TY[val.dtype]
+            sig[nm] = POINTER_TYPES[val.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(val, float):
             sig[nm] = "fp32"

@@ -5,7 +5,19 @@ import os
 import re
 import subprocess
 
+import torch
 import triton
+
+# a tensor argument's Triton signature type, by its dtype (what the JIT would specialize)
+POINTER_TYPES = {
+    torch.uint8: "*u8",
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.float32: "*fp32",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+    torch.float8_e4m3fn: "*fp8e4nv",
+}
 
 OP = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T] )?([A-Z0-9_]+)", re.M)
 BRA = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T] )?BRA (0x[0-9a-f]+)")

@@ -26,7 +26,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from sass_common import sass
+from sass_common import POINTER_TYPES, sass
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -65,17 +65,6 @@ def compile_sm90(fn, sig, cx, attrs):
     )
 
 
-TYPES = {
-    torch.uint8: "*u8",
-    torch.bfloat16: "*bf16",
-    torch.float16: "*fp16",
-    torch.float32: "*fp32",
-    torch.int32: "*i32",
-    torch.int64: "*i64",
-    torch.float8_e4m3fn: "*fp8e4nv",
-}
-
-
 def onepass_kernel(which, bits):
     """Compile _attn_kernel with the runtime/constexpr tuples that latent_attention builds for a CPU copy of the
     benchmark's view (bench_decode.synth_view / preset_schedule), typed as the JIT would type them."""
@@ -102,7 +91,7 @@ def onepass_kernel(which, bits):
 
     def ty(v):
         if isinstance(v, torch.Tensor):
-            return TYPES[v.dtype]
+            return POINTER_TYPES[v.dtype]
         return "fp32" if isinstance(v, float) else "i32"
 
     fn = A._attn_kernel
