@@ -597,8 +597,7 @@ class StaticTaleLayer(TaleCacheLayer):
         """Quantize the first q residual tokens into the top level at its write counter w."""
         c = self.cache
         L = len(c.schedule.levels) - 1
-        tab = c.rotary.tables(c.pos[-1][:, :q]) if c.rotary else tuple(x[:, :q] for x in c.rope[-1]) if c.rope else None
-        keys, lat = self._quant(L, self.res_k[:, :, :q], self.res_h[:, :, :q], tab)
+        keys, lat = self._quant(L, self.res_k[:, :, :q], self.res_h[:, :, :q], c._residual_rope(q))
         for slot, off, n in _spans(w, q, c.caps[L]):
             self._put_level(L, keys, lat, slot, off, n)
         left = c.book.res_len  # tokens after the flushed ones (chunks only)
@@ -806,7 +805,8 @@ class StaticTaleCache(CacheStep, Cache):
         B, T, dev = k.shape[0], k.shape[-2], k.device
         if valid is None:
             valid = torch.ones(B, T, dtype=torch.bool, device=dev)
-        pad = int((~valid).int().cumprod(dim=-1).sum(dim=-1).max())  # leading padding (the prefill's one sync)
+        lead = (~valid).int().cumprod(dim=-1).sum(dim=-1, dtype=torch.int32)  # each row's leading padding
+        pad = int(lead.max())  # the prefill's one sync
         max_length = self.max_length or T
         if max_length < T:
             raise ValueError(f"static cache: the prompt ({T} tokens) is longer than max_length ({max_length})")
@@ -835,7 +835,6 @@ class StaticTaleCache(CacheStep, Cache):
         self.rotary, self.rope = None, []
         if pre and self._rotary_args is not None:  # the row's left padding: rope position = cache position - it
             inv, scaling = self._rotary_args
-            lead = (~valid).int().cumprod(dim=-1).sum(dim=-1, dtype=torch.int32)
             self.rotary = Rotary(inv.to(device=dev, dtype=torch.float32).contiguous(), scaling, lead, k.dtype)
         elif pre:
             f32 = dict(dtype=torch.float32, device=dev)  # the tables as the dynamic cache reads them (RopeTables.at)
@@ -909,6 +908,12 @@ class StaticTaleCache(CacheStep, Cache):
         self.generation += 1  # captured graphs read the regions' rotation
         for layer in self.layers:
             layer._view = None
+
+    def _residual_rope(self, q: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The RoPE tables (cos, sin [B, q, n]) of the residual's first q slots with key_rope "pre", else None."""
+        if self.rotary is not None:
+            return self.rotary.tables(self.pos[-1][:, :q])
+        return tuple(x[:, :q] for x in self.rope[-1]) if self.rope else None
 
     def _rope_tensors(self) -> list[torch.Tensor]:
         if self.rotary is not None:
