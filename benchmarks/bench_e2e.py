@@ -59,10 +59,18 @@ def log(*a):
     print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
 
 
-def build(quick: bool, device: str, layers: int | None = None, dtype: torch.dtype | None = None, preset: str = "paper"):
+def build(
+    quick: bool,
+    device: str,
+    layers: int | None = None,
+    dtype: torch.dtype | None = None,
+    preset: str = "paper",
+    key_basis_blocks: str = "head",
+):
     """The random base model, and its TALE attention modules (sharing q/k/o projections). preset "lowrank": the
-    `lowrank` preset's schedule (tale-convert's, per-head key basis: 7/24 of each head's dims as coefficients) with a
-    random orthonormal key basis per layer, decoded by the low-rank-key kernel (`triton-lowrank`) on a GPU."""
+    `lowrank` preset's schedule (tale-convert's: 7/24 of each basis block's dims as coefficients; blocks per
+    `key_basis_blocks`: joint, group or head) with a random orthonormal key basis per layer, decoded by the
+    low-rank-key kernel (`triton-lowrank`) on a GPU."""
     if quick:
         cfg = dict(harness.SMOKE, num_hidden_layers=2, head_dim=32)
     else:
@@ -109,13 +117,19 @@ def build(quick: bool, device: str, layers: int | None = None, dtype: torch.dtyp
 
         # the preset's latent groups (64) on the GPU; the quick model's tiny widths keep 8
         opts = Options(
-            group=g, preset="lowrank", key_group=vg, value_group=vg if quick else None, key_basis_blocks="head"
+            group=g,
+            preset="lowrank",
+            key_group=vg,
+            value_group=vg if quick else None,
+            key_basis_blocks=key_basis_blocks,
         )
         sched = opts.schedule(R, L, Kh, n)
         gen = torch.Generator().manual_seed(0)
         basis = []
-        for _ in range(L):  # per KV head an orthonormal basis (timing does not depend on which)
-            enc = torch.linalg.qr(torch.randn(Kh, n, n, generator=gen))[0]
+        Kb = opts.blocks(Kh)
+        nb = Kh * n // Kb
+        for _ in range(L):  # per block an orthonormal basis (timing does not depend on which)
+            enc = torch.linalg.qr(torch.randn(Kb, nb, nb, generator=gen))[0]
             dec = enc.transpose(1, 2).contiguous()
             basis.append(KeyBasis(enc.to(device), dec.to(device), torch.zeros(Kh * n, device=device), Kh, n))
         backend = "triton-lowrank" if device == "cuda" else "auto"

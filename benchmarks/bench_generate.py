@@ -96,10 +96,13 @@ def main() -> None:
     ap.add_argument(
         "--preset", default="paper", choices=["paper", "lowrank"], help="the TALE schedule (bench_e2e.build)"
     )
+    ap.add_argument(
+        "--key-basis-blocks", default="group", choices=["joint", "group", "head"], help="the lowrank preset's key basis"
+    )
     a = ap.parse_args()
     device = "cpu" if a.quick else "cuda"
     ctx, n, m = (64, 8, 2) if a.quick else (a.ctx, a.new, 4)
-    model, orig, tale = e2e.build(a.quick, device, preset=a.preset)
+    model, orig, tale = e2e.build(a.quick, device, preset=a.preset, key_basis_blocks=a.key_basis_blocks)
     e2e.use(model, tale)
     ids = torch.randint(
         1, model.config.vocab_size, (1, ctx), device=device, generator=torch.Generator(device).manual_seed(0)
@@ -121,7 +124,8 @@ def main() -> None:
         e2e.log("transformers static + compile", hf)
     lines = [
         f"Decode through the user paths, bench_e2e's random model ({len(model.model.layers)} layers), context {ctx}, "
-        f"batch 1, {gpu}, {versions}",
+        f"batch 1, {gpu}, {versions}, preset {a.preset}"
+        + (f" (key basis: {a.key_basis_blocks})" if a.preset == "lowrank" else ""),
         "",
         "| path | first call of the process s | a later call s | ms/token | vs the inner loop |",
         "|---|---:|---:|---:|---:|",

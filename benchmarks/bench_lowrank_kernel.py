@@ -9,7 +9,8 @@ before RoPE, 4 bits per coefficient over groups of 32 tokens, 3-bit latents at r
 scales per --value-group channels (the preset's: 64, every level); the recent 5% as 4-bit keys before RoPE per
 channel over 32 tokens with 4-bit full-rank latents; the last < 32 tokens as 8-bit keys per token over 64 channels
 with 8-bit latents; fp8 scales and zeros ("8/8") everywhere. Key bases (--ranks): "296" a joint basis at rank 296
-(the preset's 7/24 of K n = 1024), "160" joint at 160 (what ShadowKV keeps), "320h" a per-head basis with 320
+(7/24 of K n = 1024), "160" joint at 160 (what ShadowKV keeps), "304g" a basis per latent group of 4 KV heads
+with 152 coefficients each (the preset's), "320h" a per-head basis with 320
 coefficients in all (the preset's 40 per KV head with --key-basis-blocks head: 8x fewer rebuild multiply-adds per
 coefficient). The tables of 2026-11-28 in docs/performance.md ran the earlier preset: --r0 416 --value-group 32. RoPE: Llama-3.1's (theta 5e5, llama3 scaling) computed in the kernel from the rotary's
 inv_freq. Random codes and metadata (real weights cannot travel), bf16. Times: medians of CUDA-graph replays with
@@ -107,16 +108,19 @@ def lengths(L: int) -> tuple[int, int, int, int]:
 
 
 def parse_spec(spec: str) -> tuple[int, int]:
-    """--ranks entry -> (coefficients per basis block, blocks): "432" joint (432, 1), "432h" per head (54, K)."""
-    if spec.endswith("h"):
-        total = int(spec[:-1])
-        return total // K, K
+    """--ranks entry -> (coefficients per basis block, blocks): "432" joint (432, 1), "432g" per latent group
+    (216, G), "432h" per head (54, K)."""
+    if spec[-1:] in ("h", "g"):
+        blocks = K if spec[-1] == "h" else G
+        return int(spec[:-1]) // blocks, blocks
     return int(spec), 1
 
 
 def label(spec: tuple[int, int]) -> str:
     r, blocks = spec
-    return f"{r} joint" if blocks == 1 else f"{r * blocks} per head ({r} x {blocks})"
+    if blocks == 1:
+        return f"{r} joint"
+    return f"{r * blocks} per {'head' if blocks == K else 'group'} ({r} x {blocks})"
 
 
 def basis(blocks: int = 1, seed: int = 0) -> KeyBasis:
@@ -220,7 +224,7 @@ def check(rot, cases) -> bool:
             verdict = "ok" if good else f"FAIL {why or ''}"
             print(f"check B={B} L={L} basis {label(spec)} pad={pad} window={window} rope={mode}: rel {e:.2e} {verdict}")
     if not DRY:
-        for spec in ((432, 1), (54, K)):
+        for spec in ((432, 1), (216, G), (54, K)):
             B, L = 2, 5000
             view = with_tables(lowrank_view(B, L, spec, rot), rot, None)
             q, k, h = new_token(B)
@@ -338,7 +342,9 @@ def main() -> int:
     ap.add_argument("--dry", action="store_true")
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--batches", default="1,4")
-    ap.add_argument("--ranks", default="320h,296,160", help="key bases: r joint, or <total>h per head")
+    ap.add_argument(
+        "--ranks", default="320h,296,160", help="key bases: r joint, <total>g per latent group or <total>h per head"
+    )
     ap.add_argument("--r0", type=int, default=512, help="the low-rank level's latent rank")
     ap.add_argument("--value-group", type=int, default=64, help="latent channels per scale")
     ap.add_argument("--no-check", action="store_true")
@@ -359,6 +365,7 @@ def main() -> int:
     rot = rotary(DEV)
     if DRY:
         cases = [(1, 203, (40, 1), None, None), (2, 150, (24, 1), [0, 5], 100), (2, 181, (8, K), [0, 3], None)]
+        cases += [(2, 177, (16, G), [0, 4], None)]
         ok = check(rot, cases)
         print("dry check", "ok" if ok else "FAILED")
         return 0 if ok else 1
@@ -377,6 +384,8 @@ def main() -> int:
             (1, 33001, (54, K), None, None),
             (4, 2051, (432, 1), [0, 0, 5, 9], 700),
             (1, 131073, (160, 1), None, None),
+            (4, 3001, (152, G), [0, 3, 17, 40], 900),
+            (1, 33001, (152, G), None, None),
         ]
         ok = check(rot, cases)
         print("check", "ok" if ok else "FAILED", flush=True)
@@ -389,11 +398,13 @@ def main() -> int:
             v = kernel_view(lowrank_view(1, 32768, spec, rot))
             best = (float("inf"), {})
             for cfg in a.sweep.split(","):
-                bt, kc, w, wv, fh, *more = (int(x) for x in cfg.split("x"))
-                kw = dict(block_t=bt, coef_chunk=kc, num_warps=w, waves=float(wv), fused_heads=bool(fh))
-                names = ("two_pass", "fast_rope", "score_warps", "score_block", "score_heads", "score_groups")
-                for name, x in zip(names, more):
-                    kw[name] = x if name in ("score_warps", "score_block") else bool(x)
+                kw = {}
+                if cfg:  # '': the kernel's defaults
+                    bt, kc, w, wv, fh, *more = (int(x) for x in cfg.split("x"))
+                    kw = dict(block_t=bt, coef_chunk=kc, num_warps=w, waves=float(wv), fused_heads=bool(fh))
+                    names = ("two_pass", "fast_rope", "score_warps", "score_block", "score_heads", "score_groups")
+                    for name, x in zip(names, more):
+                        kw[name] = x if name in ("score_warps", "score_block") else bool(x)
                 t = safe_time(lambda kw=kw, v=v: lra.latent_attention_lowrank(q, k, h, v, N**-0.5, rope=rot, **kw))
                 print(f"sweep 32K B=1 basis {label(spec)} {kw}: {t:.1f} us", flush=True)
                 if t < best[0]:

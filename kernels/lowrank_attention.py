@@ -759,8 +759,8 @@ def supported(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, view, r
             if not isinstance(bs, KeyBasis) or r.rope is None and rot is None:
                 return "low-rank keys without RoPE tables or a rotary"
             kr, Kb = r.keys.shape[-1], bs.blocks
-            if Kb not in (1, K):
-                return f"a key basis of {Kb} blocks for {K} KV heads (one joint block or one per head)"
+            if Kb < 1 or K % Kb:
+                return f"a key basis of {Kb} blocks for {K} KV heads (blocks of whole heads)"
             if (
                 tuple(bs.dec.shape[::2]) != (Kb, K * n // Kb)
                 or bs.dec.shape[1] < kr
@@ -877,7 +877,7 @@ def latent_attention_lowrank(
     rope=None,
     rope_offset: torch.Tensor | None = None,
     block_t: int = 64,
-    coef_chunk: int = 16,  # 40 coefficients per head in 3 chunks, not 2 of 32: 193 -> 185 us at 32K batch 1 (H200)
+    coef_chunk: int | None = None,
     min_split: int = 64,
     waves: float = 4.0,
     split_tokens: int | None = None,
@@ -886,10 +886,10 @@ def latent_attention_lowrank(
     two_pass: bool = True,
     fast_rope: bool = True,
     score_tokens: int = 256,
-    score_warps: int = 4,
+    score_warps: int | None = None,
     score_block: int = 64,
     score_heads: bool | None = None,
-    score_groups: bool = False,
+    score_groups: bool | None = None,
     num_warps: int = 8,
     num_stages: int = 2,
 ) -> torch.Tensor:
@@ -901,18 +901,20 @@ def latent_attention_lowrank(
     the model's rotary embedding (model.model.rotary_emb: .inv_freq, .attention_scaling) or a pair
     (inv_freq, attention_scaling) computes them in the kernel at each slot's rope position = cache position minus
     `rope_offset` [B] (default: the row's padding slots, transformers' convention for left-padded batches).
-    `split_tokens` fixes the slots per split (tests); `coef_chunk` the coefficients per rebuild step. `fused_heads`
-    rebuilds the low-rank keys of a latent group's KV heads on a joint basis in one [block_t, coef_chunk] x
-    [coef_chunk, g n/2] dot per RoPE half and scores them in one block-diagonal dot (the coefficients dequantized
-    once per tile); False: head by head (the coefficients dequantized once per head, small dots). A per-head basis
-    is always rebuilt head by head (each head has its own coefficients). `concurrent`: the regions' launches run side
-    by side on side streams (CUDA; False: one after the other on the current stream). `two_pass` (regions with keys
-    before RoPE or low rank): a first launch writes every slot's scores [B, H, cap] float32 (`score_warps` warps:
-    the key work alone, no latent accumulators, so no register spills; tiles of `score_block` slots), a program per
-    KV head and about `score_tokens` slots, or (`score_heads`) a program for every KV head of about score_tokens / K
-    slots that computes RoPE's cos/sin once for all of them, or (`score_groups`, a joint basis) a program per latent
-    group that rebuilds its g KV heads in one dot per RoPE half (the coefficients dequantized once per tile for the g
-    heads, not once per head); a second runs softmax and latents over them; False: both per tile in one program (255 registers and
+    `split_tokens` fixes the slots per split (tests); `coef_chunk` the coefficients per rebuild step (None: 32 for
+    the score launch by groups, else 16). `fused_heads` rebuilds the low-rank keys of a latent group's KV heads on a
+    joint or per-group basis in one [block_t, coef_chunk] x [coef_chunk, g n/2] dot per RoPE half and scores them in
+    one block-diagonal dot (the coefficients dequantized once per tile); False: head by head (the coefficients
+    dequantized once per head, small dots). A per-head basis is always rebuilt head by head (each head has its own
+    coefficients). `concurrent`: the regions' launches run side by side on side streams (CUDA; False: one after the
+    other on the current stream). `two_pass` (regions with keys before RoPE or low rank): a first launch writes every
+    slot's scores [B, H, cap] float32 (`score_warps` warps, None: 8 by groups, else 4: the key work alone, no latent
+    accumulators, so no register spills; tiles of `score_block` slots), a program per KV head and about
+    `score_tokens` slots, or (`score_heads`) a program for every KV head of about score_tokens / K slots that
+    computes RoPE's cos/sin once for all of them, or (`score_groups`, None: wherever a basis block holds several
+    heads) a program per latent group that rebuilds its g KV heads in one dot per RoPE half (the coefficients
+    dequantized once per tile for the g heads, not once per head); a second runs softmax and latents over them;
+    False: both per tile in one program (255 registers and
     spills on an H100). `fast_rope`: RoPE computed in the kernel takes the SFU's cos/sin after a float32 reduction to
     [-pi, pi] (abs error about 5e-7, below the bf16 tables' rounding), not libdevice's (about 90 instructions each)."""
     if not isinstance(view, LayerView):
@@ -985,10 +987,17 @@ def latent_attention_lowrank(
             two = two_pass and (lowrank or mode != 0)
             sc = torch.empty(B, H, r.capacity, device=dev, dtype=torch.float32) if two else pm  # pm: never read
             # the score launch's programs: about score_tokens slots of one KV head each, or (score_heads) of all K
-            # (None: all K where a head's rebuild is small, i.e. not over a joint basis: measured on an H100)
-            heads = score_heads if score_heads is not None else not (lowrank and r.basis.blocks == 1 and K > 1)
+            # (None: all K where a head's rebuild is small, i.e. over plain keys or a per-head basis: measured on an
+            # H100)
+            heads = score_heads if score_heads is not None else not (lowrank and hpb > 1)
             per = max(SBT, score_tokens // K) if heads else score_tokens
-            grp = score_groups and not heads and wb > 1  # the score launch by latent groups (a joint basis)
+            # the score launch by latent groups (blocks of heads; None: wherever a block holds several heads), 8
+            # warps over 32 coefficients at a time; else 4 warps over 16 (per head: 40 coefficients in 3 chunks, not
+            # 2 of 32). Measured at 32K batch 1 on an H200: a basis per group of 4 heads 272 -> 201 us, joint
+            # 350 -> 257 us; per head 186 us either way (docs/kernels.md)
+            grp = (score_groups if score_groups is not None else hpb > 1) and not heads and wb > 1
+            krc = coef_chunk or (32 if grp else 16)
+            swarps = score_warps or (8 if grp else 4)
             phases = ((1, max(ns, triton.cdiv(r.capacity, per))), (2, ns)) if two else ((0, ns),)
             for phase, nsp in phases:
                 tile = SBT if phase == 1 else BT
@@ -1059,7 +1068,7 @@ def latent_attention_lowrank(
                     HPB=hpb,
                     WB=wb if whole else 1,
                     KC=KC,
-                    KRC=max(16, coef_chunk),
+                    KRC=max(16, krc),
                     KPLANE=lowrank and KB in (2, 4, 8) and KCG == 1 and KTG % tile == 0,
                     KBITS=KB,
                     KTG=KTG,
@@ -1089,7 +1098,7 @@ def latent_attention_lowrank(
                     DOT=dot,
                     PHASE=phase,
                     KALL=kall,
-                    num_warps=score_warps if phase == 1 else num_warps,
+                    num_warps=swarps if phase == 1 else num_warps,
                     num_stages=num_stages,
                 )
         slot0 += ns

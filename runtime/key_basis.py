@@ -27,7 +27,7 @@ def names(layer: int) -> tuple[str, str, str]:
 @dataclass
 class KeyBasis:
     """One layer's basis in `blocks` independent blocks of the joined key [K n]: 1 block spans every KV head
-    (joint), K blocks one head each (per head). Block j: c_j = (k_j - mean_j) enc[j, :, :r],
+    (joint), K / g blocks one latent group of g heads each (per group), K blocks one head each (per head). Block j: c_j = (k_j - mean_j) enc[j, :, :r],
     k_j ~ mean_j + c_j dec[j, :r] (enc [Kb, nb, C], dec [Kb, C, nb], mean [K n] with nb = K n / Kb; C <= nb
     directions, most important first; float32). Rebuilding a token's keys costs Kb r nb multiply-adds: a per-head
     basis costs K times less than the joint one at the same number of coefficients."""
@@ -40,6 +40,7 @@ class KeyBasis:
     # tensor parallelism over a joint basis: each rank holds its heads' rows of enc and columns of dec (shard), encodes
     # its heads' share of every coefficient, and the shares are summed over this process group
     group: object | None = None
+    tp: int = 1  # the tensor-parallel ranks the model's blocks are split over (shard): blocks x tp of them in all
 
     def __post_init__(self):
         if self.enc.ndim == 2:  # [K n, C]: one joint block
@@ -78,7 +79,7 @@ def fit(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(enc [Kb, nb, nb], dec [Kb, nb, nb]) from the keys' second moment m2 [C, C] and mean [C] and the queries'
     per-channel second moments q2 [C] (None: plain principal directions), one basis per diagonal block of m2
-    (blocks = 1: joint over the heads; K: per head). enc = W^1/2 U, dec = U^T W^-1/2 with U the eigenvectors of the
+    (blocks = 1: joint over the heads; K / g: per latent group; K: per head). enc = W^1/2 U, dec = U^T W^-1/2 with U the eigenvectors of the
     weighted covariance W^1/2 (m2 - mean mean^T) W^1/2, largest first: the truncation keeps what the logits see
     most (pass q2 through pair_mean: RoPE mixes a channel with its pair)."""
     C = m2.shape[0]
@@ -104,15 +105,16 @@ def pair_mean(q2: torch.Tensor, K: int, n: int) -> torch.Tensor:
 
 def shard(basis: KeyBasis, rank: int, size: int, group) -> KeyBasis:
     """A tensor-parallel rank's part of a layer's basis; the rank holds KV heads [rank K/size, (rank + 1) K/size) (whole
-    latent groups). Per head: those heads' blocks. Joint: every coefficient, from those heads' rows of enc and for
-    their columns of dec; encoding sums the ranks' shares over `group` (each rank caches all the coefficients and
-    rebuilds its own heads)."""
+    latent groups). Per head or per latent group: those heads' blocks. Joint: every coefficient, from those heads' rows
+    of enc and for their columns of dec; encoding sums the ranks' shares over `group` (each rank caches all the
+    coefficients and rebuilds its own heads)."""
     K, n = basis.heads, basis.head_dim
     k = K // size
     lo, hi = rank * k * n, (rank + 1) * k * n
-    if basis.blocks == K:
-        part = slice(rank * k, (rank + 1) * k)
-        return KeyBasis(basis.enc[part], basis.dec[part], basis.mean[lo:hi], k, n)
+    if basis.blocks > 1:  # blocks of whole heads, never split by whole latent groups
+        per = basis.blocks // size
+        part = slice(rank * per, (rank + 1) * per)
+        return KeyBasis(basis.enc[part], basis.dec[part], basis.mean[lo:hi], k, n, tp=size)
     enc, dec = basis.enc[:, lo:hi].contiguous(), basis.dec[:, :, lo:hi].contiguous()
     return KeyBasis(enc, dec, basis.mean[lo:hi].contiguous(), k, n, group)
 
@@ -127,8 +129,8 @@ def missing(schedule, basis: KeyBasis | list[KeyBasis] | None) -> str | None:
     if basis is None:
         return f"key_rank {kr} needs the artifact's key basis (tale-convert --key-basis)"
     bases = basis if isinstance(basis, list) else [basis]
-    # key_blocks is 1 (joint) or the model's K (per head); a tensor-parallel rank's per-head basis has its own K / N
-    if any(b.blocks != (1 if schedule.key_blocks == 1 else b.heads) for b in bases):
+    # key_blocks is 1 (joint), K / g (per latent group) or K (per head); a tensor-parallel rank holds 1 / tp of them
+    if any(b.blocks * (1 if schedule.key_blocks == 1 else b.tp) != schedule.key_blocks for b in bases):
         return (
             f"the schedule counts key_rank in {schedule.key_blocks} key basis block(s), the key basis has "
             f"{bases[0].blocks}"
@@ -138,7 +140,8 @@ def missing(schedule, basis: KeyBasis | list[KeyBasis] | None) -> str | None:
 
 
 def load_file(root: Path, num_layers: int, heads: int, head_dim: int, device) -> list[KeyBasis] | None:
-    """The artifact's key basis per layer, or None when it has none."""
+    """The artifact's key basis per layer, or None when it has none (blocks of whole KV heads; missing() checks them
+    against the schedule)."""
     from safetensors import SafetensorError, safe_open
 
     from .artifact import ArtifactError
@@ -158,11 +161,11 @@ def load_file(root: Path, num_layers: int, heads: int, head_dim: int, device) ->
                 if enc.ndim == 2:  # one joint block (the first format)
                     enc, dec = enc[None], dec[None]
                 Kb = enc.shape[0] if enc.ndim == 3 else 0
-                nb = C // Kb if Kb in (1, heads) else 0
+                nb = C // Kb if Kb and heads % Kb == 0 else 0
                 if not nb or enc.shape[1] != nb or dec.shape != (Kb, enc.shape[2], nb) or mean.shape != (C,):
                     raise ArtifactError(
                         f"{f}: layer {i}: key basis of shapes {tuple(enc.shape)}, {tuple(dec.shape)}; "
-                        f"the model's keys have {heads} heads x {head_dim} channels (one joint block or one per head)"
+                        f"the model's keys have {heads} heads x {head_dim} channels (blocks of whole heads)"
                     )
                 out.append(KeyBasis(enc, dec, mean, heads, head_dim))
     except SafetensorError as e:

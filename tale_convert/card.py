@@ -126,7 +126,12 @@ def _schedule(m: dict) -> str:
         ranks = [rs[i] for rs in s.ranks]
         rank = "?" if not ranks else str(ranks[0]) if len(set(ranks)) == 1 else f"{min(ranks)}..{max(ranks)} (by layer)"
         who = "oldest (middle)" if i == 0 else "most recent" if i == len(s.levels) - 1 else f"level {i}"
-        per = f" per KV head of {C // s.key_blocks}" if s.key_blocks > 1 else f" of {C}"
+        hpb = (arch.get("num_kv_heads") or 0) // s.key_blocks
+        per = (
+            f" of {C}"
+            if s.key_blocks == 1
+            else f" per {'KV head' if hpb == 1 else f'{hpb} KV heads'} of {C // s.key_blocks}"
+        )
         kb = f"{lv.key_bits}" + (f" ({lv.key_rank} coefficients{per})" if lv.key_rank else "")
         rows.append(f"| {i} | {who} | {share:.3g} | {rank} / {R} | {lv.bits} | {kb} |")
     ratio = m.get("nominal_ratio")
@@ -150,7 +155,7 @@ def _schedule(m: dict) -> str:
     if any(lv.key_rank for lv in s.levels):
         lines[-1] += (
             " Low-rank keys: those levels hold the first coefficients of the layer's "
-            + ("keys, per KV head," if s.key_blocks > 1 else "joined keys")
+            + ("joined keys" if s.key_blocks == 1 else "keys, per block of KV heads,")
             + " on the calibrated basis in key_basis.safetensors."
         )
     if ratio is not None:

@@ -89,8 +89,9 @@ def run(
     ),
     key_basis_blocks: Optional[str] = typer.Option(
         None,
-        help="the key basis in blocks: joint (one over each layer's KV heads; the default) or head (one per KV head: "
-        "K times fewer multiply-adds to rebuild keys; key ranks count coefficients per head)",
+        help="the key basis in blocks: joint (one over each layer's KV heads), group (one per latent group of --group "
+        "KV heads: K/g times fewer multiply-adds to rebuild keys than joint, and tensor-parallel ranks need no "
+        "exchange) or head (one per KV head); key ranks count coefficients per block (default: the preset's)",
     ),
     recent: Optional[str] = typer.Option(
         None, help="share p of non-sink tokens at full rank (one per level above 0; default: the preset's)"

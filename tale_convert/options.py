@@ -11,7 +11,7 @@ from tale_runtime.schedule import PRESETS
 
 from . import ConvertError
 
-BASIS_BLOCKS = ("joint", "head")  # --key-basis-blocks
+BASIS_BLOCKS = ("joint", "group", "head")  # --key-basis-blocks
 
 
 @dataclass
@@ -78,12 +78,15 @@ class Options:
         return self.key_basis or any(PRESETS.get(self.preset, {}).get("key_rank", ()))
 
     def blocks(self, kv_heads: int) -> int:
-        """Blocks of the key basis (Schedule.key_blocks): 1 joint, kv_heads per head."""
+        """Blocks of the key basis (Schedule.key_blocks): 1 joint, kv_heads / group per latent group, kv_heads per
+        head."""
         kind = self.key_basis_blocks or PRESETS.get(self.preset, {}).get("key_basis_blocks", "joint")
         if kind not in BASIS_BLOCKS:
             raise ConvertError(f"unknown --key-basis-blocks {kind!r}: use one of {', '.join(BASIS_BLOCKS)}")
         if self.key_basis_blocks and not self.wants_basis():
             raise ConvertError("--key-basis-blocks shapes the key basis: add --key-basis (or use --preset lowrank)")
+        if kind == "group":
+            return max(1, kv_heads // self.group)  # latent groups divide the KV heads (refused at load otherwise)
         return kv_heads if kind == "head" else 1
 
     def _rotate_latents(self, preset: dict, R: int) -> bool:
