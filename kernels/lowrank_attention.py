@@ -964,7 +964,9 @@ def latent_attention_lowrank(
                     r.basis, NH, dev, torch.float32 if q.dtype == torch.float32 else torch.float16
                 )
                 hpb = K // r.basis.blocks
-                wb = min(g, hpb) if fused_heads else 1
+                # a group's heads in one dot where one block holds them all (the query tile is block-diagonal over
+                # the whole group); blocks smaller than a group: head by head
+                wb = g if fused_heads and hpb % g == 0 else 1
             else:
                 dec = dhi = mean = kd
                 hpb, wb = 1, 1

@@ -68,6 +68,9 @@ PRESETS = {
         value_meta="8/8",
         key_rope="pre",
         key_rank=(7 / 24, 0, 0),  # per level, a fraction of the joined key dim K n (0: plain keys)
+        # a basis per latent group of g KV heads: joint where g = K (SmolLM2 at its --group 3, where the quality above
+        # was measured); on Llama-3.1-8B shapes (g = 4, K = 8) half the joint basis' rebuild work (docs/kernels.md)
+        key_basis_blocks="group",
         rotate_latents=True,
     ),
 }

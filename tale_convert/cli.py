@@ -69,7 +69,7 @@ def run(
     sinks: int = typer.Option(D.sinks, help="sink tokens kept at 16 bits (alpha)"),
     preset: str = typer.Option(
         D.preset,
-        help="schedule preset: paper (default; the paper's: KIVI layout, 16-bit scales), tale (2-bit middle keys with the most important half of each head's channels at 3 bits, fp8 scales; read by the GPU kernel) or lowrank (the most accurate per byte on SmolLM2: middle keys before RoPE as 4-bit coefficients on a calibrated key basis, 3-bit latents; its GPU kernel decodes slower than paper's at long contexts)",
+        help="schedule preset: lowrank (default; the most accurate per byte: middle keys before RoPE as 4-bit coefficients on a calibrated key basis per latent group, 3-bit full-rank latents), paper (the paper's: KIVI layout, 16-bit scales; the fastest GPU decode at long contexts) or tale (2-bit middle keys with the most important half of each head's channels at 3 bits, fp8 scales)",
     ),
     target_ratio: Optional[float] = typer.Option(
         None,

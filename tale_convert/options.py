@@ -39,7 +39,7 @@ class Options:
     # SmolLM2 (docs/quality.md: middle keys 2-bit with the most important half of each head's channels at 3 bits,
     # fp8 scales), not the default because it misses the demo's long-context answer (tests/test_demo.py). The GPU
     # fast path (Triton kernel, static cache, CUDA graphs) reads both
-    preset: str = "paper"
+    preset: str = "lowrank"
     target_ratio: float | None = None  # level-0 ranks per layer chosen to meet this measured ratio (1K tokens)
     # (bits, channels): the middle level's keys in two bands, per KV head the `channels` most important key
     # channels (calibration, tale_convert.stats) at `bits`; the artifact carries the order (format 2.1)

@@ -3,8 +3,9 @@
 - tiny_model_dir(arch): a tiny random checkpoint directory (config, safetensors, tokenizer) of
   each supported architecture, built offline once per session.
 - smollm2_path: the real SmolLM2-135M-Instruct checkpoint (built once per machine, cached).
-- smollm2_artifact: SmolLM2 converted at tale-convert's default schedule (paper) and --group 3, once per machine
-  (cached under TALE_CACHE, keyed by the converter settings and sources).
+- smollm2_artifact: SmolLM2 converted at tale-convert's default schedule (the lowrank preset) and --group 3, once per
+  machine (cached under TALE_CACHE, keyed by the converter settings and sources); smollm2_paper_artifact: the same at
+  --preset paper.
 - gemma3_path, gemma3_artifact: the same for Gemma 3 270M (bundled GGUF, --group 1).
 """
 
@@ -45,7 +46,8 @@ TINY_GROUP = {"llama": 2, "mistral": 2, "qwen2": 1, "mha": 2, "qwen3": 2, "gemma
 TINY_VOCAB = 512
 EOS = "<|endoftext|>"
 # Converter options that fit the tiny models (latent ranks 16..64) and run in about a second.
-TINY_OPTS = dict(samples=8, seq_len=64, dtype="fp32", key_group=8, value_group=8, residual=8)
+# the paper preset's plain layout (the tests of other presets override it: dict(TINY_OPTS, preset=...))
+TINY_OPTS = dict(samples=8, seq_len=64, dtype="fp32", key_group=8, value_group=8, residual=8, preset="paper")
 
 
 def tiny_tokenizer():
@@ -178,8 +180,15 @@ def _bundled_artifact(alias: str, **opts) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_artifact(smollm2_path) -> Path:
-    """SmolLM2-135M-Instruct as a TALE artifact: tale-convert's defaults, --group 3, built once per machine."""
+    """SmolLM2-135M-Instruct as a TALE artifact: tale-convert's defaults (the lowrank preset), --group 3, built once
+    per machine."""
     return _bundled_artifact("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_paper_artifact(smollm2_path) -> Path:
+    """SmolLM2-135M-Instruct at --preset paper (the paper's schedule, whose bytes the tests count), --group 3."""
+    return _bundled_artifact("smollm2", preset="paper")
 
 
 @pytest.fixture(scope="session")

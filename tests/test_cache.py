@@ -197,13 +197,13 @@ def test_nbytes_counts_every_tensor(dtype):
 
 
 @pytest.mark.slow
-def test_smollm2_measured_ratio_at_2k(smollm2_artifact):
+def test_smollm2_measured_ratio_at_2k(smollm2_paper_artifact):
     """Paper defaults, bf16: measured bytes equal the count from region lengths, and the ratio sits
     where scales and zero points put it, below the nominal ratio."""
     from tale_calib import heldout_path
     from tale_runtime import load, new_cache
 
-    model, tok = load(smollm2_artifact, device="cpu")
+    model, tok = load(smollm2_paper_artifact, device="cpu")
     ids = torch.tensor([tok(heldout_path().read_text())["input_ids"][: 2048 + 4]])
     cache = new_cache(model)
     with torch.no_grad():

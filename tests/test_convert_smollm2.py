@@ -1,4 +1,4 @@
-"""The real model: the SmolLM2-135M-Instruct checkpoint and its TALE artifact (paper defaults, g=3),
+"""The real model: the SmolLM2-135M-Instruct checkpoint and its TALE artifact (--preset paper, g=3),
 checked from the written files against the base model."""
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ def base(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def art(smollm2_artifact):
-    m = read_manifest(smollm2_artifact)
+def art(smollm2_paper_artifact):
+    m = read_manifest(smollm2_paper_artifact)
     out = {}
     for f in (f for f in m["files"] if f.endswith(".safetensors")):  # the manifest hashes every file
-        out.update(load_file(smollm2_artifact / f))
+        out.update(load_file(smollm2_paper_artifact / f))
     return out
 
 
@@ -47,9 +47,9 @@ def test_checkpoint(smollm2_path, base):
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_manifest(smollm2_artifact):
-    m = read_manifest(smollm2_artifact)
-    verify_files(smollm2_artifact, m)
+def test_manifest(smollm2_paper_artifact):
+    m = read_manifest(smollm2_paper_artifact)
+    verify_files(smollm2_paper_artifact, m)
     a = m["architecture"]
     assert (a["group_size"], a["num_groups"], a["latent_rank"], a["num_layers"]) == (g, 1, R, L)
     s = Schedule.from_dict(m["schedule"])
@@ -60,7 +60,7 @@ def test_manifest(smollm2_artifact):
     assert any(f.endswith(".gguf") for f in m["base"]["files"])
     assert (m["calibration"]["samples"], m["calibration"]["seq_len"]) == (64, 512)
     assert all(0.5 < e0 < 1 for e0, _ in m["energy_kept"])
-    assert (smollm2_artifact / "README.md").read_text().startswith(f"---\nbase_model: {SMOLLM2.hub_id}\n")
+    assert (smollm2_paper_artifact / "README.md").read_text().startswith(f"---\nbase_model: {SMOLLM2.hub_id}\n")
 
 
 def test_factors_reproduce_base_weights(art, base):
@@ -75,7 +75,7 @@ def test_factors_reproduce_base_weights(art, base):
             assert rel(Of.T[q * R : (q + 1) * R], B[:, j * n : (j + 1) * n] @ Wo[q * n : (q + 1) * n]) < 1e-2
 
 
-def test_whitening_beats_plain_svd_on_heldout_text(art, base, smollm2_path, smollm2_artifact):
+def test_whitening_beats_plain_svd_on_heldout_text(art, base, smollm2_path, smollm2_paper_artifact):
     """Truncated to r0, the whitened factors lose less of X W_V than plain SVD of W_V, where X are
     v_proj inputs of held-out text (not in the calibration set) through the base model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -94,7 +94,7 @@ def test_whitening_beats_plain_svd_on_heldout_text(art, base, smollm2_path, smol
         model(ids)
     for h in hooks:
         h.remove()
-    r = read_manifest(smollm2_artifact)["schedule"]["ranks"][0][0]
+    r = read_manifest(smollm2_paper_artifact)["schedule"]["ranks"][0][0]
     ratios = []
     for i in range(L):
         p = f"model.layers.{i}.self_attn."

@@ -48,6 +48,8 @@ def test_demo_answers_at_the_default_schedule(smollm2_artifact):
     torch.set_num_threads(1)
     try:
         model, tok = load(smollm2_artifact, device="cpu", dtype=torch.bfloat16)
+        s = model.tale_spec.schedule  # the lowrank preset: low-rank keys on one basis block (--group 3: all KV heads)
+        assert s.key_rope == "pre" and s.levels[0].key_rank and s.key_blocks == 1
         _, short, _, _ = _answer(model, tok, tale_calib.DEMO_PROMPT, 10)
         assert f" {tale_calib.DEMO_ANSWER}" in short, short
 

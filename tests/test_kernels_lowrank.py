@@ -75,7 +75,7 @@ def make_view(
     seed=0,
 ):
     """A LayerView: sinks (16-bit, after RoPE) | low-rank coefficients (coef_bits, before RoPE; lay.r per block of a
-    basis of `blocks` blocks: 1 joint, K per head) | 4-bit keys before RoPE per channel | 8-bit keys before RoPE per
+    basis of `blocks` blocks: 1 joint, K / g per latent group, K per head) | 4-bit keys before RoPE per channel | 8-bit keys before RoPE per
     token | 16-bit tail after RoPE, lengths lay.lens (0: empty, dropped); each region `extra` unused slots (NaN
     inside, pos -1)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -155,8 +155,8 @@ def check(lay: Layout, tol=None, rope_modes=("tables", "kernel"), **kw):
     tol = tol or (1e-4 if lay.dtype == torch.float32 else 5e-3)
     for mode in rope_modes:
         rope = None if mode == "tables" else rot
-        # a joint basis: the group's heads rebuilt in one dot, or head by head; a per-head one: head by head
-        for fused in (True, False) if kw.get("blocks", 1) == 1 else (True,):
+        # blocks of several heads: the group's heads rebuilt in one dot, or head by head; per head: head by head
+        for fused in (True, False) if kw.get("blocks", 1) < lay.K else (True,):
             z = lra.latent_attention_lowrank(
                 q, k, h, view, scaling, window, rope=rope, split_tokens=32, fused_heads=fused
             )
@@ -177,15 +177,17 @@ def test_lowrank_preset_layout(B):
         dict(two_pass=False),  # scores, softmax and latents in one program per tile
         dict(score_heads=False),  # a score program per KV head
         dict(score_block=32, score_tokens=32),  # 32-slot score tiles, one per program
-        dict(score_groups=True, score_block=32),  # a joint basis scored by latent groups (per head: as before)
+        dict(score_groups=True, score_block=32),  # blocks of several heads scored by latent groups (per head: as before)
+        dict(score_groups=False, coef_chunk=16, score_warps=4),  # blocks of several heads scored head by head
     ],
 )
 def test_launch_variants(launch):
-    """Every way the kernel can split its work gives the reference's result (a per-head and a joint basis, 3-bit
-    latents read by sub-planes, left padding, a window, device lengths, unused slots)."""
+    """Every way the kernel can split its work gives the reference's result (a joint basis, one per latent group of
+    2 heads and one per head over 4 KV heads, 3-bit latents read by sub-planes, left padding, a window, device
+    lengths, unused slots)."""
     rot = rotary(32)
-    for blocks, r in ((1, 24), (2, 12)):
-        lay = Layout(B=2, r=r, pad=[0, 5], lens=(4, 70, 24, 9, 3))
+    for blocks, r in ((1, 24), (2, 16), (4, 8)):
+        lay = Layout(B=2, H=8, K=4, G=2, r=r, pad=[0, 5], lens=(4, 70, 24, 9, 3))
         view = make_view(lay, rot, blocks=blocks, extra=3, tensor_len=True)
         q, k, h = new_token(lay, rot)
         ref = ref_attention(q.float(), k.float(), h.float(), view, lay.n**-0.5, 50)
@@ -237,15 +239,29 @@ def test_per_head_basis_gqa_window_device_lengths_and_bf16():
     check(lay, blocks=2, rope_modes=("tables",))
 
 
+@pytest.mark.parametrize("B", [1, 3])
+def test_basis_per_latent_group(B):
+    """One basis block per latent group (the lowrank preset's): 4 KV heads in 2 groups of 2, each group's heads
+    rebuilt from its own coefficients; and blocks of 2 heads under groups of 4 (two blocks per program)."""
+    check(Layout(B=B, H=8, K=4, G=2, r=16, pad=[0, 3, 7][:B], lens=(4, 66, 12, 9, 2)), blocks=2, window=50)
+    check(Layout(B=2, H=8, K=4, G=1, r=16, pad=[0, 4], lens=(4, 41, 8, 3, 1)), blocks=2, rope_modes=("kernel",))
+
+
 def test_basis_blocks_the_kernel_refuses():
-    """A basis of 2 blocks over 4 KV heads, or coefficients that do not match the basis' blocks: the reference."""
-    lay = Layout(H=8, K=4, G=2, r=8, lens=(4, 20, 8, 0, 2))
+    """Blocks of whole heads run (3 blocks over 6 KV heads); 4 blocks over 6 heads straddle heads, and coefficients
+    that do not match the basis' blocks are left to the reference."""
+    lay = Layout(H=12, K=6, G=3, r=8, lens=(4, 20, 8, 0, 2))
     rot = rotary(lay.n)
     q, k, h = new_token(lay, rot)
-    view = make_view(lay, rot, blocks=2)
-    assert "2 blocks" in lra.supported(q, k, h, view)
-    ref = ref_attention(q, k, h, view, 0.2)
-    assert torch.equal(lra.latent_attention_lowrank(q, k, h, view, 0.2), ref)
+    assert lra.supported(q, k, h, make_view(lay, rot, blocks=3)) is None
+    view = make_view(lay, rot, blocks=3)
+    b = view.regions[1].basis
+    nb = lay.K * lay.n // 4
+    eye = torch.eye(nb, device=b.enc.device).expand(4, nb, nb)
+    view.regions[1] = replace(view.regions[1], basis=KeyBasis(eye, eye, b.mean, lay.K, lay.n))
+    assert "a key basis of 4 blocks for 6 KV heads" in lra.supported(q, k, h, view)
+    lay = Layout(H=8, K=4, G=2, r=8, lens=(4, 20, 8, 0, 2))
+    q, k, h = new_token(lay, rot)
     per_head = make_view(lay, rot, blocks=4)
     assert lra.supported(q, k, h, per_head) is None
     joint_coef = make_view(lay, rot, blocks=1).regions[1].keys  # [B, 1, cap, r] against a basis of 4 blocks

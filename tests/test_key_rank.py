@@ -257,6 +257,17 @@ def test_tale_convert_writes_a_verified_basis_that_load_reads(tiny_model_dir, tm
     assert load(out, device="cpu", key_rope="pre", key_rank=[8, 0])[0].tale_spec.key_basis[0].enc.shape == (1, C, 8)
     with pytest.raises(ArtifactError, match="key_rank 16 exceeds the key basis \\(8 directions\\)"):
         load(out, device="cpu", key_rope="pre", key_rank=[16, 0])
+    (out / FILE).write_bytes(good)
+    t = load_file(out / FILE)  # well-formed blocks of whole heads (2 of 2 heads), but the schedule counts one block
+    for i in range(model.config.num_hidden_layers):
+        for name in (f"layers.{i}.key_enc", f"layers.{i}.key_dec"):
+            x = t[name].view(-1, C, C)[0]  # one joint block, stored [C, C]
+            t[name] = torch.stack([x[: C // 2, : C // 2], x[C // 2 :, C // 2 :]]).contiguous()
+    save_file(t, out / FILE)
+    m["files"] = hash_files(out)
+    write_json(out / MANIFEST, m)
+    with pytest.raises(ArtifactError, match="counts key_rank in 1 key basis block\\(s\\), the key basis has 2"):
+        load(out, device="cpu", key_rope="pre", key_rank=[8, 0])
 
 
 def test_key_bands_come_from_one_load_of_the_artifact_and_the_basis_from_the_layer_pass(
@@ -269,7 +280,7 @@ def test_key_bands_come_from_one_load_of_the_artifact_and_the_basis_from_the_lay
     monkeypatch.setattr(tale_runtime, "load", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
     out = tmp_path / "tb"
     convert(
-        str(tiny_model_dir("llama")), out, Options(group=2, preset="tale", key_basis=True, **TINY_OPTS), log=logs.append
+        str(tiny_model_dir("llama")), out, Options(group=2, key_basis=True, **dict(TINY_OPTS, preset="tale")), log=logs.append
     )
     assert len(loads) == 1, loads  # the bands' statistic reads keys as the cache holds them; the basis needs no load
     assert any(ln.startswith("key bands (") for ln in logs) and "key basis: 3 layers, 1 block each" in logs, logs
@@ -282,19 +293,21 @@ def test_key_bands_come_from_one_load_of_the_artifact_and_the_basis_from_the_lay
 
 
 def test_the_lowrank_preset_converts_with_its_basis_and_holds_fewer_bytes(tiny_model_dir, tmp_path):
-    """tale-convert --preset lowrank: the middle level's keys low-rank (7/24 of K n), a key basis written without
-    --key-basis, and a cache smaller than the paper preset's on the same tokens."""
+    """tale-convert --preset lowrank: the middle level's keys low-rank (7/24 of K n, on a basis per latent group), a
+    key basis written without --key-basis, and a cache smaller than the paper preset's on the same tokens."""
     src = str(tiny_model_dir("llama"))
     out = tmp_path / "lr"
-    opts = dict(TINY_OPTS, residual=None)
-    convert(src, out, Options(group=2, preset="lowrank", **opts))
+    convert(src, out, Options(group=2, **dict(TINY_OPTS, preset="lowrank", residual=None)))
     model, _ = load(out, device="cpu", dtype=torch.float32)
     s = model.tale_spec.schedule
-    C = model.config.num_key_value_heads * model.model.layers[0].self_attn.head_dim
-    assert s.key_rope == "pre" and [lv.key_rank for lv in s.levels] == [max(8, round(7 * C / 24 / 8) * 8), 0, 0]
-    assert (out / FILE).is_file() and model.tale_spec.key_basis is not None
+    K = model.config.num_key_value_heads
+    C = K * model.model.layers[0].self_attn.head_dim
+    blocks = K // 2  # one per latent group of 2 KV heads
+    kr = max(8, round(7 * C / blocks / 24 / 8) * 8)
+    assert s.key_rope == "pre" and [lv.key_rank for lv in s.levels] == [kr, 0, 0] and s.key_blocks == blocks
+    assert (out / FILE).is_file() and {b.blocks for b in model.tale_spec.key_basis} == {blocks}
     card = (out / "README.md").read_text()
-    assert f"4 ({s.levels[0].key_rank} coefficients of {C})" in card and "key_basis.safetensors" in card
+    assert f"4 ({kr} coefficients per 2 KV heads of {C // blocks})" in card and "key_basis.safetensors" in card
     convert(src, tmp_path / "p", Options(group=2, **TINY_OPTS))
     paper, _ = load(tmp_path / "p", device="cpu", dtype=torch.float32)
     ids = ids_for(200)
@@ -325,7 +338,14 @@ def test_a_preset_with_per_level_key_layouts_refuses_another_level_count():
     s = Options(preset="lowrank").schedule(96, 2, kv_heads=3, head_dim=32)
     assert s.ranks == [[96, 96, 96]] * 2 and s.value_group == s.latent_rotation == 32
     assert Options(preset="lowrank", value_group=16).schedule(192, 2, kv_heads=3, head_dim=64).value_group == 16
-    assert Options().schedule(192, 2).value_group == 32  # the paper preset's
+    assert Options(preset="paper").schedule(192, 2).value_group == 32
+    # the preset's basis per latent group: joint where one group holds every KV head (SmolLM2 at --group 3), one
+    # block per group of the same share of the joined keys otherwise (7/24 of 2 x 64 -> 40), per head at --group 1
+    s = Options(group=3).schedule(192, 2, kv_heads=3, head_dim=64)
+    assert Options().preset == "lowrank" and [lv.key_rank for lv in s.levels] == [56, 0, 0] and s.key_blocks == 1
+    s = Options(group=2).schedule(256, 2, kv_heads=4, head_dim=64)
+    assert [lv.key_rank for lv in s.levels] == [40, 0, 0] and s.key_blocks == 2
+    assert Options(group=1).schedule(64, 2, kv_heads=3, head_dim=64).key_blocks == 3
     # per-head bases: the same share of the joined keys, counted per head (56 / 3 -> 16 of 64), in 3 blocks
     s = Options(preset="lowrank", key_basis_blocks="head").schedule(192, 2, kv_heads=3, head_dim=64)
     assert [lv.key_rank for lv in s.levels] == [16, 0, 0] and s.key_blocks == 3
@@ -333,8 +353,9 @@ def test_a_preset_with_per_level_key_layouts_refuses_another_level_count():
     with pytest.raises(ConvertError, match="unknown --key-basis-blocks 'diag'"):
         Options(preset="lowrank", key_basis_blocks="diag").schedule(192, 2, kv_heads=3, head_dim=64)
     with pytest.raises(ConvertError, match="--key-basis-blocks shapes the key basis: add --key-basis"):
-        Options(key_basis_blocks="head").schedule(192, 2, kv_heads=3, head_dim=64)
-    assert Options(key_basis=True, key_basis_blocks="head").schedule(192, 2, kv_heads=3, head_dim=64).key_blocks == 3
+        Options(preset="paper", key_basis_blocks="head").schedule(192, 2, kv_heads=3, head_dim=64)
+    s = Options(preset="paper", key_basis=True, key_basis_blocks="head").schedule(192, 2, kv_heads=3, head_dim=64)
+    assert s.key_blocks == 3
     s = Options(preset="tale", bits=(2, 4, 4), recent=(0.1, 0.1)).schedule(64, 2)
     assert [lv.key_axis for lv in s.levels] == ["channel"] * 3 and not any(lv.key_rank for lv in s.levels)
 
@@ -391,7 +412,7 @@ def test_tale_run_on_cuda_decodes_lowrank_and_paper_with_a_kernel_and_no_note(ti
     from tale_runtime.cli import main
 
     src = str(tiny_model_dir("llama"))
-    convert(src, tmp_path / "lr", Options(group=2, preset="lowrank", **dict(TINY_OPTS, residual=None)))
+    convert(src, tmp_path / "lr", Options(group=2, **dict(TINY_OPTS, preset="lowrank", residual=None)))
     convert(src, tmp_path / "p", Options(group=2, **TINY_OPTS))
     notes = []
     for art in ("lr", "p"):
@@ -442,7 +463,7 @@ def test_streamed_key_statistics_match_the_whole_model_and_a_per_head_file(tiny_
     from tale_runtime.key_basis import load_file, names
 
     out = tmp_path / "ph"
-    opts = Options(group=2, preset="lowrank", key_basis_blocks="head", **dict(TINY_OPTS, residual=None))
+    opts = Options(group=2, key_basis_blocks="head", **dict(TINY_OPTS, preset="lowrank", residual=None))
     convert(str(tiny_model_dir("llama")), out, opts)
     m = json.loads((out / MANIFEST).read_text())
     s = Schedule.from_dict(m["schedule"])

@@ -129,7 +129,7 @@ def test_convert_with_policy(name, tiny_model_dir, tmp_path):
     s = schedule_of(m)
     R, L = m["architecture"]["latent_rank"], m["architecture"]["num_layers"]
     s.validate(R, L)
-    r0 = uniform_ranks(R, L, policy.PRESETS[Options().preset]["r0"], s.value_group)[0][0]
+    r0 = uniform_ranks(R, L, policy.PRESETS[opts.preset]["r0"], s.value_group)[0][0]
     ranks0 = [rs[0] for rs in s.ranks]
     assert s.policy == name
     model, _ = load(tmp_path / name, dtype=torch.float32)
@@ -208,14 +208,14 @@ def test_fit_ranks_meets_the_target_and_spends_the_budget_on_energy():
 
 def test_presets_and_target_ratio_end_to_end(tiny_model_dir, tmp_path):
     src = tiny_model_dir("llama")
-    paper = Options(group=TINY_GROUP["llama"], preset="paper", **TINY_OPTS)
+    paper = Options(group=TINY_GROUP["llama"], **TINY_OPTS)
     s = paper.schedule(32, 3)
     assert [(lv.bits, lv.key_bits, lv.share, lv.key_axis) for lv in s.levels] == [
         (2, 2, None, "channel"),
         (4, 4, 0.1, "channel"),
     ]
     assert s.plain_layout() and s.ranks[0] == [16, 32]
-    opts = Options(group=TINY_GROUP["llama"], preset="tale", target_ratio=4.0, **TINY_OPTS)
+    opts = Options(group=TINY_GROUP["llama"], target_ratio=4.0, **dict(TINY_OPTS, preset="tale"))
     convert(str(src), tmp_path / "t", opts)
     m = read_manifest(tmp_path / "t")
     st = schedule_of(m)

@@ -297,7 +297,7 @@ def test_generate_with_the_lowrank_preset_gives_the_dynamic_paths_tokens(tiny_mo
     from tale_runtime import load
 
     out = tmp_path / "lr"
-    convert(str(tiny_model_dir("llama")), out, Options(group=2, preset="lowrank", **dict(TINY_OPTS, residual=None)))
+    convert(str(tiny_model_dir("llama")), out, Options(group=2, **dict(TINY_OPTS, preset="lowrank", residual=None)))
     tm, _ = load(out, device="cpu", dtype=torch.float32)
     assert tm.tale_spec.schedule.key_rope == "pre" and tm.tale_spec.schedule.levels[0].key_rank
     ids = torch.randint(1, 320, (2, 40), generator=torch.Generator().manual_seed(3))

@@ -73,13 +73,14 @@ def run_ranks(args: list[str], world: int = 2) -> list[subprocess.CompletedProce
 @pytest.fixture(scope="module")
 def artifacts(tiny_model_dir, tmp_path_factory):
     """Tiny Llama (8 query, 4 KV heads) converted in float32 with groups of 2 (G = 2) and of 4 (G = 1), and with the
-    lowrank preset (low-rank keys on a joint and on a per-head key basis); the tiny MHA model with tied embeddings (4
+    lowrank preset (low-rank keys on its basis per latent group, a joint one and one per head); the tiny MHA model with tied embeddings (4
     heads, groups of 2)."""
     root = tmp_path_factory.mktemp("tp")
     out = {}
     lowrank = dict(preset="lowrank")
     cases = [("good", "llama", 2, {}), ("odd", "llama", 4, {}), ("tied", "mha", 2, {})]
-    cases += [("lowrank", "llama", 2, lowrank), ("lowrank_head", "llama", 2, dict(lowrank, key_basis_blocks="head"))]
+    cases += [("lowrank", "llama", 2, lowrank), ("lowrank_joint", "llama", 2, dict(lowrank, key_basis_blocks="joint"))]
+    cases += [("lowrank_head", "llama", 2, dict(lowrank, key_basis_blocks="head"))]
     for name, arch, group, kw in cases:
         convert(str(tiny_model_dir(arch)), root / name, Options(group=group, **(TINY_OPTS | kw)))
         out[name] = root / name
@@ -96,7 +97,8 @@ def prompt(tiny_tok) -> list[int]:
 def ranks(artifacts, prompt, tmp_path_factory):
     """The JSON each of the two ranks wrote (tests/tp_rank.py)."""
     out = tmp_path_factory.mktemp("tp-out") / "res"
-    arts = [str(artifacts[name]) for name in ("good", "odd", "tied", "lowrank", "lowrank_head")]
+    names = ("good", "odd", "tied", "lowrank", "lowrank_joint", "lowrank_head")
+    arts = [str(artifacts[name]) for name in names]
     args = [str(HERE / "tp_rank.py"), str(out), *arts, json.dumps(prompt)]
     done = run_ranks([*args, str(NEW)])
     for p in done:
@@ -143,11 +145,11 @@ def test_two_ranks_give_the_tokens_of_one_process_with_half_the_cache(ranks, art
     assert len(set(tokens)) > 1  # a real sequence, not one token repeated
 
 
-@pytest.mark.parametrize("art", ["lowrank", "lowrank_head"])
+@pytest.mark.parametrize("art", ["lowrank", "lowrank_joint", "lowrank_head"])
 @pytest.mark.parametrize("static", [False, True])
 def test_low_rank_keys_under_two_ranks(ranks, artifacts, prompt, art, static):
-    """Low-rank keys split over the ranks: a per-head basis by its heads' blocks; a joint one by each head's rows and
-    columns, every rank encoding its heads' share of each coefficient and the shares summed across ranks, so both
+    """Low-rank keys split over the ranks: a basis per latent group (the preset's) or per head by its blocks; a joint
+    one by each head's rows and columns, every rank encoding its heads' share of each coefficient and the shares summed across ranks, so both
     ranks hold all the coefficients and rebuild only their own heads. The tokens of one process, through the
     dynamic and the static cache (demotions into the low-rank level included)."""
     tokens, nbytes, logits = one_process(artifacts[art], prompt, **(dict(static=True) if static else {}))
@@ -158,7 +160,7 @@ def test_low_rank_keys_under_two_ranks(ranks, artifacts, prompt, art, static):
         # latents and plain keys halve, but for the 4-byte fp8 bias each rank keeps per quantized tensor (two per
         # level and layer); a joint basis' coefficients are held whole by each rank
         biases = 4 * 2 * 3 * json.loads((artifacts[art] / "config.json").read_text())["num_hidden_layers"]
-        if art == "lowrank_head":
+        if art != "lowrank_joint":
             assert 0 < 2 * tp_bytes - nbytes <= biases, (tp_bytes, nbytes)
         else:
             assert nbytes / 2 + biases < tp_bytes < nbytes, (tp_bytes, nbytes)
@@ -170,8 +172,8 @@ def test_low_rank_keys_under_two_ranks(ranks, artifacts, prompt, art, static):
         whole = torch.tensor(tp_rank.coefficients(model, prompt))
         for r in ranks:
             mine = torch.tensor(r[art + "_coefficients"])
-            if art == "lowrank_head":  # each rank its own heads' blocks
-                whole_r = whole.view(1, 2, 2, -1)[:, r["tp"][1]].flatten()
+            if art != "lowrank_joint":  # each rank its own heads' blocks (the first half of them, or the second)
+                whole_r = whole.view(1, 2, -1)[:, r["tp"][1]].flatten()
                 assert torch.equal(mine, whole_r)
             else:
                 assert mine.shape == whole.shape and (mine == whole).float().mean() > 0.95

@@ -1,10 +1,11 @@
 """One rank of tests/test_tp.py: started twice (RANK 0 and 1, gloo on the CPU), writes what it saw to OUT.rank{r}.json.
 
-    python tests/tp_rank.py OUT GOOD_ARTIFACT ODD_ARTIFACT TIED_ARTIFACT LOWRANK_ARTIFACT LOWRANK_HEAD_ARTIFACT PROMPT_IDS NEW_TOKENS
+    python tests/tp_rank.py OUT GOOD_ARTIFACT ODD_ARTIFACT TIED_ARTIFACT LOWRANK_ARTIFACT LOWRANK_JOINT_ARTIFACT
+        LOWRANK_HEAD_ARTIFACT PROMPT_IDS NEW_TOKENS
 
 Cases, in one process group (starting Python and torch costs more than all of them): greedy tokens and per-rank cache
 bytes through model.generate (dynamic cache with the fused output, and with the factored one and O^r left unread;
-static cache; both with the prefill in pieces; tied embeddings; low-rank keys on a joint and a per-head basis); the compiled decode step; an artifact whose groups do not split over 2 ranks; a bad
+static cache; both with the prefill in pieces; tied embeddings; low-rank keys on a basis per latent group, a joint one and one per head); the compiled decode step; an artifact whose groups do not split over 2 ranks; a bad
 path on rank 1 only; the same through `tale-run --tp 2`; benchmarks/bench_tp.py --tiny (with --throughput).
 """
 
@@ -76,7 +77,7 @@ def failure(fn) -> dict | None:
 
 
 def main() -> None:
-    out, good, odd, tied, lowrank, lowrank_head, prompt, new = sys.argv[1:9]
+    out, good, odd, tied, lowrank, lowrank_joint, lowrank_head, prompt, new = sys.argv[1:10]
     rank = int(os.environ["RANK"])
     ids, new = json.loads(prompt), int(new)
     res: dict = {"rank": rank}
@@ -101,7 +102,7 @@ def main() -> None:
     del model
     model, _ = load(tied, device="cpu", dtype=torch.float32, tp_size=2)
     res["tied"] = generate(model, ids, new)
-    for name, path in (("lowrank", lowrank), ("lowrank_head", lowrank_head)):
+    for name, path in (("lowrank", lowrank), ("lowrank_joint", lowrank_joint), ("lowrank_head", lowrank_head)):
         model, _ = load(path, device="cpu", dtype=torch.float32, tp_size=2)
         res[name] = generate(model, ids, new)
         res[name + "_static"] = generate(model, ids, new, static=True)
