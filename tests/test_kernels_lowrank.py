@@ -177,7 +177,9 @@ def test_lowrank_preset_layout(B):
         dict(two_pass=False),  # scores, softmax and latents in one program per tile
         dict(score_heads=False),  # a score program per KV head
         dict(score_block=32, score_tokens=32),  # 32-slot score tiles, one per program
-        dict(score_groups=True, score_block=32),  # blocks of several heads scored by latent groups (per head: as before)
+        dict(
+            score_groups=True, score_block=32
+        ),  # blocks of several heads scored by latent groups (per head: as before)
         dict(score_groups=False, coef_chunk=16, score_warps=4),  # blocks of several heads scored head by head
     ],
 )

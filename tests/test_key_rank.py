@@ -280,7 +280,10 @@ def test_key_bands_come_from_one_load_of_the_artifact_and_the_basis_from_the_lay
     monkeypatch.setattr(tale_runtime, "load", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
     out = tmp_path / "tb"
     convert(
-        str(tiny_model_dir("llama")), out, Options(group=2, key_basis=True, **dict(TINY_OPTS, preset="tale")), log=logs.append
+        str(tiny_model_dir("llama")),
+        out,
+        Options(group=2, key_basis=True, **dict(TINY_OPTS, preset="tale")),
+        log=logs.append,
     )
     assert len(loads) == 1, loads  # the bands' statistic reads keys as the cache holds them; the basis needs no load
     assert any(ln.startswith("key bands (") for ln in logs) and "key basis: 3 layers, 1 block each" in logs, logs
