@@ -1,6 +1,7 @@
 """The static cache (runtime/static_cache.py) holds exactly what the dynamic cache holds, step by step,
 and gives the same tokens end to end (tiny random models, float32, CPU)."""
 
+import types
 from dataclasses import replace
 
 import pytest
@@ -217,8 +218,16 @@ def test_device_writes_trace_as_whole_graphs(monkeypatch):
     """The top level's write and the demotions, which inductor compiles on CUDA (static_cache.fused), trace without a
     graph break (fullgraph: a break would fail here, not on a GPU) and keep the dynamic cache's codes."""
     counter = torch._dynamo.testing.CompileCounter()
-    traced = {f: torch.compile(f, backend=counter, fullgraph=True) for f in (sc.write_top, sc.demote_at)}
-    monkeypatch.setattr(sc, "fused", lambda fn, device, key=(): traced[fn])
+    traced = {}
+
+    def fused(fn, device, key=()):  # as sc.fused: a code object per key, so dynamo keeps the key's integers constant
+        if (fn, key) not in traced:
+            name = f"{fn.__name__}_{len(traced)}"
+            code = types.FunctionType(fn.__code__.replace(co_name=name, co_qualname=name), fn.__globals__, name)
+            traced[fn, key] = torch.compile(code, backend=counter, fullgraph=True)
+        return traced[fn, key]
+
+    monkeypatch.setattr(sc, "fused", fused)
     torch._dynamo.reset()
     test_per_token_top_level_takes_each_decode_token_without_a_host_read(monkeypatch)
     assert counter.frame_count >= 3  # write_top, demote_at per level: traced, not skipped
