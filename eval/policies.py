@@ -233,9 +233,10 @@ class ExactTale(Tale):
         R = Dims.of(model).R
         return replace(
             s,
-            levels=[replace(lv, bits=16, key_bits=16) for lv in s.levels],
+            levels=[replace(lv, bits=16, key_bits=16, key_rank=0) for lv in s.levels],  # plain keys too
             ranks=[[R] * len(s.levels) for _ in s.ranks],
             policy="exact",
+            key_rope="post",  # 16-bit keys after RoPE, as the full cache holds them (before it: bf16 rounding apart)
         )
 
 
@@ -433,7 +434,7 @@ class Palu(Policy):
             self.latent_bits,
             s.key_group,
             s.value_group,
-            s.residual,
+            palu_residual(s),
         )
 
     def exact(self):
@@ -596,14 +597,22 @@ def tale_bytes(model, schedule: Schedule, pattern: list[int]) -> int:
     for T in pattern:
         k = torch.zeros(1, d.K, T, d.n, dtype=d.dtype)
         h = torch.zeros(1, d.G, T, d.R, dtype=d.dtype)
+        # keys held before RoPE keep the tables they were rotated by: any will do for a count of bytes
+        rope = (torch.ones(1, T, d.n), torch.zeros(1, T, d.n)) if schedule.key_rope == "pre" else None
         for layer in cache.layers:
-            layer.append(k, h)
+            layer.append(k, h, rope=rope)
     return cache.nbytes()
+
+
+def palu_residual(s: Schedule) -> int:
+    """Palu's 16-bit residual: the artifact's, where it holds whole key groups (KIVI's per-channel keys need one);
+    else one key group (the lowrank preset's residual of 1 token keeps its newest keys per token instead)."""
+    return s.residual if s.residual % s.key_group == 0 else s.key_group
 
 
 def palu_layer_bytes(d: Dims, s: Schedule, p: Palu, rank: int, pattern: list[int]) -> int:
     layer = caches.palu_cache(
-        [rank], d.K, d.n, d.G, p.key_bits, p.latent_bits, s.key_group, s.value_group, s.residual
+        [rank], d.K, d.n, d.G, p.key_bits, p.latent_bits, s.key_group, s.value_group, palu_residual(s)
     ).layers[0]
     for T in pattern:
         layer.update(torch.zeros(1, d.K, T, d.n, dtype=d.dtype), torch.zeros(1, d.G, T, rank, dtype=d.dtype))

@@ -35,7 +35,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DOC_COMMAND = "make errors  # OMP_NUM_THREADS=1 .venv/bin/python tests/faults.py"
 BIN = Path(sys.executable).parent
-TINY_ARGS = [
+TINY_ARGS = [  # the paper preset: the cases below name its levels (the slow model's, SIG_ARGS, take the default)
+    "--preset",
+    "paper",
     "--group",
     "2",
     "--samples",

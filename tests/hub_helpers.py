@@ -251,6 +251,8 @@ def convert_tiny(base: Path, out: Path) -> Path:
     from tale_convert.convert import Options, convert
 
     convert(
-        str(base), out, Options(group=2, samples=4, seq_len=64, dtype="fp32", key_group=8, value_group=8, residual=8)
+        str(base),
+        out,
+        Options(group=2, samples=4, seq_len=64, dtype="fp32", key_group=8, value_group=8, residual=8, preset="paper"),
     )
     return out

@@ -102,7 +102,7 @@ def test_bad_input(case, llama, tiny_model_dir, tmp_path, capsys, monkeypatch):
         ),
         "key-basis-blocks": (
             [llama, "--group", "2", "--preset", "lowrank", "--key-basis-blocks", "diagonal"],
-            "unknown --key-basis-blocks 'diagonal': use one of joint, head",
+            "unknown --key-basis-blocks 'diagonal': use one of joint, group, head",
         ),
         "sliding-window": ([tiny_model_dir("mistral"), "--group", "2", "--seq-len", "300"], "sliding window 256"),
     }[case]

@@ -308,8 +308,9 @@ def test_dry_run_of_smollm2(smollm2_artifact, hub):
     card = r.stdout.split("--- README.md ---\n", 1)[1]  # after the file table, the card as it would be uploaded
     front = yaml.safe_load(card.split("---\n")[1])
     assert front["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and front["license"] == "apache-2.0"
-    assert "| 0 | oldest (middle) | 0.9 | 96 / 192 | 2 | 2 |" in card  # --group 3: R = 3 * 64, r0 = R/2
-    assert "| 1 | most recent | 0.1 | 192 / 192 | 4 | 4 |" in card
+    # the lowrank preset at --group 3: R = 3 * 64 at full rank, 56 key coefficients (7/24 of the 3 heads' 192 dims)
+    assert "| 0 | oldest (middle) | 0.95 | 192 / 192 | 3 | 4 (56 coefficients of 192) |" in card
+    assert "| 1 | level 1 | 0.05 | 192 / 192 | 4 | 4 |" in card and "key_basis.safetensors" in card
 
 
 def test_json_and_quiet(art, hub):

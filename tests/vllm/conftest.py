@@ -48,11 +48,14 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_artifact(tiny_llama, tmp_path_factory) -> Path:
-    """group 1: each KV head's latent has the head's rank 32, so values keep vLLM's one head size (CPU attention)."""
+    """group 1: each KV head's latent has the head's rank 32, so values keep vLLM's one head size (CPU attention). At
+    tale-convert's default preset (lowrank: its key basis ships in the artifact; vLLM's pages hold plain keys)."""
     from tale_convert.convert import Options, convert
 
     out = tmp_path_factory.mktemp("art") / "tiny-llama32-tale"
-    convert(str(tiny_llama), out, Options(group=1, **main_fixtures.TINY_OPTS))
+    opts = {k: v for k, v in main_fixtures.TINY_OPTS.items() if k not in ("preset", "residual")}
+    convert(str(tiny_llama), out, Options(group=1, **opts))
+    assert (out / "key_basis.safetensors").is_file()
     return out
 
 
