@@ -243,7 +243,7 @@ class ExactTale(Tale):
 # TALE frontier points: override_schedule keywords on the artifact's schedule (docs/quality.md)
 TALE_SWEEP = (
     {},
-    {"key_bits": [4, 4]},
+    {"key_bits": 4},  # every level's keys at 4 bits
     {"r0": 1.0},
     {"r0": 0.25},
     {"key_group": 64, "value_group": 64, "residual": 64, "r0": 0.34},

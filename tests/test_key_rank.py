@@ -309,6 +309,10 @@ def test_the_lowrank_preset_converts_with_its_basis_and_holds_fewer_bytes(tiny_m
     kr = max(8, round(7 * C / blocks / 24 / 8) * 8)
     assert s.key_rope == "pre" and [lv.key_rank for lv in s.levels] == [kr, 0, 0] and s.key_blocks == blocks
     assert (out / FILE).is_file() and {b.blocks for b in model.tale_spec.key_basis} == {blocks}
+    from tale_eval.policies import Tale  # tale-eval --frontier's default TALE points fit its 3 levels
+
+    points = Tale.sweep(1024)[:4]  # the fifth takes latent groups of 64: wider than this model's R = 32
+    assert [len(p.resolve(model).levels) for p in points] == [3] * 4
     card = (out / "README.md").read_text()
     assert f"4 ({kr} coefficients per 2 KV heads of {C // blocks})" in card and "key_basis.safetensors" in card
     convert(src, tmp_path / "p", Options(group=2, **TINY_OPTS))
