@@ -71,6 +71,10 @@ PRESETS = {
         # a basis per latent group of g KV heads: joint where g = K (SmolLM2 at its --group 3, where the quality above
         # was measured); on Llama-3.1-8B shapes (g = 4, K = 8) half the joint basis' rebuild work (docs/kernels.md)
         key_basis_blocks="group",
+        # latents rotated in Hadamard blocks of 32 channels, quantized with scales per 64: over 4 windows of each test
+        # text 6.10x at +0.85% / +1.49%; rotated in blocks of 64 (the scales' groups), +0.29% / +2.28%
+        # (docs/notes.md, "the latents' rotation blocks")
+        rotation_block=32,
         rotate_latents=True,
     ),
 }

@@ -89,12 +89,17 @@ class Options:
             return max(1, kv_heads // self.group)  # latent groups divide the KV heads (refused at load otherwise)
         return kv_heads if kind == "head" else 1
 
+    def _rotation_block(self, preset: dict, R: int) -> int:
+        """Channels per Hadamard block of the latents: the preset's (lowrank: 32), at most the latent group."""
+        vg = self.latent_group(R)
+        return min(preset.get("rotation_block", vg), vg)
+
     def _rotate_latents(self, preset: dict, R: int) -> bool:
-        """Asked for: rotate (a group size the blocks cannot follow is refused by the schedule); by the preset: only
-        where the latent groups can be rotation blocks (a power of two dividing R), else the SVD basis as it is."""
+        """Asked for: rotate (a block size that cannot follow is refused by the schedule); by the preset: only where
+        its blocks fit (a power of two dividing R), else the SVD basis as it is."""
         if self.rotate_latents is not None:
             return self.rotate_latents
-        return preset.get("rotate_latents", False) and rotation_fits(self.latent_group(R), R)
+        return preset.get("rotate_latents", False) and rotation_fits(self._rotation_block(preset, R), R)
 
     def schedule(self, R: int, num_layers: int, kv_heads: int = 1, head_dim: int | None = None) -> Schedule:
         """The schedule of the options; kv_heads x head_dim (the joined keys of a layer) sizes a preset's low-rank
@@ -148,7 +153,7 @@ class Options:
             value_meta=p["value_meta"],
             key_channel_group=n,
             key_rope=p.get("key_rope", "post"),
-            latent_rotation=vg if self._rotate_latents(p, R) else 0,
+            latent_rotation=self._rotation_block(p, R) if self._rotate_latents(p, R) else 0,
             key_blocks=blocks if self.wants_basis() else 1,
         )
         try:

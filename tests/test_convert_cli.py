@@ -252,10 +252,12 @@ def test_rotated_latents_give_the_same_values(llama, tmp_path, capsys):
     from tale_convert import ConvertError
     from tale_convert.convert import Options
 
-    assert Options(group=3, value_group=48).schedule(192, 2).latent_rotation == 0
-    assert Options(group=3, value_group=64).schedule(192, 2).latent_rotation == 64
+    assert Options(group=3, value_group=48, preset="paper").schedule(192, 2).latent_rotation == 0
+    assert Options(group=3, value_group=64, preset="paper").schedule(192, 2).latent_rotation == 64
     with pytest.raises(ConvertError, match="latent_rotation must be a power of two"):
-        Options(group=3, value_group=48, rotate_latents=True).schedule(192, 2)
+        Options(group=3, value_group=48, rotate_latents=True, preset="paper").schedule(192, 2)
+    # the lowrank preset rotates in blocks of 32 (at most its latent groups), whatever its scales' groups
+    assert [Options(group=3, value_group=v).schedule(192, 2).latent_rotation for v in (64, 48, 16)] == [32, 32, 16]
 
 
 def test_json_quiet_verbose_and_plain_progress(llama, tmp_path, capsys):

@@ -341,7 +341,7 @@ def test_a_preset_with_per_level_key_layouts_refuses_another_level_count():
     # its latents keep every channel, with scales per 64 channels where they divide R (the rank cut costs the most
     # per byte, docs/notes.md, "the latents at full rank"); else per 32; --value-group wins
     s = Options(preset="lowrank").schedule(192, 2, kv_heads=3, head_dim=64)
-    assert s.ranks == [[192, 192, 192]] * 2 and s.value_group == s.latent_rotation == 64
+    assert s.ranks == [[192, 192, 192]] * 2 and s.value_group == 64 and s.latent_rotation == 32
     s = Options(preset="lowrank").schedule(96, 2, kv_heads=3, head_dim=32)
     assert s.ranks == [[96, 96, 96]] * 2 and s.value_group == s.latent_rotation == 32
     assert Options(preset="lowrank", value_group=16).schedule(192, 2, kv_heads=3, head_dim=64).value_group == 16
