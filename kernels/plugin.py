@@ -121,7 +121,7 @@ def _lowrank_reason(spec: CacheSpec) -> str | None:
 class LowRankBackend(backends.AttentionBackend):
     """The Triton kernel for keys before RoPE and low-rank keys (lowrank_attention.py): reads every layout of the
     lowrank preset, with RoPE from each region's tables or Rotary. Slower than the paper kernels (on an H200 at 32K
-    batch 1, per-head key basis: 186 us against the paper CUDA kernel's 34 us, docs/performance.md) but far faster
+    batch 1, the preset's basis per latent group: 207 us against the paper CUDA kernel's 33 us, docs/performance.md) but far faster
     than the torch reference, so "auto" picks it last: for the caches the other kernels do not read."""
 
     name: str = "triton-lowrank"

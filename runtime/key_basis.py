@@ -27,8 +27,8 @@ def names(layer: int) -> tuple[str, str, str]:
 @dataclass
 class KeyBasis:
     """One layer's basis in `blocks` independent blocks of the joined key [K n]: 1 block spans every KV head
-    (joint), K / g blocks one latent group of g heads each (per group), K blocks one head each (per head). Block j: c_j = (k_j - mean_j) enc[j, :, :r],
-    k_j ~ mean_j + c_j dec[j, :r] (enc [Kb, nb, C], dec [Kb, C, nb], mean [K n] with nb = K n / Kb; C <= nb
+    (joint), K / g blocks one latent group of g heads each (per group), K blocks one head each (per head). Block j:
+    c_j = (k_j - mean_j) enc[j, :, :r], k_j ~ mean_j + c_j dec[j, :r] (enc [Kb, nb, C], dec [Kb, C, nb], mean [K n] with nb = K n / Kb; C <= nb
     directions, most important first; float32). Rebuilding a token's keys costs Kb r nb multiply-adds: a per-head
     basis costs K times less than the joint one at the same number of coefficients."""
 
@@ -130,7 +130,8 @@ def missing(schedule, basis: KeyBasis | list[KeyBasis] | None) -> str | None:
         return f"key_rank {kr} needs the artifact's key basis (tale-convert --key-basis)"
     bases = basis if isinstance(basis, list) else [basis]
     # key_blocks is 1 (joint), K / g (per latent group) or K (per head); a tensor-parallel rank holds 1 / tp of them
-    if any(b.blocks * (1 if schedule.key_blocks == 1 else b.tp) != schedule.key_blocks for b in bases):
+    # (a joint block is never split by blocks: each rank keeps it, tp 1)
+    if any(b.blocks * b.tp != schedule.key_blocks for b in bases):
         return (
             f"the schedule counts key_rank in {schedule.key_blocks} key basis block(s), the key basis has "
             f"{bases[0].blocks}"

@@ -313,6 +313,13 @@ def _exact() -> dict:
     )
 
 
+def own_code(fn, i: int):
+    """fn as a function with a code object (and name) of its own: dynamo's record of which inputs varied is kept per
+    file, line and name, so each copy keeps its own integers constant."""
+    name = f"{fn.__name__}_{i}"
+    return types.FunctionType(fn.__code__.replace(co_name=name, co_qualname=name), fn.__globals__, name)
+
+
 def fused(fn, device: torch.device, key: tuple = ()):
     """fn as inductor compiles it on CUDA, else fn. Per layer and step these are ~180 (write_top) and ~300
     (demote_at) small ops: inside a CUDA graph each still costs a launch (about 10 ms a token at 32 layers), compiled
@@ -323,10 +330,8 @@ def fused(fn, device: torch.device, key: tuple = ()):
     if device.type != "cuda":
         return fn
     f = _FUSED.get((fn, key))
-    if f is None:  # a name of its own too: dynamo's record of which inputs varied is kept per file, line and name
-        name = f"{fn.__name__}_{len(_FUSED)}"
-        code = fn.__code__.replace(co_name=name, co_qualname=name)
-        compiled = torch.compile(types.FunctionType(code, fn.__globals__, name), fullgraph=True, options=_exact())
+    if f is None:
+        compiled = torch.compile(own_code(fn, len(_FUSED)), fullgraph=True, options=_exact())
 
         def f(*args):
             try:

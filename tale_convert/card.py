@@ -121,17 +121,17 @@ def _schedule(m: dict) -> str:
     arch = m["architecture"]
     R = arch.get("latent_rank")
     C = (arch.get("num_kv_heads") or 0) * (arch.get("head_dim") or 0)  # the joined keys of a layer
+    hpb = (arch.get("num_kv_heads") or 0) // s.key_blocks  # KV heads per key basis block
+    per = (
+        f" of {C}"
+        if s.key_blocks == 1
+        else f" per {'KV head' if hpb == 1 else f'{hpb} KV heads'} of {C // s.key_blocks}"
+    )
     rows = []
     for i, (lv, share) in enumerate(zip(s.levels, s.shares())):
         ranks = [rs[i] for rs in s.ranks]
         rank = "?" if not ranks else str(ranks[0]) if len(set(ranks)) == 1 else f"{min(ranks)}..{max(ranks)} (by layer)"
         who = "oldest (middle)" if i == 0 else "most recent" if i == len(s.levels) - 1 else f"level {i}"
-        hpb = (arch.get("num_kv_heads") or 0) // s.key_blocks
-        per = (
-            f" of {C}"
-            if s.key_blocks == 1
-            else f" per {'KV head' if hpb == 1 else f'{hpb} KV heads'} of {C // s.key_blocks}"
-        )
         kb = f"{lv.key_bits}" + (f" ({lv.key_rank} coefficients{per})" if lv.key_rank else "")
         rows.append(f"| {i} | {who} | {share:.3g} | {rank} / {R} | {lv.bits} | {kb} |")
     ratio = m.get("nominal_ratio")

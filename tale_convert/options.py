@@ -35,10 +35,10 @@ class Options:
     key_group: int = 32
     value_group: int | None = None  # channels per latent quantization group; None: the preset's (else 32)
     residual: int | None = None
-    # "paper" (default): the paper's schedule (KIVI layout, 16-bit scales); "tale": the best measured per byte on
-    # SmolLM2 (docs/quality.md: middle keys 2-bit with the most important half of each head's channels at 3 bits,
-    # fp8 scales), not the default because it misses the demo's long-context answer (tests/test_demo.py). The GPU
-    # fast path (Triton kernel, static cache, CUDA graphs) reads both
+    # "lowrank" (default): the most accurate per byte (low-rank keys before RoPE, full-rank 3-bit latents);
+    # "paper": the paper's schedule (KIVI layout, 16-bit scales), the fastest GPU decode; "tale": 2-bit middle keys
+    # with the most important half of each head's channels at 3 bits, which misses the demo's long-context answer
+    # (docs/quality.md). The GPU fast path (static cache, CUDA graphs, a Triton or CUDA kernel) reads all three
     preset: str = "lowrank"
     target_ratio: float | None = None  # level-0 ranks per layer chosen to meet this measured ratio (1K tokens)
     # (bits, channels): the middle level's keys in two bands, per KV head the `channels` most important key

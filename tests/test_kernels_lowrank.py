@@ -75,8 +75,8 @@ def make_view(
     seed=0,
 ):
     """A LayerView: sinks (16-bit, after RoPE) | low-rank coefficients (coef_bits, before RoPE; lay.r per block of a
-    basis of `blocks` blocks: 1 joint, K / g per latent group, K per head) | 4-bit keys before RoPE per channel | 8-bit keys before RoPE per
-    token | 16-bit tail after RoPE, lengths lay.lens (0: empty, dropped); each region `extra` unused slots (NaN
+    basis of `blocks` blocks: 1 joint, K / g per latent group, K per head) | 4-bit keys before RoPE per channel |
+    8-bit keys before RoPE per token | 16-bit tail after RoPE, lengths lay.lens (0: empty, dropped); each region `extra` unused slots (NaN
     inside, pos -1)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     B, K, G, n, R, dt = lay.B, lay.K, lay.G, lay.n, lay.R, lay.dtype
@@ -177,9 +177,8 @@ def test_lowrank_preset_layout(B):
         dict(two_pass=False),  # scores, softmax and latents in one program per tile
         dict(score_heads=False),  # a score program per KV head
         dict(score_block=32, score_tokens=32),  # 32-slot score tiles, one per program
-        dict(
-            score_groups=True, score_block=32
-        ),  # blocks of several heads scored by latent groups (per head: as before)
+        # blocks of several heads scored by latent groups (per head: as before)
+        dict(score_groups=True, score_block=32),
         dict(score_groups=False, coef_chunk=16, score_warps=4),  # blocks of several heads scored head by head
     ],
 )
@@ -255,8 +254,8 @@ def test_basis_blocks_the_kernel_refuses():
     lay = Layout(H=12, K=6, G=3, r=8, lens=(4, 20, 8, 0, 2))
     rot = rotary(lay.n)
     q, k, h = new_token(lay, rot)
-    assert lra.supported(q, k, h, make_view(lay, rot, blocks=3)) is None
     view = make_view(lay, rot, blocks=3)
+    assert lra.supported(q, k, h, view) is None
     b = view.regions[1].basis
     nb = lay.K * lay.n // 4
     eye = torch.eye(nb, device=b.enc.device).expand(4, nb, nb)

@@ -1,7 +1,6 @@
 """The static cache (runtime/static_cache.py) holds exactly what the dynamic cache holds, step by step,
 and gives the same tokens end to end (tiny random models, float32, CPU)."""
 
-import types
 from dataclasses import replace
 
 import pytest
@@ -222,9 +221,7 @@ def test_device_writes_trace_as_whole_graphs(monkeypatch):
 
     def fused(fn, device, key=()):  # as sc.fused: a code object per key, so dynamo keeps the key's integers constant
         if (fn, key) not in traced:
-            name = f"{fn.__name__}_{len(traced)}"
-            code = types.FunctionType(fn.__code__.replace(co_name=name, co_qualname=name), fn.__globals__, name)
-            traced[fn, key] = torch.compile(code, backend=counter, fullgraph=True)
+            traced[fn, key] = torch.compile(sc.own_code(fn, len(traced)), backend=counter, fullgraph=True)
         return traced[fn, key]
 
     monkeypatch.setattr(sc, "fused", fused)
