@@ -73,14 +73,18 @@ def run_ranks(args: list[str], world: int = 2) -> list[subprocess.CompletedProce
 @pytest.fixture(scope="module")
 def artifacts(tiny_model_dir, tmp_path_factory):
     """Tiny Llama (8 query, 4 KV heads) converted in float32 with groups of 2 (G = 2) and of 4 (G = 1), and with the
-    lowrank preset (low-rank keys on its basis per latent group, a joint one and one per head); the tiny MHA model with tied embeddings (4
-    heads, groups of 2)."""
+    lowrank preset (low-rank keys on its basis per latent group, a joint one and one per head); the tiny MHA model
+    with tied embeddings (4 heads, groups of 2); tiny Qwen3 (per-head q/k norms; groups of 2) and Gemma 3 (q/k norms,
+    a sliding and a global layer with RoPE tables of their own; the lowrank preset, groups of 1); a tiny Phi-3
+    (refused)."""
     root = tmp_path_factory.mktemp("tp")
     out = {}
     lowrank = dict(preset="lowrank")
     cases = [("good", "llama", 2, {}), ("odd", "llama", 4, {}), ("tied", "mha", 2, {})]
     cases += [("lowrank", "llama", 2, lowrank), ("lowrank_joint", "llama", 2, dict(lowrank, key_basis_blocks="joint"))]
     cases += [("lowrank_head", "llama", 2, dict(lowrank, key_basis_blocks="head"))]
+    cases += [("qwen3", "qwen3", 2, {}), ("gemma3", "gemma3", 1, lowrank)]  # Gemma 3's 2 KV heads: groups of 1
+    cases += [("phi3", "phi3", 1, {})]
     for name, arch, group, kw in cases:
         convert(str(tiny_model_dir(arch)), root / name, Options(group=group, **(TINY_OPTS | kw)))
         out[name] = root / name
@@ -97,9 +101,8 @@ def prompt(tiny_tok) -> list[int]:
 def ranks(artifacts, prompt, tmp_path_factory):
     """The JSON each of the two ranks wrote (tests/tp_rank.py)."""
     out = tmp_path_factory.mktemp("tp-out") / "res"
-    names = ("good", "odd", "tied", "lowrank", "lowrank_joint", "lowrank_head")
-    arts = [str(artifacts[name]) for name in names]
-    args = [str(HERE / "tp_rank.py"), str(out), *arts, json.dumps(prompt)]
+    arts = {name: str(path) for name, path in artifacts.items()}
+    args = [str(HERE / "tp_rank.py"), str(out), json.dumps(arts), json.dumps(prompt)]
     done = run_ranks([*args, str(NEW)])
     for p in done:
         assert p.returncode == 0, p.stderr[-3000:]
@@ -179,6 +182,22 @@ def test_low_rank_keys_under_two_ranks(ranks, artifacts, prompt, art, static):
                 assert mine.shape == whole.shape and (mine == whole).float().mean() > 0.95
 
 
+@pytest.mark.parametrize("art", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("static", [False, True])
+def test_qwen3_and_gemma3_under_two_ranks(ranks, artifacts, prompt, art, static):
+    """The per-head q/k norms replicated on both ranks (transformers' plan), Gemma 3's sliding layer held as a ring of
+    its window per rank and its keys before RoPE re-rotated by each layer type's own tables: the tokens of one
+    process, each rank caching half the bytes (Gemma 3's lowrank schedule: but for the fp8 biases, as above)."""
+    tokens, nbytes, logits = one_process(artifacts[art], prompt, **(dict(static=True) if static else {}))
+    for r in ranks:
+        tp_tokens, tp_bytes, tp_logits = r[art + ("_static" if static else "")]
+        assert tp_tokens == tokens
+        assert torch.allclose(torch.tensor(tp_logits), torch.tensor(logits), rtol=1e-4, atol=1e-5)
+        biases = 4 * 2 * 3 * json.loads((artifacts[art] / "config.json").read_text())["num_hidden_layers"]
+        assert 0 <= 2 * tp_bytes - nbytes <= (biases if art == "gemma3" else 0), (tp_bytes, nbytes)
+    assert len(set(tokens)) > 1
+
+
 def test_tied_embeddings_under_two_ranks(ranks, artifacts, prompt):
     """Tied embeddings: transformers' plan splits lm_head and the embedding by vocabulary, tied again after loading."""
     tokens, nbytes, logits = one_process(artifacts["tied"], prompt)
@@ -201,6 +220,15 @@ def test_groups_that_do_not_split_are_refused_on_every_rank(ranks):
             "tp_size 2 does not divide the 1 latent groups of 4 KV heads (each rank holds "
             "whole groups): use a tp size that divides 1, or convert with a smaller --group"
         )
+
+
+def test_phi3_is_refused_on_every_rank(ranks):
+    for r in ranks:
+        assert r["phi3"] == {
+            "type": "ValueError",
+            "message": "tensor parallelism is not supported for phi3 (it serves llama, mistral, qwen2, qwen3, "
+            "gemma3_text): use tp_size 1",
+        }
 
 
 def test_a_bad_path_on_one_rank_ends_every_rank(ranks):

@@ -1,11 +1,15 @@
 """One rank of tests/test_tp.py: started twice (RANK 0 and 1, gloo on the CPU), writes what it saw to OUT.rank{r}.json.
 
-    python tests/tp_rank.py OUT GOOD_ARTIFACT ODD_ARTIFACT TIED_ARTIFACT LOWRANK_ARTIFACT LOWRANK_JOINT_ARTIFACT
-        LOWRANK_HEAD_ARTIFACT PROMPT_IDS NEW_TOKENS
+    python tests/tp_rank.py OUT ARTIFACTS_JSON PROMPT_IDS NEW_TOKENS
+
+ARTIFACTS_JSON maps each case to its artifact: good, odd, tied, lowrank, lowrank_joint, lowrank_head, qwen3, gemma3,
+phi3.
 
 Cases, in one process group (starting Python and torch costs more than all of them): greedy tokens and per-rank cache
 bytes through model.generate (dynamic cache with the fused output, and with the factored one and O^r left unread;
-static cache; both with the prefill in pieces; tied embeddings; low-rank keys on a basis per latent group, a joint one and one per head); the compiled decode step; an artifact whose groups do not split over 2 ranks; a bad
+static cache; both with the prefill in pieces; tied embeddings; low-rank keys on a basis per latent group, a joint one
+and one per head; Qwen3 and Gemma 3, dynamic and static cache); the compiled decode step; an artifact whose groups do
+not split over 2 ranks; a Phi-3 artifact (refused); a bad
 path on rank 1 only; the same through `tale-run --tp 2`; benchmarks/bench_tp.py --tiny (with --throughput).
 """
 
@@ -77,7 +81,9 @@ def failure(fn) -> dict | None:
 
 
 def main() -> None:
-    out, good, odd, tied, lowrank, lowrank_joint, lowrank_head, prompt, new = sys.argv[1:10]
+    out, artifacts, prompt, new = sys.argv[1:5]
+    arts = json.loads(artifacts)
+    good, odd, tied = arts["good"], arts["odd"], arts["tied"]
     rank = int(os.environ["RANK"])
     ids, new = json.loads(prompt), int(new)
     res: dict = {"rank": rank}
@@ -102,13 +108,15 @@ def main() -> None:
     del model
     model, _ = load(tied, device="cpu", dtype=torch.float32, tp_size=2)
     res["tied"] = generate(model, ids, new)
-    for name, path in (("lowrank", lowrank), ("lowrank_joint", lowrank_joint), ("lowrank_head", lowrank_head)):
-        model, _ = load(path, device="cpu", dtype=torch.float32, tp_size=2)
+    for name in ("lowrank", "lowrank_joint", "lowrank_head", "qwen3", "gemma3"):
+        model, _ = load(arts[name], device="cpu", dtype=torch.float32, tp_size=2)
         res[name] = generate(model, ids, new)
         res[name + "_static"] = generate(model, ids, new, static=True)
-        res[name + "_coefficients"] = coefficients(model, ids)
+        if name.startswith("lowrank"):
+            res[name + "_coefficients"] = coefficients(model, ids)
         del model
     res["odd"] = failure(lambda: load(odd, device="cpu", dtype=torch.float32, tp_size=2))
+    res["phi3"] = failure(lambda: load(arts["phi3"], device="cpu", dtype=torch.float32, tp_size=2))
     res["bad_path"] = failure(
         lambda: load(good if rank == 0 else good + "-missing", device="cpu", dtype=torch.float32, tp_size=2)
     )
