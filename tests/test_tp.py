@@ -148,6 +148,26 @@ def test_two_ranks_give_the_tokens_of_one_process_with_half_the_cache(ranks, art
     assert len(set(tokens)) > 1  # a real sequence, not one token repeated
 
 
+def same_tokens_as_one_process(ranks, artifacts, prompt, art, static) -> tuple[list[int], int, list[int]]:
+    """Assert both ranks generated one process's tokens and prefill logits on `art`; (tokens, one process's cache
+    bytes, each rank's cache bytes)."""
+    tokens, nbytes, logits = one_process(artifacts[art], prompt, **(dict(static=True) if static else {}))
+    rank_bytes = []
+    for r in ranks:
+        tp_tokens, tp_bytes, tp_logits = r[art + ("_static" if static else "")]
+        assert tp_tokens == tokens
+        assert torch.allclose(torch.tensor(tp_logits), torch.tensor(logits), rtol=1e-4, atol=1e-5)
+        rank_bytes.append(tp_bytes)
+    assert len(set(tokens)) > 1  # a real sequence, not one token repeated
+    return tokens, nbytes, rank_bytes
+
+
+def fp8_biases(path) -> int:
+    """The bytes each rank keeps beyond half of one process's cache on a low-rank schedule: a 4-byte fp8 bias per
+    quantized tensor (two per level, three levels, each layer)."""
+    return 4 * 2 * 3 * json.loads((path / "config.json").read_text())["num_hidden_layers"]
+
+
 @pytest.mark.parametrize("art", ["lowrank", "lowrank_joint", "lowrank_head"])
 @pytest.mark.parametrize("static", [False, True])
 def test_low_rank_keys_under_two_ranks(ranks, artifacts, prompt, art, static):
@@ -155,19 +175,13 @@ def test_low_rank_keys_under_two_ranks(ranks, artifacts, prompt, art, static):
     one by each head's rows and columns, every rank encoding its heads' share of each coefficient and the shares summed across ranks, so both
     ranks hold all the coefficients and rebuild only their own heads. The tokens of one process, through the
     dynamic and the static cache (demotions into the low-rank level included)."""
-    tokens, nbytes, logits = one_process(artifacts[art], prompt, **(dict(static=True) if static else {}))
-    for r in ranks:
-        tp_tokens, tp_bytes, tp_logits = r[art + ("_static" if static else "")]
-        assert tp_tokens == tokens
-        assert torch.allclose(torch.tensor(tp_logits), torch.tensor(logits), rtol=1e-4, atol=1e-5)
-        # latents and plain keys halve, but for the 4-byte fp8 bias each rank keeps per quantized tensor (two per
-        # level and layer); a joint basis' coefficients are held whole by each rank
-        biases = 4 * 2 * 3 * json.loads((artifacts[art] / "config.json").read_text())["num_hidden_layers"]
+    tokens, nbytes, rank_bytes = same_tokens_as_one_process(ranks, artifacts, prompt, art, static)
+    biases = fp8_biases(artifacts[art])  # a joint basis' coefficients are held whole by each rank
+    for tp_bytes in rank_bytes:
         if art != "lowrank_joint":
             assert 0 < 2 * tp_bytes - nbytes <= biases, (tp_bytes, nbytes)
         else:
             assert nbytes / 2 + biases < tp_bytes < nbytes, (tp_bytes, nbytes)
-    assert len(set(tokens)) > 1
     if not static:  # the coefficients the ranks cache are the one process's (a joint basis: summed across ranks)
         import tp_rank
 
@@ -187,15 +201,10 @@ def test_low_rank_keys_under_two_ranks(ranks, artifacts, prompt, art, static):
 def test_qwen3_and_gemma3_under_two_ranks(ranks, artifacts, prompt, art, static):
     """The per-head q/k norms replicated on both ranks (transformers' plan), Gemma 3's sliding layer held as a ring of
     its window per rank and its keys before RoPE re-rotated by each layer type's own tables: the tokens of one
-    process, each rank caching half the bytes (Gemma 3's lowrank schedule: but for the fp8 biases, as above)."""
-    tokens, nbytes, logits = one_process(artifacts[art], prompt, **(dict(static=True) if static else {}))
-    for r in ranks:
-        tp_tokens, tp_bytes, tp_logits = r[art + ("_static" if static else "")]
-        assert tp_tokens == tokens
-        assert torch.allclose(torch.tensor(tp_logits), torch.tensor(logits), rtol=1e-4, atol=1e-5)
-        biases = 4 * 2 * 3 * json.loads((artifacts[art] / "config.json").read_text())["num_hidden_layers"]
-        assert 0 <= 2 * tp_bytes - nbytes <= (biases if art == "gemma3" else 0), (tp_bytes, nbytes)
-    assert len(set(tokens)) > 1
+    process, each rank caching half the bytes (Gemma 3's lowrank schedule: but for the fp8 biases)."""
+    _, nbytes, rank_bytes = same_tokens_as_one_process(ranks, artifacts, prompt, art, static)
+    biases = fp8_biases(artifacts[art]) if art == "gemma3" else 0
+    assert all(0 <= 2 * tp_bytes - nbytes <= biases for tp_bytes in rank_bytes), (rank_bytes, nbytes)
 
 
 def test_tied_embeddings_under_two_ranks(ranks, artifacts, prompt):
