@@ -152,11 +152,6 @@ def load(
         else:
             sched.validate(R, config.num_hidden_layers)
         if tp_size != 1:
-            if config.model_type not in families.TENSOR_PARALLEL:
-                raise ValueError(
-                    f"tensor parallelism is not supported for {config.model_type} (it serves "
-                    f"{', '.join(families.TENSOR_PARALLEL)}): use tp_size 1"
-                )
             tp.check_size(tp_size, arch.num_groups, g, root)
 
     model, rank_tp = meta_model(config, g, dtype, tp_cfg, mesh)

@@ -218,10 +218,22 @@ class TaleAttention(nn.Module):
         self.v_proj = getattr(orig, "v_proj", None)
         self.output_path = "fused"  # or "factored"
         self.pieces: _Pieces | None = None  # set while chunked_prefill runs this layer over pieces of the prompt
+        self.tp_size, self.tp_rank = 1, 0
 
-    def shard_heads(self, tp_size: int) -> None:
+    def shard_heads(self, tp_size: int, rank: int) -> None:
         """Count this rank's heads and groups (tensor parallelism: whole latent groups per rank, runtime/tp.py)."""
         self.H, self.K, self.G = self.H // tp_size, self.K // tp_size, self.G // tp_size
+        self.tp_size, self.tp_rank = tp_size, rank
+
+    def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Phi-3's fused projection [B, T, (H + 2K) n] -> this rank's q [B, T, H n], k and v [B, T, K n]. transformers'
+        plan gathers qkv_proj's output whole on every rank: under TP each takes its own heads' columns of each part."""
+        N, r, n = self.tp_size, self.tp_rank, self.head_dim
+        q, k, v = qkv.split([N * self.H * n, N * self.K * n, N * self.K * n], -1)
+        if N == 1:
+            return q, k, v
+        qs, ks = self.H * n, self.K * n
+        return q[..., r * qs : (r + 1) * qs], k[..., r * ks : (r + 1) * ks], v[..., r * ks : (r + 1) * ks]
 
     @property
     def v_bias(self) -> torch.Tensor | None:
@@ -273,8 +285,7 @@ class TaleAttention(nn.Module):
         exact values [B, T, K, n] if `values` (else None)."""
         B, T, _ = x.shape
         if self.qkv_proj is not None:
-            kv = self.K * self.head_dim
-            q, k, v = self.qkv_proj(x).split([self.H * self.head_dim, kv, kv], -1)
+            q, k, v = self._split_qkv(self.qkv_proj(x))
             v = v if values else None
         else:
             q, k = self.q_proj(x), self.k_proj(x)

@@ -760,6 +760,7 @@ class StaticTaleCache(CacheStep, Cache):
         self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank
         self.key_basis = key_basis  # per layer (levels with key_rank read it)
         self.rope: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per region (key_rope "pre"; None: sinks)
+        self.rope_width = head_dim  # the tables' channels: head_dim, fewer with partial rotary (set by the prefill)
         # key_rope "pre": the model's RoPE (inv_freq, attention_scaling; families.rotary) where it depends on the
         # position alone. The cache then holds no tables (8 n bytes per slot, read by every layer's decode): the
         # regions' keys are rotated by a Rotary made from their positions, checked against the model's tables at
@@ -843,9 +844,8 @@ class StaticTaleCache(CacheStep, Cache):
             self.rotary = Rotary(inv.to(device=dev, dtype=torch.float32).contiguous(), scaling, lead, k.dtype)
         elif pre:
             f32 = dict(dtype=torch.float32, device=dev)  # the tables as the dynamic cache reads them (RopeTables.at)
-            self.rope = [None] + [
-                (torch.zeros(B, c, self.n, **f32), torch.zeros(B, c, self.n, **f32)) for c in caps[1:]
-            ]
+            w = self.rope_width
+            self.rope = [None] + [(torch.zeros(B, c, w, **f32), torch.zeros(B, c, w, **f32)) for c in caps[1:]]
         self.lens = torch.zeros(len(caps), **i32)
         self.next_pos = torch.zeros((), dtype=torch.int64, device=dev)
         self.res_slot = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -862,9 +862,13 @@ class StaticTaleCache(CacheStep, Cache):
             raise RuntimeError("StaticTaleCache: writes happen inside a step (with cache.step(T): model forward)")
         if self.schedule.key_rope == "pre":
             B, T, n = k.shape[0], k.shape[-2], k.shape[-1]
-            if rope is None or rope[0].shape[-2:] != (T, n) or rope[0].shape[0] not in (1, B):
-                raise ValueError('key_rope "pre" needs the cos, sin [B, T, n] the appended keys were rotated by')
-            rope = tuple(x.expand(B, T, n) for x in rope)
+            w = None if rope is None else rope[0].shape[-1]  # < n: partial rotary (the first w channels rotate)
+            if rope is None or rope[0].shape[-2] != T or w > n or w % 2 or rope[0].shape[0] not in (1, B):
+                raise ValueError('key_rope "pre" needs the cos, sin [B, T, r <= n] the appended keys were rotated by')
+            if self.book is not None and w != self.rope_width:
+                raise ValueError(f"RoPE over {w} channels, but this cache's tokens were rotated over {self.rope_width}")
+            self.rope_width = w
+            rope = tuple(x.expand(B, T, w) for x in rope)
         else:
             rope = None
         if st.op is None:

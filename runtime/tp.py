@@ -36,6 +36,9 @@ TALE_PLAN = {
     "model.layers.*.self_attn.tale.v_v": "tale_groups",
     "model.layers.*.self_attn.tale.o_fused": "rowwise",  # the parameter: Shard(-1), the input dim of O^r
     "model.layers.*.self_attn.tale": "all_reduce",  # its forward (the fused output) gives a partial sum
+    # the exact prefill and the factored output feed o_proj this rank's heads: Phi-3's plan splits a whole input
+    # ("rowwise_split_input", after its qkv_proj's gathered output); the other families' plans say this already
+    "model.layers.*.self_attn.o_proj": "rowwise",
 }
 
 
@@ -166,7 +169,7 @@ def localize(model, tp: TP) -> None:
         for name, p in list(a.tale.named_parameters(recurse=False)):
             if isinstance(p, DTensor):
                 a.tale._parameters[name] = nn.Parameter(p.to_local(), requires_grad=False)
-        a.shard_heads(tp.size)
+        a.shard_heads(tp.size, tp.rank)
 
 
 _KNOWN = {"ArtifactError": ArtifactError, "ValueError": ValueError}

@@ -107,7 +107,7 @@ def test_keys_held_before_rope_reproduce_the_model(arch, g):
     """key_rope "pre" (the lowrank preset's keys) at exact settings decodes as the base model: Gemma 3's sliding and
     global layers rotate by their own bases, so each layer type keeps its own RoPE tables (the static cache holds its
     sliding layer as a ring of keys after RoPE, so its one set of tables is the global layers'); Phi-3 rotates half of
-    each head (partial rotary), and only that half is undone and redone."""
+    each head (partial rotary), and only that half is undone and redone, over the dynamic and the static cache."""
     base = tiny_model(arch)
     tm = talify(base, g)
     a = tm.tale_spec.arch
@@ -115,17 +115,19 @@ def test_keys_held_before_rope_reproduce_the_model(arch, g):
     ids = ids_for(40)
     with torch.no_grad():
         ref = base(ids).logits[:, 11:-1]
-    for static in (False, True) if arch == "gemma3" else (False,):
+    for static in (False, True):
         cache = new_cache(tm, static=static, max_length=40 if static else None)
         with torch.no_grad():
             out = [tm(ids[:, :12], **cache_arg(cache)).logits[:, -1:]]
             for t in range(12, 40):
                 out.append(tm(ids[:, t : t + 1], **cache_arg(cache)).logits)
         assert rel(torch.cat(out, 1)[:, :-1], ref) < 1e-4, static
+        if static:  # its RoPE tables hold the rotated channels only
+            assert cache.rope_width == a.rotary_dim == a.head_dim // (2 if arch == "phi3" else 1)
+    cache = new_cache(tm)
+    with torch.no_grad():
+        tm(ids[:, :12], **cache_arg(cache))
     if arch == "gemma3":
-        cache = new_cache(tm)
-        with torch.no_grad():
-            tm(ids[:, :12], **cache_arg(cache))
         assert set(cache.ropes) == {"sliding_attention", "full_attention"}
         assert not torch.equal(cache.ropes["sliding_attention"].cos, cache.ropes["full_attention"].cos)
     else:

@@ -75,8 +75,8 @@ def artifacts(tiny_model_dir, tmp_path_factory):
     """Tiny Llama (8 query, 4 KV heads) converted in float32 with groups of 2 (G = 2) and of 4 (G = 1), and with the
     lowrank preset (low-rank keys on its basis per latent group, a joint one and one per head); the tiny MHA model
     with tied embeddings (4 heads, groups of 2); tiny Qwen3 (per-head q/k norms; groups of 2) and Gemma 3 (q/k norms,
-    a sliding and a global layer with RoPE tables of their own; the lowrank preset, groups of 1); a tiny Phi-3
-    (refused)."""
+    a sliding and a global layer with RoPE tables of their own; the lowrank preset, groups of 1) and Phi-3 (fused
+    qkv_proj, partial rotary; the lowrank preset, groups of 1)."""
     root = tmp_path_factory.mktemp("tp")
     out = {}
     lowrank = dict(preset="lowrank")
@@ -84,7 +84,7 @@ def artifacts(tiny_model_dir, tmp_path_factory):
     cases += [("lowrank", "llama", 2, lowrank), ("lowrank_joint", "llama", 2, dict(lowrank, key_basis_blocks="joint"))]
     cases += [("lowrank_head", "llama", 2, dict(lowrank, key_basis_blocks="head"))]
     cases += [("qwen3", "qwen3", 2, {}), ("gemma3", "gemma3", 1, lowrank)]  # Gemma 3's 2 KV heads: groups of 1
-    cases += [("phi3", "phi3", 1, {})]
+    cases += [("phi3", "phi3", 1, lowrank)]
     for name, arch, group, kw in cases:
         convert(str(tiny_model_dir(arch)), root / name, Options(group=group, **(TINY_OPTS | kw)))
         out[name] = root / name
@@ -196,14 +196,16 @@ def test_low_rank_keys_under_two_ranks(ranks, artifacts, prompt, art, static):
                 assert mine.shape == whole.shape and (mine == whole).float().mean() > 0.95
 
 
-@pytest.mark.parametrize("art", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("art", ["qwen3", "gemma3", "phi3"])
 @pytest.mark.parametrize("static", [False, True])
-def test_qwen3_and_gemma3_under_two_ranks(ranks, artifacts, prompt, art, static):
-    """The per-head q/k norms replicated on both ranks (transformers' plan), Gemma 3's sliding layer held as a ring of
-    its window per rank and its keys before RoPE re-rotated by each layer type's own tables: the tokens of one
-    process, each rank caching half the bytes (Gemma 3's lowrank schedule: but for the fp8 biases)."""
+def test_other_families_under_two_ranks(ranks, artifacts, prompt, art, static):
+    """Qwen3's and Gemma 3's per-head q/k norms replicated on both ranks (transformers' plan), Gemma 3's sliding layer
+    held as a ring of its window per rank and its keys before RoPE re-rotated by each layer type's own tables;
+    Phi-3's fused qkv_proj gathered whole by its plan and cut to each rank's heads, its partial rotary on keys held
+    before RoPE: the tokens of one process, each rank caching half the bytes (the lowrank schedules of Gemma 3 and
+    Phi-3: but for the fp8 biases)."""
     _, nbytes, rank_bytes = same_tokens_as_one_process(ranks, artifacts, prompt, art, static)
-    biases = fp8_biases(artifacts[art]) if art == "gemma3" else 0
+    biases = fp8_biases(artifacts[art]) if art != "qwen3" else 0
     assert all(0 <= 2 * tp_bytes - nbytes <= biases for tp_bytes in rank_bytes), (rank_bytes, nbytes)
 
 
@@ -229,15 +231,6 @@ def test_groups_that_do_not_split_are_refused_on_every_rank(ranks):
             "tp_size 2 does not divide the 1 latent groups of 4 KV heads (each rank holds "
             "whole groups): use a tp size that divides 1, or convert with a smaller --group"
         )
-
-
-def test_phi3_is_refused_on_every_rank(ranks):
-    for r in ranks:
-        assert r["phi3"] == {
-            "type": "ValueError",
-            "message": "tensor parallelism is not supported for phi3 (it serves llama, mistral, qwen2, qwen3, "
-            "gemma3_text): use tp_size 1",
-        }
 
 
 def test_a_bad_path_on_one_rank_ends_every_rank(ranks):
