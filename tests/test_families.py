@@ -70,6 +70,30 @@ def test_the_default_schedule_generates_and_compresses(arch, converted):
         assert ratio > (1.0 if static and arch == "gemma3" else 1.5), (static, ratio)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
+def test_the_lowrank_preset_decodes_alike_through_both_caches(arch, tiny_model_dir, tmp_path):
+    """tale-convert's default preset (keys before RoPE, low-rank middle keys, 3-bit latents) on the families without
+    sliding layers: the static cache (what generate() takes on a GPU) gives the dynamic cache's greedy tokens and
+    logits, past demotions into the low-rank level. (Sliding layers differ by design: the static cache holds them
+    as 16-bit rings of their window, the dynamic one compresses what the window still reads; Gemma 3's static cache
+    is checked at exact settings above.)"""
+    from tale_convert.convert import Options, convert
+
+    path = tmp_path / "tale"
+    convert(str(tiny_model_dir(arch)), path, Options(group=TINY_GROUP[arch], **(TINY_OPTS | {"preset": "lowrank"})))
+    model, _ = load(path, device="cpu", dtype=torch.float32)
+    assert model.tale_spec.schedule.levels[0].key_rank > 0
+    kw = dict(max_new_tokens=40, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    outs = []
+    for static in (False, True):
+        cache = new_cache(model, static=static)
+        outs.append(model.generate(ids_for(60), **cache_arg(cache), **kw))
+        if not static:
+            assert cache.baseline_nbytes() / cache.nbytes() > 1.5
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert rel(torch.stack(outs[1].logits), torch.stack(outs[0].logits)) < 1e-5
+
+
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_calibration_sees_what_the_model_sees(arch, tiny_model_dir):
     """The converter's layer-by-layer pass (scaled embeddings, each layer's RoPE) reproduces the model's hidden states,
