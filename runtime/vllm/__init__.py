@@ -15,6 +15,7 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "TaleLlamaForCausalLM"),
     "mistral": ("MistralForCausalLM", "TaleMistralForCausalLM"),
     "qwen2": ("Qwen2ForCausalLM", "TaleQwen2ForCausalLM"),
+    "qwen3": ("Qwen3ForCausalLM", "TaleQwen3ForCausalLM"),
 }
 # the hf_config fields that carry the value rank and the packed cache's level into the model (hf_overrides; see
 # engine_args)

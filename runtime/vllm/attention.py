@@ -109,6 +109,12 @@ class TaleAttention(nn.Module):
         )
         # O^r cut to rank r: [H*r] -> d; a value bias reaches the output as a constant, hence the o_proj bias
         self.o_proj = RowParallelLinear(num_heads * r, hidden_size, bias=bias or bias_o_proj, prefix=f"{prefix}.o_proj")
+        # Qwen3: an RMSNorm over each head's queries and keys before RoPE (the weights: the artifact's q_norm, k_norm)
+        self.q_norm = self.k_norm = None
+        if config.model_type == "qwen3":
+            from vllm.model_executor.layers.layernorm import RMSNorm
+
+            self.q_norm, self.k_norm = RMSNorm(n, eps=config.rms_norm_eps), RMSNorm(n, eps=config.rms_norm_eps)
         self.rotary_emb = get_rope(
             n,
             max_position=max_position_embeddings,
@@ -135,6 +141,10 @@ class TaleAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)  # [T, (H + K) n + K r] on this rank
         q, k, h = qkv.split([self.q_size, self.k_size, self.h_size], dim=-1)
+        if self.q_norm is not None:  # per head: [T, heads * n] -> [T, heads, n]
+            n = self.head_dim
+            q = self.q_norm(q.reshape(-1, self.num_heads, n)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.num_kv_heads, n)).view(k.shape)
         q, k = self.rotary_emb(positions, q, k)
         if self.rotate:  # [T, heads * n] -> per head x Q
             from tale_runtime.model import hadamard

@@ -1,6 +1,7 @@
 """The model classes the plugin registers (ARCHITECTURES): vLLM's Llama with TaleAttention in every layer,
-weights read from the artifact (source.py) instead of vLLM's directory reader. Mistral and Qwen2 checkpoints have the
-Llama layer (Qwen2: with q, k, v biases, TaleAttention adds them), so all three use it."""
+weights read from the artifact (source.py) instead of vLLM's directory reader. Mistral, Qwen2 and Qwen3 checkpoints
+have the Llama layer (Qwen2: with q, k, v biases; Qwen3: with an RMSNorm over each head's queries and keys before RoPE:
+TaleAttention adds them), so all four use it."""
 
 from __future__ import annotations
 
@@ -51,4 +52,8 @@ class TaleMistralForCausalLM(TaleLlamaForCausalLM):
 
 
 class TaleQwen2ForCausalLM(TaleLlamaForCausalLM):
+    pass
+
+
+class TaleQwen3ForCausalLM(TaleLlamaForCausalLM):
     pass

@@ -39,6 +39,8 @@ main_fixtures.TINY["llama32"] = dict(
 )
 # three layers: the middle one packed between two 16-bit ones (slots of two sizes in one engine)
 main_fixtures.TINY["llama32x3"] = dict(main_fixtures.TINY["llama32"], num_hidden_layers=3)
+# Qwen3 (per-head q/k norms, randomized by save_tiny) at the same sizes
+main_fixtures.TINY["qwen3_32"] = dict(main_fixtures.TINY["llama32"], model_type="qwen3")
 
 
 @pytest.fixture(scope="session")
@@ -50,11 +52,15 @@ def tiny_llama(tmp_path_factory) -> Path:
 def tiny_artifact(tiny_llama, tmp_path_factory) -> Path:
     """group 1: each KV head's latent has the head's rank 32, so values keep vLLM's one head size (CPU attention). At
     tale-convert's default preset (lowrank: its key basis ships in the artifact; vLLM's pages hold plain keys)."""
+    return default_artifact(tiny_llama, tmp_path_factory.mktemp("art") / "tiny-llama32-tale")
+
+
+def default_artifact(base: Path, out: Path) -> Path:
+    """`base` converted at group 1 with tale-convert's default preset (the tiny converter options otherwise)."""
     from tale_convert.convert import Options, convert
 
-    out = tmp_path_factory.mktemp("art") / "tiny-llama32-tale"
     opts = {k: v for k, v in main_fixtures.TINY_OPTS.items() if k not in ("preset", "residual")}
-    convert(str(tiny_llama), out, Options(group=1, **opts))
+    convert(str(base), out, Options(group=1, **opts))
     assert (out / "key_basis.safetensors").is_file()
     return out
 

@@ -9,7 +9,7 @@ import json
 import shutil
 
 import pytest
-from conftest import ENGINE, PROMPTS, VLLM, greedy, kv_bytes_per_token, shutdown
+from conftest import ENGINE, PROMPTS, VLLM, default_artifact, greedy, kv_bytes_per_token, main_fixtures, shutdown
 
 import tale_runtime.vllm as tale_vllm
 from tale_runtime.artifact import ArtifactError
@@ -34,6 +34,21 @@ def test_full_rank_greedy_tokens_equal_the_base_model(tale_llm, base_run):
     base_tokens, _ = base_run
     assert len({len(tale_llm.get_tokenizer()(p).input_ids) for p in PROMPTS}) == len(PROMPTS)  # different lengths
     assert greedy(tale_llm) == base_tokens
+
+
+def test_qwen3_full_rank_greedy_tokens_equal_the_base_model(tmp_path):
+    """Qwen3's per-head q/k norms before RoPE, in TaleAttention: at full rank the base Qwen3's greedy tokens under
+    vLLM (two engines, one after the other)."""
+    base = main_fixtures.save_tiny(tmp_path / "qwen3", "qwen3_32", main_fixtures.tiny_tokenizer())
+    llm = vllm.LLM(model=str(base), **ENGINE)
+    want = greedy(llm)
+    shutdown(llm)
+    llm = vllm.LLM(**tale_vllm.engine_args(default_artifact(base, tmp_path / "qwen3-tale")), **ENGINE)
+    try:
+        assert llm.apply_model(lambda m: type(m).__name__) == ["TaleQwen3ForCausalLM"]
+        assert greedy(llm) == want
+    finally:
+        shutdown(llm)
 
 
 def test_kv_bytes_per_token(tale_llm, base_run, tiny_artifact, capsys):
