@@ -1,7 +1,8 @@
 """The model classes the plugin registers (ARCHITECTURES): vLLM's Llama with TaleAttention in every layer,
-weights read from the artifact (source.py) instead of vLLM's directory reader. Mistral, Qwen2 and Qwen3 checkpoints
-have the Llama layer (Qwen2: with q, k, v biases; Qwen3: with an RMSNorm over each head's queries and keys before RoPE:
-TaleAttention adds them), so all four use it."""
+weights read from the artifact (source.py) instead of vLLM's directory reader. Mistral, Qwen2, Qwen3 and Phi-3
+checkpoints have the Llama layer (Qwen2: with q, k, v biases; Qwen3: with an RMSNorm over each head's queries and keys
+before RoPE: TaleAttention adds them; Phi-3: fused q/k/v and gate/up weights, which source.py hands over unfused, and
+RoPE on part of each head, which vLLM's get_rope reads from the config), so all five use it."""
 
 from __future__ import annotations
 
@@ -56,4 +57,8 @@ class TaleQwen2ForCausalLM(TaleLlamaForCausalLM):
 
 
 class TaleQwen3ForCausalLM(TaleLlamaForCausalLM):
+    pass
+
+
+class TalePhi3ForCausalLM(TaleLlamaForCausalLM):
     pass

@@ -212,7 +212,7 @@ def tensors(src: Source) -> Iterator[tuple[str, torch.Tensor]]:
                     if m:
                         held.setdefault(int(m.group(2)), {})[m.group(3)] = st.get_tensor(name)
                     else:
-                        yield name, st.get_tensor(name)
+                        yield from unfused(name, st.get_tensor(name), src.arch)
         except (SafetensorError, OSError) as e:
             raise ArtifactError(f"{src.root / f}: unreadable safetensors file ({e})") from None
     if sorted(held) != list(range(src.arch.num_layers)):
@@ -222,6 +222,24 @@ def tensors(src: Source) -> Iterator[tuple[str, torch.Tensor]]:
         r = None if src.bits is not None else src.ranks[i]  # packed: the full-rank latents (the slot keeps r)
         for name, t in attention_tensors(held.pop(i), src.arch, r, f"{src.root}: layer {i}"):
             yield prefix + name, t
+
+
+def unfused(name: str, t: torch.Tensor, a: Arch) -> Iterator[tuple[str, torch.Tensor]]:
+    """Phi-3's fused weights in the names of vLLM's Llama layer, whose loader stacks q/k/v and gate/up itself: qkv_proj
+    [(H + 2K) n, d] -> q_proj, k_proj (its value rows are replaced by the latent projection: attention_tensors);
+    gate_up_proj [2 I, d] -> gate_proj, up_proj. Any other tensor as it is."""
+    if name.endswith(".self_attn.qkv_proj.weight"):
+        q, k, _ = t.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim])
+        stem = name[: -len("qkv_proj.weight")]
+        yield stem + "q_proj.weight", q
+        yield stem + "k_proj.weight", k
+    elif name.endswith(".mlp.gate_up_proj.weight"):
+        gate, up = t.chunk(2)
+        stem = name[: -len("gate_up_proj.weight")]
+        yield stem + "gate_proj.weight", gate
+        yield stem + "up_proj.weight", up
+    else:
+        yield name, t
 
 
 def attention_tensors(

@@ -39,8 +39,12 @@ main_fixtures.TINY["llama32"] = dict(
 )
 # three layers: the middle one packed between two 16-bit ones (slots of two sizes in one engine)
 main_fixtures.TINY["llama32x3"] = dict(main_fixtures.TINY["llama32"], num_hidden_layers=3)
-# Qwen3 (per-head q/k norms, randomized by save_tiny) at the same sizes
+# Qwen3 (per-head q/k norms, randomized by save_tiny) and Phi-3 (fused qkv_proj and gate_up_proj, RoPE on half of
+# each head) at the same sizes
 main_fixtures.TINY["qwen3_32"] = dict(main_fixtures.TINY["llama32"], model_type="qwen3")
+main_fixtures.TINY["phi3_32"] = dict(
+    main_fixtures.TINY["llama32"], model_type="phi3", partial_rotary_factor=0.5, pad_token_id=0
+)
 
 
 @pytest.fixture(scope="session")

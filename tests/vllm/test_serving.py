@@ -36,16 +36,18 @@ def test_full_rank_greedy_tokens_equal_the_base_model(tale_llm, base_run):
     assert greedy(tale_llm) == base_tokens
 
 
-def test_qwen3_full_rank_greedy_tokens_equal_the_base_model(tmp_path):
-    """Qwen3's per-head q/k norms before RoPE, in TaleAttention: at full rank the base Qwen3's greedy tokens under
-    vLLM (two engines, one after the other)."""
-    base = main_fixtures.save_tiny(tmp_path / "qwen3", "qwen3_32", main_fixtures.tiny_tokenizer())
+@pytest.mark.parametrize("arch,cls", [("qwen3_32", "TaleQwen3ForCausalLM"), ("phi3_32", "TalePhi3ForCausalLM")])
+def test_other_families_full_rank_greedy_tokens_equal_the_base_model(tmp_path, arch, cls):
+    """Qwen3's per-head q/k norms before RoPE (in TaleAttention); Phi-3's fused qkv_proj and gate_up_proj handed to
+    vLLM's Llama layer unfused, and its RoPE over half of each head: at full rank the base model's greedy tokens
+    under vLLM (vLLM's own Qwen3 / Phi-3 class; two engines, one after the other)."""
+    base = main_fixtures.save_tiny(tmp_path / arch, arch, main_fixtures.tiny_tokenizer())
     llm = vllm.LLM(model=str(base), **ENGINE)
     want = greedy(llm)
     shutdown(llm)
-    llm = vllm.LLM(**tale_vllm.engine_args(default_artifact(base, tmp_path / "qwen3-tale")), **ENGINE)
+    llm = vllm.LLM(**tale_vllm.engine_args(default_artifact(base, tmp_path / f"{arch}-tale")), **ENGINE)
     try:
-        assert llm.apply_model(lambda m: type(m).__name__) == ["TaleQwen3ForCausalLM"]
+        assert llm.apply_model(lambda m: type(m).__name__) == [cls]
         assert greedy(llm) == want
     finally:
         shutdown(llm)
