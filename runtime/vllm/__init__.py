@@ -17,6 +17,7 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "TaleQwen2ForCausalLM"),
     "qwen3": ("Qwen3ForCausalLM", "TaleQwen3ForCausalLM"),
     "phi3": ("Phi3ForCausalLM", "TalePhi3ForCausalLM"),
+    "gemma3_text": ("Gemma3ForCausalLM", "TaleGemma3ForCausalLM"),
 }
 # the hf_config fields that carry the value rank and the packed cache's level into the model (hf_overrides; see
 # engine_args)

@@ -109,25 +109,26 @@ class TaleAttention(nn.Module):
         )
         # O^r cut to rank r: [H*r] -> d; a value bias reaches the output as a constant, hence the o_proj bias
         self.o_proj = RowParallelLinear(num_heads * r, hidden_size, bias=bias or bias_o_proj, prefix=f"{prefix}.o_proj")
-        # Qwen3: an RMSNorm over each head's queries and keys before RoPE (the weights: the artifact's q_norm, k_norm)
+        # Qwen3, Gemma 3: an RMSNorm over each head's queries and keys before RoPE (the artifact's q_norm, k_norm;
+        # Gemma's scales by 1 + weight)
         self.q_norm = self.k_norm = None
-        if config.model_type == "qwen3":
-            from vllm.model_executor.layers.layernorm import RMSNorm
+        if config.model_type in ("qwen3", "gemma3_text"):
+            from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 
-            self.q_norm, self.k_norm = RMSNorm(n, eps=config.rms_norm_eps), RMSNorm(n, eps=config.rms_norm_eps)
-        self.rotary_emb = get_rope(
-            n,
-            max_position=max_position_embeddings,
-            rope_parameters=getattr(config, "rope_parameters", None),
-            is_neox_style=True,
-        )
+            norm = GemmaRMSNorm if config.model_type == "gemma3_text" else RMSNorm
+            self.q_norm, self.k_norm = norm(n, eps=config.rms_norm_eps), norm(n, eps=config.rms_norm_eps)
+        types = getattr(config, "layer_types", None)
+        rope = getattr(config, "rope_parameters", None)
+        if config.model_type == "gemma3_text":  # RoPE per layer type (a local base on the sliding layers)
+            rope = rope[types[layer]]
+        self.rotary_emb = get_rope(n, max_position=max_position_embeddings, rope_parameters=rope, is_neox_style=True)
         sliding = None
-        if (types := getattr(config, "layer_types", None)) and types[layer] == "sliding_attention":
+        if types and types[layer] == "sliding_attention":
             sliding = config.sliding_window
         self.attn = Attention(
             self.num_heads,
             n,
-            n**-0.5,
+            getattr(config, "query_pre_attn_scalar", n) ** -0.5,  # Gemma 3's scale, n^-1/2 elsewhere
             num_kv_heads=self.num_kv_heads,
             cache_config=cache_config,
             per_layer_sliding_window=sliding,
@@ -138,7 +139,7 @@ class TaleAttention(nn.Module):
             **extra,
         )
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)  # [T, (H + K) n + K r] on this rank
         q, k, h = qkv.split([self.q_size, self.k_size, self.h_size], dim=-1)
         if self.q_norm is not None:  # per head: [T, heads * n] -> [T, heads, n]
@@ -156,3 +157,32 @@ class TaleAttention(nn.Module):
         z = self.attn(q, k, h, output_shape=torch.Size((q.shape[0], self.z_size)))
         out, _ = self.o_proj(z)  # [T, d]
         return out
+
+
+def gemma3_attention(
+    config,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_position_embeddings: int,
+    cache_config: CacheConfig | None = None,
+    quant_config: QuantizationConfig | None = None,
+    attn_logits_soft_cap: float | None = None,
+    prefix: str = "",
+) -> TaleAttention:
+    """TaleAttention built with the arguments vLLM's Gemma3DecoderLayer gives its Gemma3Attention."""
+    if attn_logits_soft_cap is not None:
+        raise ValueError("attention logit soft-capping is not supported by TALE")
+    del head_dim  # config.head_dim
+    return TaleAttention(
+        config,
+        hidden_size,
+        num_heads,
+        num_kv_heads,
+        max_position_embeddings,
+        quant_config=quant_config,
+        bias=config.attention_bias,
+        cache_config=cache_config,
+        prefix=prefix,
+    )

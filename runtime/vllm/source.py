@@ -22,8 +22,6 @@ from tale_runtime.paged import BITS, PagedFormat
 from tale_runtime.remote_code import base_dict, is_tale
 from tale_runtime.spec import Arch
 
-from . import ARCHITECTURES
-
 # the per-layer tensors the attention needs together (they may sit in different shards)
 _ATTN = re.compile(
     r"^(model\.layers\.(\d+)\.self_attn\.)(v_proj\.weight|v_proj\.bias|o_proj\.weight|o_proj\.bias|tale\.\w+)$"
@@ -33,7 +31,7 @@ _ATTN = re.compile(
 @dataclass(frozen=True)
 class Source:
     root: Path
-    model_type: str  # the base model's (config.py: the plugin serves ARCHITECTURES' families)
+    model_type: str  # the base model's (a family of tale_runtime.families.SUPPORTED)
     own_type: bool  # config.json says model_type "tale" (artifacts before it carry the base's config.json)
     arch: Arch
     ranks: tuple[int, ...]  # value rank r per layer: the head size of vLLM's values
@@ -131,11 +129,6 @@ def open_artifact(
     if not isinstance(config, dict) or config.get("model_type") not in SUPPORTED:
         got = config.get("model_type") if isinstance(config, dict) else None
         raise ArtifactError(f"{root}: model_type {got!r} is not supported (only {', '.join(SUPPORTED)})")
-    if config["model_type"] not in ARCHITECTURES:
-        raise ValueError(
-            f"{root}: the vLLM plugin serves {', '.join(ARCHITECTURES)}, not {config['model_type']} "
-            "(tale_runtime.load and tale-run serve it)"
-        )
     try:
         arch = Arch.from_manifest(manifest)
         sched = schedule_of(manifest)

@@ -36,11 +36,19 @@ def test_full_rank_greedy_tokens_equal_the_base_model(tale_llm, base_run):
     assert greedy(tale_llm) == base_tokens
 
 
-@pytest.mark.parametrize("arch,cls", [("qwen3_32", "TaleQwen3ForCausalLM"), ("phi3_32", "TalePhi3ForCausalLM")])
+FAMILIES = [
+    ("qwen3_32", "TaleQwen3ForCausalLM"),
+    ("phi3_32", "TalePhi3ForCausalLM"),
+    ("gemma3", "TaleGemma3ForCausalLM"),
+]
+
+
+@pytest.mark.parametrize("arch,cls", FAMILIES)
 def test_other_families_full_rank_greedy_tokens_equal_the_base_model(tmp_path, arch, cls):
     """Qwen3's per-head q/k norms before RoPE (in TaleAttention); Phi-3's fused qkv_proj and gate_up_proj handed to
-    vLLM's Llama layer unfused, and its RoPE over half of each head: at full rank the base model's greedy tokens
-    under vLLM (vLLM's own Qwen3 / Phi-3 class; two engines, one after the other)."""
+    vLLM's Llama layer unfused, and its RoPE over half of each head; Gemma 3's own layer with TaleAttention in it (its
+    scale, (1 + w) norms, a sliding layer with a local RoPE base, a global one): at full rank the base model's greedy
+    tokens under vLLM (vLLM's own class of the family; two engines, one after the other)."""
     base = main_fixtures.save_tiny(tmp_path / arch, arch, main_fixtures.tiny_tokenizer())
     llm = vllm.LLM(model=str(base), **ENGINE)
     want = greedy(llm)
