@@ -142,6 +142,11 @@ def open_artifact(
             f"value rank {ranks[0]} cuts inside the latents' rotation blocks of {q} (use a multiple of {q})"
         )
     bits = None if kv_cache is None else packed_bits(kv_cache, sched, arch.num_layers, exact_layers)
+    if bits is not None and "sliding_attention" in (config.get("layer_types") or []):
+        raise ValueError(
+            f"the packed cache (kv_cache={kv_cache!r}) has no sliding-window attention, which "
+            f"{config['model_type']}'s sliding layers need: serve it with kv_cache=None"
+        )
     if rotate not in ("hadamard", "none"):
         raise ValueError(f"rotate must be 'hadamard' or 'none', got {rotate!r}")
     if sinks is None:

@@ -70,6 +70,17 @@ def test_the_plugin_serves_every_family_the_converter_takes():
     assert set(ARCHITECTURES) == set(families.SUPPORTED)
 
 
+def test_the_packed_cache_refuses_sliding_layers_in_one_line(converted):
+    _, art = converted("gemma3", 1)
+    with pytest.raises(ValueError) as e:
+        source.open_artifact(art, "full", kv_cache="k4v4")
+    assert str(e.value) == (
+        "the packed cache (kv_cache='k4v4') has no sliding-window attention, which gemma3_text's sliding layers need: "
+        "serve it with kv_cache=None"
+    )
+    assert source.open_artifact(art, "full").bits is None  # stage 1 serves it
+
+
 def test_value_rank_refusals(converted):
     _, art = converted("llama", 2)
     with pytest.raises(ValueError, match=r"value rank 65 is outside \[1, 32\]"):
