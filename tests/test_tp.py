@@ -74,7 +74,8 @@ def run_ranks(args: list[str], world: int = 2) -> list[subprocess.CompletedProce
 def artifacts(tiny_model_dir, tmp_path_factory):
     """Tiny Llama (8 query, 4 KV heads) converted in float32 with groups of 2 (G = 2) and of 4 (G = 1), and with the
     lowrank preset (low-rank keys on its basis per latent group, a joint one and one per head); the tiny MHA model
-    with tied embeddings (4 heads, groups of 2); tiny Qwen3 (per-head q/k norms; groups of 2) and Gemma 3 (q/k norms,
+    with tied embeddings (4 heads, groups of 2); tiny Qwen2 (value bias; groups of 1), Qwen3 (per-head q/k norms;
+    groups of 2) and Gemma 3 (q/k norms,
     a sliding and a global layer with RoPE tables of their own; the lowrank preset, groups of 1) and Phi-3 (fused
     qkv_proj, partial rotary; the lowrank preset, groups of 1)."""
     root = tmp_path_factory.mktemp("tp")
@@ -83,7 +84,7 @@ def artifacts(tiny_model_dir, tmp_path_factory):
     cases = [("good", "llama", 2, {}), ("odd", "llama", 4, {}), ("tied", "mha", 2, {})]
     cases += [("lowrank", "llama", 2, lowrank), ("lowrank_joint", "llama", 2, dict(lowrank, key_basis_blocks="joint"))]
     cases += [("lowrank_head", "llama", 2, dict(lowrank, key_basis_blocks="head"))]
-    cases += [("qwen3", "qwen3", 2, {}), ("gemma3", "gemma3", 1, lowrank)]  # Gemma 3's 2 KV heads: groups of 1
+    cases += [("qwen2", "qwen2", 1, {}), ("qwen3", "qwen3", 2, {}), ("gemma3", "gemma3", 1, lowrank)]  # 2 groups each
     cases += [("phi3", "phi3", 1, lowrank)]
     for name, arch, group, kw in cases:
         convert(str(tiny_model_dir(arch)), root / name, Options(group=group, **(TINY_OPTS | kw)))
@@ -125,7 +126,8 @@ def one_process(path, prompt, **cache_kw) -> tuple[list[int], int, list[float]]:
         output_logits=True,
         return_dict_in_generate=True,
     )
-    return out.sequences[0, len(prompt) :].tolist(), cache.nbytes(), out.logits[0][0, :8].tolist()
+    logits = out.logits[0][0, :8].tolist() + out.logits[-1][0, :8].tolist()  # as tests/tp_rank.py takes them
+    return out.sequences[0, len(prompt) :].tolist(), cache.nbytes(), logits
 
 
 @pytest.mark.parametrize("case", ["dynamic", "static", "factored", "pieces", "pieces_static"])
@@ -144,21 +146,32 @@ def test_two_ranks_give_the_tokens_of_one_process_with_half_the_cache(ranks, art
         tp_tokens, tp_bytes, tp_logits = r[case]
         assert tp_tokens == tokens
         assert 2 * tp_bytes == nbytes  # each rank caches its own KV heads and latent groups
-        assert torch.allclose(torch.tensor(tp_logits), torch.tensor(logits), rtol=1e-4, atol=1e-5)
+        assert_logits_close(tp_logits, logits)
     assert len(set(tokens)) > 1  # a real sequence, not one token repeated
 
 
+def assert_logits_close(tp: list[float], one: list[float]) -> None:
+    """The logits tests/tp_rank.py keeps (8 of the prefill's, 8 of the last step's) against one process's: the prefill
+    to float32 rounding; the last step read from quantized levels, where the ranks' other summation order can move a
+    value across a rounding step of its code (about 3e-4 seen on Gemma 3's lowrank schedule)."""
+    tp, one = torch.tensor(tp), torch.tensor(one)
+    assert torch.allclose(tp[:8], one[:8], rtol=1e-4, atol=1e-5)
+    assert torch.allclose(tp[8:], one[8:], rtol=1e-3, atol=2e-3)
+
+
 def same_tokens_as_one_process(ranks, artifacts, prompt, art, static) -> tuple[list[int], int, list[int]]:
-    """Assert both ranks generated one process's tokens and prefill logits on `art`; (tokens, one process's cache
-    bytes, each rank's cache bytes)."""
+    """Assert both ranks generated one process's tokens and logits on `art`; (tokens, one process's cache bytes, each
+    rank's cache bytes)."""
     tokens, nbytes, logits = one_process(artifacts[art], prompt, **(dict(static=True) if static else {}))
     rank_bytes = []
     for r in ranks:
         tp_tokens, tp_bytes, tp_logits = r[art + ("_static" if static else "")]
         assert tp_tokens == tokens
-        assert torch.allclose(torch.tensor(tp_logits), torch.tensor(logits), rtol=1e-4, atol=1e-5)
+        assert_logits_close(tp_logits, logits)
         rank_bytes.append(tp_bytes)
-    assert len(set(tokens)) > 1  # a real sequence, not one token repeated
+    # a real sequence, not one token repeated (the tiny Qwen2 repeats one token whatever its seed: its last step's
+    # logits, compared above, carry the check past the flushes)
+    assert len(set(tokens)) > 1 or art == "qwen2"
     return tokens, nbytes, rank_bytes
 
 
@@ -196,16 +209,16 @@ def test_low_rank_keys_under_two_ranks(ranks, artifacts, prompt, art, static):
                 assert mine.shape == whole.shape and (mine == whole).float().mean() > 0.95
 
 
-@pytest.mark.parametrize("art", ["qwen3", "gemma3", "phi3"])
+@pytest.mark.parametrize("art", ["qwen2", "qwen3", "gemma3", "phi3"])
 @pytest.mark.parametrize("static", [False, True])
 def test_other_families_under_two_ranks(ranks, artifacts, prompt, art, static):
-    """Qwen3's and Gemma 3's per-head q/k norms replicated on both ranks (transformers' plan), Gemma 3's sliding layer
+    """Qwen2's value bias (each rank adds its heads' part through its slice of W_O); Qwen3's and Gemma 3's per-head q/k norms replicated on both ranks (transformers' plan), Gemma 3's sliding layer
     held as a ring of its window per rank and its keys before RoPE re-rotated by each layer type's own tables;
     Phi-3's fused qkv_proj gathered whole by its plan and cut to each rank's heads, its partial rotary on keys held
     before RoPE: the tokens of one process, each rank caching half the bytes (the lowrank schedules of Gemma 3 and
     Phi-3: but for the fp8 biases)."""
     _, nbytes, rank_bytes = same_tokens_as_one_process(ranks, artifacts, prompt, art, static)
-    biases = fp8_biases(artifacts[art]) if art != "qwen3" else 0
+    biases = fp8_biases(artifacts[art]) if art in ("gemma3", "phi3") else 0
     assert all(0 <= 2 * tp_bytes - nbytes <= biases for tp_bytes in rank_bytes), (rank_bytes, nbytes)
 
 
@@ -215,7 +228,7 @@ def test_tied_embeddings_under_two_ranks(ranks, artifacts, prompt):
     for r in ranks:
         tp_tokens, tp_bytes, tp_logits = r["tied"]
         assert tp_tokens == tokens and 2 * tp_bytes == nbytes
-        assert torch.allclose(torch.tensor(tp_logits), torch.tensor(logits), rtol=1e-4, atol=1e-5)
+        assert_logits_close(tp_logits, logits)
 
 
 def test_compiled_decode_step_under_two_ranks(ranks):

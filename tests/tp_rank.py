@@ -2,13 +2,13 @@
 
     python tests/tp_rank.py OUT ARTIFACTS_JSON PROMPT_IDS NEW_TOKENS
 
-ARTIFACTS_JSON maps each case to its artifact: good, odd, tied, lowrank, lowrank_joint, lowrank_head, qwen3, gemma3,
-phi3.
+ARTIFACTS_JSON maps each case to its artifact: good, odd, tied, lowrank, lowrank_joint, lowrank_head, qwen2, qwen3,
+gemma3, phi3.
 
 Cases, in one process group (starting Python and torch costs more than all of them): greedy tokens and per-rank cache
 bytes through model.generate (dynamic cache with the fused output, and with the factored one and O^r left unread;
 static cache; both with the prefill in pieces; tied embeddings; low-rank keys on a basis per latent group, a joint one
-and one per head; Qwen3, Gemma 3 and Phi-3, dynamic and static cache); the compiled decode step; an artifact whose groups do
+and one per head; Qwen2, Qwen3, Gemma 3 and Phi-3, dynamic and static cache); the compiled decode step; an artifact whose groups do
 not split over 2 ranks; a bad
 path on rank 1 only; the same through `tale-run --tp 2`; benchmarks/bench_tp.py --tiny (with --throughput).
 """
@@ -37,8 +37,9 @@ def generate(model, ids: list[int], new: int, **cache_kw) -> tuple[list[int], in
     out = model.generate(
         x, **cache_arg(cache), max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True
     )
-    first = out.logits[0][0, :8].tolist()  # the prefill's logits, a few of them
-    return out.sequences[0, len(ids) :].tolist(), cache.nbytes(), first
+    # a few of the prefill's logits and of the last step's (past the flushes into the quantized levels)
+    logits = out.logits[0][0, :8].tolist() + out.logits[-1][0, :8].tolist()
+    return out.sequences[0, len(ids) :].tolist(), cache.nbytes(), logits
 
 
 @torch.inference_mode()
@@ -108,7 +109,7 @@ def main() -> None:
     del model
     model, _ = load(tied, device="cpu", dtype=torch.float32, tp_size=2)
     res["tied"] = generate(model, ids, new)
-    for name in ("lowrank", "lowrank_joint", "lowrank_head", "qwen3", "gemma3", "phi3"):
+    for name in ("lowrank", "lowrank_joint", "lowrank_head", "qwen2", "qwen3", "gemma3", "phi3"):
         model, _ = load(arts[name], device="cpu", dtype=torch.float32, tp_size=2)
         res[name] = generate(model, ids, new)
         res[name + "_static"] = generate(model, ids, new, static=True)
