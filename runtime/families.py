@@ -21,6 +21,8 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
 FUSED_QKV = ("phi3",)  # one qkv_proj whose rows are H n queries, K n keys, K n values
 # the families whose decoder layer is Llama's (norm, attention, residual; norm, MLP, residual): DecodeStep writes it out
 LLAMA_LAYER = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# the families with an RMSNorm over each head's queries and keys before RoPE (q_norm, k_norm; Gemma's scales by 1 + w)
+QK_NORM = ("qwen3", "gemma3_text")
 # the families whose layer types have RoPE tables of their own (Gemma 3: local base on sliding layers, global on full)
 ROPE_PER_LAYER_TYPE = ("gemma3_text",)
 

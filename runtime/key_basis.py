@@ -28,9 +28,9 @@ def names(layer: int) -> tuple[str, str, str]:
 class KeyBasis:
     """One layer's basis in `blocks` independent blocks of the joined key [K n]: 1 block spans every KV head
     (joint), K / g blocks one latent group of g heads each (per group), K blocks one head each (per head). Block j:
-    c_j = (k_j - mean_j) enc[j, :, :r], k_j ~ mean_j + c_j dec[j, :r] (enc [Kb, nb, C], dec [Kb, C, nb], mean [K n] with nb = K n / Kb; C <= nb
-    directions, most important first; float32). Rebuilding a token's keys costs Kb r nb multiply-adds: a per-head
-    basis costs K times less than the joint one at the same number of coefficients."""
+    c_j = (k_j - mean_j) enc[j, :, :r], k_j ~ mean_j + c_j dec[j, :r] (enc [Kb, nb, C], dec [Kb, C, nb], mean [K n]
+    with nb = K n / Kb; C <= nb directions, most important first; float32). Rebuilding a token's keys costs Kb r nb
+    multiply-adds: a per-head basis costs K times less than the joint one at the same number of coefficients."""
 
     enc: torch.Tensor
     dec: torch.Tensor
@@ -79,9 +79,9 @@ def fit(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(enc [Kb, nb, nb], dec [Kb, nb, nb]) from the keys' second moment m2 [C, C] and mean [C] and the queries'
     per-channel second moments q2 [C] (None: plain principal directions), one basis per diagonal block of m2
-    (blocks = 1: joint over the heads; K / g: per latent group; K: per head). enc = W^1/2 U, dec = U^T W^-1/2 with U the eigenvectors of the
-    weighted covariance W^1/2 (m2 - mean mean^T) W^1/2, largest first: the truncation keeps what the logits see
-    most (pass q2 through pair_mean: RoPE mixes a channel with its pair)."""
+    (blocks = 1: joint over the heads; K / g: per latent group; K: per head). enc = W^1/2 U, dec = U^T W^-1/2 with U
+    the eigenvectors of the weighted covariance W^1/2 (m2 - mean mean^T) W^1/2, largest first: the truncation keeps
+    what the logits see most (pass q2 through pair_mean: RoPE mixes a channel with its pair)."""
     C = m2.shape[0]
     nb = C // blocks
     w = torch.ones(C, dtype=torch.float64) if q2 is None else q2.double().clamp_min(1e-12)

@@ -185,9 +185,9 @@ def fp8_biases(path) -> int:
 @pytest.mark.parametrize("static", [False, True])
 def test_low_rank_keys_under_two_ranks(ranks, artifacts, prompt, art, static):
     """Low-rank keys split over the ranks: a basis per latent group (the preset's) or per head by its blocks; a joint
-    one by each head's rows and columns, every rank encoding its heads' share of each coefficient and the shares summed across ranks, so both
-    ranks hold all the coefficients and rebuild only their own heads. The tokens of one process, through the
-    dynamic and the static cache (demotions into the low-rank level included)."""
+    one by each head's rows and columns, every rank encoding its heads' share of each coefficient and the shares summed
+    across ranks, so both ranks hold all the coefficients and rebuild only their own heads. The tokens of one process,
+    through the dynamic and the static cache (demotions into the low-rank level included)."""
     tokens, nbytes, rank_bytes = same_tokens_as_one_process(ranks, artifacts, prompt, art, static)
     biases = fp8_biases(artifacts[art])  # a joint basis' coefficients are held whole by each rank
     for tp_bytes in rank_bytes:
@@ -212,11 +212,11 @@ def test_low_rank_keys_under_two_ranks(ranks, artifacts, prompt, art, static):
 @pytest.mark.parametrize("art", ["qwen2", "qwen3", "gemma3", "phi3"])
 @pytest.mark.parametrize("static", [False, True])
 def test_other_families_under_two_ranks(ranks, artifacts, prompt, art, static):
-    """Qwen2's value bias (each rank adds its heads' part through its slice of W_O); Qwen3's and Gemma 3's per-head q/k norms replicated on both ranks (transformers' plan), Gemma 3's sliding layer
-    held as a ring of its window per rank and its keys before RoPE re-rotated by each layer type's own tables;
-    Phi-3's fused qkv_proj gathered whole by its plan and cut to each rank's heads, its partial rotary on keys held
-    before RoPE: the tokens of one process, each rank caching half the bytes (the lowrank schedules of Gemma 3 and
-    Phi-3: but for the fp8 biases)."""
+    """Qwen2's value bias (each rank adds its heads' part through its slice of W_O); Qwen3's and Gemma 3's per-head q/k
+    norms replicated on both ranks (transformers' plan), Gemma 3's sliding layer held as a ring of its window per rank
+    and its keys before RoPE re-rotated by each layer type's own tables; Phi-3's fused qkv_proj gathered whole by its
+    plan and cut to each rank's heads, its partial rotary on keys held before RoPE: the tokens of one process, each rank
+    caching half the bytes (the lowrank schedules of Gemma 3 and Phi-3: but for the fp8 biases)."""
     _, nbytes, rank_bytes = same_tokens_as_one_process(ranks, artifacts, prompt, art, static)
     biases = fp8_biases(artifacts[art]) if art in ("gemma3", "phi3") else 0
     assert all(0 <= 2 * tp_bytes - nbytes <= biases for tp_bytes in rank_bytes), (rank_bytes, nbytes)

@@ -23,6 +23,8 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
 
+from tale_runtime import families
+
 from . import ROTATE
 
 # set on the hf_config by the model class before its layers are built: the value rank of each layer, and the packed
@@ -109,17 +111,17 @@ class TaleAttention(nn.Module):
         )
         # O^r cut to rank r: [H*r] -> d; a value bias reaches the output as a constant, hence the o_proj bias
         self.o_proj = RowParallelLinear(num_heads * r, hidden_size, bias=bias or bias_o_proj, prefix=f"{prefix}.o_proj")
-        # Qwen3, Gemma 3: an RMSNorm over each head's queries and keys before RoPE (the artifact's q_norm, k_norm;
-        # Gemma's scales by 1 + weight)
+        # an RMSNorm over each head's queries and keys before RoPE (the artifact's q_norm, k_norm; Gemma's scales by
+        # 1 + weight)
         self.q_norm = self.k_norm = None
-        if config.model_type in ("qwen3", "gemma3_text"):
+        if config.model_type in families.QK_NORM:
             from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 
             norm = GemmaRMSNorm if config.model_type == "gemma3_text" else RMSNorm
             self.q_norm, self.k_norm = norm(n, eps=config.rms_norm_eps), norm(n, eps=config.rms_norm_eps)
         types = getattr(config, "layer_types", None)
         rope = getattr(config, "rope_parameters", None)
-        if config.model_type == "gemma3_text":  # RoPE per layer type (a local base on the sliding layers)
+        if config.model_type in families.ROPE_PER_LAYER_TYPE:  # Gemma 3: a local base on the sliding layers
             rope = rope[types[layer]]
         self.rotary_emb = get_rope(n, max_position=max_position_embeddings, rope_parameters=rope, is_neox_style=True)
         sliding = None

@@ -44,17 +44,23 @@ def _prepare(vllm_config: VllmConfig) -> source.Source:
     return src
 
 
-class TaleLlamaForCausalLM(LlamaForCausalLM):
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        src = _prepare(vllm_config)
-        layer = functools.partial(LlamaDecoderLayer, attn_layer_type=TaleAttention)
-        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer)
-        self.tale_source = src
+class _ArtifactWeights:
+    """Before the vLLM model class in the bases: its load_weights fed from the artifact (self.tale_source)."""
+
+    tale_source: source.Source
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # vLLM's reader of the directory is not iterated: the artifact is read through its manifest and checksums
         del weights
         return super().load_weights(source.tensors(self.tale_source))
+
+
+class TaleLlamaForCausalLM(_ArtifactWeights, LlamaForCausalLM):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        src = _prepare(vllm_config)
+        layer = functools.partial(LlamaDecoderLayer, attn_layer_type=TaleAttention)
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer)
+        self.tale_source = src
 
 
 class TaleMistralForCausalLM(TaleLlamaForCausalLM):
@@ -73,7 +79,7 @@ class TalePhi3ForCausalLM(TaleLlamaForCausalLM):
     pass
 
 
-class TaleGemma3ForCausalLM(Gemma3ForCausalLM):
+class TaleGemma3ForCausalLM(_ArtifactWeights, Gemma3ForCausalLM):
     """vLLM's Gemma 3 (its norms around attention and the MLP, scaled embeddings) with TaleAttention in every layer:
     Gemma3DecoderLayer builds its attention by the module name Gemma3Attention, which points at TaleAttention's
     Gemma constructor while the layers are built."""
@@ -88,7 +94,3 @@ class TaleGemma3ForCausalLM(Gemma3ForCausalLM):
         finally:
             gemma3.Gemma3Attention = original
         self.tale_source = src
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        del weights
-        return super().load_weights(source.tensors(self.tale_source))
