@@ -322,6 +322,31 @@ def pieces(rot, specs) -> None:
         print(f"compiled kernel info unavailable ({ex})")
 
 
+def profile(rot, specs) -> None:
+    """Each launch's GPU time (torch.profiler, eager calls) at 128K B=1, score pass in CUDA and in Triton."""
+    q, k, h = new_token(1)
+    for spec in specs:
+        v = kernel_view(lowrank_view(1, 131072, spec, rot))
+        for sc in (True, False):
+            fn = lambda v=v, sc=sc: lra.latent_attention_lowrank(q, k, h, v, N**-0.5, rope=rot, score_cuda=sc)  # noqa: E731
+            try:
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        fn()
+                    torch.cuda.synchronize()
+            except Exception as e:
+                print(f"profile {label(spec)} score_cuda={sc}: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            for ev in prof.key_averages():
+                if ev.device_time_total > 0:
+                    print(f"profile {label(spec)} score {'CUDA' if sc else 'Triton'}: {ev.key[:60]:60s} "
+                          f"{ev.device_time_total / 5:9.1f} us/call x{ev.count // 5}")  # fmt: skip
+        del v
+
+
 def markdown(rows) -> str:
     out = [
         "| context | batch | key basis | low-rank kernel us | paper CUDA us | paper Triton us | SDPA us "
@@ -349,6 +374,7 @@ def main() -> int:
     ap.add_argument("--value-group", type=int, default=64, help="latent channels per scale")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--pieces", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="kernel times per launch at 128K B=1 (torch.profiler)")
     ap.add_argument(
         "--sweep",
         default="32x32x8x4x1x0x0,32x32x8x4x1x1x1x4,32x32x8x4x1x1x1x8,64x32x8x4x1x1x1x4",
@@ -391,6 +417,8 @@ def main() -> int:
         print("check", "ok" if ok else "FAILED", flush=True)
     if a.pieces:
         pieces(rot, specs)
+    if a.profile:
+        profile(rot, specs)
     kws = {}
     if a.sweep:
         q, k, h = new_token(1)
@@ -399,7 +427,9 @@ def main() -> int:
             best = (float("inf"), {})
             for cfg in a.sweep.split(","):
                 kw = {}
-                if cfg:  # '': the kernel's defaults
+                if cfg in ("cuda", "triton"):  # the defaults with the score pass in CUDA or in Triton
+                    kw = dict(score_cuda=cfg == "cuda")
+                elif cfg:  # '': the kernel's defaults
                     bt, kc, w, wv, fh, *more = (int(x) for x in cfg.split("x"))
                     kw = dict(block_t=bt, coef_chunk=kc, num_warps=w, waves=float(wv), fused_heads=bool(fh))
                     names = ("two_pass", "fast_rope", "score_warps", "score_block", "score_heads", "score_groups")

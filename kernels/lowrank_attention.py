@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 
 import torch
 import triton
@@ -50,6 +51,7 @@ from tale_runtime.quant import FP8, QTensor
 from tale_runtime.regions import LayerView, Region, Rotary
 
 from . import attention as _attn
+from . import lowrank_score as _ls
 from ._common import TL_DTYPE, interpreting, plane, plane3, plane3_asm, plane_asm, pow2, runnable
 from .attention import _inv_bias
 
@@ -892,6 +894,7 @@ def latent_attention_lowrank(
     score_groups: bool | None = None,
     num_warps: int = 8,
     num_stages: int = 2,
+    score_cuda: bool | str | None = None,
 ) -> torch.Tensor:
     """Decode attention over a view with keys before RoPE / low-rank keys: z [B, T, H, R] float32, the backend
     signature of tale_runtime.attention.latent_attention (which runs what `supported` declines).
@@ -916,7 +919,10 @@ def latent_attention_lowrank(
     dequantized once per tile for the g heads, not once per head); a second runs softmax and latents over them;
     False: both per tile in one program (255 registers and
     spills on an H100). `fast_rope`: RoPE computed in the kernel takes the SFU's cos/sin after a float32 reduction to
-    [-pi, pi] (abs error about 5e-7, below the bf16 tables' rounding), not libdevice's (about 90 instructions each)."""
+    [-pi, pi] (abs error about 5e-7, below the bf16 tables' rounding), not libdevice's (about 90 instructions each).
+    `score_cuda` (two_pass, low-rank regions): the score pass in CUDA on tensor cores (kernels/lowrank_score.py);
+    None: where it reads the region, else in Triton; True: required (ValueError where it cannot); "warn": where it
+    can, else in Triton with a one-time warning naming why; False: Triton."""
     if not isinstance(view, LayerView):
         view = view.view()
     if supported(q, k_new, h_new, view, rope) is not None:
@@ -1002,6 +1008,19 @@ def latent_attention_lowrank(
             swarps = score_warps or (8 if grp else 4)
             phases = ((1, max(ns, triton.cdiv(r.capacity, per))), (2, ns)) if two else ((0, ns),)
             for phase, nsp in phases:
+                if phase == 1 and lowrank and score_cuda is not False:
+                    # the score pass on tensor cores in CUDA (kernels/lowrank_score.py) where it reads the region
+                    tabs = (cos, sin) if mode == 1 else None
+                    why = _ls.reason(q, r.keys, rep, hpb, K, tabs)
+                    if why is None:
+                        _ls.scores(q, qk, r.keys, r.pos, ln, ro, invf, rsc, dec, dhi, mean, hpb, sc, tabs)
+                        continue
+                    if score_cuda == "warn":  # the cuda-lowrank backend: never silently slower
+                        _warn_once(
+                            f"the CUDA score pass cannot read a low-rank region ({why}); its scores run in Triton"
+                        )
+                    elif score_cuda:
+                        raise ValueError(f"the CUDA score pass cannot read this region: {why}")
                 tile = SBT if phase == 1 else BT
                 kall = heads and phase == 1
                 whole = phase != 1 or grp  # programs of whole latent groups
@@ -1107,6 +1126,15 @@ def latent_attention_lowrank(
     for st in side:
         cur.wait_stream(st)
     return _attn._combine(pm, pl, pacc, rk, n_slots if regions else 0, q, k_new, h_new, qk, rep, g)
+
+
+_WARNED: set = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        warnings.warn(msg, stacklevel=3)
 
 
 # the key basis in the dots' dtype on the query's device, made once per basis (before any CUDA graph captures a step)

@@ -5,6 +5,8 @@
   layers (their static cache is a 16-bit ring).
 - "triton": the Triton decode kernel (attention.py) over the row layout, dynamic or static: keys after RoPE at
   2/3/4/8/16 bits (whole or in bands), latents at 2/4/8/16 bits, any scale/zero format.
+- "cuda-lowrank": the same with the low-rank keys' score pass in CUDA on tensor cores (lowrank_score.py): head dim
+  128, bf16/fp16, sm_80 and later.
 - "triton-lowrank": the Triton kernel for keys before RoPE and low-rank keys (lowrank_attention.py), the last "auto"
   tries.
 
@@ -134,7 +136,60 @@ class LowRankBackend(backends.AttentionBackend):
     def run(self, q, k_new, h_new, view, scaling, window):
         from .lowrank_attention import latent_attention_lowrank
 
-        return latent_attention_lowrank(q, k_new, h_new, view, scaling, window)
+        return latent_attention_lowrank(q, k_new, h_new, view, scaling, window, score_cuda=False)
+
+
+def _cuda_lowrank_reason(spec: CacheSpec) -> str | None:
+    import torch
+
+    if why := _lowrank_reason(spec):
+        return why
+    s, a = spec.schedule, spec.arch
+    lows = [lv for lv in s.levels if lv.key_rank]
+    if not lows:
+        return "no low-rank keys (keys before RoPE alone: the triton-lowrank backend)"
+    if spec.device.type != "cuda":
+        return "needs a CUDA device"
+    if a.head_dim != 128 or spec.dtype not in (torch.bfloat16, torch.float16):
+        return f"reads head dim 128 in bfloat16 or float16, not {a.head_dim} in {spec.dtype}"
+    if a.num_heads % a.num_kv_heads or a.num_heads // a.num_kv_heads > 8:
+        return f"reads at most 8 query heads per KV head ({a.num_heads} over {a.num_kv_heads})"
+    if s.key_meta not in ("8/8", "16"):
+        return f"reads coefficient scales/zeros '8/8' or '16', not {s.key_meta!r}"
+    if not (s.key_group in (16, 32) or s.key_group % 64 == 0):
+        return f"reads coefficients in token groups of 16, 32 or a multiple of 64, not {s.key_group}"
+    from . import lowrank_score
+
+    if why := lowrank_score.available(spec.device):
+        return why
+    limit = lowrank_score._smem_limit(spec.device)
+    K = a.num_kv_heads
+    for lv in lows:
+        kc, bits = lv.key_rank, lv.key_bits
+        if lv.key_axis != "channel" or bits not in (2, 4, 8) or (kc * bits // 8) % 4:
+            return f"reads 2/4/8-bit coefficients per coefficient in whole words a row, not {kc} at {bits} bits"
+        if lowrank_score.heads_per_cta(K // s.key_blocks, K, kc, bits, s.key_group, s.key_meta == "8/8", limit) is None:
+            return f"a basis block of {kc} coefficients does not fit shared memory"
+    return None
+
+
+@dataclass(frozen=True)
+class CudaLowRankBackend(backends.AttentionBackend):
+    """The low-rank-key kernel with its score pass in CUDA (kernels/lowrank_score.py: the keys' rebuild as a
+    tensor-core GEMM against the basis held in shared memory, RoPE, the query dot), the softmax and latents in
+    Triton (lowrank_attention.py). Serves the lowrank preset's caches at head dim 128 on sm_80 and later."""
+
+    name: str = "cuda-lowrank"
+    label: str = "cuda low-rank-key kernel"
+    priority: int = 15
+
+    def supports(self, spec: CacheSpec) -> str | None:
+        return _cuda_lowrank_reason(spec)
+
+    def run(self, q, k_new, h_new, view, scaling, window):
+        from .lowrank_attention import latent_attention_lowrank
+
+        return latent_attention_lowrank(q, k_new, h_new, view, scaling, window, score_cuda="warn")
 
 
 def register() -> None:
@@ -147,4 +202,5 @@ def register() -> None:
     ops = {"quant": quant, "frag_pack": frag_pack, "paged_attention": paged_attention}
     backends.register(TritonBackend(config=TritonConfig()), ops=ops)
     backends.register(CudaBackend())
+    backends.register(CudaLowRankBackend())
     backends.register(LowRankBackend())

@@ -432,3 +432,57 @@ def test_registered_as_a_named_backend():
         h = torch.randn(1, K // 2, 1, 2 * nh, generator=gen).to(DEVICE)
         want = ref_attention(q, k, h, cache.layers[0].view(), nh**-0.5)
         assert rel(cache.attend(0, q, k, h, nh**-0.5), want) < 1e-4
+
+
+# -- the score pass in CUDA (kernels/lowrank_score.py): head dim 128, bf16/fp16, on a GPU
+
+CUDA_SCORE_CASES = [
+    # (B, H, K, G, blocks, r, coef_bits, meta, dtype, pad, window, rope scaling)
+    (1, 16, 4, 1, 1, 96, 4, "8/8", torch.bfloat16, None, None, True),  # a basis per group of 4 (the preset's)
+    (4, 16, 4, 1, 1, 96, 4, "8/8", torch.bfloat16, [0, 3, 17, 40], 150, True),  # left padding, a window
+    (16, 8, 4, 2, 2, 48, 4, "8/8", torch.float16, [3 * i for i in range(16)], None, False),  # per group of 2, fp16
+    (2, 32, 4, 1, 1, 64, 2, "16", torch.bfloat16, [0, 5], None, True),  # GQA 8, 2-bit codes, 16-bit scales
+    (2, 4, 4, 4, 4, 40, 8, "8/8", torch.bfloat16, [0, 7], None, True),  # GQA 1, per head, 8-bit codes
+    (1, 16, 4, 1, 1, 152, 4, "8/8", torch.bfloat16, None, None, True),  # the 8B shape's coefficient count
+]
+
+
+@pytest.mark.skipif(not CUDA, reason="the CUDA score pass needs a GPU")
+@pytest.mark.parametrize("case", CUDA_SCORE_CASES)
+def test_cuda_score_pass(case):
+    """The score pass in CUDA gives the reference's result within 5e-3 and agrees with the Triton score pass, with
+    RoPE computed and from the tables, odd lengths, unused slots (NaN scales), device lengths."""
+    from tale_kernels import lowrank_score
+
+    B, H, K, G, blocks, r, bits, meta, dt, pad, window, scaled = case
+    lay = Layout(B=B, H=H, K=K, G=G, n=128, r=r, lens=(4, 397, 40, 17, 5), pad=pad, dtype=dt)
+    rot = rotary(128, scaling=scaled)
+    view = make_view(lay, rot, blocks=blocks, coef_bits=bits, coef_group=32, meta=meta, extra=7, tensor_len=B > 1)
+    lowr = next(x for x in view.regions if x.basis is not None)
+    assert (
+        lowrank_score.reason(torch.empty(1, 1, 1, 128, dtype=dt, device="cuda"), lowr.keys, H // K, K // blocks, K)
+        is None
+    )
+    q, k, h = new_token(lay, rot)
+    ref = ref_attention(q.float(), k.float(), h.float(), view, 128**-0.5, window)
+    for rope in (rot, None):
+        zc = lra.latent_attention_lowrank(q, k, h, view, 128**-0.5, window, rope=rope, score_cuda=True)
+        zt = lra.latent_attention_lowrank(q, k, h, view, 128**-0.5, window, rope=rope, score_cuda=False)
+        assert torch.isfinite(zc).all()
+        assert rel(zc, ref) <= 5e-3, (rope is None, rel(zc, ref))
+        assert rel(zc, zt) <= 5e-3, (rope is None, rel(zc, zt))
+
+
+@pytest.mark.skipif(not CUDA, reason="the CUDA score pass needs a GPU")
+def test_cuda_score_pass_refusals():
+    """What the CUDA score pass does not read is refused with its reason, and score_cuda=True raises it."""
+    from tale_kernels import lowrank_score
+
+    lay = Layout(B=1, H=8, K=2, G=1, n=32, r=24)
+    rot = rotary(32)
+    view = make_view(lay, rot)
+    lowr = next(x for x in view.regions if x.basis is not None)
+    q, k, h = new_token(lay, rot)
+    assert "head dim 32" in lowrank_score.reason(q, lowr.keys, 4, 2, 2)
+    with pytest.raises(ValueError, match="CUDA score pass cannot read"):
+        lra.latent_attention_lowrank(q, k, h, view, 32**-0.5, rope=rot, score_cuda=True)

@@ -1,0 +1,377 @@
+// Scores of a low-rank-key region for one decoded token, on tensor cores: for every slot t below the region's length
+// and every query head h of the CTA's KV heads,
+//     s[b, h, t] = (q_h * qk) . RoPE_t(mean + c_t dec[:r])          (float32; qk = scaling * log2 e)
+// where c_t are the slot's key coefficients (runtime/key_basis.py), dequantized from their codes. The latent launch
+// of kernels/lowrank_attention.py (its second pass) runs the softmax and the latents over these scores and masks
+// the slots (positions, windows) itself, so this kernel writes every slot below the length unmasked.
+// tale_kernels.lowrank_attention compiles it (kernels/cuda_module.py: NVRTC or nvcc) per configuration (-D below).
+//
+// A CTA owns HPC KV heads of one basis block (2 HPC warps) and a run of 64-slot tiles; per tile:
+//   1. cp.async brings the tile's packed codes, the scales/zeros of its token groups and its positions into a stage
+//      (issued one tile ahead, while the previous tile's products run);
+//   2. all threads: scales/zeros to fp16; cos/sin of every (slot, frequency) from the positions and the model's
+//      inv_freq (the SFU's cos/sin after a float32 reduction to [-pi, pi], rounded to the model dtype as its tables);
+//      then codes -> fp16 coefficients [64, KCP] (1024 + code under an fp16 exponent, one sub and one fma per pair);
+//   3. the rebuild as one GEMM [64, KCP] x [KCP, HPC * 128] by mma.sync m16n8k16 (float32 accumulators): the basis
+//      block's columns of the CTA's heads stay in shared memory for the CTA's life; warp (j, f) owns head j's
+//      channels f * 32 .. f * 32 + 31 of both RoPE halves, so RoPE pairs sit in one thread's registers;
+//   4. column scale and mean, RoPE, then the accumulators re-packed as fp16 A fragments (the C layout of one mma is
+//      the A layout of the next) times the query [128, 8 heads]: one m16n8k16 per 16 channels and 16 slots;
+//   5. the two warps of a head add their halves of the dot through shared memory; one writes the scores.
+//
+// Fixed per build: KC coefficients per block row (a multiple of 32 / KBITS * 4 ... see the Python side), KBITS
+// 2/4/8 (codes in runtime/quant.py's planar rows: code c in byte c % PNB at bit (c / PNB) * KBITS), KTG slots per
+// scale group (16, 32, or a multiple of 64), META8 (1: fp8 e4m3 scale and zero times 1 / bias; 0: 16-bit fp16
+// bits times 1 / shift), HPC KV heads per CTA, REP query heads per KV head (<= 8), Q_BF16 (query dtype), RDT_BF16
+// (cos/sin rounded to bf16, else fp16), RSC (cos/sin times the rotary's attention scaling), ROPE_TAB (1: cos/sin
+// read from the region's float32 tables [B, cap, 128], the lo half of each: a cache that stores them). Head dim 128.
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+#define BT 64                         // slots per tile
+#define NHALF 64                      // channels per RoPE half (head dim 128)
+#define KCP ((KC + 15) / 16 * 16)     // coefficients padded to the mma's k
+#define PNB (KC * KBITS / 8)          // bytes per packed row
+#define PNW (PNB / 4)                 // words per packed row
+#define NPL (8 / KBITS)               // code planes per byte
+#define NCOL (HPC * 128)              // basis columns per CTA: head j's lo half at j 128, hi half at j 128 + 64
+#define BSTR (NCOL + 8)               // shared row strides in halves: + 16 bytes, so ldmatrix rows hit distinct banks
+#define ASTR (KCP + 8)
+#define NWARP (2 * HPC)
+#define NTHR (32 * NWARP)
+#define NGT (KTG < BT ? BT / KTG : 1) // scale groups per tile
+#define MB (META8 ? 1 : 2)            // bytes per scale or zero
+#define SZW (KC * MB / 4)             // words of one group's scales (or zeros)
+
+// shared memory, bytes
+#define OFF_B 0
+#define OFF_A (OFF_B + KCP * BSTR * 2)
+#define OFF_CS (OFF_A + BT * ASTR * 2)                 // [64 slots][64 freq] {cos, sin} in the model dtype
+#define OFF_STC (OFF_CS + BT * NHALF * 4)              // stage: codes [64][PNB]
+#define OFF_STS (OFF_STC + BT * PNB)                   // stage: scales [NGT][KC], then zeros [NGT][KC]
+#define OFF_STP (OFF_STS + 2 * NGT * KC * MB)          // stage: positions [64]
+#define OFF_SZ (OFF_STP + BT * 4)                      // fp16 scales [NGT][KCP], then zeros [NGT][KCP]
+#define OFF_COL (OFF_SZ + 2 * NGT * KCP * 2)           // float [4][HPC][64]: scale lo, scale hi, mean lo, mean hi
+#define OFF_RED (OFF_COL + 4 * HPC * NHALF * 4)        // float [HPC][4][32][4]: the second warps' halves of the dot
+#define SMEM (OFF_RED + HPC * 4 * 32 * 16)
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+__device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void ldsm4(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm4t(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void cp4(u32 saddr, const void* g) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(saddr), "l"(g));
+}
+__device__ __forceinline__ void cp16(u32 saddr, const void* g) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(saddr), "l"(g));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ u32 f2h(float lo, float hi) {  // two floats -> half2 (lo in the low 16 bits)
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
+    u32 r;
+    asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+__device__ __forceinline__ float h2f1(u16 h) {
+    float f;
+    asm("{.reg .f16 t;\n mov.b16 t, %1;\n cvt.f32.f16 %0, t;}\n" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((u32)h) << 16); }
+__device__ __forceinline__ float fp8f(u32 b) {  // fp8 e4m3 byte -> float (exact; NaN unused)
+    return __uint_as_float(((b & 0x7Fu) << 20) | ((b & 0x80u) << 24)) * 1.329227995784916e36f;  // 2^120
+}
+// {cos, sin} rounded to the model dtype, packed: cos in the low 16 bits
+__device__ __forceinline__ u32 pack_cs(float c, float s) {
+    u32 r;
+#if RDT_BF16
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(s), "f"(c));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(s), "f"(c));
+#endif
+    return r;
+}
+__device__ __forceinline__ float2 unpack_cs(u32 v) {
+#if RDT_BF16
+    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xFFFF0000u));
+#else
+    return make_float2(h2f1((u16)(v & 0xFFFF)), h2f1((u16)(v >> 16)));
+#endif
+}
+__device__ __forceinline__ float qf(const u16* q, long i) {
+#if Q_BF16
+    return bf2f(q[i]);
+#else
+    return h2f1(q[i]);
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
+    const u16* __restrict__ q, int s_qb, int s_qh, float qk,             // query [B, H, 1, 128]
+    const int* __restrict__ pos, int s_pb,                               // slot positions [B, cap]
+    const int* __restrict__ len_p, int len_v, int cap,                   // length: *len_p if len_v < 0
+    const int* __restrict__ roff,                                        // rope offset per row [B]
+    const float* __restrict__ invf, float rsc,                           // inv_freq [64], attention scaling
+    const float* __restrict__ cos_t, const float* __restrict__ sin_t, int s_cb, int s_ct,  // ROPE_TAB: [B, cap, 128]
+    const unsigned char* __restrict__ codes, int s_kb, int s_kh, int s_kt,       // [B, Kb, cap, PNB]
+    const unsigned char* __restrict__ ksc, const unsigned char* __restrict__ kzr,  // [B, Kb, cap / KTG, KC]
+    int s_sb, int s_sh, int s_st,                                      // their strides, elements
+    const float* __restrict__ bias_p, float inv_v,                       // 1 / bias or shift; <= 0: 1 / *bias_p
+    const u16* __restrict__ dlo, const u16* __restrict__ dhi, int s_dblk, int s_dec,  // [Kb, C, K 64] fp16
+    const float* __restrict__ rows, int knh,                             // [4, K 64]: mean lo, hi, scale lo, hi
+    int hpb,                                                             // KV heads per basis block
+    float* __restrict__ sc, int s_scb, int s_sch,                      // scores [B, H, cap]
+    int nsplit) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int sp = blockIdx.x, cta = blockIdx.y, b = blockIdx.z;
+    const int kv0 = cta * HPC;                 // the CTA's first KV head
+    const int blk = kv0 / hpb, cb = (kv0 % hpb) * NHALF;  // its basis block and first column in it
+    const int L = len_v >= 0 ? len_v : min(*len_p, cap);
+    const int ntile = (L + BT - 1) / BT;
+    const int per = (ntile + nsplit - 1) / nsplit;
+    const int tile0 = sp * per, tile1 = min(tile0 + per, ntile);
+    if (tile0 >= tile1) return;
+    const float kinv = inv_v > 0.f ? inv_v : 1.0f / *bias_p;
+
+    const u32 sB = smem_u32(smem + OFF_B), sA = smem_u32(smem + OFF_A);
+    u32* cs = (u32*)(smem + OFF_CS);
+    const unsigned char* stc = smem + OFF_STC;
+    const unsigned char* sts = smem + OFF_STS;
+    const int* stp = (const int*)(smem + OFF_STP);
+    u16* sz = (u16*)(smem + OFF_SZ);
+    float* col = (float*)(smem + OFF_COL);
+    float4* red = (float4*)(smem + OFF_RED);
+
+    const unsigned char* kbase = codes + (long)b * s_kb + (long)blk * s_kh;
+    const unsigned char* sbase = ksc + ((long)b * s_sb + (long)blk * s_sh) * MB;
+    const unsigned char* zbase = kzr + ((long)b * s_sb + (long)blk * s_sh) * MB;
+    const int ngroups = cap / KTG;
+    // stage the tile at slot t0: codes, its groups' scales and zeros, positions (rows past the length: left stale,
+    // their scores are never written)
+    auto stage = [&](int t0) {
+        for (int i = tid; i < BT * PNW; i += NTHR) {
+            const int t = i / PNW, w = i % PNW;
+            if (t0 + t < L) cp4(smem_u32(stc + t * PNB + 4 * w), kbase + (long)(t0 + t) * s_kt + 4 * w);
+        }
+        for (int i = tid; i < 2 * NGT * SZW; i += NTHR) {
+            const int z = i / (NGT * SZW), g = (i / SZW) % NGT, w = i % SZW;
+            const int gg = t0 / KTG + g;
+            if (gg < ngroups)
+                cp4(smem_u32(sts + ((z * NGT + g) * KC) * MB + 4 * w), (z ? zbase : sbase) + (long)gg * s_st * MB + 4 * w);
+        }
+        for (int i = tid; i < BT; i += NTHR)
+            if (t0 + i < L) cp4(smem_u32(stp + i), pos + (long)b * s_pb + t0 + i);
+        cp_commit();
+    };
+    stage(tile0 * BT);
+
+    // the basis columns of the CTA's heads, for the CTA's life: row k, head j: lo channels at j 128, hi at j 128 + 64
+    for (int i = tid; i < KC * HPC * 16; i += NTHR) {
+        const int k = i / (HPC * 16), j = (i / 16) % HPC, hf = (i / 8) % 2, c = i % 8;
+        const u16* src = (hf ? dhi : dlo) + (long)blk * s_dblk + (long)k * s_dec + cb + j * NHALF + c * 8;
+        cp16(sB + (k * BSTR + j * 128 + hf * 64 + c * 8) * 2, src);
+    }
+    cp_commit();
+    for (int i = tid; i < (KCP - KC) * BSTR / 2; i += NTHR) ((u32*)(smem + OFF_B))[KC * BSTR / 2 + i] = 0u;
+    for (int i = tid; i < BT * (KCP - KC); i += NTHR)  // the coefficient tile's padding columns: zero for good
+        ((u16*)(smem + OFF_A))[(i / (KCP - KC)) * ASTR + KC + i % (KCP - KC)] = 0;
+    for (int i = tid; i < HPC * NHALF; i += NTHR) {
+        const int gc = kv0 * NHALF + i;
+        col[i] = rows[2 * knh + gc];
+        col[HPC * NHALF + i] = rows[3 * knh + gc];
+        col[2 * HPC * NHALF + i] = rows[gc];
+        col[3 * HPC * NHALF + i] = rows[knh + gc];
+    }
+    // this warp: head j, channels f * 32 .. + 31 of each RoPE half. Its query heads' B fragments for the score mma,
+    // per 16 channels s (0, 1: lo; 2, 3: hi): rows k = channel, column n = query head (n < REP; else zero)
+    const int j = warp >> 1, fh = warp & 1;
+    u32 qb[4][2];
+    {
+        const int n = lane >> 2, kk = 2 * (lane & 3);
+        const long qrow = (long)b * s_qb + (long)((kv0 + j) * REP + (n < REP ? n : 0)) * s_qh;
+        for (int s = 0; s < 4; s++) {
+            const int d = (s >> 1) * 64 + fh * 32 + (s & 1) * 16 + kk;
+            float v0 = 0.f, v1 = 0.f, v2 = 0.f, v3 = 0.f;
+            if (n < REP) {
+                v0 = qf(q, qrow + d) * qk, v1 = qf(q, qrow + d + 1) * qk;
+                v2 = qf(q, qrow + d + 8) * qk, v3 = qf(q, qrow + d + 9) * qk;
+            }
+            qb[s][0] = f2h(v0, v1);
+            qb[s][1] = f2h(v2, v3);
+        }
+    }
+#if !ROPE_TAB
+    const float my_invf = invf[tid & 63];
+    const int my_roff = roff[b];
+#endif
+
+    for (int tile = tile0; tile < tile1; tile++) {
+        const int t0 = tile * BT;
+        cp_wait_all();
+        __syncthreads();  // the stage (and, first time, the basis) landed; the last tile's readers are done
+        // scales/zeros -> fp16 [NGT][KCP] (scales, then zeros)
+        for (int i = tid; i < 2 * NGT * KC; i += NTHR) {
+            const int z = i / (NGT * KC), r = i % (NGT * KC);
+            float v;
+#if META8
+            v = fp8f(sts[z * NGT * KC + r]);
+#else
+            v = h2f1(((const u16*)sts)[z * NGT * KC + r]);
+#endif
+            const int g = r / KC, c = r % KC;
+            sz[(z * NGT + g) * KCP + c] = (u16)(f2h(v * kinv, 0.f) & 0xFFFF);
+        }
+        // cos/sin of every (slot, frequency): the frequency is fixed per thread (NTHR is a multiple of 64)
+        for (int t = tid >> 6; t < BT; t += NTHR >> 6) {
+#if ROPE_TAB  // the region's tables (the model's own cos/sin, already rounded and scaled)
+            if (t0 + t < L) {
+                const long ci = (long)b * s_cb + (long)(t0 + t) * s_ct + (tid & 63);
+                cs[t * NHALF + (tid & 63)] = pack_cs(cos_t[ci], sin_t[ci]);
+            }
+#else
+            float ang = (float)(stp[t] - my_roff) * my_invf;
+            const float kq = floorf(ang * 0.15915494309189535f + 0.5f);
+            ang = fmaf(-kq, 6.2831854820251465f, ang);
+            ang = fmaf(-kq, -1.7484556000744487e-07f, ang);
+            float c, s;
+            asm("cos.approx.ftz.f32 %0, %1;" : "=f"(c) : "f"(ang));
+            asm("sin.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(ang));
+#if RSC
+            c *= rsc;
+            s *= rsc;
+#endif
+            cs[t * NHALF + (tid & 63)] = pack_cs(c, s);
+#endif
+        }
+        __syncthreads();
+        // codes -> coefficients: word w of row t holds, per plane p, codes p PNB + 4 w .. + 3
+        for (int i = tid; i < BT * PNW; i += NTHR) {
+            const int t = i / PNW, w = i % PNW;
+            const u32 word = *(const u32*)(stc + t * PNB + 4 * w);
+            const int g = KTG < BT ? t / KTG : 0;
+            const u16* srow = sz + g * KCP;
+            const u16* zrow = sz + (NGT + g) * KCP;
+#pragma unroll
+            for (int p = 0; p < NPL; p++) {
+                const u32 x = (word >> (p * KBITS)) & (KBITS == 8 ? 0xFFFFFFFFu : KBITS == 4 ? 0x0F0F0F0Fu : 0x03030303u);
+                const int c = p * PNB + 4 * w;
+                const u32 c01 = hsub2(__byte_perm(x, 0x64646464u, 0x4140), 0x64006400u);
+                const u32 c23 = hsub2(__byte_perm(x, 0x64646464u, 0x4342), 0x64006400u);
+                const uint2 s2 = *(const uint2*)(srow + c), z2 = *(const uint2*)(zrow + c);
+                uint2 o;
+                o.x = hfma2(c01, s2.x, z2.x);
+                o.y = hfma2(c23, s2.y, z2.y);
+                *(uint2*)(smem + OFF_A + (t * ASTR + c) * 2) = o;
+            }
+        }
+        __syncthreads();  // the coefficient tile is complete and the stage consumed
+        if (tile + 1 < tile1) stage(t0 + BT);
+
+        // -- the rebuild: acc[mt][nt] = slots mt*16.. x columns (nt < 4: lo, else hi) of head j, channels fh*32 + ..
+        float acc[4][8][4];
+#pragma unroll
+        for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+        const u32 a_row = sA + ((lane & 15) * ASTR + (lane >> 4) * 8) * 2;
+        const u32 b_row = sB + ((((lane & 7) + ((lane >> 3) & 1) * 8) * BSTR) + j * 128 + fh * 32 + (lane >> 4) * 8) * 2;
+#pragma unroll 1
+        for (int ks = 0; ks < KCP / 16; ks++) {
+            u32 a[4][4], bf[4][4];
+#pragma unroll
+            for (int mt = 0; mt < 4; mt++) ldsm4(a[mt], a_row + (mt * 16 * ASTR + ks * 16) * 2);
+#pragma unroll
+            for (int np = 0; np < 4; np++)  // n-tile pairs: lo 0-15, lo 16-31, hi 0-15, hi 16-31
+                ldsm4t(bf[np], b_row + (ks * 16 * BSTR + (np >> 1) * 64 + (np & 1) * 16) * 2);
+#pragma unroll
+            for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+                for (int nt = 0; nt < 8; nt++)
+                    mma(acc[mt][nt], a[mt][0], a[mt][1], a[mt][2], a[mt][3], bf[nt >> 1][(nt & 1) * 2],
+                        bf[nt >> 1][(nt & 1) * 2 + 1]);
+        }
+        // -- column scale and mean, RoPE (lo' = lo cos - hi sin, hi' = hi cos + lo sin), in place
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) {
+            const int f = fh * 32 + nt * 8 + 2 * (lane & 3);
+            const float2 slo = *(const float2*)(col + j * NHALF + f);
+            const float2 shi = *(const float2*)(col + (HPC + j) * NHALF + f);
+            const float2 mlo = *(const float2*)(col + (2 * HPC + j) * NHALF + f);
+            const float2 mhi = *(const float2*)(col + (3 * HPC + j) * NHALF + f);
+#pragma unroll
+            for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    const int t = mt * 16 + (lane >> 2) + 8 * r;
+                    const uint2 cw = *(const uint2*)(cs + t * NHALF + f);
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const float2 csv = unpack_cs(e ? cw.y : cw.x);
+                        const float lo = acc[mt][nt][2 * r + e] * (e ? slo.y : slo.x) + (e ? mlo.y : mlo.x);
+                        const float hi = acc[mt][nt + 4][2 * r + e] * (e ? shi.y : shi.x) + (e ? mhi.y : mhi.x);
+                        acc[mt][nt][2 * r + e] = lo * csv.x - hi * csv.y;
+                        acc[mt][nt + 4][2 * r + e] = hi * csv.x + lo * csv.y;
+                    }
+                }
+        }
+        // -- scores: the rotated keys (fp16 A fragments straight from the accumulators) times the query heads
+        float S[4][4];
+#pragma unroll
+        for (int mt = 0; mt < 4; mt++) {
+            S[mt][0] = S[mt][1] = S[mt][2] = S[mt][3] = 0.f;
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                const float* c0 = acc[mt][2 * s];
+                const float* c1 = acc[mt][2 * s + 1];
+                mma(S[mt], f2h(c0[0], c0[1]), f2h(c0[2], c0[3]), f2h(c1[0], c1[1]), f2h(c1[2], c1[3]), qb[s][0],
+                    qb[s][1]);
+            }
+        }
+        if (fh)
+#pragma unroll
+            for (int mt = 0; mt < 4; mt++) red[(j * 4 + mt) * 32 + lane] = make_float4(S[mt][0], S[mt][1], S[mt][2], S[mt][3]);
+        __syncthreads();
+        if (!fh) {
+#pragma unroll
+            for (int mt = 0; mt < 4; mt++) {
+                const float4 o = red[(j * 4 + mt) * 32 + lane];
+                const float v[4] = {S[mt][0] + o.x, S[mt][1] + o.y, S[mt][2] + o.z, S[mt][3] + o.w};
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int t = t0 + mt * 16 + (lane >> 2) + 8 * (i >> 1), n = 2 * (lane & 3) + (i & 1);
+                    if (n < REP && t < L) sc[(long)b * s_scb + (long)((kv0 + j) * REP + n) * s_sch + t] = v[i];
+                }
+            }
+        }
+    }
+}

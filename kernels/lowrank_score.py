@@ -1,0 +1,221 @@
+"""The score pass of a low-rank-key region in CUDA (kernels/cuda/lowrank_score.cu): the rebuild of every slot's keys
+from its coefficient codes as a tensor-core GEMM against the basis held in shared memory, RoPE computed from the
+model's rotary, and the dot with the query heads, written as float32 scores [B, H, cap] for the latent pass of
+kernels/lowrank_attention.py.
+
+`reason(...)` says why a region cannot take it (None: it can); `scores(...)` launches it. One build per
+configuration (coefficients, bits, token group, scale format, heads per CTA, GQA, dtype), cached on disk by
+kernels/cuda_module.py. Graph-safe: the length may be a device scalar, the grid comes from the capacity.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tale_runtime.quant import FP8, QTensor
+
+SRC = os.path.join(os.path.dirname(__file__), "cuda", "lowrank_score.cu")
+BT = 64  # slots per tile (the .cu's BT)
+
+_MODULES: dict = {}
+
+
+def smem_bytes(kc: int, bits: int, ktg: int, meta8: bool, hpc: int) -> int:
+    """Dynamic shared memory of one CTA (the .cu's SMEM)."""
+    kcp = -(-kc // 16) * 16
+    ngt = BT // ktg if ktg < BT else 1
+    mb = 1 if meta8 else 2
+    return (
+        kcp * (hpc * 128 + 8) * 2  # basis columns
+        + BT * (kcp + 8) * 2  # coefficient tile
+        + BT * 64 * 4  # cos/sin
+        + BT * kc * bits // 8  # stage: codes
+        + 2 * ngt * kc * mb  # stage: scales, zeros
+        + BT * 4  # stage: positions
+        + 2 * ngt * kcp * 2  # fp16 scales, zeros
+        + 4 * hpc * 64 * 4  # column scales and means
+        + hpc * 4 * 32 * 16  # the halves of the dot
+    )
+
+
+def _smem_limit(device: torch.device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
+
+
+def heads_per_cta(hpb: int, K: int, kc: int, bits: int, ktg: int, meta8: bool, limit: int) -> int | None:
+    """The most KV heads of one basis block a CTA can hold the basis columns of (4, 2 or 1), or None."""
+    for hpc in (4, 2, 1):
+        if hpb % hpc == 0 and K % hpc == 0 and smem_bytes(kc, bits, ktg, meta8, hpc) <= limit:
+            return hpc
+    return None
+
+
+def available(device: torch.device) -> str | None:
+    """None when the CUDA score pass can be built and run on `device`, else why not."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    if torch.cuda.get_device_capability(device)[0] < 8:
+        return "needs sm_80 or later (mma.sync m16n8k16, cp.async)"
+    from .cuda_module import compiler
+
+    if compiler() is None:
+        return "neither NVRTC nor nvcc found"
+    return None
+
+
+def reason(q: torch.Tensor, keys: QTensor, rep: int, hpb: int, K: int, tables=None) -> str | None:
+    """Why a low-rank region with coefficients `keys` [B, Kb, cap, KC] cannot take the CUDA score pass, or None.
+    tables: the region's (cos, sin) [B, cap, 128] where RoPE comes from them, None where it is computed."""
+    if why := available(q.device):
+        return why
+    n = q.shape[-1]
+    if n != 128 or q.dtype not in (torch.bfloat16, torch.float16):
+        return f"head dim {n} in {q.dtype} (it reads head dim 128 in bf16 or fp16)"
+    if tables is not None:
+        cos, sin = tables
+        if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.stride() != sin.stride():
+            return "RoPE tables not float32 of one layout"
+        if cos.stride(-1) != 1:
+            return "RoPE tables not contiguous per slot"
+    if rep > 8:
+        return f"{rep} query heads per KV head (at most 8)"
+    if type(keys) is not QTensor or keys.bits not in (2, 4, 8) or keys.dim % 4 != 2:
+        return f"coefficients at {getattr(keys, 'bits', '?')} bits, not 2/4/8 per coefficient over token groups"
+    kc, ktg = keys.shape[-1], keys.group
+    if (kc * keys.bits // 8) % 4:
+        return f"{kc} coefficients at {keys.bits} bits (packed rows must be whole words)"
+    if not (ktg in (16, 32) or ktg % BT == 0):
+        return f"token groups of {ktg} (16, 32 or a multiple of {BT})"
+    meta8 = keys.meta == "8/8"
+    if not meta8 and not (keys.meta == "16" and keys.scale.dtype == torch.float16):
+        return f"scale/zero format {keys.meta!r} in {keys.scale.dtype} (fp8 '8/8' or 16-bit float16)"
+    if meta8 and keys.scale.dtype != FP8:
+        return "fp8 scales not in e4m3"
+    mb = 1 if meta8 else 2
+    if any(s % 4 for s in keys.data.stride()[:3]) or keys.data.stride(-1) != 1 or keys.data.data_ptr() % 4:
+        return "packed rows not word-aligned"
+    sc, zr = keys.scale, keys.zero
+    if sc.stride() != zr.stride() or sc.stride(-1) != 1 or any((s * mb) % 4 for s in sc.stride()[:3]):
+        return "scales/zeros not word-aligned"
+    if sc.data_ptr() % 4 or zr.data_ptr() % 4 or (kc * mb) % 4:
+        return "scales/zeros not word-aligned"
+    if heads_per_cta(hpb, K, kc, keys.bits, ktg, meta8, _smem_limit(q.device)) is None:
+        return f"a basis block of {kc} coefficients does not fit shared memory"
+    return None
+
+
+def _module(device: torch.device, options: tuple[str, ...]):
+    from .cuda_module import Module
+
+    key = (device.index, options)
+    if key not in _MODULES:
+        with torch.cuda.device(device):
+            _MODULES[key] = Module(SRC, options)
+    return _MODULES[key]
+
+
+def scores(
+    q: torch.Tensor,  # [B, H, 1, 128]
+    qk: float,  # scaling * log2 e
+    keys: QTensor,  # coefficient codes [B, Kb, cap, KC]
+    pos: torch.Tensor,  # int32 [B, cap]
+    length,  # int or one-element device tensor
+    roff: torch.Tensor,  # int32 [B]
+    invf: torch.Tensor,  # float32 [64]
+    rsc: float,
+    dec_lo: torch.Tensor,  # [Kb, C, K 64] fp16 (lowrank_attention._basis_on)
+    dec_hi: torch.Tensor,
+    rows: torch.Tensor,  # [4, K 64] float32
+    hpb: int,
+    out: torch.Tensor,  # float32 [B, H, cap]
+    tables=None,  # (cos, sin) float32 [B, cap, 128]: RoPE from them instead of the rotary
+    waves: float = 1.0,
+) -> None:
+    """Write the scores of every slot below `length` into `out` (slots at or past it untouched)."""
+    B, H, _, _ = q.shape
+    K = rows.shape[1] // 64
+    rep = H // K
+    cap = pos.shape[1]
+    kc, ktg, bits = keys.shape[-1], keys.group, keys.bits
+    meta8 = keys.meta == "8/8"
+    dev = q.device
+    limit = _smem_limit(dev)
+    hpc = heads_per_cta(hpb, K, kc, bits, ktg, meta8, limit)
+    smem = smem_bytes(kc, bits, ktg, meta8, hpc)
+    qbf = int(q.dtype == torch.bfloat16)
+    opts = (
+        f"-DKC={kc}",
+        f"-DKBITS={bits}",
+        f"-DKTG={ktg}",
+        f"-DMETA8={int(meta8)}",
+        f"-DHPC={hpc}",
+        f"-DREP={rep}",
+        f"-DQ_BF16={qbf}",
+        f"-DRDT_BF16={qbf}",
+        f"-DRSC={int(rsc != 1.0)}",
+        f"-DROPE_TAB={int(tables is not None)}",
+    )
+    mod = _module(dev, opts)
+    fn = "tale_lr_score"
+    mod.function(fn, smem)
+    ctas = K // hpc
+    per_sm = max(1, limit // max(smem, 1))
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    nsplit = max(1, min(-(-cap // BT), round(waves * sms * per_sm / (B * ctas))))
+    if isinstance(length, torch.Tensor):
+        len_p, len_v = length.to(torch.int32) if length.dtype != torch.int32 else length, -1
+    else:
+        len_p, len_v = pos, int(length)
+    if meta8:
+        bias = keys.bias
+        bias_p, inv_v = (bias, -1.0) if isinstance(bias, torch.Tensor) else (pos, 1.0 / float(bias))
+    else:
+        bias_p, inv_v = pos, 1.0 / keys.shift
+    data, sc, zr = keys.data, keys.scale, keys.zero
+    mod.launch(
+        fn,
+        (nsplit, ctas, B),
+        32 * 2 * hpc,
+        (
+            q,
+            q.stride(0),
+            q.stride(1),
+            float(qk),
+            pos,
+            pos.stride(0),
+            len_p,
+            len_v,
+            cap,
+            roff,
+            invf,
+            float(rsc),
+            *(tables if tables is not None else (invf, invf)),
+            *(tables[0].stride()[:2] if tables is not None else (0, 0)),
+            data,
+            data.stride(0),
+            data.stride(1),
+            data.stride(2),
+            sc,
+            zr,
+            sc.stride(0),
+            sc.stride(1),
+            sc.stride(2),
+            bias_p,
+            float(inv_v),
+            dec_lo,
+            dec_hi,
+            dec_lo.stride(0),
+            dec_lo.stride(1),
+            rows,
+            rows.shape[1],
+            hpb,
+            out,
+            out.stride(0),
+            out.stride(1),
+            nsplit,
+        ),
+        shared=smem,
+    )
