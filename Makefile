@@ -14,7 +14,7 @@ LONG_PROMPT ?= calib/demo_long_prompt.txt
 JOBS ?= 2  # make errors: fault cases run at once
 TEST_JOBS ?= 2  # make test: pytest-xdist workers (one torch thread each)
 
-.PHONY: setup demo convert run run-long test test-gpu eval frontier errors bench clean vllm-env test-vllm
+.PHONY: setup demo convert run run-long test test-gpu eval frontier errors clean vllm-env test-vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
