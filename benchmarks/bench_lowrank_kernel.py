@@ -217,19 +217,34 @@ def check(rot, cases) -> bool:
         ref = ref_attention(q.float(), k.float(), h.float(), view, N**-0.5, window)
         why = lra.supported(q, k, h, view)
         for mode in ("tables", "kernel"):
-            z = lra.latent_attention_lowrank(q, k, h, view, N**-0.5, window, rope=None if mode == "tables" else rot)
-            e = rel(z, ref)
-            good = why is None and e <= 5e-3 and bool(torch.isfinite(z).all())
-            ok &= good
-            verdict = "ok" if good else f"FAIL {why or ''}"
-            print(f"check B={B} L={L} basis {label(spec)} pad={pad} window={window} rope={mode}: rel {e:.2e} {verdict}")
+            for score in (False, None) if not DRY else (False,):  # the score pass in Triton; in CUDA where it reads
+                z = lra.latent_attention_lowrank(
+                    q, k, h, view, N**-0.5, window, rope=None if mode == "tables" else rot, score_cuda=score
+                )
+                e = rel(z, ref)
+                good = why is None and e <= 5e-3 and bool(torch.isfinite(z).all())
+                ok &= good
+                verdict = "ok" if good else f"FAIL {why or ''}"
+                sc = (
+                    "triton"
+                    if score is False
+                    else "cuda"
+                    if lra._ls.reason(q, view.regions[1].keys, H // K, K // spec[1], K) is None
+                    else "triton (cuda refused)"
+                )
+                print(
+                    f"check B={B} L={L} basis {label(spec)} pad={pad} window={window} rope={mode} score {sc}: "
+                    f"rel {e:.2e} {verdict}"
+                )
     if not DRY:
         for spec in ((432, 1), (216, G), (54, K)):
             B, L = 2, 5000
             view = with_tables(lowrank_view(B, L, spec, rot), rot, None)
             q, k, h = new_token(B)
             gr, out = harness.graphed(
-                lambda q=q, k=k, h=h, view=view: lra.latent_attention_lowrank(q, k, h, view, N**-0.5, rope=rot)
+                lambda q=q, k=k, h=h, view=view: lra.latent_attention_lowrank(
+                    q, k, h, view, N**-0.5, rope=rot, score_cuda=None
+                )
             )
             q.copy_(torch.randn_like(q))
             gr.replay()

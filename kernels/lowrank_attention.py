@@ -894,7 +894,7 @@ def latent_attention_lowrank(
     score_groups: bool | None = None,
     num_warps: int = 8,
     num_stages: int = 2,
-    score_cuda: bool | str | None = None,
+    score_cuda: bool | str | None = False,
 ) -> torch.Tensor:
     """Decode attention over a view with keys before RoPE / low-rank keys: z [B, T, H, R] float32, the backend
     signature of tale_runtime.attention.latent_attention (which runs what `supported` declines).
@@ -922,7 +922,7 @@ def latent_attention_lowrank(
     [-pi, pi] (abs error about 5e-7, below the bf16 tables' rounding), not libdevice's (about 90 instructions each).
     `score_cuda` (two_pass, low-rank regions): the score pass in CUDA on tensor cores (kernels/lowrank_score.py);
     None: where it reads the region, else in Triton; True: required (ValueError where it cannot); "warn": where it
-    can, else in Triton with a one-time warning naming why; False: Triton."""
+    can, else in Triton with a one-time warning naming why; False (the default): Triton."""
     if not isinstance(view, LayerView):
         view = view.view()
     if supported(q, k_new, h_new, view, rope) is not None:
