@@ -291,7 +291,7 @@ def run(
     if json_out is not None:  # checked now, not after the whole evaluation ran
         json_out = Path(json_out) if json_out.strip() else Path("")
         console.writable_file(json_out, "--json", overwrite)
-        if json_out.is_file() or not json_out.exists():  # not for /dev/stdout and the like
+        if console.replaceable(json_out):  # not for /dev/stdout and the like
             console.writable_file(_partial(json_out), "--json (its FILE.partial)", overwrite=True)
     if frontier:
         if frontier_out is not None and not frontier_out.strip():
@@ -351,7 +351,7 @@ def run(
         pol.prepare(model, tok, log)
 
     rows = []
-    partial = _partial(json_out) if json_out and (json_out.is_file() or not json_out.exists()) else None
+    partial = _partial(json_out) if json_out and console.replaceable(json_out) else None
     if partial:
         partial.write_text("")
     try:
@@ -411,11 +411,7 @@ def run(
         frontier_mod.plot(rows, config, png)
         log(f"wrote {md} and {png}")
     if json_out:
-        tmp = (
-            json_out.with_name(f".{json_out.name}.tmp-{os.getpid()}")
-            if json_out.is_file() or not json_out.exists()
-            else None
-        )
+        tmp = json_out.with_name(f".{json_out.name}.tmp-{os.getpid()}") if console.replaceable(json_out) else None
         target = tmp or json_out  # a regular file is replaced whole (rename); /dev/stdout and the like written to
         target.write_text(json.dumps({"config": config, "results": rows}, indent=2) + "\n")
         if tmp:
