@@ -86,7 +86,7 @@ def unescape(text: str, flag: str) -> str:
             i += 6
         else:
             raise CliError(
-                f"{flag}: unknown escape {text[i : i + 2]!r} (\\n, \\t, \\r, \\0, \\uXXXX; \\\\ for a backslash)"
+                f"{flag}: unknown escape {text[i : i + 2]} (\\n, \\t, \\r, \\0, \\uXXXX; \\\\ for a backslash)"
             )
     return "".join(out)
 
