@@ -182,3 +182,17 @@ def test_runtime_python_api_runs(workdir, monkeypatch):
     printed = _run_python(block, ns)
     ratio = float(printed.splitlines()[0])  # print(cache.baseline_nbytes() / cache.nbytes())
     assert ratio > 1 and "measured" in printed.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_the_3x_setting_runs_where_the_docs_say(smollm2_paper_artifact, smollm2_artifact):
+    """README's and docs/quality.md's 3x setting, `--bits 4,4 --r0 1.0`, is the paper preset's two levels; on the
+    default three-level artifact it is refused in one line that says how many levels there are."""
+    for page in ("README.md", "docs/quality.md"):
+        assert "--preset paper --bits 4,4 --r0 1.0" in (ROOT / page).read_text()
+    args = ["-p", "Hi", "--bits", "4,4", "--r0", "1.0", "--max-new-tokens", "2", "--json"]
+    r = invoke(run_main, [smollm2_paper_artifact, *args])
+    assert r.exit_code == 0, r.stderr
+    assert 2.5 < json.loads(r.stdout)["stats"]["nominal_ratio"] < 3.5
+    r = invoke(run_main, [smollm2_artifact, *args])
+    assert r.exit_code == 2 and r.stderr.startswith("error: schedule override: bits has 2 values for 3 levels")
