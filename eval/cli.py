@@ -206,7 +206,9 @@ def run(
                 fail(f"--{name.replace('_', '-')} does not apply to --lm-eval")
         from .lmeval_run import run_lm_eval
 
-        knobs = dict(sinks=sinks, recent=_shares(recent), r0=r0, residual=residual, key_meta=key_meta, value_meta=value_meta)
+        knobs = dict(
+            sinks=sinks, recent=_shares(recent), r0=r0, residual=residual, key_meta=key_meta, value_meta=value_meta
+        )
         knobs |= dict(key_channel_group=key_channel_group, rotate=rotate, key_rope=key_rope)
         try:
             knobs["bits"] = None if bits is None else [int(x) for x in _csv(bits)]
