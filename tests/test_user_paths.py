@@ -293,3 +293,27 @@ def test_lm_eval_offline_says_what_is_missing_at_once(artifact, tmp_path, monkey
     one_line(r, "--lm-eval hellaswag: its dataset Rowan/hellaswag is not in the local datasets cache")
     assert "dataset_path" in r.stderr and time.perf_counter() - t < 60
     assert not (tmp_path / "res").exists()
+
+
+def test_the_gguf_bar_follows_the_progress_switch(capfd):
+    """tale-convert --quiet (and its progress, which replaces transformers' bars) turns transformers' bars off;
+    the GGUF loader's bar, which does not ask that switch, printed anyway while a bundled model was rebuilt."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging
+
+    from tale_convert.bundled import SMOLLM2, gguf_tensors
+
+    gguf = SMOLLM2.gguf_file()
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    was = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        capfd.readouterr()
+        state = gguf_tensors(gguf, model)
+    finally:
+        if was:
+            logging.enable_progress_bar()
+    assert "model.embed_tokens.weight" in state
+    assert "GGUF" not in capfd.readouterr().err
