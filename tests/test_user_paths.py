@@ -317,3 +317,19 @@ def test_the_gguf_bar_follows_the_progress_switch(capfd):
             logging.enable_progress_bar()
     assert "model.embed_tokens.weight" in state
     assert "GGUF" not in capfd.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_bundled_gemma3_is_run_as_a_base_model(gemma3_artifact):
+    """Gemma 3 270M is the pretrained model: its artifact says so, and tale-run continues the prompt as raw text
+    (the chat template made it answer "What is the chemical symbol for silver?")."""
+    from transformers import AutoTokenizer
+
+    assert json.loads((gemma3_artifact / MANIFEST).read_text())["base"]["instruct"] is False
+    prompt = "The chemical symbol for gold is"
+    r = run(gemma3_artifact, "-p", prompt, "--max-new-tokens", "3", "--dtype", "fp32", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert "pretrained (base) model" in r.stderr
+    tok = AutoTokenizer.from_pretrained(gemma3_artifact)
+    out = json.loads(r.stdout)
+    assert out["stats"]["prompt_tokens"] == len(tok(prompt)["input_ids"]) and "Au" in out["text"]
