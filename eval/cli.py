@@ -94,6 +94,14 @@ def _csv(s: str | None) -> tuple[str, ...] | None:
     return None if s is None else tuple(x.strip() for x in s.split(",") if x.strip())
 
 
+def _shares(s: str | None) -> list[float] | None:
+    """--recent 0.05,0.1: one share per level above the middle, as tale-run and tale-convert take it."""
+    try:
+        return None if s is None else [float(x) for x in _csv(s)]
+    except ValueError:
+        fail(f"--recent takes comma-separated shares, e.g. 0.05,0.1; got {s!r}")
+
+
 @app.command()
 def run(
     artifact: str = typer.Argument(..., help="TALE artifact directory (tale-convert output) or Hub id"),
@@ -128,8 +136,12 @@ def run(
     passkey_lengths: Optional[str] = typer.Option(None, help="pass-key lengths: 1k,2k ('' to skip the task)"),
     passkey_depths: Optional[str] = typer.Option(None, help="pass-key needle depths, e.g. 0.1,0.5,0.9"),
     sinks: Optional[int] = typer.Option(None, help="TALE: override the artifact's sink tokens"),
-    recent: Optional[float] = typer.Option(None, help="TALE: override the recent share p"),
-    r0: Optional[float] = typer.Option(None, help="TALE: override the level-0 rank (fraction of R, all layers)"),
+    recent: Optional[str] = typer.Option(
+        None, help="TALE: override the recent share p of each level above the middle, oldest first, e.g. 0.05,0.1"
+    ),
+    r0: Optional[float] = typer.Option(
+        None, help="TALE: override the level-0 (middle) rank, a fraction of R, all layers; other levels keep theirs"
+    ),
     bits: Optional[str] = typer.Option(None, help="TALE: override the bits per level, oldest first, e.g. 2,4"),
     key_bits: Optional[str] = typer.Option(None, help="TALE: override the key bits per level, e.g. 4,4"),
     key_axis: Optional[str] = typer.Option(
@@ -194,7 +206,9 @@ def run(
                 fail(f"--{name.replace('_', '-')} does not apply to --lm-eval")
         from .lmeval_run import run_lm_eval
 
-        knobs = dict(sinks=sinks, recent=recent, r0=r0, residual=residual, key_meta=key_meta, value_meta=value_meta)
+        knobs = dict(
+            sinks=sinks, recent=_shares(recent), r0=r0, residual=residual, key_meta=key_meta, value_meta=value_meta
+        )
         knobs |= dict(key_channel_group=key_channel_group, rotate=rotate, key_rope=key_rope)
         try:
             knobs["bits"] = None if bits is None else [int(x) for x in _csv(bits)]
@@ -291,7 +305,7 @@ def run(
     if json_out is not None:  # checked now, not after the whole evaluation ran
         json_out = Path(json_out) if json_out.strip() else Path("")
         console.writable_file(json_out, "--json", overwrite)
-        if json_out.is_file() or not json_out.exists():  # not for /dev/stdout and the like
+        if console.replaceable(json_out):  # not for /dev/stdout and the like
             console.writable_file(_partial(json_out), "--json (its FILE.partial)", overwrite=True)
     if frontier:
         if frontier_out is not None and not frontier_out.strip():
@@ -328,8 +342,8 @@ def run(
                 model.tale_spec.arch.latent_rank,
                 len(s.ranks),
                 sinks=sinks,
-                recent=recent,
-                ranks=None if r0 is None else [r0] + [1.0] * (len(s.levels) - 1),
+                recent=_shares(recent),
+                r0=r0,
                 bits=bits_l,
                 key_bits=key_bits_l,
                 **formats,
@@ -351,7 +365,7 @@ def run(
         pol.prepare(model, tok, log)
 
     rows = []
-    partial = _partial(json_out) if json_out and (json_out.is_file() or not json_out.exists()) else None
+    partial = _partial(json_out) if json_out and console.replaceable(json_out) else None
     if partial:
         partial.write_text("")
     try:
@@ -411,11 +425,7 @@ def run(
         frontier_mod.plot(rows, config, png)
         log(f"wrote {md} and {png}")
     if json_out:
-        tmp = (
-            json_out.with_name(f".{json_out.name}.tmp-{os.getpid()}")
-            if json_out.is_file() or not json_out.exists()
-            else None
-        )
+        tmp = json_out.with_name(f".{json_out.name}.tmp-{os.getpid()}") if console.replaceable(json_out) else None
         target = tmp or json_out  # a regular file is replaced whole (rename); /dev/stdout and the like written to
         target.write_text(json.dumps({"config": config, "results": rows}, indent=2) + "\n")
         if tmp:

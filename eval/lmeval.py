@@ -44,18 +44,20 @@ def schedule_overrides(model, **knobs) -> None:
         s,
         model.tale_spec.arch.latent_rank,
         len(s.ranks),
-        ranks=None if r0 is None else [r0] + [1.0] * (len(s.levels) - 1),
+        r0=r0,
         **knobs,
     )
 
 
 def _parse_knob(name: str, v):
-    """A knob from --model_args (lm_eval has made numbers of what it could): lists of bits as '2/4'."""
-    if v is None or name not in ("bits", "key_bits"):
+    """A knob from --model_args (lm_eval has made numbers of what it could): lists of bits as '2/4', of recent
+    shares as '0.05/0.1'."""
+    if v is None or name not in ("bits", "key_bits", "recent"):
         return v
+    kind = float if name == "recent" else int
     if isinstance(v, (list, tuple)):
-        return [int(x) for x in v]
-    return [int(x) for x in str(v).split("/")]
+        return [kind(x) for x in v]
+    return [kind(x) for x in str(v).split("/")]
 
 
 @register_model("tale")

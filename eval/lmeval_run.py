@@ -47,6 +47,48 @@ def _task_list(tasks: str, include_path: str | None):
     return manager, out
 
 
+def _offline() -> bool:
+    """HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set, or the Hub's host unreachable (one connection try, 3 s at most)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_DATASETS_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return True
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+        return False
+    except OSError:
+        return True
+
+
+def _check_datasets(manager, task_list) -> None:
+    """Offline, each task's dataset must be a local directory or in the local datasets cache: refused now in one
+    line, not after the model loaded and a minute of retries. Online, datasets downloads what it lacks."""
+    if not _offline():
+        return
+    import datasets
+    from huggingface_hub import constants
+
+    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True  # no retries from here on
+    for t in task_list:
+        entry = manager.task_index.get(t) if isinstance(t, str) else None
+        cfg = t if isinstance(t, dict) else (entry.cfg if entry is not None else None) or {}
+        path = cfg.get("dataset_path")
+        if not isinstance(path, str) or Path(path).expanduser().exists():
+            continue
+        try:
+            datasets.load_dataset_builder(path, cfg.get("dataset_name"), **(cfg.get("dataset_kwargs") or {}))
+        except Exception:
+            fail(
+                f"--lm-eval {cfg.get('task', t)}: its dataset {path} is not in the local datasets cache "
+                f"({datasets.config.HF_DATASETS_CACHE}) and the Hub is unreachable (offline): run it once online to "
+                "cache it, or give the task a local copy (a task YAML with dataset_path: /a/local/dir)"
+            )
+
+
 def _check_out(out: Path, artifact: str, overwrite: bool) -> None:
     from .lmeval import replaceable
 
@@ -101,6 +143,7 @@ def run_lm_eval(
         console.writable_file(json_path, "--json", overwrite)
     device = str(console.device(device))
     manager, task_list = _task_list(tasks, include_path)
+    _check_datasets(manager, task_list)
     if threads:
         torch.set_num_threads(threads)
 

@@ -64,6 +64,33 @@ def schedule_overrides(sinks, recent, ranks, bits, key_bits, key_group, value_gr
     return {k: v for k, v in ov.items() if v is not None}
 
 
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "0": "\0"}
+
+
+def unescape(text: str, flag: str) -> str:
+    """Backslash escapes in a flag's text: a shell passes "\\n\\n" as backslash-n twice, which no answer ends with.
+    \\n, \\t, \\r, \\0, \\\\ and \\uXXXX are read; any other backslash is refused rather than guessed at."""
+    out, i = [], 0
+    while i < len(text):
+        c = text[i]
+        if c != "\\":
+            out.append(c)
+            i += 1
+            continue
+        nxt = text[i + 1 : i + 2]
+        if nxt in ESCAPES:
+            out.append(ESCAPES[nxt])
+            i += 2
+        elif nxt == "u" and len(h := text[i + 2 : i + 6]) == 4 and all(x in "0123456789abcdefABCDEF" for x in h):
+            out.append(chr(int(h, 16)))
+            i += 6
+        else:
+            raise CliError(
+                f"{flag}: unknown escape {text[i : i + 2]} (\\n, \\t, \\r, \\0, \\uXXXX; \\\\ for a backslash)"
+            )
+    return "".join(out)
+
+
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     if (prompt is None) == (prompt_file is None):
         raise CliError("give exactly one of --prompt and --prompt-file")
@@ -89,6 +116,13 @@ def read_stdin(flag: str) -> str:
     if not text.strip():
         raise CliError(f"{flag}: standard input is empty")
     return text
+
+
+def base_model(m) -> bool:
+    """Whether the artifact's manifest says its base is a pretrained model, not chat-tuned (base.instruct false;
+    unknown for artifacts that do not say)."""
+    base = m.tale_spec.manifest.get("base")
+    return isinstance(base, dict) and base.get("instruct") is False
 
 
 def messages_of(prompt: str, system: str | None) -> list[dict]:
@@ -141,7 +175,12 @@ def run(
         None, "--prompt-file", help="read the prompt from a file ('-': standard input)"
     ),
     system: Optional[str] = typer.Option(None, "--system", help="a system message (through the chat template)"),
-    raw: bool = typer.Option(False, "--raw", help="no chat template: feed the prompt as it is"),
+    raw: Optional[bool] = typer.Option(
+        None,
+        "--raw/--template",
+        help="--raw: no chat template, feed the prompt as it is; --template: through the tokenizer's chat template "
+        "(default: the template, but raw text for a pretrained base model, which the artifact's manifest names)",
+    ),
     chat: bool = typer.Option(
         False, "--chat", help="interactive: one user turn per line of standard input, the cache kept across turns"
     ),
@@ -152,7 +191,12 @@ def run(
     repetition_penalty: float = typer.Option(
         1.0, "--repetition-penalty", min=0.0, help="divide the logits of tokens already in the text (1: none)"
     ),
-    stop: Optional[list[str]] = typer.Option(None, "--stop", help="stop once the answer ends with STR (repeatable)"),
+    stop: Optional[list[str]] = typer.Option(
+        None,
+        "--stop",
+        help="stop once the answer ends with STR (repeatable); backslash escapes are read: --stop '\\n\\n' stops at a "
+        "blank line (a literal backslash: \\\\)",
+    ),
     seed: int = typer.Option(0, "--seed", min=0, max=SEED_MAX, help="sampling seed (0 to 2**64-1)"),
     compare_full: bool = typer.Option(
         False, "--compare-full", help="also answer with the full 16-bit cache; print both and the measured ratio"
@@ -195,6 +239,9 @@ def run(
         help="prefill prompts longer than N tokens in pieces of N: the same result, far less activation memory at long "
         "contexts (default 4096; 0: in one piece)",
     ),
+    threads: Optional[int] = typer.Option(
+        None, "--threads", metavar="N", help="torch CPU threads (default: torch's, one per core)"
+    ),
     tp: int = typer.Option(
         1, "--tp", min=1, help="tensor parallelism over N GPUs: run under torchrun --nproc-per-node N (docs/runtime.md)"
     ),
@@ -219,8 +266,8 @@ def run(
             raise CliError(f"{name} must be a finite number, got {v}")
     if repetition_penalty <= 0:
         raise CliError(f"--repetition-penalty must be > 0 (1: none), got {repetition_penalty}")
-    for s in stop or []:
-        console.check_text(s, "--stop")
+    stop = [unescape(console.check_text(s, "--stop"), "--stop") for s in stop or []]
+    for s in stop:
         if not s:
             raise CliError("--stop is empty: give the text to stop at")
     overrides = schedule_overrides(sinks, recent, ranks, bits, key_bits, key_group, value_group, residual, r0)
@@ -230,6 +277,8 @@ def run(
         raise CliError(f"--output-path must be fused or factored; got {output_path!r}")
     if prefill_chunk is not None and prefill_chunk < 0:
         raise CliError(f"--prefill-chunk must be a whole number of tokens >= 0 (0: one piece), got {prefill_chunk}")
+    if threads is not None and threads < 1:
+        raise CliError(f"--threads must be >= 1, got {threads}")
     if tp > 1 and (chat or compare_full):
         raise CliError(f"{'--chat' if chat else '--compare-full'} runs on one process: not with --tp")
     dev = console.device(device)
@@ -247,8 +296,12 @@ def run(
 
     import torch
 
+    if threads is not None:
+        torch.set_num_threads(threads)
+
     from .artifact import ArtifactError
     from .load import load
+    from .schedule import ContextError
 
     try:
         m, tok = load(
@@ -260,6 +313,8 @@ def run(
             output_path=output_path,
             **overrides,
         )
+    except ContextError as e:  # named as the flag that set it
+        raise CliError(f"--{e.knob} {e.msg}") from None
     except (ArtifactError, ValueError) as e:
         raise CliError(str(e)) from None
     if prefill_chunk is not None:
@@ -274,9 +329,6 @@ def run(
         )
     ctx = m.config.max_position_embeddings
     sched = m.tale_spec.schedule
-    for name, v in (("--sinks", overrides.get("sinks")), ("--residual", overrides.get("residual"))):
-        if v is not None and v >= ctx:
-            raise CliError(f"{name} {v} is not below the model's context ({ctx} tokens): nothing would be compressed")
     if dev.type == "cuda" and not sched.fast_path():
         say.note(
             "note: the GPU kernels do not read this schedule (key bands with keys before RoPE, per-token keys or "
@@ -297,7 +349,12 @@ def run(
         _chat(m, tok, system, max_new_tokens, opts, say)
         return
 
-    ids = encode(tok, messages_of(text, system), raw)
+    if raw is None and system is None and base_model(m):
+        raw = True
+        say.note(
+            "note: a pretrained (base) model: the prompt is fed as raw text, to continue (--template applies the chat template)"
+        )
+    ids = encode(tok, messages_of(text, system), bool(raw))
     if not ids:
         raise CliError("the prompt encodes to no tokens")
     if len(ids) >= ctx:

@@ -116,6 +116,7 @@ def run_app(app: typer.Typer, argv: list[str] | None = None, user_errors: tuple[
     _received.clear()
     if not _stdio_ready():
         sys.exit(EXIT_USER)
+    _lossy_stdio()
     install_signal_handlers()
     _quiet_libraries()
     _rich_broken_pipe()
@@ -222,6 +223,14 @@ def _stdio_ready() -> bool:
         print("error: standard output is closed: redirect it to a file or to /dev/null instead", file=sys.stderr)
         return False
     return True
+
+
+def _lossy_stdio() -> None:
+    """A stream whose encoding cannot hold some text (PYTHONIOENCODING=ascii, a C locale) prints '?' for it rather
+    than ending the command with a UnicodeEncodeError mid-word."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure") and getattr(stream, "errors", None) == "strict":
+            stream.reconfigure(errors="replace")
 
 
 # -- checks before work -------------------------------------------------------------------------------------
@@ -351,6 +360,16 @@ def inside_artifact(path: Path) -> Path | None:
     return None
 
 
+def replaceable(path: Path) -> bool:
+    """Whether a file we write may be replaced whole (written beside it, renamed over it): nothing there yet, or a
+    regular file that is not a symlink. /dev/stdout (a symlink, to a regular file under `> file`), a pipe or a
+    device is a stream: written to in place, never replaced."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        return not path.is_symlink()
+    return path.is_file() and not path.is_symlink()
+
+
 def writable_file(path: Path, flag: str, overwrite: bool = True) -> None:
     """A file we will write at the end: its directory exists and it can be opened for writing (tried now,
     a new file removed again), so results are not lost after the work. Never inside a TALE artifact; an existing
@@ -366,7 +385,7 @@ def writable_file(path: Path, flag: str, overwrite: bool = True) -> None:
     if path.is_dir():
         raise UserError(f"{flag} {path}: is a directory")
     existed = path.exists()
-    if existed and not overwrite and path.is_file():
+    if existed and not overwrite and replaceable(path):
         raise UserError(f"{flag} {path}: exists (pass --overwrite to replace it)")
     try:
         with open(path, "a"):

@@ -15,7 +15,7 @@ from . import backends, families, key_basis, tp
 from .artifact import O_FUSED, ArtifactError, Schedule, read_manifest, schedule_of, verify_files
 from .decode import graph_decoder
 from .model import CACHE_KW, TALE_CACHES, TaleAttention, TaleCache, cache_arg, chunked_prefill
-from .schedule import override_schedule
+from .schedule import check_context, override_schedule
 from .spec import Arch, CacheSpec, TaleSpec
 from .static_cache import StaticTaleCache
 
@@ -30,6 +30,11 @@ def resolve(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
     s = str(path_or_id)
     if s.startswith((".", "/", "~")) or s.count("/") != 1:
         raise ArtifactError(f"{s}: no such artifact directory (and not a Hub repo id 'owner/name')")
+    if p.parent.is_dir():  # out/smollm2-tal: shaped like a repo id, but its directory is here; a typo, not the Hub
+        raise ArtifactError(
+            f"{s}: no such artifact directory ({p.parent}/ has no {p.name}); a Hub repo id would not name a local "
+            "directory"
+        )
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         HfHubHTTPError,
@@ -151,6 +156,7 @@ def load(
             sched = override_schedule(sched, R, config.num_hidden_layers, **overrides)
         else:
             sched.validate(R, config.num_hidden_layers)
+        check_context(sched, config.max_position_embeddings)
         if tp_size != 1:
             tp.check_size(tp_size, arch.num_groups, g, root)
 
@@ -280,6 +286,52 @@ class TaleGenerationMixin:
     def get_compiled_call(self, compile_config):
         return _GraphedCall(self, super().get_compiled_call(compile_config))
 
+    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+        """Write the TALE artifact this model was loaded from (manifest, tensors, key basis, modeling_tale.py), so
+        that it reloads as TALE: transformers' own save would write the base model, whose reload decodes on a
+        16-bit cache. The weights are the artifact's (the runtime is for inference); refused (ValueError) where the
+        artifact cannot be written as it was loaded."""
+        save_artifact(self, save_directory, **kwargs)
+
+
+def save_artifact(model, save_directory, push_to_hub: bool = False, state_dict=None, **_ignored) -> None:
+    """model.save_pretrained for a TALE model: the files of its artifact, verified again after the copy."""
+    import shutil
+
+    from .artifact import MANIFEST
+
+    spec: TaleSpec = model.tale_spec
+    why = None
+    if push_to_hub:
+        why = "push_to_hub: publish the artifact with tale-push"
+    elif state_dict is not None:
+        why = "a state_dict: a TALE artifact's tensors are the ones it was converted with"
+    elif spec.tp is not None:
+        why = "under tensor parallelism each rank holds part of the model; save from the artifact directory"
+    elif spec.path is None or not (Path(spec.path) / MANIFEST).is_file():
+        why = "the model's artifact directory is gone"
+    elif spec.schedule.to_dict() != schedule_of(spec.manifest).to_dict():
+        why = "its schedule was overridden at load (the artifact holds the converted one); pass the overrides again at load"
+    if why:
+        raise ValueError(f"save_pretrained of a TALE model writes its artifact, not with {why}")
+    out, root = Path(save_directory).expanduser(), Path(spec.path)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"save_pretrained: {out} exists and is not an empty directory; name a new one")
+    if out.resolve() == root.resolve():
+        return
+    made = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        for name in [*spec.manifest["files"], MANIFEST]:
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(root / name, out / name)
+        verify_files(out)
+    except (OSError, ArtifactError) as e:  # nothing half-written is left behind (an empty directory stays empty)
+        shutil.rmtree(out, ignore_errors=True)
+        if not made:
+            out.mkdir(exist_ok=True)
+        raise ValueError(f"save_pretrained: could not copy the artifact {root}: {e}") from None
+
 
 def _check_reuse(cache, need: int | None, max_new_tokens: int | None) -> None:
     """A TALE cache that already holds tokens continues them: the prompt must extend what it holds (transformers feeds
@@ -340,8 +392,19 @@ def tale_class(cls: type) -> type:
         forward.__signature__ = inspect.signature(cls.forward)
         forward.__doc__ = cls.forward.__doc__
         ns = {"__module__": __name__, "forward": forward}
-        _TALE_CLASSES[cls] = type(f"Tale{cls.__name__}", (TaleGenerationMixin, cls), ns)
+        _TALE_CLASSES[cls] = new = type(f"Tale{cls.__name__}", (TaleGenerationMixin, cls), ns)
+        _known_to_pipelines(new)
     return _TALE_CLASSES[cls]
+
+
+def _known_to_pipelines(cls: type) -> None:
+    """List a TALE class among the causal LMs, under the artifact's model_type "tale" (which no transformers config
+    has, so no auto class resolves it): pipeline("text-generation") then takes the model without logging its ~200
+    supported class names."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as names
+
+    known = names.get("tale", ())
+    names["tale"] = (*(known if isinstance(known, tuple) else (known,)), cls.__name__)
 
 
 def _model_type(root: Path) -> str | None:

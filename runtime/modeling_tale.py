@@ -8,7 +8,8 @@ it in `auto_map`, so that
 returns the model `tale_runtime.load(path_or_repo)` returns, whose generate() decodes over the TALE cache. Without
 trust_remote_code transformers refuses the artifact (its model_type "tale" is not one it knows) instead of loading
 the base model with an ordinary 16-bit cache. Kept small on purpose: the loading itself is in the installed
-tale-kv package (tale_runtime.remote_code.from_pretrained), so an artifact keeps working as the package moves on.
+tale-kv package (tale_runtime.remote_code.from_pretrained; installed from a checkout of the toolkit, it is not on
+PyPI), so an artifact keeps working as the package moves on.
 """
 
 from transformers import PretrainedConfig, PreTrainedModel
@@ -17,7 +18,8 @@ try:  # in a try block: transformers' import check would otherwise say "pip inst
     from tale_runtime.remote_code import from_pretrained as _tale_from_pretrained
 except ImportError as e:
     raise ImportError(
-        f"this model is a TALE artifact: loading it needs the tale-kv package (pip install tale-kv) ({e})"
+        "this model is a TALE artifact: loading it needs the tale-kv package (tale_runtime), which is not on PyPI: "
+        f"install it from a checkout of the TALE toolkit (pip install /path/to/tale-toolkit) ({e})"
     ) from None
 
 

@@ -142,6 +142,8 @@ def from_pretrained(pretrained_model_name_or_path, *model_args, config=None, **k
     dtype = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None) or "auto"
     device_map = kwargs.pop("device_map", None)
     attn = kwargs.pop("attn_implementation", None)
+    if attn is None and config is not None:  # AutoModelForCausalLM hands it over on the config, not as a keyword
+        attn = getattr(config, "_attn_implementation_internal", None)
     if attn not in (None, "sdpa"):
         raise ValueError(f"attn_implementation={attn!r}: TALE attention prefills with SDPA and decodes over its cache")
     overrides = {k: kwargs.pop(k) for k in _LOAD_KEYS if k in kwargs}

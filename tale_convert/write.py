@@ -260,15 +260,31 @@ def check_out(out: Path, overwrite: bool) -> None:
         raise ConvertError(f"{out} exists (pass --overwrite to replace it)")
     if why := not_replaceable(out):
         raise ConvertError(f"refusing to overwrite {out}: {why}")
+    if os.path.ismount(out) and not os.access(out, os.W_OK):  # written in place (tmp_dir): it must take files
+        raise ConvertError(f"--out {out}: a mount point that is not writable (read-only?); mount it read-write")
+
+
+def tmp_dir(out: Path) -> Path:
+    """Where a conversion writes before publish: beside `out`, renamed into place; inside `out` where it is a mount
+    point (a volume, a bind mount: not renamed nor removed, and another file system than its parent)."""
+    if os.path.ismount(out):
+        return out / f".{out.name}.tmp-{os.getpid()}"
+    return out.with_name(f"{out.name}.tmp-{os.getpid()}")
+
+
+def _ours(out: Path, p: Path) -> bool:
+    """Whether `p` lies in a temp dir of a conversion into the mount point `out` (tmp_dir)."""
+    top = p.relative_to(out).parts[0]
+    return top.startswith(f".{out.name}.tmp-")
 
 
 def not_replaceable(out: Path) -> str | None:
     """Why `out` may not be replaced by a new artifact (None: it may). Only an empty directory or a TALE
     artifact holding nothing but its own files (the manifest and what it lists) is replaced: never a
-    directory of the user's, nor an artifact with files of the user's added."""
+    directory of the user's, nor an artifact with files of the user's added. Our temp dirs in it do not count."""
     if out.is_symlink() or not out.is_dir():
         return "it is not a TALE artifact"
-    names = {p.relative_to(out).as_posix() for p in out.rglob("*") if not p.is_dir()}
+    names = {p.relative_to(out).as_posix() for p in out.rglob("*") if not p.is_dir() and not _ours(out, p)}
     if not names:
         return None
     if MANIFEST not in names:
@@ -397,6 +413,17 @@ def publish(tmp: Path, out: Path, overwrite: bool = False) -> None:
             raise PublishError(f"{why}; left it untouched (the new artifact was not kept)") from None
         raise PublishError(f"{why}; left it untouched, the new artifact is at {kept}")
 
+    if tmp.parent == out:  # a mount point: its contents replaced in place (it cannot be renamed)
+        if why := not_replaceable(out):
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise PublishError(f"refusing to overwrite {out}: {why}; left it untouched (the new artifact was not kept)")
+        for f in out.rglob("*"):  # the old artifact's files (directories such as lost+found stay)
+            if not f.is_dir() and not _ours(out, f):
+                f.unlink()
+        for f in tmp.iterdir():
+            os.replace(f, out / f.name)
+        tmp.rmdir()
+        return
     try:
         _rename_noreplace(tmp, out)
         return

@@ -673,6 +673,24 @@ def cases() -> list[Case]:
         setup=lambda w: (w / "small").mkdir(),
         check=left_file_empty,
     )
+    vol = ["sh", "-c", 'mount -t tmpfs -o {OPT} tmpfs {W}/vol && exec "$@"', "sh", *cv, "--out", "{W}/vol"]
+    add(  # a volume (docker run -v): written in place, it cannot be renamed
+        "convert-out-mount-point",
+        g,
+        [a.replace("{OPT}", "size=64m") for a in vol] + ["--overwrite"],
+        "nominal ratio",
+        expect="accept",
+        root_only=True,
+        setup=lambda w: (w / "vol").mkdir(),
+    )
+    add(
+        "convert-out-read-only-mount-point",
+        g,
+        [a.replace("{OPT}", "ro,size=1m") for a in vol] + ["--overwrite"],
+        "a mount point that is not writable",
+        root_only=True,
+        setup=lambda w: (w / "vol").mkdir(),
+    )
 
     # signals during a conversion (the slow model): SIGTERM like Ctrl-C, SIGKILL then --resume
     g = "signals"
@@ -1189,6 +1207,24 @@ def trial_cases() -> list[Case]:
     add("run-temperature-negative", g, [*run, "--temperature", "-1"], "--temperature")
     add("run-sinks-beyond-context", g, [*run, "--sinks", "512"], "nothing would be compressed")
     add("run-residual-beyond-context", g, [*run, "--residual", "1024"], "nothing would be compressed")
+    add("run-recent-nan", g, [*run, "--recent", "nan"], "recent share nan is not a number")
+    add("run-stop-unknown-escape", g, [*run, "--stop", "a\\q"], "--stop: unknown escape")
+    add("run-threads-0", g, [*run, "--threads", "0"], "--threads must be >= 1")
+    add(
+        "run-ascii-stdout",
+        g,
+        [*run[:3], "fête", *run[4:]],
+        "measured",
+        expect="accept",
+        env={"PYTHONIOENCODING": "ascii"},
+    )
+    add(
+        "eval-lm-eval-offline",
+        g,
+        ["tale-eval", "{ART}", "--lm-eval", "hellaswag", "--limit", "2", "--lm-eval-out", "{W}/res"],
+        "is not in the local datasets cache",
+        env={"HF_HUB_OFFLINE": "1"},
+    )
     add("run-sinks-cover-the-run", g, [*run, "--sinks", "100"], "nothing is compressed", expect="accept")
     add(
         "run-prompt-file-bom",

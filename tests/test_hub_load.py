@@ -162,5 +162,7 @@ def test_the_module_names_the_package_when_it_is_missing(monkeypatch):
     from tale_runtime import remote_code
 
     monkeypatch.setitem(sys.modules, "tale_runtime.remote_code", None)  # import fails as if not installed
-    with pytest.raises(ImportError, match=r"pip install tale-kv"):
+    with pytest.raises(
+        ImportError, match=r"tale-kv package \(tale_runtime\), which is not on PyPI: install it from a checkout"
+    ):
         exec(compile(remote_code.module_source(), "modeling_tale.py", "exec"), {"__name__": "modeling_tale"})
