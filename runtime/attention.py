@@ -50,7 +50,10 @@ def latent_attention(
     z = torch.zeros(B, G, g * rep, T, R, dtype=f32, device=dev)
     start = 0
     # latents of unused slots are zeroed: whatever they hold (even NaN) must not leak in through p = 0
-    lats = [dequantize(r.lat, f32).masked_fill(~ok[:, None, :, None], 0.0) for r, ok in zip(regions, oks)]
+    lats = [
+        _kept(r, ("lat", f32), lambda r=r, ok=ok: dequantize(r.lat, f32).masked_fill(~ok[:, None, :, None], 0.0))
+        for r, ok in zip(regions, oks)
+    ]
     for h in lats + [h_new.to(f32)]:
         L, r = h.shape[-2], h.shape[-1]
         z[..., :r] += torch.einsum("bcqtl,bclr->bcqtr", probs[..., start : start + L], h)
@@ -78,13 +81,24 @@ def cached_keys(view: LayerView, dtype, B: int, K: int, n: int, device):
     i.e. at or past the region's length, empty, or padding) and each region's used-slot mask [B, cap]."""
     regions = view.regions
     # a slot counts if it is below the region's length and has a position (-1: empty or padding)
-    oks = [(r.pos >= 0) & (torch.arange(r.capacity, device=device) < r.length) for r in regions]
+    oks = [
+        _kept(r, "ok", lambda r=r: (r.pos >= 0) & (torch.arange(r.capacity, device=device) < r.length)) for r in regions
+    ]
     if not regions:
         empty = torch.zeros(B, K, 0, n, dtype=dtype, device=device)
         return empty, torch.zeros(B, 0, dtype=torch.long, device=device), []
-    keys = torch.cat([_post_rope(_keys(r, dtype), r) for r in regions], dim=-2)
+    keys = torch.cat([_kept(r, ("keys", dtype), lambda r=r: _post_rope(_keys(r, dtype), r)) for r in regions], -2)
     pos = torch.cat([r.pos.long().masked_fill(~ok, -1) for r, ok in zip(regions, oks)], dim=-1)
     return keys, pos, oks
+
+
+def _kept(r, key, make):
+    """make(), or what it gave for this region before (Region.memo: kept while the region's contents live)."""
+    if r.memo is None:
+        return make()
+    if key not in r.memo:
+        r.memo[key] = make()
+    return r.memo[key]
 
 
 def _keys(r, dtype) -> torch.Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -128,6 +128,10 @@ class Store:
     lat: QTensor  # [B, G, L, r]
     rank: int
     pos: torch.Tensor  # [L] int64: cache position of each token (the same in every row), any order
+    # what reading the store derives from it alone (its RoPE tables and view positions; the torch reference's
+    # dequantized keys and latents): a store is never changed in place, every change makes a new one, so these are
+    # computed once per store instead of at every decode step (view(), regions.Region.memo)
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def take(self, tokens: torch.Tensor) -> Store:
         """The tokens at indices `tokens` [L'] of this store (whole key groups)."""
@@ -540,13 +544,27 @@ class TaleLayerCache:
         if self.valid is None:
             return LayerView([], 0)
         B, kappa = self.valid.shape
-        pos = torch.arange(kappa, dtype=torch.int32, device=self.valid.device).expand(B, kappa)
-        pos = pos.masked_fill(~self.valid, -1)  # [B, kappa]
+        pos = None
+        stores = [None] * (self.sink_k is not None) + [st for st in self.levels if st is not None and st.length]
         regions = []
-        for keys, lat, rank, pre, basis, p in self._parts():
-            rope = self.rope.at(p) if pre else None  # sinks and the tail stay exact, after RoPE
-            regions.append(Region(keys, lat, rank, pos[:, p.to(pos.device)], keys.shape[-2], rope, basis))
+        for (keys, lat, rank, pre, basis, p), st in zip(self._parts(), stores + [None]):
+            # a level's positions and RoPE tables are its store's for as long as the store lives (its tokens'
+            # `valid` never changes); on a CPU the store also keeps what the torch reference dequantizes of it
+            memo = {} if st is None else st.memo
+            if "pos" not in memo:
+                if pos is None:
+                    pos = torch.arange(kappa, dtype=torch.int32, device=self.valid.device).expand(B, kappa)
+                    pos = pos.masked_fill(~self.valid, -1)  # [B, kappa]
+                memo["pos"] = pos[:, p.to(pos.device)]
+                memo["rope"] = self.rope.at(p) if pre else None  # sinks and the tail stay exact, after RoPE
+            keep = st is not None and keys.shape[-2] and _on_cpu(keys)
+            r = Region(keys, lat, rank, memo["pos"], keys.shape[-2], memo["rope"], basis, memo if keep else None)
+            regions.append(r)
         return LayerView(regions, kappa)
+
+
+def _on_cpu(q: QTensor | Bands) -> bool:
+    return (q.parts[0] if isinstance(q, Bands) else q).data.device.type == "cpu"
 
 
 def _raw(t: torch.Tensor) -> QTensor:

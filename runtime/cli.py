@@ -160,8 +160,12 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout (text and figures), nothing else"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no notes or stats on stderr; errors only"),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:1, ..."),
-    dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32"),
-    output_path: str = typer.Option("fused", "--output-path", help="fused (O^r) or factored (B then W_O)"),
+    dtype: str = typer.Option(
+        "auto", "--dtype", help="auto (bf16 on GPUs; on a CPU fp32 unless it has AMX), bf16, fp16 or fp32"
+    ),
+    output_path: str = typer.Option(
+        "auto", "--output-path", help="auto (fused on GPUs, factored on a CPU), fused (O^r) or factored (B then W_O)"
+    ),
     backend: str = typer.Option(
         "auto", "--backend", help="decode attention: auto (the fastest that serves the cache), torch, triton, cuda"
     ),
@@ -224,10 +228,10 @@ def run(
         if not s:
             raise CliError("--stop is empty: give the text to stop at")
     overrides = schedule_overrides(sinks, recent, ranks, bits, key_bits, key_group, value_group, residual, r0)
-    if dtype not in ("bf16", "fp16", "fp32", "bfloat16", "float16", "float32"):
-        raise CliError(f"--dtype must be one of bf16, fp16, fp32; got {dtype!r}")
-    if output_path not in ("fused", "factored"):
-        raise CliError(f"--output-path must be fused or factored; got {output_path!r}")
+    if dtype not in ("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"):
+        raise CliError(f"--dtype must be one of auto, bf16, fp16, fp32; got {dtype!r}")
+    if output_path not in ("auto", "fused", "factored"):
+        raise CliError(f"--output-path must be auto, fused or factored; got {output_path!r}")
     if prefill_chunk is not None and prefill_chunk < 0:
         raise CliError(f"--prefill-chunk must be a whole number of tokens >= 0 (0: one piece), got {prefill_chunk}")
     if tp > 1 and (chat or compare_full):
@@ -254,10 +258,10 @@ def run(
         m, tok = load(
             model,
             device=dev,
-            dtype=getattr(torch, DTYPES[dtype]),
+            dtype=None if dtype == "auto" else getattr(torch, DTYPES[dtype]),
             backend=backend,
             tp_size=tp,
-            output_path=output_path,
+            output_path=None if output_path == "auto" else output_path,
             **overrides,
         )
     except (ArtifactError, ValueError) as e:

@@ -55,7 +55,20 @@ def resolve(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16
+    """bf16 on GPUs. On a CPU float32, unless it has AMX tiles (Intel Xeon since Sapphire Rapids), where oneDNN runs
+    bf16 matmuls on them: elsewhere bf16 decodes slower than float32 even with AVX-512 BF16 (SmolLM2 on a 2-core
+    AMD EPYC with avx512_bf16, one thread: 112 against 60 ms/token, docs/performance.md)."""
+    if device.type != "cpu":
+        return torch.bfloat16
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return torch.bfloat16 if amx is not None and amx() else torch.float32
+
+
+def default_output_path(device: torch.device) -> str:
+    """ "fused" (one matmul with O^r) on GPUs; "factored" on a CPU, whose decode step is bound by the bytes of weights
+    it reads: O^r is g times the size of W_O, while B adds only G (g n)^2 (SmolLM2, g = 3: 0.37M weights per layer
+    instead of 1.0M; 1.35x against 1.91x the uncompressed model's ms/token in one run, docs/performance.md)."""
+    return "fused" if device.type != "cpu" else "factored"
 
 
 # transformers releases the runtime was tested on: 5.24 renamed the cache argument (past_key_values -> cache), which
@@ -90,7 +103,7 @@ def load(
     backend: str = "auto",
     backend_config=None,
     tp_size: int = 1,
-    output_path: str = "fused",
+    output_path: str | None = None,
     **overrides,
 ):
     """Return (model, tokenizer) with TALE attention in every layer.
@@ -101,6 +114,8 @@ def load(
 
     `output_path` "factored": decode through B then W_O (the same result) and leave O^r unread: g times the size of
     W_O less memory (40 GiB at Llama-3.1-70B shapes with g = 4); set_output_path(model, "fused") is then refused.
+    None: "fused" on GPUs, "factored" on a CPU (default_output_path). `dtype` None: default_dtype (bf16 on GPUs; on a
+    CPU float32 unless it has AMX).
 
     `backend`: the decode-attention backend the model's new caches ask for ("auto": the fastest that serves each
     cache; "torch", "triton", "cuda": see tale_runtime.backends), with `backend_config` its tuning knobs.
@@ -116,7 +131,7 @@ def load(
     from .console import check_device, check_dtype
 
     device, dtype = check_device(device), check_dtype(dtype)  # ValueError before anything loads
-    if output_path not in ("fused", "factored"):
+    if output_path not in ("fused", "factored", None):
         raise ValueError(f"output path must be 'fused' or 'factored', got {output_path!r}")
     check_transformers()
     tp_cfg = mesh = None
@@ -133,6 +148,7 @@ def load(
             raise ArtifactError(f"{root}: model_type {model_type!r} is not supported (only {', '.join(SUPPORTED)})")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or default_dtype(device)
+        output_path = output_path or default_output_path(device)
 
         config = remote_code.base_config(root)  # an artifact's config.json says model_type "tale" (remote_code.py)
         if why := families.unsupported(config):
