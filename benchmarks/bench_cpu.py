@@ -6,7 +6,7 @@ attention), token by token after a prompt of N tokens, in one process, one torch
 
 The prompt is calib/demo_long_prompt.txt's tokens, repeated to N. Per dtype and length: prefill seconds of each
 cache, then ms/token as the median of `--steps` greedy decode steps (both caches fed the same tokens: the full
-cache's greedy ones), and whether both caches pick the same greedy tokens.
+cache's greedy ones, their steps timed alternately), and on how many steps both caches pick the same greedy token.
 """
 
 from __future__ import annotations
@@ -32,18 +32,24 @@ def prompt_ids(tok, n: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def decode(model, cache, ids: torch.Tensor, feed: list[int] | None, steps: int):
-    """Prefill seconds, per-step seconds, greedy tokens (fed `feed` if given, else its own greedy tokens)."""
-    t = time.perf_counter()
-    logits = model(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1).logits
-    prefill = time.perf_counter() - t
-    toks, times = [], []
-    for i in range(steps):
-        toks.append(int(logits[0, -1].argmax()))
-        nxt = torch.tensor([[feed[i] if feed else toks[-1]]])
+def decode(model, caches: list, ids: torch.Tensor, steps: int):
+    """Prefill each cache, then decode greedily from the first one's tokens, feeding every cache the same token
+    and timing their steps alternately (a shared machine's load then weighs on each alike). Per cache: prefill
+    seconds, step seconds, its own greedy picks."""
+    prefill, logits = [], []
+    for c in caches:
         t = time.perf_counter()
-        logits = model(input_ids=nxt, **cache_arg(cache), use_cache=True, logits_to_keep=1).logits
-        times.append(time.perf_counter() - t)
+        logits.append(model(input_ids=ids, **cache_arg(c), use_cache=True, logits_to_keep=1).logits)
+        prefill.append(time.perf_counter() - t)
+    times, toks = [[] for _ in caches], [[] for _ in caches]
+    for _ in range(steps):
+        for i in range(len(caches)):
+            toks[i].append(int(logits[i][0, -1].argmax()))
+        nxt = torch.tensor([[toks[0][-1]]])
+        for i, c in enumerate(caches):
+            t = time.perf_counter()
+            logits[i] = model(input_ids=nxt, **cache_arg(c), use_cache=True, logits_to_keep=1).logits
+            times[i].append(time.perf_counter() - t)
     return prefill, times, toks
 
 
@@ -68,8 +74,9 @@ def main() -> None:
         model, tok = tale_runtime.load(a.artifact, device="cpu", dtype=DTYPES[dn], **kw)
         for n in (int(x) for x in a.tokens.split(",")):
             ids = prompt_ids(tok, n)
-            fp, ft, ftoks = decode(model, DynamicCache(config=model.config), ids, None, a.steps)
-            tp, tt, ttoks = decode(model, tale_runtime.new_cache(model), ids, ftoks, a.steps)
+            (fp, tp), (ft, tt), (ftoks, ttoks) = decode(
+                model, [DynamicCache(config=model.config), tale_runtime.new_cache(model)], ids, a.steps
+            )
             tm, fm = statistics.median(tt) * 1e3, statistics.median(ft) * 1e3
             same = sum(x == y for x, y in zip(ttoks, ftoks))
             print(f"| {dn} | {n} | {tp:.2f} | {fp:.2f} | {tm:.1f} | {fm:.1f} | {tm / fm:.2f}x | {same}/{len(ftoks)} |")

@@ -292,6 +292,7 @@ class TaleLayerCache:
             raise ValueError(f"a Hadamard rotation needs a power-of-two head dim, got {head_dim}")
         self.sink_cap: int | None = None  # set at the first append
         self.sink_k = self.sink_h = None
+        self._sink_memo: tuple[torch.Tensor, dict] | None = None  # (sink_k, what view() keeps of it)
         self.levels: list[Store | None] = [None] * len(schedule.levels)
         self.res_k = self.res_h = None
         self.valid: torch.Tensor | None = None  # [B, kappa] bool; False = padding
@@ -549,8 +550,13 @@ class TaleLayerCache:
         regions = []
         for (keys, lat, rank, pre, basis, p), st in zip(self._parts(), stores + [None]):
             # a level's positions and RoPE tables are its store's for as long as the store lives (its tokens'
-            # `valid` never changes); on a CPU the store also keeps what the torch reference dequantizes of it
+            # `valid` never changes); on a CPU the store also keeps what the torch reference dequantizes of it.
+            # The sinks keep theirs while their tensor is the same (every change makes a new one).
             memo = {} if st is None else st.memo
+            if st is None and keys.data is self.sink_k:
+                if self._sink_memo is None or self._sink_memo[0] is not self.sink_k:
+                    self._sink_memo = (self.sink_k, {})
+                memo, st = self._sink_memo[1], True
             if "pos" not in memo:
                 if pos is None:
                     pos = torch.arange(kappa, dtype=torch.int32, device=self.valid.device).expand(B, kappa)
