@@ -161,7 +161,7 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no notes or stats on stderr; errors only"),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:1, ..."),
     dtype: str = typer.Option(
-        "auto", "--dtype", help="auto (bf16 on GPUs; on a CPU fp32 unless it has AMX), bf16, fp16 or fp32"
+        "auto", "--dtype", help="auto (bf16; fp32 on a CPU without bf16 instructions), bf16, fp16 or fp32"
     ),
     output_path: str = typer.Option(
         "auto", "--output-path", help="auto (fused on GPUs, factored on a CPU), fused (O^r) or factored (B then W_O)"

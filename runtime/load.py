@@ -55,13 +55,19 @@ def resolve(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on GPUs. On a CPU float32, unless it has AMX tiles (Intel Xeon since Sapphire Rapids), where oneDNN runs
-    bf16 matmuls on them: elsewhere bf16 decodes slower than float32 even with AVX-512 BF16 (SmolLM2 on a 2-core
-    AMD EPYC with avx512_bf16, one thread: 112 against 60 ms/token, docs/performance.md)."""
+    """bf16 on GPUs. On a CPU bf16 only where PyTorch runs bf16 matmuls natively (AVX512-BF16 or AMX, with its
+    AVX-512 kernels), else float32: without them bf16 prefills several times slower (SmolLM2, 1K tokens, one thread,
+    an AVX512-BF16 EPYC held to AVX2: 29.7 s against 7.5 s; with AVX512-BF16: 3.2 s against 5.5 s,
+    docs/performance.md)."""
     if device.type != "cpu":
         return torch.bfloat16
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return torch.bfloat16 if amx is not None and amx() else torch.float32
+    return torch.bfloat16 if native_bf16() else torch.float32
+
+
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16, AMX) and PyTorch uses its AVX-512 kernels."""
+    has = [getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(has) and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def default_output_path(device: torch.device) -> str:
@@ -115,7 +121,7 @@ def load(
     `output_path` "factored": decode through B then W_O (the same result) and leave O^r unread: g times the size of
     W_O less memory (40 GiB at Llama-3.1-70B shapes with g = 4); set_output_path(model, "fused") is then refused.
     None: "fused" on GPUs, "factored" on a CPU (default_output_path). `dtype` None: default_dtype (bf16 on GPUs; on a
-    CPU float32 unless it has AMX).
+    CPU bf16 where it has bf16 instructions, else float32).
 
     `backend`: the decode-attention backend the model's new caches ask for ("auto": the fastest that serves each
     cache; "torch", "triton", "cuda": see tale_runtime.backends), with `backend_config` its tuning knobs.

@@ -1,5 +1,5 @@
-"""The CPU decode path: what the dynamic cache keeps between steps changes nothing, and the CPU defaults (float32
-without AMX, the factored output path) pick the tokens of the other settings.
+"""The CPU decode path: what the dynamic cache keeps between steps changes nothing, the factored output path (the
+CPU's default) picks the fused one's tokens, and the CPU's default dtype follows its bf16 instructions.
 
 - Every level store keeps its RoPE tables, view positions and the torch reference's dequantized keys and latents for
   as long as it lives (cache.Store.memo): the logits of every decode step, across flushes and demotions, are the
@@ -70,7 +70,13 @@ def test_cpu_defaults(monkeypatch):
     cpu = torch.device("cpu")
     assert default_output_path(cpu) == "factored" and default_output_path(torch.device("cuda")) == "fused"
     assert default_dtype(torch.device("cuda")) == torch.bfloat16
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
-    assert default_dtype(cpu) == torch.float32  # bf16 matmuls without AMX tiles decode slower than float32
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
-    assert default_dtype(cpu) == torch.bfloat16
+    for bf16, amx, isa, want in [
+        (False, False, "AVX512", torch.float32),  # bf16 emulated: prefill several times slower than float32
+        (True, False, "AVX512", torch.bfloat16),
+        (False, True, "AVX512", torch.bfloat16),
+        (True, False, "AVX2", torch.float32),  # PyTorch held to AVX2 (ATEN_CPU_CAPABILITY) does not use them
+    ]:
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=bf16: v, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda v=isa: v)
+        assert default_dtype(cpu) == want, (bf16, amx, isa)

@@ -362,7 +362,7 @@ def test_load_reproduces_the_in_memory_model(tiny_artifact):
     assert tok is not None and model.tale_spec.schedule == tm.tale_spec.schedule
     ids = ids_for(30)
     assert torch.equal(decode_logits(model, ids, 10), decode_logits(tm, ids, 10))
-    auto, _ = load(path, device="cpu")  # the CPU's default dtype (float32 unless the CPU has AMX)
+    auto, _ = load(path, device="cpu")  # the CPU's default dtype (bf16 with bf16 instructions, else float32)
     want = default_dtype(torch.device("cpu"))
     assert auto.dtype == want and auto.model.layers[0].self_attn.tale.u_v.dtype == want
 
