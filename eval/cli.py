@@ -54,7 +54,7 @@ TEST_TEXTS = tuple(TEST_FILES)
 DEFAULT_FRONTIER_OUT = "out/frontier"  # relative to the current directory; make frontier writes docs/frontier
 DEFAULT_LM_EVAL_OUT = "out/lm-eval"  # relative to the current directory
 PRESETS = {
-    # a few minutes on 2 CPU cores
+    # about 10 minutes on a shared 2-core CPU with --threads 1 (docs/eval.md)
     "ci": Preset(
         512,
         2,
@@ -316,7 +316,9 @@ def run(
 
     t0 = time.perf_counter()
     try:
-        model, tok = load(artifact, device=device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+        # through O^r on every device: the quality figures of docs/quality.md were measured on that path
+        dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+        model, tok = load(artifact, device=device, dtype=dt, output_path="fused")
         if tok is None:
             fail(f"{artifact}: the artifact has no tokenizer")
         formats = dict(
