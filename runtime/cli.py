@@ -229,9 +229,9 @@ def run(
             raise CliError("--stop is empty: give the text to stop at")
     overrides = schedule_overrides(sinks, recent, ranks, bits, key_bits, key_group, value_group, residual, r0)
     if dtype not in ("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"):
-        raise CliError(f"--dtype must be one of auto, bf16, fp16, fp32; got {dtype!r}")
+        raise CliError(f"--dtype must be one of bf16, fp16, fp32 or auto; got {dtype!r}")
     if output_path not in ("auto", "fused", "factored"):
-        raise CliError(f"--output-path must be auto, fused or factored; got {output_path!r}")
+        raise CliError(f"--output-path must be fused or factored (or auto); got {output_path!r}")
     if prefill_chunk is not None and prefill_chunk < 0:
         raise CliError(f"--prefill-chunk must be a whole number of tokens >= 0 (0: one piece), got {prefill_chunk}")
     if tp > 1 and (chat or compare_full):
