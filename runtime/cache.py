@@ -549,21 +549,22 @@ class TaleLayerCache:
         stores = [None] * (self.sink_k is not None) + [st for st in self.levels if st is not None and st.length]
         regions = []
         for (keys, lat, rank, pre, basis, p), st in zip(self._parts(), stores + [None]):
-            # a level's positions and RoPE tables are its store's for as long as the store lives (its tokens'
-            # `valid` never changes); on a CPU the store also keeps what the torch reference dequantizes of it.
-            # The sinks keep theirs while their tensor is the same (every change makes a new one).
-            memo = {} if st is None else st.memo
-            if st is None and keys.data is self.sink_k:
+            # On a CPU a level store keeps its positions and RoPE tables for as long as it lives (its tokens' `valid`
+            # never changes), and what the torch reference dequantizes of it; the sinks keep theirs while their
+            # tensor is the same (every change makes a new one). Not on a GPU: device memory for every layer.
+            keep = st is not None or keys.data is self.sink_k
+            keep = keep and keys.shape[-2] > 0 and _on_cpu(keys)
+            memo = st.memo if keep and st is not None else {}
+            if keep and st is None:
                 if self._sink_memo is None or self._sink_memo[0] is not self.sink_k:
                     self._sink_memo = (self.sink_k, {})
-                memo, st = self._sink_memo[1], True
+                memo = self._sink_memo[1]
             if "pos" not in memo:
                 if pos is None:
                     pos = torch.arange(kappa, dtype=torch.int32, device=self.valid.device).expand(B, kappa)
                     pos = pos.masked_fill(~self.valid, -1)  # [B, kappa]
                 memo["pos"] = pos[:, p.to(pos.device)]
                 memo["rope"] = self.rope.at(p) if pre else None  # sinks and the tail stay exact, after RoPE
-            keep = st is not None and keys.shape[-2] and _on_cpu(keys)
             r = Region(keys, lat, rank, memo["pos"], keys.shape[-2], memo["rope"], basis, memo if keep else None)
             regions.append(r)
         return LayerView(regions, kappa)
