@@ -164,7 +164,9 @@ def run(
         "auto", "--dtype", help="auto (bf16; fp32 on a CPU without bf16 instructions), bf16, fp16 or fp32"
     ),
     output_path: str = typer.Option(
-        "auto", "--output-path", help="auto (fused on GPUs, factored on a CPU), fused (O^r) or factored (B then W_O)"
+        "auto",
+        "--output-path",
+        help="auto (factored on a CPU in fp32, else fused), fused (O^r) or factored (B then W_O)",
     ),
     backend: str = typer.Option(
         "auto", "--backend", help="decode attention: auto (the fastest that serves the cache), torch, triton, cuda"

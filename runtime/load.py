@@ -70,11 +70,12 @@ def native_bf16() -> bool:
     return any(has) and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
-def default_output_path(device: torch.device) -> str:
-    """ "fused" (one matmul with O^r) on GPUs; "factored" on a CPU, whose decode step is bound by the bytes of weights
-    it reads: O^r is g times the size of W_O, while B adds only G (g n)^2 (SmolLM2, g = 3: 0.37M weights per layer
-    instead of 1.0M; 1.35x against 1.91x the uncompressed model's ms/token in one run, docs/performance.md)."""
-    return "fused" if device.type != "cpu" else "factored"
+def default_output_path(device: torch.device, dtype: torch.dtype) -> str:
+    """ "factored" on a CPU in float32: its decode step is bound by the bytes of weights it reads, and O^r is g times
+    the size of W_O while B adds only G (g n)^2 (SmolLM2, g = 3: 0.37M weights per layer instead of 1.0M; docs/
+    performance.md#cpu); float32 rounds both paths alike. "fused" (one matmul with O^r) elsewhere: on GPUs, and in
+    16-bit, whose rounding differs between the paths enough to change a greedy token where the top two are close."""
+    return "factored" if device.type == "cpu" and dtype == torch.float32 else "fused"
 
 
 # transformers releases the runtime was tested on: 5.24 renamed the cache argument (past_key_values -> cache), which
@@ -120,7 +121,7 @@ def load(
 
     `output_path` "factored": decode through B then W_O (the same result) and leave O^r unread: g times the size of
     W_O less memory (40 GiB at Llama-3.1-70B shapes with g = 4); set_output_path(model, "fused") is then refused.
-    None: "fused" on GPUs, "factored" on a CPU (default_output_path). `dtype` None: default_dtype (bf16 on GPUs; on a
+    None: "factored" on a CPU in float32, else "fused" (default_output_path). `dtype` None: default_dtype (bf16 on GPUs; on a
     CPU bf16 where it has bf16 instructions, else float32).
 
     `backend`: the decode-attention backend the model's new caches ask for ("auto": the fastest that serves each
@@ -154,7 +155,7 @@ def load(
             raise ArtifactError(f"{root}: model_type {model_type!r} is not supported (only {', '.join(SUPPORTED)})")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or default_dtype(device)
-        output_path = output_path or default_output_path(device)
+        output_path = output_path or default_output_path(device, dtype)
 
         config = remote_code.base_config(root)  # an artifact's config.json says model_type "tale" (remote_code.py)
         if why := families.unsupported(config):

@@ -1,5 +1,5 @@
 """The CPU decode path: what the dynamic cache keeps between steps changes nothing, the factored output path (the
-CPU's default) picks the fused one's tokens, and the CPU's default dtype follows its bf16 instructions.
+CPU's default in float32) picks the fused one's tokens, and the CPU's default dtype follows its bf16 instructions.
 
 - Every level store keeps its RoPE tables, view positions and the torch reference's dequantized keys and latents for
   as long as it lives (cache.Store.memo): the logits of every decode step, across flushes and demotions, are the
@@ -56,7 +56,7 @@ def test_kept_levels_decode_bit_for_bit_as_recomputed_ones(artifact, monkeypatch
 
 def test_factored_output_gives_the_fused_tokens(artifact):
     fused, _ = load(artifact, device="cpu", dtype=torch.float32, output_path="fused")
-    factored, _ = load(artifact, device="cpu", dtype=torch.float32)  # the CPU's default
+    factored, _ = load(artifact, device="cpu", dtype=torch.float32)  # the CPU's default in float32
     assert factored.model.layers[0].self_attn.output_path == "factored"
     assert factored.model.layers[0].self_attn.tale.o_fused.numel() == 0  # O^r not even loaded
     ids = ids_for(120)
@@ -68,7 +68,9 @@ def test_factored_output_gives_the_fused_tokens(artifact):
 
 def test_cpu_defaults(monkeypatch):
     cpu = torch.device("cpu")
-    assert default_output_path(cpu) == "factored" and default_output_path(torch.device("cuda")) == "fused"
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert default_output_path(cpu, f32) == "factored" and default_output_path(cpu, bf16) == "fused"
+    assert default_output_path(torch.device("cuda"), f32) == "fused"
     assert default_dtype(torch.device("cuda")) == torch.bfloat16
     for bf16, amx, isa, want in [
         (False, False, "AVX512", torch.float32),  # bf16 emulated: prefill several times slower than float32
