@@ -128,9 +128,9 @@ class Store:
     lat: QTensor  # [B, G, L, r]
     rank: int
     pos: torch.Tensor  # [L] int64: cache position of each token (the same in every row), any order
-    # what reading the store derives from it alone (its RoPE tables and view positions; the torch reference's
-    # dequantized keys and latents): a store is never changed in place, every change makes a new one, so these are
-    # computed once per store instead of at every decode step (view(), regions.Region.memo)
+    # on a CPU, what reading the store derives from it alone (its RoPE tables and view positions; the torch
+    # reference's dequantized keys and latents): a store is never changed in place, every change makes a new one, so
+    # these are computed once per store instead of at every decode step (view(), regions.Region.memo)
     memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def take(self, tokens: torch.Tensor) -> Store:

@@ -71,7 +71,7 @@ def native_bf16() -> bool:
 
 
 def default_output_path(device: torch.device, dtype: torch.dtype) -> str:
-    """ "factored" on a CPU in float32: its decode step is bound by the bytes of weights it reads, and O^r is g times
+    """On a CPU in float32 "factored": its decode step is bound by the bytes of weights it reads, and O^r is g times
     the size of W_O while B adds only G (g n)^2 (SmolLM2, g = 3: 0.37M weights per layer instead of 1.0M; docs/
     performance.md#cpu); float32 rounds both paths alike. "fused" (one matmul with O^r) elsewhere: on GPUs, and in
     16-bit, whose rounding differs between the paths enough to change a greedy token where the top two are close."""
@@ -121,8 +121,8 @@ def load(
 
     `output_path` "factored": decode through B then W_O (the same result) and leave O^r unread: g times the size of
     W_O less memory (40 GiB at Llama-3.1-70B shapes with g = 4); set_output_path(model, "fused") is then refused.
-    None: "factored" on a CPU in float32, else "fused" (default_output_path). `dtype` None: default_dtype (bf16 on GPUs; on a
-    CPU bf16 where it has bf16 instructions, else float32).
+    None: "factored" on a CPU in float32, else "fused" (default_output_path). `dtype` None: default_dtype (bf16 on
+    GPUs; on a CPU bf16 where it has bf16 instructions, else float32).
 
     `backend`: the decode-attention backend the model's new caches ask for ("auto": the fastest that serves each
     cache; "torch", "triton", "cuda": see tale_runtime.backends), with `backend_config` its tuning knobs.
