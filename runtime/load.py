@@ -57,7 +57,7 @@ def resolve(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
 def default_dtype(device: torch.device) -> torch.dtype:
     """bf16 on GPUs. On a CPU bf16 only where PyTorch runs bf16 matmuls natively (AVX512-BF16 or AMX, with its
     AVX-512 kernels), else float32: without them bf16 prefills several times slower (SmolLM2, 1K tokens, one thread,
-    an AVX512-BF16 EPYC held to AVX2: 29.7 s against 7.5 s; with AVX512-BF16: 3.2 s against 5.5 s,
+    an AVX512-BF16 EPYC held to AVX2: 29.7 s against 7.5 s; with AVX512-BF16: 4.1 s against 5.5 s,
     docs/performance.md)."""
     if device.type != "cpu":
         return torch.bfloat16
