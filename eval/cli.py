@@ -15,24 +15,20 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
 import typer
-from rich.table import Table
 
 from tale_calib import TEST_FILES
-from tale_convert import policy as rank_policy
-from tale_convert.stats import calibration_batches
-from tale_runtime import ArtifactError, console, load
+from tale_runtime import console
 from tale_runtime.console import fail
-from tale_runtime.schedule import override_schedule, round_rank
 
-from . import frontier as frontier_mod
-from . import passkey, perplexity, policies
-from .attention import prepare
-from .frontier import FAMILIES
-from .measure import add_deltas, measure
+from .names import FAMILIES, NAMED, PASSKEY_DEPTHS, PASSKEY_LENGTHS
+
+if TYPE_CHECKING:
+    import torch
+
+# torch, transformers and the policies are imported by run() itself: `tale-eval --help` starts without them
 
 app = typer.Typer(
     add_completion=False,
@@ -58,7 +54,7 @@ TEST_TEXTS = tuple(TEST_FILES)
 DEFAULT_FRONTIER_OUT = "out/frontier"  # relative to the current directory; make frontier writes docs/frontier
 DEFAULT_LM_EVAL_OUT = "out/lm-eval"  # relative to the current directory
 PRESETS = {
-    # a few minutes on 2 CPU cores
+    # about 10 minutes on a shared 2-core CPU with --threads 1 (docs/eval.md)
     "ci": Preset(
         512,
         2,
@@ -76,9 +72,9 @@ PRESETS = {
         5,
         128,
         4,
-        tuple(passkey.LENGTHS),
-        passkey.DEPTHS,
-        policies.NAMED,
+        tuple(PASSKEY_LENGTHS),
+        PASSKEY_DEPTHS,
+        NAMED,
         ("energy", "fisher", "progressive"),
         TEST_TEXTS,
     ),
@@ -106,7 +102,7 @@ def _shares(s: str | None) -> list[float] | None:
 def run(
     artifact: str = typer.Argument(..., help="TALE artifact directory (tale-convert output) or Hub id"),
     preset: str = typer.Option("ci", help="ci (minutes on a laptop CPU) or full (the docs/quality.md numbers)"),
-    policy_names: Optional[str] = typer.Option(None, "--policies", help=f"comma list of {', '.join(policies.NAMED)}"),
+    policy_names: Optional[str] = typer.Option(None, "--policies", help=f"comma list of {', '.join(NAMED)}"),
     rank_policies: Optional[str] = typer.Option(
         None, help="extra TALE rows with these rank policies: uniform, energy, fisher, progressive ('' for none)"
     ),
@@ -180,6 +176,18 @@ def run(
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors (and --json -'s object)"),
 ) -> None:
+    import torch
+
+    from tale_convert import policy as rank_policy
+    from tale_runtime import ArtifactError
+    from tale_runtime.load import load
+    from tale_runtime.schedule import override_schedule
+
+    from . import frontier as frontier_mod
+    from . import passkey, perplexity, policies
+    from .attention import prepare
+    from .measure import add_deltas, measure
+
     lm_only = dict(limit=limit, num_fewshot=num_fewshot, lm_eval_out=lm_eval_out, include_path=include_path)
     lm_only["batch_size"] = batch_size
     if lm_eval_tasks is None:
@@ -322,7 +330,9 @@ def run(
 
     t0 = time.perf_counter()
     try:
-        model, tok = load(artifact, device=device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+        # through O^r on every device: the quality figures of docs/quality.md were measured on that path
+        dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+        model, tok = load(artifact, device=device, dtype=dt, output_path="fused")
         if tok is None:
             fail(f"{artifact}: the artifact has no tokenizer")
         formats = dict(
@@ -459,6 +469,10 @@ def _log_row(log, row: dict, samples) -> None:
 
 def _rank_schedules(model, tok, sched, names, energy, log) -> dict:
     """TALE schedules from the rank policies, all with the artifact's levels and uniform budget."""
+    from tale_convert import policy as rank_policy
+
+    from . import policies
+
     d = policies.Dims.of(model)
     r0 = _uniform_r0(sched)
     out = {}
@@ -478,6 +492,8 @@ def _rank_schedules(model, tok, sched, names, energy, log) -> dict:
 
 def _uniform_r0(sched) -> int:
     """The budget: the artifact's mean level-0 rank, rounded down to a quantization group."""
+    from tale_runtime.schedule import round_rank
+
     mean = sum(rs[0] for rs in sched.ranks) / len(sched.ranks)
     R = max(rs[-1] for rs in sched.ranks)
     return round_rank(int(mean) / R, R, sched.value_group)
@@ -485,10 +501,14 @@ def _uniform_r0(sched) -> int:
 
 def _calib_batches(tok, count: int = 4, length: int = 256, batch: int = 2) -> list[torch.Tensor]:
     """Fixed calibration windows (the bundled calibration corpus, never the held-out text)."""
+    from tale_convert.stats import calibration_batches
+
     return calibration_batches(tok, count, length, batch)
 
 
 def _table(to, rows: list[dict], config: dict) -> None:
+    from rich.table import Table
+
     texts = config["texts"]
     t = Table(
         title=f"{config['model'] or config['artifact']}: decode-mode ppl, {config['windows']} x {config['ctx']} "

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .names import FAMILIES
 from .policies import REGISTRY, Policy, Tale
 
 # the families of a frontier, in plot order
-FAMILIES = ("tale", "kivi", "quanto", "hqq", "streaming", "palu", "less", "tailorkv")
 # ci: a few points per family (about 1-2 min on one thread); full: FULL_SWEEP where it names the family, else
 # Policy.sweep
 CI_SWEEP = {

@@ -19,11 +19,11 @@ import tale_calib
 from tale_calib import documents, heldout_path
 from tale_runtime.model import cache_arg
 
+from .names import PASSKEY_DEPTHS as DEPTHS
+from .names import PASSKEY_LENGTHS as LENGTHS
 from .policies import Dims, Policy
 
 TASKS = Path(tale_calib.__file__).parent / "tasks" / "passkey.jsonl"
-LENGTHS = {"1k": 4000, "2k": 8000}  # haystack characters (~1K and ~2K SmolLM2 tokens)
-DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 HEAD = "There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. The pass key is {key}. "
 QUESTION = "\n\nWhat is the pass key? The pass key is"

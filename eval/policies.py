@@ -34,6 +34,7 @@ from tale_runtime.cache import KEEP, baseline_nbytes
 from tale_runtime.schedule import override_schedule
 
 from . import caches, less, less_train, tailorkv
+from .names import NAMED
 
 
 @dataclass
@@ -566,8 +567,6 @@ class TailorKV(Policy):
 REGISTRY: dict[str, type[Policy]] = {
     c.family: c for c in (Full, Tale, Kivi, Quanto, HQQ, Streaming, Palu, Less, TailorKV)
 }
-# the named rows of the side-by-side table (tale-eval without --frontier)
-NAMED = ("full", "tale-exact", "tale", "kivi2", "kivi4", "quanto4", "hqq4", "streaming", "palu")
 
 
 def named(name: str) -> Policy:

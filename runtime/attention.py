@@ -31,8 +31,7 @@ def latent_attention(
     rep, g = H // K, K // G
     f32, dev = torch.float32, q.device
     regions = view.regions
-    keys_c, pos, oks = cached_keys(view, f32, B, K, n, dev)
-    keys = torch.cat([keys_c, k_new.to(f32)], dim=-2)  # [B, K, Lc + T, n]
+    keys, pos, oks = cached_keys(view, f32, B, K, n, dev, tail=k_new.to(f32))  # [B, K, Lc + T, n]
     Lc = keys.shape[-2] - T
     old = (pos >= 0)[:, None, :].expand(B, T, Lc)  # [B, T, Lc]
     t = torch.arange(T, device=dev)
@@ -50,7 +49,10 @@ def latent_attention(
     z = torch.zeros(B, G, g * rep, T, R, dtype=f32, device=dev)
     start = 0
     # latents of unused slots are zeroed: whatever they hold (even NaN) must not leak in through p = 0
-    lats = [dequantize(r.lat, f32).masked_fill(~ok[:, None, :, None], 0.0) for r, ok in zip(regions, oks)]
+    lats = [
+        _kept(r, ("lat", f32), lambda r=r, ok=ok: dequantize(r.lat, f32).masked_fill(~ok[:, None, :, None], 0.0))
+        for r, ok in zip(regions, oks)
+    ]
     for h in lats + [h_new.to(f32)]:
         L, r = h.shape[-2], h.shape[-1]
         z[..., :r] += torch.einsum("bcqtl,bclr->bcqtr", probs[..., start : start + L], h)
@@ -73,18 +75,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
-def cached_keys(view: LayerView, dtype, B: int, K: int, n: int, device):
+def cached_keys(view: LayerView, dtype, B: int, K: int, n: int, device, tail: torch.Tensor | None = None):
     """Every region's keys dequantized, [B, K, Lc, n], their positions [B, Lc] (int64; -1: an unused slot,
-    i.e. at or past the region's length, empty, or padding) and each region's used-slot mask [B, cap]."""
+    i.e. at or past the region's length, empty, or padding) and each region's used-slot mask [B, cap]. `tail`
+    [B, K, T, n]: keys put after the cached ones in the same tensor (the new tokens': one copy, not two)."""
     regions = view.regions
     # a slot counts if it is below the region's length and has a position (-1: empty or padding)
-    oks = [(r.pos >= 0) & (torch.arange(r.capacity, device=device) < r.length) for r in regions]
+    oks = [
+        _kept(r, "ok", lambda r=r: (r.pos >= 0) & (torch.arange(r.capacity, device=device) < r.length)) for r in regions
+    ]
     if not regions:
-        empty = torch.zeros(B, K, 0, n, dtype=dtype, device=device)
-        return empty, torch.zeros(B, 0, dtype=torch.long, device=device), []
-    keys = torch.cat([_post_rope(_keys(r, dtype), r) for r in regions], dim=-2)
-    pos = torch.cat([r.pos.long().masked_fill(~ok, -1) for r, ok in zip(regions, oks)], dim=-1)
-    return keys, pos, oks
+        keys = torch.zeros(B, K, 0, n, dtype=dtype, device=device) if tail is None else tail
+        return keys, torch.zeros(B, 0, dtype=torch.long, device=device), []
+    keys = [_kept(r, ("keys", dtype), lambda r=r: _post_rope(_keys(r, dtype), r)) for r in regions]
+    keys = torch.cat(keys + ([] if tail is None else [tail]), dim=-2)
+    pos = [_kept(r, "pos", lambda r=r, ok=ok: r.pos.long().masked_fill(~ok, -1)) for r, ok in zip(regions, oks)]
+    return keys, torch.cat(pos, dim=-1), oks
+
+
+def _kept(r, key, make):
+    """make(), or what it gave for this region before (Region.memo: kept while the region's contents live)."""
+    if r.memo is None:
+        return make()
+    if key not in r.memo:
+        r.memo[key] = make()
+    return r.memo[key]
 
 
 def _keys(r, dtype) -> torch.Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -128,6 +128,10 @@ class Store:
     lat: QTensor  # [B, G, L, r]
     rank: int
     pos: torch.Tensor  # [L] int64: cache position of each token (the same in every row), any order
+    # on a CPU, what reading the store derives from it alone (its RoPE tables and view positions; the torch
+    # reference's dequantized keys and latents): a store is never changed in place, every change makes a new one, so
+    # these are computed once per store instead of at every decode step (view(), regions.Region.memo)
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def take(self, tokens: torch.Tensor) -> Store:
         """The tokens at indices `tokens` [L'] of this store (whole key groups)."""
@@ -288,6 +292,7 @@ class TaleLayerCache:
             raise ValueError(f"a Hadamard rotation needs a power-of-two head dim, got {head_dim}")
         self.sink_cap: int | None = None  # set at the first append
         self.sink_k = self.sink_h = None
+        self._sink_memo: tuple[torch.Tensor, dict] | None = None  # (sink_k, what view() keeps of it)
         self.levels: list[Store | None] = [None] * len(schedule.levels)
         self.res_k = self.res_h = None
         self.valid: torch.Tensor | None = None  # [B, kappa] bool; False = padding
@@ -540,13 +545,33 @@ class TaleLayerCache:
         if self.valid is None:
             return LayerView([], 0)
         B, kappa = self.valid.shape
-        pos = torch.arange(kappa, dtype=torch.int32, device=self.valid.device).expand(B, kappa)
-        pos = pos.masked_fill(~self.valid, -1)  # [B, kappa]
+        pos = None
+        stores = [None] * (self.sink_k is not None) + [st for st in self.levels if st is not None and st.length]
         regions = []
-        for keys, lat, rank, pre, basis, p in self._parts():
-            rope = self.rope.at(p) if pre else None  # sinks and the tail stay exact, after RoPE
-            regions.append(Region(keys, lat, rank, pos[:, p.to(pos.device)], keys.shape[-2], rope, basis))
+        for (keys, lat, rank, pre, basis, p), st in zip(self._parts(), stores + [None]):
+            # On a CPU a level store keeps its positions and RoPE tables for as long as it lives (its tokens' `valid`
+            # never changes), and what the torch reference dequantizes of it; the sinks keep theirs while their
+            # tensor is the same (every change makes a new one). Not on a GPU: device memory for every layer.
+            keep = st is not None or keys.data is self.sink_k
+            keep = keep and keys.shape[-2] > 0 and _on_cpu(keys)
+            memo = st.memo if keep and st is not None else {}
+            if keep and st is None:
+                if self._sink_memo is None or self._sink_memo[0] is not self.sink_k:
+                    self._sink_memo = (self.sink_k, {})
+                memo = self._sink_memo[1]
+            if "pos" not in memo:
+                if pos is None:
+                    pos = torch.arange(kappa, dtype=torch.int32, device=self.valid.device).expand(B, kappa)
+                    pos = pos.masked_fill(~self.valid, -1)  # [B, kappa]
+                memo["pos"] = pos[:, p.to(pos.device)]
+                memo["rope"] = self.rope.at(p) if pre else None  # sinks and the tail stay exact, after RoPE
+            r = Region(keys, lat, rank, memo["pos"], keys.shape[-2], memo["rope"], basis, memo if keep else None)
+            regions.append(r)
         return LayerView(regions, kappa)
+
+
+def _on_cpu(q: QTensor | Bands) -> bool:
+    return (q.parts[0] if isinstance(q, Bands) else q).data.device.type == "cpu"
 
 
 def _raw(t: torch.Tensor) -> QTensor:

@@ -204,8 +204,14 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout (text and figures), nothing else"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no notes or stats on stderr; errors only"),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:1, ..."),
-    dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32"),
-    output_path: str = typer.Option("fused", "--output-path", help="fused (O^r) or factored (B then W_O)"),
+    dtype: str = typer.Option(
+        "auto", "--dtype", help="auto (bf16; fp32 on a CPU without bf16 instructions), bf16, fp16 or fp32"
+    ),
+    output_path: str = typer.Option(
+        "auto",
+        "--output-path",
+        help="auto (factored on a CPU in fp32, else fused), fused (O^r) or factored (B then W_O)",
+    ),
     backend: str = typer.Option(
         "auto", "--backend", help="decode attention: auto (the fastest that serves the cache), torch, triton, cuda"
     ),
@@ -271,10 +277,10 @@ def run(
         if not s:
             raise CliError("--stop is empty: give the text to stop at")
     overrides = schedule_overrides(sinks, recent, ranks, bits, key_bits, key_group, value_group, residual, r0)
-    if dtype not in ("bf16", "fp16", "fp32", "bfloat16", "float16", "float32"):
-        raise CliError(f"--dtype must be one of bf16, fp16, fp32; got {dtype!r}")
-    if output_path not in ("fused", "factored"):
-        raise CliError(f"--output-path must be fused or factored; got {output_path!r}")
+    if dtype not in ("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"):
+        raise CliError(f"--dtype must be one of bf16, fp16, fp32 or auto; got {dtype!r}")
+    if output_path not in ("auto", "fused", "factored"):
+        raise CliError(f"--output-path must be fused or factored (or auto); got {output_path!r}")
     if prefill_chunk is not None and prefill_chunk < 0:
         raise CliError(f"--prefill-chunk must be a whole number of tokens >= 0 (0: one piece), got {prefill_chunk}")
     if threads is not None and threads < 1:
@@ -307,10 +313,10 @@ def run(
         m, tok = load(
             model,
             device=dev,
-            dtype=getattr(torch, DTYPES[dtype]),
+            dtype=None if dtype == "auto" else getattr(torch, DTYPES[dtype]),
             backend=backend,
             tp_size=tp,
-            output_path=output_path,
+            output_path=None if output_path == "auto" else output_path,
             **overrides,
         )
     except ContextError as e:  # named as the flag that set it

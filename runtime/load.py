@@ -60,7 +60,27 @@ def resolve(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16
+    """bf16 on GPUs. On a CPU bf16 only where PyTorch runs bf16 matmuls natively (AVX512-BF16 or AMX, with its
+    AVX-512 kernels), else float32: without them bf16 prefills several times slower (SmolLM2, 1K tokens, one thread,
+    an AVX512-BF16 EPYC held to AVX2: 29.7 s against 7.5 s; with AVX512-BF16: 4.1 s against 5.5 s,
+    docs/performance.md)."""
+    if device.type != "cpu":
+        return torch.bfloat16
+    return torch.bfloat16 if native_bf16() else torch.float32
+
+
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16, AMX) and PyTorch uses its AVX-512 kernels."""
+    has = [getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(has) and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def default_output_path(device: torch.device, dtype: torch.dtype) -> str:
+    """On a CPU in float32 "factored": its decode step is bound by the bytes of weights it reads, and O^r is g times
+    the size of W_O while B adds only G (g n)^2 (SmolLM2, g = 3: 0.37M weights per layer instead of 1.0M; docs/
+    performance.md#cpu); float32 rounds both paths alike. "fused" (one matmul with O^r) elsewhere: on GPUs, and in
+    16-bit, whose rounding differs between the paths enough to change a greedy token where the top two are close."""
+    return "factored" if device.type == "cpu" and dtype == torch.float32 else "fused"
 
 
 # transformers releases the runtime was tested on: 5.24 renamed the cache argument (past_key_values -> cache), which
@@ -95,7 +115,7 @@ def load(
     backend: str = "auto",
     backend_config=None,
     tp_size: int = 1,
-    output_path: str = "fused",
+    output_path: str | None = None,
     **overrides,
 ):
     """Return (model, tokenizer) with TALE attention in every layer.
@@ -106,6 +126,8 @@ def load(
 
     `output_path` "factored": decode through B then W_O (the same result) and leave O^r unread: g times the size of
     W_O less memory (40 GiB at Llama-3.1-70B shapes with g = 4); set_output_path(model, "fused") is then refused.
+    None: "factored" on a CPU in float32, else "fused" (default_output_path). `dtype` None: default_dtype (bf16 on
+    GPUs; on a CPU bf16 where it has bf16 instructions, else float32).
 
     `backend`: the decode-attention backend the model's new caches ask for ("auto": the fastest that serves each
     cache; "torch", "triton", "cuda": see tale_runtime.backends), with `backend_config` its tuning knobs.
@@ -121,7 +143,7 @@ def load(
     from .console import check_device, check_dtype
 
     device, dtype = check_device(device), check_dtype(dtype)  # ValueError before anything loads
-    if output_path not in ("fused", "factored"):
+    if output_path not in ("fused", "factored", None):
         raise ValueError(f"output path must be 'fused' or 'factored', got {output_path!r}")
     check_transformers()
     tp_cfg = mesh = None
@@ -138,6 +160,7 @@ def load(
             raise ArtifactError(f"{root}: model_type {model_type!r} is not supported (only {', '.join(SUPPORTED)})")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or default_dtype(device)
+        output_path = output_path or default_output_path(device, dtype)
 
         config = remote_code.base_config(root)  # an artifact's config.json says model_type "tale" (remote_code.py)
         if why := families.unsupported(config):

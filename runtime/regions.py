@@ -51,6 +51,9 @@ class Region:
     # low-rank keys (Level.key_rank): `keys` holds [B, Kb, cap, r] coefficients on this basis (Kb = basis.blocks: 1
     # joint, K per head), decoded before RoPE
     basis: KeyBasis | None = None
+    # a dict that lives as long as the region's contents do (the dynamic cache's level stores on a CPU, cache.Store):
+    # the torch reference keeps what it dequantizes there and reads it back at later steps; None: nothing kept
+    memo: dict | None = None
 
     @property
     def capacity(self) -> int:

@@ -101,7 +101,9 @@ def test_eval_frontier_default_is_out_under_the_current_directory(art, tmp_path,
 
 
 def test_eval_interrupted_keeps_the_finished_rows(art, tmp_path, monkeypatch):
-    real, calls = eval_cli.measure, []
+    import tale_eval.measure as measure_mod
+
+    real, calls = measure_mod.measure, []
 
     def measure(*a, **k):
         calls.append(1)
@@ -109,7 +111,7 @@ def test_eval_interrupted_keeps_the_finished_rows(art, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(eval_cli, "measure", measure)
+    monkeypatch.setattr(measure_mod, "measure", measure)
     out = tmp_path / "r.json"
     r = invoke(eval_cli.main, [art, *EVAL[:-1], "full,kivi2", "--json", out])
     assert r.exit_code == 130, r.output

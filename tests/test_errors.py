@@ -380,8 +380,7 @@ def test_non_finite_logits_end_the_run_in_one_line(built, monkeypatch, how):
             m.lm_head.weight[3] = float("nan")
         return m, tok
 
-    monkeypatch.setattr(load_mod, "load", poisoned)
-    monkeypatch.setattr(eval_cli, "load", poisoned)
+    monkeypatch.setattr(load_mod, "load", poisoned)  # tale-eval and tale-run import it as they start
     if how == "eval":
         argv = [built, "--dtype", "fp32", "--ctx", "32", "--windows", "1", "--prefill", "8", "--passkey-lengths", ""]
         r = invoke(eval_cli.main, [*argv, "--policies", "full", "--threads", "1"])

@@ -127,9 +127,10 @@ def held_tensors(cache, skip: tuple[str, ...] = ()) -> list[torch.Tensor]:
     """Every tensor reachable from the cache's layers (tensor subclasses opened through
     __tensor_flatten__), except TALE's padding mask and the stores' token positions (bookkeeping, not cached
     data: positions follow from the region layout, and with keep="salient" one per moved key group would do),
-    LESS's kernels (weights, like the model's) and the attributes named in `skip`."""
+    the CPU's working copies of what decode attention derived from the stores (`memo`, `_sink_memo`: freed with the
+    cache, docs/runtime.md), LESS's kernels (weights, like the model's) and the attributes named in `skip`."""
     out, seen = [], set()
-    skip = ("valid", "pos", "kernels", *skip)
+    skip = ("valid", "pos", "memo", "_sink_memo", "kernels", *skip)
 
     def walk(x):
         if isinstance(x, torch.Tensor):

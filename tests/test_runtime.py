@@ -14,7 +14,7 @@ from tale_runtime import ArtifactError, load, new_cache, set_output_path
 from tale_runtime.artifact import Level, Schedule, hash_files, nominal_ratio, uniform_ranks
 from tale_runtime.cache import TaleLayerCache
 from tale_runtime.generate import TextStream, generate
-from tale_runtime.load import override_schedule
+from tale_runtime.load import default_dtype, override_schedule
 from tale_runtime.model import cache_arg
 
 CASES = [
@@ -358,12 +358,13 @@ def tiny_artifact(tmp_path_factory):
 
 def test_load_reproduces_the_in_memory_model(tiny_artifact):
     tm, path = tiny_artifact
-    model, tok = load(path, device="cpu", dtype=torch.float32)
+    model, tok = load(path, device="cpu", dtype=torch.float32, output_path="fused")  # the in-memory model's path
     assert tok is not None and model.tale_spec.schedule == tm.tale_spec.schedule
     ids = ids_for(30)
     assert torch.equal(decode_logits(model, ids, 10), decode_logits(tm, ids, 10))
-    bf16, _ = load(path, device="cpu")
-    assert bf16.dtype == torch.bfloat16 and bf16.model.layers[0].self_attn.tale.u_v.dtype == torch.bfloat16
+    auto, _ = load(path, device="cpu")  # the CPU's default dtype (bf16 with bf16 instructions, else float32)
+    want = default_dtype(torch.device("cpu"))
+    assert auto.dtype == want and auto.model.layers[0].self_attn.tale.u_v.dtype == want
 
 
 def test_generate_without_a_cache_gets_a_tale_cache(tmp_path):
@@ -501,7 +502,7 @@ def test_load_applies_overrides(tiny_artifact):
 def test_smollm2_answers_paris(smollm2_artifact):
     from tale_runtime.cli import encode
 
-    model, tok = load(smollm2_artifact, device="cpu")  # paper defaults, bf16
+    model, tok = load(smollm2_artifact, device="cpu")  # the CPU's defaults
     out, stats = generate(
         model, encode(tok, "What is the capital of France?", raw=False), max_new_tokens=24, tokenizer=tok
     )
