@@ -14,7 +14,7 @@ LONG_PROMPT ?= calib/demo_long_prompt.txt
 JOBS ?= 2  # make errors: fault cases run at once
 TEST_JOBS ?= 2  # make test: pytest-xdist workers (one torch thread each)
 
-.PHONY: setup demo convert run run-long test test-gpu eval frontier errors clean vllm-env test-vllm
+.PHONY: setup demo convert run run-long test test-slow test-gpu eval frontier errors clean vllm-env test-vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,11 +45,16 @@ run: setup
 run-long: setup
 	$(BIN)/tale-run $(OUT) --prompt-file $(LONG_PROMPT) --max-new-tokens 24
 
-# lint and format check first (seconds), then the tests
+# lint and format check first (seconds), then every test not marked slow: a contributor's loop, minutes on 2 cores
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -q -rs -n $(TEST_JOBS)
+	$(BIN)/pytest -q -rs -n $(TEST_JOBS) -m "not slow"
+
+# the tests marked slow (pyproject.toml): end to end on the real SmolLM2 and Gemma 3 270M (built once per machine under
+# ~/.cache/tale), the fault run through the installed CLIs, two processes under torchrun; CI runs it after `make test`
+test-slow: setup
+	$(BIN)/pytest -q -rs -n $(TEST_JOBS) -m slow
 
 # the test files that run kernels on a GPU (on a machine without one they run in Triton's interpreter, or skip):
 # on a GPU machine whose Python already holds torch and Triton, `make test-gpu PYTEST="python3 -m pytest"`
