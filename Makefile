@@ -56,8 +56,9 @@ test: setup
 test-slow: setup
 	$(BIN)/pytest -q -rs -n $(TEST_JOBS) -m slow
 
-# the test files that run kernels on a GPU (on a machine without one they run in Triton's interpreter, or skip):
-# on a GPU machine whose Python already holds torch and Triton, `make test-gpu PYTEST="python3 -m pytest"`
+# the test files that run kernels on a GPU (on a machine without one they run in Triton's interpreter, or skip),
+# their slow tests included (slow in the interpreter, not compiled): on a GPU machine whose Python already holds torch
+# and Triton, `make test-gpu PYTEST="python3 -m pytest"`
 GPU_TESTS ?= tests/test_cuda_layout.py tests/test_cuda_module.py tests/test_decode_step.py tests/test_frag.py \
   tests/test_kernels.py tests/test_kernels_lowrank.py tests/test_key_rank.py tests/test_key_rope.py \
   tests/test_mma_attention.py tests/test_paged_attention.py tests/test_quant_bands.py tests/test_static_cache.py
@@ -65,7 +66,7 @@ PYTEST ?= $(BIN)/pytest
 GPU_JOBS ?= 8
 
 test-gpu:
-	$(PYTEST) -q -rs -m "not slow" -n $(GPU_JOBS) -p no:cacheprovider $(GPU_TESTS)
+	$(PYTEST) -q -rs -n $(GPU_JOBS) -p no:cacheprovider $(GPU_TESTS)
 
 eval: setup
 	$(BIN)/tale-eval $(OUT) --preset ci
