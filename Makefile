@@ -84,7 +84,7 @@ frontier: setup
 	  --tale-variants "$(FRONTIER_TALE)" --frontier-out docs/frontier --json out/frontier.json --overwrite
 
 # every bad input and fault of the error contract through the installed CLIs, written to docs/errors.md
-# (tests/test_faults.py runs the same cases under pytest)
+# (tests/test_faults.py runs the same cases under pytest, in make test-slow)
 errors: setup
 	OMP_NUM_THREADS=1 $(BIN)/python tests/faults.py --out docs/errors.md --jobs $(JOBS)
 
