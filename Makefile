@@ -14,7 +14,7 @@ LONG_PROMPT ?= calib/demo_long_prompt.txt
 JOBS ?= 2  # make errors: fault cases run at once
 TEST_JOBS ?= 2  # make test: pytest-xdist workers (one torch thread each)
 
-.PHONY: setup demo convert run run-long test test-gpu eval frontier errors clean vllm-env test-vllm
+.PHONY: setup demo convert run run-long test test-slow test-gpu eval frontier errors clean vllm-env test-vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,14 +45,20 @@ run: setup
 run-long: setup
 	$(BIN)/tale-run $(OUT) --prompt-file $(LONG_PROMPT) --max-new-tokens 24
 
-# lint and format check first (seconds), then the tests
+# lint and format check first (seconds), then every test not marked slow: a contributor's loop, minutes on 2 cores
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -q -rs -n $(TEST_JOBS)
+	$(BIN)/pytest -q -rs -n $(TEST_JOBS) -m "not slow"
 
-# the test files that run kernels on a GPU (on a machine without one they run in Triton's interpreter, or skip):
-# on a GPU machine whose Python already holds torch and Triton, `make test-gpu PYTEST="python3 -m pytest"`
+# the tests marked slow (pyproject.toml): end to end on the real SmolLM2 and Gemma 3 270M (built once per machine under
+# ~/.cache/tale), the fault run through the installed CLIs, two processes under torchrun; CI runs it after `make test`
+test-slow: setup
+	$(BIN)/pytest -q -rs -n $(TEST_JOBS) -m slow
+
+# the test files that run kernels on a GPU (on a machine without one they run in Triton's interpreter, or skip),
+# their slow tests included (slow in the interpreter, not compiled): on a GPU machine whose Python already holds torch
+# and Triton, `make test-gpu PYTEST="python3 -m pytest"`
 GPU_TESTS ?= tests/test_cuda_layout.py tests/test_cuda_module.py tests/test_decode_step.py tests/test_frag.py \
   tests/test_kernels.py tests/test_kernels_lowrank.py tests/test_key_rank.py tests/test_key_rope.py \
   tests/test_mma_attention.py tests/test_paged_attention.py tests/test_quant_bands.py tests/test_static_cache.py
@@ -60,7 +66,7 @@ PYTEST ?= $(BIN)/pytest
 GPU_JOBS ?= 8
 
 test-gpu:
-	$(PYTEST) -q -rs -m "not slow" -n $(GPU_JOBS) -p no:cacheprovider $(GPU_TESTS)
+	$(PYTEST) -q -rs -n $(GPU_JOBS) -p no:cacheprovider $(GPU_TESTS)
 
 eval: setup
 	$(BIN)/tale-eval $(OUT) --preset ci
@@ -78,7 +84,7 @@ frontier: setup
 	  --tale-variants "$(FRONTIER_TALE)" --frontier-out docs/frontier --json out/frontier.json --overwrite
 
 # every bad input and fault of the error contract through the installed CLIs, written to docs/errors.md
-# (tests/test_faults.py runs the same cases under pytest)
+# (tests/test_faults.py runs the same cases under pytest, in make test-slow)
 errors: setup
 	OMP_NUM_THREADS=1 $(BIN)/python tests/faults.py --out docs/errors.md --jobs $(JOBS)
 

@@ -1,4 +1,4 @@
-"""TALE's packed cache under vLLM (docs/serving.md, stage 2): greedy tokens against the base model under vLLM, and the
+"""TALE's packed cache under vLLM (docs/serving.md): greedy tokens against the base model under vLLM, and the
 KV bytes per token vLLM allocated against PagedFormat's formula and against a 16-bit cache of the base model.
 
     .venv-vllm/bin/python benchmarks/serve_packed.py ARTIFACT BASE_CHECKPOINT [--setting k16v16:full:1 ...]
@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--setting", action="append", help="KV_CACHE:VALUE_RANK:EXACT_LAYERS[:ROTATE] (repeatable)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--sinks", type=int, default=None, help="exact first tokens (default: the artifact schedule's)")
     args = ap.parse_args()
     settings = args.setting or ["k16v16:full:1", "k4v4:full:1", "level0:level0:1"]
     common = dict(dtype=args.dtype, max_model_len=256, enforce_eager=True, max_num_seqs=len(PROMPTS), seed=0)
@@ -70,7 +71,7 @@ def main() -> None:
     for s in settings:
         kv, rank, exact, rotate = (s.split(":") + ["hadamard"])[:4]
         rank = int(rank) if rank.isdigit() else rank
-        kw = dict(kv_cache=kv, exact_layers=int(exact), rotate=rotate)
+        kw = dict(kv_cache=kv, exact_layers=int(exact), rotate=rotate, sinks=args.sinks)
         src = source.open_artifact(args.artifact, rank, **kw)
         fmts = [src.paged_format(i, dtype) for i in range(a.num_layers)]
         formula = sum(a.num_groups * f.slot_bytes for f in fmts)

@@ -86,7 +86,7 @@ class Case:
     signal_when: Callable[[Path], bool] | None = None  # interrupt: send `sig` (or run `act`) once this holds
     act: Callable[[Path], None] | None = None  # instead of a signal: what happens to the world mid-run
     runner: Callable[[Case, list[str], Path], subprocess.CompletedProcess] | None = None  # a custom way to run
-    slow: bool = False  # tens of seconds (the slow model): pytest marks it slow
+    slow: bool = False  # tens of seconds (the slow model)
     sig: int = signal.SIGTERM
     root_only: bool = False  # needs `unshare -m` + mount
     logs: bool = False  # progress lines on stderr may precede the error line (a failure after the work)

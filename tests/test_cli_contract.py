@@ -199,6 +199,7 @@ def test_run_device_cpu_0_is_the_cpu(art):
     one_line(invoke(run_cli.main, [art, "-p", "hi", *RUN, "--device", "cpu:1"]), "one CPU device")
 
 
+@pytest.mark.slow  # tale-run in a fresh process behind a pipe
 def test_run_broken_pipe_exits_quietly(art):
     """`tale-run ... | head -c 1`: no traceback, no 'Exception ignored', the exit status of SIGPIPE."""
     cmd = f"'{BIN / 'tale-run'}' '{art}' -p hi --max-new-tokens 40 --dtype fp32 --temperature 1 --raw"

@@ -164,6 +164,7 @@ def test_usage_errors_are_one_line(tmp_path, capsys):
     assert code == 2 and "--out" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow  # the installed script in a fresh process
 def test_console_script(tmp_path):
     """The installed entry point, in a fresh process: no traceback reaches the user."""
     exe = [sys.executable, "-c", "from tale_convert.cli import main; main()"]

@@ -11,6 +11,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_convert  # noqa: E402  (the benchmark's random checkpoint writer)
+import pytest  # noqa: E402
+
+# converts 2-, 4- and 8-layer wide models in fresh processes: about a minute of CPU time (make test-slow)
+pytestmark = pytest.mark.slow
 
 # Wide enough that a layer (30 MB in bf16) dwarfs the noise of a fresh process's RSS.
 WIDE = dict(

@@ -155,7 +155,10 @@ def held_tensors(cache, skip: tuple[str, ...] = ()) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("family", list(TINY_SETTINGS))
+# quanto's QuantizedCache decodes the tiny model in over a minute of CPU time: make test-slow
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, marks=pytest.mark.slow) if f == "quanto" else f for f in TINY_SETTINGS]
+)
 def test_policy_builds_decodes_and_counts_the_bytes_it_holds(family, pair, prepared):
     if why := TINY_SETTINGS[family].missing():
         pytest.skip(why)
@@ -434,6 +437,7 @@ def test_cli_on_a_tiny_artifact(tiny_artifact, tmp_path, capsys):
     assert "tale/progressive" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # every family through the CLI, and a plot
 def test_cli_frontier_writes_a_table_and_a_plot(tiny_artifact, tmp_path, monkeypatch):
     monkeypatch.setenv("TALE_CACHE", str(tmp_path / "cache"))  # LESS trains its kernels there
     prefix = tmp_path / "docs" / "frontier"

@@ -1,7 +1,7 @@
 """The fault run (tests/faults.py, the table of docs/errors.md) under pytest: every case through the installed
 console scripts, one subprocess each, and none may show a traceback, an internal error, a silent accept, a
 multi-line refusal, a wrong exit code or data loss (a file of the user's removed or changed, an artifact made
-unusable). Cases on the slow 16-layer model (signals, a directory appearing mid-conversion) are marked slow.
+unusable). Every case is marked slow (`make test-slow`): a subprocess each, most of an hour of CPU time in all.
 `make errors` runs the same cases and rewrites docs/errors.md."""
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ def test_case_ids_are_unique():
     assert len(ids) == len(set(ids))
 
 
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, id=c.id, marks=[pytest.mark.slow] if c.slow or c.signal_when else []) for c in CASES]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
 def test_fault_case(case, work):
     if case.root_only and not ROOT:
         pytest.skip("needs root for `unshare -m`")

@@ -62,7 +62,8 @@ def test_level_refuses_partial_blocks():
     assert torch.equal(lvl.take_keys(32, 32).data, keys.data) and torch.equal(lvl.take_lat(32, 32).zero, lat.zero)
 
 
-@pytest.mark.parametrize("prompt,pad", [(150, 0), (40, 7)])
+# the 150-token prompt: 140 steps of three caches through every demotion, over half a minute of CPU (make test-slow)
+@pytest.mark.parametrize("prompt,pad", [pytest.param(150, 0, marks=pytest.mark.slow), (40, 7)])
 def test_frag_static_cache_holds_the_dynamic_caches_tokens(prompt, pad):
     """Through flushes, demotions (4-bit rank 512 -> 2-bit rank 256) and ring wrap-arounds: the same codes."""
     B, steps = 2, 140

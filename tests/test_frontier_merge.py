@@ -7,7 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tale_eval import frontier
+
+# each test runs the script in a fresh process that imports torch and matplotlib (make test-slow)
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = dict(texts=["a", "b"], ref_ppl={"a": 31.71666, "b": 20.24781}, windows=1, ctx=1024, prefill=128, chunk=8)

@@ -549,6 +549,7 @@ def test_falls_back_to_the_reference(monkeypatch):
         assert not quant.supports(k.shape, 2, 1, -2, k)
 
 
+@pytest.mark.slow  # whole generations in Triton's interpreter: minutes on a CPU (compiled: make test-gpu)
 @pytest.mark.parametrize("arch,g,preset", [("llama", 2, "paper"), ("qwen2", 1, "paper"), ("llama", 2, "tale")])
 def test_generation_with_kernels_matches_reference(arch, g, preset):
     """Greedy decoding of a tiny TALE model: same tokens and close logits, kernels on vs off."""

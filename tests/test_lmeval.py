@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("lm_eval")
+# lm-evaluation-harness end to end, tens of seconds a test (make test-slow)
+pytestmark = pytest.mark.slow
 
 from tale_helpers import invoke  # noqa: E402
 

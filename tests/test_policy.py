@@ -13,7 +13,7 @@ from tale_convert.convert import Options, convert
 from tale_convert.whiten import energy_kept
 from tale_eval.attention import prepare
 from tale_runtime import load
-from tale_runtime.artifact import Schedule, read_manifest, schedule_of, uniform_ranks
+from tale_runtime.artifact import Schedule, nominal_ratio, read_manifest, schedule_of, uniform_ranks
 
 
 def check(ranks: list[int], R: int, vg: int) -> None:
@@ -204,6 +204,19 @@ def test_fit_ranks_meets_the_target_and_spends_the_budget_on_energy():
             more[i] += 8
             assert policy.measured_ratio(policy.apply(s, "x", more), K, n, G, R) < target
     assert policy.fit_ranks(s, hi * 1.5, (K, n, G, R), spectra) is None
+
+
+@pytest.mark.parametrize("name", list(policy.PRESETS))
+def test_every_preset_makes_a_valid_schedule(name):
+    """Each tale-convert --preset, at the tiny Llama's shapes and at Llama-3.1-8B's, gives a schedule that validates,
+    reads back from its manifest form unchanged, compresses, and has a GPU decode kernel (the README's preset table
+    names one for every preset)."""
+    for g, K, n, L in ((2, 4, 16, 3), (4, 8, 128, 32)):  # group, KV heads, head dim, layers
+        s = Options(group=g, preset=name).schedule(g * n, L, K, n)
+        s.validate(g * n, L)
+        assert Schedule.from_dict(s.to_dict()) == s
+        assert nominal_ratio(s, n, g, K) > 2, (g, nominal_ratio(s, n, g, K))
+        assert s.fast_path(), g
 
 
 def test_presets_and_target_ratio_end_to_end(tiny_model_dir, tmp_path):

@@ -42,6 +42,7 @@ def no_lock_left(out: Path) -> None:
     assert not out.with_name(out.name + ".lock").exists()
 
 
+@pytest.mark.slow  # two conversions in processes of their own
 def test_two_conversions_to_one_out_at_once(tiny_model_dir, tmp_path):
     """Two real processes started together: exactly one succeeds; the other exits 2 with one line, refused by the
     lock (it started while the first ran) or by the existing --out (the first had finished); a valid artifact."""

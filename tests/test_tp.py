@@ -27,6 +27,8 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
+# two processes per test under torchrun, each importing torch and transformers (make test-slow)
+pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
 NEW = 24  # past several flushes of the 8-token residual into the quantized levels
 TIMEOUT = 300  # a rank that waits for the other one forever fails the test instead of hanging CI
