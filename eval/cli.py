@@ -398,7 +398,14 @@ def run(
             _log_row(log, row, samples)
         if rt_samples_l:  # sample by sample: one prefill per prompt for every policy whose prefill is exact
             rt_pols = [replace(pol, match_pattern=None) if isinstance(pol, policies.Palu) else pol for pol in pols]
-            for row, res in zip(rows, retrieval.run(model, tok, rt_samples_l, rt_pols, log, not no_shared_prefill)):
+
+            def keep(s, per_policy):  # a run cut short keeps its finished samples
+                if partial:
+                    with open(partial, "a") as f:
+                        f.write(json.dumps({"retrieval_sample": s["id"], "policies": per_policy}) + "\n")
+
+            results = retrieval.run(model, tok, rt_samples_l, rt_pols, log, not no_shared_prefill, keep)
+            for row, res in zip(rows, results):
                 row.update(
                     retrieval=res["score"],
                     retrieval_tasks=res["tasks"],

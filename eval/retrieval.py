@@ -13,8 +13,8 @@ Families (RULER's templates and defaults, Hsieh et al. 2024):
 Keys are adjective-noun pairs, values 7-digit numbers (RULER's `words`/`numbers` needles). Haystacks are the
 held-out DEV text (`tale_calib.heldout_path()`, never used for calibration, never a test text), cycled from a
 random document; CWE's words are that text's own words. A sample's prompt, with the answer prefix, fills
-`length - NEW_TOKENS[family]` tokens of the given tokenizer, cut at a word to within a few tokens; needles sit
-after a sentence at the requested depth of the haystack. Scoring is RULER's `string_match_all`: the share of the
+`length - NEW_TOKENS[family]` tokens of the given tokenizer, cut at a word to within a few tokens (the DEV text
+repeats past ~6K SmolLM2 tokens); needles sit at the sentence end nearest to their depth in the haystack. Scoring is RULER's `string_match_all`: the share of the
 expected answers found (case-insensitive) in the generated text.
 
 The prompt is prefilled exactly (every policy but Palu), then the answer is generated greedily through the
@@ -269,7 +269,8 @@ def _cwe(rng: random.Random, count, length: int, budget: int, index: int, seed: 
 def make_samples(
     tokenizer, lengths: tuple[int, ...], families: tuple[str, ...] = FAMILIES, samples: int = 1, seed: int = 0
 ) -> list[dict]:
-    return [make_sample(f, tokenizer, n, i, seed) for n in lengths for f in families for i in range(samples)]
+    """Round by round (every family's i-th sample before any (i+1)-th): a run cut short is still balanced."""
+    return [make_sample(f, tokenizer, n, i, seed) for n in lengths for i in range(samples) for f in families]
 
 
 def score(output: str, answers: list[str]) -> float:
@@ -325,12 +326,15 @@ def _greedy(model, first: torch.Tensor, cache, steps: int) -> list[int]:
 
 
 @torch.inference_mode()
-def run(model, tokenizer, samples: list[dict], pols: list[Policy], log=print, share: bool = True) -> list[dict]:
+def run(
+    model, tokenizer, samples: list[dict], pols: list[Policy], log=print, share: bool = True, on_sample=None
+) -> list[dict]:
     """Every sample through every policy: per policy {score, tasks ("LENGTH/FAMILY" -> mean score), ratio, answers}.
 
     Policies with an exact prefill share one prefill per sample (`share`): the prompt runs once with the full
     cache, its last logits give the first token, and each policy's cache is filled from the recorded layer inputs
-    (replay_prefill). The others prefill on their own."""
+    (replay_prefill). The others prefill on their own. `on_sample(sample, per_policy)`: called after each sample
+    with each policy's output, score and bytes (cache, 16-bit baseline)."""
     d = Dims.of(model)
     acc = [{"scores": {}, "cache": 0, "base": 0, "answers": []} for _ in pols]
     for s in samples:
@@ -338,7 +342,7 @@ def run(model, tokenizer, samples: list[dict], pols: list[Policy], log=print, sh
         T, steps = ids.shape[1], s["max_new_tokens"]
         pattern = [T] + [1] * (steps - 1)
         shared = None
-        line = []
+        line, done = [], {}
         for pol, a in zip(pols, acc):
             cache = pol.build(model, pattern)
             if share and pol.exact_prefill:
@@ -357,11 +361,16 @@ def run(model, tokenizer, samples: list[dict], pols: list[Policy], log=print, sh
             text = tokenizer.decode(out, skip_special_tokens=True)
             sc = score(text, s["answers"])
             a["scores"].setdefault(f"{length_name(s['length'])}/{s['family']}", []).append(sc)
-            a["cache"] += pol.nbytes(cache)
-            a["base"] += d.baseline_nbytes(1, sum(pattern))
+            base = d.baseline_nbytes(1, sum(pattern))
+            nbytes = pol.nbytes(cache)
+            a["cache"] += nbytes
+            a["base"] += base
             a["answers"].append({"id": s["id"], "tokens": T, "output": text, "score": sc})
             line.append(f"{pol.name} {sc:.2f}")
+            done[pol.name] = {"output": text, "score": sc, "bytes": nbytes, "base": base}
         log(f"retrieval {s['id']} ({T} tokens): " + ", ".join(line))
+        if on_sample:
+            on_sample(s, done)
     res = []
     for a in acc:
         tasks = {k: sum(v) / len(v) for k, v in a["scores"].items()}
