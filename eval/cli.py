@@ -23,7 +23,7 @@ from tale_calib import TEST_FILES
 from tale_runtime import console
 from tale_runtime.console import fail
 
-from .names import FAMILIES, NAMED, PASSKEY_DEPTHS, PASSKEY_LENGTHS
+from .names import FAMILIES, NAMED, PASSKEY_DEPTHS, PASSKEY_LENGTHS, RETRIEVAL_FAMILIES
 
 if TYPE_CHECKING:
     import torch
@@ -48,6 +48,8 @@ class Preset:
     policies: tuple[str, ...]
     rank_policies: tuple[str, ...]
     texts: tuple[str, ...]  # held-out texts (tale_calib.text_path)
+    retrieval_lengths: tuple[str, ...] = ()  # long-context retrieval (retrieval.py): prompt lengths
+    retrieval_samples: int = 1  # per task family and length
 
 
 TEST_TEXTS = tuple(TEST_FILES)
@@ -131,6 +133,18 @@ def run(
     chunk: Optional[int] = typer.Option(None, help="tokens per decode call (1 = token by token)"),
     passkey_lengths: Optional[str] = typer.Option(None, help="pass-key lengths: 1k,2k ('' to skip the task)"),
     passkey_depths: Optional[str] = typer.Option(None, help="pass-key needle depths, e.g. 0.1,0.5,0.9"),
+    retrieval_lengths: Optional[str] = typer.Option(
+        None,
+        help="long-context retrieval (RULER's synthetic tasks) at these prompt lengths: 4k,8k or tokens "
+        "('' to skip the task)",
+    ),
+    retrieval_tasks: Optional[str] = typer.Option(
+        None, help=f"retrieval task families, comma list of {', '.join(RETRIEVAL_FAMILIES)} (default: all)"
+    ),
+    retrieval_samples: Optional[int] = typer.Option(None, help="retrieval samples per task family and length"),
+    no_shared_prefill: bool = typer.Option(
+        False, "--no-shared-prefill", help="retrieval: every policy prefills each prompt itself (slower, same result)"
+    ),
     sinks: Optional[int] = typer.Option(None, help="TALE: override the artifact's sink tokens"),
     recent: Optional[str] = typer.Option(
         None, help="TALE: override the recent share p of each level above the middle, oldest first, e.g. 0.05,0.1"
@@ -184,7 +198,7 @@ def run(
     from tale_runtime.schedule import override_schedule
 
     from . import frontier as frontier_mod
-    from . import passkey, perplexity, policies
+    from . import passkey, perplexity, policies, retrieval
     from .attention import prepare
     from .measure import add_deltas, measure
 
@@ -208,6 +222,10 @@ def run(
             chunk=chunk,
             passkey_lengths=passkey_lengths,
             passkey_depths=passkey_depths,
+            retrieval_lengths=retrieval_lengths,
+            retrieval_tasks=retrieval_tasks,
+            retrieval_samples=retrieval_samples,
+            no_shared_prefill=no_shared_prefill or None,
         )
         for name, v in dict(policy_only, frontier=frontier or None).items():
             if v is not None:
@@ -250,6 +268,11 @@ def run(
     lengths = p.lengths if passkey_lengths is None else _csv(passkey_lengths)  # '': skip the task (documented)
     texts = _given("--text", text) or p.texts
     fams = _given("--families", families) or FAMILIES
+    rt_lengths = p.retrieval_lengths if retrieval_lengths is None else _csv(retrieval_lengths)  # '': skip
+    rt_tasks = _given("--retrieval-tasks", retrieval_tasks) or retrieval.FAMILIES
+    rt_samples = p.retrieval_samples if retrieval_samples is None else retrieval_samples
+    if frontier and (retrieval_lengths or retrieval_tasks or retrieval_samples):
+        fail("--retrieval-lengths, --retrieval-tasks and --retrieval-samples do not apply to --frontier")
     try:
         depths = p.depths if passkey_depths is None else tuple(float(x) for x in _csv(passkey_depths))
         bits_l = None if bits is None else [int(x) for x in _csv(bits)]
@@ -262,6 +285,7 @@ def run(
         ("--prefill", prefill),
         ("--chunk", chunk),
         ("--threads", threads),
+        ("--retrieval-samples", retrieval_samples),
     ):
         if v is not None and v < 1:  # 0 would silently mean the preset's value
             fail(f"{name} must be >= 1, got {v}")
@@ -297,6 +321,13 @@ def run(
     for n in lengths:
         if n not in passkey.LENGTHS:
             fail(f"unknown pass-key length {n!r}: use {', '.join(passkey.LENGTHS)}")
+    try:
+        rt_tokens = tuple(retrieval.parse_length(n) for n in rt_lengths)
+    except ValueError as e:
+        fail(str(e))
+    for n in rt_tasks:
+        if n not in retrieval.FAMILIES:
+            fail(f"unknown retrieval task {n!r}: use {', '.join(retrieval.FAMILIES)}")
     if dtype not in ("bf16", "fp32"):
         fail(f"--dtype must be bf16 or fp32, got {dtype!r}")
     if not 0 < energy <= 1:
@@ -360,6 +391,7 @@ def run(
             )
         ppl_pattern = perplexity.pattern(ctx, prefill, chunk)
         ids = {t: perplexity.heldout_windows(tok, ctx, windows, t) for t in texts}
+        rt_samples_l = retrieval.make_samples(tok, rt_tokens, rt_tasks, rt_samples)  # refuses a length too short
         for pol in pols:  # invalid TALE variants fail here, before any run
             if isinstance(pol, policies.Tale):
                 pol.resolve(model)
@@ -386,6 +418,24 @@ def run(
                 with open(partial, "a") as f:
                     f.write(json.dumps(row) + "\n")
             _log_row(log, row, samples)
+        if rt_samples_l:  # sample by sample: one prefill per prompt for every policy whose prefill is exact
+            rt_pols = [replace(pol, match_pattern=None) if isinstance(pol, policies.Palu) else pol for pol in pols]
+
+            def keep(s, per_policy):  # a run cut short keeps its finished samples
+                if partial:
+                    with open(partial, "a") as f:
+                        f.write(json.dumps({"retrieval_sample": s["id"], "policies": per_policy}) + "\n")
+
+            results = retrieval.run(model, tok, rt_samples_l, rt_pols, log, not no_shared_prefill, keep)
+            for row, res in zip(rows, results):
+                row.update(
+                    retrieval=res["score"],
+                    retrieval_tasks=res["tasks"],
+                    retrieval_ratio=res["ratio"],
+                    retrieval_answers=res["answers"],
+                )
+            if partial:
+                partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
     except KeyboardInterrupt:
         if rows and partial:
             log(f"interrupted: {len(rows)} finished row(s) of {len(pols)} kept in {partial} (JSON lines)")
@@ -419,6 +469,9 @@ def run(
         "chunk": chunk,
         "dtype": dtype,
         "passkey_samples": len(samples),
+        "retrieval_samples": len(rt_samples_l),
+        "retrieval_lengths": list(rt_tokens),
+        "retrieval_tasks": list(rt_tasks),
         "delta_vs": delta_vs,
         "ref_ppl": ref,
         "energy": energy,
@@ -426,6 +479,8 @@ def run(
         "seconds": time.perf_counter() - t0,
     }
     _table(console.rich_console(quiet=quiet or to_stdout), rows, config)
+    if rt_samples_l:
+        _retrieval_table(console.rich_console(quiet=quiet or to_stdout), rows, config)
     if to_stdout:
         sys.stdout.write(json.dumps({"config": config, "results": rows}, indent=2) + "\n")
     if frontier:
@@ -542,6 +597,33 @@ def _table(to, rows: list[dict], config: dict) -> None:
         f"compr.: 16-bit K+V bytes of the same tokens / bytes held by the cache (codes, scales, zero points, "
         f"sinks, residual), measured at the end of the run; pass-key: {config['passkey_samples']} samples, "
         f"exact match; {config['seconds']:.0f} s"
+    )
+
+
+def _retrieval_table(to, rows: list[dict], config: dict) -> None:
+    """Per task family and length, the mean score (RULER's string_match_all, %); the full cache's mean beside each
+    row, so that `retention` (the row's mean over the full cache's) reads as what the compression kept."""
+    tasks = list(rows[0]["retrieval_tasks"])
+    full = next((r for r in rows if r["policy"] == "full"), None)
+    per = config["retrieval_samples"] // max(1, len(tasks))
+    t = Table(title=f"long-context retrieval: {per} sample(s) per task, {config['dtype']}")
+    cols = ["policy", *[c.replace("niah_", "") for c in tasks], "score", "full", "retention", "rt compr."]
+    for col in cols:
+        t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+    for r in rows:
+        ref = full["retrieval"] if full else None
+        t.add_row(
+            r["policy"],
+            *[f"{100 * r['retrieval_tasks'][k]:.0f}" for k in tasks],
+            f"{100 * r['retrieval']:.1f}",
+            f"{100 * ref:.1f}" if ref is not None else "",
+            f"{100 * r['retrieval'] / ref:.0f}%" if ref else "",
+            f"{r['retrieval_ratio']:.2f}x",
+        )
+    to.print(t)
+    to.print(
+        "retrieval: RULER's string_match_all (share of the expected answers in the greedy output), mean over samples "
+        "per task, then over tasks; rt compr.: measured on those runs"
     )
 
 

@@ -68,6 +68,9 @@ class Policy:
     knobs: ClassVar[tuple[str, ...]] = ()
     extra: ClassVar[str | None] = None  # the pip extra that installs an external backend
     modules: ClassVar[tuple[str, ...]] = ()  # modules the backend imports
+    # the prefill is the base model's exact attention, only what the cache keeps differs: one prefill per prompt
+    # can fill every such policy's cache (retrieval.py)
+    exact_prefill: ClassVar[bool] = True
 
     @classmethod
     def missing(cls) -> str | None:
@@ -395,6 +398,7 @@ class Palu(Policy):
     low-rank keys are not reproduced (they need a key whitening the artifact does not carry)."""
 
     family: ClassVar[str] = "palu"
+    exact_prefill: ClassVar[bool] = False
     knobs: ClassVar[tuple[str, ...]] = ("rank", "key_bits")
     rank: int | None = None
     key_bits: int = 2
@@ -453,6 +457,7 @@ class Less(Policy):
     model and recipe). `trained=False`: the same cache without the state (the sparse policy alone)."""
 
     family: ClassVar[str] = "less"
+    exact_prefill: ClassVar[bool] = False
     knobs: ClassVar[tuple[str, ...]] = ("window",)
     sinks: int = 4
     window: int = 128
@@ -504,6 +509,7 @@ class TailorKV(Policy):
     tokens fetched per query and KV head. `nbytes`: on the accelerator; `total_nbytes`: with the host copy."""
 
     family: ClassVar[str] = "tailorkv"
+    exact_prefill: ClassVar[bool] = False
     knobs: ClassVar[tuple[str, ...]] = ("quant_layers", "topk")
     quant_layers: int = 2
     topk: int = 64

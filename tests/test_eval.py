@@ -588,6 +588,10 @@ def test_eval_smollm2(smollm2_artifact, tmp_path):
                     "32",
                     "--passkey-depths",
                     "0.5",
+                    "--retrieval-lengths",
+                    "1k",
+                    "--retrieval-tasks",
+                    "niah_single",
                     "--policies",
                     "full,tale-exact,tale,kivi2,streaming,palu",
                     "--threads",
@@ -603,6 +607,7 @@ def test_eval_smollm2(smollm2_artifact, tmp_path):
     assert rows["full"]["passkey"] == 1 and rows["full"]["ratio"] == pytest.approx(1.0)
     assert rows["tale-exact"]["ppl"]["dev"] == pytest.approx(rows["full"]["ppl"]["dev"], rel=0.01)  # bf16: float noise
     assert rows["tale"]["ratio"] > 3.5
+    assert rows["full"]["retrieval"] == 1 and rows["tale"]["retrieval_ratio"] > 3.5  # one 1K single-needle sample
     assert rows["streaming"]["ratio"] == pytest.approx(rows["tale"]["ratio"], rel=0.03)
     assert rows["palu"]["ratio"] == pytest.approx(rows["tale"]["ratio"], rel=0.1)
     # the paper's point, at the same measured compression: lazy TALE beats eager Palu
