@@ -603,6 +603,8 @@ def _table(to, rows: list[dict], config: dict) -> None:
 def _retrieval_table(to, rows: list[dict], config: dict) -> None:
     """Per task family and length, the mean score (RULER's string_match_all, %); the full cache's mean beside each
     row, so that `retention` (the row's mean over the full cache's) reads as what the compression kept."""
+    from rich.table import Table
+
     tasks = list(rows[0]["retrieval_tasks"])
     full = next((r for r in rows if r["policy"] == "full"), None)
     per = config["retrieval_samples"] // max(1, len(tasks))
