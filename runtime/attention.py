@@ -95,7 +95,7 @@ def cached_keys(view: LayerView, dtype, B: int, K: int, n: int, device, tail: to
 
 def _kept(r, key, make):
     """make(), or what it gave for this region before (Region.memo: kept while the region's contents live)."""
-    if r.memo is None:
+    if getattr(r, "memo", None) is None:  # a FragRegion keeps nothing
         return make()
     if key not in r.memo:
         r.memo[key] = make()

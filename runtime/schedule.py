@@ -120,7 +120,8 @@ def override_schedule(
     shares = None if recent is None else _listify(recent)
     for p in shares or []:
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:  # nan fails both comparisons
-            raise ValueError(f"schedule override: recent share {p} is not a number in [0, 1)")
+            what = "is not a number" if p != p else "must lie in [0, 1)"  # NaN named as such
+            raise ValueError(f"schedule override: recent share {p} {what}")
     n = n_old if shares is None else len(shares) + 1
     if n != n_old and bits is None:
         raise ValueError(

@@ -334,7 +334,7 @@ def cases() -> list[Case]:
     add("run-key-bits-5", g, [*run, "--key-bits", "5"], "bits must be one of 2, 3, 4, 8, 16")
     add("run-ranks-1.5", g, [*run, "--ranks", "1.5"], "rank fraction 1.5 must lie in (0, 1]")
     add("run-ranks-0", g, [*run, "--ranks", "0"], "ranks")
-    add("run-recent-over-1", g, [*run, "--recent", "2"], "level shares must lie in [0, 1]")
+    add("run-recent-over-1", g, [*run, "--recent", "2"], "recent share 2.0 must lie in [0, 1)")
     add("run-levels-without-bits", g, [*run, "--recent", "0.1,0.1"], "need bits for each level")
     add("run-key-group-vs-residual", g, [*run, "--key-group", "64"], "must be a positive multiple of key_group")
     add("run-dtype-int8", g, [*run, "--dtype", "int8"], "--dtype must be one of bf16, fp16, fp32")

@@ -42,7 +42,7 @@ def test_load_refuses_what_the_cli_refuses(artifact, knob):
 
 
 def test_recent_nan_is_named(artifact):
-    with pytest.raises(ValueError, match=r"recent share nan is not a number in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"recent share nan is not a number$"):
         tale_runtime.load(artifact, recent=[float("nan")])
     one_line(run(artifact, "-p", "hi", "--recent", "nan"), "schedule override: recent share nan is not a number")
 
