@@ -213,7 +213,10 @@ def run(
         help="auto (factored on a CPU in fp32, else fused), fused (O^r) or factored (B then W_O)",
     ),
     backend: str = typer.Option(
-        "auto", "--backend", help="decode attention: auto (the fastest that serves the cache), torch, triton, cuda"
+        "auto",
+        "--backend",
+        help="decode attention: auto (the fastest that serves the cache), torch, triton, cuda, triton-lowrank, "
+        "cuda-lowrank",
     ),
     dynamic: bool = typer.Option(
         False, "--dynamic", help="growing cache, eager steps (default on CUDA: static cache, CUDA-graph decode)"
