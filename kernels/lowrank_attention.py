@@ -1015,9 +1015,10 @@ def latent_attention_lowrank(
                     if why is None:
                         _ls.scores(q, qk, r.keys, r.pos, ln, ro, invf, rsc, dec, dhi, mean, hpb, sc, tabs)
                         continue
-                    if score_cuda == "warn":  # the cuda-lowrank backend: never silently slower
-                        _warn_once(
-                            f"the CUDA score pass cannot read a low-rank region ({why}); its scores run in Triton"
+                    if score_cuda == "warn":  # the cuda-lowrank backend: never silently slower (once per reason)
+                        warnings.warn(
+                            f"the CUDA score pass cannot read a low-rank region ({why}); its scores run in Triton",
+                            stacklevel=2,
                         )
                     elif score_cuda:
                         raise ValueError(f"the CUDA score pass cannot read this region: {why}")
@@ -1126,15 +1127,6 @@ def latent_attention_lowrank(
     for st in side:
         cur.wait_stream(st)
     return _attn._combine(pm, pl, pacc, rk, n_slots if regions else 0, q, k_new, h_new, qk, rep, g)
-
-
-_WARNED: set = set()
-
-
-def _warn_once(msg: str) -> None:
-    if msg not in _WARNED:
-        _WARNED.add(msg)
-        warnings.warn(msg, stacklevel=3)
 
 
 # the key basis in the dots' dtype on the query's device, made once per basis (before any CUDA graph captures a step)

@@ -11,6 +11,7 @@ kernels/cuda_module.py. Graph-safe: the length may be a device scalar, the grid 
 from __future__ import annotations
 
 import os
+from functools import cache
 
 import torch
 
@@ -40,6 +41,7 @@ def smem_bytes(kc: int, bits: int, ktg: int, meta8: bool, hpc: int) -> int:
     )
 
 
+@cache
 def _smem_limit(device: torch.device) -> int:
     props = torch.cuda.get_device_properties(device)
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
@@ -53,10 +55,13 @@ def heads_per_cta(hpb: int, K: int, kc: int, bits: int, ktg: int, meta8: bool, l
     return None
 
 
+@cache  # asked at every decode call: the answer does not change within a process
 def available(device: torch.device) -> str | None:
     """None when the CUDA score pass can be built and run on `device`, else why not."""
     if device.type != "cuda":
         return "not a CUDA device"
+    if not torch.cuda.is_available():
+        return "no CUDA device on this machine"
     if torch.cuda.get_device_capability(device)[0] < 8:
         return "needs sm_80 or later (mma.sync m16n8k16, cp.async)"
     from .cuda_module import compiler
@@ -66,34 +71,47 @@ def available(device: torch.device) -> str | None:
     return None
 
 
+def format_reason(
+    device: torch.device, n: int, dtype, rep: int, hpb: int, K: int, kc: int, bits: int, ktg: int, meta: str
+) -> str | None:
+    """Why the CUDA score pass cannot read coefficients of this format (kc per basis block of hpb of the K KV heads,
+    `bits` per code, scales over `ktg` tokens in `meta`) at head dim n in `dtype`, or None: what the cuda-lowrank
+    backend asks of a cache's spec and `reason` of a region. The device is asked last (shapes first: a spec may name
+    a GPU this machine lacks)."""
+    if n != 128 or dtype not in (torch.bfloat16, torch.float16):
+        return f"head dim {n} in {dtype} (it reads head dim 128 in bf16 or fp16)"
+    if rep > 8:
+        return f"{rep} query heads per KV head (at most 8)"
+    if bits not in (2, 4, 8) or (kc * bits // 8) % 4:
+        return f"{kc} coefficients at {bits} bits (2/4/8 bits, packed rows of whole words)"
+    if not (ktg in (16, 32) or ktg % BT == 0):
+        return f"token groups of {ktg} (16, 32 or a multiple of {BT})"
+    if meta not in ("8/8", "16"):
+        return f"scale/zero format {meta!r} (fp8 '8/8' or 16-bit)"
+    if why := available(device):
+        return why
+    if heads_per_cta(hpb, K, kc, bits, ktg, meta == "8/8", _smem_limit(device)) is None:
+        return f"a basis block of {kc} coefficients does not fit shared memory"
+    return None
+
+
 def reason(q: torch.Tensor, keys: QTensor, rep: int, hpb: int, K: int, tables=None) -> str | None:
     """Why a low-rank region with coefficients `keys` [B, Kb, cap, KC] cannot take the CUDA score pass, or None.
     tables: the region's (cos, sin) [B, cap, 128] where RoPE comes from them, None where it is computed."""
-    if why := available(q.device):
+    if type(keys) is not QTensor or keys.dim % 4 != 2:
+        return "coefficients not a QTensor quantized per coefficient over token groups"
+    kc, meta = keys.shape[-1], keys.meta
+    if why := format_reason(q.device, q.shape[-1], q.dtype, rep, hpb, K, kc, keys.bits, keys.group, meta):
         return why
-    n = q.shape[-1]
-    if n != 128 or q.dtype not in (torch.bfloat16, torch.float16):
-        return f"head dim {n} in {q.dtype} (it reads head dim 128 in bf16 or fp16)"
     if tables is not None:
         cos, sin = tables
         if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.stride() != sin.stride():
             return "RoPE tables not float32 of one layout"
         if cos.stride(-1) != 1:
             return "RoPE tables not contiguous per slot"
-    if rep > 8:
-        return f"{rep} query heads per KV head (at most 8)"
-    if type(keys) is not QTensor or keys.bits not in (2, 4, 8) or keys.dim % 4 != 2:
-        return f"coefficients at {getattr(keys, 'bits', '?')} bits, not 2/4/8 per coefficient over token groups"
-    kc, ktg = keys.shape[-1], keys.group
-    if (kc * keys.bits // 8) % 4:
-        return f"{kc} coefficients at {keys.bits} bits (packed rows must be whole words)"
-    if not (ktg in (16, 32) or ktg % BT == 0):
-        return f"token groups of {ktg} (16, 32 or a multiple of {BT})"
-    meta8 = keys.meta == "8/8"
-    if not meta8 and not (keys.meta == "16" and keys.scale.dtype == torch.float16):
-        return f"scale/zero format {keys.meta!r} in {keys.scale.dtype} (fp8 '8/8' or 16-bit float16)"
-    if meta8 and keys.scale.dtype != FP8:
-        return "fp8 scales not in e4m3"
+    meta8 = meta == "8/8"
+    if keys.scale.dtype != (FP8 if meta8 else torch.float16):
+        return f"scales in {keys.scale.dtype} (fp8 e4m3 for '8/8', float16 for '16')"
     mb = 1 if meta8 else 2
     if any(s % 4 for s in keys.data.stride()[:3]) or keys.data.stride(-1) != 1 or keys.data.data_ptr() % 4:
         return "packed rows not word-aligned"
@@ -102,8 +120,6 @@ def reason(q: torch.Tensor, keys: QTensor, rep: int, hpb: int, K: int, tables=No
         return "scales/zeros not word-aligned"
     if sc.data_ptr() % 4 or zr.data_ptr() % 4 or (kc * mb) % 4:
         return "scales/zeros not word-aligned"
-    if heads_per_cta(hpb, K, kc, keys.bits, ktg, meta8, _smem_limit(q.device)) is None:
-        return f"a basis block of {kc} coefficients does not fit shared memory"
     return None
 
 

@@ -140,36 +140,26 @@ class LowRankBackend(backends.AttentionBackend):
 
 
 def _cuda_lowrank_reason(spec: CacheSpec) -> str | None:
-    import torch
-
     if why := _lowrank_reason(spec):
         return why
     s, a = spec.schedule, spec.arch
     lows = [lv for lv in s.levels if lv.key_rank]
     if not lows:
         return "no low-rank keys (keys before RoPE alone: the triton-lowrank backend)"
-    if spec.device.type != "cuda":
-        return "needs a CUDA device"
-    if a.head_dim != 128 or spec.dtype not in (torch.bfloat16, torch.float16):
-        return f"reads head dim 128 in bfloat16 or float16, not {a.head_dim} in {spec.dtype}"
-    if a.num_heads % a.num_kv_heads or a.num_heads // a.num_kv_heads > 8:
-        return f"reads at most 8 query heads per KV head ({a.num_heads} over {a.num_kv_heads})"
-    if s.key_meta not in ("8/8", "16"):
-        return f"reads coefficient scales/zeros '8/8' or '16', not {s.key_meta!r}"
-    if not (s.key_group in (16, 32) or s.key_group % 64 == 0):
-        return f"reads coefficients in token groups of 16, 32 or a multiple of 64, not {s.key_group}"
+    if a.num_heads % a.num_kv_heads:
+        return f"needs a whole number of query heads per KV head ({a.num_heads} over {a.num_kv_heads})"
     from . import lowrank_score
 
-    if why := lowrank_score.available(spec.device):
-        return why
-    limit = lowrank_score._smem_limit(spec.device)
-    K = a.num_kv_heads
+    K, rep = a.num_kv_heads, a.num_heads // a.num_kv_heads
     for lv in lows:
-        kc, bits = lv.key_rank, lv.key_bits
-        if lv.key_axis != "channel" or bits not in (2, 4, 8) or (kc * bits // 8) % 4:
-            return f"reads 2/4/8-bit coefficients per coefficient in whole words a row, not {kc} at {bits} bits"
-        if lowrank_score.heads_per_cta(K // s.key_blocks, K, kc, bits, s.key_group, s.key_meta == "8/8", limit) is None:
-            return f"a basis block of {kc} coefficients does not fit shared memory"
+        if lv.key_axis != "channel":
+            return "reads coefficients quantized per coefficient over token groups (key_axis 'channel')"
+        why = lowrank_score.format_reason(
+            spec.device, a.head_dim, spec.dtype, rep, K // s.key_blocks, K, lv.key_rank, lv.key_bits, s.key_group,
+            s.key_meta,
+        )  # fmt: skip
+        if why:
+            return why
     return None
 
 

@@ -19,16 +19,12 @@
 //      the A layout of the next) times the query [128, 8 heads]: one m16n8k16 per 16 channels and 16 slots;
 //   5. the two warps of a head add their halves of the dot through shared memory; one writes the scores.
 //
-// Fixed per build: KC coefficients per block row (a multiple of 32 / KBITS * 4 ... see the Python side), KBITS
+// Fixed per build: KC coefficients per block row (KC * KBITS / 8 bytes: whole 32-bit words), KBITS
 // 2/4/8 (codes in runtime/quant.py's planar rows: code c in byte c % PNB at bit (c / PNB) * KBITS), KTG slots per
 // scale group (16, 32, or a multiple of 64), META8 (1: fp8 e4m3 scale and zero times 1 / bias; 0: 16-bit fp16
 // bits times 1 / shift), HPC KV heads per CTA, REP query heads per KV head (<= 8), Q_BF16 (query dtype), RDT_BF16
 // (cos/sin rounded to bf16, else fp16), RSC (cos/sin times the rotary's attention scaling), ROPE_TAB (1: cos/sin
 // read from the region's float32 tables [B, cap, 128], the lo half of each: a cache that stores them). Head dim 128.
-
-#ifndef INFINITY
-#define INFINITY __int_as_float(0x7f800000)
-#endif
 
 #define BT 64                         // slots per tile
 #define NHALF 64                      // channels per RoPE half (head dim 128)
