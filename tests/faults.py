@@ -549,71 +549,21 @@ def cases() -> list[Case]:
     add("convert-hub-offline", g, ["tale-convert", "nobody-xyz/none", *TINY_ARGS, *out], "nobody-xyz/none", check=chk)
     add("convert-group-3", g, [*cv, *out, "--group", "3"], "must divide the number of KV heads", check=chk)
     add("convert-group-0", g, [*cv, *out, "--group", "0"], "--group must be >= 1", check=chk)
-    add(
-        "convert-empty-calib",
-        g,
-        [*cv, *out, "--calib", "{W}/e.txt"],
-        "the file is empty",
-        setup=write("e.txt", ""),
-        check=chk,
-    )
-    add(
-        "convert-binary-calib",
-        g,
-        [*cv, *out, "--calib", "{W}/b.txt"],
-        "binary file",
-        setup=write("b.txt", bytes(range(256)) * 4),
-        check=chk,
-    )
-    add(
-        "convert-latin1-calib",
-        g,
-        [*cv, *out, "--calib", "{W}/l.txt"],
-        "not UTF-8",
-        setup=write("l.txt", b"caf\xe9 " * 100),
-        check=chk,
-    )
-    add(
-        "convert-malformed-jsonl",
-        g,
-        [*cv, *out, "--calib", "{W}/m.jsonl"],
-        "line 2: not JSON",
-        setup=write("m.jsonl", '{"text": "fine"}\n{"text": "broken\n'),
-        check=chk,
-    )
-    add(
-        "convert-jsonl-no-text",
-        g,
-        [*cv, *out, "--calib", "{W}/n.jsonl"],
-        "no 'text' field",
-        setup=write("n.jsonl", '{"body": "x"}\n'),
-        check=chk,
-    )
-    add(
-        "convert-json-not-records",
-        g,
-        [*cv, *out, "--calib", "{W}/n.json"],
-        "no 'text' field",
-        setup=write("n.json", "[1, 2, 3]"),
-        check=chk,
-    )
-    add(
-        "convert-calib-csv",
-        g,
-        [*cv, *out, "--calib", "{W}/c.csv"],
-        "unsupported type",
-        setup=write("c.csv", "text\nhello\n"),
-        check=chk,
-    )
+    # calibration files that are not text: (id, file, its bytes, the error fragment)
+    for id, name, data, fragment in (
+        ("convert-empty-calib", "e.txt", "", "the file is empty"),
+        ("convert-binary-calib", "b.txt", bytes(range(256)) * 4, "binary file"),
+        ("convert-latin1-calib", "l.txt", b"caf\xe9 " * 100, "not UTF-8"),
+        ("convert-malformed-jsonl", "m.jsonl", '{"text": "fine"}\n{"text": "broken\n', "line 2: not JSON"),
+        ("convert-jsonl-no-text", "n.jsonl", '{"body": "x"}\n', "no 'text' field"),
+        ("convert-json-not-records", "n.json", "[1, 2, 3]", "no 'text' field"),
+        ("convert-calib-csv", "c.csv", "text\nhello\n", "unsupported type"),
+    ):
+        add(id, g, [*cv, *out, "--calib", "{W}/" + name], fragment, setup=write(name, data), check=chk)
     add("convert-calib-missing", g, [*cv, *out, "--calib", "{W}/none.txt"], "calibration file not found", check=chk)
-    add(
-        "convert-calib-too-short",
-        g,
-        [*cv, *out, "--calib", "{W}/s.txt"],
-        "calibration text too short",
-        setup=write("s.txt", "Too little text."),
-        check=chk,
-    )
+    name = "s.txt"
+    add("convert-calib-too-short", g, [*cv, *out, "--calib", "{W}/" + name], "calibration text too short",
+        setup=write(name, "Too little text."), check=chk)  # fmt: skip
     add("convert-out-under-file", g, [*cv, "--out", "{W}/f/sub"], "is not a directory", setup=write("f", "x"))
     add("convert-out-is-file", g, [*cv, "--out", "{W}/f"], "exists and is not a directory", setup=write("f", "x"))
     add(

@@ -19,6 +19,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
+import pytest
+
 TOKENS = {"hf_write": "write", "hf_read": "read"}
 USER = "alice"
 GITATTRIBUTES = b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
@@ -256,3 +258,21 @@ def convert_tiny(base: Path, out: Path) -> Path:
         Options(group=2, samples=4, seq_len=64, dtype="fp32", key_group=8, value_group=8, residual=8, preset="paper"),
     )
     return out
+
+
+def fake_hub(monkeypatch, tmp_path: Path):
+    """A FakeHub that huggingface_hub talks to for one test (the body of the tests' `hub` fixtures)."""
+    h = FakeHub()
+    patch_hub(monkeypatch, h, tmp_path / "hf-cache")
+    yield h
+    h.close()
+
+
+def converted_tiny(name: str):
+    """A module-scoped fixture: the tiny Llama converted once per test module."""
+
+    @pytest.fixture(scope="module")
+    def fixture(tiny_model_dir, tmp_path_factory):
+        return convert_tiny(tiny_model_dir("llama"), tmp_path_factory.mktemp(name) / "art")
+
+    return fixture

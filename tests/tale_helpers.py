@@ -163,3 +163,15 @@ def invoke(main, args, input=None):
         sys.stderr.flush()
         o, e = out.getvalue().decode(), err.getvalue().decode()
         return SimpleNamespace(exit_code=code, stdout=o, stderr=e, output=o + e)
+
+
+def three_levels(sinks: int = 3, residual: int = 8) -> Schedule:
+    """A 2/4/8-bit schedule of three levels at ranks 8/16/32 of 32 (head dim 16, two KV heads)."""
+    return Schedule(
+        sinks=sinks,
+        levels=[Level(2, 2, None), Level(4, 4, 0.2), Level(8, 8, 0.1)],
+        ranks=[[8, 16, 32]],
+        key_group=8,
+        value_group=8,
+        residual=residual,
+    )

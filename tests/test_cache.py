@@ -5,6 +5,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from tale_helpers import three_levels
 
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.cache import TaleLayerCache
@@ -17,17 +18,6 @@ K, n, G, R = 2, 16, 1, 32  # g = 2 KV heads per latent group
 def two_levels(**kw) -> Schedule:
     kw = dict(sinks=4, key_group=8, value_group=8, residual=8) | kw
     return Schedule(levels=[Level(2, 2, None), Level(4, 4, 0.1)], ranks=[[16, 32]], **kw)
-
-
-def three_levels() -> Schedule:
-    return Schedule(
-        sinks=3,
-        levels=[Level(2, 2, None), Level(4, 4, 0.2), Level(8, 8, 0.1)],
-        ranks=[[8, 16, 32]],
-        key_group=8,
-        value_group=8,
-        residual=8,
-    )
 
 
 def tokens(B: int, T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

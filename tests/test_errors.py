@@ -58,6 +58,11 @@ def edit_manifest(ctx, fn):
     write_json(ctx.art / MANIFEST, m)
 
 
+def on_run(setup, fragment):
+    """A broken artifact case: `setup` breaks it, a plain tale-run must fail naming `fragment`."""
+    return "run", setup, lambda c: [c.art, "-p", "hi"], fragment
+
+
 def edit_json(ctx, name, fn):
     p = ctx.art / name
     d = json.loads(p.read_text())
@@ -149,89 +154,40 @@ CASES = {
     "run-key-group-0": ("run", None, lambda c: [c.art, "-p", "hi", "--key-group", "0"], "--key-group must be >= 1"),
     "run-sinks-negative": ("run", None, lambda c: [c.art, "-p", "hi", "--sinks", "-1"], "--sinks must be >= 0"),
     # --- artifact integrity: every file hashed, only verified files read
-    "run-deleted-tokenizer": (
-        "run",
-        lambda c: (c.art / "tokenizer.json").unlink(),
-        lambda c: [c.art, "-p", "hi"],
-        "tokenizer.json is missing",
+    "run-deleted-tokenizer": on_run(lambda c: (c.art / "tokenizer.json").unlink(), "tokenizer.json is missing"),
+    "run-edited-rope-theta": on_run(
+        lambda c: edit_json(c, "config.json", lambda d: d.update(rope_theta=1.0)), "checksum mismatch for config.json"
     ),
-    "run-edited-rope-theta": (
-        "run",
-        lambda c: edit_json(c, "config.json", lambda d: d.update(rope_theta=1.0)),
-        lambda c: [c.art, "-p", "hi"],
-        "checksum mismatch for config.json",
-    ),
-    "run-edited-chat-template": (
-        "run",
+    "run-edited-chat-template": on_run(
         lambda c: edit_json(c, "tokenizer_config.json", lambda d: d.update(model_max_length=7)),
-        lambda c: [c.art, "-p", "hi"],
         "checksum mismatch for tokenizer_config.json",
     ),
-    "run-edited-generation-config": (
-        "run",
+    "run-edited-generation-config": on_run(
         lambda c: edit_json(c, "generation_config.json", lambda d: d.update(eos_token_id=3)),
-        lambda c: [c.art, "-p", "hi"],
         "checksum mismatch for generation_config.json",
     ),
-    "run-edited-readme": (
-        "run",
-        lambda c: (c.art / "README.md").write_text("# mine\n"),
-        lambda c: [c.art, "-p", "hi"],
-        "checksum mismatch for README.md",
+    "run-edited-readme": on_run(
+        lambda c: (c.art / "README.md").write_text("# mine\n"), "checksum mismatch for README.md"
     ),
-    "run-corrupt-shard": (
-        "run",
+    "run-corrupt-shard": on_run(
         lambda c: flip_byte(c.art / "model-00001-of-00001.safetensors"),
-        lambda c: [c.art, "-p", "hi"],
         "checksum mismatch for model-00001-of-00001.safetensors",
     ),
-    "run-index-extra-shard": (
-        "run",
-        extra_shard,
-        lambda c: [c.art, "-p", "hi"],
-        "model-00002-of-00002.safetensors is not in the manifest",
+    "run-index-extra-shard": on_run(extra_shard, "model-00002-of-00002.safetensors is not in the manifest"),
+    "run-index-hidden-shard": on_run(index_to_unlisted, "which the manifest does not list"),
+    "run-empty-files": on_run(lambda c: edit_manifest(c, lambda m: m.update(files={})), "lists no files"),
+    "run-unlisted-file": on_run(
+        lambda c: edit_manifest(c, lambda m: m["files"].pop("tokenizer.json")), "tokenizer.json is not in the manifest"
     ),
-    "run-index-hidden-shard": (
-        "run",
-        index_to_unlisted,
-        lambda c: [c.art, "-p", "hi"],
-        "which the manifest does not list",
+    "run-stray-file": on_run(lambda c: (c.art / "notes.txt").write_text("x"), "notes.txt is not in the manifest"),
+    "run-path-escape": on_run(
+        lambda c: edit_manifest(c, lambda m: m["files"].update({"../x": "0" * 64})), "outside the artifact"
     ),
-    "run-empty-files": (
-        "run",
-        lambda c: edit_manifest(c, lambda m: m.update(files={})),
-        lambda c: [c.art, "-p", "hi"],
-        "lists no files",
+    "run-old-format": on_run(
+        lambda c: edit_manifest(c, lambda m: m.update(format_version="1.0")), "re-convert the model with tale-convert"
     ),
-    "run-unlisted-file": (
-        "run",
-        lambda c: edit_manifest(c, lambda m: m["files"].pop("tokenizer.json")),
-        lambda c: [c.art, "-p", "hi"],
-        "tokenizer.json is not in the manifest",
-    ),
-    "run-stray-file": (
-        "run",
-        lambda c: (c.art / "notes.txt").write_text("x"),
-        lambda c: [c.art, "-p", "hi"],
-        "notes.txt is not in the manifest",
-    ),
-    "run-path-escape": (
-        "run",
-        lambda c: edit_manifest(c, lambda m: m["files"].update({"../x": "0" * 64})),
-        lambda c: [c.art, "-p", "hi"],
-        "outside the artifact",
-    ),
-    "run-old-format": (
-        "run",
-        lambda c: edit_manifest(c, lambda m: m.update(format_version="1.0")),
-        lambda c: [c.art, "-p", "hi"],
-        "re-convert the model with tale-convert",
-    ),
-    "run-future-format": (
-        "run",
-        lambda c: edit_manifest(c, lambda m: m.update(format_version="3.0")),
-        lambda c: [c.art, "-p", "hi"],
-        "upgrade tale-kv",
+    "run-future-format": on_run(
+        lambda c: edit_manifest(c, lambda m: m.update(format_version="3.0")), "upgrade tale-kv"
     ),
     "eval-edited-config": (
         "eval",

@@ -394,35 +394,9 @@ def test_cli_on_a_tiny_artifact(tiny_artifact, tmp_path, capsys):
     out = tmp_path / "r.json"
     names = [n for n in policies.NAMED if policies.named(n).missing() is None]
     with pytest.raises(SystemExit) as e:
-        main(
-            [
-                str(tiny_artifact),
-                "--ctx",
-                "64",
-                "--windows",
-                "2",
-                "--prefill",
-                "16",
-                "--chunk",
-                "4",
-                "--dtype",
-                "fp32",
-                "--passkey-lengths",
-                "1k",
-                "--passkey-depths",
-                "0.5",
-                "--rank-policies",
-                "energy,fisher,progressive",
-                "--energy",
-                "0.5",
-                "--policies",
-                ",".join(names),
-                "--text",
-                "dev,botchan",
-                "--json",
-                str(out),
-            ]
-        )
+        opts = "--ctx 64 --windows 2 --prefill 16 --chunk 4 --dtype fp32 --passkey-lengths 1k --passkey-depths 0.5"
+        opts += " --rank-policies energy,fisher,progressive --energy 0.5 --text dev,botchan"
+        main([str(tiny_artifact), *opts.split(), "--policies", ",".join(names), "--json", str(out)])
     assert e.value.code == 0
     res = json.loads(out.read_text())
     rows = {r["policy"]: r for r in res["results"]}
@@ -493,33 +467,8 @@ def test_cli_refuses_a_missing_backend_naming_the_extra(tiny_artifact, monkeypat
 def test_cli_schedule_flags_at_exact_settings_give_the_forward_ppl(tiny_artifact, tmp_path):
     out = tmp_path / "r.json"
     with pytest.raises(SystemExit) as e:
-        main(
-            [
-                str(tiny_artifact),
-                "--ctx",
-                "64",
-                "--windows",
-                "2",
-                "--prefill",
-                "16",
-                "--dtype",
-                "fp32",
-                "--passkey-lengths",
-                "",
-                "--policies",
-                "tale",
-                "--r0",
-                "1.0",
-                "--bits",
-                "16,16",
-                "--key-bits",
-                "16,16",
-                "--sinks",
-                "2",
-                "--json",
-                str(out),
-            ]
-        )
+        opts = "--ctx 64 --windows 2 --prefill 16 --dtype fp32 --policies tale --r0 1.0 --bits 16,16 --key-bits 16,16"
+        main([str(tiny_artifact), *opts.split(), "--passkey-lengths", "", "--sinks", "2", "--json", str(out)])
     assert e.value.code == 0
     res = json.loads(out.read_text())
     (row,) = res["results"]

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from hub_helpers import FakeHub, convert_tiny, patch_hub
+from hub_helpers import converted_tiny, fake_hub
 from typer.testing import CliRunner
 
 from tale_convert import push
@@ -21,17 +21,12 @@ REPO = "alice/tiny-tale"
 PROMPT = "The cache keeps"
 
 
-@pytest.fixture(scope="module")
-def art(tiny_model_dir, tmp_path_factory):
-    return convert_tiny(tiny_model_dir("llama"), tmp_path_factory.mktemp("hubload") / "art")
+art = converted_tiny("hubload")
 
 
 @pytest.fixture
 def hub(monkeypatch, tmp_path):
-    h = FakeHub()
-    patch_hub(monkeypatch, h, tmp_path / "hf-cache")
-    yield h
-    h.close()
+    yield from fake_hub(monkeypatch, tmp_path)
 
 
 def publish(art, tmp_path, *args):

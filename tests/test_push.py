@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from hub_helpers import FakeHub, convert_tiny, patch_hub
+from hub_helpers import converted_tiny, fake_hub
 from huggingface_hub import HfApi, ModelCard
 from rich.filesize import decimal
 from tale_helpers import invoke
@@ -22,9 +22,7 @@ from tale_runtime.artifact import MANIFEST, read_manifest
 REPO = "alice/tiny-tale"
 
 
-@pytest.fixture(scope="module")
-def built(tiny_model_dir, tmp_path_factory):
-    return convert_tiny(tiny_model_dir("llama"), tmp_path_factory.mktemp("push") / "art")
+built = converted_tiny("push")
 
 
 @pytest.fixture
@@ -37,10 +35,7 @@ def art(built, tmp_path):
 
 @pytest.fixture
 def hub(monkeypatch, tmp_path):
-    h = FakeHub()
-    patch_hub(monkeypatch, h, tmp_path / "hf-cache")
-    yield h
-    h.close()
+    yield from fake_hub(monkeypatch, tmp_path)
 
 
 @pytest.fixture

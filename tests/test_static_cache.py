@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch._dynamo.testing
-from tale_helpers import talify, tiny_model
+from tale_helpers import talify, three_levels, tiny_model
 
 from tale_runtime import families, new_cache
 from tale_runtime import static_cache as sc
@@ -22,14 +22,7 @@ K, n, G, R = 2, 16, 1, 32
 
 SCHEDULES = {
     "paper": Schedule(ranks=[[16, 32]], key_group=8, value_group=8, residual=8),
-    "three-levels": Schedule(
-        sinks=2,
-        levels=[Level(2, 2, None), Level(4, 4, 0.2), Level(8, 8, 0.1)],
-        ranks=[[8, 16, 32]],
-        key_group=8,
-        value_group=8,
-        residual=16,
-    ),
+    "three-levels": three_levels(sinks=2, residual=16),
     "exact": Schedule(
         levels=[Level(16, 16, None), Level(16, 16, 0.1)], ranks=[[32, 32]], key_group=8, value_group=8, residual=8
     ),

@@ -58,73 +58,14 @@ def test_prefill_in_pieces_gives_the_same_answer(artifact, monkeypatch):
 def test_raw_prompt_file_overrides_and_factored_path(artifact, tmp_path):
     f = tmp_path / "p.txt"
     f.write_text("abc")
-    r = run(
-        artifact,
-        "--prompt-file",
-        f,
-        "--raw",
-        "--max-new-tokens",
-        "40",
-        "--temperature",
-        "0.7",
-        "--top-p",
-        "0.9",
-        "--seed",
-        "3",
-        "--output-path",
-        "factored",
-        "--sinks",
-        "2",
-        "--recent",
-        "0.1,0.1",
-        "--bits",
-        "2,4,8",
-        "--key-bits",
-        "4",
-        "--ranks",
-        "0.5,0.75,1.0",
-        "--key-group",
-        "8",
-        "--value-group",
-        "8",
-        "--residual",
-        "16",
-    )
+    # sampling, every schedule override and the output path: factored, then fused with the same seed
+    opts = "--raw --max-new-tokens 40 --temperature 0.7 --top-p 0.9 --seed 3 --sinks 2 --recent 0.1,0.1"
+    opts += " --bits 2,4,8 --key-bits 4 --ranks 0.5,0.75,1.0 --key-group 8 --value-group 8 --residual 16"
+    r = run(artifact, "--prompt-file", f, *opts.split(), "--output-path", "factored")
     assert r.exit_code == 0, r.stderr
     m = STATS.search(r.stderr)
     assert (int(m[1]), int(m[2])) == (3, 40)
-    again = run(
-        artifact,
-        "--prompt-file",
-        f,
-        "--raw",
-        "--max-new-tokens",
-        "40",
-        "--temperature",
-        "0.7",
-        "--top-p",
-        "0.9",
-        "--seed",
-        "3",
-        "--output-path",
-        "fused",
-        "--sinks",
-        "2",
-        "--recent",
-        "0.1,0.1",
-        "--bits",
-        "2,4,8",
-        "--key-bits",
-        "4",
-        "--ranks",
-        "0.5,0.75,1.0",
-        "--key-group",
-        "8",
-        "--value-group",
-        "8",
-        "--residual",
-        "16",
-    )
+    again = run(artifact, "--prompt-file", f, *opts.split(), "--output-path", "fused")
     assert again.stdout == r.stdout  # same seed, fused vs factored: same text
 
 
