@@ -14,6 +14,7 @@ import ctypes
 import glob
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -131,6 +132,12 @@ def compiler() -> str | None:
     return "nvcc" if want != "nvrtc" and shutil.which("nvcc") else None
 
 
+def _includes(code: bytes, here: str) -> list[str]:
+    """The headers of `here` that `code` includes (#include "name"), in order: part of the cache key."""
+    names = re.findall(rb'^\s*#include\s+"([^"]+)"', code, re.M)
+    return [n.decode() for n in names if os.path.exists(os.path.join(here, n.decode()))]
+
+
 def compile_cubin(src: str, options: tuple[str, ...], arch: str | None = None) -> bytes:
     """The cubin of `src` for `arch` (default: the current GPU's), from the cache or built (a one-line error
     without a compiler)."""
@@ -141,7 +148,10 @@ def compile_cubin(src: str, options: tuple[str, ...], arch: str | None = None) -
     how = compiler()
     if how is None:
         raise RuntimeError(f"neither NVRTC nor nvcc found: one is needed once to build {src} for {arch}")
-    key = hashlib.sha256(code + repr((arch, options, how)).encode()).hexdigest()[:20]
+    here = os.path.dirname(os.path.abspath(src))
+    options = (*options, f"-I{here}")  # the folder's shared headers (ptx.cuh)
+    headers = b"".join(open(os.path.join(here, h), "rb").read() for h in _includes(code, here))
+    key = hashlib.sha256(code + headers + repr((arch, options, how)).encode()).hexdigest()[:20]
     path = os.path.join(CACHE, f"{os.path.basename(src)}.{key}.cubin")
     if not os.path.exists(path):
         os.makedirs(CACHE, exist_ok=True)

@@ -123,6 +123,16 @@ def reason(q: torch.Tensor, keys: QTensor, rep: int, hpb: int, K: int, tables=No
     return None
 
 
+def build_options(
+    kc: int, bits: int, ktg: int, meta8: bool, hpc: int, rep: int, bf16: bool = True, rsc: bool = False, tables=False
+) -> tuple[str, ...]:
+    """The .cu's -D configuration: coefficients per row, code bits, slots per scale group, fp8 scales, KV heads per
+    CTA, query heads per KV head, bf16 queries and cos/sin, the rotary's attention scaling, cos/sin from tables."""
+    flags = dict(KC=kc, KBITS=bits, KTG=ktg, META8=meta8, HPC=hpc, REP=rep, Q_BF16=bf16, RDT_BF16=bf16)
+    flags.update(RSC=rsc, ROPE_TAB=tables)
+    return tuple(f"-D{k}={int(v)}" for k, v in flags.items())
+
+
 def _module(device: torch.device, options: tuple[str, ...]):
     from .cuda_module import Module
 
@@ -161,19 +171,7 @@ def scores(
     limit = _smem_limit(dev)
     hpc = heads_per_cta(hpb, K, kc, bits, ktg, meta8, limit)
     smem = smem_bytes(kc, bits, ktg, meta8, hpc)
-    qbf = int(q.dtype == torch.bfloat16)
-    opts = (
-        f"-DKC={kc}",
-        f"-DKBITS={bits}",
-        f"-DKTG={ktg}",
-        f"-DMETA8={int(meta8)}",
-        f"-DHPC={hpc}",
-        f"-DREP={rep}",
-        f"-DQ_BF16={qbf}",
-        f"-DRDT_BF16={qbf}",
-        f"-DRSC={int(rsc != 1.0)}",
-        f"-DROPE_TAB={int(tables is not None)}",
-    )
+    opts = build_options(kc, bits, ktg, meta8, hpc, rep, q.dtype == torch.bfloat16, rsc != 1.0, tables is not None)
     mod = _module(dev, opts)
     fn = "tale_lr_score"
     mod.function(fn, smem)

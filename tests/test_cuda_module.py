@@ -1,5 +1,8 @@
 """tale_kernels.cuda_module's build step without a GPU: the compiler choice and its one-line errors."""
 
+import os
+import shutil
+
 import pytest
 
 from tale_kernels import cuda_module, mma_attention
@@ -34,6 +37,41 @@ def test_failed_build_leaves_nothing(monkeypatch, tmp_path):
 
 
 def test_kernel_source_ships_with_the_package():
-    import os
-
     assert os.path.isfile(mma_attention.SRC) and open(mma_attention.SRC).read().count('extern "C" __global__') >= 5
+
+
+def test_a_header_edit_rebuilds(monkeypatch, tmp_path):
+    """The cache key holds the headers a source includes: an edited ptx.cuh is a new build, not a stale cubin."""
+    src = tmp_path / "src"
+    shutil.copytree(os.path.dirname(mma_attention.SRC), src)
+    builds = []
+
+    def fake_nvcc(nvcc, path, arch, options, tmp):
+        builds.append(options)
+        open(tmp, "wb").write(b"cubin")
+
+    monkeypatch.setattr(cuda_module, "CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TALE_CUDA_COMPILER", "nvcc")
+    monkeypatch.setattr(cuda_module.shutil, "which", lambda name: "/usr/bin/nvcc")
+    monkeypatch.setattr(cuda_module, "_nvcc_compile", fake_nvcc)
+    cu = str(src / "latent_level.cu")
+    for _ in range(2):
+        assert cuda_module.compile_cubin(cu, mma_attention.OPTIONS, arch="sm_90a") == b"cubin"
+    assert len(builds) == 1 and f"-I{src}" in builds[0]  # the second call read the cache
+    with open(src / "ptx.cuh", "a") as f:
+        f.write("\n// edited\n")
+    cuda_module.compile_cubin(cu, mma_attention.OPTIONS, arch="sm_90a")
+    assert len(builds) == 2
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("name", ["latent_level.cu", "lowrank_score.cu"])
+def test_sources_build_with_their_header(monkeypatch, tmp_path, name):
+    """Each .cu compiles offline for sm_90a with nvcc (no GPU needed): the shared header resolves."""
+    from tale_kernels import lowrank_score
+
+    monkeypatch.setattr(cuda_module, "CACHE", str(tmp_path))
+    monkeypatch.setenv("TALE_CUDA_COMPILER", "nvcc")
+    src = os.path.join(os.path.dirname(mma_attention.SRC), name)
+    opts = mma_attention.OPTIONS if name == "latent_level.cu" else lowrank_score.build_options(152, 4, 32, True, 4, 4)
+    assert len(cuda_module.compile_cubin(src, opts, arch="sm_90a")) > 10000
