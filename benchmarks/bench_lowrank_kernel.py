@@ -297,8 +297,8 @@ def time_rows(rot, B: int, L: int, specs, kws: dict) -> list[dict]:
         v = lowrank_view(B, L, spec, rot)
         kv = kernel_view(v)
         kw = kws.get(spec, {})
-        t = safe_time(lambda kv=kv, kw=kw: lra.latent_attention_lowrank(q, k, h, kv, N**-0.5, rope=rot, **kw))
-        z = lra.latent_attention_lowrank(q, k, h, kv, N**-0.5, rope=rot, **kw)
+        t = safe_time(lambda kv=kv, kw=kw: attend(q, k, h, kv, rot, **kw))
+        z = attend(q, k, h, kv, rot, **kw)
         del kv
         e = rel(z, ref_attention(q.float(), k.float(), h.float(), with_tables(v, rot, None), N**-0.5))
         rows.append({"L": L, "B": B, "basis": label(spec), "low-rank": t, "err": e, **base})
@@ -320,12 +320,12 @@ def pieces(rot, specs) -> None:
         print(f"pieces: rebuild alone, cuBLAS, {label((r, blocks))}, {T} slots: {t:.1f} us, {fl / t / 1e6:.0f} TFLOP/s")
     q, k, h = new_token(1)
     v = kernel_view(lowrank_view(1, 32768, (16, 1), rot))
-    t = safe_time(lambda: lra.latent_attention_lowrank(q, k, h, v, N**-0.5, rope=rot))
+    t = safe_time(lambda: attend(q, k, h, v, rot))
     print(f"pieces: the kernel at joint rank 16 (attention, RoPE, latents; next to no rebuild): {t:.1f} us")
     for r, blocks in specs:
         v = kernel_view(lowrank_view(1, 32768, (r, blocks), rot))
         for conc in (True, False):
-            t = safe_time(lambda v=v, c=conc: lra.latent_attention_lowrank(q, k, h, v, N**-0.5, rope=rot, concurrent=c))
+            t = safe_time(lambda v=v, c=conc: attend(q, k, h, v, rot, concurrent=c))
             print(
                 f"pieces: {label((r, blocks))}, regions {'side by side' if conc else 'one after another'}: {t:.1f} us"
             )
@@ -337,13 +337,26 @@ def pieces(rot, specs) -> None:
         print(f"compiled kernel info unavailable ({ex})")
 
 
+_OFFSETS: dict = {}
+
+
+def attend(q, k, h, view, rot, **kw):
+    """The kernel as the runtime calls it: RoPE computed in the kernel, each row's padding slots (its rope offset)
+    counted once per view, not at every call (the runtime's regions carry it)."""
+    key = id(view)
+    if key not in _OFFSETS:
+        _OFFSETS.clear()
+        _OFFSETS[key] = (view, lra._pad_offset(view, q.shape[0], q.device))
+    return lra.latent_attention_lowrank(q, k, h, view, N**-0.5, rope=rot, rope_offset=_OFFSETS[key][1], **kw)
+
+
 def profile(rot, specs) -> None:
     """Each launch's GPU time (torch.profiler, eager calls) at 128K B=1, score pass in CUDA and in Triton."""
     q, k, h = new_token(1)
     for spec in specs:
         v = kernel_view(lowrank_view(1, 131072, spec, rot))
         for sc in (True, False):
-            fn = lambda v=v, sc=sc: lra.latent_attention_lowrank(q, k, h, v, N**-0.5, rope=rot, score_cuda=sc)  # noqa: E731
+            fn = lambda v=v, sc=sc: attend(q, k, h, v, rot, score_cuda=sc)  # noqa: E731
             try:
                 for _ in range(3):
                     fn()
@@ -359,6 +372,14 @@ def profile(rot, specs) -> None:
                 if ev.device_time_total > 0:
                     print(f"profile {label(spec)} score {'CUDA' if sc else 'Triton'}: {ev.key[:60]:60s} "
                           f"{ev.device_time_total / 5:9.1f} us/call x{ev.count // 5}")  # fmt: skip
+            # the last call's launches in order: start (us after the call's first), duration; side streams overlap
+            gpu = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                         key=lambda e: e.time_range.start)  # fmt: skip
+            last = gpu[-len(gpu) // 5 :]
+            t0 = last[0].time_range.start
+            for e in last:
+                print(f"  launch {e.name[:40]:40s} at {e.time_range.start - t0:8.1f} us for "
+                      f"{e.time_range.elapsed_us():7.1f} us")  # fmt: skip
         del v
 
 
@@ -450,7 +471,7 @@ def main() -> int:
                     names = ("two_pass", "fast_rope", "score_warps", "score_block", "score_heads", "score_groups")
                     for name, x in zip(names, more):
                         kw[name] = x if name in ("score_warps", "score_block") else bool(x)
-                t = safe_time(lambda kw=kw, v=v: lra.latent_attention_lowrank(q, k, h, v, N**-0.5, rope=rot, **kw))
+                t = safe_time(lambda kw=kw, v=v: attend(q, k, h, v, rot, **kw))
                 print(f"sweep 32K B=1 basis {label(spec)} {kw}: {t:.1f} us", flush=True)
                 if t < best[0]:
                     best = (t, kw)
