@@ -898,8 +898,8 @@ def _region_reason(r: Region, B: int, K: int, G: int, n: int, dtype: torch.dtype
         if kq.bits == 16:
             if kq.data.dtype != dtype:
                 return f"16-bit keys in {kq.data.dtype}, queries in {dtype}"
-            if idx is not None:  # the cache writes no 16-bit band (plugin: refused from the schedule)
-                return "a 16-bit key band"
+            if idx is not None:  # refused from the schedule too (schedule_reason)
+                return "key bands beside 16-bit keys are not read by this kernel"
             continue
         if kq.data.dtype != torch.uint8 or not is_pow2(kq.group):
             return f"keys quantized in groups of {kq.group} tokens (it reads power-of-two groups)"

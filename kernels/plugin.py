@@ -35,10 +35,10 @@ def _name(dtype: torch.dtype) -> str:
 def _call_dtypes(q, k_new, h_new, want: torch.dtype | None = None) -> str | None:
     """Why a decode call's dtypes are not what a kernel reads (None: they are): queries in the dtype of the new keys
     and latents (the cache's), and `want` where the kernel reads one dtype only."""
-    if k_new.dtype != q.dtype or h_new.dtype != q.dtype:
-        return f"{_name(q.dtype)} queries over {_name(k_new.dtype)} keys"
     if want is not None and q.dtype != want:
         return f"{_name(q.dtype)} queries (the kernel reads {_name(want)})"
+    if k_new.dtype != q.dtype or h_new.dtype != q.dtype:
+        return f"{_name(q.dtype)} queries over {_name(k_new.dtype)} keys"
     return None
 
 

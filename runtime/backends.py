@@ -131,7 +131,7 @@ class ReferenceCalls:
         if not self.reference:
             return ""
         many = len(self.reference) > 1
-        why = "; ".join(f"{r} ({n} calls)" if many else r for r, n in self.reference.items())
+        why = "; ".join(f"{r} ({n} call{'s' if n > 1 else ''})" if many else r for r, n in self.reference.items())
         return f"{sum(self.reference.values())} of {self.calls} decode calls ran the torch reference: {why}"
 
 

@@ -76,14 +76,16 @@ class GenStats:
             f"prefill {self.prefill_s:.2f} s, decode {speed} | "
             f"cache {_mib(self.cache_bytes)} vs 16-bit K+V {_mib(self.baseline_bytes)}: "
             f"measured {self.ratio:.2f}x (nominal {nominal})"
-            + (f" | attention: {self.attention}{self.attention_note}" if self.attention else "")
+            + (f" | attention: {self.attention_named()}" if self.attention else "")
         )
 
-    @property
-    def attention_note(self) -> str:
-        """' (N of M decode calls ran the torch reference: why)' where the backend handed calls to the reference."""
+    def attention_named(self) -> str:
+        """The backend's name, with how many decode calls it handed to the torch reference and why, if any:
+        'cuda kernel (fragment layout; 2 of 64 decode calls ran the torch reference: float32 queries ...)'."""
         note = ReferenceCalls(self.attention_calls, Counter(self.attention_reference)).note()
-        return f" ({note})" if note else ""
+        if not note:
+            return self.attention
+        return f"{self.attention[:-1]}; {note})" if self.attention.endswith(")") else f"{self.attention} ({note})"
 
 
 def _mib(n: int) -> str:
