@@ -13,9 +13,10 @@
 Each `supports` reads only the cache's spec (shapes, schedule, device): the decision is made once, when the cache is
 made, and covers every format a kernel's entry point checks of a call, so a cache a backend accepted never hands it a
 decode step it cannot serve. The kernels' entry points refuse such a step (ValueError with the reason) instead of
-running the torch reference under their name. What the spec cannot see, the dtype and device of the call's queries,
-the "cuda" backend checks per call (`declines`): the cache then runs the torch reference, warns once and counts the
-call, and tale-run's stats line says so beside the backend's name (tale_runtime.backends.ReferenceCalls).
+running the torch reference under their name. What the spec cannot see, the dtype of the call's queries (and for
+"cuda" the device of the layer), each backend checks per call (`declines`): the cache then runs the torch reference,
+warns once and counts the call, and tale-run's stats line says so beside the backend's name
+(tale_runtime.backends.ReferenceCalls).
 """
 
 from __future__ import annotations
