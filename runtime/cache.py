@@ -87,7 +87,7 @@ class CacheStep:
     def attend(self, layer_idx: int, q, k_new, h_new, scaling: float, window: int | None = None):
         """Latent attention of the new tokens over layer `layer_idx`'s cached tokens: z [B, T, H, R] float32."""
         view, b = self.layers[layer_idx].view(), self.backend
-        if q.shape[2] == 1 and b.name != TORCH.name:
+        if q.shape[2] == 1:  # a decode call (several tokens are the reference's by design: not counted)
             why = b.declines(q, k_new, h_new, view)
             self.reference_calls.count(b, why)
             if why is not None:  # counted and warned about: the stats line names it beside the backend
