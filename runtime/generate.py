@@ -349,8 +349,8 @@ def _stats(
     if not isinstance(cache, (TaleCache, StaticTaleCache)):  # transformers' cache (the full 16-bit baseline)
         full = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
         half = sum(t.numel() * 2 for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
-        return GenStats(prompt, generated, prefill_s, decode_s, full, half, None, "full cache (base attention)",
-                        reused_tokens=held)  # fmt: skip
+        base = "full cache (base attention)"
+        return GenStats(prompt, generated, prefill_s, decode_s, full, half, None, base, reused_tokens=held)
     mine = cache.reference_calls.since(calls) if calls is not None else cache.reference_calls
     return GenStats(
         prompt_tokens=prompt,
