@@ -59,7 +59,7 @@ test-slow: setup
 # the test files that run kernels on a GPU (on a machine without one they run in Triton's interpreter, or skip),
 # their slow tests included (slow in the interpreter, not compiled): on a GPU machine whose Python already holds torch
 # and Triton, `make test-gpu PYTEST="python3 -m pytest"`
-GPU_TESTS ?= tests/test_cuda_layout.py tests/test_cuda_module.py tests/test_decode_step.py tests/test_frag.py \
+GPU_TESTS ?= tests/test_cuda_layout.py tests/test_cuda_module.py tests/test_decode_step.py tests/test_fallbacks.py tests/test_frag.py \
   tests/test_kernels.py tests/test_kernels_lowrank.py tests/test_key_rank.py tests/test_key_rope.py \
   tests/test_mma_attention.py tests/test_paged_attention.py tests/test_quant_bands.py tests/test_static_cache.py
 PYTEST ?= $(BIN)/pytest

@@ -828,6 +828,8 @@ def main() -> None:
     log("static cache layout:", cache.layout, "; attention:", attention)
     step = tale_step(model, cache, graphs)
     ms, _ = decode(step, first, warm, 70)
+    if note := cache.reference_calls.note():  # decode calls the backend handed to the torch reference
+        attention += f" ({note})"
     row(
         kind="warmup",
         prompt=warm,

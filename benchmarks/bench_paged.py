@@ -124,8 +124,8 @@ def main() -> int:
                 try:
                     fmt, k, h, (q, kn, hn) = build(s, L, B, kv, dev, dt)
                     view = contiguous_view(fmt, k, h)
-                    if not attention.supported(q, kn, hn, view):
-                        raise RuntimeError("the contiguous kernel declines this view")
+                    if why := attention.supported(q, kn, hn, view):
+                        raise RuntimeError(f"the contiguous kernel refuses this view: {why}")
                     call = (q, kn, hn, view, scale)
                     t_cont = float("nan") if dry else harness.timeit(lambda a=call: attention.latent_attention(*a))
                     del view, call

@@ -369,7 +369,8 @@ def timed(model, ids, new: int, warm: int, device, tp_size: int, cache=None, hea
         res = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:100]}")
     if hasattr(cache, "backend_name") and "error" not in res:  # a TALE cache
         res["cache"] = cache.nbytes() / GiB
-        res["attention"] = cache.backend_name
+        note = cache.reference_calls.note()  # decode calls the backend handed to the torch reference
+        res["attention"] = cache.backend_name + (f" ({note})" if note else "")
     del cache
     free(device)
     if "error" not in res:

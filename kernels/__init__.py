@@ -2,8 +2,9 @@
 
 They register as attention backends of tale_runtime ("triton", "cuda": plugin.py, through the entry point group
 "tale_runtime.backends"); the runtime imports nothing from here. `latent_attention` has the signature of
-tale_runtime.attention.latent_attention (plus a TritonConfig) and falls back to it for what the kernel does not cover
-(prefill chunks T > 1, CPU tensors unless TRITON_INTERPRET=1).
+tale_runtime.attention.latent_attention (plus a TritonConfig): a chunk of several new tokens (a prefill chunk) is the
+reference's by design, and a decode step the kernel does not serve (`supported`: its reason; CPU tensors unless
+TRITON_INTERPRET=1) is refused with a ValueError, never run on the reference under the kernel's name.
 
 Imports are lazy: from a checkout's root this folder is also visible as a top-level `kernels`,
 which transformers probes (for the Hub `kernels` package) by importing it mid-import; an eager

@@ -852,79 +852,144 @@ def _meta_ok(t: QTensor, dtype: torch.dtype, device: torch.device) -> bool:
     return t.meta == "16" or (isinstance(b, float) and b > 0)
 
 
-def _region_ok(r: Region, B: int, K: int, G: int, n: int, dtype: torch.dtype) -> bool:
+def _meta_desc(t: QTensor) -> str:
+    dt = [None if x is None else x.dtype for x in (t.scale, t.zero)]
+    return f"scales/zeros of format {t.meta!r} in {dt[0]}/{dt[1]} (shift {t.shift})"
+
+
+def _planes_reason(rank: int, bits: int, group: int) -> str | None:
+    """Why latents of `rank` channels at `bits` in groups of `group` are not read (None: they are): a group must lie
+    in one plane of the packed layout (2/4 bits: the 8 / bits planes of runtime/quant.py; 8 bits: _lat_planes)."""
+    if bits == 16:
+        return None
+    P = rank * bits // 8 if bits < 8 else _lat_planes(rank)[1]
+    if P % group == 0 or (group % P == 0 and is_pow2(P)):
+        return None
+    return f"latent groups of {group} channels straddle the {P}-channel planes of rank {rank} at {bits} bits"
+
+
+def _region_reason(r: Region, B: int, K: int, G: int, n: int, dtype: torch.dtype) -> str | None:
     hq = r.lat
     parts = _key_parts(r.keys)
-    if len(parts) > 2 or type(hq) is not QTensor or not all(type(kq) is QTensor for kq, _ in parts):
-        return False
+    if len(parts) > 2:
+        return f"keys in {len(parts)} bands (it reads up to two)"
+    if type(hq) is not QTensor or not all(type(kq) is QTensor for kq, _ in parts):
+        return "a QTensor subclass in a region"
     if hq.bits not in (2, 4, 8, 16):
-        return False
+        return f"{hq.bits}-bit latents are not read by this kernel"
     cap = r.capacity
-    if r.pos.dtype != torch.int32 or tuple(r.pos.shape) != (B, cap) or r.pos.stride(-1) != 1 or cap == 0:
-        return False
+    if r.pos.dtype != torch.int32 or tuple(r.pos.shape) != (B, cap) or r.pos.stride(-1) != 1:
+        return "region positions are not int32 [B, cap]"
     ln = r.length
     if isinstance(ln, torch.Tensor) and (ln.numel() != 1 or ln.dtype not in (torch.int32, torch.int64)):
-        return False
+        return "region length is not a one-element integer tensor"
     if tuple(r.keys.shape) != (B, K, cap, n) or tuple(hq.shape) != (B, G, cap, r.rank) or hq.shape[-2] != cap:
-        return False
+        return f"a region of keys {tuple(r.keys.shape)} and latents {tuple(hq.shape)} for {B} x {K} x {n}, {G} groups"
     seen = 0
     for kq, idx in parts:
         c = n if idx is None else idx.shape[-1]
         seen += c
-        if kq.bits not in (2, 3, 4, 8, 16) or tuple(kq.shape) != (B, K, cap, c) or c % 8 or c < 8:
-            return False
+        if kq.bits not in (2, 3, 4, 8, 16):
+            return f"{kq.bits}-bit keys are not read by this kernel"
+        if tuple(kq.shape) != (B, K, cap, c) or c % 8 or c < 8:
+            return f"a key band of {c} channels (whole multiples of 8)"
         if idx is not None and (tuple(idx.shape) != (K, c) or idx.dtype != torch.long):
-            return False
+            return "a key band index that is not long [K, c]"
         if kq.bits == 16:
-            if kq.data.dtype != dtype or idx is not None:  # 16-bit key bands: not a format the cache writes
-                return False
+            if kq.data.dtype != dtype:
+                return f"16-bit keys in {kq.data.dtype}, queries in {dtype}"
+            if idx is not None:  # refused from the schedule too (schedule_reason)
+                return "key bands beside 16-bit keys are not read by this kernel"
             continue
-        if kq.data.dtype != torch.uint8 or not is_pow2(kq.group) or not _meta_ok(kq, dtype, kq.data.device):
-            return False
+        if kq.data.dtype != torch.uint8 or not is_pow2(kq.group):
+            return f"keys quantized in groups of {kq.group} tokens (it reads power-of-two groups)"
+        if not _meta_ok(kq, dtype, kq.data.device):
+            return f"key {_meta_desc(kq)} for {dtype} queries"
         if kq.dim not in (-2, 2) or tuple(kq.scale.shape) != (B, K, cap // kq.group, c) or cap % kq.group:
-            return False
+            return "keys not quantized per channel over token groups of the region"
     if seen != n:
-        return False
+        return f"key bands cover {seen} of {n} channels"
     if hq.bits == 16:
-        return hq.data.dtype == dtype
-    if hq.data.dtype != torch.uint8 or not is_pow2(hq.group) or not _meta_ok(hq, dtype, hq.data.device):
-        return False
-    P = r.rank * hq.bits // 8 if hq.bits < 8 else _lat_planes(r.rank)[1]
+        return None if hq.data.dtype == dtype else f"16-bit latents in {hq.data.dtype}, queries in {dtype}"
+    if hq.data.dtype != torch.uint8 or not is_pow2(hq.group):
+        return f"latents quantized in groups of {hq.group} channels (it reads power-of-two groups)"
+    if not _meta_ok(hq, dtype, hq.data.device):
+        return f"latent {_meta_desc(hq)} for {dtype} queries"
     if hq.dim not in (-1, 3) or tuple(hq.scale.shape) != (B, G, cap, r.rank // hq.group) or r.rank % hq.group:
-        return False
-    return P % hq.group == 0 or (hq.group % P == 0 and is_pow2(P))  # groups must not straddle planes
+        return "latents not quantized per token over channel groups"
+    return _planes_reason(r.rank, hq.bits, hq.group)
 
 
 def _view(cache) -> LayerView:
-    return cache if isinstance(cache, LayerView) else cache.view()
+    """The call's view without regions of no capacity (a static cache of no sinks): they hold nothing to attend."""
+    v = cache if isinstance(cache, LayerView) else cache.view()
+    return v if all(r.capacity for r in v.regions) else LayerView([r for r in v.regions if r.capacity], v.next_pos)
 
 
-def supported(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, cache) -> bool:
-    """What the kernel covers: one new token, power-of-two head dim and groups, regions in the packed format of
-    runtime/quant.py: keys at 2/3/4/8/16 bits, whole or in up to two channel bands (quant.Bands), latents at
-    2/4/8/16 bits, scales and zeros in the query's dtype or fp8 (META "8/16", "8/8"); keys after RoPE."""
+def supported(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, cache) -> str | None:
+    """None when the kernel serves this call, else a one-line reason. It covers one new token, power-of-two head dim
+    and groups, regions in the packed format of runtime/quant.py: keys at 2/3/4/8/16 bits, whole or in up to two
+    channel bands (quant.Bands), latents at 2/4/8/16 bits, scales and zeros in the query's dtype or fp8 (META "8/16",
+    "8/8"); keys after RoPE."""
     B, H, T, n = q.shape
-    if T != 1 or not runnable(q, k_new, h_new) or q.dtype not in TL_DTYPE:
-        return False
+    if T != 1:
+        return f"{T} new tokens (the kernel decodes one)"
+    if not runnable(q, k_new, h_new):
+        return "CPU tensors (it runs on CUDA, or on the CPU under TRITON_INTERPRET=1)"
+    if q.dtype not in TL_DTYPE or k_new.dtype != q.dtype or h_new.dtype != q.dtype:
+        return f"queries in {q.dtype}, new keys in {k_new.dtype}, latents in {h_new.dtype} (one of float16, bfloat16, float32)"
     K, G = k_new.shape[1], h_new.shape[1]
-    if not is_pow2(n) or n < 16 or H % K or K % G or k_new.dtype != q.dtype or h_new.dtype != q.dtype:
-        return False
+    if not is_pow2(n) or n < 16 or H % K or K % G:
+        return f"{H} query heads, {K} KV heads, {G} latent groups and head dim {n} (a power of two >= 16)"
     view = _view(cache)
-    if any(isinstance(r, FragRegion) for r in view.regions):  # the CUDA kernel's layout (mma_attention)
-        return False
-    if not all(_region_ok(r, B, K, G, n, q.dtype) for r in view.regions):
-        return False
-    if any(r.rope is not None or r.basis is not None for r in view.regions):  # keys before RoPE, low-rank keys
-        return False
+    if any(isinstance(r, FragRegion) for r in view.regions):
+        return "a view in the CUDA kernel's fragment layout"
+    if any(r.rope is not None for r in view.regions):
+        return "keys held before RoPE are not read by this kernel"
+    if any(r.basis is not None for r in view.regions):
+        return "low-rank keys are not read by this kernel"
+    for r in view.regions:
+        if why := _region_reason(r, B, K, G, n, q.dtype):
+            return why
     keys = [kq for r in view.regions for kq, _ in _key_parts(r.keys)]
     if not runnable(q, *(kq.data for kq in keys), *(r.lat.data for r in view.regions)):
-        return False
+        return "cache tensors on another device than the queries"
     gk = {kq.group for kq in keys if kq.bits != 16}
     gv = {r.lat.group for r in view.regions if r.lat.bits != 16}
     if len(gk) > 1 or len(gv) > 1:
-        return False
+        return f"key groups {sorted(gk)} and latent groups {sorted(gv)} differ between regions"
     npos = view.next_pos
-    return not isinstance(npos, torch.Tensor) or (npos.numel() == 1 and npos.dtype in (torch.int32, torch.int64))
+    if isinstance(npos, torch.Tensor) and (npos.numel() != 1 or npos.dtype not in (torch.int32, torch.int64)):
+        return "next_pos is not a one-element integer tensor"
+    return None
+
+
+def schedule_reason(schedule, head_dim: int) -> str | None:
+    """None when the kernel reads every region of a cache of this schedule (runtime/artifact.Schedule) at this head
+    dim, else a one-line reason: what `supported` checks of a call, decided from the schedule, so that a backend
+    refuses such a cache when it is made instead of being handed calls it cannot serve."""
+    s = schedule
+    if any(lv.key_rank for lv in s.levels):
+        return "low-rank keys (key_rank) are not read by this kernel"
+    if s.key_rope != "post":
+        return "keys held before RoPE (key_rope 'pre') are not read by this kernel"
+    if any(lv.key_axis != "channel" for lv in s.levels):
+        return "per-token keys (key_axis 'token') are not read by this kernel"
+    if any(lv.bits == 3 for lv in s.levels):
+        return "3-bit latents are not read by this kernel"
+    if any(lv.key_hi_bits and lv.key_bits == 16 for lv in s.levels):
+        return "key bands beside 16-bit keys are not read by this kernel"
+    if any(lv.key_hi_bits and not 8 <= lv.key_hi_channels <= head_dim - 8 for lv in s.levels):
+        return f"key bands of fewer than 8 channels at head dim {head_dim}"
+    if any(lv.key_bits != 16 for lv in s.levels) and not is_pow2(s.key_group):
+        return f"keys quantized in groups of {s.key_group} tokens (it reads power-of-two groups)"
+    if any(lv.bits != 16 for lv in s.levels) and not is_pow2(s.value_group):
+        return f"latents quantized in groups of {s.value_group} channels (it reads power-of-two groups)"
+    for ranks in s.ranks:
+        for lv, rank in zip(s.levels, ranks):
+            if why := _planes_reason(rank, lv.bits, s.value_group):
+                return why
+    return None
 
 
 def _lat_planes(rank: int) -> tuple[int, int]:
@@ -1170,9 +1235,11 @@ def latent_attention(
 ) -> torch.Tensor:
     """tale_runtime.attention.latent_attention's result, z [B, T, H, R] (float32), by the Triton kernel.
 
-    `cache` is a TaleLayerCache or a LayerView. Decode steps (T = 1) run the Triton kernels; anything else (prefill
-    chunks, CPU tensors unless TRITON_INTERPRET=1, formats the kernel does not read: `supported`) runs the torch
-    reference. `config`: the tuning knobs (TritonConfig; None: the defaults).
+    `cache` is a TaleLayerCache or a LayerView. A decode step (T = 1) runs the Triton kernels, or is refused with a
+    ValueError that names why (`supported`: a format the kernel does not read, CPU tensors unless
+    TRITON_INTERPRET=1); it never runs anything slower in the kernel's name. A call of several new tokens (a prefill
+    chunk: the backend signature takes T tokens, the kernel decodes one) is the torch reference's by design.
+    `config`: the tuning knobs (TritonConfig; None: the defaults).
     """
     cfg = config or DEFAULT
     block_t, split_tokens, min_split, waves = cfg.block_t, cfg.split_tokens, cfg.min_split, cfg.waves
@@ -1184,14 +1251,16 @@ def latent_attention(
         cfg.maxnreg,
         cfg.dot,
     )
+    if q.shape[2] != 1:  # a prefill chunk: not a decode step
+        return reference(q, k_new, h_new, cache if isinstance(cache, LayerView) else cache.view(), scaling, window)
     view = _view(cache)
     if dot == torch.bfloat16 and q.dtype == torch.bfloat16 and _half_meta(view):
         raise ValueError(
             "dot=torch.bfloat16 would round this cache's float16 scales/zeros to bfloat16 (~1e-2 from the reference):"
             " use the default (float16)"
         )
-    if not supported(q, k_new, h_new, view):
-        return reference(q, k_new, h_new, view, scaling, window)
+    if why := supported(q, k_new, h_new, view):
+        raise ValueError(f"triton latent attention: {why}")
     B, H, _, n = q.shape
     K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
     rep, g = H // K, K // G

@@ -723,8 +723,8 @@ def _qt_reason(t, C: int, lead: tuple, cap: int, dtype: torch.dtype, what: str) 
 
 
 def supported(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, view, rope=None) -> str | None:
-    """None when latent_attention_lowrank serves this call in the kernel, else a one-line reason (it then runs
-    the torch reference). Serves one new token over regions whose keys are after RoPE, before it (region.rope:
+    """None when latent_attention_lowrank serves this call in the kernel, else a one-line reason (a decode step is
+    then refused with it; several new tokens run the torch reference). Serves one new token over regions whose keys are after RoPE, before it (region.rope:
     rotated by the tables, or by `rope` computed in the kernel), or low-rank before it (region.basis), at 2/3/4/8/16
     bits quantized per channel over token groups or per token over channel groups; latents at 2/3/4/8/16 bits per
     token over channel groups; scales/zeros in 16 bits or fp8 ("8/16", "8/8")."""
@@ -897,7 +897,9 @@ def latent_attention_lowrank(
     score_cuda: bool | str | None = False,
 ) -> torch.Tensor:
     """Decode attention over a view with keys before RoPE / low-rank keys: z [B, T, H, R] float32, the backend
-    signature of tale_runtime.attention.latent_attention (which runs what `supported` declines).
+    signature of tale_runtime.attention.latent_attention. A decode step (T = 1) it does not serve (`supported`) is
+    refused with a ValueError that names why; it never runs anything slower in the kernel's name. A call of several
+    new tokens (a prefill chunk: the kernel decodes one) is the torch reference's by design.
 
     `rope`: None rotates each pre-RoPE region by its own rope: its (cos, sin) tables (exact for any positions, 8 n
     bytes per slot), or its Rotary (computed here from the slots' positions, like a given rotary);
@@ -925,8 +927,10 @@ def latent_attention_lowrank(
     can, else in Triton with a one-time warning naming why; False (the default): Triton."""
     if not isinstance(view, LayerView):
         view = view.view()
-    if supported(q, k_new, h_new, view, rope) is not None:
+    if q.shape[2] != 1:  # a prefill chunk: not a decode step
         return reference(q, k_new, h_new, view, scaling, window)
+    if why := supported(q, k_new, h_new, view, rope):
+        raise ValueError(f"triton low-rank-key latent attention: {why}")
     B, H, _, n = q.shape
     K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
     rep, g = H // K, K // G

@@ -85,34 +85,50 @@ def available(device: torch.device) -> bool:
 
 
 def _levels(view: LayerView):
-    """(sinks, 2-bit level, 4-bit level, residual) regions of a fragment-layout static cache's view, or None."""
+    """(sinks, 2-bit level, 4-bit level, residual) regions of a fragment-layout static cache's view, or a one-line
+    reason it is not one."""
     r = view.regions
     if len(r) != 4 or not (isinstance(r[1], FragRegion) and isinstance(r[2], FragRegion)):
-        return None
+        return "a view that is not a fragment-layout static cache's (sinks, two levels, residual)"
     if isinstance(r[0], FragRegion) or isinstance(r[3], FragRegion) or r[0].keys.bits != 16 or r[3].keys.bits != 16:
-        return None
+        return "sinks or residual that are not 16-bit"
     if (r[1].frag.key_proto.bits, r[1].rank, r[2].frag.key_proto.bits, r[2].rank) != (2, 256, 4, 512):
-        return None
+        return "levels other than the paper preset's (2-bit rank 256, 4-bit rank 512)"
     return r
 
 
-def supported(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, view) -> bool:
-    """One new token of a bf16 model with head dim 128 and a whole number of query heads per KV head, over the view of a
-    fragment-layout StaticTaleCache (device lengths and positions), on a GPU where the kernel is available.
+def supported(q: torch.Tensor, k_new: torch.Tensor, h_new: torch.Tensor, view) -> str | None:
+    """None when the kernel serves this call, else a one-line reason. It serves one new token of a bf16 model with head
+    dim 128 and a whole number of query heads per KV head, over the view of a fragment-layout StaticTaleCache (device
+    lengths and positions), on a GPU where the kernel is available.
     The kernel masks slots by position only: a cache must hold -1 at every slot at or past a region's length (the
     static cache does: slots never written, emptied by a flush or left by a demotion)."""
-    if not isinstance(view, LayerView) or not q.is_cuda or q.dtype != torch.bfloat16:
-        return False
+    if not isinstance(view, LayerView):
+        return f"a {type(view).__name__}, not a LayerView"
     B, H, T, n = q.shape
+    if T != 1:
+        return f"{T} new tokens (the kernel decodes one)"
+    if q.dtype != torch.bfloat16:
+        return f"{str(q.dtype).removeprefix('torch.')} queries (it reads bfloat16)"
+    if k_new.dtype != q.dtype or h_new.dtype != q.dtype:
+        return f"new keys in {k_new.dtype} and latents in {h_new.dtype} beside bfloat16 queries"
     G = h_new.shape[1]
-    if T != 1 or n != 128 or not kernel_heads(H, 4 * G) or h_new.shape[-1] != 512 or k_new.shape[1] != 4 * G:
-        return False
-    if k_new.dtype != q.dtype or h_new.dtype != q.dtype or not isinstance(view.next_pos, torch.Tensor):
-        return False
+    if n != 128 or h_new.shape[-1] != 512 or k_new.shape[1] != 4 * G:
+        return f"head dim {n}, latent rank {h_new.shape[-1]}, {k_new.shape[1]} KV heads in {G} groups (128, 512, 4 per group)"
+    if not kernel_heads(H, 4 * G):
+        return f"{H} query heads over {4 * G} KV heads (a whole number per KV head)"
+    if not q.is_cuda:
+        return "CPU tensors (it runs on a GPU)"
+    if not isinstance(view.next_pos, torch.Tensor):
+        return "next_pos is not a device tensor"
     r = _levels(view)
-    if r is None or any(not isinstance(x.length, torch.Tensor) for x in r):
-        return False
-    return available(q.device)
+    if isinstance(r, str):
+        return r
+    if any(not isinstance(x.length, torch.Tensor) for x in r):
+        return "region lengths are not device tensors"
+    if not available(q.device):
+        return f"not available on {q.device} (a Hopper GPU, sm_90, and NVRTC or nvcc for its first build)"
+    return None
 
 
 def query_sets(H: int, G: int) -> int:
@@ -225,7 +241,17 @@ def latent_attention(
     *,
     pdl: bool = True,
 ) -> torch.Tensor:
-    """z [B, 1, H, 512] float32 (tale_runtime.attention.latent_attention's result) for a call `supported` accepts."""
+    """z [B, 1, H, 512] float32, tale_runtime.attention.latent_attention's result, by the CUDA kernel. A decode step
+    (T = 1) it does not serve (`supported`: float32 queries, a view of another layout, a GPU without the kernel) is
+    refused with a ValueError that names why; it never runs anything slower in the kernel's name. A call of several
+    new tokens (a prefill chunk: the backend signature takes T tokens, the kernel decodes one) is the torch
+    reference's by design, z [B, T, H, 512]."""
+    if q.shape[2] != 1:  # a prefill chunk: not a decode step
+        from tale_runtime.attention import latent_attention as reference
+
+        return reference(q, k_new, h_new, view, scaling, window)
+    if why := supported(q, k_new, h_new, view):
+        raise ValueError(f"cuda latent attention: {why}")
     B, H = q.shape[0], q.shape[1]
     G = h_new.shape[1]
     sinks, l2, l4, res = _levels(view)

@@ -11,16 +11,36 @@
   tries.
 
 Each `supports` reads only the cache's spec (shapes, schedule, device): the decision is made once, when the cache is
-made. A call a kernel still declines (a format it does not read) runs on the torch reference inside the kernel's
-entry point, as before.
+made, and covers every format a kernel's entry point checks of a call, so a cache a backend accepted never hands it a
+decode step it cannot serve. The kernels' entry points refuse such a step (ValueError with the reason) instead of
+running the torch reference under their name. What the spec cannot see, the dtype of the call's queries (and for
+"cuda" the device of the layer), each backend checks per call (`declines`): the cache then runs the torch reference,
+warns once and counts the call, and tale-run's stats line says so beside the backend's name
+(tale_runtime.backends.ReferenceCalls).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from tale_runtime import backends, frag
 from tale_runtime.spec import CacheSpec
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _call_dtypes(q, k_new, h_new, want: torch.dtype | None = None) -> str | None:
+    """Why a decode call's dtypes are not what a kernel reads (None: they are): queries in the dtype of the new keys
+    and latents (the cache's), and `want` where the kernel reads one dtype only."""
+    if want is not None and q.dtype != want:
+        return f"{_name(q.dtype)} queries (the kernel reads {_name(want)})"
+    if k_new.dtype != q.dtype or h_new.dtype != q.dtype:
+        return f"{_name(q.dtype)} queries over {_name(k_new.dtype)} keys"
+    return None
 
 
 def _triton_common(spec: CacheSpec) -> str | None:
@@ -37,18 +57,11 @@ def _triton_common(spec: CacheSpec) -> str | None:
 
 
 def _triton_reason(spec: CacheSpec) -> str | None:
-    s = spec.schedule
     if why := _triton_common(spec):
         return why
-    if any(lv.key_rank for lv in s.levels):
-        return "low-rank keys (key_rank) are read by the torch reference only"
-    if s.key_rope != "post":
-        return "keys held before RoPE (key_rope 'pre') are read by the torch reference only"
-    if any(lv.key_axis != "channel" for lv in s.levels):
-        return "per-token keys (key_axis 'token') are read by the torch reference only"
-    if any(lv.bits == 3 for lv in s.levels):
-        return "3-bit latents are read by the torch reference only"
-    return None
+    from .attention import schedule_reason
+
+    return schedule_reason(spec.schedule, spec.arch.head_dim)
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,9 @@ class TritonBackend(backends.AttentionBackend):
     def supports(self, spec: CacheSpec) -> str | None:
         return _triton_reason(spec)
 
+    def declines(self, q, k_new, h_new, view) -> str | None:
+        return _call_dtypes(q, k_new, h_new)
+
     def run(self, q, k_new, h_new, view, scaling, window):
         from .attention import latent_attention
 
@@ -67,8 +83,6 @@ class TritonBackend(backends.AttentionBackend):
 
 
 def _cuda_reason(spec: CacheSpec) -> str | None:
-    import torch
-
     s, a = spec.schedule, spec.arch
     if not spec.static:
         return "reads static caches only (new_cache(model, static=True))"
@@ -99,11 +113,19 @@ class CudaBackend(backends.AttentionBackend):
     def supports(self, spec: CacheSpec) -> str | None:
         return _cuda_reason(spec)
 
+    def declines(self, q, k_new, h_new, view) -> str | None:
+        # what the spec cannot see: the queries' dtype (the spec's is the model's first weight's) and device
+        from . import mma_attention
+
+        if why := _call_dtypes(q, k_new, h_new, torch.bfloat16):
+            return why
+        if not mma_attention.available(q.device):
+            return f"a layer on {q.device}, where the kernel is not available"
+        return None
+
     def run(self, q, k_new, h_new, view, scaling, window):
         from . import mma_attention
 
-        if not mma_attention.supported(q, k_new, h_new, view):  # float32 queries, a view of another layout
-            return backends.TORCH.run(q, k_new, h_new, view, scaling, window)
         return mma_attention.latent_attention(q, k_new, h_new, view, scaling, window)
 
 
@@ -132,6 +154,9 @@ class LowRankBackend(backends.AttentionBackend):
 
     def supports(self, spec: CacheSpec) -> str | None:
         return _lowrank_reason(spec)
+
+    def declines(self, q, k_new, h_new, view) -> str | None:
+        return _call_dtypes(q, k_new, h_new)
 
     def run(self, q, k_new, h_new, view, scaling, window):
         from .lowrank_attention import latent_attention_lowrank
@@ -176,6 +201,9 @@ class CudaLowRankBackend(backends.AttentionBackend):
 
     def supports(self, spec: CacheSpec) -> str | None:
         return _cuda_lowrank_reason(spec)
+
+    def declines(self, q, k_new, h_new, view) -> str | None:
+        return _call_dtypes(q, k_new, h_new)
 
     def run(self, q, k_new, h_new, view, scaling, window):
         from .lowrank_attention import latent_attention_lowrank

@@ -15,12 +15,19 @@ names no kernel module. A backend may also offer accelerated cache writes (`ops`
 
 A call of more than one new token (a prefill chunk after a prefix) always runs on the reference: the kernels are
 decode kernels. Backends must not sync with the host on a decode step: a static cache's step is a CUDA graph.
+
+No decode step runs on anything slower than the backend the cache names without saying so. What a backend cannot
+serve is refused from the spec, when the cache is made (`supports`); a kernel's entry point refuses a decode step it
+cannot serve (ValueError) instead of running the reference in its name. What only the call shows (`declines`: the
+queries' dtype, the device of a layer) runs on the reference, and the cache counts it (`ReferenceCalls`): a warning
+the first time, and tale-run's stats line beside the backend's name.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -45,6 +52,12 @@ class AttentionBackend:
 
     def supports(self, spec: CacheSpec) -> str | None:
         """None if this backend serves a cache of `spec`, else a one-line reason."""
+        return None
+
+    def declines(self, q, k_new, h_new, view) -> str | None:
+        """Why this backend does not serve this decode call of a cache it accepted (a condition of the call that its
+        spec cannot show: the queries' dtype, the device of a layer), else None. The cache then runs the call on the
+        torch reference and counts it (CacheStep.attend). Everything the spec decides belongs in `supports`."""
         return None
 
     def run(self, q, k_new, h_new, view, scaling: float, window: int | None) -> torch.Tensor:
@@ -79,6 +92,47 @@ class TorchReference(AttentionBackend):
 
 
 TORCH = TorchReference()
+
+
+@dataclass
+class ReferenceCalls:
+    """A cache's decode attention calls (one per layer and step) and, per reason, those its backend handed to the torch
+    reference (`AttentionBackend.declines`). A CUDA graph replays its captured calls: graph decoders add them per
+    replay (`add`)."""
+
+    calls: int = 0
+    reference: Counter = field(default_factory=Counter)
+
+    def count(self, backend: AttentionBackend, why: str | None) -> None:
+        self.calls += 1
+        if why is None:
+            return
+        if not self.reference[why]:
+            msg = f"attention backend {backend.name!r}: a decode call it does not serve runs on the torch reference: {why}"
+            warnings.warn(msg, stacklevel=3)
+        self.reference[why] += 1
+
+    def copy(self) -> ReferenceCalls:
+        return ReferenceCalls(self.calls, Counter(self.reference))
+
+    def since(self, before: ReferenceCalls) -> ReferenceCalls:
+        """The calls counted after `before` (a copy taken earlier)."""
+        return ReferenceCalls(self.calls - before.calls, self.reference - before.reference)
+
+    def add(self, other: ReferenceCalls) -> None:
+        self.calls += other.calls
+        self.reference.update(other.reference)
+
+    def restore(self, before: ReferenceCalls) -> None:
+        self.calls, self.reference = before.calls, Counter(before.reference)
+
+    def note(self) -> str:
+        """What the stats line adds to the backend's name: '' when every decode call ran on the backend."""
+        if not self.reference:
+            return ""
+        many = len(self.reference) > 1
+        why = "; ".join(f"{r} ({n} call{'s' if n > 1 else ''})" if many else r for r, n in self.reference.items())
+        return f"{sum(self.reference.values())} of {self.calls} decode calls ran the torch reference: {why}"
 
 
 @dataclass

@@ -35,7 +35,7 @@ from transformers.cache_utils import CacheLayerMixin
 from . import key_basis
 from .artifact import Schedule
 from .attention import apply_rope, cached_keys, key_mass
-from .backends import TORCH, AttentionBackend
+from .backends import TORCH, AttentionBackend, ReferenceCalls
 from .key_basis import KeyBasis
 from .placement import demotions, fill_counts, flush_count
 from .quant import Bands, QTensor, cat, dequantize, quantize, quantize_bands, requantize, split, take
@@ -71,7 +71,9 @@ class CacheStep:
     """What both TALE caches (model.TaleCache, static_cache.StaticTaleCache) share around a forward pass.
 
     - `backend`: the decode-attention backend chosen when the cache was made (tale_runtime.backends); `attend` runs
-      it over a layer's view, `layout` is the static layout it reads.
+      it over a layer's view, `layout` is the static layout it reads. A decode call the backend declines
+      (`AttentionBackend.declines`: a condition of the call its spec could not show) runs on the torch reference and is
+      counted in `reference_calls`, which the stats line reads beside `backend_name`.
     - The step: whoever runs the model over the cache (the model's forward, DecodeStep, the CUDA-graph decoder) opens
       one per forward pass of T new tokens (`with cache.step(T):`); every layer's `update` writes inside it and the
       cache settles its bookkeeping when it closes. `graph=True`: the step is being captured into a CUDA graph (the
@@ -80,10 +82,24 @@ class CacheStep:
 
     backend: AttentionBackend = TORCH
     _step = None
+    _reference_calls: ReferenceCalls | None = None
 
     def attend(self, layer_idx: int, q, k_new, h_new, scaling: float, window: int | None = None):
         """Latent attention of the new tokens over layer `layer_idx`'s cached tokens: z [B, T, H, R] float32."""
-        return self.backend(q, k_new, h_new, self.layers[layer_idx].view(), scaling, window)
+        view, b = self.layers[layer_idx].view(), self.backend
+        if q.shape[2] == 1:  # a decode call (several tokens are the reference's by design: not counted)
+            why = b.declines(q, k_new, h_new, view)
+            self.reference_calls.count(b, why)
+            if why is not None:  # counted and warned about: the stats line names it beside the backend
+                return TORCH.run(q, k_new, h_new, view, scaling, window)
+        return b(q, k_new, h_new, view, scaling, window)
+
+    @property
+    def reference_calls(self) -> ReferenceCalls:
+        """The decode calls of this cache and those its backend handed to the torch reference (backends.ReferenceCalls)."""
+        if self._reference_calls is None:
+            self._reference_calls = ReferenceCalls()
+        return self._reference_calls
 
     @property
     def backend_name(self) -> str:

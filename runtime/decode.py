@@ -33,6 +33,7 @@ import weakref
 import torch
 
 from . import families
+from .backends import ReferenceCalls
 from .model import TaleAttention, cache_arg, rotate, rotation
 from .static_cache import StaticTaleCache
 
@@ -174,6 +175,7 @@ class CudaGraphDecoder(_OverCache):
         self.warm = False  # one plain step ran eagerly (on a side stream) before the capture
         self.ids = self.pos = self.logits = None
         self.error: str | None = None  # why capturing failed; the steps then stay eager
+        self.step_calls = ReferenceCalls()  # the decode attention calls of one replay (cache.reference_calls)
         self.step: DecodeStep | None = DecodeStep(model, cache) if compile and supports_step(model) else None
         self.compiled = False  # the step's graphs were compiled (by _compile, before any step touched the cache)
         self.compile_s = 0.0  # seconds _compile took (dynamo + inductor + Triton; 0 from the caches when warm)
@@ -229,18 +231,25 @@ class CudaGraphDecoder(_OverCache):
             torch.cuda.current_stream().wait_stream(s)
             self.warm = self.warm or plain
             return logits
+        calls = self.cache.reference_calls
         if self.graph is None:
             self.graph = torch.cuda.CUDAGraph()
+            before = calls.copy()
             try:
                 # a recompile inside the capture would compile and benchmark kernels there: fail at once instead
                 with torch._dynamo.config.patch(error_on_recompile=True), torch.cuda.graph(self.graph):
                     self.logits = self._forward(self.ids, self.pos, graph=True)
             except Exception as e:  # noqa: BLE001  (the captured work never ran; the host counts did not move)
+                calls.restore(before)
                 self.graph, self.error = None, f"{type(e).__name__}: {e}"
                 warnings.warn(f"CUDA graph capture failed, decoding eagerly: {self.error}", stacklevel=2)
                 self.cache.sync_device()  # device counters from the host's, should anything of the capture have run
                 return self(ids, position_ids)
+            # the capture counted one step's attention calls (the reference's included) that only replays run
+            self.step_calls = calls.since(before)
+            calls.restore(before)
         self.graph.replay()
+        calls.add(self.step_calls)
         self.cache.advance()
         return self.logits
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from .backends import ReferenceCalls
 from .console import UserError
 from .decode import graph_decoder
 from .load import new_cache
@@ -32,6 +34,10 @@ class GenStats:
     baseline_bytes: int  # 16-bit K+V of the same tokens
     nominal_ratio: float | None  # artifact.nominal_ratio of the schedule: no sinks, scales, zeros, residual
     attention: str = ""  # the decode attention backend (cache.backend_name)
+    # decode attention calls (one per layer and step) and, per reason, those the backend handed to the torch
+    # reference (cache.reference_calls: a condition of the call its cache's spec could not show)
+    attention_calls: int = 0
+    attention_reference: dict[str, int] = field(default_factory=dict)
     reused_tokens: int = 0  # prompt tokens the cache held already (a chat's earlier turns): not prefilled again
     # the first decode steps of a CUDA-graph decoder, up to its first replay, part of decode_s: they compile the step
     # (once per model and process), run one step eagerly and capture the graph (once per cache); the speed is of the
@@ -70,8 +76,16 @@ class GenStats:
             f"prefill {self.prefill_s:.2f} s, decode {speed} | "
             f"cache {_mib(self.cache_bytes)} vs 16-bit K+V {_mib(self.baseline_bytes)}: "
             f"measured {self.ratio:.2f}x (nominal {nominal})"
-            + (f" | attention: {self.attention}" if self.attention else "")
+            + (f" | attention: {self.attention_named()}" if self.attention else "")
         )
+
+    def attention_named(self) -> str:
+        """The backend's name, with how many decode calls it handed to the torch reference and why, if any:
+        'cuda kernel (fragment layout; 2 of 64 decode calls ran the torch reference: float32 queries ...)'."""
+        note = ReferenceCalls(self.attention_calls, Counter(self.attention_reference)).note()
+        if not note:
+            return self.attention
+        return f"{self.attention[:-1]}; {note})" if self.attention.endswith(")") else f"{self.attention} ({note})"
 
 
 def _mib(n: int) -> str:
@@ -262,6 +276,7 @@ def generate(
             static = device.type == "cuda" and model.tale_spec.schedule.fast_path()
         cache = new_cache(model, static=static, max_length=ids.shape[1] + max_new_tokens if static else None)
     held = cache.get_seq_length()
+    calls = cache.reference_calls.copy() if isinstance(cache, (TaleCache, StaticTaleCache)) else None
     if held >= ids.shape[1]:
         raise ValueError(f"the cache holds {held} tokens; the sequence to continue has {ids.shape[1]}")
     graphed = isinstance(cache, StaticTaleCache) and _graphs(device)
@@ -315,23 +330,28 @@ def generate(
             if done:
                 break
     except KeyboardInterrupt as e:  # Ctrl-C mid-generation: tale-run prints the stats of what was generated
-        e.tale_stats = _stats(model, cache, ids.shape[1], len(out), prefill_s, time.perf_counter() - t1, held)
+        e.tale_stats = _stats(model, cache, ids.shape[1], len(out), prefill_s, time.perf_counter() - t1, held, calls)
         raise
     _sync(device)
     decode_s = time.perf_counter() - t1 if len(out) > 1 else 0.0
     if stream is not None and (text := stream.flush()):
         on_text(text)
-    stats = _stats(model, cache, ids.shape[1], len(out), prefill_s, decode_s, held)
+    stats = _stats(model, cache, ids.shape[1], len(out), prefill_s, decode_s, held, calls)
     if not (decode_s and first_steps):
         return out, stats
     return out, replace(stats, first_step_s=first_s, first_steps=first_steps)
 
 
-def _stats(model, cache, prompt: int, generated: int, prefill_s: float, decode_s: float, held: int = 0) -> GenStats:
+def _stats(
+    model, cache, prompt: int, generated: int, prefill_s: float, decode_s: float, held: int = 0, calls=None
+) -> GenStats:
+    """`calls`: the cache's reference_calls before this generation (its stats count this generation's calls only)."""
     if not isinstance(cache, (TaleCache, StaticTaleCache)):  # transformers' cache (the full 16-bit baseline)
         full = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
         half = sum(t.numel() * 2 for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
-        return GenStats(prompt, generated, prefill_s, decode_s, full, half, None, "full cache (base attention)", held)
+        base = "full cache (base attention)"
+        return GenStats(prompt, generated, prefill_s, decode_s, full, half, None, base, reused_tokens=held)
+    mine = cache.reference_calls.since(calls) if calls is not None else cache.reference_calls
     return GenStats(
         prompt_tokens=prompt,
         generated_tokens=generated,
@@ -341,5 +361,7 @@ def _stats(model, cache, prompt: int, generated: int, prefill_s: float, decode_s
         baseline_bytes=cache.baseline_nbytes(),
         nominal_ratio=model.tale_spec.nominal_ratio(cache.schedule),
         attention=cache.backend_name,
+        attention_calls=mine.calls,
+        attention_reference=dict(mine.reference),
         reused_tokens=held,
     )

@@ -3,6 +3,7 @@ layout's bytes, and a static cache held in it keeps exactly the tokens of the dy
 attention shapes per latent group: 4 KV heads of dim 128, the paper preset's ranks 256 / 512)."""
 
 import os
+import re
 from dataclasses import replace
 
 import pytest
@@ -112,9 +113,11 @@ def test_frag_layout_refused_where_it_does_not_fit():
     assert plain.layout == "row"
 
 
-def test_the_kernels_decline_what_they_do_not_read():
-    """The CUDA kernel declines a fragment view of CPU tensors and the Triton kernel any fragment view (even in the
-    interpreter): each then gives the torch reference's result; the cuda backend object falls back the same way."""
+def test_the_kernels_refuse_what_they_do_not_read():
+    """A decode step a kernel does not serve is refused with its reason, not run on the torch reference in the kernel's
+    name: the CUDA kernel refuses a fragment view of CPU tensors, the Triton kernel any fragment view (in the
+    interpreter; CPU tensors without it), and the cuda backend object runs the CUDA kernel's entry point. A chunk of
+    two tokens is the reference's by design."""
     from tale_kernels import attention, mma_attention
 
     sta = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=300, layout="frag")
@@ -128,11 +131,23 @@ def test_the_kernels_decline_what_they_do_not_read():
         torch.randn(1, K, 1, n).bfloat16(),
         torch.randn(1, G, 1, R).bfloat16(),
     )
-    assert not mma_attention.supported(q, kn, hn, v)  # CPU tensors
-    assert not attention.supported(q, kn, hn, v)
-    want = latent_attention(q, kn, hn, v, 0.1)
-    assert torch.equal(attention.latent_attention(q, kn, hn, v, 0.1), want)
-    assert torch.equal(backends.get("cuda")(q, kn, hn, v, 0.1), want)
+    assert mma_attention.supported(q, kn, hn, v) == "CPU tensors (it runs on a GPU)"
+    with pytest.raises(ValueError, match=r"^cuda latent attention: CPU tensors \(it runs on a GPU\)$"):
+        mma_attention.latent_attention(q, kn, hn, v, 0.1)
+    with pytest.raises(ValueError, match=r"^cuda latent attention: CPU tensors"):
+        backends.get("cuda")(q, kn, hn, v, 0.1)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        why = "a view in the CUDA kernel's fragment layout"
+    else:
+        why = "CPU tensors (it runs on CUDA, or on the CPU under TRITON_INTERPRET=1)"
+    assert attention.supported(q, kn, hn, v) == why
+    with pytest.raises(ValueError, match=f"^triton latent attention: {re.escape(why)}$"):
+        attention.latent_attention(q, kn, hn, v, 0.1)
+    q2, k2, h2 = (t.expand(-1, -1, 2, -1) for t in (q, kn, hn))
+    want = latent_attention(q2, k2, h2, v, 0.1)
+    assert torch.equal(mma_attention.latent_attention(q2, k2, h2, v, 0.1), want)
+    assert torch.equal(attention.latent_attention(q2, k2, h2, v, 0.1), want)
+    assert torch.equal(backends.get("cuda")(q2, k2, h2, v, 0.1), want)
 
 
 def spec_of(heads, schedule=PAPER, static=True, device="cuda", dtype=torch.bfloat16):

@@ -7,6 +7,7 @@ Every check draws fresh random inputs.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -227,7 +228,7 @@ def test_decode_attention_matches_reference(case, dtype):
         q = torch.randn(B, H, 1, n, device=DEVICE, dtype=dtype)
         k = torch.randn(B, K, 1, n, device=DEVICE, dtype=dtype)
         h = torch.randn(B, G, 1, R, device=DEVICE, dtype=dtype)
-        assert attention.supported(q, k, h, c)  # the kernel, not the reference it falls back to
+        assert attention.supported(q, k, h, c) is None  # the kernel serves it (else the call is refused)
         z = tale_kernels.latent_attention(q, k, h, c, n**-0.5, config=TritonConfig(**kw))
         assert z.shape == (B, 1, H, R) and z.dtype == torch.float32
         assert rel(z, ref_attention(q, k, h, c, n**-0.5)) < TOL[dtype]
@@ -353,7 +354,7 @@ def test_sliding_layers_ring_matches_reference(dtype):
         v = layer.view()
         assert len(v.regions) == 1 and v.regions[0].capacity == W - 1
         q, k, h = rnd(2, 4, 1, n), rnd(2, K, 1, n), rnd(2, G, 1, R)
-        assert attention.supported(q, k, h, v)
+        assert attention.supported(q, k, h, v) is None
         z, want = tale_kernels.latent_attention(q, k, h, v, 0.25, W), ref_attention(q, k, h, v, 0.25, W)
         assert rel(z, want) < TOL[dtype], t
         for _ in range(3):
@@ -412,7 +413,7 @@ def test_view_with_capacity_device_lengths_and_any_order(dtype):
         torch.randn(2, 4, 1, 64, device=DEVICE, dtype=dtype),
         torch.randn(2, 2, 1, 128, device=DEVICE, dtype=dtype),
     )
-    assert attention.supported(q, k, h, view)
+    assert attention.supported(q, k, h, view) is None
     z = tale_kernels.latent_attention(q, k, h, view, 0.125, config=TritonConfig(split_tokens=32))
     want = ref_attention(q, k, h, c, 0.125)
     assert torch.isfinite(z).all()
@@ -442,7 +443,7 @@ def test_channel_major_latents_read_like_row_major(dtype, group):
     packed = [r for r in view.regions if r.lat.bits < 8]
     assert {r.lat.bits for r in packed} == {2, 4} and all(r.lat.data.stride(-2) == 1 for r in packed)
     assert all(attention._region_args(r, q, 4, 64, 2, group, 64, 1, ())[1][14] for r in packed)  # read in place
-    assert attention.supported(q, k, h, view)
+    assert attention.supported(q, k, h, view) is None
     z = tale_kernels.latent_attention(q, k, h, view, 0.125, config=TritonConfig(split_tokens=32))
     assert (
         rel(z, tale_kernels.latent_attention(q, k, h, v, 0.125, config=TritonConfig(split_tokens=32))) < 1e-5
@@ -482,29 +483,34 @@ def test_bfloat16_cache_metadata_formats():
     with pytest.raises(ValueError, match="round this cache's float16 scales"):
         tale_kernels.latent_attention(q, k, h, v, 0.2, config=TritonConfig(dot=bf))
     vb = held_meta(v, bf, 1.0)
-    assert attention.supported(q, k, h, vb)
+    assert attention.supported(q, k, h, vb) is None
     if CUDA:  # the interpreter has no bfloat16 dots (test_float16_operands_round_finer_than_bfloat16)
         assert rel(tale_kernels.latent_attention(q, k, h, vb, 0.2), ref_attention(q, k, h, vb, 0.2)) < 2e-2
-    assert not attention.supported(q, k, h, held_meta(v, torch.float16, 1.0))
+    why = attention.supported(q, k, h, held_meta(v, torch.float16, 1.0))
+    assert (
+        why == "key scales/zeros of format '16' in torch.float16/torch.float16 (shift 1.0) for torch.bfloat16 queries"
+    )
 
 
 def test_refuses_formats_it_does_not_read():
-    """Scales in another dtype (e.g. a future 8-bit/fp8 metadata format), or a QTensor subclass:
-    the kernel declines and the reference runs."""
+    """Scales in another dtype (e.g. a future 8-bit/fp8 metadata format), or a QTensor subclass: the kernel refuses
+    the decode step with the reason, it does not run the reference in its name."""
     c = layer_cache(1, 8, 4, 2, 64, 100, torch.float32)
     q, k, h = (
         torch.randn(1, 8, 1, 64, device=DEVICE),
         torch.randn(1, 4, 1, 64, device=DEVICE),
         torch.randn(1, 2, 1, 128, device=DEVICE),
     )
-    assert attention.supported(q, k, h, c)
+    assert attention.supported(q, k, h, c) is None
     v = c.view()
     lv = next(i for i, r in enumerate(v.regions) if r.lat.bits != 16)
     r = v.regions[lv]
     odd = ref_quant.QTensor(r.lat.data, r.lat.scale.half(), r.lat.zero.half(), r.lat.bits, r.lat.group, r.lat.dim)
     v.regions[lv] = Region(r.keys, odd, r.rank, r.pos, r.length)
-    assert not attention.supported(q, k, h, v)
-    assert torch.equal(tale_kernels.latent_attention(q, k, h, v, 0.2), ref_attention(q, k, h, v, 0.2))
+    why = "latent scales/zeros of format '16' in torch.float16/torch.float16 (shift 1.0) for torch.float32 queries"
+    assert attention.supported(q, k, h, v) == why
+    with pytest.raises(ValueError, match=f"^triton latent attention: {re.escape(why)}$"):
+        tale_kernels.latent_attention(q, k, h, v, 0.2)
 
     class Other(ref_quant.QTensor):
         pass
@@ -512,7 +518,7 @@ def test_refuses_formats_it_does_not_read():
     v.regions[lv] = Region(
         r.keys, Other(r.lat.data, r.lat.scale, r.lat.zero, r.lat.bits, r.lat.group, r.lat.dim), r.rank, r.pos, r.length
     )
-    assert not attention.supported(q, k, h, v)
+    assert attention.supported(q, k, h, v) == "a QTensor subclass in a region"
 
 
 @pytest.mark.parametrize("bits", [(8, 8), (16, 4), (4, 16)])
@@ -532,20 +538,26 @@ def test_other_bit_widths_and_exact_levels(bits):
     assert rel(tale_kernels.latent_attention(*args), ref_attention(*args)) < TOL[torch.float32]
 
 
-def test_falls_back_to_the_reference(monkeypatch):
+def test_prefill_chunks_run_the_reference_decode_steps_the_kernel(monkeypatch):
+    """A chunk of several new tokens is the reference's by design (the backend signature takes T tokens, the kernel
+    decodes one); a decode step runs the kernel, and one it cannot serve (CPU tensors without the interpreter) is
+    refused with the reason."""
     c = layer_cache(1, 8, 4, 2, 16, 40, torch.float32)
     q, k, h = (
         torch.randn(1, 8, 2, 16, device=DEVICE),
         torch.randn(1, 4, 2, 16, device=DEVICE),
         torch.randn(1, 2, 2, 32, device=DEVICE),
     )
-    assert not attention.supported(q, k, h, c)  # a chunk of two tokens
+    assert attention.supported(q, k, h, c) == "2 new tokens (the kernel decodes one)"
     assert torch.equal(tale_kernels.latent_attention(q, k, h, c, 0.25), ref_attention(q, k, h, c, 0.25))
     q, k, h = q[:, :, :1], k[:, :, :1], h[:, :, :1]
-    assert attention.supported(q, k, h, c)
+    assert attention.supported(q, k, h, c) is None
     if not CUDA:  # CPU tensors use the kernel only when the interpreter is asked for
         monkeypatch.delenv("TRITON_INTERPRET")
-        assert not attention.supported(q, k, h, c)
+        why = "CPU tensors (it runs on CUDA, or on the CPU under TRITON_INTERPRET=1)"
+        assert attention.supported(q, k, h, c) == why
+        with pytest.raises(ValueError, match=re.escape(f"triton latent attention: {why}")):
+            tale_kernels.latent_attention(q, k, h, c, 0.25)
         assert not quant.supports(k.shape, 2, 1, -2, k)
 
 
@@ -672,7 +684,7 @@ def test_formats_beyond_the_plain_layout_match_reference(fmt, dtype):
         mixed = LayerView(v.regions + plain.view().regions[::-1], v.next_pos)
         # the mixed view also with the opt-in 3-bit PTX unpack (compiled runs; the interpreter takes the plain path)
         for view, kw in ((v, dict(split_tokens=32, q_in_loop=step != 1)), (mixed, {}), (mixed, dict(asm=(2, 3, 4)))):
-            assert attention.supported(q, k, h, view)
+            assert attention.supported(q, k, h, view) is None
             z = tale_kernels.latent_attention(q, k, h, view, n**-0.5, config=TritonConfig(**kw))
             assert rel(z, ref_attention(q, k, h, view, n**-0.5)) < TOL[dtype]
         c.append(k, h)
@@ -697,7 +709,7 @@ def test_fp8_bias_is_read():
     for bias in (r.keys.bias * 2, torch.tensor(r.keys.bias * 2, device=DEVICE)):
         keys, lat = replace(r.keys, bias=bias), replace(r.lat, bias=bias)
         v.regions[i] = Region(keys, lat, r.rank, r.pos, r.length)
-        assert attention.supported(q, k, h, v)
+        assert attention.supported(q, k, h, v) is None
         z = tale_kernels.latent_attention(q, k, h, v, n**-0.5)
         want = ref_attention(q, k, h, v, n**-0.5)
         assert rel(z, want) < TOL[torch.float32] and rel(z, z0) > 1e-2
@@ -725,7 +737,7 @@ def test_static_cache_of_the_tale_preset_matches_reference():
         v = layer.view()
         q = torch.randn(2, 4, 1, n, generator=gen).to(DEVICE)
         k, h = torch.randn(2, K, 1, n, generator=gen).to(DEVICE), torch.randn(2, G, 1, R, generator=gen).to(DEVICE)
-        assert attention.supported(q, k, h, v)
+        assert attention.supported(q, k, h, v) is None
         z = tale_kernels.latent_attention(q, k, h, v, 0.25)
         assert rel(z, ref_attention(q, k, h, v, 0.25)) < TOL[torch.float32]
         layer.append(k, h)

@@ -9,6 +9,7 @@ computed in the kernel. On CPU the kernel runs in Triton's interpreter (TRITON_I
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 import pytest
@@ -250,7 +251,7 @@ def test_basis_per_latent_group(B):
 
 def test_basis_blocks_the_kernel_refuses():
     """Blocks of whole heads run (3 blocks over 6 KV heads); 4 blocks over 6 heads straddle heads, and coefficients
-    that do not match the basis' blocks are left to the reference."""
+    that do not match the basis' blocks are refused with the reason."""
     lay = Layout(H=12, K=6, G=3, r=8, lens=(4, 20, 8, 0, 2))
     rot = rotary(lay.n)
     q, k, h = new_token(lay, rot)
@@ -309,10 +310,12 @@ def test_without_rope_scaling_and_supported_reasons():
     assert rel(lra.latent_attention_lowrank(q, k, h, view, 0.2, rope=rot), ref) < 1e-4
     inv = (rot.inv_freq, rot.attention_scaling)
     assert rel(lra.latent_attention_lowrank(q, k, h, view, 0.2, rope=inv), ref) < 1e-4
-    assert "one" in lra.supported(q.expand(-1, -1, 2, -1), k, h, view)  # two new tokens: the reference
+    q2, k2, h2 = (t.expand(-1, -1, 2, -1) for t in (q, k, h))  # two new tokens: the reference's by design
+    assert lra.supported(q2, k2, h2, view) == "2 new tokens (the kernel decodes one)"
+    assert torch.equal(lra.latent_attention_lowrank(q2, k2, h2, view, 0.2), ref_attention(q2, k2, h2, view, 0.2))
     half = (rot.inv_freq[: lay.n // 4], 1.0)
     assert "inv_freq" in lra.supported(q, k, h, view, rope=half)
-    # a region's own Rotary serves like a given rotary; one of the wrong size or dtype is left to the reference
+    # a region's own Rotary serves like a given rotary; one of the wrong size or dtype is refused with the reason
     B = q.shape[0]
     own = [replace(r, rope=Rotary(rot.inv_freq, rot.attention_scaling, torch.zeros(B, dtype=torch.int32, device=q.device), q.dtype)) if r.rope is not None else r for r in view.regions]  # fmt: skip
     assert rel(lra.latent_attention_lowrank(q, k, h, LayerView(own, view.next_pos), 0.2), ref) < 1e-4
@@ -320,8 +323,11 @@ def test_without_rope_scaling_and_supported_reasons():
         Rotary(rot.inv_freq[: lay.n // 4], 1.0, own[1].rope.offset, q.dtype),
         replace(own[1].rope, dtype=torch.float16),
     ):
-        odd = [replace(r, rope=bad) if r.rope is not None else r for r in view.regions]
-        assert "Rotary" in lra.supported(q, k, h, LayerView(odd, view.next_pos))
+        odd = LayerView([replace(r, rope=bad) if r.rope is not None else r for r in view.regions], view.next_pos)
+        why = lra.supported(q, k, h, odd)
+        assert why.startswith("a Rotary of ")
+        with pytest.raises(ValueError, match=f"^triton low-rank-key latent attention: {re.escape(why)}$"):
+            lra.latent_attention_lowrank(q, k, h, odd, 0.2)
 
 
 @pytest.mark.parametrize("static", [False, True])

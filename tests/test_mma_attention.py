@@ -77,7 +77,7 @@ def test_matches_the_reference(B, prompt, steps, pad, window, heads):
     q = torch.randn(B, heads, 1, n, device="cuda", generator=gen).bfloat16()
     kn = torch.randn(B, K, 1, n, device="cuda", generator=gen).bfloat16() * 2
     hn = torch.randn(B, G, 1, R, device="cuda", generator=gen).bfloat16()
-    assert mma_attention.supported(q, kn, hn, v)
+    assert mma_attention.supported(q, kn, hn, v) is None
     want = reference(q, kn, hn, v, n**-0.5, window)
     for pdl in (False, True):
         poison()
@@ -86,26 +86,44 @@ def test_matches_the_reference(B, prompt, steps, pad, window, heads):
     poison()
     assert c.backend.name == "cuda"  # new_cache chose it; the cache's own call runs it
     assert rel(c.attend(0, q, kn, hn, n**-0.5, window), want) <= 5e-3
-    # the fragment layout is not the Triton kernel's: it declines and the reference serves it
-    assert torch.equal(latent_attention(q, kn, hn, v, n**-0.5, window), want)
+    # the fragment layout is not the Triton kernel's: it refuses the call, it does not run the reference in its name
+    with pytest.raises(ValueError, match="^triton latent attention: a view in the CUDA kernel's fragment layout$"):
+        latent_attention(q, kn, hn, v, n**-0.5, window)
 
 
 def test_not_taken_where_it_does_not_apply():
+    """A call the kernel does not serve is refused with its reason; float32 queries, which the cache's spec cannot
+    show, reach the reference through the cache, which warns and counts them for the stats line."""
     from tale_kernels import mma_attention
 
     c, gen = filled(1, 200, 0)
     v = c.layers[0].view()
     q = torch.randn(1, H, 1, n, device="cuda").bfloat16()
     kn, hn = torch.randn(1, K, 1, n, device="cuda").bfloat16(), torch.randn(1, G, 1, R, device="cuda").bfloat16()
-    assert mma_attention.supported(q, kn, hn, v)
-    assert not mma_attention.supported(q.float(), kn, hn, v)  # float32 queries
-    assert not mma_attention.supported(q.expand(1, H, 2, n), kn, hn, v)  # a chunk of 2 tokens
+    assert mma_attention.supported(q, kn, hn, v) is None
+    assert mma_attention.supported(q.float(), kn, hn, v) == "float32 queries (it reads bfloat16)"
+    with pytest.raises(ValueError, match=r"^cuda latent attention: float32 queries \(it reads bfloat16\)$"):
+        c.backend(q.float(), kn, hn, v, n**-0.5)
+    assert c.backend.declines(q.float(), kn, hn, v) == "float32 queries (the kernel reads bfloat16)"
+    assert c.backend.declines(q, kn, hn, v) is None
+    with pytest.warns(UserWarning, match="'cuda'.*torch reference: float32 queries"):
+        z = c.attend(0, q.float(), kn, hn, n**-0.5)
+    assert torch.equal(z, reference(q.float(), kn, hn, v, n**-0.5))
+    c.attend(0, q, kn, hn, n**-0.5)
+    assert (
+        c.reference_calls.note()
+        == "1 of 2 decode calls ran the torch reference: float32 queries (the kernel reads bfloat16)"
+    )
+    q2 = q.expand(1, H, 2, n)
+    assert mma_attention.supported(q2, kn, hn, v) == "2 new tokens (the kernel decodes one)"
     row = StaticTaleCache(PAPER, 1, K, n, G, R, max_length=300, layout="row", num_heads=H)
     row.layers[0].append(
         torch.randn(1, K, 200, n, device="cuda").bfloat16(), torch.randn(1, G, 200, R, device="cuda").bfloat16()
     )
-    assert row.layout == "row" and not mma_attention.supported(q, kn, hn, row.layers[0].view())
-    assert not mma_attention.supported(q[:, : 3 * K + 1], kn, hn, v)  # not a whole number per KV head
+    assert row.layout == "row"
+    assert mma_attention.supported(q, kn, hn, row.layers[0].view()).startswith("a view that is not a fragment-layout")
+    why = mma_attention.supported(q[:, : 3 * K + 1], kn, hn, v)
+    assert why == f"{3 * K + 1} query heads over {K} KV heads (a whole number per KV head)"
     spec = CacheSpec(Arch("llama", 1, 4096, 3 * K + 1, K, n, 4, G, R), PAPER, True, torch.device("cuda"))
     assert backends.choose(spec).name == "triton" and "whole number" in backends.get("cuda").supports(spec)
     assert backends.choose(replace(spec, arch=replace(spec.arch, num_heads=4 * K))).name == "cuda"
