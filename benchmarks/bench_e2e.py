@@ -132,7 +132,7 @@ def build(
             enc = torch.linalg.qr(torch.randn(Kb, nb, nb, generator=gen))[0]
             dec = enc.transpose(1, 2).contiguous()
             basis.append(KeyBasis(enc.to(device), dec.to(device), torch.zeros(Kh * n, device=device), Kh, n))
-        backend = "triton-lowrank" if device == "cuda" else "auto"
+        backend = "auto"  # cuda-lowrank where it reads the cache, else triton-lowrank (the users' choice)
     manifest = {"architecture": {"head_dim": n, "num_groups": G, "latent_rank": R, "group_size": g}}
     model.tale_spec = TaleSpec(Arch.from_manifest(manifest, config), sched, basis, manifest, backend=backend)
     return model, orig, tale

@@ -197,7 +197,6 @@ class CudaLowRankBackend(backends.AttentionBackend):
     name: str = "cuda-lowrank"
     label: str = "cuda low-rank-key kernel"
     priority: int = 15
-    auto: bool = False  # by name only until its GPU suite has passed
 
     def supports(self, spec: CacheSpec) -> str | None:
         return _cuda_lowrank_reason(spec)
