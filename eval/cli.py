@@ -526,9 +526,7 @@ def _rank_schedules(model, tok, sched, names, energy, log) -> dict:
     """TALE schedules from the rank policies, all with the artifact's levels and uniform budget."""
     from tale_convert import policy as rank_policy
 
-    from . import policies
-
-    d = policies.Dims.of(model)
+    a = model.tale_spec.arch
     r0 = _uniform_r0(sched)
     out = {}
     for name in names:
@@ -540,7 +538,7 @@ def _rank_schedules(model, tok, sched, names, energy, log) -> dict:
             log("fisher: gradients of the calibration loss w.r.t. v_proj ...")
             kw["fisher"] = rank_policy.fisher_scores(model, _calib_batches(tok))
         out[name] = rank_policy.apply(
-            sched, name, rank_policy.level0_ranks(name, d.R, d.layers, sched.value_group, r0, **kw)
+            sched, name, rank_policy.level0_ranks(name, a.latent_rank, a.num_layers, sched.value_group, r0, **kw)
         )
     return out
 

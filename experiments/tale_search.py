@@ -80,7 +80,7 @@ def main():
         if not args.no_ppl:
             cache = pol.build(model, pattern)
             nll, count = perplexity.decode_nll(model, ids, cache, 128, 4)
-            ratio = policies.Dims.of(model).baseline_nbytes(ids.shape[0], sum(pattern)) / pol.nbytes(cache)
+            ratio = policies.reference_nbytes(model, ids.shape[0], sum(pattern)) / pol.nbytes(cache)
             row.update(ppl=math.exp(nll / count), ratio=ratio)
         if samples:
             task = passkey.run(model, tok, samples, pol)

@@ -1170,7 +1170,7 @@ def latent_attention(
 ) -> torch.Tensor:
     """tale_runtime.attention.latent_attention's result, z [B, T, H, R] (float32), by the Triton kernel.
 
-    `cache` is a TaleLayerCache or a LayerView. Decode steps (T = 1) run the Triton kernels; anything else (prefill
+    `cache` is a RegionStore or a LayerView. Decode steps (T = 1) run the Triton kernels; anything else (prefill
     chunks, CPU tensors unless TRITON_INTERPRET=1, formats the kernel does not read: `supported`) runs the torch
     reference. `config`: the tuning knobs (TritonConfig; None: the defaults).
     """

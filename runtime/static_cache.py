@@ -64,7 +64,7 @@ from . import key_basis as kb
 from .artifact import Schedule
 from .attention import apply_rope
 from .backends import TORCH, AttentionBackend
-from .cache import CacheStep, TaleCacheLayer, band_index, baseline_nbytes, demote_level, key_layout, quant_level
+from .cache import CacheStep, TransformersCacheLayer, band_index, baseline_nbytes, demote_level, key_layout, quant_level
 from .frag import FragLevel, FragRegion, fits
 from .key_basis import KeyBasis
 from .placement import demotions, fill_counts, flush_count
@@ -345,7 +345,7 @@ def fused(fn, device: torch.device, key: tuple = ()):
     return f
 
 
-class StaticTaleLayer(TaleCacheLayer):
+class StaticTaleLayer(TransformersCacheLayer):
     """One decoder layer's buffers of a StaticTaleCache (the bookkeeping lives in the cache)."""
 
     def __init__(self, cache: StaticTaleCache, layer_idx: int):
@@ -527,7 +527,7 @@ class StaticTaleLayer(TaleCacheLayer):
     # -- writes (host-planned spans; every layer does the same ones) -------------------------
 
     def append(self, k: torch.Tensor, h: torch.Tensor, valid: torch.Tensor | None = None, q=None, rope=None) -> None:
-        """Cache T new exact tokens (TaleLayerCache.append's arguments; `q` is not read): inside the open step, or (a
+        """Cache T new exact tokens (RegionStore.append's arguments; `q` is not read): inside the open step, or (a
         one-layer cache) in a step of their own."""
         c = self.cache
         if c._step is not None:
@@ -541,7 +541,7 @@ class StaticTaleLayer(TaleCacheLayer):
     def _quant(self, i: int, k: torch.Tensor, h: torch.Tensor, rope, device_bias: bool = False) -> tuple:
         """Exact tokens (k post-RoPE [B, K, T, n], h [B, G, T, R]) quantized at level i (cache.quant_level); with
         key_rope "pre" the keys are first rotated back by their tables `rope` (cos, sin [B, T, n]), as the dynamic
-        cache does (TaleLayerCache._quant)."""
+        cache does (RegionStore._quant)."""
         if rope is not None:
             k = apply_rope(k.float(), rope[0].float(), -rope[1].float()).to(k.dtype)
         return quant_level(self.cache.schedule, i, self.ranks[i], k, h, self.order, self.basis, device_bias)

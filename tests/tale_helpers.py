@@ -15,6 +15,12 @@ from tale_runtime.model import TaleAttention
 from tale_runtime.spec import Arch, TaleSpec
 
 
+def shapes(K: int, n: int, G: int, R: int, layers: int = 1) -> Arch:
+    """The Arch of a cache of K KV heads of head dim n in G latent groups of rank R (what the caches and the byte count
+    read; one query head per KV head, hidden size R)."""
+    return Arch("llama", layers, R, K, K, n, K // G, G, R)
+
+
 def tiny_model(arch: str = "llama", seed: int = 0, dtype=torch.float32):
     return random_model(TINY[arch], seed, dtype, attn_implementation="sdpa")
 

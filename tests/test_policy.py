@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_GROUP, TINY_OPTS
-from tale_helpers import talify, tiny_model
+from tale_helpers import shapes, talify, tiny_model
 
 from tale_convert import ConvertError, policy
 from tale_convert.convert import Options, convert
@@ -14,6 +14,7 @@ from tale_convert.whiten import energy_kept
 from tale_eval.attention import prepare
 from tale_runtime import load
 from tale_runtime.artifact import Schedule, nominal_ratio, read_manifest, schedule_of, uniform_ranks
+from tale_runtime.spec import Arch
 
 
 def check(ranks: list[int], R: int, vg: int) -> None:
@@ -153,7 +154,7 @@ def test_convert_rejects_bad_policy_before_work(tiny_model_dir, tmp_path):
 
 def test_measured_ratio_is_what_a_cache_holds():
     from tale_runtime.artifact import Level
-    from tale_runtime.cache import TaleLayerCache
+    from tale_runtime.cache import RegionStore
 
     K, n, G, R = 2, 16, 1, 32
     s = Schedule(
@@ -169,12 +170,12 @@ def test_measured_ratio_is_what_a_cache_holds():
     ref = (300, 40, 4)
     held = base = 0
     for rs in s.ranks:
-        c = TaleLayerCache(s, 0, K, n, G, R)
+        c = RegionStore(s, 0, K, n, G, R)
         c.ranks = rs
         for T in [40] + [4] * 64 + [3]:
             c.append(torch.randn(1, K, T, n, dtype=torch.bfloat16), torch.randn(1, G, T, R, dtype=torch.bfloat16))
         held, base = held + c.nbytes(), base + c.baseline_nbytes()
-    assert policy.measured_ratio(s, K, n, G, R, ref) == pytest.approx(base / held, rel=1e-12)
+    assert policy.measured_ratio(s, shapes(K, n, G, R, 2), ref) == pytest.approx(base / held, rel=1e-12)
 
 
 def test_fit_ranks_meets_the_target_and_spends_the_budget_on_energy():
@@ -191,19 +192,20 @@ def test_fit_ranks_meets_the_target_and_spends_the_budget_on_energy():
     # layer 2's spectrum is flat (rank matters), the others fall off fast
     spectra = [torch.tensor([[2.0**-i for i in range(R)]]) for _ in range(L)]
     spectra[2] = torch.ones(1, R)
-    hi = policy.measured_ratio(policy.apply(s, "x", [8] * L), K, n, G, R)
-    target = policy.measured_ratio(policy.apply(s, "x", [16, 16, 24, 16]), K, n, G, R)  # uniform 16 + one group
-    fit = policy.fit_ranks(s, target, (K, n, G, R), spectra)
+    a = shapes(K, n, G, R, L)
+    hi = policy.measured_ratio(policy.apply(s, "x", [8] * L), a)
+    target = policy.measured_ratio(policy.apply(s, "x", [16, 16, 24, 16]), a)  # uniform 16 + one group
+    fit = policy.fit_ranks(s, target, a, spectra)
     ranks0 = [rs[0] for rs in fit.ranks]
-    assert policy.measured_ratio(fit, K, n, G, R) >= target
+    assert policy.measured_ratio(fit, a) >= target
     check(ranks0, R, 8)
     assert ranks0 == [16, 16, 24, 16]  # the extra group goes to the flat spectrum
     for i in range(L):  # maximal: one more group anywhere misses the target
         more = ranks0[:]
         if more[i] + 8 <= R:
             more[i] += 8
-            assert policy.measured_ratio(policy.apply(s, "x", more), K, n, G, R) < target
-    assert policy.fit_ranks(s, hi * 1.5, (K, n, G, R), spectra) is None
+            assert policy.measured_ratio(policy.apply(s, "x", more), a) < target
+    assert policy.fit_ranks(s, hi * 1.5, a, spectra) is None
 
 
 @pytest.mark.parametrize("name", list(policy.PRESETS))
@@ -232,13 +234,12 @@ def test_presets_and_target_ratio_end_to_end(tiny_model_dir, tmp_path):
     convert(str(src), tmp_path / "t", opts)
     m = read_manifest(tmp_path / "t")
     st = schedule_of(m)
-    a = m["architecture"]
     assert st.policy == "budget"
     # the tale preset's key bands: half of each KV head's channels at 3 bits, in the calibration order
     n = m["architecture"]["head_dim"]
     assert (st.levels[0].key_hi_bits, st.levels[0].key_hi_channels) == (3, n // 2)
     assert any(h != list(range(n)) for heads in st.key_order for h in heads)  # not the placeholder
-    assert policy.measured_ratio(st, a["num_kv_heads"], a["head_dim"], a["num_groups"], a["latent_rank"]) >= 4.0
+    assert policy.measured_ratio(st, Arch.from_manifest(m)) >= 4.0
     with pytest.raises(ConvertError, match="out of reach"):
         convert(str(src), tmp_path / "u", Options(group=TINY_GROUP["llama"], target_ratio=40.0, **TINY_OPTS))
     assert not (tmp_path / "u").exists()

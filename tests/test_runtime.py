@@ -12,7 +12,7 @@ from tale_helpers import byte_tokenizer, exact_schedule, save_artifact, talify, 
 
 from tale_runtime import ArtifactError, load, new_cache, set_output_path
 from tale_runtime.artifact import Level, Schedule, hash_files, nominal_ratio, uniform_ranks
-from tale_runtime.cache import TaleLayerCache
+from tale_runtime.cache import RegionStore
 from tale_runtime.generate import TextStream, generate
 from tale_runtime.load import default_dtype, override_schedule
 from tale_runtime.model import cache_arg
@@ -129,7 +129,7 @@ def test_sliding_window_layers_hold_only_their_window(monkeypatch):
     # the same decode over caches that keep every token (eviction off): the same logits
     with torch.no_grad():
         got = decode_logits(tm, ids, 30)
-        monkeypatch.setattr(TaleLayerCache, "_evict", lambda self: None)
+        monkeypatch.setattr(RegionStore, "_evict", lambda self: None)
         want = decode_logits(tm, ids, 30)
     assert rel(got, want) < 1e-6
 

@@ -14,7 +14,7 @@ from tale_runtime.artifact import Level, Schedule
 from tale_runtime.attention import latent_attention
 from tale_runtime.generate import generate
 from tale_runtime.key_basis import KeyBasis, fit
-from tale_runtime.model import TaleCache, TaleLayer, cache_arg
+from tale_runtime.model import DynamicTaleLayer, TaleCache, cache_arg
 from tale_runtime.quant import dequantize
 from tale_runtime.static_cache import StaticTaleCache
 
@@ -350,7 +350,7 @@ def ring_reference(tm) -> TaleCache:
         if w is not None:
             old = cache.layers[i]
             exact = replace(old.s, sinks=1 << 30)
-            cache.layers[i] = TaleLayer(exact, i, old.K, old.n, old.G, old.R, old.keep, old.basis, old.rope)
+            cache.layers[i] = DynamicTaleLayer(exact, i, old.K, old.n, old.G, old.R, old.keep, old.basis, old.rope)
             cache.layers[i]._layer_idx = i
     return cache
 
