@@ -30,6 +30,7 @@ from .artifact import Schedule
 from .attention import apply_rope
 from .backends import TORCH, AttentionBackend
 from .cache import CacheStep, RegionStore, RopeTables, TransformersCacheLayer
+from .spec import CacheSpec
 from .static_cache import StaticTaleCache
 
 # transformers 5.24 renamed the cache argument of forward() and generate(), and the output field, from
@@ -148,6 +149,22 @@ class TaleCache(CacheStep, Cache):
         super().__init__(layers=layers)
         self.schedule = schedule
         self.backend = backend
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: CacheSpec,
+        *,
+        keep: str = "recent",
+        key_basis: list | None = None,
+        backend: AttentionBackend = TORCH,
+        rope_types: list | None = None,
+    ) -> TaleCache:
+        """The dynamic cache a CacheSpec describes: its schedule and the shapes of its arch (windows come with each
+        update)."""
+        a = spec.arch
+        shapes = (a.num_layers, a.num_kv_heads, a.head_dim, a.num_groups, a.latent_rank)
+        return cls(spec.schedule, *shapes, keep=keep, key_basis=key_basis, backend=backend, rope_types=rope_types)
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)

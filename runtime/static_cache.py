@@ -70,6 +70,7 @@ from .key_basis import KeyBasis
 from .placement import demotions, fill_counts, flush_count
 from .quant import FP8, Bands, QTensor, _rebias, cat, meta_format, rescaled
 from .regions import LayerView, Region, Rotary
+from .spec import CacheSpec
 
 
 @dataclass
@@ -781,6 +782,35 @@ class StaticTaleCache(CacheStep, Cache):
         # while it is unchanged
         self.generation = 0
         super().__init__(layers=[StaticTaleLayer(self, i) for i in range(num_layers)])
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: CacheSpec,
+        *,
+        max_length: int | None = None,
+        layout: str | None = None,
+        backend: AttentionBackend = TORCH,
+        key_basis: list[KeyBasis] | None = None,
+        rotary: tuple[torch.Tensor, float] | None = None,
+    ) -> StaticTaleCache:
+        """The static cache a CacheSpec describes: its schedule, the shapes of its arch, its layers' windows."""
+        a = spec.arch
+        return cls(
+            spec.schedule,
+            a.num_layers,
+            a.num_kv_heads,
+            a.head_dim,
+            a.num_groups,
+            a.latent_rank,
+            max_length=max_length,
+            layout=layout,
+            num_heads=a.num_heads,
+            backend=backend,
+            key_basis=key_basis,
+            windows=spec.windows,
+            rotary=rotary,
+        )
 
     def reset(self) -> None:
         self.book = None
