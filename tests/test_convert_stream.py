@@ -50,7 +50,7 @@ def reference(model_dir, opts: Options, dtype: torch.dtype) -> dict[str, torch.T
     n = cfg.head_dim
     hidden = torch.cat([hf.model.embed_tokens(t).float() for t in tokens.split(max(1, 4096 // opts.seq_len))])
     rope = hf.model.rotary_emb(torch.zeros(1), torch.arange(opts.seq_len)[None])
-    preset = PRESETS[opts.preset].get("rotate_latents", False)
+    preset = PRESETS[opts.preset].rotate_latents
     rotate = preset if opts.rotate_latents is None else opts.rotate_latents  # latents rotated as tale-convert does
     out = {}
     for i, layer in enumerate(hf.model.layers):

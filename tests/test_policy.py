@@ -130,7 +130,7 @@ def test_convert_with_policy(name, tiny_model_dir, tmp_path):
     s = schedule_of(m)
     R, L = m["architecture"]["latent_rank"], m["architecture"]["num_layers"]
     s.validate(R, L)
-    r0 = uniform_ranks(R, L, policy.PRESETS[opts.preset]["r0"], s.value_group)[0][0]
+    r0 = uniform_ranks(R, L, policy.PRESETS[opts.preset].r0, s.value_group)[0][0]
     ranks0 = [rs[0] for rs in s.ranks]
     assert s.policy == name
     model, _ = load(tmp_path / name, dtype=torch.float32)
