@@ -197,7 +197,7 @@ def run(
 ) -> None:
     import torch
 
-    from tale_convert import policy as rank_policy
+    from tale_convert import rank_policy
     from tale_runtime import ArtifactError
     from tale_runtime.load import load
     from tale_runtime.schedule import override_schedule
@@ -529,7 +529,7 @@ def _log_row(log, row: dict, samples) -> None:
 
 def _rank_schedules(model, tok, sched, names, energy, log) -> dict:
     """TALE schedules from the rank policies, all with the artifact's levels and uniform budget."""
-    from tale_convert import policy as rank_policy
+    from tale_convert import rank_policy
 
     a = model.tale_spec.arch
     r0 = _uniform_r0(sched)

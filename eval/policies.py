@@ -26,7 +26,7 @@ from typing import ClassVar
 import torch
 from transformers.cache_utils import Cache
 
-from tale_convert.policy import budget_ranks
+from tale_convert.rank_policy import budget_ranks
 from tale_convert.stats import with_key_bands
 from tale_runtime import Schedule, families, key_basis, new_cache
 from tale_runtime.artifact import nominal_ratio

@@ -631,7 +631,7 @@ class StaticTaleLayer(TransformersCacheLayer):
     def _put_level(self, i: int, keys, lat, slot: int, off: int, n: int) -> None:
         """Tokens [off, off + n) of a level's keys and latents into its slots [slot, slot + n)."""
         if self.frag:
-            self.frag[i].put(
+            self.frag[i].write_slots(
                 slot,
                 *(replace(q, data=d, scale=s_, zero=z) for q in (keys, lat) for d, s_, z in [_rows(q, off, off + n)]),
             )

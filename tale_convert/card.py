@@ -185,8 +185,8 @@ def _schedule(m: dict, arch) -> str:
 def measured_ratio(m: dict) -> float | None:
     """16-bit K+V bytes over the bytes a batch-1 TALE cache of the manifest's schedule holds after 1K tokens (a dry
     run of the cache itself: sinks, residual, scales and zero points included; the bytes do not depend on the text)."""
-    from .policy import REFERENCE
-    from .policy import measured_ratio as dry_run
+    from .rank_policy import REFERENCE
+    from .rank_policy import measured_ratio as dry_run
 
     try:
         arch = _arch(m)

@@ -29,8 +29,7 @@ from tale_runtime.artifact import (
     write_json,
 )
 
-from . import ConvertError, __version__, calibrate, resume, source, stats, write
-from . import policy as rank_policy
+from . import ConvertError, __version__, calibrate, rank_policy, resume, source, stats, write
 from .card import render_card
 from .fuse import fuse
 from .options import BASIS_BLOCKS, Options  # noqa: F401  (tale_convert.convert.Options: the API name)
@@ -501,15 +500,17 @@ def _write_layer(writer, weights, names, f, arch, dtype, device) -> None:
     """The layer's tensors in plan order. O^r is fused on the device: in float64 it is the one
     large product of the conversion (g times the size of W_O)."""
     for name in names:
-        writer.put(name, weights[name].to(dtype))
+        writer.write_tensor(name, weights[name].to(dtype))
         if name.endswith(VALUE_WEIGHTS):
             prefix = name[: name.rindex(".self_attn.") + len(".self_attn.")]
             W_O = weights[prefix + "o_proj.weight"]
             B = f.B.to(device)
-            writer.put(prefix + U_V, f.A.to(dtype))
-            writer.put(prefix + V_V, f.B.to(dtype))
+            writer.write_tensor(prefix + U_V, f.A.to(dtype))
+            writer.write_tensor(prefix + V_V, f.B.to(dtype))
             # transposed and cast on the device (same values as on the host; the host would copy twice)
-            writer.put(prefix + O_FUSED, fuse(B, W_O.to(device).T.double(), arch.num_heads).T.to(dtype).contiguous())
+            writer.write_tensor(
+                prefix + O_FUSED, fuse(B, W_O.to(device).T.double(), arch.num_heads).T.to(dtype).contiguous()
+            )
 
 
 def _copy(ckpt, writer, name: str, dtype) -> None:
@@ -517,7 +518,7 @@ def _copy(ckpt, writer, name: str, dtype) -> None:
     are the largest tensors of a model and never need to be whole in memory."""
     if writer.needed(name):
         for chunk in ckpt.chunks(name, dtype):
-            writer.put(name, chunk)
+            writer.write_tensor(name, chunk)
 
 
 def _rank_policy(opts, schedule, layers, src, tokens, arch, partial, log) -> tuple[Schedule, list[LayerReport]]:

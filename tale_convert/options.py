@@ -29,7 +29,7 @@ class Options:
     device: str = "auto"
     dtype: str = "bf16"  # of the stored tensors; "auto": the checkpoint's
     sinks: int = 4
-    # None: from the preset (tale_convert.policy.PRESETS); explicit values override it
+    # None: from the preset (tale_runtime.schedule.PRESETS); explicit values override it
     recent: tuple[float, ...] | None = None  # share of each level above 0
     r0: float | None = None  # level-0 rank as a fraction of R
     bits: tuple[int, ...] | None = None  # value bits per level
@@ -54,7 +54,7 @@ class Options:
     shard_size: str | int = "2GB"
     overwrite: bool = False
     resume: bool = False
-    policy: str = "uniform"  # rank policy (tale_convert.policy): uniform, energy, fisher, progressive
+    policy: str = "uniform"  # rank policy (tale_convert.rank_policy): uniform, energy, fisher, progressive
     energy: float = 0.9  # energy policy: whitened spectral energy kept per layer at level 0
 
     def latent_group(self, R: int) -> int:
@@ -110,7 +110,7 @@ class Options:
     def schedule(self, R: int, num_layers: int, kv_heads: int = 1, head_dim: int | None = None) -> Schedule:
         """The schedule of the options; kv_heads x head_dim (the joined keys of a layer) sizes a preset's low-rank
         keys, per block of the key basis."""
-        from . import policy as rank_policy  # imports torch: not when the CLI parses its options
+        from . import rank_policy  # imports torch: not when the CLI parses its options
 
         if self.policy not in rank_policy.POLICIES:
             raise ConvertError(f"unknown --policy {self.policy!r}: use one of {', '.join(rank_policy.POLICIES)}")

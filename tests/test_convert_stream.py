@@ -17,10 +17,10 @@ from tale_convert import ConvertError, calibrate, resume, source, write
 from tale_convert import convert as convert_mod
 from tale_convert.convert import Options, convert
 from tale_convert.fuse import fuse
-from tale_convert.policy import PRESETS
 from tale_convert.whiten import rotate_latents, whiten
 from tale_runtime.artifact import O_FUSED, U_V, V_V, read_manifest
 from tale_runtime.model import cache_arg
+from tale_runtime.schedule import PRESETS
 
 
 def tiny_opts(arch: str, **kw) -> Options:
@@ -214,9 +214,9 @@ def test_shard_writer_files_read_back(tmp_path):
     a, b = torch.randn(5, 7), torch.randn(3).to(torch.bfloat16)
     entries = [write.Entry("a", torch.float32, (5, 7)), write.Entry("b", torch.bfloat16, (3,))]
     w = write.ShardWriter(tmp_path, entries, shard_size=10**9)
-    w.put("a", a[:2])
-    w.put("a", a[2:])
-    w.put("b", b)
+    w.write_tensor("a", a[:2])
+    w.write_tensor("a", a[2:])
+    w.write_tensor("b", b)
     files = w.close()
     (name,) = files
     got = load_file(tmp_path / name)
@@ -225,7 +225,7 @@ def test_shard_writer_files_read_back(tmp_path):
         assert st.metadata() == {"format": "pt"}
     w = write.ShardWriter(tmp_path / "x", entries, shard_size=10**9)
     with pytest.raises(RuntimeError, match="expected a"):
-        w.put("b", b)
+        w.write_tensor("b", b)
     w.abort()
 
 

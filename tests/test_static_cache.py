@@ -451,7 +451,7 @@ def test_ring_chunks_wrap_and_attend_as_every_token():
 
 def tale_schedule(model) -> Schedule:
     """The tale preset's schedule for a tiny model: middle keys 2-bit with 8 of each head's channels at 3 bits,
-    fp8 scales, r0 = R/2 (tale_convert.policy.PRESETS["tale"] at tiny groups)."""
+    fp8 scales, r0 = R/2 (tale_runtime.schedule.PRESETS["tale"] at tiny groups)."""
     cfg = model.config
     L, nh, kv = cfg.num_hidden_layers, cfg.head_dim, cfg.num_key_value_heads
     g = torch.Generator().manual_seed(0)

@@ -19,7 +19,6 @@ import torch
 
 from tale_runtime.artifact import Schedule
 from tale_runtime.cache import call_pattern, dry_run_nbytes
-from tale_runtime.schedule import PRESETS  # noqa: F401  (tale_convert.policy.PRESETS: the converter's presets)
 from tale_runtime.spec import Arch
 
 POLICIES = ("uniform", "energy", "fisher", "progressive")
