@@ -52,7 +52,7 @@ def main():
         )
         print(f"key order from the calibration corpus: {time.perf_counter() - t:.0f} s", flush=True)
     prepare(model)
-    R = int(model.tale_spec.manifest["architecture"]["latent_rank"])
+    R = model.tale_spec.arch.latent_rank
     base = model.tale_spec.schedule
     ids = perplexity.heldout_windows(tok, args.ctx, args.windows, args.text)
     samples = [] if args.no_passkey else passkey.load_samples()

@@ -210,14 +210,14 @@ def test_smollm2_measured_ratio_at_2k(smollm2_paper_artifact):
         model(ids[:, :2048], **cache_arg(cache), logits_to_keep=1)
         for t in range(2048, ids.shape[1]):  # 2044 non-sink tokens leave 28 in the residual: the 4th step flushes it
             model(ids[:, t : t + 1], **cache_arg(cache), logits_to_keep=1)
-    s, arch, cfg = model.tale_spec.schedule, model.tale_spec.manifest["architecture"], model.config
-    K, n, G, R = cfg.num_key_value_heads, arch["head_dim"], arch["num_groups"], arch["latent_rank"]
+    s, a = model.tale_spec.schedule, model.tale_spec.arch
+    K, n, G, R = a.num_kv_heads, a.head_dim, a.num_groups, a.latent_rank
     expected = 0
     for i, layer in enumerate(cache.layers):
         check_regions(layer, s)
         expected += analytic_nbytes(layer.lengths(), s, s.ranks[i], 1, K, n, G, R)
     assert cache.nbytes() == expected
-    assert cache.baseline_nbytes() == cfg.num_hidden_layers * 2 * K * ids.shape[1] * n * 2
+    assert cache.baseline_nbytes() == a.num_layers * 2 * K * ids.shape[1] * n * 2
     ratio, nominal = cache.baseline_nbytes() / cache.nbytes(), model.tale_spec.manifest["nominal_ratio"]
     print(f"\nSmolLM2 {ids.shape[1]} tokens, paper defaults, bf16: measured {ratio:.2f}x, nominal {nominal:.2f}x")
     # per token-head, each level adds 16+16 bits per key group (channel) and per latent group (token):

@@ -155,7 +155,7 @@ def test_through_the_model_exact_levels_match_and_static_refuses():
     from tale_runtime import new_cache
 
     tm = talify(tiny_model("llama"), 1)
-    R, L = tm.tale_spec.manifest["architecture"]["latent_rank"], tm.config.num_hidden_layers
+    R, L = tm.tale_spec.arch.latent_rank, tm.config.num_hidden_layers
     ids = torch.randint(0, 200, (1, 70), generator=torch.Generator().manual_seed(7))
 
     def decode(schedule, keep):
