@@ -45,7 +45,7 @@ from tale_runtime import backends
 from tale_runtime import quant as rquant
 from tale_runtime.artifact import Level, Schedule, ceil_share
 from tale_runtime.attention import latent_attention as ref_attention
-from tale_runtime.cache import TaleLayerCache
+from tale_runtime.cache import RegionStore
 from tale_runtime.quant import QTensor, meta_format
 from tale_runtime.regions import LayerView, Region
 
@@ -264,7 +264,7 @@ def check(cfg: TritonConfig) -> bool:
     # the real pipeline: prefill with padding, then decode steps (flush, demotion, Triton quantize)
     for window in (None, 1000):
         B, L0 = 2, 3000
-        c = TaleLayerCache(SCHED, 0, K, N, G, R)
+        c = RegionStore(SCHED, 0, K, N, G, R)
         valid = torch.ones(B, L0, dtype=torch.bool, device=DEV)
         valid[1, :37] = False
         c.append(

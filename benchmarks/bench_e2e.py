@@ -133,8 +133,8 @@ def build(
             dec = enc.transpose(1, 2).contiguous()
             basis.append(KeyBasis(enc.to(device), dec.to(device), torch.zeros(Kh * n, device=device), Kh, n))
         backend = "auto"  # cuda-lowrank where it reads the cache, else triton-lowrank (the users' choice)
-    manifest = {"architecture": {"head_dim": n, "num_groups": G, "latent_rank": R, "group_size": g}}
-    model.tale_spec = TaleSpec(Arch.from_manifest(manifest, config), sched, basis, manifest, backend=backend)
+    arch = Arch.from_config(config, g)
+    model.tale_spec = TaleSpec(arch, sched, basis, {"architecture": arch.to_manifest()}, backend=backend)
     return model, orig, tale
 
 

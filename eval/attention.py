@@ -19,7 +19,7 @@ class EvalAttention(nn.Module):
     def __init__(self, tale: TaleAttention):
         super().__init__()
         self.tale = tale
-        self.v_proj = tale.v_proj  # the original W_V, where tale_convert.policy's Fisher scores look for it
+        self.v_proj = tale.v_proj  # the original W_V, where tale_convert.rank_policy's Fisher scores look for it
         self.qkv_proj = tale.qkv_proj  # Phi-3's fused projection holds it instead
 
     def forward(

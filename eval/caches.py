@@ -2,7 +2,7 @@
 
 - FullLayer: 16-bit keys and values (what transformers' DynamicCache holds).
 - RegionLayer: keys and values (KIVI) or value latents (Palu) held by the runtime's own region
-  store (tale_runtime.cache.TaleLayerCache with one level and no sinks): keys per channel over
+  store (tale_runtime.cache.RegionStore with one level and no sinks): keys per channel over
   groups of `key_group` tokens, values per token over groups of `value_group` channels, real bit
   packing (tale_runtime.quant), and the 16-bit residual flushed by the runtime's rule. So KIVI and
   TALE share one implementation of quantization, grouping and flushing.
@@ -19,7 +19,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from tale_runtime.artifact import Level, Schedule
-from tale_runtime.cache import TaleLayerCache
+from tale_runtime.cache import RegionStore
 from tale_runtime.quant import dequantize
 
 
@@ -91,7 +91,7 @@ class RegionLayer(CacheLayerMixin):
     def __init__(self, schedule: Schedule, heads: int, head_dim: int, value_heads: int, value_width: int):
         super().__init__()
         schedule.validate(value_width, 1)
-        self.store = TaleLayerCache(schedule, 0, heads, head_dim, value_heads, value_width)
+        self.store = RegionStore(schedule, 0, heads, head_dim, value_heads, value_width)
 
     def lazy_initialization(self, key_states, value_states) -> None:  # the store creates its regions
         pass

@@ -38,7 +38,10 @@ app = typer.Typer(
 
 
 @dataclass
-class Preset:
+class RunSize:
+    """How much tale-eval runs (`--preset ci|full`, the CLI's name): windows of held-out text, pass-key and retrieval
+    samples, the policies of the table. Not a schedule: tale-convert's --preset (tale_runtime.schedule.Preset) is."""
+
     ctx: int  # tokens per held-out window
     windows: int  # windows (one batch)
     prefill: int  # exact prefix per window
@@ -55,9 +58,9 @@ class Preset:
 TEST_TEXTS = tuple(TEST_FILES)
 DEFAULT_FRONTIER_OUT = "out/frontier"  # relative to the current directory; make frontier writes docs/frontier
 DEFAULT_LM_EVAL_OUT = "out/lm-eval"  # relative to the current directory
-PRESETS = {
+RUN_SIZES = {
     # about 10 minutes on a shared 2-core CPU with --threads 1 (docs/eval.md)
-    "ci": Preset(
+    "ci": RunSize(
         512,
         2,
         64,
@@ -69,7 +72,7 @@ PRESETS = {
         ("dev",),
     ),
     # the numbers of docs/quality.md
-    "full": Preset(
+    "full": RunSize(
         1024,
         5,
         128,
@@ -82,9 +85,9 @@ PRESETS = {
     ),
 }
 # --frontier: many points, each cheaper (ci: about 1-2 min on one thread; full: docs/quality.md)
-FRONTIER_PRESETS = {
-    "ci": Preset(256, 1, 32, 8, ("1k",), (0.5,), (), (), ("botchan",)),
-    "full": Preset(1024, 1, 128, 8, ("1k",), (0.3, 0.5, 0.7), (), (), TEST_TEXTS),
+FRONTIER_RUN_SIZES = {
+    "ci": RunSize(256, 1, 32, 8, ("1k",), (0.5,), (), (), ("botchan",)),
+    "full": RunSize(1024, 1, 128, 8, ("1k",), (0.3, 0.5, 0.7), (), (), TEST_TEXTS),
 }
 
 
@@ -103,7 +106,9 @@ def _shares(s: str | None) -> list[float] | None:
 @app.command()
 def run(
     artifact: str = typer.Argument(..., help="TALE artifact directory (tale-convert output) or Hub id"),
-    preset: str = typer.Option("ci", help="ci (minutes on a laptop CPU) or full (the docs/quality.md numbers)"),
+    size: str = typer.Option(
+        "ci", "--preset", help="ci (minutes on a laptop CPU) or full (the docs/quality.md numbers)"
+    ),
     policy_names: Optional[str] = typer.Option(None, "--policies", help=f"comma list of {', '.join(NAMED)}"),
     rank_policies: Optional[str] = typer.Option(
         None, help="extra TALE rows with these rank policies: uniform, energy, fisher, progressive ('' for none)"
@@ -192,7 +197,7 @@ def run(
 ) -> None:
     import torch
 
-    from tale_convert import policy as rank_policy
+    from tale_convert import rank_policy
     from tale_runtime import ArtifactError
     from tale_runtime.load import load
     from tale_runtime.schedule import override_schedule
@@ -259,10 +264,10 @@ def run(
             quiet=quiet,
         )
         return
-    table = FRONTIER_PRESETS if frontier else PRESETS
-    if preset not in table:
-        fail(f"unknown --preset {preset!r}: use {' or '.join(table)}")
-    p = table[preset]
+    table = FRONTIER_RUN_SIZES if frontier else RUN_SIZES
+    if size not in table:
+        fail(f"unknown --preset {size!r}: use {' or '.join(table)}")
+    p = table[size]
     names = _given("--policies", policy_names) or p.policies
     ranks = p.rank_policies if rank_policies is None else _csv(rank_policies)  # '': none (documented)
     lengths = p.lengths if passkey_lengths is None else _csv(passkey_lengths)  # '': skip the task (documented)
@@ -287,7 +292,7 @@ def run(
         ("--threads", threads),
         ("--retrieval-samples", retrieval_samples),
     ):
-        if v is not None and v < 1:  # 0 would silently mean the preset's value
+        if v is not None and v < 1:  # 0 would silently mean the run size's value
             fail(f"{name} must be >= 1, got {v}")
     try:
         variants = None if tale_variants is None else frontier_mod.parse_variants(tale_variants)
@@ -302,7 +307,7 @@ def run(
         for f in fams:
             if f not in FAMILIES:
                 fail(f"unknown family {f!r}: use {', '.join(FAMILIES)}")
-        pols = [policies.Full()] + frontier_mod.points(list(fams), preset, ctx, variants)
+        pols = [policies.Full()] + frontier_mod.points(list(fams), size, ctx, variants)
     else:
         for n in names:
             try:
@@ -460,7 +465,7 @@ def run(
     config = {
         "artifact": str(artifact),
         "model": model.tale_spec.manifest.get("base", {}).get("id"),
-        "preset": preset,
+        "preset": size,  # the --preset given (the JSON's key)
         "frontier": frontier,
         "texts": list(texts),
         "ctx": ctx,
@@ -505,7 +510,7 @@ def _partial(json_out: Path) -> Path:
 
 
 def _given(flag: str, s: str | None) -> tuple[str, ...] | None:
-    """A comma list option; given but empty is refused (it would silently mean the preset's default)."""
+    """A comma list option; given but empty is refused (it would silently mean the run size's default)."""
     items = _csv(s)
     if items is not None and not items:
         fail(f"{flag} is empty: leave it out for the preset's, or name at least one")
@@ -524,11 +529,9 @@ def _log_row(log, row: dict, samples) -> None:
 
 def _rank_schedules(model, tok, sched, names, energy, log) -> dict:
     """TALE schedules from the rank policies, all with the artifact's levels and uniform budget."""
-    from tale_convert import policy as rank_policy
+    from tale_convert import rank_policy
 
-    from . import policies
-
-    d = policies.Dims.of(model)
+    a = model.tale_spec.arch
     r0 = _uniform_r0(sched)
     out = {}
     for name in names:
@@ -540,7 +543,7 @@ def _rank_schedules(model, tok, sched, names, energy, log) -> dict:
             log("fisher: gradients of the calibration loss w.r.t. v_proj ...")
             kw["fisher"] = rank_policy.fisher_scores(model, _calib_batches(tok))
         out[name] = rank_policy.apply(
-            sched, name, rank_policy.level0_ranks(name, d.R, d.layers, sched.value_group, r0, **kw)
+            sched, name, rank_policy.level0_ranks(name, a.latent_rank, a.num_layers, sched.value_group, r0, **kw)
         )
     return out
 

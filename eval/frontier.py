@@ -40,13 +40,14 @@ FULL_SWEEP = {
 }
 
 
-def points(families: list[str], preset: str, ctx: int, tale_variants: list[dict] | None) -> list[Policy]:
-    """The sweep: per family its preset points; TALE's replaced by `tale_variants` when given."""
+def points(families: list[str], size: str, ctx: int, tale_variants: list[dict] | None) -> list[Policy]:
+    """The sweep: per family its points at the run size `size` (tale-eval --preset); TALE's replaced by
+    `tale_variants` when given."""
     out = []
     for f in families:
         if f == "tale" and tale_variants is not None:
             out += [Tale(v) for v in tale_variants]
-        elif preset == "ci":
+        elif size == "ci":
             out += CI_SWEEP[f]
         elif f in FULL_SWEEP:
             out += FULL_SWEEP[f]

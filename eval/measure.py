@@ -9,7 +9,7 @@ import time
 import torch
 
 from . import passkey, perplexity
-from .policies import Dims, Policy
+from .policies import Policy, reference_nbytes
 
 
 def measure(
@@ -18,7 +18,6 @@ def measure(
     """texts: name -> [windows, ctx] token ids (one batch each, same shape). The ratio is the one of
     the first text's run (cache bytes depend on the call pattern only, the same for every text)."""
     t0 = time.perf_counter()
-    d = Dims.of(model)
     row = {
         "policy": pol.name,
         "family": pol.family,
@@ -34,7 +33,7 @@ def measure(
         nll, count = perplexity.decode_nll(model, ids, cache, prefill, chunk)
         row["ppl"][name] = math.exp(nll / count)
         if "ratio" not in row:
-            base = d.baseline_nbytes(ids.shape[0], sum(pattern))
+            base = reference_nbytes(model, ids.shape[0], sum(pattern))
             row["ratio"] = base / pol.nbytes(cache)  # what the accelerator holds
             row["ratio_total"] = base / pol.total_nbytes(cache)  # with what a policy keeps in host memory
             row["tokens"] = count

@@ -21,7 +21,7 @@ from tale_runtime.model import cache_arg
 
 from .names import PASSKEY_DEPTHS as DEPTHS
 from .names import PASSKEY_LENGTHS as LENGTHS
-from .policies import Dims, Policy
+from .policies import Policy, reference_nbytes
 
 TASKS = Path(tale_calib.__file__).parent / "tasks" / "passkey.jsonl"
 HEAD = "There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
@@ -81,7 +81,6 @@ def first_number(text: str) -> str | None:
 def run(model, tokenizer, samples: list[dict], policy: Policy, max_new_tokens: int = 8) -> dict:
     """Greedy answers through the policy's cache; accuracy and the measured ratio at the end."""
     correct, cache_bytes, base_bytes, answers = 0, 0, 0, []
-    d = Dims.of(model)
     for s in samples:
         ids = tokenizer(s["prompt"], return_tensors="pt").input_ids.to(model.device)
         pattern = [ids.shape[1]] + [1] * (max_new_tokens - 1)
@@ -97,7 +96,7 @@ def run(model, tokenizer, samples: list[dict], policy: Policy, max_new_tokens: i
         ok = first_number(text) == s["answer"]
         correct += ok
         cache_bytes += policy.nbytes(cache)
-        base_bytes += d.baseline_nbytes(1, sum(pattern))
+        base_bytes += reference_nbytes(model, 1, sum(pattern))
         answers.append({"id": s["id"], "tokens": ids.shape[1], "output": text, "correct": ok})
     return {
         "accuracy": correct / len(samples),

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 from tale_calib import TEST_FILES, documents, text_path
+from tale_runtime.cache import call_pattern
 from tale_runtime.generate import NonFiniteLogits
 from tale_runtime.model import cache_arg
 
@@ -31,13 +32,12 @@ def heldout_windows(tokenizer, length: int, count: int, text: str = "dev") -> to
 
 
 def pattern(length: int, prefill: int, chunk: int) -> list[int]:
-    """Tokens per forward call: the prefill, then chunks up to the second-to-last token."""
+    """Tokens per forward call (tale_runtime.cache.call_pattern), for a run that scores at least one decode call."""
     if not 0 < prefill < length - 1 or chunk < 1:
         raise ValueError(
             f"need 0 < prefill < length - 1 and chunk >= 1 (length {length}, prefill {prefill}, chunk {chunk})"
         )
-    rest = length - 1 - prefill
-    return [prefill] + [chunk] * (rest // chunk) + ([rest % chunk] if rest % chunk else [])
+    return call_pattern(length, prefill, chunk)
 
 
 @torch.inference_mode()

@@ -26,40 +26,22 @@ from typing import ClassVar
 import torch
 from transformers.cache_utils import Cache
 
-from tale_convert.policy import budget_ranks
+from tale_convert.rank_policy import budget_ranks
 from tale_convert.stats import with_key_bands
-from tale_runtime import Schedule, key_basis, new_cache
+from tale_runtime import Schedule, families, key_basis, new_cache
 from tale_runtime.artifact import nominal_ratio
-from tale_runtime.cache import KEEP, baseline_nbytes
+from tale_runtime.cache import KEEP, baseline_nbytes, dry_run_nbytes
 from tale_runtime.schedule import override_schedule
 
 from . import caches, less, less_train, tailorkv
 from .names import NAMED
 
 
-@dataclass
-class Dims:
-    layers: int
-    K: int  # KV heads
-    n: int  # head dim
-    G: int  # latent groups
-    g: int  # KV heads per group
-    R: int  # latent rank
-    dtype: torch.dtype
-    windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None for a global layer (empty: none)
-
-    @classmethod
-    def of(cls, model) -> Dims:
-        a = model.tale_spec.arch
-        windows = tuple(getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers)
-        return cls(
-            a.num_layers, a.num_kv_heads, a.head_dim, a.num_groups, a.group_size, a.latent_rank, model.dtype, windows
-        )
-
-    def baseline_nbytes(self, batch: int, tokens: int) -> int:
-        """16-bit K+V bytes that transformers' cache holds after `tokens` positions of `batch` rows, the reference of
-        every ratio: every position, or in a sliding-window layer its last window - 1 (DynamicSlidingWindowLayer)."""
-        return baseline_nbytes(batch, self.K, self.n, tokens, self.windows or [None] * self.layers)
+def reference_nbytes(model, batch: int, tokens: int) -> int:
+    """16-bit K+V bytes that transformers' cache holds after `tokens` positions of `batch` rows, the reference of
+    every ratio: every position, or in a sliding-window layer its last window - 1 (DynamicSlidingWindowLayer)."""
+    a = model.tale_spec.arch
+    return baseline_nbytes(batch, a.num_kv_heads, a.head_dim, tokens, families.sliding_windows(model))
 
 
 @dataclass
@@ -177,27 +159,29 @@ class Tale(Policy):
             raise ValueError(f"keep must be one of {', '.join(KEEP)}, got {self.overrides['keep']!r}")
         r0 = kw.pop("r0", None)
         key_hi = kw.pop("key_hi", None)
-        d = Dims.of(model)
+        a = model.tale_spec.arch
         n_levels = len(kw.get("bits") or []) or len(s.levels)
-        s = override_schedule(s, d.R, d.layers, ranks=None if r0 is None else [r0] + [1.0] * (n_levels - 1), **kw)
+        s = override_schedule(
+            s, a.latent_rank, a.num_layers, ranks=None if r0 is None else [r0] + [1.0] * (n_levels - 1), **kw
+        )
         if key_hi is not None:  # the middle level's key bands, on the artifact's calibration order
             if len(key_hi) != 2:
                 raise ValueError(f"key_hi takes BITS/CHANNELS, got {key_hi}")
             s = with_key_bands(s, s.key_order, {0: tuple(key_hi)})
-            s.validate(d.R, d.layers)
+            s.validate(a.latent_rank, a.num_layers)
         if why := key_basis.missing(s, model.tale_spec.key_basis):
             raise ValueError(f"schedule override: {why}")
         return s
 
     def detail(self, model) -> str:
-        s, d = self.resolve(model), Dims.of(model)
+        s, a = self.resolve(model), model.tale_spec.arch
         r0 = [rs[0] for rs in s.ranks]
         bits = "/".join(str(lv.bits) for lv in s.levels)
         key_bits = "/".join(str(lv.key_bits) for lv in s.levels)
         rr = f"{min(r0)}-{max(r0)}" if min(r0) != max(r0) else f"{r0[0]}"
         hi = s.levels[0]
         return (
-            f"{s.policy} r0 {rr}/{d.R}, bits {bits}"
+            f"{s.policy} r0 {rr}/{a.latent_rank}, bits {bits}"
             + (f", key bits {key_bits}" if key_bits != bits else "")
             + (f" ({hi.key_hi_channels} channels/head at {hi.key_hi_bits})" if hi.key_hi_bits else "")
             + f", sinks {s.sinks}, groups {s.key_group}/{s.value_group}, residual {s.residual}"
@@ -210,8 +194,8 @@ class Tale(Policy):
         return ExactTale(base=self)
 
     def nominal(self, model) -> float:
-        d = Dims.of(model)
-        return nominal_ratio(self.resolve(model), d.n, d.g, d.K)
+        a = model.tale_spec.arch
+        return nominal_ratio(self.resolve(model), a.head_dim, a.group_size, a.num_kv_heads)
 
     def ranks(self, model, pattern: list[int] | None = None) -> list[int]:
         return [rs[0] for rs in self.resolve(model).ranks]
@@ -234,7 +218,7 @@ class ExactTale(Tale):
 
     def resolve(self, model) -> Schedule:
         s = (self.base or Tale()).resolve(model)
-        R = Dims.of(model).R
+        R = model.tale_spec.arch.latent_rank
         return replace(
             s,
             levels=[replace(lv, bits=16, key_bits=16, key_rank=0) for lv in s.levels],  # plain keys too
@@ -272,8 +256,10 @@ class Kivi(Policy):
         return f"kivi{self.bits}/g{self.group}r{self.residual}"
 
     def build(self, model, pattern):
-        d = Dims.of(model)
-        return caches.kivi_cache(d.layers, d.K, d.n, self.bits, self.group, min(self.group, d.n), self.residual)
+        a = model.tale_spec.arch
+        return caches.kivi_cache(
+            a.num_layers, a.num_kv_heads, a.head_dim, self.bits, self.group, min(self.group, a.head_dim), self.residual
+        )
 
     def exact(self):
         return replace(self, bits=16)
@@ -372,14 +358,14 @@ class Streaming(Policy):
         return f"window {self.window:.3g} of the tokens" if isinstance(self.window, float) else f"window {self.window}"
 
     def build(self, model, pattern):
-        d = Dims.of(model)
+        a = model.tale_spec.arch
         if self.window is None:
-            w = sink_window(d, self.sinks, tale_bytes(model, (self.match or Tale()).resolve(model), pattern))
+            w = sink_window(model, self.sinks, tale_nbytes(model, self.match or Tale(), pattern))
         elif isinstance(self.window, float):
             w = max(1, round(self.window * sum(pattern)) - self.sinks)
         else:
             w = self.window
-        return caches.sink_cache(d.layers, self.sinks, w)
+        return caches.sink_cache(a.num_layers, self.sinks, w)
 
     def exact(self):
         return replace(self, window=1 << 30)
@@ -412,15 +398,14 @@ class Palu(Policy):
 
     def ranks(self, model, pattern: list[int] | None = None) -> list[int] | None:
         """Per-layer value ranks (at most R); budget-matched ones at `match_pattern` (else `pattern`)."""
-        d = Dims.of(model)
+        a = model.tale_spec.arch
         if self.rank is not None:
-            ranks = [min(self.rank, d.R)] * d.layers
+            ranks = [min(self.rank, a.latent_rank)] * a.num_layers
         else:
             pattern = self.match_pattern or pattern
             if pattern is None:
                 return None
-            target = tale_bytes(model, (self.match or Tale()).resolve(model), pattern)
-            ranks = palu_ranks(d, model.tale_spec.schedule, self, target, pattern)
+            ranks = palu_ranks(model, self, tale_nbytes(model, self.match or Tale(), pattern), pattern)
         q = model.tale_spec.schedule.latent_rotation  # rotated factors truncate exactly only at whole blocks
         if q and any(r % q for r in ranks):
             raise ValueError(
@@ -429,12 +414,12 @@ class Palu(Policy):
         return ranks
 
     def build(self, model, pattern):
-        d, s = Dims.of(model), model.tale_spec.schedule
+        a, s = model.tale_spec.arch, model.tale_spec.schedule
         return caches.palu_cache(
             self.ranks(model, pattern),
-            d.K,
-            d.n,
-            d.G,
+            a.num_kv_heads,
+            a.head_dim,
+            a.num_groups,
             self.key_bits,
             self.latent_bits,
             s.key_group,
@@ -491,7 +476,7 @@ class Less(Policy):
         if self.trained and self.evicts_in_training() and self.kernels is None:
             raise ValueError("LESS needs its kernels: call prepare(model, tokenizer) first")
         t = model.model.layers[0].self_attn.tale
-        return less.less_cache(self.sinks, self.window, self.kernels, t.scaling, Dims.of(model).layers)
+        return less.less_cache(self.sinks, self.window, self.kernels, t.scaling, model.tale_spec.arch.num_layers)
 
     def exact(self):
         return replace(self, window=1 << 30)  # nothing evicted
@@ -543,13 +528,13 @@ class TailorKV(Policy):
         return f"{self.label()}; quantized layers {q}"
 
     def build(self, model, pattern):
-        d = Dims.of(model)
+        a = model.tale_spec.arch
         t = model.model.layers[0].self_attn.tale
         return tailorkv.tailor_cache(
             self.quantized(),
-            d.layers,
-            d.K,
-            d.n,
+            a.num_layers,
+            a.num_kv_heads,
+            a.head_dim,
             self.bits,
             self.group,
             self.residual,
@@ -595,47 +580,43 @@ def named(name: str) -> Policy:
     return fixed[name]
 
 
-def tale_bytes(model, schedule: Schedule, pattern: list[int]) -> int:
-    """Bytes of a batch-1 TaleCache after the calls of `pattern` (a dry run with zeros)."""
-    d = Dims.of(model)
-    cache = new_cache(model, schedule)
-    for T in pattern:
-        k = torch.zeros(1, d.K, T, d.n, dtype=d.dtype)
-        h = torch.zeros(1, d.G, T, d.R, dtype=d.dtype)
-        # keys held before RoPE keep the tables they were rotated by: any will do for a count of bytes
-        rope = (torch.ones(1, T, d.n), torch.zeros(1, T, d.n)) if schedule.key_rope == "pre" else None
-        for layer in cache.layers:
-            layer.append(k, h, rope=rope)
-    return cache.nbytes()
-
-
 def palu_residual(s: Schedule) -> int:
     """Palu's 16-bit residual: the artifact's, where it holds whole key groups (KIVI's per-channel keys need one);
     else one key group (the lowrank preset's residual of 1 token keeps its newest keys per token instead)."""
     return s.residual if s.residual % s.key_group == 0 else s.key_group
 
 
-def palu_layer_bytes(d: Dims, s: Schedule, p: Palu, rank: int, pattern: list[int]) -> int:
+def palu_layer_bytes(model, p: Palu, rank: int, pattern: list[int]) -> int:
+    """Bytes of one batch-1 layer of Palu's cache at `rank` after the calls of `pattern` (a dry run with zeros)."""
+    a, s = model.tale_spec.arch, model.tale_spec.schedule
+    K, n, G = a.num_kv_heads, a.head_dim, a.num_groups
     layer = caches.palu_cache(
-        [rank], d.K, d.n, d.G, p.key_bits, p.latent_bits, s.key_group, s.value_group, palu_residual(s)
+        [rank], K, n, G, p.key_bits, p.latent_bits, s.key_group, s.value_group, palu_residual(s)
     ).layers[0]
     for T in pattern:
-        layer.update(torch.zeros(1, d.K, T, d.n, dtype=d.dtype), torch.zeros(1, d.G, T, rank, dtype=d.dtype))
+        layer.update(torch.zeros(1, K, T, n, dtype=model.dtype), torch.zeros(1, G, T, rank, dtype=model.dtype))
     return layer.nbytes()
 
 
-def palu_ranks(d: Dims, s: Schedule, p: Palu, target: int, pattern: list[int]) -> list[int]:
+def palu_ranks(model, p: Palu, target: int, pattern: list[int]) -> list[int]:
     """Per-layer ranks (multiples of value_group) whose Palu cache bytes come closest to `target`.
     Bytes are affine in the rank; the total rank is spread evenly over the layers."""
-    vg = s.value_group
-    lo, hi = palu_layer_bytes(d, s, p, vg, pattern), palu_layer_bytes(d, s, p, d.R, pattern)
-    per_rank = (hi - lo) / (d.R - vg)
-    mean = vg + (target / d.layers - lo) / per_rank
-    units = min(max(round(mean * d.layers / vg), d.layers), d.layers * (d.R // vg))
-    return budget_ranks([1.0] * d.layers, d.R, vg, units * vg)
+    L, R, vg = model.tale_spec.arch.num_layers, model.tale_spec.arch.latent_rank, model.tale_spec.schedule.value_group
+    lo, hi = palu_layer_bytes(model, p, vg, pattern), palu_layer_bytes(model, p, R, pattern)
+    per_rank = (hi - lo) / (R - vg)
+    mean = vg + (target / L - lo) / per_rank
+    units = min(max(round(mean * L / vg), L), L * (R // vg))
+    return budget_ranks([1.0] * L, R, vg, units * vg)
 
 
-def sink_window(d: Dims, sinks: int, target: int) -> int:
+def sink_window(model, sinks: int, target: int) -> int:
     """Recent-window tokens such that sinks + window 16-bit tokens fit in `target` bytes."""
-    per_token = d.layers * 2 * d.K * d.n * torch.finfo(d.dtype).bits // 8
+    a = model.tale_spec.arch
+    per_token = a.num_layers * 2 * a.num_kv_heads * a.head_dim * torch.finfo(model.dtype).bits // 8
     return max(1, target // per_token - sinks)
+
+
+def tale_nbytes(model, pol: Tale, pattern: list[int]) -> int:
+    """Bytes a batch-1 TaleCache of `pol`'s schedule holds after the calls of `pattern`: the budget that Streaming and
+    Palu match (tale_runtime.cache.dry_run_nbytes)."""
+    return dry_run_nbytes(pol.resolve(model), model.tale_spec.arch, pattern, model.dtype)[0]

@@ -36,7 +36,7 @@ from tale_runtime.model import cache_arg
 
 from . import caches
 from .names import RETRIEVAL_FAMILIES
-from .policies import Dims, Policy
+from .policies import Policy, reference_nbytes
 
 FAMILIES = RETRIEVAL_FAMILIES
 NEW_TOKENS = {  # greedy tokens generated per sample (RULER: 128 for NIAH, 30 for VT, 120 for CWE; shorter here)
@@ -336,7 +336,6 @@ def run(
     cache, its last logits give the first token, and each policy's cache is filled from the recorded layer inputs
     (replay_prefill). The others prefill on their own. `on_sample(sample, per_policy)`: called after each sample
     with each policy's output, score and bytes (cache, 16-bit baseline)."""
-    d = Dims.of(model)
     acc = [{"scores": {}, "cache": 0, "base": 0, "answers": []} for _ in pols]
     for s in samples:
         ids = tokenizer(s["prompt"], return_tensors="pt").input_ids.to(model.device)
@@ -350,7 +349,12 @@ def run(
                 if shared is None:
                     rec = _Recorder(model)
                     try:
-                        logits = model(ids, **cache_arg(caches.full_cache(d.layers)), use_cache=True, logits_to_keep=1)
+                        logits = model(
+                            ids,
+                            **cache_arg(caches.full_cache(model.tale_spec.arch.num_layers)),
+                            use_cache=True,
+                            logits_to_keep=1,
+                        )
                     finally:
                         rec.remove()
                     shared = logits.logits[:, -1], rec.calls
@@ -362,7 +366,7 @@ def run(
             text = tokenizer.decode(out, skip_special_tokens=True)
             sc = score(text, s["answers"])
             a["scores"].setdefault(f"{length_name(s['length'])}/{s['family']}", []).append(sc)
-            base = d.baseline_nbytes(1, sum(pattern))
+            base = reference_nbytes(model, 1, sum(pattern))
             nbytes = pol.nbytes(cache)
             a["cache"] += nbytes
             a["base"] += base

@@ -20,7 +20,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from tale_convert.stats import calibration_batches
-from tale_runtime.cache import TaleLayerCache
+from tale_runtime.cache import RegionStore
 
 from . import capture
 from .caches import CountedCache, FullLayer, RegionLayer, region_schedule
@@ -68,7 +68,7 @@ class LowBitLayer(RegionLayer):
     def __init__(self, bits: int, group: int, residual: int, heads: int, head_dim: int):
         CacheLayerMixin.__init__(self)
         s = region_schedule(bits, bits, head_dim, group, min(group, head_dim), residual)
-        self.store = TaleLayerCache(s, 0, heads, head_dim, heads, head_dim)
+        self.store = RegionStore(s, 0, heads, head_dim, heads, head_dim)
 
 
 class OffloadLayer(FullLayer):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tale_convert.policy import singular_values
+from tale_convert.rank_policy import singular_values
 from tale_runtime import load, new_cache
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.attention import apply_rope

@@ -52,7 +52,7 @@ def main():
         )
         print(f"key order from the calibration corpus: {time.perf_counter() - t:.0f} s", flush=True)
     prepare(model)
-    R = int(model.tale_spec.manifest["architecture"]["latent_rank"])
+    R = model.tale_spec.arch.latent_rank
     base = model.tale_spec.schedule
     ids = perplexity.heldout_windows(tok, args.ctx, args.windows, args.text)
     samples = [] if args.no_passkey else passkey.load_samples()
@@ -80,7 +80,7 @@ def main():
         if not args.no_ppl:
             cache = pol.build(model, pattern)
             nll, count = perplexity.decode_nll(model, ids, cache, 128, 4)
-            ratio = policies.Dims.of(model).baseline_nbytes(ids.shape[0], sum(pattern)) / pol.nbytes(cache)
+            ratio = policies.reference_nbytes(model, ids.shape[0], sum(pattern)) / pol.nbytes(cache)
             row.update(ppl=math.exp(nll / count), ratio=ratio)
         if samples:
             task = passkey.run(model, tok, samples, pol)

@@ -1235,7 +1235,7 @@ def latent_attention(
 ) -> torch.Tensor:
     """tale_runtime.attention.latent_attention's result, z [B, T, H, R] (float32), by the Triton kernel.
 
-    `cache` is a TaleLayerCache or a LayerView. A decode step (T = 1) runs the Triton kernels, or is refused with a
+    `cache` is a RegionStore or a LayerView. A decode step (T = 1) runs the Triton kernels, or is refused with a
     ValueError that names why (`supported`: a format the kernel does not read, CPU tensors unless
     TRITON_INTERPRET=1); it never runs anything slower in the kernel's name. A call of several new tokens (a prefill
     chunk: the backend signature takes T tokens, the kernel decodes one) is the torch reference's by design.

@@ -1,6 +1,6 @@
 """Fused decode attention (T = 1) over a cache whose keys are held before RoPE, low-rank ones included.
 
-The `lowrank` preset (tale_convert/policy.py) caches its middle level's keys as coefficients on the layer's key
+The `lowrank` preset (runtime/schedule.py) caches its middle level's keys as coefficients on the layer's key
 basis (runtime/key_basis.py: per block, c = (k_pre - mean) enc[:, :r], k_pre ~ mean + c dec[:r]; one joint block
 over the KV heads, or one block per head), its other levels' keys before RoPE (Schedule.key_rope "pre"), and the
 sinks and the 16-bit tail after RoPE. This module serves such a view whole, one launch per region, grid (splits,

@@ -18,11 +18,12 @@ _EXPORTS = {
     "ArtifactError": "artifact",
     "CacheSpec": "spec",
     "Level": "artifact",
+    "RegionStore": "cache",
     "Schedule": "artifact",
     "StaticTaleCache": "static_cache",
     "TaleAttention": "model",
     "TaleCache": "model",
-    "TaleLayerCache": "cache",
+    "TaleLayerCache": "cache",  # RegionStore's former name
     "TaleSpec": "spec",
     "cache_arg": "model",
     "latent_attention": "attention",

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -40,6 +40,7 @@ from .key_basis import KeyBasis
 from .placement import demotions, fill_counts, flush_count
 from .quant import Bands, QTensor, cat, dequantize, quantize, quantize_bands, requantize, split, take
 from .regions import LayerView, Region
+from .spec import Arch
 
 
 def baseline_nbytes(batch: int, kv_heads: int, head_dim: int, positions: int, windows) -> int:
@@ -50,9 +51,42 @@ def baseline_nbytes(batch: int, kv_heads: int, head_dim: int, positions: int, wi
     return 2 * batch * kv_heads * held * head_dim * 2
 
 
-class TaleCacheLayer(CacheLayerMixin):
-    """What transformers asks of a TALE cache layer, from its `kappa` (cached positions): the sequence length and the
-    mask sizes. Regions are made by `update`, not by transformers' lazy initialization."""
+def call_pattern(tokens: int, prefill: int, chunk: int) -> list[int]:
+    """Tokens per forward call over a sequence of `tokens`: the prefill, then chunks of `chunk` up to the
+    second-to-last token (the last one is only predicted)."""
+    rest = tokens - 1 - prefill
+    return [prefill] + [chunk] * (rest // chunk) + ([rest % chunk] if rest % chunk else [])
+
+
+def dry_run_nbytes(
+    schedule: Schedule, arch: Arch, pattern: list[int], dtype: torch.dtype = torch.bfloat16, memo: dict | None = None
+) -> tuple[int, int]:
+    """(bytes held, 16-bit K+V bytes) of a batch-1 TALE cache of `schedule` over the shapes of `arch`, every layer of
+    the schedule, after forward calls of `pattern` tokens each: a dry run with zeros, one layer per distinct row of
+    ranks (the bytes depend on the call pattern and the ranks only: not on the tokens, the key basis or the key
+    bands' channel order). `memo` (ranks -> counts) carries over between schedules that differ in their ranks only."""
+    K, n, G, R = arch.num_kv_heads, arch.head_dim, arch.num_groups, arch.latent_rank
+    memo = {} if memo is None else memo
+    held = base = 0
+    for ranks in schedule.ranks:
+        if tuple(ranks) not in memo:
+            # low-rank keys: any basis of the right shape (key_blocks blocks) holds the same bytes
+            eye = torch.eye(K * n // schedule.key_blocks).expand(schedule.key_blocks, -1, -1)
+            basis = KeyBasis(eye, eye, torch.zeros(K * n), K, n) if any(lv.key_rank for lv in schedule.levels) else None
+            c = RegionStore(replace(schedule, ranks=[list(ranks)]), 0, K, n, G, R, basis=basis)
+            for T in pattern:
+                # keys held before RoPE keep the tables they were rotated by: any will do for a count of bytes
+                rope = (torch.ones(1, T, n), torch.zeros(1, T, n)) if schedule.key_rope == "pre" else None
+                c.append(torch.zeros(1, K, T, n, dtype=dtype), torch.zeros(1, G, T, R, dtype=dtype), rope=rope)
+            memo[tuple(ranks)] = c.nbytes(), c.baseline_nbytes()
+        held, base = held + memo[tuple(ranks)][0], base + memo[tuple(ranks)][1]
+    return held, base
+
+
+class TransformersCacheLayer(CacheLayerMixin):
+    """The transformers side of a TALE cache layer (the dynamic cache's model.DynamicTaleLayer, the static cache's
+    StaticTaleLayer): what transformers asks of a cache layer, from its `kappa` (cached positions): the sequence
+    length and the mask sizes. Regions are made by `update`, not by transformers' lazy initialization."""
 
     is_compileable = False
     is_sliding = False
@@ -278,7 +312,11 @@ class RopeTables:
 KEEP = ("recent", "salient")  # which key groups the per-channel levels above level 0 keep
 
 
-class TaleLayerCache:
+class RegionStore:
+    """One layer's cached tokens in the dynamic layout: the regions (sinks, levels, residual) of the module docstring
+    and their bookkeeping (append, flush, demotion, eviction), with no tie to transformers. model.DynamicTaleLayer is
+    one layer of TaleCache built on it; tale-eval's KIVI and Palu baselines hold their tokens in one."""
+
     def __init__(
         self,
         schedule: Schedule,
@@ -593,3 +631,6 @@ def _on_cpu(q: QTensor | Bands) -> bool:
 def _raw(t: torch.Tensor) -> QTensor:
     """An exact (16-bit) tensor as a region's QTensor."""
     return QTensor(t, None, None, 16, 1, -2)
+
+
+TaleLayerCache = RegionStore  # the former name (tale_runtime.TaleLayerCache)

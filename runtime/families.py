@@ -135,16 +135,30 @@ def rotary(model) -> tuple[torch.Tensor, float] | None:
     return inv.float(), float(scaling)
 
 
+def layer_window(attn, config) -> int | None:
+    """The sliding window an attention module reads through (None: a global layer): the module's own (Qwen2/3 and
+    Gemma 3 mark sliding layers on it, TaleAttention keeps it), else the config's (Mistral and Phi-3: every layer)."""
+    w = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(config, "sliding_window", None)
+    return int(w) if w else None
+
+
 def sliding_windows(model) -> tuple[int | None, ...]:
-    """Per decoder layer, the sliding window its attention reads through (None: a global layer): the attention
-    module's (Qwen2/3 and Gemma 3 mark sliding layers on it, TaleAttention keeps it), else the config's (Mistral and
-    Phi-3: every layer)."""
-    cfg, out = model.config, []
-    for layer in model.model.layers:
-        a = layer.self_attn
-        w = a.sliding_window if hasattr(a, "sliding_window") else getattr(cfg, "sliding_window", None)
-        out.append(int(w) if w else None)
-    return tuple(out)
+    """Per decoder layer, the sliding window its attention reads through (layer_window; None: a global layer)."""
+    return tuple(layer_window(layer.self_attn, model.config) for layer in model.model.layers)
+
+
+def config_window(config) -> int | None:
+    """The window if any layer attends through one, from the config alone (before a model is built: tale-convert's
+    calibration runs plain causal attention, so its sequences must fit in it)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return window if "sliding_attention" in types else None
+    if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+        return None
+    return window
 
 
 def embed_scale(model) -> float | None:

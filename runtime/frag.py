@@ -2,7 +2,7 @@
 
 A static cache of the shapes that kernel covers (`fits`) holds its quantized levels this way (static_cache.py).
 The codes, 16-bit scales and zeros are those of runtime/quant.py's layout, permuted per 32-slot block so that each
-thread's 32-bit word already holds its `mma.m16n8k16` operands. `FragLevel.put` / `take` convert whole blocks both
+thread's 32-bit word already holds its `mma.m16n8k16` operands. `FragLevel.write_slots` / `take_keys`, `take_lat` convert whole blocks both
 ways without loss, so flushes and demotions read and write QTensors as in the row layout.
 
 Shapes fixed by the kernel: head dim 128, latent groups of 4 KV heads, any whole number of query heads per KV head,
@@ -311,7 +311,7 @@ class FragLevel:
         if slot % BLOCK or n % BLOCK or slot + n > self.capacity:
             raise ValueError(f"fragment layout: slots [{slot}, {slot + n}) are not whole blocks of {self.capacity}")
 
-    def put(self, slot: int, keys: QTensor, lat: QTensor) -> None:
+    def write_slots(self, slot: int, keys: QTensor, lat: QTensor) -> None:
         """Write tokens (keys [B, K, n, 128], latents [B, G, n, r], in this level's format) at slots slot.."""
         n = keys.shape[-2]
         self._check(slot, n)

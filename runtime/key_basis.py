@@ -121,7 +121,7 @@ def shard(basis: KeyBasis, rank: int, size: int, group) -> KeyBasis:
 
 def missing(schedule, basis: KeyBasis | list[KeyBasis] | None) -> str | None:
     """Why the schedule's levels with low-rank keys cannot read `basis` (one layer's, or every layer's), or None when
-    they can: the one check behind load(), tale-eval's overrides and TaleLayerCache. key_rank counts coefficients per
+    they can: the one check behind load(), tale-eval's overrides and RegionStore. key_rank counts coefficients per
     block, so the basis must have the schedule's key_blocks."""
     kr = max((lv.key_rank for lv in schedule.levels), default=0)
     if not kr:

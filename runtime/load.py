@@ -518,30 +518,22 @@ def new_cache(
     if static and keep != "recent":
         raise ValueError(f'keep="{keep}" needs the dynamic cache (the static cache places by recency)')
     spec: TaleSpec = model.tale_spec
-    a = spec.rank_arch()  # under tensor parallelism: this rank's heads and groups only
     sched = schedule or spec.schedule
     w = next(model.parameters())
-    windows = families.sliding_windows(model)
-    cs = CacheSpec(a, sched, static, w.device, w.dtype, windows)
+    # under tensor parallelism: this rank's heads and groups only (rank_arch)
+    cs = CacheSpec(spec.rank_arch(), sched, static, w.device, w.dtype, families.sliding_windows(model))
     if isinstance(backend, backends.AttentionBackend):
         chosen = backend
     else:
         want = backend or spec.backend
         chosen = backends.choose(cs, want, spec.backend_config if want == spec.backend else None, layout)
-    shapes = (sched, a.num_layers, a.num_kv_heads, a.head_dim, a.num_groups, a.latent_rank)
     if static:
-        return StaticTaleCache(
-            *shapes,
-            max_length=max_length,
-            layout=layout,
-            num_heads=a.num_heads,
-            backend=chosen,
-            key_basis=spec.key_basis,
-            windows=windows,
-            rotary=families.rotary(model) if sched.key_rope == "pre" else None,
+        rotary = families.rotary(model) if sched.key_rope == "pre" else None
+        return StaticTaleCache.from_spec(
+            cs, max_length=max_length, layout=layout, backend=chosen, key_basis=spec.key_basis, rotary=rotary
         )
     rope_types = families.rope_types(model.config)
-    return TaleCache(*shapes, keep=keep, key_basis=spec.key_basis, backend=chosen, rope_types=rope_types)
+    return TaleCache.from_spec(cs, keep=keep, key_basis=spec.key_basis, backend=chosen, rope_types=rope_types)
 
 
 def set_backend(model, name: str = "auto", config=None) -> None:

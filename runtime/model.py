@@ -29,7 +29,8 @@ from . import families
 from .artifact import Schedule
 from .attention import apply_rope
 from .backends import TORCH, AttentionBackend
-from .cache import CacheStep, RopeTables, TaleCacheLayer, TaleLayerCache
+from .cache import CacheStep, RegionStore, RopeTables, TransformersCacheLayer
+from .spec import CacheSpec
 from .static_cache import StaticTaleCache
 
 # transformers 5.24 renamed the cache argument of forward() and generate(), and the output field, from
@@ -66,12 +67,13 @@ def rotate(t: torch.Tensor, Q: torch.Tensor | None) -> torch.Tensor:
     return t if Q is None else (t.float() @ Q).to(t.dtype)
 
 
-class TaleLayer(TaleLayerCache, TaleCacheLayer):
-    """One layer of TaleCache, visible to transformers as a cache layer (length, mask sizes)."""
+class DynamicTaleLayer(RegionStore, TransformersCacheLayer):
+    """One layer of TaleCache: a RegionStore (the tokens) that transformers sees as a cache layer (length, mask sizes,
+    update); the static cache's counterpart is static_cache.StaticTaleLayer."""
 
     def __init__(self, *args, **kwargs):
-        TaleCacheLayer.__init__(self)
-        TaleLayerCache.__init__(self, *args, **kwargs)
+        TransformersCacheLayer.__init__(self)
+        RegionStore.__init__(self, *args, **kwargs)
 
     def update(self, key_states, value_states, valid=None, queries=None, rope=None, window=None):
         """transformers' cache-layer update, as TALE caches it: post-RoPE keys [B, K, T, n] and the latents
@@ -85,7 +87,7 @@ class TaleLayer(TaleLayerCache, TaleCacheLayer):
 
     def reset(self) -> None:
         self.rope.__init__()  # the shared tables: every layer resets with the cache (idempotent)
-        TaleLayerCache.__init__(
+        RegionStore.__init__(
             self, self.s, self._layer_idx, self.K, self.n, self.G, self.R, self.keep, self.basis, self.rope
         )
 
@@ -118,7 +120,7 @@ class TaleLayer(TaleLayerCache, TaleCacheLayer):
 
 
 class TaleCache(CacheStep, Cache):
-    """The TALE cache for a whole model: one TaleLayer per decoder layer; `backend` serves its decode attention."""
+    """The TALE cache for a whole model: one DynamicTaleLayer per decoder layer; `backend` serves its decode attention."""
 
     def __init__(
         self,
@@ -141,12 +143,28 @@ class TaleCache(CacheStep, Cache):
         for i in range(num_layers):
             basis = None if key_basis is None else key_basis[i]
             rope = self.ropes[types[i]]
-            layer = TaleLayer(schedule, i, num_kv_heads, head_dim, num_groups, latent_rank, keep, basis, rope)
+            layer = DynamicTaleLayer(schedule, i, num_kv_heads, head_dim, num_groups, latent_rank, keep, basis, rope)
             layer._layer_idx = i
             layers.append(layer)
         super().__init__(layers=layers)
         self.schedule = schedule
         self.backend = backend
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: CacheSpec,
+        *,
+        keep: str = "recent",
+        key_basis: list | None = None,
+        backend: AttentionBackend = TORCH,
+        rope_types: list | None = None,
+    ) -> TaleCache:
+        """The dynamic cache a CacheSpec describes: its schedule and the shapes of its arch (windows come with each
+        update)."""
+        a = spec.arch
+        shapes = (a.num_layers, a.num_kv_heads, a.head_dim, a.num_groups, a.latent_rank)
+        return cls(spec.schedule, *shapes, keep=keep, key_basis=key_basis, backend=backend, rope_types=rope_types)
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
@@ -200,10 +218,7 @@ class TaleAttention(nn.Module):
         self.is_causal = True
         self.attention_dropout = 0.0
         self.num_key_value_groups = self.H // self.K
-        # Qwen2/3 and Gemma 3 mark sliding layers on the module, Mistral and Phi-3 only in the config
-        self.sliding_window = (
-            orig.sliding_window if hasattr(orig, "sliding_window") else getattr(config, "sliding_window", None)
-        )
+        self.sliding_window = families.layer_window(orig, config)
         # Phi-3: one fused qkv_proj (split here, as transformers does); the others: q_proj, k_proj, v_proj
         self.qkv_proj = getattr(orig, "qkv_proj", None) if families.fused_qkv(config) else None
         self.q_proj, self.k_proj = getattr(orig, "q_proj", None), getattr(orig, "k_proj", None)
@@ -371,7 +386,7 @@ class TaleAttention(nn.Module):
             out = self.o_proj(_causal_below(q, keys, values, self.scaling).transpose(1, 2).reshape(B, t, -1))
         else:  # the first piece (square causal), or the rows of a 4D mask (padding, sliding windows)
             out, _ = self.attend_exact(q, keys, values, attention_mask, **kwargs)
-        # keep="salient" reads the prompt's last key_group queries (TaleLayerCache.append)
+        # keep="salient" reads the prompt's last key_group queries (RegionStore.append)
         W = cache.schedule.key_group
         qs = rotate(q[..., -W:, :], Q) * self.scaling
         p.q = qs if p.q is None else torch.cat([p.q, qs], -2)[..., -W:, :]

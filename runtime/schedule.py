@@ -1,5 +1,6 @@
-"""The rank/bit schedule's knobs in one place: tale-convert's presets, the one rank-rounding rule, and the overrides
-that tale-run's flags, `load(**overrides)` and tale-eval's variants apply to an artifact's schedule.
+"""The rank/bit schedule's knobs in one place: tale-convert's presets (`PRESETS`, typed `Preset`s), the one
+rank-rounding rule, and the overrides that tale-run's flags, `load(**overrides)` and tale-eval's variants apply to an
+artifact's schedule.
 
 Schedule and Level themselves are the artifact's (artifact.py: they are written into the manifest). The four CLIs
 share one flag vocabulary for these knobs: --sinks, --recent, --r0, --bits, --key-bits, --key-group, --value-group,
@@ -8,7 +9,7 @@ share one flag vocabulary for these knobs: --sinks, --recent, --r0, --bits, --ke
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from .artifact import ArtifactError, Level, Schedule
 
@@ -19,10 +20,32 @@ def round_rank(fraction: float, R: int, value_group: int) -> int:
     return min(R, max(value_group, int(fraction * R + 1e-9) // value_group * value_group))
 
 
-# tale-convert --preset: the schedule knobs (per level, oldest first). residual None = one key group.
-PRESETS = {
+@dataclass(frozen=True)
+class Preset:
+    """One tale-convert --preset: the schedule knobs, per level oldest first, that tale_convert.options.Options turns
+    (with the explicit options over them) into the artifact's Schedule."""
+
+    bits: tuple[int, ...]  # latent bits per level
+    key_bits: tuple[int, ...]  # key bits per level
+    recent: tuple[float, ...]  # share of each level above the middle
+    r0: float  # the middle level's latent rank, a fraction of R
+    key_axis: tuple[str, ...]  # per level: keys quantized per "channel" (KIVI) or per "token"
+    residual: int | None  # the 16-bit residual where the newest keys are per token; None: one key group
+    key_meta: str  # scale/zero formats (Schedule.key_meta, value_meta)
+    value_meta: str
+    value_group: int = 32  # channels per latent quantization group (where it divides R; else 32)
+    key_bands: tuple[int, float] | None = None  # (bits, share of the head dim) of the middle level's key bands
+    key_rope: str = "post"  # keys quantized after RoPE, or "pre": before it, rotated as they are read
+    key_rank: tuple[float, ...] = ()  # per level, a fraction of the joined key dim K n (0: plain keys); (): none
+    key_basis_blocks: str = "joint"  # the key basis of low-rank keys: "joint", "group" or "head"
+    rotation_block: int | None = None  # channels per Hadamard block of the latents (None: the latent group)
+    rotate_latents: bool = False  # latents rotated in blocks where the blocks fit R
+
+
+# tale-convert --preset
+PRESETS: dict[str, Preset] = {
     # the paper's: alpha 4, p 0.1, r0 = R/2, 2-bit middle, 4-bit recent, KIVI layout with 16-bit scales/zeros
-    "paper": dict(
+    "paper": Preset(
         bits=(2, 4),
         key_bits=(2, 4),
         recent=(0.1,),
@@ -35,7 +58,7 @@ PRESETS = {
     ),
     # the best measured per byte on SmolLM2 (docs/notes.md, "key bands"; dev text): 2-bit middle keys with
     # the most important half of each KV head's key channels at 3 bits, r0 = R/2, fp8 scales
-    "tale": dict(
+    "tale": Preset(
         bits=(2, 4),
         key_bits=(2, 4),
         recent=(0.1,),
@@ -56,7 +79,7 @@ PRESETS = {
     # test text: 6.10x at +0.85% / +1.49%, where r0 5R/6, 72 coefficients and scales per 32 channels gave 6.03x at
     # +0.88% / +2.03%: docs/notes.md, "the latents at full rank"). The low-rank-key kernel reads it on CUDA
     # (docs/kernels.md). Every preset rotates its latents (docs/notes.md, "rotated latents")
-    "lowrank": dict(
+    "lowrank": Preset(
         bits=(3, 4, 8),
         key_bits=(4, 4, 8),
         recent=(0.05, 0.0),

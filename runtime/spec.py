@@ -69,6 +69,24 @@ class Arch:
             raise ArtifactError(f"manifest architecture: {arch.num_heads} query heads over {K} KV heads")
         return arch
 
+    @classmethod
+    def from_config(cls, config, group: int) -> Arch:
+        """The shapes of a checkpoint's config at latent groups of `group` KV heads (what tale-convert writes; the
+        converter checks the config first: source.check_config)."""
+        K, n = config.num_key_value_heads, families.head_dim(config)
+        return cls(
+            model_type=config.model_type,
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=K,
+            head_dim=n,
+            group_size=group,
+            num_groups=K // group,
+            latent_rank=group * n,
+            rotary_dim=families.rotary_dim(config),
+        )
+
     def per_rank(self, tp_size: int) -> Arch:
         """The shapes one rank of tensor parallelism holds: whole latent groups, H/N query, K/N KV heads, G/N groups."""
         if tp_size == 1:
@@ -79,6 +97,7 @@ class Arch:
         )
 
     def to_manifest(self) -> dict:
+        """The manifest's `architecture` block (from_manifest reads it back; rotary_dim comes from config.json)."""
         L, g, G, R = self.num_layers, self.group_size, self.num_groups, self.latent_rank
         return {
             "model_type": self.model_type,

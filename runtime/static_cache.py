@@ -64,12 +64,13 @@ from . import key_basis as kb
 from .artifact import Schedule
 from .attention import apply_rope
 from .backends import TORCH, AttentionBackend
-from .cache import CacheStep, TaleCacheLayer, band_index, baseline_nbytes, demote_level, key_layout, quant_level
+from .cache import CacheStep, TransformersCacheLayer, band_index, baseline_nbytes, demote_level, key_layout, quant_level
 from .frag import FragLevel, FragRegion, fits
 from .key_basis import KeyBasis
 from .placement import demotions, fill_counts, flush_count
 from .quant import FP8, Bands, QTensor, _rebias, cat, meta_format, rescaled
 from .regions import LayerView, Region, Rotary
+from .spec import CacheSpec
 
 
 @dataclass
@@ -345,7 +346,7 @@ def fused(fn, device: torch.device, key: tuple = ()):
     return f
 
 
-class StaticTaleLayer(TaleCacheLayer):
+class StaticTaleLayer(TransformersCacheLayer):
     """One decoder layer's buffers of a StaticTaleCache (the bookkeeping lives in the cache)."""
 
     def __init__(self, cache: StaticTaleCache, layer_idx: int):
@@ -527,7 +528,7 @@ class StaticTaleLayer(TaleCacheLayer):
     # -- writes (host-planned spans; every layer does the same ones) -------------------------
 
     def append(self, k: torch.Tensor, h: torch.Tensor, valid: torch.Tensor | None = None, q=None, rope=None) -> None:
-        """Cache T new exact tokens (TaleLayerCache.append's arguments; `q` is not read): inside the open step, or (a
+        """Cache T new exact tokens (RegionStore.append's arguments; `q` is not read): inside the open step, or (a
         one-layer cache) in a step of their own."""
         c = self.cache
         if c._step is not None:
@@ -541,7 +542,7 @@ class StaticTaleLayer(TaleCacheLayer):
     def _quant(self, i: int, k: torch.Tensor, h: torch.Tensor, rope, device_bias: bool = False) -> tuple:
         """Exact tokens (k post-RoPE [B, K, T, n], h [B, G, T, R]) quantized at level i (cache.quant_level); with
         key_rope "pre" the keys are first rotated back by their tables `rope` (cos, sin [B, T, n]), as the dynamic
-        cache does (TaleLayerCache._quant)."""
+        cache does (RegionStore._quant)."""
         if rope is not None:
             k = apply_rope(k.float(), rope[0].float(), -rope[1].float()).to(k.dtype)
         return quant_level(self.cache.schedule, i, self.ranks[i], k, h, self.order, self.basis, device_bias)
@@ -630,7 +631,7 @@ class StaticTaleLayer(TaleCacheLayer):
     def _put_level(self, i: int, keys, lat, slot: int, off: int, n: int) -> None:
         """Tokens [off, off + n) of a level's keys and latents into its slots [slot, slot + n)."""
         if self.frag:
-            self.frag[i].put(
+            self.frag[i].write_slots(
                 slot,
                 *(replace(q, data=d, scale=s_, zero=z) for q in (keys, lat) for d, s_, z in [_rows(q, off, off + n)]),
             )
@@ -781,6 +782,35 @@ class StaticTaleCache(CacheStep, Cache):
         # while it is unchanged
         self.generation = 0
         super().__init__(layers=[StaticTaleLayer(self, i) for i in range(num_layers)])
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: CacheSpec,
+        *,
+        max_length: int | None = None,
+        layout: str | None = None,
+        backend: AttentionBackend = TORCH,
+        key_basis: list[KeyBasis] | None = None,
+        rotary: tuple[torch.Tensor, float] | None = None,
+    ) -> StaticTaleCache:
+        """The static cache a CacheSpec describes: its schedule, the shapes of its arch, its layers' windows."""
+        a = spec.arch
+        return cls(
+            spec.schedule,
+            a.num_layers,
+            a.num_kv_heads,
+            a.head_dim,
+            a.num_groups,
+            a.latent_rank,
+            max_length=max_length,
+            layout=layout,
+            num_heads=a.num_heads,
+            backend=backend,
+            key_basis=key_basis,
+            windows=spec.windows,
+            rotary=rotary,
+        )
 
     def reset(self) -> None:
         self.book = None

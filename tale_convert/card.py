@@ -68,8 +68,8 @@ def render_card(
     hub_base = base_model_id(manifest)
     base_name = hub_base or Path(str(base.get("id") or "the base model")).name  # never a local absolute path
     prev = card_data(base_card)
-    arch = manifest["architecture"]
-    tags = list(dict.fromkeys(TAGS + [arch.get("model_type")] + list(prev.tags or [])))
+    arch = _arch(manifest)
+    tags = list(dict.fromkeys(TAGS + [arch.model_type] + list(prev.tags or [])))
     data = ModelCardData(
         base_model=hub_base,
         library_name="tale-kv",
@@ -80,8 +80,8 @@ def render_card(
     )
     sections = [
         f"# {repo_id or base_name + ' (TALE)'}\n\n{MARKER}",
-        _intro(manifest, base_name, hub_base),
-        _schedule(manifest),
+        _intro(manifest, arch, base_name, hub_base),
+        _schedule(manifest, arch),
         _measured([manifest.get("measured"), manifest.get("quality"), None if is_eval_json(quality) else quality]),
         _eval_table(quality) if is_eval_json(quality) else "",
         _usage(repo_id or PLACEHOLDER_ID),
@@ -101,12 +101,18 @@ def complete_metadata(card: str, manifest: dict) -> str:
     return str(mc)
 
 
+def _arch(m: dict):
+    """The manifest's shapes (tale_runtime.spec.Arch; imported here, not when tale-push starts: it imports torch)."""
+    from tale_runtime.spec import Arch
+
+    return Arch.from_manifest(m)
+
+
 def _dict(x) -> dict:
     return x if isinstance(x, dict) else {}
 
 
-def _intro(m: dict, base_name: str, hub_base: str | None) -> str:
-    arch = m["architecture"]
+def _intro(m: dict, arch, base_name: str, hub_base: str | None) -> str:
     link = f"[`{base_name}`](https://huggingface.co/{hub_base})" if hub_base else f"`{base_name}`"
     ratio = measured_ratio(m)
     lead = (
@@ -118,19 +124,18 @@ def _intro(m: dict, base_name: str, hub_base: str | None) -> str:
     return lead + (
         f"A TALE (token-adaptive low-rank KV-cache compression, training-free) artifact of {link}. "
         f"Each layer's value projection is replaced by whitened SVD factors over groups of "
-        f"{arch.get('group_size')} KV heads (latent rank R = {arch.get('latent_rank')}) plus a fused output "
+        f"{arch.group_size} KV heads (latent rank R = {arch.latent_rank}) plus a fused output "
         "matrix; all other weights are the base model's. Nothing is truncated in the weights: at run time "
         "each cached token keeps a value rank and bit width chosen by its position, and its key quantized, "
         "while the forward pass itself stays exact."
     )
 
 
-def _schedule(m: dict) -> str:
+def _schedule(m: dict, arch) -> str:
     s = Schedule.from_dict(m["schedule"])
-    arch = m["architecture"]
-    R = arch.get("latent_rank")
-    C = (arch.get("num_kv_heads") or 0) * (arch.get("head_dim") or 0)  # the joined keys of a layer
-    hpb = (arch.get("num_kv_heads") or 0) // s.key_blocks  # KV heads per key basis block
+    R = arch.latent_rank
+    C = arch.num_kv_heads * arch.head_dim  # the joined keys of a layer
+    hpb = arch.num_kv_heads // s.key_blocks  # KV heads per key basis block
     per = (
         f" of {C}"
         if s.key_blocks == 1
@@ -144,8 +149,8 @@ def _schedule(m: dict) -> str:
         kb = f"{lv.key_bits}" + (f" ({lv.key_rank} coefficients{per})" if lv.key_rank else "")
         rows.append(f"| {i} | {who} | {share:.3g} | {rank} / {R} | {lv.bits} | {kb} |")
     ratio = m.get("nominal_ratio")
-    if ratio is None and arch.get("head_dim") and arch.get("group_size"):
-        ratio = nominal_ratio(s, int(arch["head_dim"]), int(arch["group_size"]), arch.get("num_kv_heads"))
+    if ratio is None:
+        ratio = nominal_ratio(s, arch.head_dim, arch.group_size, arch.num_kv_heads)
     lines = [
         "## Cache schedule",
         "",
@@ -180,15 +185,14 @@ def _schedule(m: dict) -> str:
 def measured_ratio(m: dict) -> float | None:
     """16-bit K+V bytes over the bytes a batch-1 TALE cache of the manifest's schedule holds after 1K tokens (a dry
     run of the cache itself: sinks, residual, scales and zero points included; the bytes do not depend on the text)."""
-    from .policy import REFERENCE
-    from .policy import measured_ratio as dry_run
+    from .rank_policy import REFERENCE
+    from .rank_policy import measured_ratio as dry_run
 
-    if m["architecture"].get("model_type") in ("gemma3", "gemma3_text"):
-        return None  # sliding layers of 512 tokens: the 16-bit reference holds less than 1K there, the dry run does not
     try:
-        s, arch = Schedule.from_dict(m["schedule"]), m["architecture"]
-        K, n, G, R = (int(arch[k]) for k in ("num_kv_heads", "head_dim", "num_groups", "latent_rank"))
-        return dry_run(s, K, n, G, R, REFERENCE)
+        arch = _arch(m)
+        if arch.model_type in ("gemma3", "gemma3_text"):
+            return None  # sliding layers of 512 tokens: the 16-bit reference holds less than 1K there, the dry run not
+        return dry_run(Schedule.from_dict(m["schedule"]), arch, REFERENCE)
     except Exception:  # a manifest too old or odd for the dry run: the card says nothing rather than guess
         return None
 

@@ -29,8 +29,7 @@ from tale_runtime.artifact import (
     write_json,
 )
 
-from . import ConvertError, __version__, calibrate, resume, source, stats, write
-from . import policy as rank_policy
+from . import ConvertError, __version__, calibrate, rank_policy, resume, source, stats, write
 from .card import render_card
 from .fuse import fuse
 from .options import BASIS_BLOCKS, Options  # noqa: F401  (tale_convert.convert.Options: the API name)
@@ -125,17 +124,19 @@ def _convert_locked(model, out: Path, opts: Options, on_layer, log, warn, t0) ->
 
     src = source.resolve(model)
     config, arch = source.load_config(src, opts.group)
-    schedule = opts.schedule(arch.R, arch.L, arch.K, arch.n)
-    bands = opts.bands(arch.n)
+    schedule = opts.schedule(arch.latent_rank, arch.num_layers, arch.num_kv_heads, arch.head_dim)
+    bands = opts.bands(arch.head_dim)
     if bands:
         b, c = bands
-        if b not in (2, 3, 4, 8) or c < 8 or c % 8 or c >= arch.n:
+        if b not in (2, 3, 4, 8) or c < 8 or c % 8 or c >= arch.head_dim:
             raise ConvertError(
-                f"--key-bands {b}:{c}: bits must be 2, 3, 4 or 8 and channels a multiple of 8 below the head dim {arch.n}"
+                f"--key-bands {b}:{c}: bits must be 2, 3, 4 or 8 and channels a multiple of 8 below the head dim {arch.head_dim}"
             )
         # a placeholder order until the factors exist (bytes do not depend on it: --target-ratio counts the bands)
-        schedule = stats.with_key_bands(schedule, [[list(range(arch.n))] * arch.K] * arch.L, {0: bands})
-    window = source.sliding_window(config)
+        schedule = stats.with_key_bands(
+            schedule, [[list(range(arch.head_dim))] * arch.num_kv_heads] * arch.num_layers, {0: bands}
+        )
+    window = families.config_window(config)
     if window and opts.seq_len > window:
         raise ConvertError(f"--seq-len {opts.seq_len} exceeds the model's sliding window {window}")
     context = getattr(config, "max_position_embeddings", None)
@@ -168,7 +169,7 @@ def _convert_locked(model, out: Path, opts: Options, on_layer, log, warn, t0) ->
     settings = {
         "tool": __version__,
         "model": base_files,
-        "group": arch.g,
+        "group": arch.group_size,
         "shrink": opts.shrink,
         "latent_rotation": schedule.latent_rotation,
         "key_basis": schedule.key_blocks if opts.wants_basis() else 0,  # basis blocks fitted with each layer (0: none)
@@ -198,7 +199,9 @@ def _convert_locked(model, out: Path, opts: Options, on_layer, log, warn, t0) ->
         layout = [(e.name, str(e.dtype), e.shape) for e in entries]
         plan = hashlib.sha256(repr((shard_size, layout)).encode()).hexdigest()
         # the writer may lag one layer behind (it writes layer i while layer i+1 runs), not more
-        layer_bytes = max(sum(e.nbytes for e in entries if e.name.startswith(_layer_prefix(i))) for i in range(arch.L))
+        layer_bytes = max(
+            sum(e.nbytes for e in entries if e.name.startswith(_layer_prefix(i))) for i in range(arch.num_layers)
+        )
         writer = write.ShardWriter(
             tmp,
             entries,
@@ -218,8 +221,8 @@ def _convert_locked(model, out: Path, opts: Options, on_layer, log, warn, t0) ->
         files = writer.close()
         write.copy_model_files(tmp, config, tokenizer, source.generation_config(src, config), dtype)
         if blocks:
-            _write_key_basis(tmp, partial, arch.L)
-            log(f"key basis: {arch.L} layers, {blocks} block{'s' if blocks > 1 else ''} each")
+            _write_key_basis(tmp, partial, arch.num_layers)
+            log(f"key basis: {arch.num_layers} layers, {blocks} block{'s' if blocks > 1 else ''} each")
         manifest = _manifest(src, base_files, arch, schedule, layers, calib_info, opts, dtype, files)
         base_card = src.path / "README.md"
         (tmp / "README.md").write_text(render_card(manifest, base_card.read_text() if base_card.is_file() else None))
@@ -347,7 +350,7 @@ def _manifest(src, base_files, arch, schedule, layers, calib_info, opts, dtype, 
             "tokens": opts.samples * opts.seq_len,
         },
         "energy_kept": [lr.energy for lr in layers],
-        "nominal_ratio": round(nominal_ratio(schedule, arch.n, arch.g, arch.K), 4),
+        "nominal_ratio": round(nominal_ratio(schedule, arch.head_dim, arch.group_size, arch.num_kv_heads), 4),
         "files": files,
     }
 
@@ -380,7 +383,7 @@ VALUE_WEIGHTS = (".self_attn.v_proj.weight", ".self_attn.qkv_proj.weight")  # wh
 def _plan(ckpt, arch, dtype) -> list[write.Entry]:
     """Every artifact tensor in order: the source's, each layer's TALE tensors right after its
     v_proj.weight (Phi-3: qkv_proj.weight), which is kept: the exact prefill uses it, DESIGN.md 4."""
-    d, G, R, H = arch.d, arch.G, arch.R, arch.H
+    d, G, R, H = arch.hidden_size, arch.num_groups, arch.latent_rank, arch.num_heads
     entries = []
     for name, shape in ckpt.shapes.items():
         entries.append(write.Entry(name, dtype, shape))
@@ -405,9 +408,9 @@ def _stream(
     Resume: finished layers (factors in `partial`) are only replayed forward, and not even that
     once no later layer is missing; their tensors are rewritten only where their shard is not
     complete yet."""
-    head, per_layer, tail = _split(list(ckpt.shapes), arch.L)
+    head, per_layer, tail = _split(list(ckpt.shapes), arch.num_layers)
     done = partial.done()
-    missing = [i for i in range(arch.L) if i not in done]
+    missing = [i for i in range(arch.num_layers) if i not in done]
     stop = max(missing) + 1 if missing else 0
     ckpt_h = partial.load_hidden() if done and missing else None
     start = ckpt_h[0] if ckpt_h else 0
@@ -426,19 +429,19 @@ def _stream(
     def wanted(i: int) -> bool:
         return start <= i < stop or any(writer.needed(n) for n in per_layer[i])
 
-    todo = [i for i in range(arch.L) if wanted(i)]
+    todo = [i for i in range(arch.num_layers) if wanted(i)]
     reports: list[LayerReport] = []
     saved = time.perf_counter()
     with ThreadPoolExecutor(1, thread_name_prefix="tale-read") as pool:  # reads layer i+1 while i runs
         reads = {todo[0]: pool.submit(ckpt.read, per_layer[todo[0]])} if todo else {}
-        for i in range(arch.L):
+        for i in range(arch.num_layers):
             console.check_interrupted()
             t = time.perf_counter()
             if i not in reads:
                 f, seconds = partial.load_layer(i)
                 reports.append(LayerReport(i, f.eps, [energy_kept(f.S, r) for r in schedule.ranks[i]], seconds, True))
                 if on_layer:
-                    on_layer(reports[-1], arch.L)
+                    on_layer(reports[-1], arch.num_layers)
                 continue
             weights = reads.pop(i).result()
             if (nxt := next((j for j in todo if j > i), None)) is not None:
@@ -446,13 +449,17 @@ def _stream(
             f = None
             if start <= i < stop:
                 layer = _materialize(skeleton.model.layers[i], weights, _layer_prefix(i), device)
-                moments = stats.KeyMoments(arch.K, arch.n, schedule.sinks, BASIS_SAMPLES) if blocks else None
+                moments = (
+                    stats.KeyMoments(arch.num_kv_heads, arch.head_dim, schedule.sinks, BASIS_SAMPLES)
+                    if blocks
+                    else None
+                )
                 hooks = moments.hook(layer.self_attn) if moments and i not in done else []
                 try:
                     C = calibrate.run_layer(layer, hidden, rope[i], i, covariance=i not in done)
                     if C is not None:
                         W_V = families.value_weight(layer.self_attn, skeleton.config)  # [K n, d]
-                        f = whiten(C, W_V.T, arch.g, arch.n, shrink)
+                        f = whiten(C, W_V.T, arch.group_size, arch.head_dim, shrink)
                         del C
                         if schedule.latent_rotation:
                             f = rotate_latents(f, schedule.latent_rotation)
@@ -474,7 +481,7 @@ def _stream(
             seconds = seconds if reused else time.perf_counter() - t
             reports.append(LayerReport(i, f.eps, [energy_kept(f.S, r) for r in schedule.ranks[i]], seconds, reused))
             if on_layer:
-                on_layer(reports[-1], arch.L)
+                on_layer(reports[-1], arch.num_layers)
     del hidden
     for name in tail:
         _copy(ckpt, writer, name, dtype)
@@ -493,15 +500,17 @@ def _write_layer(writer, weights, names, f, arch, dtype, device) -> None:
     """The layer's tensors in plan order. O^r is fused on the device: in float64 it is the one
     large product of the conversion (g times the size of W_O)."""
     for name in names:
-        writer.put(name, weights[name].to(dtype))
+        writer.write_tensor(name, weights[name].to(dtype))
         if name.endswith(VALUE_WEIGHTS):
             prefix = name[: name.rindex(".self_attn.") + len(".self_attn.")]
             W_O = weights[prefix + "o_proj.weight"]
             B = f.B.to(device)
-            writer.put(prefix + U_V, f.A.to(dtype))
-            writer.put(prefix + V_V, f.B.to(dtype))
+            writer.write_tensor(prefix + U_V, f.A.to(dtype))
+            writer.write_tensor(prefix + V_V, f.B.to(dtype))
             # transposed and cast on the device (same values as on the host; the host would copy twice)
-            writer.put(prefix + O_FUSED, fuse(B, W_O.to(device).T.double(), arch.H).T.to(dtype).contiguous())
+            writer.write_tensor(
+                prefix + O_FUSED, fuse(B, W_O.to(device).T.double(), arch.num_heads).T.to(dtype).contiguous()
+            )
 
 
 def _copy(ckpt, writer, name: str, dtype) -> None:
@@ -509,21 +518,21 @@ def _copy(ckpt, writer, name: str, dtype) -> None:
     are the largest tensors of a model and never need to be whole in memory."""
     if writer.needed(name):
         for chunk in ckpt.chunks(name, dtype):
-            writer.put(name, chunk)
+            writer.write_tensor(name, chunk)
 
 
 def _rank_policy(opts, schedule, layers, src, tokens, arch, partial, log) -> tuple[Schedule, list[LayerReport]]:
     """Level-0 ranks from --policy, under the uniform schedule's budget (energy: a threshold instead);
     the layers' reported energy follows the new ranks."""
-    spectra = [partial.load_layer(i)[0].S for i in range(arch.L)]
+    spectra = [partial.load_layer(i)[0].S for i in range(arch.num_layers)]
     fisher = None
     if opts.policy == "fisher":
         log("fisher: gradients of the calibration loss w.r.t. v_proj (8 sequences, on the CPU, the whole model)")
         fisher = rank_policy.fisher_scores(source.load_model(src), list(tokens[:8].split(2)))
     ranks0 = rank_policy.level0_ranks(
         opts.policy,
-        arch.R,
-        arch.L,
+        arch.latent_rank,
+        arch.num_layers,
         schedule.value_group,
         schedule.ranks[0][0],
         spectra=spectra,
@@ -537,11 +546,11 @@ def _rank_policy(opts, schedule, layers, src, tokens, arch, partial, log) -> tup
 
 def _target_ratio(opts, schedule, layers, arch, partial, log) -> tuple[Schedule, list[LayerReport]]:
     """Level-0 ranks per layer meeting --target-ratio (measured at 1K tokens) with the least whitened energy lost."""
-    spectra = [partial.load_layer(i)[0].S for i in range(arch.L)]
-    fitted = rank_policy.fit_ranks(schedule, opts.target_ratio, (arch.K, arch.n, arch.G, arch.R), spectra)
+    spectra = [partial.load_layer(i)[0].S for i in range(arch.num_layers)]
+    fitted = rank_policy.fit_ranks(schedule, opts.target_ratio, arch, spectra)
     if fitted is None:
         best = rank_policy.measured_ratio(
-            rank_policy.apply(schedule, "budget", [schedule.value_group] * arch.L), arch.K, arch.n, arch.G, arch.R
+            rank_policy.apply(schedule, "budget", [schedule.value_group] * arch.num_layers), arch
         )
         raise ConvertError(
             f"--target-ratio {opts.target_ratio:g} is out of reach of this schedule "

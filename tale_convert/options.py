@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tale_runtime.artifact import ArtifactError, Level, Schedule, rotation_fits, uniform_ranks
-from tale_runtime.schedule import PRESETS
+from tale_runtime.schedule import PRESETS, Preset
 
 from . import ConvertError
 
 BASIS_BLOCKS = ("joint", "group", "head")  # --key-basis-blocks
+# what the optional knobs of an unknown --preset read as (the name itself is refused by Options.schedule)
+_NO_PRESET = Preset(bits=(), key_bits=(), recent=(), r0=0.0, key_axis=(), residual=None, key_meta="", value_meta="")
 
 
 @dataclass
@@ -27,7 +29,7 @@ class Options:
     device: str = "auto"
     dtype: str = "bf16"  # of the stored tensors; "auto": the checkpoint's
     sinks: int = 4
-    # None: from the preset (tale_convert.policy.PRESETS); explicit values override it
+    # None: from the preset (tale_runtime.schedule.PRESETS); explicit values override it
     recent: tuple[float, ...] | None = None  # share of each level above 0
     r0: float | None = None  # level-0 rank as a fraction of R
     bits: tuple[int, ...] | None = None  # value bits per level
@@ -52,7 +54,7 @@ class Options:
     shard_size: str | int = "2GB"
     overwrite: bool = False
     resume: bool = False
-    policy: str = "uniform"  # rank policy (tale_convert.policy): uniform, energy, fisher, progressive
+    policy: str = "uniform"  # rank policy (tale_convert.rank_policy): uniform, energy, fisher, progressive
     energy: float = 0.9  # energy policy: whitened spectral energy kept per layer at level 0
 
     def latent_group(self, R: int) -> int:
@@ -60,7 +62,7 @@ class Options:
         of a KV group), else 32."""
         if self.value_group is not None:
             return self.value_group
-        vg = PRESETS.get(self.preset, {}).get("value_group", 32)
+        vg = self._preset().value_group
         return vg if R % vg == 0 else 32
 
     def bands(self, head_dim: int) -> tuple[int, int] | None:
@@ -68,19 +70,19 @@ class Options:
         (bits, share of the head dim, rounded to a multiple of 8 channels), else None."""
         if self.key_bands:
             return tuple(self.key_bands)
-        p = PRESETS.get(self.preset, {}).get("key_bands")
+        p = self._preset().key_bands
         if not p:
             return None
         return p[0], max(8, round(p[1] * head_dim / 8) * 8)
 
     def wants_basis(self) -> bool:
         """Whether the artifact gets a key basis: --key-basis, or a preset with low-rank keys."""
-        return self.key_basis or any(PRESETS.get(self.preset, {}).get("key_rank", ()))
+        return self.key_basis or any(self._preset().key_rank)
 
     def blocks(self, kv_heads: int) -> int:
         """Blocks of the key basis (Schedule.key_blocks): 1 joint, kv_heads / group per latent group, kv_heads per
         head."""
-        kind = self.key_basis_blocks or PRESETS.get(self.preset, {}).get("key_basis_blocks", "joint")
+        kind = self.key_basis_blocks or self._preset().key_basis_blocks
         if kind not in BASIS_BLOCKS:
             raise ConvertError(f"unknown --key-basis-blocks {kind!r}: use one of {', '.join(BASIS_BLOCKS)}")
         if self.key_basis_blocks and not self.wants_basis():
@@ -89,22 +91,26 @@ class Options:
             return max(1, kv_heads // self.group)  # latent groups divide the KV heads (refused at load otherwise)
         return kv_heads if kind == "head" else 1
 
-    def _rotation_block(self, preset: dict, R: int) -> int:
+    def _preset(self) -> Preset:
+        """The chosen preset (an unknown name: one with no optional knobs; schedule() refuses the name)."""
+        return PRESETS.get(self.preset, _NO_PRESET)
+
+    def _rotation_block(self, preset: Preset, R: int) -> int:
         """Channels per Hadamard block of the latents: the preset's (lowrank: 32), at most the latent group."""
         vg = self.latent_group(R)
-        return min(preset.get("rotation_block", vg), vg)
+        return min(vg if preset.rotation_block is None else preset.rotation_block, vg)
 
-    def _rotate_latents(self, preset: dict, R: int) -> bool:
+    def _rotate_latents(self, preset: Preset, R: int) -> bool:
         """Asked for: rotate (a block size that cannot follow is refused by the schedule); by the preset: only where
         its blocks fit (a power of two dividing R), else the SVD basis as it is."""
         if self.rotate_latents is not None:
             return self.rotate_latents
-        return preset.get("rotate_latents", False) and rotation_fits(self._rotation_block(preset, R), R)
+        return preset.rotate_latents and rotation_fits(self._rotation_block(preset, R), R)
 
     def schedule(self, R: int, num_layers: int, kv_heads: int = 1, head_dim: int | None = None) -> Schedule:
         """The schedule of the options; kv_heads x head_dim (the joined keys of a layer) sizes a preset's low-rank
         keys, per block of the key basis."""
-        from . import policy as rank_policy  # imports torch: not when the CLI parses its options
+        from . import rank_policy  # imports torch: not when the CLI parses its options
 
         if self.policy not in rank_policy.POLICIES:
             raise ConvertError(f"unknown --policy {self.policy!r}: use one of {', '.join(rank_policy.POLICIES)}")
@@ -114,17 +120,17 @@ class Options:
             raise ConvertError(f"unknown --preset {self.preset!r}: use one of {', '.join(PRESETS)}")
         p = PRESETS[self.preset]
         # None: the preset's; anything given is checked, so --r0 0 is refused rather than read as unset
-        bits = p["bits"] if self.bits is None else self.bits
-        key_bits = self.key_bits if self.key_bits is not None else (p["key_bits"] if self.bits is None else bits)
-        recent = p["recent"] if self.recent is None else self.recent
-        r0 = p["r0"] if self.r0 is None else self.r0
+        bits = p.bits if self.bits is None else self.bits
+        key_bits = self.key_bits if self.key_bits is not None else (p.key_bits if self.bits is None else bits)
+        recent = p.recent if self.recent is None else self.recent
+        r0 = p.r0 if self.r0 is None else self.r0
         if len(key_bits) != len(bits) or len(recent) != len(bits) - 1:
             n = len(bits)
             none = " (--recent= for none)" if n == 1 else ""
             raise ConvertError(f"{n} level(s) (--bits) need {n} --key-bits and {n - 1} --recent shares{none}")
         if not 0 < r0 <= 1:
             raise ConvertError(f"--r0 must be a fraction of R in (0, 1], got {r0}")
-        axes, kr = p["key_axis"], p.get("key_rank") or (0,) * len(p["bits"])  # kr: fractions of K n (0: plain)
+        axes, kr = p.key_axis, p.key_rank or (0,) * len(p.bits)  # kr: fractions of K n (0: plain)
         if len(axes) != len(bits):
             # per-level knobs other than plain per-channel keys cannot follow another level count
             if set(axes) != {"channel"} or any(kr):
@@ -141,7 +147,7 @@ class Options:
         ranks = uniform_ranks(R, num_layers, r0, vg, len(levels))
         n = R // self.group
         # the preset's residual fits its own levels; per-channel newest keys need at least one key group (KIVI)
-        residual = self.residual or (p["residual"] if axes[-1] == "token" else None) or self.key_group
+        residual = self.residual or (p.residual if axes[-1] == "token" else None) or self.key_group
         schedule = Schedule(
             self.sinks,
             levels,
@@ -149,10 +155,10 @@ class Options:
             self.key_group,
             vg,
             residual,
-            key_meta=p["key_meta"],
-            value_meta=p["value_meta"],
+            key_meta=p.key_meta,
+            value_meta=p.value_meta,
             key_channel_group=n,
-            key_rope=p.get("key_rope", "post"),
+            key_rope=p.key_rope,
             latent_rotation=self._rotation_block(p, R) if self._rotate_latents(p, R) else 0,
             key_blocks=blocks if self.wants_basis() else 1,
         )

@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from tale_runtime import families
 from tale_runtime.artifact import MANIFEST, sha256_file
+from tale_runtime.spec import Arch
 
 from . import ConvertError
 from .bundled import DEFAULT, MODELS
@@ -53,39 +54,6 @@ class Source:
             except FileNotFoundError as e:  # the package is gone while its rebuilt checkpoint stays cached
                 raise ConvertError(str(e)) from None
         return out
-
-
-@dataclass
-class Arch:
-    model_type: str
-    d: int  # hidden size
-    H: int  # query heads
-    K: int  # KV heads
-    n: int  # head dim
-    L: int  # layers
-    g: int  # KV heads per group
-
-    @property
-    def G(self) -> int:
-        return self.K // self.g
-
-    @property
-    def R(self) -> int:
-        return self.g * self.n
-
-    def to_manifest(self) -> dict:
-        return {
-            "model_type": self.model_type,
-            "hidden_size": self.d,
-            "num_layers": self.L,
-            "num_heads": self.H,
-            "num_kv_heads": self.K,
-            "head_dim": self.n,
-            "group_size": self.g,
-            "num_groups": self.G,
-            "latent_rank": self.R,
-            "layers": [{"g": self.g, "G": self.G, "R": self.R} for _ in range(self.L)],
-        }
 
 
 def resolve(model: str | None) -> Source:
@@ -178,7 +146,7 @@ def check_config(config, group: int) -> Arch:
         raise ConvertError(f"--group {group} must divide the number of KV heads ({K})")
     if group * n > d:
         raise ConvertError(f"--group {group} gives latent rank {group * n} > hidden size {d}: use a smaller group")
-    return Arch(config.model_type, d, H, K, n, config.num_hidden_layers, group)
+    return Arch.from_config(config, group)
 
 
 def load_model(src: Source):
@@ -217,17 +185,14 @@ def load_tokenizer(src: Source):
 def check_layout(model, arch: Arch) -> None:
     """The converter relies on this module layout; a model that differs is refused, not guessed at."""
     layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None or len(layers) != arch.L or not hasattr(model.model, "rotary_emb"):
+    if layers is None or len(layers) != arch.num_layers or not hasattr(model.model, "rotary_emb"):
         raise ConvertError("unsupported model layout: expected model.model.layers and model.model.rotary_emb")
+    d, H, K, n = arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
     if families.fused_qkv(model.config):
-        want = {"qkv_proj": ((arch.H + 2 * arch.K) * arch.n, arch.d)}
+        want = {"qkv_proj": ((H + 2 * K) * n, d)}
     else:
-        want = {
-            "q_proj": (arch.H * arch.n, arch.d),
-            "k_proj": (arch.K * arch.n, arch.d),
-            "v_proj": (arch.K * arch.n, arch.d),
-        }
-    want["o_proj"] = (arch.d, arch.H * arch.n)
+        want = {"q_proj": (H * n, d), "k_proj": (K * n, d), "v_proj": (K * n, d)}
+    want["o_proj"] = (d, H * n)
     for i, layer in enumerate(layers):
         attn = getattr(layer, "self_attn", None)
         if attn is None or not isinstance(getattr(layer, "input_layernorm", None), torch.nn.Module):
@@ -236,19 +201,6 @@ def check_layout(model, arch: Arch) -> None:
             lin = getattr(attn, name, None)
             if not isinstance(lin, torch.nn.Linear) or tuple(lin.weight.shape) != shape:
                 raise ConvertError(f"unsupported attention layout in layer {i}: {name} is not a Linear {shape}")
-
-
-def sliding_window(config) -> int | None:
-    """The window if any layer attends through one (calibration uses plain causal attention)."""
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        return window if "sliding_attention" in types else None
-    if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
-        return None
-    return window
 
 
 def skeleton(config):

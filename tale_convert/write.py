@@ -110,7 +110,7 @@ class ShardWriter:
         """Whether `name` must still be written (not in a shard kept from an interrupted run)."""
         return self.files[self.shard_of[name]] not in self.kept
 
-    def put(self, name: str, t: torch.Tensor) -> None:
+    def write_tensor(self, name: str, t: torch.Tensor) -> None:
         """The next tensor of the plan, or the next row chunk of it; ignored if its shard is kept."""
         if not self.needed(name):
             return
@@ -196,7 +196,7 @@ class ShardWriter:
                     with self._cond:
                         self._pending -= data.numel()
                         self._cond.notify_all()
-        except BaseException as e:  # handed to the caller at its next put/close
+        except BaseException as e:  # handed to the caller at its next write_tensor/close
             self.error = e
             with self._cond:
                 self._cond.notify_all()

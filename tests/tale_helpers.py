@@ -15,6 +15,12 @@ from tale_runtime.model import TaleAttention
 from tale_runtime.spec import Arch, TaleSpec
 
 
+def shapes(K: int, n: int, G: int, R: int, layers: int = 1) -> Arch:
+    """The Arch of a cache of K KV heads of head dim n in G latent groups of rank R (what the caches and the byte count
+    read; one query head per KV head, hidden size R)."""
+    return Arch("llama", layers, R, K, K, n, K // G, G, R)
+
+
 def tiny_model(arch: str = "llama", seed: int = 0, dtype=torch.float32):
     return random_model(TINY[arch], seed, dtype, attn_implementation="sdpa")
 
@@ -71,8 +77,8 @@ def talify(model, group: int, schedule: Schedule | None = None):
         layer.self_attn = att
     L = cfg.num_hidden_layers
     sched = schedule or Schedule(ranks=uniform_ranks(R, L, 0.5, value_group=8), value_group=8, key_group=8, residual=8)
-    manifest = {"architecture": {"head_dim": n, "num_groups": G, "latent_rank": R, "group_size": group}}
-    tm.tale_spec = TaleSpec(Arch.from_manifest(manifest, cfg), sched, None, manifest)
+    arch = Arch.from_config(cfg, group)
+    tm.tale_spec = TaleSpec(arch, sched, None, {"architecture": arch.to_manifest()})
     tm.__class__ = tale_class(type(tm))
     return tm
 
@@ -130,15 +136,15 @@ def save_artifact(tm, path, tokenizer=None):
     save_file(state, path / "model.safetensors")
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
-    arch = dict(tm.tale_spec.manifest["architecture"], model_type=tm.config.model_type)
+    arch = tm.tale_spec.arch
     write_json(
         path / MANIFEST,
         {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
-            "architecture": arch,
+            "architecture": arch.to_manifest(),
             "schedule": tm.tale_spec.schedule.to_dict(),
-            "nominal_ratio": nominal_ratio(tm.tale_spec.schedule, arch["head_dim"], arch["group_size"]),
+            "nominal_ratio": nominal_ratio(tm.tale_spec.schedule, arch.head_dim, arch.group_size),
             "files": hash_files(path),  # every file, as the converter writes it
         },
     )

@@ -1,4 +1,4 @@
-"""TaleLayerCache region bookkeeping on synthetic keys/latents, checked against independent
+"""RegionStore region bookkeeping on synthetic keys/latents, checked against independent
 recomputation: region lengths, level targets, demotion (truncate + requantize), byte counts."""
 
 from fractions import Fraction
@@ -8,7 +8,7 @@ import torch
 from tale_helpers import three_levels
 
 from tale_runtime.artifact import Level, Schedule
-from tale_runtime.cache import TaleLayerCache
+from tale_runtime.cache import RegionStore
 from tale_runtime.model import cache_arg
 from tale_runtime.quant import dequantize, quantize
 
@@ -30,7 +30,7 @@ def target(p: float, N: int) -> int:
     return -(-Fraction(str(p)) * N // 1)
 
 
-def check_regions(c: TaleLayerCache, s: Schedule) -> None:
+def check_regions(c: RegionStore, s: Schedule) -> None:
     ln = c.lengths()
     L = len(s.levels) - 1
     assert sum(ln.values()) == c.kappa
@@ -44,7 +44,7 @@ def check_regions(c: TaleLayerCache, s: Schedule) -> None:
             assert abs(held - target(s.levels[i].share, N)) < s.key_group, (i, ln, N)
 
 
-def expected_levels(c: TaleLayerCache, s: Schedule, k: torch.Tensor, h: torch.Tensor, path: str):
+def expected_levels(c: RegionStore, s: Schedule, k: torch.Tensor, h: torch.Tensor, path: str):
     """Recompute every level from the exact tokens. path="decode": each token was quantized at the
     top level, then moved down one level at a time (dequantize, truncate, requantize);
     path="fill": each token was quantized once, straight into its level."""
@@ -79,7 +79,7 @@ def assert_levels_match(c, s, k, h, path):
 def test_decode_steps_demote_through_the_levels(sched):
     T = 300
     k, h = tokens(2, T, seed=1)
-    c = TaleLayerCache(sched, 0, K, n, G, R)
+    c = RegionStore(sched, 0, K, n, G, R)
     c.append(k[..., :6, :], h[..., :6, :])  # short prompt: everything later arrives by decode
     check_regions(c, sched)
     for t in range(6, T):
@@ -100,7 +100,7 @@ def test_decode_steps_demote_through_the_levels(sched):
 @pytest.mark.parametrize("T", [3, 5, 11, 64, 203])
 def test_prefill_places_tokens_once(sched, T):
     k, h = tokens(1, T, seed=T)
-    c = TaleLayerCache(sched, 0, K, n, G, R)
+    c = RegionStore(sched, 0, K, n, G, R)
     c.append(k, h)
     check_regions(c, sched)
     assert_levels_match(c, sched, k, h, "fill")
@@ -109,7 +109,7 @@ def test_prefill_places_tokens_once(sched, T):
 def test_long_residual_and_chunks_keep_invariants():
     sched = two_levels(residual=24)  # residual of 3 key groups
     k, h = tokens(1, 260, seed=3)
-    c = TaleLayerCache(sched, 0, K, n, G, R)
+    c = RegionStore(sched, 0, K, n, G, R)
     c.append(k[..., :50, :], h[..., :50, :])
     t = 50
     for step in [1, 7, 1, 30, 1, 1, 64, 3] * 3:  # decode steps mixed with multi-token chunks
@@ -126,7 +126,7 @@ def test_left_padding_widens_the_sink_region():
     k, h = tokens(2, 30, seed=4)
     valid = torch.ones(2, 30, dtype=torch.bool)
     valid[1, :5] = False  # row 1 has 5 padding tokens
-    c = TaleLayerCache(sched, 0, K, n, G, R)
+    c = RegionStore(sched, 0, K, n, G, R)
     c.append(k, h, valid)
     assert c.sink_cap == 5 + sched.sinks and c.lengths()["sinks"] == 9
     c.append(*tokens(2, 1, seed=5))
@@ -134,7 +134,7 @@ def test_left_padding_widens_the_sink_region():
     check_regions(c, sched)
 
 
-def manual_nbytes(c: TaleLayerCache) -> int:
+def manual_nbytes(c: RegionStore) -> int:
     ts = [c.sink_k, c.sink_h, c.res_k, c.res_h]
     for st in c.levels:
         if st is not None:
@@ -177,7 +177,7 @@ def analytic_nbytes(
 def test_nbytes_counts_every_tensor(dtype):
     sched = three_levels()
     k, h = tokens(2, 150, seed=6)
-    c = TaleLayerCache(sched, 0, K, n, G, R)
+    c = RegionStore(sched, 0, K, n, G, R)
     c.append(k[..., :100, :].to(dtype), h[..., :100, :].to(dtype))
     for t in range(100, 150):
         c.append(k[..., t : t + 1, :].to(dtype), h[..., t : t + 1, :].to(dtype))
@@ -200,14 +200,14 @@ def test_smollm2_measured_ratio_at_2k(smollm2_paper_artifact):
         model(ids[:, :2048], **cache_arg(cache), logits_to_keep=1)
         for t in range(2048, ids.shape[1]):  # 2044 non-sink tokens leave 28 in the residual: the 4th step flushes it
             model(ids[:, t : t + 1], **cache_arg(cache), logits_to_keep=1)
-    s, arch, cfg = model.tale_spec.schedule, model.tale_spec.manifest["architecture"], model.config
-    K, n, G, R = cfg.num_key_value_heads, arch["head_dim"], arch["num_groups"], arch["latent_rank"]
+    s, a = model.tale_spec.schedule, model.tale_spec.arch
+    K, n, G, R = a.num_kv_heads, a.head_dim, a.num_groups, a.latent_rank
     expected = 0
     for i, layer in enumerate(cache.layers):
         check_regions(layer, s)
         expected += analytic_nbytes(layer.lengths(), s, s.ranks[i], 1, K, n, G, R)
     assert cache.nbytes() == expected
-    assert cache.baseline_nbytes() == cfg.num_hidden_layers * 2 * K * ids.shape[1] * n * 2
+    assert cache.baseline_nbytes() == a.num_layers * 2 * K * ids.shape[1] * n * 2
     ratio, nominal = cache.baseline_nbytes() / cache.nbytes(), model.tale_spec.manifest["nominal_ratio"]
     print(f"\nSmolLM2 {ids.shape[1]} tokens, paper defaults, bf16: measured {ratio:.2f}x, nominal {nominal:.2f}x")
     # per token-head, each level adds 16+16 bits per key group (channel) and per latent group (token):
@@ -229,7 +229,7 @@ def test_nbytes_of_the_new_formats():
         value_meta="8/8",
     )
     k, h = tokens(2, 150, seed=7)
-    c = TaleLayerCache(sched, 0, K, n, G, R)
+    c = RegionStore(sched, 0, K, n, G, R)
     c.append(k[..., :100, :].bfloat16(), h[..., :100, :].bfloat16())
     for t in range(100, 150):
         c.append(k[..., t : t + 1, :].bfloat16(), h[..., t : t + 1, :].bfloat16())

@@ -17,6 +17,7 @@ from tale_convert import ConvertError, calibrate, resume, source
 from tale_convert import convert as convert_mod
 from tale_convert.convert import Options, convert
 from tale_runtime.artifact import O_FUSED, U_V, V_V, ArtifactError, Schedule, nominal_ratio, read_manifest, verify_files
+from tale_runtime.spec import Arch
 
 
 def tiny_opts(arch: str, **kw) -> Options:
@@ -79,6 +80,16 @@ def test_factors_reproduce_base_weights(arch, artifacts, tiny_model_dir):
         assert "model.layers.0.self_attn.v_proj.bias" in art
     if arch == "mha":  # tied embeddings are stored once
         assert "lm_head.weight" not in art
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_manifest_architecture_round_trips(arch, artifacts, tiny_model_dir):
+    """One shape type (tale_runtime.spec.Arch): the manifest's architecture block reads back into the Arch the
+    converter wrote it from (source.check_config), and writes back out byte for byte."""
+    m = read_manifest(artifacts[arch])
+    config, written = source.load_config(source.resolve(str(tiny_model_dir(arch))), TINY_GROUP[arch])
+    assert Arch.from_manifest(m, config) == written
+    assert json.dumps(Arch.from_manifest(m).to_manifest()) == json.dumps(m["architecture"])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

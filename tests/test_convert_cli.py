@@ -232,7 +232,7 @@ def test_rotated_latents_give_the_same_values(llama, tmp_path, capsys):
     def decode(path, exact: bool):
         model, _ = load(path, device="cpu", dtype=torch.float32)
         s, L = model.tale_spec.schedule, model.config.num_hidden_layers
-        R = int(model.tale_spec.manifest["architecture"]["latent_rank"])
+        R = model.tale_spec.arch.latent_rank
         sched = override_schedule(s, R, L, ranks=1.0, bits=16, key_bits=16) if exact else s
         cache, out = new_cache(model, sched), []
         with torch.no_grad():
@@ -245,7 +245,7 @@ def test_rotated_latents_give_the_same_values(llama, tmp_path, capsys):
     b, model = decode(rot, exact=True)
     assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(decode(plain, exact=False)[0], decode(rot, exact=False)[0], atol=1e-4)
-    R = int(model.tale_spec.manifest["architecture"]["latent_rank"])
+    R = model.tale_spec.arch.latent_rank
     with pytest.raises(ValueError, match="rotation blocks"):
         override_schedule(model.tale_spec.schedule, R, model.config.num_hidden_layers, ranks=[12, R], bits=16)
     # latent groups that cannot be rotation blocks (48 channels of R = 192): the preset's default keeps the SVD basis,

@@ -17,10 +17,10 @@ from tale_convert import ConvertError, calibrate, resume, source, write
 from tale_convert import convert as convert_mod
 from tale_convert.convert import Options, convert
 from tale_convert.fuse import fuse
-from tale_convert.policy import PRESETS
 from tale_convert.whiten import rotate_latents, whiten
 from tale_runtime.artifact import O_FUSED, U_V, V_V, read_manifest
 from tale_runtime.model import cache_arg
+from tale_runtime.schedule import PRESETS
 
 
 def tiny_opts(arch: str, **kw) -> Options:
@@ -50,7 +50,7 @@ def reference(model_dir, opts: Options, dtype: torch.dtype) -> dict[str, torch.T
     n = cfg.head_dim
     hidden = torch.cat([hf.model.embed_tokens(t).float() for t in tokens.split(max(1, 4096 // opts.seq_len))])
     rope = hf.model.rotary_emb(torch.zeros(1), torch.arange(opts.seq_len)[None])
-    preset = PRESETS[opts.preset].get("rotate_latents", False)
+    preset = PRESETS[opts.preset].rotate_latents
     rotate = preset if opts.rotate_latents is None else opts.rotate_latents  # latents rotated as tale-convert does
     out = {}
     for i, layer in enumerate(hf.model.layers):
@@ -214,9 +214,9 @@ def test_shard_writer_files_read_back(tmp_path):
     a, b = torch.randn(5, 7), torch.randn(3).to(torch.bfloat16)
     entries = [write.Entry("a", torch.float32, (5, 7)), write.Entry("b", torch.bfloat16, (3,))]
     w = write.ShardWriter(tmp_path, entries, shard_size=10**9)
-    w.put("a", a[:2])
-    w.put("a", a[2:])
-    w.put("b", b)
+    w.write_tensor("a", a[:2])
+    w.write_tensor("a", a[2:])
+    w.write_tensor("b", b)
     files = w.close()
     (name,) = files
     got = load_file(tmp_path / name)
@@ -225,7 +225,7 @@ def test_shard_writer_files_read_back(tmp_path):
         assert st.metadata() == {"format": "pt"}
     w = write.ShardWriter(tmp_path / "x", entries, shard_size=10**9)
     with pytest.raises(RuntimeError, match="expected a"):
-        w.put("b", b)
+        w.write_tensor("b", b)
     w.abort()
 
 

@@ -177,7 +177,7 @@ def test_policy_builds_decodes_and_counts_the_bytes_it_holds(family, pair, prepa
     if family == "tailorkv":
         assert resident < held
     full = 2 * 2 * 4 * 39 * 16 * 4 * 2  # layers x K+V x batch x heads x tokens x head dim x fp32
-    assert policies.Dims.of(model).baseline_nbytes(2, 39) * 2 == full  # the reference is 16-bit
+    assert policies.reference_nbytes(model, 2, 39) * 2 == full  # the reference is 16-bit
     if family != "full":
         assert pol.nbytes(cache) < full, "a compressing setting holds fewer bytes than the full fp32 cache"
 
@@ -291,18 +291,24 @@ def test_quantized_cache_bytes_are_its_codes_scales_and_residual(pair):
 
 
 def test_tale_dry_run_bytes_equal_a_real_run(pair):
+    """The one dry-run count of a TALE cache's bytes (tale_runtime.cache.dry_run_nbytes: tale-convert --target-ratio,
+    the model card's ratio, tale-eval's budget-matched baselines) equals what a real run's cache holds."""
+    from tale_runtime.cache import dry_run_nbytes
+
     _, model = pair()
     pattern = perplexity.pattern(70, 20, 3)
     pol = policies.Tale()
     cache = pol.build(model, pattern)
     perplexity.decode_nll(model, ids_of(3, 70), cache, 20, 3)
-    assert pol.nbytes(cache) == 3 * policies.tale_bytes(model, model.tale_spec.schedule, pattern)
+    held, base = dry_run_nbytes(model.tale_spec.schedule, model.tale_spec.arch, pattern, model.dtype)
+    assert pol.nbytes(cache) == 3 * held and cache.baseline_nbytes() == 3 * base
+    assert policies.tale_nbytes(model, pol, pattern) == held
 
 
 def test_streaming_and_palu_match_tale_bytes(pair):
     _, model = pair()
     s = model.tale_spec.schedule
-    d = policies.Dims.of(model)
+    a = model.tale_spec.arch
     pattern = perplexity.pattern(200, 40, 4)
     pols = {"tale": policies.Tale(), "streaming": policies.Streaming(), "palu": policies.Palu(match_pattern=pattern)}
     ids = ids_of(2, 200)
@@ -311,11 +317,13 @@ def test_streaming_and_palu_match_tale_bytes(pair):
         cache = pol.build(model, pattern)
         perplexity.decode_nll(model, ids, cache, 40, 4)
         got[name] = pol.nbytes(cache)
-    token = 2 * d.layers * 2 * d.K * d.n * 4  # one token of the streaming cache (batch 2, fp32)
+    token = 2 * a.num_layers * 2 * a.num_kv_heads * a.head_dim * 4  # one token of the streaming cache (batch 2, fp32)
     assert got["tale"] - token < got["streaming"] <= got["tale"]
     vg = s.value_group  # Palu's total rank moves in quantization groups: it lands within half a group's bytes
     p = pols["palu"]
-    group = 2 * (policies.palu_layer_bytes(d, s, p, 2 * vg, pattern) - policies.palu_layer_bytes(d, s, p, vg, pattern))
+    group = 2 * (
+        policies.palu_layer_bytes(model, p, 2 * vg, pattern) - policies.palu_layer_bytes(model, p, vg, pattern)
+    )
     assert abs(got["palu"] - got["tale"]) <= group / 2
     ranks = p.ranks(model)
     assert all(r % s.value_group == 0 for r in ranks) and max(ranks) - min(ranks) <= s.value_group
@@ -323,7 +331,6 @@ def test_streaming_and_palu_match_tale_bytes(pair):
 
 def test_streaming_share_gives_the_same_ratio_at_every_length(pair):
     _, model = pair()
-    d = policies.Dims.of(model)
     pol = policies.Streaming(window=0.25)
     for n in (64, 128, 256):
         cache = pol.build(model, [n])
@@ -332,7 +339,7 @@ def test_streaming_share_gives_the_same_ratio_at_every_length(pair):
             model(ids_of(1, 1), **cache_arg(cache))  # eviction happens after a step's attention
         assert cache.layers[0].keys.shape[-2] == round(0.25 * n)
         held = 2 * round(0.25 * n)  # fp32 numbers held, in 16-bit units
-        assert d.baseline_nbytes(1, n + 1) / pol.nbytes(cache) == pytest.approx((n + 1) / held)
+        assert policies.reference_nbytes(model, 1, n + 1) / pol.nbytes(cache) == pytest.approx((n + 1) / held)
 
 
 def test_streaming_attends_to_sinks_and_the_window(pair):
@@ -587,15 +594,15 @@ def test_the_reference_holds_what_transformers_holds_in_sliding_layers():
     """Gemma 3 (a sliding layer of window 24 beside a global one): the 16-bit reference of every ratio counts the
     last window - 1 tokens of the sliding layer, as transformers' cache holds them and as the TALE cache's own
     baseline does; before the window fills, every token."""
-    from tale_runtime import new_cache
+    from tale_runtime import families, new_cache
 
     model = talify(tiny_model("gemma3"), 2)
-    d = policies.Dims.of(model)
-    assert d.windows == (24, None)
-    per_token = 2 * d.K * d.n * 2
-    assert d.baseline_nbytes(1, 20) == 2 * 20 * per_token
-    assert d.baseline_nbytes(1, 60) == (23 + 60) * per_token
+    a = model.tale_spec.arch
+    assert families.sliding_windows(model) == (24, None)
+    per_token = 2 * a.num_kv_heads * a.head_dim * 2
+    assert policies.reference_nbytes(model, 1, 20) == 2 * 20 * per_token
+    assert policies.reference_nbytes(model, 1, 60) == (23 + 60) * per_token
     cache = new_cache(model)
     with torch.no_grad():
         model(ids_of(1, 60), **cache_arg(cache))
-    assert cache.baseline_nbytes() == d.baseline_nbytes(1, 60)
+    assert cache.baseline_nbytes() == policies.reference_nbytes(model, 1, 60)

@@ -29,7 +29,7 @@ from tale_kernels import mma_attention  # noqa: E402
 from tale_runtime import backends, new_cache  # noqa: E402
 from tale_runtime.artifact import Level, Schedule  # noqa: E402
 from tale_runtime.attention import latent_attention as reference  # noqa: E402
-from tale_runtime.cache import TaleLayerCache  # noqa: E402
+from tale_runtime.cache import RegionStore  # noqa: E402
 from tale_runtime.generate import generate  # noqa: E402
 from tale_runtime.spec import Arch, CacheSpec  # noqa: E402
 from tale_runtime.static_cache import StaticTaleCache  # noqa: E402
@@ -50,7 +50,7 @@ def filled(s: Schedule, static: bool = False, tokens: int = 100):
     c = (
         StaticTaleCache(s, 1, K, n, G, R, max_length=300, num_heads=H).layers[0]
         if static
-        else TaleLayerCache(s, 0, K, n, G, R)
+        else RegionStore(s, 0, K, n, G, R)
     )
     gen = torch.Generator().manual_seed(0)
     c.append(

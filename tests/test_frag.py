@@ -56,10 +56,10 @@ def test_level_refuses_partial_blocks():
     keys = quantize(torch.randn(1, K, 32, n).bfloat16(), 2, 32, -2)
     lat = quantize(torch.randn(1, G, 32, 256).bfloat16(), 2, 32, -1)
     with pytest.raises(ValueError, match="not whole blocks"):
-        lvl.put(16, keys, lat)
+        lvl.write_slots(16, keys, lat)
     with pytest.raises(ValueError, match="another format"):
-        lvl.put(0, quantize(torch.randn(1, K, 32, n).bfloat16(), 4, 32, -2), lat)
-    lvl.put(32, keys, lat)
+        lvl.write_slots(0, quantize(torch.randn(1, K, 32, n).bfloat16(), 4, 32, -2), lat)
+    lvl.write_slots(32, keys, lat)
     assert torch.equal(lvl.take_keys(32, 32).data, keys.data) and torch.equal(lvl.take_lat(32, 32).zero, lat.zero)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.attention import key_mass, latent_attention
-from tale_runtime.cache import TaleLayerCache
+from tale_runtime.cache import RegionStore
 from tale_runtime.model import cache_arg
 from tale_runtime.quant import dequantize, quantize, quantize_bands, take
 
@@ -32,7 +32,7 @@ def toks(T, seed, B=1):
 
 
 def run(s, keep, k, h, q, prefill, step=1, window=None):
-    c = TaleLayerCache(s, 0, K, n, G, R, keep=keep)
+    c = RegionStore(s, 0, K, n, G, R, keep=keep)
     c.append(k[..., :prefill, :], h[..., :prefill, :], q=q[..., :prefill, :])
     for t in range(prefill, k.shape[-2], step):
         sl = slice(t, t + step)
@@ -91,7 +91,7 @@ def test_exact_levels_give_exact_attention_whatever_the_membership(window):
     kn, hn, qn = toks(2, 3)
     z = latent_attention(qn, kn, hn, c.view(), 1.0, window)
     # exact reference: all T cached tokens in order, then the new ones
-    ref = TaleLayerCache(sched(bits=(16, 16), share=0.3, sinks=T), 0, K, n, G, R)
+    ref = RegionStore(sched(bits=(16, 16), share=0.3, sinks=T), 0, K, n, G, R)
     ref.ranks = [32, 32]
     ref.append(k, h)
     torch.testing.assert_close(z, latent_attention(qn, kn, hn, ref.view(), 1.0, window))
@@ -136,8 +136,8 @@ def test_take_equals_dequantize_then_index():
 
 def test_bad_keep_and_missing_queries():
     with pytest.raises(ValueError, match="keep must be"):
-        TaleLayerCache(sched(), 0, K, n, G, R, keep="oldest")
-    c = TaleLayerCache(sched(), 0, K, n, G, R, keep="salient")
+        RegionStore(sched(), 0, K, n, G, R, keep="oldest")
+    c = RegionStore(sched(), 0, K, n, G, R, keep="salient")
     k, h, _ = toks(4, 6)
     with pytest.raises(ValueError, match="needs the queries"):
         c.append(k, h)
@@ -155,7 +155,7 @@ def test_through_the_model_exact_levels_match_and_static_refuses():
     from tale_runtime import new_cache
 
     tm = talify(tiny_model("llama"), 1)
-    R, L = tm.tale_spec.manifest["architecture"]["latent_rank"], tm.config.num_hidden_layers
+    R, L = tm.tale_spec.arch.latent_rank, tm.config.num_hidden_layers
     ids = torch.randint(0, 200, (1, 70), generator=torch.Generator().manual_seed(7))
 
     def decode(schedule, keep):

@@ -24,7 +24,7 @@ from tale_runtime import new_cache, set_backend  # noqa: E402
 from tale_runtime import quant as ref_quant  # noqa: E402
 from tale_runtime.artifact import Level, Schedule, uniform_ranks  # noqa: E402
 from tale_runtime.attention import latent_attention as ref_attention  # noqa: E402
-from tale_runtime.cache import TaleLayerCache  # noqa: E402
+from tale_runtime.cache import RegionStore  # noqa: E402
 from tale_runtime.model import cache_arg  # noqa: E402
 from tale_runtime.regions import LayerView, Region  # noqa: E402
 
@@ -180,7 +180,7 @@ def layer_cache(B, H, K, g, n, L0, dtype, sched=None, pad=None, r0=0.5, group=16
     s = sched or Schedule(
         ranks=uniform_ranks(R, 1, r0, value_group=group), key_group=group, value_group=group, residual=group
     )
-    c = TaleLayerCache(s, 0, K, n, G, R)
+    c = RegionStore(s, 0, K, n, G, R)
     valid = None
     if pad:
         valid = torch.ones(B, L0, dtype=torch.bool, device=DEVICE)

@@ -20,7 +20,7 @@ from tale_convert.stats import key_moments
 from tale_runtime import ArtifactError, load, new_cache
 from tale_runtime.artifact import MANIFEST, Level, Schedule
 from tale_runtime.attention import apply_rope, cached_keys
-from tale_runtime.cache import TaleLayerCache
+from tale_runtime.cache import RegionStore
 from tale_runtime.key_basis import FILE, KeyBasis, fit, pair_mean
 from tale_runtime.model import cache_arg
 
@@ -128,12 +128,12 @@ def keys_in_span(U: torch.Tensor, r: int, T: int, noise: float = 0.0, seed: int 
     return x.view(1, T, K, n).transpose(1, 2)
 
 
-def fill(s: Schedule, basis: KeyBasis, k_pre: torch.Tensor, prefill: int) -> TaleLayerCache:
+def fill(s: Schedule, basis: KeyBasis, k_pre: torch.Tensor, prefill: int) -> RegionStore:
     T = k_pre.shape[-2]
     cos, sin = tables(T)
     k_post = apply_rope(k_pre, cos, sin)
     h = torch.randn(1, G, T, R, generator=torch.Generator().manual_seed(2))
-    c = TaleLayerCache(s, 0, K, n, G, R, basis=basis)
+    c = RegionStore(s, 0, K, n, G, R, basis=basis)
     c.append(k_post[..., :prefill, :], h[..., :prefill, :], rope=(cos[:, :prefill], sin[:, :prefill]))
     for t in range(prefill, T):
         sl = slice(t, t + 1)
@@ -141,7 +141,7 @@ def fill(s: Schedule, basis: KeyBasis, k_pre: torch.Tensor, prefill: int) -> Tal
     return c
 
 
-def key_error(c: TaleLayerCache, k_pre: torch.Tensor) -> float:
+def key_error(c: RegionStore, k_pre: torch.Tensor) -> float:
     cos, sin = tables(k_pre.shape[-2])
     k_post = apply_rope(k_pre, cos, sin)
     got, pos, _ = cached_keys(c.view(), torch.float32, 1, K, n, "cpu")
@@ -194,10 +194,10 @@ def test_refusals_and_the_manifest_round_trip():
     assert Schedule.from_dict(low_rank(s, 16, 0).to_dict()).levels[0].key_rank == 16
     assert low_rank(s, 16, 0).fast_path()  # the low-rank-key kernel reads it
     with pytest.raises(ValueError, match="layer 0: key_rank 16 needs the artifact's key basis"):
-        TaleLayerCache(low_rank(s, 16, 0), 0, K, n, G, R)
+        RegionStore(low_rank(s, 16, 0), 0, K, n, G, R)
     U = orthonormal()
     with pytest.raises(ValueError, match="exceeds the key basis"):
-        TaleLayerCache(low_rank(s, 16, 0), 0, K, n, G, R, basis=KeyBasis(U[:, :8], U[:, :8].T, U[0], K, n))
+        RegionStore(low_rank(s, 16, 0), 0, K, n, G, R, basis=KeyBasis(U[:, :8], U[:, :8].T, U[0], K, n))
     tm = talify(tiny_model("llama"), 2, low_rank(s, 16, 0))
     with pytest.raises(ValueError, match="needs the artifact's key basis"):
         new_cache(tm)
@@ -431,10 +431,12 @@ def test_tale_run_on_cuda_decodes_lowrank_and_paper_with_a_kernel_and_no_note(ti
 
 def test_per_head_key_rank_counts_codes_per_block_in_measured_bytes():
     """key_rank counts coefficients per basis block: a token at a per-head level holds K x key_rank codes. The cache's
-    bytes, tale-convert's byte model (policy.layer_bytes) and the nominal ratio all count them so (against a count
-    from the shapes alone)."""
-    from tale_convert.policy import layer_bytes
+    bytes, the dry-run count of tale-convert and tale-eval (cache.dry_run_nbytes) and the nominal ratio all count them
+    so (against a count from the shapes alone)."""
+    from tale_helpers import shapes
+
     from tale_runtime.artifact import nominal_ratio
+    from tale_runtime.cache import dry_run_nbytes
 
     B, T, r, kb = 1, 64, 8, 4
     s = Schedule(sinks=0, levels=[Level(16, kb, None, key_rank=r)], ranks=[[R]], key_group=8, value_group=8)
@@ -453,11 +455,11 @@ def test_per_head_key_rank_counts_codes_per_block_in_measured_bytes():
     lat = B * G * held * R * 4  # 16-bit "latents" of a float32 cache: raw float32
     assert c.nbytes() == want + lat
     joint = replace(s, key_blocks=1)
-    held_b, _ = layer_bytes(s, [R], K, n, G, R, (T + 1, T, 1), torch.float32)
-    joint_b, _ = layer_bytes(joint, [R], K, n, G, R, (T + 1, T, 1), torch.float32)
+    held_b, _ = dry_run_nbytes(s, shapes(K, n, G, R), [T], torch.float32)
+    joint_b, _ = dry_run_nbytes(joint, shapes(K, n, G, R), [T], torch.float32)
     assert held_b - joint_b == (K - 1) * (held * r * kb // 8 + 2 * 4 * (held // 8) * r), (held_b, joint_b)
     with pytest.raises(ValueError, match="counts key_rank in 1 key basis block\\(s\\), the key basis has 2"):
-        TaleLayerCache(joint, 0, K, n, G, R, basis=basis)
+        RegionStore(joint, 0, K, n, G, R, basis=basis)
     assert nominal_ratio(s, n, 1, K) == pytest.approx(32 * n / (kb * r * K / K + 16 * R))
 
 

@@ -15,7 +15,7 @@ from test_runtime import decode_logits, hf_greedy, ids_for, left_pad, rel
 from tale_runtime import ArtifactError, new_cache
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.attention import apply_rope, cached_keys, latent_attention
-from tale_runtime.cache import TaleLayerCache
+from tale_runtime.cache import RegionStore
 from tale_runtime.model import cache_arg
 
 
@@ -61,8 +61,8 @@ def tables(T: int, B: int = 1, base: float = 100.0):
     return ang.cos(), ang.sin()
 
 
-def fill(s: Schedule, k_post, h, q, cos, sin, prefill: int, keep="recent") -> TaleLayerCache:
-    c = TaleLayerCache(s, 0, K, n, G, R, keep=keep)
+def fill(s: Schedule, k_post, h, q, cos, sin, prefill: int, keep="recent") -> RegionStore:
+    c = RegionStore(s, 0, K, n, G, R, keep=keep)
     c.append(
         k_post[..., :prefill, :], h[..., :prefill, :], q=q[..., :prefill, :], rope=(cos[:, :prefill], sin[:, :prefill])
     )
@@ -137,7 +137,7 @@ def test_refusals_and_the_manifest_round_trip():
     tm = talify(tiny_model("llama"), 2, pre(s))
     # the static cache keeps pre-RoPE keys with their RoPE tables (equal to the dynamic cache: test_static_cache)
     assert new_cache(tm, static=True, max_length=64).schedule.key_rope == "pre"
-    c = TaleLayerCache(pre(s), 0, K, n, G, R)
+    c = RegionStore(pre(s), 0, K, n, G, R)
     with pytest.raises(ValueError, match="needs the cos, sin"):
         c.append(torch.zeros(1, K, 3, n), torch.zeros(1, G, 3, R))
 

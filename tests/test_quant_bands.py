@@ -7,7 +7,7 @@ from tale_helpers import talify, tiny_model
 
 from tale_runtime import new_cache
 from tale_runtime.artifact import ArtifactError, Level, Schedule
-from tale_runtime.cache import TaleLayerCache, band_index
+from tale_runtime.cache import RegionStore, band_index
 from tale_runtime.model import cache_arg
 from tale_runtime.quant import Bands, cat, dequantize, quantize, quantize_bands, requantize, split
 
@@ -90,14 +90,14 @@ def test_banded_schedule_checks_and_manifest_round_trip():
     with pytest.raises(ArtifactError, match="each head's channels once"):
         banded(key_order=[[[0] * n] * K]).validate(R, 1)
     with pytest.raises(ValueError, match="key_order is not"):
-        TaleLayerCache(banded(), 0, K + 1, n, G, R)
+        RegionStore(banded(), 0, K + 1, n, G, R)
 
 
 def test_banded_cache_holds_bands_and_counts_their_bytes():
     s = banded()
     k = keys(120)
     h = torch.randn(1, G, 120, R, generator=torch.Generator().manual_seed(1)).bfloat16()
-    c = TaleLayerCache(s, 0, K, n, G, R)
+    c = RegionStore(s, 0, K, n, G, R)
     c.append(k[..., :50, :], h[..., :50, :])
     for t in range(50, 120):
         c.append(k[..., t : t + 1, :], h[..., t : t + 1, :])

@@ -7,7 +7,7 @@ from tale_helpers import talify, tiny_model
 
 from tale_runtime import new_cache
 from tale_runtime.artifact import ArtifactError, Level, Schedule, uniform_ranks
-from tale_runtime.cache import TaleLayerCache
+from tale_runtime.cache import RegionStore
 from tale_runtime.model import cache_arg, hadamard
 from tale_runtime.quant import FP8, _fp8_round, cat, dequantize, pack, quantize, requantize, split, unpack
 
@@ -96,7 +96,7 @@ def test_mixed_key_axes_keep_the_region_invariants():
     s.validate(R, 1)
     g = torch.Generator().manual_seed(0)
     k, h = torch.randn(1, K, 200, n, generator=g), torch.randn(1, G, 200, R, generator=g)
-    c = TaleLayerCache(s, 0, K, n, G, R)
+    c = RegionStore(s, 0, K, n, G, R)
     c.append(k[..., :37, :], h[..., :37, :])  # prefill: not a multiple of the key group
     for t in range(37, 200):
         c.append(k[..., t : t + 1, :], h[..., t : t + 1, :])

@@ -12,7 +12,7 @@ from tale_helpers import byte_tokenizer, exact_schedule, save_artifact, talify, 
 
 from tale_runtime import ArtifactError, load, new_cache, set_output_path
 from tale_runtime.artifact import Level, Schedule, hash_files, nominal_ratio, uniform_ranks
-from tale_runtime.cache import TaleLayerCache
+from tale_runtime.cache import RegionStore
 from tale_runtime.generate import TextStream, generate
 from tale_runtime.load import default_dtype, override_schedule
 from tale_runtime.model import cache_arg
@@ -54,7 +54,7 @@ def decode_logits(tm, ids: torch.Tensor, prefix: int, chunks: list[int] | None =
 
 
 def schedule_for(tm, **kw) -> Schedule:
-    L, R = tm.config.num_hidden_layers, tm.tale_spec.manifest["architecture"]["latent_rank"]
+    L, R = tm.config.num_hidden_layers, tm.tale_spec.arch.latent_rank
     kw = dict(ranks=uniform_ranks(R, L, 0.5, value_group=8), key_group=8, value_group=8, residual=8) | kw
     return Schedule(**kw)
 
@@ -129,7 +129,7 @@ def test_sliding_window_layers_hold_only_their_window(monkeypatch):
     # the same decode over caches that keep every token (eviction off): the same logits
     with torch.no_grad():
         got = decode_logits(tm, ids, 30)
-        monkeypatch.setattr(TaleLayerCache, "_evict", lambda self: None)
+        monkeypatch.setattr(RegionStore, "_evict", lambda self: None)
         want = decode_logits(tm, ids, 30)
     assert rel(got, want) < 1e-6
 
@@ -294,8 +294,7 @@ def test_generate_loop_matches_hf_generate_and_reports_stats():
     assert stats.cache_bytes == cache.nbytes() and stats.baseline_bytes == cache.baseline_nbytes()
     assert stats.baseline_bytes == 2 * 2 * 2 * 4 * (30 + 40 - 1) * 16  # K+V, 2 bytes, 2 layers, 4 KV heads
     assert stats.ratio == pytest.approx(stats.baseline_bytes / stats.cache_bytes)
-    arch = tm.tale_spec.manifest["architecture"]
-    assert stats.nominal_ratio == pytest.approx(nominal_ratio(tm.tale_spec.schedule, arch["head_dim"], 2))
+    assert stats.nominal_ratio == pytest.approx(nominal_ratio(tm.tale_spec.schedule, tm.tale_spec.arch.head_dim, 2))
     assert "measured" in stats.line() and "nominal" in stats.line()
     assert stats.attention == "torch reference" and stats.line().endswith("attention: torch reference")
 

@@ -14,7 +14,7 @@ from tale_runtime.artifact import Level, Schedule
 from tale_runtime.attention import latent_attention
 from tale_runtime.generate import generate
 from tale_runtime.key_basis import KeyBasis, fit
-from tale_runtime.model import TaleCache, TaleLayer, cache_arg
+from tale_runtime.model import DynamicTaleLayer, TaleCache, cache_arg
 from tale_runtime.quant import dequantize
 from tale_runtime.static_cache import StaticTaleCache
 
@@ -343,7 +343,7 @@ def ring_reference(tm) -> TaleCache:
         if w is not None:
             old = cache.layers[i]
             exact = replace(old.s, sinks=1 << 30)
-            cache.layers[i] = TaleLayer(exact, i, old.K, old.n, old.G, old.R, old.keep, old.basis, old.rope)
+            cache.layers[i] = DynamicTaleLayer(exact, i, old.K, old.n, old.G, old.R, old.keep, old.basis, old.rope)
             cache.layers[i]._layer_idx = i
     return cache
 
@@ -444,7 +444,7 @@ def test_ring_chunks_wrap_and_attend_as_every_token():
 
 def tale_schedule(model) -> Schedule:
     """The tale preset's schedule for a tiny model: middle keys 2-bit with 8 of each head's channels at 3 bits,
-    fp8 scales, r0 = R/2 (tale_convert.policy.PRESETS["tale"] at tiny groups)."""
+    fp8 scales, r0 = R/2 (tale_runtime.schedule.PRESETS["tale"] at tiny groups)."""
     cfg = model.config
     L, nh, kv = cfg.num_hidden_layers, cfg.head_dim, cfg.num_key_value_heads
     g = torch.Generator().manual_seed(0)

@@ -18,7 +18,8 @@ from dataclasses import replace
 import torch
 
 from tale_runtime.artifact import Schedule
-from tale_runtime.schedule import PRESETS  # noqa: F401  (tale_convert.policy.PRESETS: the converter's presets)
+from tale_runtime.cache import call_pattern, dry_run_nbytes
+from tale_runtime.spec import Arch
 
 POLICIES = ("uniform", "energy", "fisher", "progressive")
 
@@ -151,72 +152,29 @@ def apply(schedule: Schedule, policy: str, ranks0: list[int]) -> Schedule:
 REFERENCE = (1024, 128, 4)  # tokens, prefill, decode chunk: the context the ratio is measured at (tale-eval full)
 
 
-def layer_bytes(
-    schedule: Schedule,
-    ranks: list[int],
-    K: int,
-    n: int,
-    G: int,
-    R: int,
-    reference: tuple[int, int, int] = REFERENCE,
-    dtype: torch.dtype = torch.bfloat16,
-) -> tuple[int, int]:
-    """(bytes held, 16-bit K+V bytes) of one batch-1 cache layer with level ranks `ranks` after `reference` =
-    (tokens, prefill, chunk): a dry run with zeros (bytes depend on the call pattern only)."""
-    from tale_runtime.cache import TaleLayerCache
-    from tale_runtime.key_basis import KeyBasis
-
-    tokens, prefill, chunk = reference
-    rest = tokens - 1 - prefill
-    pattern = [prefill] + [chunk] * (rest // chunk) + ([rest % chunk] if rest % chunk else [])
-    eye = torch.eye(K * n // schedule.key_blocks).expand(schedule.key_blocks, -1, -1)  # low-rank keys: any basis of
-    # the right shape (key_blocks blocks) holds the same bytes
-    basis = KeyBasis(eye, eye, torch.zeros(K * n), K, n) if any(lv.key_rank for lv in schedule.levels) else None
-    c = TaleLayerCache(replace(schedule, ranks=[list(ranks)]), 0, K, n, G, R, basis=basis)
-    for T in pattern:
-        rope = {"rope": (torch.ones(1, T, n), torch.zeros(1, T, n))} if schedule.key_rope == "pre" else {}
-        c.append(torch.zeros(1, K, T, n, dtype=dtype), torch.zeros(1, G, T, R, dtype=dtype), **rope)
-    return c.nbytes(), c.baseline_nbytes()
-
-
 def measured_ratio(
-    schedule: Schedule,
-    K: int,
-    n: int,
-    G: int,
-    R: int,
-    reference: tuple[int, int, int] = REFERENCE,
-    memo: dict | None = None,
+    schedule: Schedule, arch: Arch, reference: tuple[int, int, int] = REFERENCE, memo: dict | None = None
 ) -> float:
-    """16-bit K+V bytes over the bytes a batch-1 TaleCache of `schedule` holds after `reference` (all layers)."""
-    memo = {} if memo is None else memo
-    held = base = 0
-    for rs in schedule.ranks:
-        if tuple(rs) not in memo:
-            memo[tuple(rs)] = layer_bytes(schedule, rs, K, n, G, R, reference)
-        held, base = held + memo[tuple(rs)][0], base + memo[tuple(rs)][1]
+    """16-bit K+V bytes over the bytes a batch-1 TaleCache of `schedule` holds after `reference` = (tokens, prefill,
+    decode chunk), all layers: tale_runtime.cache.dry_run_nbytes (`memo`: see there)."""
+    held, base = dry_run_nbytes(schedule, arch, call_pattern(*reference), memo=memo)
     return base / held
 
 
 def fit_ranks(
-    schedule: Schedule,
-    target: float,
-    dims: tuple[int, int, int, int],
-    spectra: list[torch.Tensor],
-    min_rank: int | None = None,
+    schedule: Schedule, target: float, arch: Arch, spectra: list[torch.Tensor], min_rank: int | None = None
 ) -> Schedule | None:
     """`schedule` with per-layer level-0 ranks that meet `target` (measured_ratio >= target) while losing the
     least whitened spectral energy: start from the largest uniform rank that meets it, then give one more
     quantization group of rank at a time to the layer whose next group keeps the most energy (as a fraction
     of the layer's), while the target still holds. None if even `min_rank` everywhere misses the target."""
-    K, n, G, R = dims
     vg = schedule.value_group
     min_rank = min_rank or vg
     L = len(schedule.ranks)
     memo: dict = {}
 
     def ratio(r0s):
-        return measured_ratio(apply(schedule, schedule.policy, list(r0s)), K, n, G, R, memo=memo)
+        return measured_ratio(apply(schedule, schedule.policy, list(r0s)), arch, memo=memo)
 
     top = [rs[-1] for rs in schedule.ranks]
     r0 = next(
