@@ -16,6 +16,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Arch": "spec",
     "ArtifactError": "artifact",
+    "Output": "textgen",
+    "RunOptions": "textgen",
     "CacheSpec": "spec",
     "Level": "artifact",
     "Schedule": "artifact",
@@ -25,6 +27,8 @@ _EXPORTS = {
     "TaleLayerCache": "cache",
     "TaleSpec": "spec",
     "cache_arg": "model",
+    "chat": "textgen",
+    "generate_text": "textgen",
     "latent_attention": "attention",
     "load": "load",
     "new_cache": "load",

@@ -31,7 +31,7 @@ def test_the_long_prompt_plants_one_fact_in_its_middle():
 
 def _answer(model, tok, prompt: str, max_new_tokens: int):
     from tale_runtime import new_cache
-    from tale_runtime.cli import encode
+    from tale_runtime.textgen import encode
     from tale_runtime.generate import generate
 
     ids = encode(tok, prompt, raw=False)
