@@ -169,7 +169,7 @@ def check_inputs(out: str | Path, opts: Options) -> None:
     files. tale_convert.convert checks them first; tale-convert checks them before it imports the converter."""
     if not str(out).strip():  # Path("") would be the current directory
         raise ConvertError("--out is empty: name the artifact directory to write")
-    console.writable_dir(Path(out), "--out")
+    console.writable_dir(Path(out).expanduser(), "--out")
     console.device(opts.device)
     for name, v, least in (
         ("--samples", opts.samples, 1),
