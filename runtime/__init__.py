@@ -16,6 +16,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Arch": "spec",
     "ArtifactError": "artifact",
+    "Output": "textgen",
+    "RunOptions": "textgen",
     "CacheSpec": "spec",
     "Level": "artifact",
     "RegionStore": "cache",
@@ -26,6 +28,8 @@ _EXPORTS = {
     "TaleLayerCache": "cache",  # RegionStore's former name
     "TaleSpec": "spec",
     "cache_arg": "model",
+    "chat": "textgen",
+    "generate_text": "textgen",
     "latent_attention": "attention",
     "load": "load",
     "new_cache": "load",

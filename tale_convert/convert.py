@@ -32,7 +32,7 @@ from tale_runtime.artifact import (
 from . import ConvertError, __version__, calibrate, rank_policy, resume, source, stats, write
 from .card import render_card
 from .fuse import fuse
-from .options import BASIS_BLOCKS, Options  # noqa: F401  (tale_convert.convert.Options: the API name)
+from .options import BASIS_BLOCKS, Options, check_inputs  # noqa: F401  (tale_convert.convert.Options: the API name)
 from .whiten import energy_kept, rotate_latents, whiten
 
 DTYPES = {
@@ -78,9 +78,8 @@ def convert(
     written to the artifact's shards before the next layer is read, so host memory holds about one
     layer (plus the tokens), whatever the depth."""
     t0 = time.perf_counter()
+    check_inputs(out, opts)
     _fixed_mmap_threshold()
-    if not str(out).strip():
-        raise ConvertError("--out is empty: name the artifact directory to write")
     out = Path(out).expanduser().absolute()
     write.check_out(out, opts.overwrite)
     made = _make_parents(out.parent)  # the lock lives beside --out

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tale_runtime import console
 from tale_runtime.artifact import ArtifactError, Level, Schedule, rotation_fits, uniform_ranks
 from tale_runtime.schedule import PRESETS, Preset
 
@@ -167,3 +168,38 @@ class Options:
         except ArtifactError as e:
             raise ConvertError(f"invalid schedule: {e}") from None
         return schedule
+
+
+def check_inputs(out: str | Path, opts: Options) -> None:
+    """What can be checked before minutes of work: the place to write, the device, the numbers, the calibration
+    files. tale_convert.convert checks them first; tale-convert checks them before it imports the converter."""
+    if not str(out).strip():  # Path("") would be the current directory
+        raise ConvertError("--out is empty: name the artifact directory to write")
+    console.writable_dir(Path(out).expanduser(), "--out")
+    console.device(opts.device)
+    for name, v, least in (
+        ("--samples", opts.samples, 1),
+        ("--seq-len", opts.seq_len, 2),
+        ("--sinks", opts.sinks, 0),
+        ("--key-group", opts.key_group, 1),
+        ("--value-group", opts.value_group, 1),
+        ("--residual", opts.residual, 1),
+        ("--group", opts.group, 1),
+    ):
+        if v is not None and v < least:  # None: the preset's
+            raise ConvertError(f"{name} must be >= {least}, got {v}")
+    if opts.preset not in PRESETS:
+        raise ConvertError(f"unknown --preset {opts.preset!r}: use one of {', '.join(PRESETS)}")
+    opts.blocks(1)  # an unknown --key-basis-blocks: refused now
+    if opts.target_ratio is not None and opts.target_ratio <= 1:
+        raise ConvertError(f"--target-ratio must be > 1 (a compression ratio), got {opts.target_ratio:g}")
+    for f in opts.calib or []:
+        f = Path(f)
+        if f.is_dir():
+            raise ConvertError(f"--calib {f}: is a directory; give the files (e.g. --calib {f}/a.txt, repeatable)")
+        if f.is_file() and f.suffix.lower() != ".parquet":
+            console.read_text(f, "--calib")  # empty, binary, not UTF-8: one line naming the file
+    if opts.calib:
+        from .calibrate import load_documents
+
+        load_documents([Path(f) for f in opts.calib])  # parsed now (one-line errors), not after the model is loaded

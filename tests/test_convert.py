@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import re
@@ -14,10 +15,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tale_convert import ConvertError, calibrate, resume, source
-from tale_convert import convert as convert_mod
 from tale_convert.convert import Options, convert
 from tale_runtime.artifact import O_FUSED, U_V, V_V, ArtifactError, Schedule, nominal_ratio, read_manifest, verify_files
 from tale_runtime.spec import Arch
+
+convert_mod = importlib.import_module("tale_convert.convert")  # the package exports a function of that name
 
 
 def tiny_opts(arch: str, **kw) -> Options:

@@ -3,6 +3,7 @@ v_proj, resume across shards, source validation, interrupts, and no `datasets` n
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import sys
@@ -14,13 +15,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tale_convert import ConvertError, calibrate, resume, source, write
-from tale_convert import convert as convert_mod
 from tale_convert.convert import Options, convert
 from tale_convert.fuse import fuse
 from tale_convert.whiten import rotate_latents, whiten
 from tale_runtime.artifact import O_FUSED, U_V, V_V, read_manifest
 from tale_runtime.model import cache_arg
 from tale_runtime.schedule import PRESETS
+
+convert_mod = importlib.import_module("tale_convert.convert")  # the package exports a function of that name
 
 
 def tiny_opts(arch: str, **kw) -> Options:

@@ -31,8 +31,8 @@ def test_the_long_prompt_plants_one_fact_in_its_middle():
 
 def _answer(model, tok, prompt: str, max_new_tokens: int):
     from tale_runtime import new_cache
-    from tale_runtime.cli import encode
     from tale_runtime.generate import generate
+    from tale_runtime.textgen import encode
 
     ids = encode(tok, prompt, raw=False)
     cache = new_cache(model)

@@ -185,6 +185,18 @@ def test_runtime_python_api_runs(workdir, monkeypatch):
 
 
 @pytest.mark.slow
+def test_runtime_one_call_runs(workdir, monkeypatch):
+    """docs/runtime.md's generate_text and chat block prints the answer and the ratio it quotes; the chat answers
+    both turns."""
+    monkeypatch.chdir(workdir)
+    block = next(b for p, _, b in python_blocks() if p == "docs/runtime.md" and "generate_text(" in b)
+    ns: dict = {}
+    printed = _run_python(block, ns).splitlines()
+    assert f"# {printed[0]}\n" in block and f"# {printed[1]}: measured" in block, printed  # as the comments say
+    assert [t["turn"] for t in ns["turns"]] == [1, 2] and all(t["text"] for t in ns["turns"])
+
+
+@pytest.mark.slow
 def test_the_3x_setting_runs_where_the_docs_say(smollm2_paper_artifact, smollm2_artifact):
     """README's and docs/quality.md's 3x setting, `--bits 4,4 --r0 1.0`, is the paper preset's two levels; on the
     default three-level artifact it is refused in one line that says how many levels there are."""

@@ -10,6 +10,7 @@ scripts.
 from __future__ import annotations
 
 import errno
+import importlib
 import json
 import os
 import shutil
@@ -434,7 +435,9 @@ def test_sigterm_is_handled_like_ctrl_c(at_layer, ctx, monkeypatch):
 
 
 def test_internal_error_is_one_line_exit_1_and_tale_debug_shows_it(ctx, monkeypatch):
-    import tale_convert.convert as convert_mod  # the CLI imports convert() from it once the options are checked
+    # the CLI imports convert() from the module once the options are checked (the package exports a function of
+    # that name)
+    convert_mod = importlib.import_module("tale_convert.convert")
 
     def bug(*a, **k):
         raise RuntimeError("a bug\nover two lines")

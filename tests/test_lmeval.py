@@ -138,3 +138,19 @@ def test_refusals(tasks, converted, tmp_path):
         assert msg in r.stderr, (msg, r.stderr)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # nothing written by any refusal
     assert (user / "notes.txt").read_text() == "keep"
+
+
+def test_run_lm_eval_is_the_clis_call(tasks, converted, tmp_path):
+    """tale-eval --lm-eval parses its options into LmEvalOptions and calls tale_eval.run_lm_eval: the same scores
+    and measured cache from Python."""
+    from tale_eval import LmEvalOptions, run_lm_eval
+
+    args = [converted["llama"], "--lm-eval", GEN, "--include-path", tasks, "--limit", 2, "--dtype", "fp32"]
+    r = invoke(main, [*args, "--device", "cpu", "--lm-eval-out", tmp_path / "cli", "--json", "-", "--quiet"])
+    assert r.exit_code == 0, r.stderr
+    opts = LmEvalOptions(
+        tasks=(GEN,), out=tmp_path / "py", limit=2, include_path=str(tasks), dtype="fp32", device="cpu", quiet=True
+    )
+    got = run_lm_eval(str(converted["llama"]), opts)
+    cli = json.loads(r.stdout)
+    assert _scores(cli, GEN) == _scores(got, GEN) and cli["tale_cache"] == got["tale_cache"]

@@ -499,7 +499,7 @@ def test_load_applies_overrides(tiny_artifact):
 
 @pytest.mark.slow
 def test_smollm2_answers_paris(smollm2_artifact):
-    from tale_runtime.cli import encode
+    from tale_runtime.textgen import encode
 
     model, tok = load(smollm2_artifact, device="cpu")  # the CPU's defaults
     out, stats = generate(
