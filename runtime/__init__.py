@@ -6,9 +6,7 @@ without importing torch and transformers.
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
+from .lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -41,28 +39,4 @@ _EXPORTS = {
 __all__ = sorted([*_EXPORTS, "backends"])
 
 
-class _Package(types.ModuleType):
-    """`tale_runtime.load` is the function, as with eager imports: importing the submodule of the same name (which
-    the import system then sets as the package's attribute) must not hide it. The module is sys.modules'."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in _EXPORTS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-        globals()[name] = value  # later lookups skip this hook
-        return value
-    if name == "backends":
-        return importlib.import_module(".backends", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, submodules=("backends",))

@@ -112,137 +112,109 @@ def read_stdin(flag: str) -> str:
 
 
 class Opt:
-    """tale-run's argument and options, declared once: run() reads as the list of its parameters."""
+    """tale-run's argument and options, declared once: run() takes them as its parameters."""
 
-    model = typer.Argument(..., metavar="DIR_OR_REPO", help="TALE artifact directory or Hub repo id")
-    prompt = typer.Option(None, "--prompt", "-p", help="the prompt text")
-    prompt_file = typer.Option(None, "--prompt-file", help="read the prompt from a file ('-': standard input)")
-    system = typer.Option(None, "--system", help="a system message (through the chat template)")
-    raw = typer.Option(
+    model: str = typer.Argument(..., metavar="DIR_OR_REPO", help="TALE artifact directory or Hub repo id")
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="the prompt text")
+    prompt_file: Optional[Path] = typer.Option(
+        None, "--prompt-file", help="read the prompt from a file ('-': standard input)"
+    )
+    system: Optional[str] = typer.Option(None, "--system", help="a system message (through the chat template)")
+    raw: Optional[bool] = typer.Option(
         None,
         "--raw/--template",
         help="--raw: no chat template, feed the prompt as it is; --template: through the tokenizer's chat template "
         "(default: the template, but raw text for a pretrained base model, which the artifact's manifest names)",
     )
-    chat = typer.Option(
+    chat: bool = typer.Option(
         False, "--chat", help="interactive: one user turn per line of standard input, the cache kept across turns"
     )
-    max_new_tokens = typer.Option(256, "--max-new-tokens", min=1)
-    temperature = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy")
-    top_p = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="nucleus sampling (temperature > 0)")
-    top_k = typer.Option(0, "--top-k", min=0, help="sample among the k most likely tokens (0: all)")
-    repetition_penalty = typer.Option(
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1)
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy")
+    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="nucleus sampling (temperature > 0)")
+    top_k: int = typer.Option(0, "--top-k", min=0, help="sample among the k most likely tokens (0: all)")
+    repetition_penalty: float = typer.Option(
         1.0, "--repetition-penalty", min=0.0, help="divide the logits of tokens already in the text (1: none)"
     )
-    stop = typer.Option(
+    stop: Optional[list[str]] = typer.Option(
         None,
         "--stop",
         help="stop once the answer ends with STR (repeatable); backslash escapes are read: --stop '\\n\\n' stops at a "
         "blank line (a literal backslash: \\\\)",
     )
-    seed = typer.Option(0, "--seed", min=0, max=SEED_MAX, help="sampling seed (0 to 2**64-1)")
-    compare_full = typer.Option(
+    seed: int = typer.Option(0, "--seed", min=0, max=SEED_MAX, help="sampling seed (0 to 2**64-1)")
+    compare_full: bool = typer.Option(
         False, "--compare-full", help="also answer with the full 16-bit cache; print both and the measured ratio"
     )
-    as_json = typer.Option(False, "--json", help="one JSON object on stdout (text and figures), nothing else")
-    quiet = typer.Option(False, "--quiet", "-q", help="no notes or stats on stderr; errors only")
-    device = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:1, ...")
-    dtype = typer.Option(
+    as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout (text and figures), nothing else")
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no notes or stats on stderr; errors only")
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:1, ...")
+    dtype: str = typer.Option(
         "auto", "--dtype", help="auto (bf16; fp32 on a CPU without bf16 instructions), bf16, fp16 or fp32"
     )
-    output_path = typer.Option(
+    output_path: str = typer.Option(
         "auto",
         "--output-path",
         help="auto (factored on a CPU in fp32, else fused), fused (O^r) or factored (B then W_O)",
     )
-    backend = typer.Option(
+    backend: str = typer.Option(
         "auto",
         "--backend",
         help="decode attention: auto (the fastest that serves the cache), torch, triton, cuda, triton-lowrank, "
         "cuda-lowrank",
     )
-    dynamic = typer.Option(
+    dynamic: bool = typer.Option(
         False, "--dynamic", help="growing cache, eager steps (default on CUDA: static cache, CUDA-graph decode)"
     )
-    no_compile = typer.Option(
+    no_compile: bool = typer.Option(
         False, "--no-compile", help="CUDA-graph decode of the model's own forward, without torch.compile of the step"
     )
-    sinks = typer.Option(None, "--sinks", metavar="N", help="exact sink tokens (alpha)")
-    recent = typer.Option(
+    sinks: Optional[str] = typer.Option(None, "--sinks", metavar="N", help="exact sink tokens (alpha)")
+    recent: Optional[str] = typer.Option(
         None, "--recent", metavar="P[,P..]", help="share p of each level above the middle, oldest first"
     )
-    r0 = typer.Option(
+    r0: Optional[str] = typer.Option(
         None, "--r0", metavar="R", help="the middle level's rank: a fraction of full rank (0.5) or a rank (96)"
     )
-    ranks = typer.Option(
+    ranks: Optional[str] = typer.Option(
         None, "--ranks", metavar="R,R..", help="rank per level: fraction of full rank (0.5) or absolute (96)"
     )
-    bits = typer.Option(None, "--bits", metavar="B,B..", help="bits per level (latents and keys)")
-    key_bits = typer.Option(None, "--key-bits", metavar="B,B..", help="key bits per level")
-    key_group = typer.Option(None, "--key-group", metavar="N", help="tokens per key quantization group")
-    value_group = typer.Option(None, "--value-group", metavar="N", help="channels per latent quantization group")
-    residual = typer.Option(None, "--residual", metavar="N", help="16-bit recent tail length")
-    prefill_chunk = typer.Option(
+    bits: Optional[str] = typer.Option(None, "--bits", metavar="B,B..", help="bits per level (latents and keys)")
+    key_bits: Optional[str] = typer.Option(None, "--key-bits", metavar="B,B..", help="key bits per level")
+    key_group: Optional[str] = typer.Option(None, "--key-group", metavar="N", help="tokens per key quantization group")
+    value_group: Optional[str] = typer.Option(
+        None, "--value-group", metavar="N", help="channels per latent quantization group"
+    )
+    residual: Optional[str] = typer.Option(None, "--residual", metavar="N", help="16-bit recent tail length")
+    prefill_chunk: Optional[int] = typer.Option(
         None,
         "--prefill-chunk",
         metavar="N",
         help="prefill prompts longer than N tokens in pieces of N: the same result, far less activation memory at long "
         "contexts (default 4096; 0: in one piece)",
     )
-    threads = typer.Option(None, "--threads", metavar="N", help="torch CPU threads (default: torch's, one per core)")
-    tp = typer.Option(
+    threads: Optional[int] = typer.Option(
+        None, "--threads", metavar="N", help="torch CPU threads (default: torch's, one per core)"
+    )
+    tp: int = typer.Option(
         1, "--tp", min=1, help="tensor parallelism over N GPUs: run under torchrun --nproc-per-node N (docs/runtime.md)"
     )
 
 
 @app.command()
-def run(
-    context: typer.Context,
-    model: str = Opt.model,
-    prompt: Optional[str] = Opt.prompt,
-    prompt_file: Optional[Path] = Opt.prompt_file,
-    system: Optional[str] = Opt.system,
-    raw: Optional[bool] = Opt.raw,
-    chat: bool = Opt.chat,
-    max_new_tokens: int = Opt.max_new_tokens,
-    temperature: float = Opt.temperature,
-    top_p: float = Opt.top_p,
-    top_k: int = Opt.top_k,
-    repetition_penalty: float = Opt.repetition_penalty,
-    stop: Optional[list[str]] = Opt.stop,
-    seed: int = Opt.seed,
-    compare_full: bool = Opt.compare_full,
-    as_json: bool = Opt.as_json,
-    quiet: bool = Opt.quiet,
-    device: str = Opt.device,
-    dtype: str = Opt.dtype,
-    output_path: str = Opt.output_path,
-    backend: str = Opt.backend,
-    dynamic: bool = Opt.dynamic,
-    no_compile: bool = Opt.no_compile,
-    sinks: Optional[str] = Opt.sinks,
-    recent: Optional[str] = Opt.recent,
-    r0: Optional[str] = Opt.r0,
-    ranks: Optional[str] = Opt.ranks,
-    bits: Optional[str] = Opt.bits,
-    key_bits: Optional[str] = Opt.key_bits,
-    key_group: Optional[str] = Opt.key_group,
-    value_group: Optional[str] = Opt.value_group,
-    residual: Optional[str] = Opt.residual,
-    prefill_chunk: Optional[int] = Opt.prefill_chunk,
-    threads: Optional[int] = Opt.threads,
-    tp: int = Opt.tp,
-) -> None:
+@console.options_from(Opt)
+def run(context: typer.Context, **params) -> None:
     """Generate from a TALE artifact, streaming the text; a stats line follows on stderr."""
+    chat, prompt, prompt_file = params["chat"], params["prompt"], params["prompt_file"]
     if chat and (prompt is not None or prompt_file is not None):
         raise CliError("--chat reads its turns from standard input: drop --prompt/--prompt-file")
     text = None if chat else read_prompt(prompt, prompt_file)
     opts = _options(context.params)
-    out = Output.for_ranks(as_json, quiet, tp)
+    out = Output.for_ranks(params["as_json"], params["quiet"], params["tp"])
     if chat:
-        textgen.chat(model, _stdin_turns(out), opts, out)
+        textgen.chat(params["model"], _stdin_turns(out), opts, out)
     else:
-        textgen.generate_text(model, text, opts, out)
+        textgen.generate_text(params["model"], text, opts, out)
 
 
 def _options(p: dict) -> RunOptions:
@@ -252,27 +224,13 @@ def _options(p: dict) -> RunOptions:
         console.check_text(p["system"], "--system")
     stop = tuple(unescape(console.check_text(s, "--stop"), "--stop") for s in p["stop"] or [])
     knobs = ("sinks", "recent", "ranks", "bits", "key_bits", "key_group", "value_group", "residual", "r0")
+    same = ("system", "raw", "max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed")
+    same += ("compare_full", "device", "dtype", "output_path", "backend", "dynamic", "prefill_chunk", "threads", "tp")
     return RunOptions(
-        system=p["system"],
-        raw=p["raw"],
-        max_new_tokens=p["max_new_tokens"],
-        temperature=p["temperature"],
-        top_p=p["top_p"],
-        top_k=p["top_k"],
-        repetition_penalty=p["repetition_penalty"],
         stop=stop,
-        seed=p["seed"],
-        compare_full=p["compare_full"],
-        device=p["device"],
-        dtype=p["dtype"],
-        output_path=p["output_path"],
-        backend=p["backend"],
-        dynamic=p["dynamic"],
         compile=not p["no_compile"],
         overrides=schedule_overrides(*(p[k] for k in knobs)),
-        prefill_chunk=p["prefill_chunk"],
-        threads=p["threads"],
-        tp=p["tp"],
+        **{k: p[k] for k in same},
     )
 
 

@@ -11,9 +11,11 @@ refuse before any work (device, files to read, places to write) live here too, s
 from __future__ import annotations
 
 import errno
+import inspect
 import os
 import signal
 import sys
+import typing
 from pathlib import Path
 
 import typer
@@ -104,6 +106,24 @@ def _quiet_libraries() -> None:
         os.environ.setdefault("DATASETS_VERBOSITY", "critical")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+def options_from(declarations: type):
+    """Decorator for a typer command whose options are declared once, as the annotated attributes of one class
+    (`name: type = typer.Option(...)`, in --help order): the command gets them as its parameters, after its own
+    `context: typer.Context`, and is called with each of them by keyword (`def run(context, **params)`)."""
+
+    def decorate(command):
+        keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD
+        params = [inspect.Parameter("context", keyword, annotation=typer.Context)]
+        for name, annotation in typing.get_type_hints(declarations).items():
+            params.append(inspect.Parameter(name, keyword, default=getattr(declarations, name), annotation=annotation))
+        command.__signature__ = inspect.Signature(params, return_annotation=None)
+        # typer reads the types from the annotations as well as from the signature
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return decorate
 
 
 def run_app(app: typer.Typer, argv: list[str] | None = None, user_errors: tuple[type[BaseException], ...] = ()) -> None:

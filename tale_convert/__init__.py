@@ -9,10 +9,9 @@ names below are imported on first use, so that `import tale_convert` and the CLI
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
 from importlib.metadata import PackageNotFoundError, version
+
+from tale_runtime.lazy import lazy_exports
 
 try:
     __version__ = version("tale-kv")
@@ -35,26 +34,4 @@ _EXPORTS = {
 __all__ = sorted(["ConvertError", "__version__", *_EXPORTS])
 
 
-class _Package(types.ModuleType):
-    """`tale_convert.convert` is the function: importing the submodule of the same name (which the import system
-    then sets as the package's attribute) must not hide it. The module is sys.modules' (importlib.import_module)."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in _EXPORTS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-        globals()[name] = value  # later lookups skip this hook
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
