@@ -42,33 +42,29 @@ class Preset:
     rotate_latents: bool = False  # latents rotated in blocks where the blocks fit R
 
 
+_PAPER = Preset(
+    bits=(2, 4),
+    key_bits=(2, 4),
+    recent=(0.1,),
+    r0=0.5,
+    key_axis=("channel", "channel"),
+    residual=None,
+    key_meta="16",
+    value_meta="16",
+    rotate_latents=True,
+)
+
 # tale-convert --preset
 PRESETS: dict[str, Preset] = {
     # the paper's: alpha 4, p 0.1, r0 = R/2, 2-bit middle, 4-bit recent, KIVI layout with 16-bit scales/zeros
-    "paper": Preset(
-        bits=(2, 4),
-        key_bits=(2, 4),
-        recent=(0.1,),
-        r0=0.5,
-        key_axis=("channel", "channel"),
-        residual=None,
-        key_meta="16",
-        value_meta="16",
-        rotate_latents=True,
-    ),
+    "paper": _PAPER,
     # the best measured per byte on SmolLM2 (docs/notes.md, "key bands"; dev text): 2-bit middle keys with
     # the most important half of each KV head's key channels at 3 bits, r0 = R/2, fp8 scales
-    "tale": Preset(
-        bits=(2, 4),
-        key_bits=(2, 4),
-        recent=(0.1,),
-        r0=0.5,
-        key_axis=("channel", "channel"),
-        residual=None,
+    "tale": replace(
+        _PAPER,
         key_meta="8/16",
         value_meta="8/8",
         key_bands=(3, 0.5),  # (bits, share of the head dim): 32 of 64 channels per KV head at 3 bits
-        rotate_latents=True,
     ),
     # low-rank keys (docs/notes.md, "low-rank keys before RoPE"): the middle level's keys before RoPE as 7/24 of the
     # joined key dim (56 of 192 on SmolLM2) in coefficients on the calibrated key basis at 4 bits, 3-bit latents at

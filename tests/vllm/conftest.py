@@ -28,14 +28,9 @@ _spec = importlib.util.spec_from_file_location("tale_tests_conftest", Path(__fil
 main_fixtures = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(main_fixtures)
 
+# llama at two layers, with 4 heads of 32 (2 KV heads)
 main_fixtures.TINY["llama32"] = dict(
-    model_type="llama",
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
+    main_fixtures.TINY["llama"], num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32
 )
 # three layers: the middle one packed between two 16-bit ones (slots of two sizes in one engine)
 main_fixtures.TINY["llama32x3"] = dict(main_fixtures.TINY["llama32"], num_hidden_layers=3)
