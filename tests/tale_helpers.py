@@ -95,6 +95,12 @@ def exact_schedule(R: int, layers: int, sinks: int = 4) -> Schedule:
     )
 
 
+def grouped_schedule(levels: list[Level], ranks: list[list[int]], **kw) -> Schedule:
+    """A schedule at the tiny models' quantization groups of 8 (key tokens, latent channels), its latents' scales
+    and zeros at 8 bits ("8/8"); `kw`: the other Schedule fields (residual, key_channel_group, key_meta, ...)."""
+    return Schedule(levels=levels, ranks=ranks, key_group=8, value_group=8, value_meta="8/8", **kw)
+
+
 def byte_tokenizer():
     """A byte-level tokenizer without merges (256 bytes + <eos>) and a chat template: multi-byte
     characters span several tokens. Fits the tiny models' vocab."""

@@ -5,7 +5,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from tale_helpers import three_levels
+from tale_helpers import grouped_schedule, three_levels
 
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.cache import RegionStore
@@ -217,16 +217,13 @@ def test_smollm2_measured_ratio_at_2k(smollm2_paper_artifact):
 
 def test_nbytes_of_the_new_formats():
     """3-bit codes, fp8 scales/zeros and per-token keys: bytes from region lengths equal what the cache holds."""
-    sched = Schedule(
-        levels=[Level(2, 3, None), Level(4, 4, 0.2, key_axis="token"), Level(8, 8, 0.05, key_axis="token")],
-        ranks=[[8, 16, 32]],
+    sched = grouped_schedule(
+        [Level(2, 3, None), Level(4, 4, 0.2, key_axis="token"), Level(8, 8, 0.05, key_axis="token")],
+        [[8, 16, 32]],
         sinks=3,
-        key_group=8,
-        value_group=8,
         residual=1,
         key_channel_group=8,
         key_meta="8/16",
-        value_meta="8/8",
     )
     k, h = tokens(2, 150, seed=7)
     c = RegionStore(sched, 0, K, n, G, R)

@@ -335,10 +335,10 @@ def test_real_cache_through_a_tiny_model(static):
     """A tiny llama talified with the lowrank preset's schedule (a random key basis), filled by a left-padded
     prefill and decode steps through the model; the kernel as the attention backend matches the reference. The
     dynamic cache's regions carry RoPE tables, the static cache's a Rotary (the kernel computes RoPE from it)."""
-    from tale_helpers import talify, tiny_model
+    from tale_helpers import grouped_schedule, talify, tiny_model
 
     from tale_runtime import backends, new_cache
-    from tale_runtime.artifact import Level, Schedule
+    from tale_runtime.artifact import Level
     from tale_runtime.model import cache_arg
 
     base = tiny_model("llama")
@@ -350,17 +350,8 @@ def test_real_cache_through_a_tiny_model(static):
         Level(4, 4, 0.1),
         Level(8, 8, 0.0, key_axis="token"),
     ]
-    s = Schedule(
-        sinks=4,
-        levels=levels,
-        ranks=[[16, R, R]] * L,
-        key_group=8,
-        value_group=8,
-        residual=8,
-        key_channel_group=8,
-        key_meta="8/8",
-        value_meta="8/8",
-        key_rope="pre",
+    s = grouped_schedule(
+        levels, [[16, R, R]] * L, sinks=4, residual=8, key_channel_group=8, key_meta="8/8", key_rope="pre"
     )
     tm = talify(base, 2, s).to(DEVICE)
     g = torch.Generator().manual_seed(3)

@@ -14,9 +14,10 @@ from tale_runtime.quant import Bands, cat, dequantize, quantize, quantize_bands,
 K, n, G, R = 2, 16, 1, 32
 
 
-def orders(layers: int = 1, seed: int = 0) -> list:
+def orders(layers: int = 1, seed: int = 0, heads: int = K, dim: int = n) -> list:
+    """A random key channel order per layer and KV head (Schedule.key_order)."""
     g = torch.Generator().manual_seed(seed)
-    return [[torch.randperm(n, generator=g).tolist() for _ in range(K)] for _ in range(layers)]
+    return [[torch.randperm(dim, generator=g).tolist() for _ in range(heads)] for _ in range(layers)]
 
 
 def keys(T: int = 64, seed: int = 0) -> torch.Tensor:
@@ -62,10 +63,11 @@ def test_bands_round_trip_bytes_and_error():
 
 
 def banded(**kw) -> Schedule:
-    kw = dict(sinks=2, key_group=8, value_group=8, residual=8, key_order=orders()) | kw
-    return Schedule(
-        levels=[Level(2, 2, None, key_hi_bits=3, key_hi_channels=8), Level(4, 4, 0.2)], ranks=[[8, 32]], **kw
-    )
+    """A schedule whose level 0 holds its keys in two bands (2 and 3 bits, key_order: orders()); `kw` replaces any
+    field."""
+    levels = [Level(2, 2, None, key_hi_bits=3, key_hi_channels=8), Level(4, 4, 0.2)]
+    kw = dict(sinks=2, levels=levels, ranks=[[8, 32]], key_group=8, value_group=8, residual=8, key_order=orders()) | kw
+    return Schedule(**kw)
 
 
 def test_banded_schedule_checks_and_manifest_round_trip():
@@ -123,17 +125,10 @@ def test_bands_decode_through_the_model():
     """16-bit low band, 8-bit high band, full rank: close to the base model, not equal (it compresses)."""
     base = tiny_model("llama")
     L, nh, Rr = base.config.num_hidden_layers, base.config.head_dim, 2 * base.config.head_dim
-    kv = base.config.num_key_value_heads
-    g = torch.Generator().manual_seed(0)
-    order = [[torch.randperm(nh, generator=g).tolist() for _ in range(kv)] for _ in range(L)]
-    s = Schedule(
-        sinks=2,
+    s = banded(
         levels=[Level(16, 16, None, key_hi_bits=8, key_hi_channels=8), Level(16, 16, 0.1)],
         ranks=[[Rr, Rr]] * L,
-        key_group=8,
-        value_group=8,
-        residual=8,
-        key_order=order,
+        key_order=orders(L, heads=base.config.num_key_value_heads, dim=nh),
     )
     tm = talify(base, 2, s)
     ids = torch.randint(1, 320, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -203,17 +198,10 @@ def test_bands_on_cuda_match_the_cpu():
 
     base = tiny_model("llama")
     L, nh = base.config.num_hidden_layers, base.config.head_dim
-    kv = base.config.num_key_value_heads
-    g = torch.Generator().manual_seed(0)
-    order = [[torch.randperm(nh, generator=g).tolist() for _ in range(kv)] for _ in range(L)]
-    s = Schedule(
-        sinks=2,
+    s = banded(
         levels=[Level(2, 2, None, key_hi_bits=4, key_hi_channels=8), Level(4, 4, 0.1)],
         ranks=[[nh, 2 * nh]] * L,
-        key_group=8,
-        value_group=8,
-        residual=8,
-        key_order=order,
+        key_order=orders(L, heads=base.config.num_key_value_heads, dim=nh),
     )
     ids = torch.randint(1, 320, (1, 48), generator=torch.Generator().manual_seed(0))
     out = {}

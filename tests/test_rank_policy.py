@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_GROUP, TINY_OPTS
-from tale_helpers import shapes, talify, tiny_model
+from tale_helpers import grouped_schedule, shapes, talify, tiny_model
 
 from tale_convert import ConvertError, rank_policy
 from tale_convert.convert import Options, convert
@@ -158,15 +158,12 @@ def test_measured_ratio_is_what_a_cache_holds():
     from tale_runtime.cache import RegionStore
 
     K, n, G, R = 2, 16, 1, 32
-    s = Schedule(
-        levels=[Level(2, 3, None), Level(4, 4, 0.1, key_axis="token")],
-        ranks=[[16, 32], [8, 32]],
-        key_group=8,
-        value_group=8,
+    s = grouped_schedule(
+        [Level(2, 3, None), Level(4, 4, 0.1, key_axis="token")],
+        [[16, 32], [8, 32]],
         residual=1,
         key_channel_group=16,
         key_meta="8/16",
-        value_meta="8/8",
     )
     ref = (300, 40, 4)
     held = base = 0

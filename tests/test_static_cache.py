@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch._dynamo.testing
-from tale_helpers import talify, three_levels, tiny_model
+from tale_helpers import grouped_schedule, talify, three_levels, tiny_model
 
 from tale_runtime import families, new_cache
 from tale_runtime import static_cache as sc
@@ -27,14 +27,11 @@ SCHEDULES = {
         levels=[Level(16, 16, None), Level(16, 16, 0.1)], ranks=[[32, 32]], key_group=8, value_group=8, residual=8
     ),
     # the tale preset's formats: key bands (3-bit high band), fp8 scales (keys 8/16, latents 8/8)
-    "tale": Schedule(
-        levels=[Level(2, 2, None, key_hi_bits=3, key_hi_channels=8), Level(4, 4, 0.1)],
-        ranks=[[16, 32]],
-        key_group=8,
-        value_group=8,
+    "tale": grouped_schedule(
+        [Level(2, 2, None, key_hi_bits=3, key_hi_channels=8), Level(4, 4, 0.1)],
+        [[16, 32]],
         residual=8,
         key_meta="8/16",
-        value_meta="8/8",
         key_order=[[torch.randperm(n, generator=torch.Generator().manual_seed(h)).tolist() for h in range(K)]],
     ),
     "3bit-keys-fp8": Schedule(
@@ -287,6 +284,14 @@ def test_static_low_rank_refusals():
         StaticTaleCache(s, 1, K, n, G, R, max_length=50, layout="frag", key_basis=[basis])
 
 
+def padded_batch(length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two random prompts of `length` tokens for model.generate, the second left-padded by 7: (ids, attention mask)."""
+    ids = torch.randint(1, 320, (2, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    ids[1, :7], mask[1, :7] = 0, 0
+    return ids, mask
+
+
 def test_generate_with_the_lowrank_preset_gives_the_dynamic_paths_tokens(tiny_model_dir, tmp_path):
     """A tiny model converted with --preset lowrank: model.generate over the static cache (batch 2, left padding)
     gives the dynamic cache's greedy tokens, and the decode loop the same tokens and bytes."""
@@ -299,9 +304,7 @@ def test_generate_with_the_lowrank_preset_gives_the_dynamic_paths_tokens(tiny_mo
     convert(str(tiny_model_dir("llama")), out, Options(group=2, **dict(TINY_OPTS, preset="lowrank", residual=None)))
     tm, _ = load(out, device="cpu", dtype=torch.float32)
     assert tm.tale_spec.schedule.key_rope == "pre" and tm.tale_spec.schedule.levels[0].key_rank
-    ids = torch.randint(1, 320, (2, 40), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    ids[1, :7], mask[1, :7] = 0, 0
+    ids, mask = padded_batch(40, seed=3)
     kw = dict(attention_mask=mask, max_new_tokens=60, do_sample=False, pad_token_id=0)
     want = tm.generate(ids, **cache_arg(new_cache(tm)), **kw)
     cache = new_cache(tm, static=True)
@@ -364,9 +367,7 @@ def test_generate_gives_the_dynamic_paths_tokens(arch, g):
     """model.generate, batch 2 with left padding, greedy and beam search; Mistral and Gemma 3 with a sliding window
     (window 24), whose layers the static cache holds as exact rings: the dynamic path with those layers exact."""
     tm = tale_model(arch, g, 24 if arch == "mistral" else None)
-    ids = torch.randint(1, 320, (2, 30), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    ids[1, :7], mask[1, :7] = 0, 0
+    ids, mask = padded_batch(30, seed=3)
     kw = dict(attention_mask=mask, max_new_tokens=50, do_sample=False, pad_token_id=0)
     want = tm.generate(ids, **cache_arg(ring_reference(tm)), **kw)
     cache = new_cache(tm, static=True)
@@ -385,9 +386,7 @@ def test_sliding_layers_hold_a_ring_of_their_window():
     tm = tale_model("gemma3", 2)
     W = families.sliding_windows(tm)[0]
     assert W == 24 and families.sliding_windows(tm)[1] is None
-    ids = torch.randint(1, 320, (2, 12), generator=torch.Generator().manual_seed(4))
-    mask = torch.ones_like(ids)
-    ids[1, :7], mask[1, :7] = 0, 0
+    ids, mask = padded_batch(12, seed=4)
     kw = dict(attention_mask=mask, max_new_tokens=3 * W, do_sample=False, pad_token_id=0)
     kw |= dict(output_logits=True, return_dict_in_generate=True)
     want = tm.generate(ids, **cache_arg(ring_reference(tm)), **kw)

@@ -41,39 +41,32 @@ def register() -> None:
             ModelRegistry.register_model(tale, f"tale_runtime.vllm.models:{tale}")
 
 
-def engine_args(
-    path: str | os.PathLike,
-    value_rank: int | str = "full",
-    verify: bool = True,
-    kv_cache: str | None = None,
-    exact_layers: int = 1,
-    rotate: str = "hadamard",
-    sinks: int | None = None,
-) -> dict:
+def engine_args(path: str | os.PathLike, value_rank: int | str = "full", **options) -> dict:
     """Keyword arguments of vllm.LLM (or EngineArgs) that serve the artifact at `path` with the TALE model class.
 
     Checked here, in the calling process, before vLLM starts an engine: the artifact (manifest, every file's sha256:
     tale_runtime.ArtifactError in one line) and the value rank (ValueError in one line, e.g. r != n on the CPU).
-    value_rank: "full" (each layer's full latent rank R: the exact setting), "level0" (the manifest's level-0 rank of
-    each layer, for every token) or a rank r <= R for every layer.
-    kv_cache: None (stage 1: keys and latents in vLLM's 16-bit cache) or the packed cache (stage 2, TALE's own
-    attention backend): "level0" (the artifact's level-0 key and latent bits) or "k<bits>v<bits>" (e.g. "k4v4"), each
-    layer's latents kept at its value rank; the first and last `exact_layers` layers at 16 bits. rotate: "hadamard"
-    (queries and keys rotated after RoPE before the keys are quantized per token, q.k unchanged) or "none". sinks:
-    the first tokens of each request kept at 16 bits beside the packed pages (None: the artifact's schedule's sinks;
-    0: none).
+    value_rank and `options` (verify, kv_cache, exact_layers, rotate, sinks): those of source.open_artifact.
     """
+    import inspect
+
     from vllm.platforms import current_platform
 
     from .source import check_backend, open_artifact
 
-    src = open_artifact(
-        path, value_rank, verify=verify, kv_cache=kv_cache, exact_layers=exact_layers, rotate=rotate, sinks=sinks
-    )
+    src = open_artifact(path, value_rank, **options)
     check_backend(src, current_platform.is_cpu())
+    bound = inspect.signature(open_artifact).bind(path, value_rank, **options)
+    bound.apply_defaults()  # the packed cache's settings as open_artifact took them, its defaults included
+    opts = bound.arguments
     overrides = {VALUE_RANK: value_rank}
-    if kv_cache is not None:
-        overrides |= {KV_CACHE: kv_cache, EXACT_LAYERS: exact_layers, ROTATE: rotate, SINKS: src.sinks}
+    if opts["kv_cache"] is not None:
+        overrides |= {
+            KV_CACHE: opts["kv_cache"],
+            EXACT_LAYERS: opts["exact_layers"],
+            ROTATE: opts["rotate"],
+            SINKS: src.sinks,
+        }
     if not src.own_type:  # the base's config.json names the base class: name the TALE class instead
         overrides["architectures"] = [ARCHITECTURES[src.model_type][1]]
     return {"model": str(src.root), "hf_overrides": overrides}

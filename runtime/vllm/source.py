@@ -112,8 +112,16 @@ def open_artifact(
     sinks: int | None = None,
 ) -> Source:
     """The checked artifact at `path` (a directory or a Hub repo id); ArtifactError/ValueError in one line.
-    kv_cache: None (stage 1: vLLM's 16-bit cache) or the packed cache's level, see packed_bits; sinks: the packed
-    cache's 16-bit sinks (None: the schedule's)."""
+
+    value_rank: "full" (each layer's full latent rank R: the exact setting), "level0" (the manifest's level-0 rank of
+    each layer, for every token) or a rank r <= R for every layer. verify: check every file's sha256.
+    kv_cache: None (stage 1: keys and latents in vLLM's 16-bit cache) or the packed cache (stage 2, TALE's own
+    attention backend): "level0" (the artifact's level-0 key and latent bits) or "k<bits>v<bits>" (e.g. "k4v4"), each
+    layer's latents kept at its value rank; the first and last `exact_layers` layers at 16 bits (packed_bits).
+    rotate: "hadamard" (queries and keys rotated after RoPE before the keys are quantized per token, q.k unchanged)
+    or "none". sinks: the first tokens of each request kept at 16 bits beside the packed pages (None: the artifact's
+    schedule's sinks; 0: none).
+    """
     from tale_runtime.load import SUPPORTED, resolve
 
     root = resolve(path)
