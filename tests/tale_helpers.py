@@ -101,6 +101,21 @@ def grouped_schedule(levels: list[Level], ranks: list[list[int]], **kw) -> Sched
     return Schedule(levels=levels, ranks=ranks, key_group=8, value_group=8, value_meta="8/8", **kw)
 
 
+def interrupt_at_call(monkeypatch, owner, name: str, n: int):
+    """Patch `owner.name` so that its n-th call raises KeyboardInterrupt (a Ctrl-C mid-run) while the others go
+    through; returns the original."""
+    real, calls = getattr(owner, name), []
+
+    def patched(*a, **kw):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(owner, name, patched)
+    return real
+
+
 def byte_tokenizer():
     """A byte-level tokenizer without merges (256 bytes + <eos>) and a chat template: multi-byte
     characters span several tokens. Fits the tiny models' vocab."""

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import TINY_OPTS
 from hub_helpers import convert_tiny
-from tale_helpers import invoke
+from tale_helpers import interrupt_at_call, invoke
 
 import tale_convert.cli as convert_cli
 import tale_convert.push as push_cli
@@ -103,15 +103,7 @@ def test_eval_frontier_default_is_out_under_the_current_directory(art, tmp_path,
 def test_eval_interrupted_keeps_the_finished_rows(art, tmp_path, monkeypatch):
     import tale_eval.measure as measure_mod
 
-    real, calls = measure_mod.measure, []
-
-    def measure(*a, **k):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(measure_mod, "measure", measure)
+    interrupt_at_call(monkeypatch, measure_mod, "measure", 2)
     out = tmp_path / "r.json"
     r = invoke(eval_cli.main, [art, *EVAL[:-1], "full,kivi2", "--json", out])
     assert r.exit_code == 130, r.output
@@ -227,15 +219,7 @@ def test_run_closed_stdout_is_one_line(art):
 def test_run_interrupted_ends_the_line_then_stats(art, monkeypatch):
     import tale_runtime.generate as gen
 
-    real, calls = gen._next_token, []
-
-    def next_token(*a, **k):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(gen, "_next_token", next_token)
+    interrupt_at_call(monkeypatch, gen, "_next_token", 3)
     r = invoke(run_cli.main, [art, "-p", "hi", "--max-new-tokens", "10", "--dtype", "fp32", "--raw"])
     assert r.exit_code == 130, r.output
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

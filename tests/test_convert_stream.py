@@ -13,6 +13,7 @@ import torch
 from conftest import TINY, TINY_GROUP, TINY_OPTS, save_tiny
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from tale_helpers import interrupt_at_call
 
 from tale_convert import ConvertError, calibrate, resume, source, write
 from tale_convert.convert import Options, convert
@@ -111,15 +112,7 @@ def test_resume_across_shards_keeps_complete_shards_and_gives_identical_bytes(ti
     convert(model, fresh, opts)
     assert len(read_manifest(fresh)["files"]) > 3
 
-    real_whiten, n = convert_mod.whiten, []
-
-    def crash_at_layer_2(*a, **kw):
-        n.append(1)
-        if len(n) == 3:
-            raise KeyboardInterrupt
-        return real_whiten(*a, **kw)
-
-    monkeypatch.setattr(convert_mod, "whiten", crash_at_layer_2)
+    real_whiten = interrupt_at_call(monkeypatch, convert_mod, "whiten", 3)  # at layer 2
     out = tmp_path / "tale"
     with pytest.raises(KeyboardInterrupt):
         convert(model, out, opts)
