@@ -172,6 +172,14 @@ def run(
         help="also write the results to this JSON file (finished rows go to FILE.partial as they come); '-': the "
         "JSON object on stdout instead of the table, nothing else",
     ),
+    kvpress_specs: Optional[str] = typer.Option(
+        None,
+        "--kvpress",
+        help="kvpress's presses on the artifact's base model instead of the policy table, comma list of PRESS:RATIO "
+        "(snapkv, expected_attention, kvzip, streaming_llm, knorm, tova, pyramidkv; RATIO the share of the prompt "
+        "pruned, kvpress's compression_ratio, or Nx: N times fewer bytes than 16-bit), e.g. snapkv:0.75,kvzip:4x; "
+        "in kvpress's venv (make kvpress-env, docs/eval.md)",
+    ),
     lm_eval_tasks: Optional[str] = typer.Option(
         None,
         "--lm-eval",
@@ -202,6 +210,42 @@ def run(
     from .attention import prepare
     from .measure import add_deltas, measure
 
+    specs = None
+    if kvpress_specs is not None:  # first: without kvpress nothing else is worth checking
+        from . import kvpress_baselines
+
+        if not kvpress_baselines.available():
+            fail(kvpress_baselines.MISSING)
+        try:
+            specs = kvpress_baselines.parse(kvpress_specs)
+        except ValueError as e:
+            fail(str(e))
+        tale_only = dict(
+            lm_eval=lm_eval_tasks,
+            frontier=frontier or None,
+            policies=policy_names,
+            rank_policies=rank_policies,
+            families=families,
+            tale_variants=tale_variants,
+            frontier_out=frontier_out,
+            sinks=sinks,
+            recent=recent,
+            r0=r0,
+            bits=bits,
+            key_bits=key_bits,
+            key_axis=key_axis,
+            key_meta=key_meta,
+            value_meta=value_meta,
+            key_channel_group=key_channel_group,
+            rotate=rotate,
+            key_rope=key_rope,
+            residual=residual,
+        )
+        for name, v in tale_only.items():
+            if v is not None:
+                fail(
+                    f"--{name.replace('_', '-')} does not apply to --kvpress (its rows are the presses and the full cache)"
+                )
     lm_only = dict(limit=limit, num_fewshot=num_fewshot, lm_eval_out=lm_eval_out, include_path=include_path)
     lm_only["batch_size"] = batch_size
     if lm_eval_tasks is None:
@@ -298,7 +342,9 @@ def run(
         if v is not None and v >= ctx:  # every token would stay exact: a measured 1.00x that looks like a result
             fail(f"{name} {v} covers the whole window of --ctx {ctx} tokens: nothing would be compressed")
     pols: list[policies.Policy] = []
-    if frontier:
+    if specs is not None:
+        pass  # kvpress's rows: the presses and the full cache, made below
+    elif frontier:
         for f in fams:
             if f not in FAMILIES:
                 fail(f"unknown family {f!r}: use {', '.join(FAMILIES)}")
@@ -360,91 +406,116 @@ def run(
         torch.set_num_threads(threads)
 
     t0 = time.perf_counter()
-    try:
-        # through O^r on every device: the quality figures of docs/quality.md were measured on that path
-        dt = torch.bfloat16 if dtype == "bf16" else torch.float32
-        model, tok = load(artifact, device=device, dtype=dt, output_path="fused")
-        if tok is None:
-            fail(f"{artifact}: the artifact has no tokenizer")
-        formats = dict(
-            key_axis=_csv(key_axis) and list(_csv(key_axis)),
-            key_meta=key_meta,
-            value_meta=value_meta,
-            key_channel_group=key_channel_group,
-            rotate=rotate,
-            key_rope=key_rope,
-            residual=residual,
+    if specs is not None:
+        rows, ids, rt_samples_l, model_id, sched_dict = _kvpress_rows(
+            artifact,
+            specs,
+            dtype,
+            device,
+            texts,
+            ctx,
+            windows,
+            prefill,
+            chunk,
+            samples,
+            rt_tokens,
+            rt_tasks,
+            rt_samples,
+            not no_shared_prefill,
+            json_out,
+            quiet,
         )
-        formats = {k: v for k, v in formats.items() if v is not None}
-        if formats or any(x is not None for x in (sinks, recent, r0, bits_l, key_bits_l)):
-            s = model.tale_spec.schedule
-            model.tale_spec.schedule = override_schedule(
-                s,
-                model.tale_spec.arch.latent_rank,
-                len(s.ranks),
-                sinks=sinks,
-                recent=_shares(recent),
-                r0=r0,
-                bits=bits_l,
-                key_bits=key_bits_l,
-                **formats,
+        model = None
+        partial = _partial(json_out) if json_out and console.replaceable(json_out) else None
+        log = console.rich_console(stderr=True, quiet=quiet).print
+    else:
+        try:
+            # through O^r on every device: the quality figures of docs/quality.md were measured on that path
+            dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+            model, tok = load(artifact, device=device, dtype=dt, output_path="fused")
+            if tok is None:
+                fail(f"{artifact}: the artifact has no tokenizer")
+            formats = dict(
+                key_axis=_csv(key_axis) and list(_csv(key_axis)),
+                key_meta=key_meta,
+                value_meta=value_meta,
+                key_channel_group=key_channel_group,
+                rotate=rotate,
+                key_rope=key_rope,
+                residual=residual,
             )
-        ppl_pattern = perplexity.pattern(ctx, prefill, chunk)
-        ids = {t: perplexity.heldout_windows(tok, ctx, windows, t) for t in texts}
-        rt_samples_l = retrieval.make_samples(tok, rt_tokens, rt_tasks, rt_samples)  # refuses a length too short
-        for pol in pols:  # invalid TALE variants fail here, before any run
-            if isinstance(pol, policies.Tale):
-                pol.resolve(model)
-    except (ArtifactError, ValueError) as e:
-        fail(str(e))
-    prepare(model)
-    sched = model.tale_spec.schedule
-    log = console.rich_console(stderr=True, quiet=quiet).print
-    pols = [replace(pol, match_pattern=ppl_pattern) if isinstance(pol, policies.Palu) else pol for pol in pols]
-    for name, rs in _rank_schedules(model, tok, sched, ranks, energy, log).items():
-        pols.append(policies.Tale(schedule=rs, tag=name))
-    for pol in pols:  # LESS's kernels, TailorKV's layer split: on the calibration text, before any run
-        pol.prepare(model, tok, log)
-
-    rows = []
-    partial = _partial(json_out) if json_out and console.replaceable(json_out) else None
-    if partial:
-        partial.write_text("")
-    try:
-        for pol in pols:
-            row = measure(model, tok, pol, ids, prefill, chunk, samples)
-            rows.append(row)
-            if partial:  # a finished row survives an interrupt (or a crash) of the rows after it
-                with open(partial, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-            _log_row(log, row, samples)
-        if rt_samples_l:  # sample by sample: one prefill per prompt for every policy whose prefill is exact
-            rt_pols = [replace(pol, match_pattern=None) if isinstance(pol, policies.Palu) else pol for pol in pols]
-
-            def keep(s, per_policy):  # a run cut short keeps its finished samples
-                if partial:
-                    with open(partial, "a") as f:
-                        f.write(json.dumps({"retrieval_sample": s["id"], "policies": per_policy}) + "\n")
-
-            results = retrieval.run(model, tok, rt_samples_l, rt_pols, log, not no_shared_prefill, keep)
-            for row, res in zip(rows, results):
-                row.update(
-                    retrieval=res["score"],
-                    retrieval_tasks=res["tasks"],
-                    retrieval_ratio=res["ratio"],
-                    retrieval_answers=res["answers"],
+            formats = {k: v for k, v in formats.items() if v is not None}
+            if formats or any(x is not None for x in (sinks, recent, r0, bits_l, key_bits_l)):
+                s = model.tale_spec.schedule
+                model.tale_spec.schedule = override_schedule(
+                    s,
+                    model.tale_spec.arch.latent_rank,
+                    len(s.ranks),
+                    sinks=sinks,
+                    recent=_shares(recent),
+                    r0=r0,
+                    bits=bits_l,
+                    key_bits=key_bits_l,
+                    **formats,
                 )
-            if partial:
-                partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    except KeyboardInterrupt:
-        if rows and partial:
-            log(f"interrupted: {len(rows)} finished row(s) of {len(pols)} kept in {partial} (JSON lines)")
-        elif rows:
-            log(f"interrupted: {len(rows)} finished row(s) of {len(pols)} were printed above (--json keeps them)")
-        raise
-    finally:
-        if partial and not rows:
-            partial.unlink(missing_ok=True)
+            ppl_pattern = perplexity.pattern(ctx, prefill, chunk)
+            ids = {t: perplexity.heldout_windows(tok, ctx, windows, t) for t in texts}
+            rt_samples_l = retrieval.make_samples(tok, rt_tokens, rt_tasks, rt_samples)  # refuses a length too short
+            for pol in pols:  # invalid TALE variants fail here, before any run
+                if isinstance(pol, policies.Tale):
+                    pol.resolve(model)
+        except (ArtifactError, ValueError) as e:
+            fail(str(e))
+        prepare(model)
+        sched = model.tale_spec.schedule
+        log = console.rich_console(stderr=True, quiet=quiet).print
+        pols = [replace(pol, match_pattern=ppl_pattern) if isinstance(pol, policies.Palu) else pol for pol in pols]
+        for name, rs in _rank_schedules(model, tok, sched, ranks, energy, log).items():
+            pols.append(policies.Tale(schedule=rs, tag=name))
+        for pol in pols:  # LESS's kernels, TailorKV's layer split: on the calibration text, before any run
+            pol.prepare(model, tok, log)
+
+        rows = []
+        partial = _partial(json_out) if json_out and console.replaceable(json_out) else None
+        if partial:
+            partial.write_text("")
+        try:
+            for pol in pols:
+                row = measure(model, tok, pol, ids, prefill, chunk, samples)
+                rows.append(row)
+                if partial:  # a finished row survives an interrupt (or a crash) of the rows after it
+                    with open(partial, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+                _log_row(log, row, samples)
+            if rt_samples_l:  # sample by sample: one prefill per prompt for every policy whose prefill is exact
+                rt_pols = [replace(pol, match_pattern=None) if isinstance(pol, policies.Palu) else pol for pol in pols]
+
+                def keep(s, per_policy):  # a run cut short keeps its finished samples
+                    if partial:
+                        with open(partial, "a") as f:
+                            f.write(json.dumps({"retrieval_sample": s["id"], "policies": per_policy}) + "\n")
+
+                results = retrieval.run(model, tok, rt_samples_l, rt_pols, log, not no_shared_prefill, keep)
+                for row, res in zip(rows, results):
+                    row.update(
+                        retrieval=res["score"],
+                        retrieval_tasks=res["tasks"],
+                        retrieval_ratio=res["ratio"],
+                        retrieval_answers=res["answers"],
+                    )
+                if partial:
+                    partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        except KeyboardInterrupt:
+            if rows and partial:
+                log(f"interrupted: {len(rows)} finished row(s) of {len(pols)} kept in {partial} (JSON lines)")
+            elif rows:
+                log(f"interrupted: {len(rows)} finished row(s) of {len(pols)} were printed above (--json keeps them)")
+            raise
+        finally:
+            if partial and not rows:
+                partial.unlink(missing_ok=True)
+        model_id = model.tale_spec.manifest.get("base", {}).get("id")
+        sched_dict = sched.to_dict()
     full = next((r for r in rows if r["policy"] == "full"), None)
     delta_vs = "full"
     if full is not None:
@@ -459,7 +530,7 @@ def run(
 
     config = {
         "artifact": str(artifact),
-        "model": model.tale_spec.manifest.get("base", {}).get("id"),
+        "model": model_id,
         "preset": preset,
         "frontier": frontier,
         "texts": list(texts),
@@ -475,9 +546,13 @@ def run(
         "delta_vs": delta_vs,
         "ref_ppl": ref,
         "energy": energy,
-        "schedule": sched.to_dict(),
+        "schedule": sched_dict,
         "seconds": time.perf_counter() - t0,
     }
+    if specs is not None:
+        from .kvpress_baselines import versions
+
+        config["kvpress"] = dict(versions(), presses=[s.name for s in specs if s.press], shared=not no_shared_prefill)
     _table(console.rich_console(quiet=quiet or to_stdout), rows, config)
     if rt_samples_l:
         _retrieval_table(console.rich_console(quiet=quiet or to_stdout), rows, config)
@@ -498,6 +573,87 @@ def run(
         if partial:
             partial.unlink(missing_ok=True)
         log(f"wrote {json_out}")
+
+
+def _kvpress_rows(
+    artifact,
+    specs,
+    dtype,
+    device,
+    texts,
+    ctx,
+    windows,
+    prefill,
+    chunk,
+    samples,
+    rt_tokens,
+    rt_tasks,
+    rt_samples,
+    share,
+    json_out,
+    quiet,
+):
+    """The rows of `--kvpress`: the full cache and every press on the artifact's base model (kvpress_baselines), each
+    with tale-eval's fields; finished parts go to FILE.partial as they come."""
+    import torch
+
+    from tale_runtime import ArtifactError
+
+    from . import kvpress_baselines as kp
+    from . import perplexity, retrieval
+
+    try:
+        kp.import_kvpress()
+        dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+        model, tok = kp.base_model(artifact, dt, device)
+        ids = {t: perplexity.heldout_windows(tok, ctx, windows, t) for t in texts}
+        rt_samples_l = retrieval.make_samples(tok, rt_tokens, rt_tasks, rt_samples)  # refuses a length too short
+    except (ArtifactError, ValueError, OSError) as e:
+        fail(str(e))
+    from tale_runtime.artifact import read_manifest
+    from tale_runtime.load import resolve
+
+    manifest = read_manifest(resolve(artifact))
+    kp.quiet_warnings()
+    log = console.rich_console(stderr=True, quiet=quiet).print
+    specs = [kp.Spec(None)] + list(specs)
+    partial = _partial(json_out) if json_out and console.replaceable(json_out) else None
+    rows = []
+    if partial:
+        partial.write_text("")
+    try:
+        rows = kp.measure(model, tok, specs, ids, prefill, chunk, samples, share, log)
+        if partial:
+            partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        for row in rows:
+            _log_row(log, row, samples)
+        if rt_samples_l:
+
+            def keep(s, per_policy):  # a run cut short keeps its finished samples
+                if partial:
+                    with open(partial, "a") as f:
+                        f.write(json.dumps({"retrieval_sample": s["id"], "policies": per_policy}) + "\n")
+
+            results = kp.retrieval_run(model, tok, rt_samples_l, specs, log, share, keep)
+            for row, res in zip(rows, results):
+                row.update(
+                    retrieval=res["score"],
+                    retrieval_tasks=res["tasks"],
+                    retrieval_ratio=res["ratio"],
+                    retrieval_kept_ratio=res["kept_ratio"],
+                    retrieval_compression_ratio=res["compression_ratio"],
+                    retrieval_answers=res["answers"],
+                )
+            if partial:
+                partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    except KeyboardInterrupt:
+        if rows and partial:
+            log(f"interrupted: the perplexity and pass-key rows and the finished retrieval samples are in {partial}")
+        raise
+    finally:
+        if partial and not rows:
+            partial.unlink(missing_ok=True)
+    return rows, ids, rt_samples_l, manifest.get("base", {}).get("id"), manifest.get("schedule")
 
 
 def _partial(json_out: Path) -> Path:
@@ -569,11 +725,12 @@ def _table(to, rows: list[dict], config: dict) -> None:
         title=f"{config['model'] or config['artifact']}: decode-mode ppl, {config['windows']} x {config['ctx']} "
         f"tokens of {', '.join(texts)} (prefill {config['prefill']}, chunk {config['chunk']}), {config['dtype']}"
     )
+    kv = "kvpress" in config
     cols = [
         "policy",
         *[c for tx in texts for c in (f"ppl {tx}", "delta")],
         "compr.",
-        "nominal",
+        *(["kept", "kvpress"] if kv else ["nominal"]),
         "pass-key",
         "pk compr.",
     ]
@@ -586,6 +743,7 @@ def _table(to, rows: list[dict], config: dict) -> None:
             name,
             *[c for tx in texts for c in (f"{r['ppl'][tx]:.3f}", f"{r['delta_pct'][tx]:+.2f}%")],
             f"{r['ratio']:.2f}x",
+            *([f"{r['kept_ratio']:.2f}x"] if kv else []),
             f"{r['nominal']:.2f}x" if r["nominal"] else "",
             f"{r['passkey']:.0%}" if task else "",
             f"{r['passkey_ratio']:.2f}x" if task else "",
@@ -598,6 +756,16 @@ def _table(to, rows: list[dict], config: dict) -> None:
         f"sinks, residual), measured at the end of the run; pass-key: {config['passkey_samples']} samples, "
         f"exact match; {config['seconds']:.0f} s"
     )
+    if kv:
+        to.print(_KVPRESS_NOTE.format(**config["kvpress"]))
+
+
+_KVPRESS_NOTE = (
+    "kvpress {kvpress} (transformers {transformers}, torch {torch}): the presses compress the prompt at the prefill "
+    "(the perplexity run: its --prefill tokens), later tokens are appended uncompressed; kept: 16-bit K+V bytes / "
+    "bytes of the entries the attention still reads (KVzip masks entries and holds them: kept > compr.); kvpress: "
+    "its own accounting, 1 / (1 - compression_ratio) on the prompt (cr: the share of the prompt's KV pairs pruned)"
+)
 
 
 def _retrieval_table(to, rows: list[dict], config: dict) -> None:
@@ -609,7 +777,9 @@ def _retrieval_table(to, rows: list[dict], config: dict) -> None:
     full = next((r for r in rows if r["policy"] == "full"), None)
     per = config["retrieval_samples"] // max(1, len(tasks))
     t = Table(title=f"long-context retrieval: {per} sample(s) per task, {config['dtype']}")
+    kv = "kvpress" in config
     cols = ["policy", *[c.replace("niah_", "") for c in tasks], "score", "full", "retention", "rt compr."]
+    cols += ["kept", "kvpress cr"] if kv else []
     for col in cols:
         t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for r in rows:
@@ -621,6 +791,7 @@ def _retrieval_table(to, rows: list[dict], config: dict) -> None:
             f"{100 * ref:.1f}" if ref is not None else "",
             f"{100 * r['retrieval'] / ref:.0f}%" if ref else "",
             f"{r['retrieval_ratio']:.2f}x",
+            *([f"{r['retrieval_kept_ratio']:.2f}x", f"{r['retrieval_compression_ratio']:.3f}"] if kv else []),
         )
     to.print(t)
     to.print(
