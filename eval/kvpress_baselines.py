@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import logging
 import math
 import tempfile
@@ -167,9 +168,13 @@ def base_model(artifact, dtype: torch.dtype, device: str = "cpu"):
             "kvpress baselines run on models with global attention only"
         )
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    index = Path(root) / "model.safetensors.index.json"  # the weights' files (not key_basis.safetensors)
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    )
     state = {}
-    for f in sorted(Path(root).glob("*.safetensors")):
-        with safe_open(f, "pt") as s:
+    for f in files:
+        with safe_open(Path(root) / f, "pt") as s:
             state |= {k: s.get_tensor(k).to(dtype) for k in s.keys() if ".tale." not in k}
     result = model.load_state_dict(state, strict=False)
     if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
