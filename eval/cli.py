@@ -383,6 +383,8 @@ def run(
         fail(f"no pass-key samples at depths {depths} (shipped: {', '.join(map(str, passkey.DEPTHS))})")
     if prefill >= ctx:
         fail(f"--prefill ({prefill}) must be smaller than --ctx ({ctx})")
+    if specs is not None and (why := kvpress_baselines.too_short(specs, prefill)):
+        fail(why)
     device = str(console.device(device))
     to_stdout = json_out == "-"
     if to_stdout:

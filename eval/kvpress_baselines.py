@@ -145,6 +145,20 @@ def parse(s: str) -> list[Spec]:
     return out
 
 
+WINDOW = 64  # SnapKV's and PyramidKV's observation window (kvpress's default): the prompt must be longer
+
+
+def too_short(specs: list[Spec], prefill: int) -> str | None:
+    """Why the perplexity run's prefill is too short for a press (kvpress asserts it), or None."""
+    for s in specs:
+        if s.press in ("snapkv", "pyramidkv") and prefill <= WINDOW:
+            return (
+                f"--kvpress {s.name}: the press scores with the prompt's last {WINDOW} queries, so the perplexity "
+                f"run's --prefill must be above {WINDOW} (got {prefill}; docs/eval.md suggests --ctx 1024 --prefill 896)"
+            )
+    return None
+
+
 # --- the base model --------------------------------------------------------------------------------------------------
 
 

@@ -127,6 +127,7 @@ def test_cli_kvpress_table_and_json(artifact, tmp_path):
         (["--kvpress", "snapkv:0.5,snapkv:0.5"], "given twice"),
         (["--kvpress", "snapkv:0.5", "--policies", "tale"], "--policies does not apply to --kvpress"),
         (["--kvpress", "snapkv:0.5", "--frontier"], "--frontier does not apply to --kvpress"),
+        (["--kvpress", "expected_attention:2x,snapkv:0.5"], "--prefill must be above 64 (got 64"),
     ],
 )
 def test_cli_kvpress_refusals(artifact, extra, message):
