@@ -14,7 +14,8 @@ LONG_PROMPT ?= calib/demo_long_prompt.txt
 JOBS ?= 2  # make errors: fault cases run at once
 TEST_JOBS ?= 2  # make test: pytest-xdist workers (one torch thread each)
 
-.PHONY: setup demo convert run run-long test test-slow test-gpu eval frontier errors clean vllm-env test-vllm
+.PHONY: setup demo convert run run-long test test-slow test-gpu eval frontier errors clean vllm-env test-vllm kvpress-env \
+	test-kvpress
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -114,5 +115,31 @@ vllm-env: $(VLLM_VENV)/.installed
 test-vllm: vllm-env
 	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/pytest -q -rs -p no:cacheprovider tests/vllm
 
+# kvpress's presses (SnapKV, Expected Attention, KVzip, StreamingLLM, ...) as baselines of tale-eval (docs/eval.md,
+# "kvpress's presses") in their own venv: kvpress 0.5 pins transformers < 5.3 and transformers 5.2 pins
+# huggingface_hub < 2, where this repo asks for >= 2 (tale-push): the main venv keeps its own. torch first, at the
+# pinned version (a local CPU wheel where one is provided), then kvpress against it, then this repo without deps (the
+# ones the evaluation imports are listed: tale-push is not used there).
+KVPRESS_VENV ?= .venv-kvpress
+KVPRESS      ?= kvpress==0.5.5
+KVPRESS_TRANSFORMERS ?= transformers==5.2.0
+
+$(KVPRESS_VENV)/bin/python:
+	$(PYTHON) -m venv $(KVPRESS_VENV)
+
+$(KVPRESS_VENV)/.installed: pyproject.toml | $(KVPRESS_VENV)/bin/python
+	$(KVPRESS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(KVPRESS_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(KVPRESS_VENV)/bin/python -m pip install -q "$(KVPRESS)" "$(KVPRESS_TRANSFORMERS)" "$(TORCH)"
+	$(KVPRESS_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(KVPRESS_VENV)/bin/python -m pip install -q "$(TORCH)" "$(KVPRESS_TRANSFORMERS)" pytest typer rich psutil
+	touch $@
+
+kvpress-env: $(KVPRESS_VENV)/.installed
+
+# the kvpress baselines' tests (tests/kvpress: a tiny random model, seconds), in the kvpress venv
+test-kvpress: kvpress-env
+	OMP_NUM_THREADS=1 $(KVPRESS_VENV)/bin/pytest -q -rs -p no:cacheprovider tests/kvpress
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) out build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(KVPRESS_VENV) out build *.egg-info

@@ -100,6 +100,14 @@ class Opt:
         help="also write the results to this JSON file (finished rows go to FILE.partial as they come); '-': the "
         "JSON object on stdout instead of the table, nothing else",
     )
+    kvpress_specs: Optional[str] = typer.Option(
+        None,
+        "--kvpress",
+        help="kvpress's presses on the artifact's base model instead of the policy table, comma list of PRESS:RATIO "
+        "(snapkv, expected_attention, kvzip, streaming_llm, knorm, tova, pyramidkv; RATIO the share of the prompt "
+        "pruned, kvpress's compression_ratio, or Nx: N times fewer bytes than 16-bit), e.g. snapkv:0.75,kvzip:4x; "
+        "in kvpress's venv (make kvpress-env, docs/eval.md)",
+    )
     lm_eval_tasks: Optional[str] = typer.Option(
         None,
         "--lm-eval",
@@ -132,10 +140,10 @@ def run(context: typer.Context, **params) -> None:
 LM_EVAL_ONLY = ("limit", "num_fewshot", "lm_eval_out", "include_path", "batch_size")
 TABLE_ONLY = ("policy_names", "rank_policies", "text", "families", "tale_variants", "frontier_out", "ctx", "windows")
 TABLE_ONLY += ("prefill", "chunk", "passkey_lengths", "passkey_depths", "retrieval_lengths", "retrieval_tasks")
-TABLE_ONLY += ("retrieval_samples", "no_shared_prefill", "frontier")
+TABLE_ONLY += ("retrieval_samples", "no_shared_prefill", "frontier", "kvpress_specs")
 # the options of both modes that go to EvalOptions and LmEvalOptions as they are
 BOTH = ("dtype", "device", "threads", "json_out", "overwrite", "quiet")
-FLAG = {"policy_names": "policies"}  # a parameter named otherwise than its flag
+FLAG = {"policy_names": "policies", "kvpress_specs": "kvpress"}  # parameters named otherwise than their flags
 
 
 def _flag(name: str) -> str:
@@ -179,6 +187,7 @@ def _eval_options(p: dict) -> EvalOptions:
         passkey_depths=depths,
         retrieval_samples=p["retrieval_samples"],
         shared_prefill=not p["no_shared_prefill"],
+        kvpress=_csv(p["kvpress_specs"]),
         overrides=_overrides(p, numbers),
         **{k: p[k] for k in same + BOTH},
         **{k: _csv(p[k]) for k in csv},

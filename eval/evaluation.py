@@ -126,6 +126,7 @@ class EvalOptions:
     retrieval_tasks: tuple[str, ...] | None = None  # names.RETRIEVAL_FAMILIES
     retrieval_samples: int | None = None  # per task family and length
     shared_prefill: bool = True  # retrieval: one prefill per prompt for every policy whose prefill is exact
+    kvpress: tuple[str, ...] | None = None  # kvpress's presses PRESS:RATIO instead of the table (kvpress_baselines)
     overrides: Overrides = field(default_factory=Overrides)
     dtype: str = "bf16"  # compute dtype: bf16 or fp32 (bytes are measured in it)
     device: str | None = None  # None: cuda if available
@@ -156,6 +157,7 @@ class _Plan:
     json_path: Path | None = None
     to_stdout: bool = False
     frontier_out: Path | None = None
+    specs: list | None = None  # kvpress's presses (kvpress_baselines.Spec), the full cache's row first
 
 
 def evaluate(artifact: str, opts: EvalOptions | None = None) -> dict:
@@ -173,20 +175,25 @@ def evaluate(artifact: str, opts: EvalOptions | None = None) -> dict:
     if opts.threads:
         torch.set_num_threads(opts.threads)
     t0 = time.perf_counter()
-    model, tok, ids, rt_samples = _load(artifact, opts, plan)
-    prepare(model)
-    sched = model.tale_spec.schedule
     log = console.rich_console(stderr=True, quiet=opts.quiet).print
-    pols = plan.pols
-    for name, rs in _rank_schedules(model, tok, sched, plan.ranks, opts.energy, log).items():
-        pols.append(policies.Tale(schedule=rs, tag=name))
-    for pol in pols:  # LESS's kernels, TailorKV's layer split: on the calibration text, before any run
-        pol.prepare(model, tok, log)
-    rows = _rows(model, tok, plan, opts, ids, rt_samples, log)
+    if plan.specs is not None:  # kvpress's presses on the base model: its rows hold the full cache's
+        rows, ids, rt_samples, model_id, sched_dict = _kvpress_rows(artifact, opts, plan, log)
+        model = None
+    else:
+        model, tok, ids, rt_samples = _load(artifact, opts, plan)
+        prepare(model)
+        sched = model.tale_spec.schedule
+        pols = plan.pols
+        for name, rs in _rank_schedules(model, tok, sched, plan.ranks, opts.energy, log).items():
+            pols.append(policies.Tale(schedule=rs, tag=name))
+        for pol in pols:  # LESS's kernels, TailorKV's layer split: on the calibration text, before any run
+            pol.prepare(model, tok, log)
+        rows = _rows(model, tok, plan, opts, ids, rt_samples, log)
+        model_id, sched_dict = model.tale_spec.manifest.get("base", {}).get("id"), sched.to_dict()
     delta_vs, ref = _reference(model, rows, ids, plan.prefill)
     config = {
         "artifact": str(artifact),
-        "model": model.tale_spec.manifest.get("base", {}).get("id"),
+        "model": model_id,
         "preset": opts.preset,
         "frontier": opts.frontier,
         "texts": list(plan.texts),
@@ -202,9 +209,14 @@ def evaluate(artifact: str, opts: EvalOptions | None = None) -> dict:
         "delta_vs": delta_vs,
         "ref_ppl": ref,
         "energy": opts.energy,
-        "schedule": sched.to_dict(),
+        "schedule": sched_dict,
         "seconds": time.perf_counter() - t0,
     }
+    if plan.specs is not None:
+        from .kvpress_baselines import versions
+
+        names = [sp.name for sp in plan.specs if sp.press]
+        config["kvpress"] = dict(versions(), presses=names, shared=opts.shared_prefill)
     result = {"config": config, "results": rows}
     _publish(result, opts, plan, log)
     return result
@@ -224,12 +236,15 @@ def _plan(opts: EvalOptions) -> _Plan:
     from . import frontier as frontier_mod
     from . import passkey, policies, retrieval
 
+    specs = _kvpress_specs(opts)  # first: without kvpress nothing else is worth checking
     table = FRONTIER_RUN_SIZES if opts.frontier else RUN_SIZES
     if opts.preset not in table:
         raise UserError(f"unknown --preset {opts.preset!r}: use {' or '.join(table)}")
     p = table[opts.preset]
     names = _given("--policies", opts.policies) or p.policies
     ranks = p.rank_policies if opts.rank_policies is None else opts.rank_policies  # (): none
+    if specs is not None:  # the presses' rows and the full cache's, no TALE rows
+        names, ranks = (), ()
     lengths = p.lengths if opts.passkey_lengths is None else opts.passkey_lengths  # (): skip the task
     texts = _given("--text", opts.texts) or p.texts
     fams = _given("--families", opts.families) or FAMILIES
@@ -298,10 +313,47 @@ def _plan(opts: EvalOptions) -> _Plan:
         raise UserError(f"no pass-key samples at depths {depths} (shipped: {', '.join(map(str, passkey.DEPTHS))})")
     if prefill >= ctx:
         raise UserError(f"--prefill ({prefill}) must be smaller than --ctx ({ctx})")
+    if specs is not None:
+        from .kvpress_baselines import Spec, too_short
+
+        if why := too_short(specs, prefill):
+            raise UserError(why)
+        specs = [Spec(None), *specs]  # the full cache's row
     device = str(console.device(opts.device))
     return _Plan(
-        p, ctx, windows, prefill, chunk, texts, ranks, depths, samples, rt_tokens, rt_tasks, rt_samples, pols, device
+        p, ctx, windows, prefill, chunk, texts, ranks, depths, samples, rt_tokens, rt_tasks, rt_samples, pols, device,
+        specs=specs,
+    )  # fmt: skip
+
+
+def _kvpress_specs(opts: EvalOptions) -> list | None:
+    """The presses of --kvpress, checked (kvpress importable, ratios, no option that only TALE's rows read), or None."""
+    if opts.kvpress is None:
+        return None
+    from . import kvpress_baselines as kp
+
+    if not kp.available():
+        raise UserError(kp.MISSING)
+    try:
+        specs = kp.parse(",".join(opts.kvpress))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not specs:
+        raise UserError("--kvpress is empty: name at least one press, e.g. snapkv:0.75")
+    tale_only = dict(
+        policies=opts.policies,
+        rank_policies=opts.rank_policies,
+        frontier=opts.frontier or None,
+        families=opts.families,
+        tale_variants=opts.tale_variants,
+        frontier_out=opts.frontier_out,
+        **opts.overrides.given(),
     )
+    for name, v in tale_only.items():
+        if v is not None:
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"{flag} does not apply to --kvpress (its rows are the presses and the full cache)")
+    return specs
 
 
 def _check_outputs(opts: EvalOptions, plan: _Plan) -> None:
@@ -410,6 +462,69 @@ def _rows(model, tok, plan: _Plan, opts: EvalOptions, ids: dict, rt_samples: lis
         if partial and not rows:
             partial.unlink(missing_ok=True)
     return rows
+
+
+def _kvpress_rows(artifact: str, opts: EvalOptions, plan: _Plan, log):
+    """The rows of --kvpress: the full cache and every press on the artifact's base model (kvpress_baselines), each
+    with tale-eval's fields; finished parts go to FILE.partial as they come. Returns (rows, held-out windows,
+    retrieval samples, the base model's id, the artifact's schedule)."""
+    import torch
+
+    from tale_runtime import ArtifactError
+    from tale_runtime.artifact import read_manifest
+    from tale_runtime.load import resolve
+
+    from . import kvpress_baselines as kp
+    from . import perplexity, retrieval
+    from .report import log_row
+
+    try:
+        kp.import_kvpress()
+        dt = torch.bfloat16 if opts.dtype == "bf16" else torch.float32
+        model, tok = kp.base_model(artifact, dt, plan.device)
+        ids = {t: perplexity.heldout_windows(tok, plan.ctx, plan.windows, t) for t in plan.texts}
+        rt_samples = retrieval.make_samples(tok, plan.rt_tokens, plan.rt_tasks, plan.rt_samples)  # refuses too short
+    except (ArtifactError, ValueError, OSError) as e:
+        raise UserError(str(e)) from None
+    manifest = read_manifest(resolve(artifact))
+    kp.quiet_warnings()
+    partial = partial_path(plan.json_path) if plan.json_path and console.replaceable(plan.json_path) else None
+    rows: list[dict] = []
+    if partial:
+        partial.write_text("")
+    try:
+        rows = kp.measure(model, tok, plan.specs, ids, plan.prefill, plan.chunk, plan.samples, opts.shared_prefill, log)
+        if partial:
+            partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        for row in rows:
+            log_row(log, row, plan.samples)
+        if rt_samples:
+
+            def keep(s, per_policy):  # a run cut short keeps its finished samples
+                if partial:
+                    with open(partial, "a") as f:
+                        f.write(json.dumps({"retrieval_sample": s["id"], "policies": per_policy}) + "\n")
+
+            results = kp.retrieval_run(model, tok, rt_samples, plan.specs, log, opts.shared_prefill, keep)
+            for row, res in zip(rows, results):
+                row.update(
+                    retrieval=res["score"],
+                    retrieval_tasks=res["tasks"],
+                    retrieval_ratio=res["ratio"],
+                    retrieval_kept_ratio=res["kept_ratio"],
+                    retrieval_compression_ratio=res["compression_ratio"],
+                    retrieval_answers=res["answers"],
+                )
+            if partial:
+                partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    except KeyboardInterrupt:
+        if rows and partial:
+            log(f"interrupted: the perplexity and pass-key rows and the finished retrieval samples are in {partial}")
+        raise
+    finally:
+        if partial and not rows:
+            partial.unlink(missing_ok=True)
+    return rows, ids, rt_samples, manifest.get("base", {}).get("id"), manifest.get("schedule")
 
 
 def _reference(model, rows: list[dict], ids: dict, prefill: int) -> tuple[str, dict]:

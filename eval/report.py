@@ -21,11 +21,12 @@ def table(to, rows: list[dict], config: dict) -> None:
         title=f"{config['model'] or config['artifact']}: decode-mode ppl, {config['windows']} x {config['ctx']} "
         f"tokens of {', '.join(texts)} (prefill {config['prefill']}, chunk {config['chunk']}), {config['dtype']}"
     )
+    kv = "kvpress" in config  # kvpress's rows: the entries kept, and kvpress's own ratio in place of the nominal
     cols = [
         "policy",
         *[c for tx in texts for c in (f"ppl {tx}", "delta")],
         "compr.",
-        "nominal",
+        *(["kept", "kvpress"] if kv else ["nominal"]),
         "pass-key",
         "pk compr.",
     ]
@@ -38,6 +39,7 @@ def table(to, rows: list[dict], config: dict) -> None:
             name,
             *[c for tx in texts for c in (f"{r['ppl'][tx]:.3f}", f"{r['delta_pct'][tx]:+.2f}%")],
             f"{r['ratio']:.2f}x",
+            *([f"{r['kept_ratio']:.2f}x"] if kv else []),
             f"{r['nominal']:.2f}x" if r["nominal"] else "",
             f"{r['passkey']:.0%}" if task else "",
             f"{r['passkey_ratio']:.2f}x" if task else "",
@@ -50,6 +52,16 @@ def table(to, rows: list[dict], config: dict) -> None:
         f"sinks, residual), measured at the end of the run; pass-key: {config['passkey_samples']} samples, "
         f"exact match; {config['seconds']:.0f} s"
     )
+    if kv:
+        to.print(KVPRESS_NOTE.format(**config["kvpress"]))
+
+
+KVPRESS_NOTE = (
+    "kvpress {kvpress} (transformers {transformers}, torch {torch}): the presses compress the prompt at the prefill "
+    "(the perplexity run: its --prefill tokens), later tokens are appended uncompressed; kept: 16-bit K+V bytes / "
+    "bytes of the entries the attention still reads (KVzip masks entries and holds them: kept > compr.); kvpress: "
+    "its own accounting, 1 / (1 - compression_ratio) on the prompt (cr: the share of the prompt's KV pairs pruned)"
+)
 
 
 def retrieval_table(to, rows: list[dict], config: dict) -> None:
@@ -61,7 +73,9 @@ def retrieval_table(to, rows: list[dict], config: dict) -> None:
     full = next((r for r in rows if r["policy"] == "full"), None)
     per = config["retrieval_samples"] // max(1, len(tasks))
     t = Table(title=f"long-context retrieval: {per} sample(s) per task, {config['dtype']}")
+    kv = "kvpress" in config
     cols = ["policy", *[c.replace("niah_", "") for c in tasks], "score", "full", "retention", "rt compr."]
+    cols += ["kept", "kvpress cr"] if kv else []
     for col in cols:
         t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for r in rows:
@@ -73,6 +87,7 @@ def retrieval_table(to, rows: list[dict], config: dict) -> None:
             f"{100 * ref:.1f}" if ref is not None else "",
             f"{100 * r['retrieval'] / ref:.0f}%" if ref else "",
             f"{r['retrieval_ratio']:.2f}x",
+            *([f"{r['retrieval_kept_ratio']:.2f}x", f"{r['retrieval_compression_ratio']:.3f}"] if kv else []),
         )
     to.print(t)
     to.print(

@@ -29,6 +29,10 @@ import torch
 # tests/vllm itself is found as a namespace package: only a module with a file counts)
 _vllm = importlib.util.find_spec("vllm")
 collect_ignore = [] if _vllm is not None and _vllm.origin not in (None, "namespace") else ["vllm"]
+# tests/kvpress runs in kvpress's venv (make test-kvpress); likewise left out where kvpress is not installed
+_kvpress = importlib.util.find_spec("kvpress")
+if _kvpress is None or _kvpress.origin in (None, "namespace"):
+    collect_ignore.append("kvpress")
 
 # Without a GPU the Triton kernels are tested in Triton's CPU interpreter, which must be chosen
 # before anything imports triton (transformers and torch may, during collection).
