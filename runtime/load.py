@@ -84,12 +84,13 @@ def default_output_path(device: torch.device, dtype: torch.dtype) -> str:
 
 
 # transformers releases the runtime was tested on: 5.24 renamed the cache argument (past_key_values -> cache), which
-# the runtime follows (model.CACHE_KW), and a release past the tested ones is refused rather than trusted to decode
-TRANSFORMERS_BELOW = (5, 25)
+# the runtime follows (model.CACHE_KW); 5.2 asks the cache layers for their mask sizes by cache_position; a release
+# outside the tested ones is refused rather than trusted to decode
+TRANSFORMERS_FROM, TRANSFORMERS_BELOW = (5, 17), (5, 25)
 
 
 def check_transformers(version: str | None = None) -> None:
-    """Refuse (UserError, one line) a transformers release the runtime does not read yet."""
+    """Refuse (UserError, one line) a transformers release the runtime was not tested on."""
     import re
 
     import transformers
@@ -97,11 +98,17 @@ def check_transformers(version: str | None = None) -> None:
     from .console import UserError
 
     v = version or transformers.__version__
-    if tuple(int(x) for x in re.findall(r"\d+", v)[:2]) >= TRANSFORMERS_BELOW:
-        lo = ".".join(map(str, TRANSFORMERS_BELOW))
+    have = tuple(int(x) for x in re.findall(r"\d+", v)[:2])
+    lo, hi = (".".join(map(str, x)) for x in (TRANSFORMERS_FROM, TRANSFORMERS_BELOW))
+    if have >= TRANSFORMERS_BELOW:
         raise UserError(
             f"transformers {v} is newer than the releases tale-kv is tested on (5.24 renamed past_key_values to "
-            f"cache; such changes can silently drop the TALE cache): pip install 'transformers>=5.0,<{lo}'"
+            f"cache; such changes can silently drop the TALE cache): pip install 'transformers>={lo},<{hi}'"
+        )
+    if have < TRANSFORMERS_FROM:
+        raise UserError(
+            f"transformers {v} is older than the releases tale-kv is tested on (5.2 asks the cache for its mask sizes "
+            f"another way): pip install 'transformers>={lo},<{hi}'"
         )
 
 

@@ -525,6 +525,10 @@ def test_a_transformers_release_past_the_tested_ones_is_refused(tmp_path, monkey
             check_transformers(v)
     check_transformers("5.23.0")
     check_transformers("5.24.0")
+    check_transformers("5.17.0")
+    for v in ("5.2.0", "5.16.1", "4.57.0"):
+        with pytest.raises(UserError, match=f"transformers {v} is older than the releases .*>=5.17,<5.25'"):
+            check_transformers(v)
     monkeypatch.setattr(transformers, "__version__", "5.25.0")
     with pytest.raises(UserError, match="renamed past_key_values to cache"):
         load(tmp_path / "nothing-here")  # refused before the path is looked at
