@@ -436,22 +436,11 @@ def _rows(model, tok, plan: _Plan, opts: EvalOptions, ids: dict, rt_samples: lis
             log_row(log, row, plan.samples)
         if rt_samples:  # sample by sample: one prefill per prompt for every policy whose prefill is exact
             rt_pols = [replace(pol, match_pattern=None) if isinstance(pol, policies.Palu) else pol for pol in pols]
-
-            def keep(s, per_policy):  # a run cut short keeps its finished samples
-                if partial:
-                    with open(partial, "a") as f:
-                        f.write(json.dumps({"retrieval_sample": s["id"], "policies": per_policy}) + "\n")
-
-            results = retrieval.run(model, tok, rt_samples, rt_pols, log, opts.shared_prefill, keep)
-            for row, res in zip(rows, results):
-                row.update(
-                    retrieval=res["score"],
-                    retrieval_tasks=res["tasks"],
-                    retrieval_ratio=res["ratio"],
-                    retrieval_answers=res["answers"],
-                )
-            if partial:
-                partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
+            _add_retrieval(
+                rows,
+                partial,
+                lambda keep: retrieval.run(model, tok, rt_samples, rt_pols, log, opts.shared_prefill, keep),
+            )
     except KeyboardInterrupt:
         if rows and partial:
             log(f"interrupted: {len(rows)} finished row(s) of {len(pols)} kept in {partial} (JSON lines)")
@@ -462,6 +451,28 @@ def _rows(model, tok, plan: _Plan, opts: EvalOptions, ids: dict, rt_samples: lis
         if partial and not rows:
             partial.unlink(missing_ok=True)
     return rows
+
+
+def _rewrite(partial: Path | None, rows: list[dict]) -> None:
+    """FILE.partial as the finished rows, one JSON line each (no file: nothing)."""
+    if partial:
+        partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def _add_retrieval(rows: list[dict], partial: Path | None, run, extra: tuple[str, ...] = ()) -> None:
+    """The retrieval task's fields into each row: `run(keep)` returns one result per row and calls keep(sample,
+    per_policy) as each sample finishes (appended to FILE.partial, so a run cut short keeps it); `extra`: result
+    fields beyond score, tasks and ratio, stored as retrieval_<name>."""
+
+    def keep(s, per_policy):
+        if partial:
+            with open(partial, "a") as f:
+                f.write(json.dumps({"retrieval_sample": s["id"], "policies": per_policy}) + "\n")
+
+    for row, res in zip(rows, run(keep)):
+        row.update(retrieval=res["score"], retrieval_tasks=res["tasks"], retrieval_ratio=res["ratio"])
+        row.update({f"retrieval_{k}": res[k] for k in extra}, retrieval_answers=res["answers"])
+    _rewrite(partial, rows)
 
 
 def _kvpress_rows(artifact: str, opts: EvalOptions, plan: _Plan, log):
@@ -494,29 +505,16 @@ def _kvpress_rows(artifact: str, opts: EvalOptions, plan: _Plan, log):
         partial.write_text("")
     try:
         rows = kp.measure(model, tok, plan.specs, ids, plan.prefill, plan.chunk, plan.samples, opts.shared_prefill, log)
-        if partial:
-            partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        _rewrite(partial, rows)
         for row in rows:
             log_row(log, row, plan.samples)
         if rt_samples:
-
-            def keep(s, per_policy):  # a run cut short keeps its finished samples
-                if partial:
-                    with open(partial, "a") as f:
-                        f.write(json.dumps({"retrieval_sample": s["id"], "policies": per_policy}) + "\n")
-
-            results = kp.retrieval_run(model, tok, rt_samples, plan.specs, log, opts.shared_prefill, keep)
-            for row, res in zip(rows, results):
-                row.update(
-                    retrieval=res["score"],
-                    retrieval_tasks=res["tasks"],
-                    retrieval_ratio=res["ratio"],
-                    retrieval_kept_ratio=res["kept_ratio"],
-                    retrieval_compression_ratio=res["compression_ratio"],
-                    retrieval_answers=res["answers"],
-                )
-            if partial:
-                partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
+            _add_retrieval(
+                rows,
+                partial,
+                lambda keep: kp.retrieval_run(model, tok, rt_samples, plan.specs, log, opts.shared_prefill, keep),
+                extra=("kept_ratio", "compression_ratio"),
+            )
     except KeyboardInterrupt:
         if rows and partial:
             log(f"interrupted: the perplexity and pass-key rows and the finished retrieval samples are in {partial}")
