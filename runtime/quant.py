@@ -144,7 +144,6 @@ def quantize_bands(
 META = ("16", "8/16", "8/8")
 BITS = (1, 2, 3, 4, 8)
 FP8 = torch.float8_e4m3fn
-_FP8_TABLES: dict[str, torch.Tensor] = {}  # the finite float8_e4m3fn values, sorted, per device
 
 META_SHIFT = 2.0**-8
 
@@ -207,13 +206,20 @@ def _unpack3(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _fp8_round(x: torch.Tensor, up: bool) -> torch.Tensor:
-    """x (float32) -> the nearest float8_e4m3fn at or above (up) / at or below x, saturating at +-448."""
-    t = _FP8_TABLES.get(str(x.device))
-    if t is None:  # made once per device, so a step captured in a CUDA graph later copies nothing from the host
-        v = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
-        t = _FP8_TABLES[str(x.device)] = v[torch.isfinite(v)].unique().to(x.device)  # sorted, one zero
-    i = torch.searchsorted(t, x.contiguous(), right=not up) - (0 if up else 1)
-    return t[i.clamp(0, len(t) - 1)].to(FP8)
+    """x (float32) -> the nearest float8_e4m3fn at or above (up) / at or below x, saturating at +-448. Float ops
+    only (no table, nothing from the host, no dtype views): inductor fuses it, and a CUDA graph captures it."""
+    y = x.clamp(-448.0, 448.0)
+    r = y.to(FP8).float()  # the nearest value: on the wrong side of y, the directed one is its neighbour
+    a = r.abs()
+    m, e = torch.frexp(a)  # a = m * 2^e, m in [0.5, 1): binade e - 1, 3 mantissa bits, subnormals below 2^-6
+    away = torch.exp2((torch.maximum(e - 1, torch.full_like(e, -6)) - 3).float())  # the gap to |r|'s next above
+    toward = torch.exp2((torch.maximum(e - 1 - (m == 0.5).int(), torch.full_like(e, -6)) - 3).float())  # below
+    away = torch.where(a == 0, 2.0**-9, away)
+    if up:
+        moved, wrong = r + torch.where(r >= 0, away, toward), r < y
+    else:
+        moved, wrong = r - torch.where(r > 0, toward, away), r > y
+    return torch.where(wrong, moved, r).to(FP8)
 
 
 def _grouped(x: torch.Tensor, group: int, dim: int) -> torch.Tensor:

@@ -54,7 +54,6 @@ from __future__ import annotations
 import copy
 import math
 import types
-import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -332,17 +331,7 @@ def fused(fn, device: torch.device, key: tuple = ()):
         return fn
     f = _FUSED.get((fn, key))
     if f is None:
-        compiled = torch.compile(own_code(fn, len(_FUSED)), fullgraph=True, options=_exact())
-
-        def f(*args):
-            try:
-                return compiled(*args)
-            except Exception as e:  # noqa: BLE001  (compiling failed before anything ran: the same ops, unfused)
-                warnings.warn(f"compiling {fn.__name__} failed, it runs op by op: {type(e).__name__}", stacklevel=2)
-                _FUSED[fn, key] = fn
-                return fn(*args)
-
-        _FUSED[fn, key] = f
+        f = _FUSED[fn, key] = torch.compile(own_code(fn, len(_FUSED)), fullgraph=True, options=_exact())
     return f
 
 

@@ -10,6 +10,7 @@ computed in the kernel. On CPU the kernel runs in Triton's interpreter (TRITON_I
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, replace
 
 import pytest
@@ -369,24 +370,31 @@ def test_real_cache_through_a_tiny_model(static):
         label: str = "checked"
 
         def run(self, q, k, h, view, scaling, window):
+            # no host sync here: a static cache's steps are CUDA graphs, whose replays refill these error tensors
             ref = ref_attention(q, k, h, view, scaling, window)
             assert lra.supported(q, k, h, view) is None, lra.supported(q, k, h, view)
             for rope in (rot, None):
                 z = lra.latent_attention_lowrank(q, k, h, view, scaling, window, rope=rope, split_tokens=16)
-                calls.append(rel(z, ref))
+                calls.append((z.float() - ref.float()).norm() / ref.float().norm())
             return z
 
     ids = torch.randint(0, cfg.vocab_size, (2, 50), generator=g).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("error", "CUDA graph capture failed")
         cache = new_cache(tm, backend=Checked(), static=static, max_length=60 if static else None)
         tm.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, **cache_arg(cache))
+    from tale_runtime.decode import decoder_of
+
+    dec = decoder_of(tm, cache) if static and CUDA else None
+    steps = 2 if dec is not None and dec.graph is not None else 3  # a captured step runs Python once, then replays
     regions = cache.layers[0].view().regions
     kinds = {(r.basis is not None, r.rope is not None, r.keys.bits) for r in regions}
     assert all(isinstance(r.rope, Rotary) == static for r in regions if r.rope is not None)
     assert (True, True, 4) in kinds and (False, True, 8) in kinds and (False, False, 16) in kinds, kinds
-    assert len(calls) == 2 * L * 3 and max(calls) < 1e-4, calls
+    errs = [e.item() for e in calls]
+    assert len(errs) == 2 * L * steps and max(errs) < 1e-4, errs
 
 
 def test_registered_as_a_named_backend():

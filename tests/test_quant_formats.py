@@ -3,6 +3,7 @@ of q and k (tale_runtime.quant, cache, model), and how schedules carrying them a
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from tale_helpers import talify, tiny_model
 
 from tale_runtime import new_cache
@@ -220,3 +221,26 @@ def test_cat_rebiases_fp8_parts_exactly(meta):
     assert torch.equal(dequantize(c)[..., :8, :], dequantize(a)) and torch.equal(
         dequantize(c)[..., 8:, :], dequantize(b)
     )
+
+
+@pytest.mark.parametrize("up", [True, False])
+def test_fp8_rounding_reads_nothing_from_the_host(up):
+    """Traced as a compiled write traces it, every value of the directed fp8 rounding lives on the input's device: a
+    CUDA graph capturing its first call copies nothing from the host (which a capture cannot do), and the result is
+    the nearest fp8 value on its side, saturating at +-448 (the table of every finite e4m3 value, searched)."""
+    devices = []
+
+    def record(gm, example_inputs):
+        values = [n.meta.get("example_value") for n in gm.graph.nodes]
+        devices.extend(v.device.type for v in pytree.tree_leaves(values) if isinstance(v, torch.Tensor))
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(lambda x: _fp8_round(x, up), backend=record, fullgraph=True)(torch.empty(64, device="meta"))
+    assert devices and set(devices) == {"meta"}, devices
+    table = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+    table = table[torch.isfinite(table)].unique()
+    mids = (table[1:] + table[:-1]) / 2
+    x = torch.cat([table, mids, table + 1e-6, table - 1e-6, torch.tensor([0.0, -0.0, 500.0, -500.0, 1e-30, -1e-30])])
+    i = torch.searchsorted(table, x, right=not up) - (0 if up else 1)
+    assert torch.equal(_fp8_round(x, up).float(), table[i.clamp(0, len(table) - 1)])

@@ -15,7 +15,7 @@ from tale_runtime.attention import latent_attention
 from tale_runtime.generate import generate
 from tale_runtime.key_basis import KeyBasis, fit
 from tale_runtime.model import DynamicTaleLayer, TaleCache, cache_arg
-from tale_runtime.quant import dequantize
+from tale_runtime.quant import FP8, dequantize
 from tale_runtime.static_cache import StaticTaleCache
 
 K, n, G, R = 2, 16, 1, 32
@@ -220,10 +220,9 @@ def test_device_writes_trace_as_whole_graphs(monkeypatch):
     assert counter.frame_count >= 3  # write_top, demote_at per level: traced, not skipped
 
 
-def _run_modes(s, basis, mode: str, monkeypatch, prompt=70, steps=180, B=2, L=3):
-    """Buffers of a 3-layer static cache on CUDA after a prompt and `steps` decode steps: `host` the uncompiled writes
+def _run_modes(s, basis, mode: str, monkeypatch, prompt=70, steps=180, B=2, L=3, dev="cuda"):
+    """Buffers of a 3-layer static cache on `dev` after a prompt and `steps` decode steps: `host` the uncompiled writes
     and host demotions (the reference), `eager` compiled writes and demotions on the device, `graph` those captured."""
-    dev = "cuda"
     with monkeypatch.context() as m:
         if mode == "host":
             m.setattr(StaticTaleCache, "_on_device", lambda self, *a: False)
@@ -267,6 +266,31 @@ def test_device_demotions_and_fused_writes_hold_the_host_paths_codes_on_cuda(nam
     for mode in ("eager", "graph"):
         got = _run_modes(s, basis, mode, monkeypatch)
         assert all(torch.equal(a, b) for a, b in zip(want, got)), f"{name}: {mode} differs from the host path"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tale", "lowrank-joint"])
+def test_inductor_compiles_the_device_writes_to_the_host_paths_codes(name, monkeypatch):
+    """The device writes and demotions as inductor compiles them (here for the CPU; on CUDA `fused` does it) give the
+    host path's codes: the fp8 rounding of rescaled scales is elementwise, nothing comes from the host and no dtype view
+    of a result is taken (inductor on CUDA can't index one, and a capture can't copy from the host)."""
+    s, basis = {"lowrank-joint": lowrank(1)}.get(name, (SCHEDULES.get(name), None))
+    want = _run_modes(s, basis, "host", monkeypatch, steps=60, dev="cpu")
+
+    made: dict = {}
+
+    def compiled(fn, device, key=()):  # fused's compile, on the CPU
+        if (fn, key) not in made:
+            made[fn, key] = torch.compile(sc.own_code(fn, 100 + len(made)), fullgraph=True, options=sc._exact())
+        return made[fn, key]
+
+    monkeypatch.setattr(sc, "fused", compiled)
+    # the CPU's eager indexing of fp8 goes through bytes; inside the compiled pieces, as on CUDA, it needs no view
+    monkeypatch.setattr(
+        sc, "_bytes", lambda t: t if t.dtype != FP8 or torch.compiler.is_compiling() else t.view(torch.uint8)
+    )
+    got = _run_modes(s, basis, "eager", monkeypatch, steps=60, dev="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(want, got)), f"{name}: compiled writes differ from the host path"
 
 
 def test_static_low_rank_refusals():
