@@ -64,7 +64,8 @@ GPU_TESTS ?= tests/test_cuda_layout.py tests/test_cuda_module.py tests/test_deco
   tests/test_kernels.py tests/test_kernels_lowrank.py tests/test_key_rank.py tests/test_key_rope.py \
   tests/test_mma_attention.py tests/test_paged_attention.py tests/test_quant_bands.py tests/test_static_cache.py
 PYTEST ?= $(BIN)/pytest
-GPU_JOBS ?= 8
+# one worker per CPU core: the tests are small next to the GPU (an H100 host of 16 cores: ~4 minutes)
+GPU_JOBS ?= $(shell nproc 2>/dev/null || echo 8)
 
 test-gpu:
 	$(PYTEST) -q -rs -n $(GPU_JOBS) -p no:cacheprovider $(GPU_TESTS)

@@ -10,7 +10,6 @@ computed in the kernel. On CPU the kernel runs in Triton's interpreter (TRITON_I
 from __future__ import annotations
 
 import re
-import warnings
 from dataclasses import dataclass, replace
 
 import pytest
@@ -381,8 +380,7 @@ def test_real_cache_through_a_tiny_model(static):
     ids = torch.randint(0, cfg.vocab_size, (2, 50), generator=g).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.filterwarnings("error", "CUDA graph capture failed")
+    with torch.no_grad():  # a failed capture is an error here (pyproject's filterwarnings)
         cache = new_cache(tm, backend=Checked(), static=static, max_length=60 if static else None)
         tm.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, **cache_arg(cache))
     from tale_runtime.decode import decoder_of
