@@ -307,6 +307,10 @@ class HFQuantized(Policy):
     def quantized_tensors(q) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    @classmethod
+    def sweep(cls, ctx: int) -> list[Policy]:  # the same points for every backend: their rows compare
+        return [cls(4, 64, 128), cls(2, 64, 128)]
+
 
 @dataclass
 class Quanto(HFQuantized):
@@ -319,10 +323,6 @@ class Quanto(HFQuantized):
         # WeightQBitsTensor: _data (a PackedTensor of uint8 codes), _scale, _shift
         return [q._data._data, q._scale, q._shift]
 
-    @classmethod
-    def sweep(cls, ctx: int) -> list[Policy]:
-        return [cls(4, 64, 128), cls(2, 64, 128)]
-
 
 @dataclass
 class HQQ(HFQuantized):
@@ -334,10 +334,6 @@ class HQQ(HFQuantized):
     def quantized_tensors(q) -> list[torch.Tensor]:
         codes, meta = q  # packed uint8 codes and their metadata dict
         return [codes, meta["scale"], meta["zero"]]
-
-    @classmethod
-    def sweep(cls, ctx: int) -> list[Policy]:
-        return [cls(4, 64, 128), cls(2, 64, 128)]
 
 
 @dataclass
