@@ -325,29 +325,17 @@ def _ctx(ctx: int) -> str:
     return f"{ctx // 1024}K" if ctx % 1024 == 0 else str(ctx)
 
 
-def _batches(
-    model,
-    base,
-    first,
-    pos0: int,
-    batches: list,
-    kind: str,
-    ctx: int,
-    deadline: float,
-    per_row,
-    fixed,
-    frac: float,
-    measure,
-):
-    """Batch 1 on `base`, then each larger batch on a copy of it with its rows repeated. `measure(cache, first,
-    pos0)` -> dict or raises OOM; 'max' = the largest batch the memory model (per_row, fixed bytes) allows,
-    lowered by a quarter after an out-of-memory error."""
+def _batches(model, base, first, ctx: int, batches: list, kind: str, deadline: float, largest, measure):
+    """Batch 1 on `base` (prefilled with `ctx` tokens), then each larger batch on a copy of it with its rows
+    repeated. `measure(cache, first, pos0)` -> dict or raises OOM; 'max' = `largest()`, the largest batch the memory
+    model allows, lowered by a quarter after an out-of-memory error."""
+    pos0 = ctx
     for target in batches:
         if time.perf_counter() - T0 > deadline:
             row(kind=kind, ctx=ctx, batch=target, skipped="time budget")
             continue
         tries = 3 if target == "max" else 1
-        B = _max_batch(per_row(), fixed(), frac) if target == "max" else target
+        B = largest() if target == "max" else target
         while tries:
             tries -= 1
             cache = base
@@ -454,20 +442,11 @@ def tale_rows(model, tale, ctx: int, batches: list, n: int, graphs: bool, deadli
 
     kernel = cache.backend.name != "torch"
     fixed = torch.cuda.memory_allocated() - row_bytes if torch.cuda.is_available() else 0
-    _batches(
-        model,
-        cache,
-        first,
-        ctx,
-        batches,
-        "tale",
-        ctx,
-        deadline,
-        lambda: row_bytes + state["step_bytes"],
-        lambda: fixed,
-        frac,
-        measure,
-    )
+
+    def largest():
+        return _max_batch(row_bytes + state["step_bytes"], fixed, frac)
+
+    _batches(model, cache, first, ctx, batches, "tale", deadline, largest, measure)
     del cache
     free()
 
@@ -498,21 +477,12 @@ def hf_eager_rows(model, orig, ctx: int, batches: list, n: int, deadline: float,
         )
 
     fixed = torch.cuda.memory_allocated() - kv_row if torch.cuda.is_available() else 0
-    # DynamicCache.update concatenates: one layer's K/V exists twice for a moment
-    _batches(
-        model,
-        cache,
-        first,
-        ctx,
-        batches,
-        "hf-eager",
-        ctx,
-        deadline,
-        lambda: kv_row * 1.05,
-        lambda: fixed + 2 * GiB,
-        frac,
-        measure,
-    )
+
+    def largest():
+        # DynamicCache.update concatenates: one layer's K/V exists twice for a moment
+        return _max_batch(kv_row * 1.05, fixed + 2 * GiB, frac)
+
+    _batches(model, cache, first, ctx, batches, "hf-eager", deadline, largest, measure)
     del cache
     free()
 
@@ -649,104 +619,112 @@ def table(device: str, attention: str, floor_ms: dict) -> str:
             f"| {cell(he, 'peak_gib')} | {cell(hs, 'ms_per_token')} | {cell(hs, 'tokens_per_s')} | {fl} |"
         )
     pre = [r for r in ROWS if r["kind"] in ("tale-prefill", "hf-prefill")]
-    if pre:
-        lines += [
-            "",
-            "Prefill (batch 1, no mask, SDPA is_causal):",
-            "",
-            "| context | TALE s | HF s | TALE cache allocated GiB |",
-            "|---|---|---|---|",
-        ]
-        for ctx in sorted({r["ctx"] for r in pre}):
-            t = next((r for r in pre if r["kind"] == "tale-prefill" and r["ctx"] == ctx), {})
-            h = next((r for r in pre if r["kind"] == "hf-prefill" and r["ctx"] == ctx), {})
-            lines.append(
-                f"| {_ctx(ctx)} | {t.get('prefill_s', '-')} | {h.get('prefill_s', '-')} "
-                f"| {t.get('cache_alloc_gib', float('nan')):.2f} |"
-            )
-    for r in ROWS:
-        if r["kind"] == "check-generate":
-            lines += [
-                "",
+
+    def prefill_cells(ctx):
+        t = next((r for r in pre if r["kind"] == "tale-prefill" and r["ctx"] == ctx), {})
+        h = next((r for r in pre if r["kind"] == "hf-prefill" and r["ctx"] == ctx), {})
+        return (
+            f"| {_ctx(ctx)} | {t.get('prefill_s', '-')} | {h.get('prefill_s', '-')} "
+            f"| {t.get('cache_alloc_gib', float('nan')):.2f} |"
+        )
+
+    lines += subtable(
+        "Prefill (batch 1, no mask, SDPA is_causal):",
+        "| context | TALE s | HF s | TALE cache allocated GiB |",
+        sorted({r["ctx"] for r in pre}),
+        prefill_cells,
+    )
+    lines += notes(
+        {
+            "check-generate": lambda r: (
                 f"model.generate ({r['label']}) with a StaticTaleCache, CUDA-graph steps of DecodeStep (through "
                 f"TaleGenerationMixin) vs eager steps of the model's forward (disable_compile=True), greedy: "
                 f"tokens equal: {r['tokens_equal']} (first "
-                f"difference at step {r['first_difference']}).",
-            ]
-    for r in ROWS:
-        if r["kind"] == "largest-context":
-            lines += [
-                "",
+                f"difference at step {r['first_difference']})."
+            )
+        }
+    )
+    lines += notes(
+        {
+            "largest-context": lambda r: (
                 f"Largest context at batch 1 ({r['who']}): about {r['est_tokens'] // 1024}K tokens, from the "
                 f"peak of the {_ctx(r['from_ctx'])} prefill ({r['per_token_kib']} KiB per token beyond the "
-                "weights).",
-            ]
-    nc = [r for r in ROWS if r["kind"] == "tale-nocompile"]
-    if nc:
-        lines += [
-            "",
-            "TALE static at batch 1 with the model's own forward in the CUDA graph against DecodeStep (the code "
-            "around attention compiled); kernels per step and their summed GPU time from torch.profiler on one "
-            "uncaptured step:",
-            "",
-            "| context | path | forward ms/tok | compiled ms/tok | forward kernels/step | compiled kernels/step "
-            "| forward kernel ms/step | compiled kernel ms/step |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for r in nc:
-            lines.append(
-                f"| {_ctx(r['ctx'])} | {r['path']} | {r['ms_per_token']} | {r['ms_compiled']} "
-                f"| {r['launches_forward']} "
-                f"| {r['launches_compiled']} | {r['kernel_ms_forward']} | {r['kernel_ms_compiled']} |"
+                "weights)."
             )
-    for r in ROWS:
-        if r["kind"] == "warmup":
-            lines += [
-                "",
+        }
+    )
+    lines += subtable(
+        "TALE static at batch 1 with the model's own forward in the CUDA graph against DecodeStep (the code "
+        "around attention compiled); kernels per step and their summed GPU time from torch.profiler on one "
+        "uncaptured step:",
+        "| context | path | forward ms/tok | compiled ms/tok | forward kernels/step | compiled kernels/step "
+        "| forward kernel ms/step | compiled kernel ms/step |",
+        [r for r in ROWS if r["kind"] == "tale-nocompile"],
+        lambda r: (
+            f"| {_ctx(r['ctx'])} | {r['path']} | {r['ms_per_token']} | {r['ms_compiled']} "
+            f"| {r['launches_forward']} "
+            f"| {r['launches_compiled']} | {r['kernel_ms_forward']} | {r['kernel_ms_compiled']} |"
+        ),
+    )
+
+    def short_prompt(r):
+        full = next((x for x in ROWS if x["kind"] == "hf-static-compile" and x.get("batch") == 1), {})
+        return (
+            f"HF static+compile rows at batch > 1 prefill {r['prompt']} tokens into a cache of "
+            f"{r['cache_len']} tokens: its decode step reads the whole cache whatever its fill. Batch 1 both "
+            f"ways: {full.get('ms_per_token', '-')} ms/token after a {_ctx(r['ctx'])} "
+            f"prompt, {r['ms_per_token']} after {r['prompt']} tokens."
+        )
+
+    lines += notes(
+        {
+            "warmup": lambda r: (
                 f"Warm-up ({r['prompt']}-token prefill and 72 decode steps before the timed rows): "
                 f"DecodeStep compiled in "
-                f"{r['compile_s']} s{' (failed: ' + r['compile_error'] + ')' if r.get('compile_error') else ''}.",
-            ]
-        if r["kind"] == "hf-static-short":
-            full = next((x for x in ROWS if x["kind"] == "hf-static-compile" and x.get("batch") == 1), {})
-            lines += [
-                "",
-                f"HF static+compile rows at batch > 1 prefill {r['prompt']} tokens into a cache of "
-                f"{r['cache_len']} tokens: its decode step reads the whole cache whatever its fill. Batch 1 both "
-                f"ways: {full.get('ms_per_token', '-')} ms/token after a {_ctx(r['ctx'])} "
-                f"prompt, {r['ms_per_token']} after {r['prompt']} tokens.",
-            ]
-    for r in ROWS:
-        if r["kind"] == "tale-reference":
-            lines += [
-                "",
+                f"{r['compile_s']} s{' (failed: ' + r['compile_error'] + ')' if r.get('compile_error') else ''}."
+            ),
+            "hf-static-short": short_prompt,
+        }
+    )
+    lines += notes(
+        {
+            "tale-reference": lambda r: (
                 f"The same TALE step at {_ctx(r['ctx'])} batch {r['batch']} with the torch reference "
                 "attention (runtime/attention.py, the whole capacity dequantized per layer) instead of the "
                 f"kernel: "
-                f"{r['ms_per_token']} ms/token.",
-            ]
-    chk = [r for r in ROWS if r["kind"] == "check" and "label" in r]
-    if chk:
-        lines += [
-            "",
-            "Checks (batch 2, left padding, teacher-forced decode steps through flushes and demotions; "
-            "relative L2 difference of the logits):",
-            "",
-            "| model | prompt | steps | graph vs DecodeStep eager | DecodeStep (compiled) vs model forward "
-            "| argmax agreement DecodeStep / forward | static vs dynamic cache (reference) | kernel vs torch reference "
-            "(static) | argmax agreement static graph / dynamic reference |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in chk:
-            lines.append(
-                f"| {r['label']} | {r['prompt']} | {r['steps']} | {r['graph_vs_step']:.2e} | {r['step_vs_eager']:.2e} "
-                f"| {r['argmax_agree_step_eager']:.3f} | {r['static_vs_dynamic']:.2e} | {r['kernel_vs_reference']:.2e} "
-                f"| {r['argmax_agree']:.3f} |"
+                f"{r['ms_per_token']} ms/token."
             )
-    for r in ROWS:
-        if r["kind"] == "tale-graph-error":
-            lines += ["", f"CUDA graph capture failed ({r.get('where', r.get('ctx'))}): {r['error']}"]
+        }
+    )
+    lines += subtable(
+        "Checks (batch 2, left padding, teacher-forced decode steps through flushes and demotions; "
+        "relative L2 difference of the logits):",
+        "| model | prompt | steps | graph vs DecodeStep eager | DecodeStep (compiled) vs model forward "
+        "| argmax agreement DecodeStep / forward | static vs dynamic cache (reference) | kernel vs torch reference "
+        "(static) | argmax agreement static graph / dynamic reference |",
+        [r for r in ROWS if r["kind"] == "check" and "label" in r],
+        lambda r: (
+            f"| {r['label']} | {r['prompt']} | {r['steps']} | {r['graph_vs_step']:.2e} | {r['step_vs_eager']:.2e} "
+            f"| {r['argmax_agree_step_eager']:.3f} | {r['static_vs_dynamic']:.2e} | {r['kernel_vs_reference']:.2e} "
+            f"| {r['argmax_agree']:.3f} |"
+        ),
+    )
+    lines += notes(
+        {"tale-graph-error": lambda r: f"CUDA graph capture failed ({r.get('where', r.get('ctx'))}): {r['error']}"}
+    )
     return "\n".join(lines)
+
+
+def notes(texts: dict) -> list[str]:
+    """A paragraph per row whose kind `texts` names (kind -> its text), in the order the rows were measured."""
+    return [line for r in ROWS if r["kind"] in texts for line in ("", texts[r["kind"]](r))]
+
+
+def subtable(caption: str, header: str, items: list, cells) -> list[str]:
+    """A captioned markdown table, a line `cells(item)` per item; nothing without items."""
+    if not items:
+        return []
+    return ["", caption, "", header, "|---" * (header.count("|") - 1) + "|", *map(cells, items)]
 
 
 def main() -> None:
