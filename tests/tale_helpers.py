@@ -192,6 +192,24 @@ def invoke(main, args, input=None):
         return SimpleNamespace(exit_code=code, stdout=o, stderr=e, output=o + e)
 
 
+def one_line_error(r, fragment: str, code: int = 2) -> None:
+    """`r` (invoke's result) exited with `code` and said one line on stderr, `error: ...` with `fragment` in it, and
+    no traceback: the CLI contract on bad input (docs/errors.md)."""
+    assert r.exit_code == code, r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert fragment in lines[0], r.stderr
+    assert "Traceback" not in r.output and "internal error" not in r.output
+
+
+def refusals(cases: dict[str, str]):
+    """Parametrizes a test of a CLI's refusals over `args, fragment`: {its arguments, split at spaces: a fragment of
+    the one-line error they must give}, each case's id its arguments."""
+    import pytest  # not at the top: benchmarks import this module too
+
+    return pytest.mark.parametrize("args, fragment", [(a.split(), f) for a, f in cases.items()], ids=list(cases))
+
+
 def three_levels(sinks: int = 3, residual: int = 8) -> Schedule:
     """A 2/4/8-bit schedule of three levels at ranks 8/16/32 of 32 (head dim 16, two KV heads)."""
     return Schedule(

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import TINY_OPTS
 from hub_helpers import convert_tiny
-from tale_helpers import interrupt_at_call, invoke
+from tale_helpers import interrupt_at_call, invoke, one_line_error, refusals
 
 import tale_convert.cli as convert_cli
 import tale_convert.push as push_cli
@@ -41,14 +41,6 @@ def art(built, tmp_path):
     return Path(shutil.copytree(built, tmp_path / "art"))
 
 
-def one_line(r, fragment: str, code: int = 2) -> None:
-    assert r.exit_code == code, r.output
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    assert fragment in lines[0], r.stderr
-    assert "Traceback" not in r.output and "internal error" not in r.output
-
-
 def rehash(art: Path) -> None:
     m = json.loads((art / MANIFEST).read_text())
     m["files"] = hash_files(art)
@@ -63,30 +55,32 @@ def cli_env() -> dict:
 
 # ---- tale-eval: where results are written -------------------------------------------------------------------
 def test_eval_json_inside_the_artifact_is_refused(art):
-    one_line(invoke(eval_cli.main, [art, *EVAL, "--json", art / "eval.json"]), "inside the TALE artifact")
-    one_line(invoke(eval_cli.main, [art, *EVAL, "--frontier", "--frontier-out", art / "f"]), "inside the TALE artifact")
+    one_line_error(invoke(eval_cli.main, [art, *EVAL, "--json", art / "eval.json"]), "inside the TALE artifact")
+    one_line_error(
+        invoke(eval_cli.main, [art, *EVAL, "--frontier", "--frontier-out", art / "f"]), "inside the TALE artifact"
+    )
     verify_files(art)  # nothing was added: it still loads
 
 
 def test_eval_json_needs_overwrite_to_replace_a_file(art, tmp_path):
     out = tmp_path / "r.json"
     out.write_text("my results\n")
-    one_line(invoke(eval_cli.main, [art, *EVAL, "--json", out]), "exists (pass --overwrite")
+    one_line_error(invoke(eval_cli.main, [art, *EVAL, "--json", out]), "exists (pass --overwrite")
     assert out.read_text() == "my results\n"
     r = invoke(eval_cli.main, [art, *EVAL, "--json", out, "--overwrite"])
     assert r.exit_code == 0, r.output
     assert json.loads(out.read_text())["results"][0]["policy"] == "full"
     assert not (tmp_path / "r.json.partial").exists()
-    one_line(invoke(eval_cli.main, [art, *EVAL, "--json", ""]), "--json is empty")
+    one_line_error(invoke(eval_cli.main, [art, *EVAL, "--json", ""]), "--json is empty")
 
 
 @pytest.mark.parametrize("flag", ["--text", "--policies"])
 def test_eval_empty_list_is_refused_not_the_default(art, flag):
-    one_line(invoke(eval_cli.main, [art, *EVAL, flag, ""]), f"{flag} is empty")
+    one_line_error(invoke(eval_cli.main, [art, *EVAL, flag, ""]), f"{flag} is empty")
 
 
 def test_eval_sinks_covering_the_window_is_refused(art):
-    one_line(invoke(eval_cli.main, [art, *EVAL, "--sinks", "32"]), "nothing would be compressed")
+    one_line_error(invoke(eval_cli.main, [art, *EVAL, "--sinks", "32"]), "nothing would be compressed")
 
 
 def test_eval_frontier_default_is_out_under_the_current_directory(art, tmp_path, monkeypatch):
@@ -97,7 +91,7 @@ def test_eval_frontier_default_is_out_under_the_current_directory(art, tmp_path,
     assert r.exit_code == 0, r.output
     assert (tmp_path / "out" / "frontier.md").is_file() and (tmp_path / "out" / "frontier.png").is_file()
     assert list((tmp_path / "docs").iterdir()) == []
-    one_line(invoke(eval_cli.main, args), "frontier.md exists (pass --overwrite")  # not replaced silently
+    one_line_error(invoke(eval_cli.main, args), "frontier.md exists (pass --overwrite")  # not replaced silently
 
 
 def test_eval_interrupted_keeps_the_finished_rows(art, tmp_path, monkeypatch):
@@ -113,21 +107,20 @@ def test_eval_interrupted_keeps_the_finished_rows(art, tmp_path, monkeypatch):
 
 
 # ---- tale-run: inputs that used to crash or pass silently --------------------------------------------------
-@pytest.mark.parametrize(
-    "args, fragment",
-    [
-        (["--temperature", "inf"], "--temperature must be a finite number"),
-        (["--temperature", "nan"], "--temperature"),
-        (["--temperature", "-1"], "--temperature"),
-        (["--top-p", "nan"], "--top-p"),
-        (["--seed", str(2**64)], "--seed"),
-        (["--seed", "-1"], "--seed"),
-        (["--sinks", "512"], "--sinks 512 is not below the model's context (512 tokens)"),
-        (["--residual", "1024"], "--residual 1024 is not below the model's context"),
-    ],
+@refusals(
+    {
+        "--temperature inf": "--temperature must be a finite number",
+        "--temperature nan": "--temperature",
+        "--temperature -1": "--temperature",
+        "--top-p nan": "--top-p",
+        f"--seed {2**64}": "--seed",
+        "--seed -1": "--seed",
+        "--sinks 512": "--sinks 512 is not below the model's context (512 tokens)",
+        "--residual 1024": "--residual 1024 is not below the model's context",
+    }
 )
 def test_run_refuses_out_of_range_numbers(art, args, fragment):
-    one_line(invoke(run_cli.main, [art, "-p", "hi", *RUN, *args]), fragment)
+    one_line_error(invoke(run_cli.main, [art, "-p", "hi", *RUN, *args]), fragment)
 
 
 def test_run_seed_up_to_64_bits_works(art):
@@ -174,7 +167,7 @@ def test_run_broken_chat_template_suggests_raw(art, template, fragment):
     (art / "chat_template.jinja").unlink(missing_ok=True)
     rehash(art)
     r = invoke(run_cli.main, [art, "-p", "hi", *RUN])
-    one_line(r, "pass --raw")
+    one_line_error(r, "pass --raw")
     assert fragment in r.stderr
     assert invoke(run_cli.main, [art, "-p", "hi", *RUN, "--raw"]).exit_code == 0
 
@@ -188,7 +181,7 @@ def test_run_cuda_only_flags_on_cpu_get_a_note(art):
 def test_run_device_cpu_0_is_the_cpu(art):
     r = invoke(run_cli.main, [art, "-p", "hi", *RUN, "--device", "cpu:0"])
     assert r.exit_code == 0, r.output
-    one_line(invoke(run_cli.main, [art, "-p", "hi", *RUN, "--device", "cpu:1"]), "one CPU device")
+    one_line_error(invoke(run_cli.main, [art, "-p", "hi", *RUN, "--device", "cpu:1"]), "one CPU device")
 
 
 @pytest.mark.slow  # tale-run in a fresh process behind a pipe
@@ -231,12 +224,14 @@ def test_run_interrupted_ends_the_line_then_stats(art, monkeypatch):
 # ---- tale-push ---------------------------------------------------------------------------------------------
 def test_push_binary_readme_is_one_line(art):
     (art / "README.md").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
-    one_line(invoke(push_cli.main, [art, "alice/x", "--dry-run"]), "README.md: not UTF-8 text")
+    one_line_error(invoke(push_cli.main, [art, "alice/x", "--dry-run"]), "README.md: not UTF-8 text")
 
 
 @pytest.mark.parametrize("rev", ["bad..name", "has space", "x.lock", "-x", "a:b", "/x", "x/"])
 def test_push_invalid_branch_is_refused_before_upload(art, rev):
-    one_line(invoke(push_cli.main, [art, "alice/x", "--revision", rev, "--token", "hf_fake"]), "invalid --revision")
+    one_line_error(
+        invoke(push_cli.main, [art, "alice/x", "--revision", rev, "--token", "hf_fake"]), "invalid --revision"
+    )
 
 
 def test_push_quality_from_tale_eval_json(art, tmp_path):
@@ -249,7 +244,7 @@ def test_push_quality_from_tale_eval_json(art, tmp_path):
     q = json.loads(out.read_text())
     q["results"][1]["ppl"]["dev"] = math.nan
     out.write_text(json.dumps(q))  # json writes NaN, and reads it back
-    one_line(invoke(push_cli.main, [art, "alice/x", "--dry-run", "--quality", out]), "results[1].ppl.dev is nan")
+    one_line_error(invoke(push_cli.main, [art, "alice/x", "--dry-run", "--quality", out]), "results[1].ppl.dev is nan")
 
 
 # ---- tale-convert -------------------------------------------------------------------------------------------
@@ -262,12 +257,12 @@ def test_convert_few_calibration_tokens_warn(tiny_model_dir, tmp_path):
 
 def test_convert_calib_directory_is_named_as_such(tiny_model_dir, tmp_path):
     r = invoke(convert_cli.main, [*TINY_ARGS, tiny_model_dir("llama"), "--out", tmp_path / "o", "--calib", tmp_path])
-    one_line(r, "is a directory; give the files")
+    one_line_error(r, "is a directory; give the files")
 
 
 def test_convert_sinks_beyond_the_context_is_refused(tiny_model_dir, tmp_path):
     r = invoke(convert_cli.main, [*TINY_ARGS, tiny_model_dir("llama"), "--out", tmp_path / "o", "--sinks", "600"])
-    one_line(r, "--sinks 600 is not below the model's context (512 tokens)")
+    one_line_error(r, "--sinks 600 is not below the model's context (512 tokens)")
     assert not (tmp_path / "o").exists()
 
 

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from tale_helpers import byte_tokenizer, save_artifact, talify, tiny_model
+from tale_helpers import byte_tokenizer, invoke, one_line_error, refusals, save_artifact, talify, tiny_model
 
 from tale_calib import text_path
 from tale_eval import caches, less_train, passkey, perplexity, policies
@@ -484,33 +484,30 @@ def test_cli_schedule_flags_at_exact_settings_give_the_forward_ppl(tiny_artifact
     assert row["detail"].startswith("uniform r0 32/32, bits 16/16, sinks 2") and res["config"]["schedule"]["sinks"] == 2
 
 
-@pytest.mark.parametrize(
-    "args, msg",
-    [
-        (["--policies", "full,magic"], "unknown policy 'magic'"),
-        (["--rank-policies", "magic"], "unknown rank policy"),
-        (["--preset", "huge"], "unknown --preset"),
-        (["--passkey-depths", "0.55"], "no pass-key samples"),
-        (["--ctx", "100000"], "held-out text 'dev' has"),
-        (["--key-bits", "5,4"], "bits must be one of"),
-        (["--energy", "0"], "--energy must be"),
-        (["--text", "dev,moby"], "unknown --text 'moby'"),
-        (["--frontier", "--families", "tale,magic"], "unknown family 'magic'"),
-        (["--frontier", "--tale-variants", "r1=2"], "bad TALE variant 'r1=2'"),
-        (["--frontier", "--tale-variants", "bits=x/4"], "is not a number"),
-        (["--frontier", "--families", "tale", "--tale-variants", "bits=5/4"], "bits must be one of"),
-        (["--frontier", "--families", "tale", "--tale-variants", "key_meta=8-4"], "key_meta must be"),
-        (["--frontier", "--families", "tale", "--tale-variants", "key_hi=3/8"], "need the calibration channel order"),
-        (["--frontier", "--families", "tale", "--tale-variants", "key_hi=3"], "key_hi takes BITS/CHANNELS"),
-        (["--frontier", "--families", "tale", "--tale-variants", "keep=oldest"], "keep must be one of"),
-    ],
+@refusals(
+    {
+        "--policies full,magic": "unknown policy 'magic'",
+        "--rank-policies magic": "unknown rank policy",
+        "--preset huge": "unknown --preset",
+        "--passkey-depths 0.55": "no pass-key samples",
+        "--ctx 100000": "held-out text 'dev' has",
+        "--key-bits 5,4": "bits must be one of",
+        "--energy 0": "--energy must be",
+        "--text dev,moby": "unknown --text 'moby'",
+        "--frontier --families tale,magic": "unknown family 'magic'",
+        "--frontier --tale-variants r1=2": "bad TALE variant 'r1=2'",
+        "--frontier --tale-variants bits=x/4": "is not a number",
+        "--frontier --families tale --tale-variants bits=5/4": "bits must be one of",
+        "--frontier --families tale --tale-variants key_meta=8-4": "key_meta must be",
+        "--frontier --families tale --tale-variants key_hi=3/8": "need the calibration channel order",
+        "--frontier --families tale --tale-variants key_hi=3": "key_hi takes BITS/CHANNELS",
+        "--frontier --families tale --tale-variants keep=oldest": "keep must be one of",
+    }
 )
-def test_cli_errors_are_one_line(args, msg, tiny_artifact, capsys, tmp_path):
-    with pytest.raises(SystemExit) as e:  # a case that wrongly ran writes its frontier under tmp_path, not docs/
-        main([str(tiny_artifact), "--dtype", "fp32", "--frontier-out", str(tmp_path / "frontier"), *args])
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and msg in err and "\n" not in err
+def test_cli_errors_are_one_line(args, fragment, tiny_artifact, tmp_path):
+    # a case that wrongly ran writes its frontier under tmp_path, not docs/
+    r = invoke(main, [tiny_artifact, "--dtype", "fp32", "--frontier-out", tmp_path / "frontier", *args])
+    one_line_error(r, fragment)
 
 
 def test_tale_variants_parse_scale_formats():

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("kvpress.presses")  # `kvpress` alone would find this directory (tests/ is on sys.path)
 
-from tale_helpers import byte_tokenizer, invoke, save_artifact, talify, tiny_model  # noqa: E402
+from tale_helpers import byte_tokenizer, invoke, one_line_error, refusals, save_artifact, talify, tiny_model  # noqa: E402
 
 from tale_eval import kvpress_baselines as kp  # noqa: E402
 from tale_eval import retrieval  # noqa: E402
@@ -118,18 +118,16 @@ def test_cli_kvpress_table_and_json(artifact, tmp_path):
     assert not (tmp_path / "k.json.partial").exists()
 
 
-@pytest.mark.parametrize(
-    "extra, message",
-    [
-        (["--kvpress", "h2o:0.5"], "unknown press 'h2o'"),
-        (["--kvpress", "snapkv:1.5"], "bad ratio '1.5'"),
-        (["--kvpress", "snapkv"], "needs a ratio"),
-        (["--kvpress", "snapkv:0.5,snapkv:0.5"], "given twice"),
-        (["--kvpress", "snapkv:0.5", "--policies", "tale"], "--policies does not apply to --kvpress"),
-        (["--kvpress", "snapkv:0.5", "--frontier"], "--frontier does not apply to --kvpress"),
-        (["--kvpress", "expected_attention:2x,snapkv:0.5"], "--prefill must be above 64 (got 64"),
-    ],
+@refusals(
+    {
+        "--kvpress h2o:0.5": "unknown press 'h2o'",
+        "--kvpress snapkv:1.5": "bad ratio '1.5'",
+        "--kvpress snapkv": "needs a ratio",
+        "--kvpress snapkv:0.5,snapkv:0.5": "given twice",
+        "--kvpress snapkv:0.5 --policies tale": "--policies does not apply to --kvpress",
+        "--kvpress snapkv:0.5 --frontier": "--frontier does not apply to --kvpress",
+        "--kvpress expected_attention:2x,snapkv:0.5": "--prefill must be above 64 (got 64",
+    }
 )
-def test_cli_kvpress_refusals(artifact, extra, message):
-    r = invoke(main, [artifact, "--passkey-lengths", "", *extra])
-    assert r.exit_code == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+def test_cli_kvpress_refusals(artifact, args, fragment):
+    one_line_error(invoke(main, [artifact, "--passkey-lengths", "", *args]), fragment)
