@@ -22,6 +22,12 @@ class EvalAttention(nn.Module):
         self.v_proj = tale.v_proj  # the original W_V, where tale_convert.rank_policy's Fisher scores look for it
         self.qkv_proj = tale.qkv_proj  # Phi-3's fused projection holds it instead
 
+    @property
+    def sliding_window(self):
+        """The wrapped layer's window (families.layer_window reads it: without it every layer of Gemma 3 would take
+        the config's window, and the ratios' reference would hold only a window of its global layers)."""
+        return self.tale.sliding_window
+
     def forward(
         self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, cache=None, **kwargs
     ):

@@ -603,3 +603,15 @@ def test_the_reference_holds_what_transformers_holds_in_sliding_layers():
     with torch.no_grad():
         model(ids_of(1, 60), **cache_arg(cache))
     assert cache.baseline_nbytes() == policies.reference_nbytes(model, 1, 60)
+
+
+def test_prepared_model_keeps_each_layers_window():
+    """The eval model's layers report the window each reads through (a global layer none): the reference of every
+    measured ratio holds a sliding layer's window and every position of a global one (Gemma 3's config names one
+    window for all its layers)."""
+    from tale_runtime import families
+
+    tm = talify(tiny_model("gemma3"), 2)
+    want = families.sliding_windows(tm)
+    assert None in want and any(w is not None for w in want), want
+    assert families.sliding_windows(prepare(tm)) == want
