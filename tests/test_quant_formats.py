@@ -36,14 +36,19 @@ def test_3bit_layout_is_bit_sliced():
         assert torch.equal(lo | (hi << 2), codes[:, ch].to(torch.int32)), ch
 
 
+def fp8_values() -> torch.Tensor:
+    """Every finite float8_e4m3fn value, sorted, one zero (float32)."""
+    v = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+    return v[torch.isfinite(v)].unique()
+
+
 def test_fp8_rounding_is_directed():
     x = torch.randn(4000, generator=torch.Generator().manual_seed(1)) * torch.logspace(-4, 2, 4000)
     up, down = _fp8_round(x, up=True), _fp8_round(x, up=False)
     assert up.dtype == down.dtype == FP8
     assert (up.float() >= x).all() and (down.float() <= x).all()
     # adjacent representable values: nothing of e4m3 lies strictly between them
-    table = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
-    table = table[torch.isfinite(table)]
+    table = fp8_values()
     between = ((table[None] > down.float()[:, None]) & (table[None] < up.float()[:, None])).any(1)
     assert not between.any()
 
@@ -238,8 +243,7 @@ def test_fp8_rounding_reads_nothing_from_the_host(up):
     torch._dynamo.reset()
     torch.compile(lambda x: _fp8_round(x, up), backend=record, fullgraph=True)(torch.empty(64, device="meta"))
     assert devices and set(devices) == {"meta"}, devices
-    table = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
-    table = table[torch.isfinite(table)].unique()
+    table = fp8_values()
     mids = (table[1:] + table[:-1]) / 2
     x = torch.cat([table, mids, table + 1e-6, table - 1e-6, torch.tensor([0.0, -0.0, 500.0, -500.0, 1e-30, -1e-30])])
     i = torch.searchsorted(table, x, right=not up) - (0 if up else 1)
