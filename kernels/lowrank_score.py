@@ -19,6 +19,7 @@ from tale_runtime.quant import FP8, QTensor
 
 SRC = os.path.join(os.path.dirname(__file__), "cuda", "lowrank_score.cu")
 BT = 64  # slots per tile (the .cu's BT)
+CSTR = 72  # cos/sin row stride in words (the .cu's CSTR)
 
 _MODULES: dict = {}
 
@@ -31,7 +32,7 @@ def smem_bytes(kc: int, bits: int, ktg: int, meta8: bool, hpc: int) -> int:
     return (
         kcp * (hpc * 128 + 8) * 2  # basis columns
         + BT * (kcp + 8) * 2  # coefficient tile
-        + BT * 64 * 4  # cos/sin
+        + BT * CSTR * 4  # cos/sin
         + BT * kc * bits // 8  # stage: codes
         + 2 * ngt * kc * mb  # stage: scales, zeros
         + BT * 4  # stage: positions
