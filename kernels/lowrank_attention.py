@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -933,28 +934,45 @@ def latent_attention_lowrank(
         raise ValueError(f"triton low-rank-key latent attention: {why}")
     B, H, _, n = q.shape
     K, G, R = k_new.shape[1], h_new.shape[1], h_new.shape[-1]
-    rep, g = H // K, K // G
     dev = q.device
     q, k_new, h_new = _c(q), _c(k_new), _c(h_new)
-    qk = scaling * LOG2E
     regions = [r for r in view.regions if r.capacity]
     sms = _attn._num_sms(dev)
     if split_tokens:
         splits = [max(1, triton.cdiv(r.capacity, split_tokens)) for r in regions]
     else:
         splits = _splits(regions, B, G, sms, waves, min_split)
-    n_slots, (pm, pl, pacc, rk) = _attn._partials(B, H, R, splits, dev)
-    dot = tl.float32 if q.dtype == torch.float32 else tl.float16
-    rot = _rotary(rope)
+    n_slots, partials = _attn._partials(B, H, R, splits, dev)
+    rot, roff = _rotary(rope), None
     if rot is not None:  # the caller's rotary rotates every region held before RoPE
         rot = (rot[0].to(device=dev, dtype=torch.float32).contiguous(), rot[1])
         roff = rope_offset if rope_offset is not None else _pad_offset(view, B, dev)
         roff = roff.to(device=dev, dtype=torch.int32).contiguous()
-    npos, win = view.next_pos, window
-    QGP = max(16, pow2(g * rep))
-    NH = max(16, n // 2)
-    BT = max(32, block_t)  # 16-token tiles gave wrong results compiled (docs/kernels.md, Triton quirks)
-    SBT = max(32, score_block)  # the score launch's tiles
+    c = _Call(
+        q=q,
+        qk=scaling * LOG2E,
+        K=K,
+        G=G,
+        npos=view.next_pos,
+        win=window,
+        rot=rot,
+        roff=roff,
+        partials=partials,
+        n_slots=n_slots,
+        BT=max(32, block_t),  # 16-token tiles gave wrong results compiled (docs/kernels.md, Triton quirks)
+        SBT=max(32, score_block),  # the score launch's tiles
+        coef_chunk=coef_chunk,
+        fused_heads=fused_heads,
+        two_pass=two_pass,
+        fast_rope=fast_rope,
+        score_tokens=score_tokens,
+        score_warps=score_warps,
+        score_heads=score_heads,
+        score_groups=score_groups,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        score_cuda=score_cuda,
+    )
     slot0 = 0
     # the regions run side by side, each on a stream of its own (forked from and joined to the current one: a
     # CUDA graph captures them as parallel branches)
@@ -965,172 +983,255 @@ def latent_attention_lowrank(
         st.wait_stream(cur)
     for r, ns, st in zip(regions, splits, streams):
         with torch.cuda.stream(st) if st is not None else contextlib.nullcontext():
-            lowrank = r.basis is not None
-            KC = r.keys.shape[-1] if lowrank else n
-            kd, kst, ks, kz, kss, kbias, kish, (KB, KTG, KCG, KS8, KZ8, KBP) = _qargs(r.keys, KC)
-            hd, hst, hs, hz, hss, hbias, hish, (HB, _, HG, HS8, HZ8, HBP) = _qargs(r.lat, r.rank)
-            if lowrank:
-                dec, dhi, mean = _basis_on(
-                    r.basis, NH, dev, torch.float32 if q.dtype == torch.float32 else torch.float16
-                )
-                hpb = K // r.basis.blocks
-                # a group's heads in one dot where one block holds them all (the query tile is block-diagonal over
-                # the whole group); blocks smaller than a group: head by head
-                wb = g if fused_heads and hpb % g == 0 else 1
-            else:
-                dec = dhi = mean = kd
-                hpb, wb = 1, 1
-            # RoPE: none (keys after it), the region's tables (1), or computed here (2) from a rotary: the caller's,
-            # or the region's own (a cache that holds no tables)
-            invf, rsc, ro = kd, 1.0, r.pos
-            if r.rope is None:
-                mode, cos, sin = 0, kd, kd
-            elif rot is not None or isinstance(r.rope, Rotary):
-                mode, cos, sin = 2, kd, kd
-                (invf, rsc), ro = (rot, roff) if rot is not None else ((r.rope.inv_freq, r.rope.scaling), r.rope.offset)
-            else:
-                mode, cos, sin = 1, _c(r.rope[0]), _c(r.rope[1])
-            cstr = cos.stride()[:2] if mode == 1 else (0, 0)
-            HPL, HP, HVB = _lat_planes(r.lat, r.rank)
-            NLC, LC = (HPL, max(16, pow2(HP))) if HPL else _lat_chunks(r.rank)
-            ln = r.length
-            # two launches (two_pass): the scores of every slot first, many programs each holding only the key
-            # work; then softmax and latents over them. One launch: both per tile (today's fused program)
-            two = two_pass and (lowrank or mode != 0)
-            sc = torch.empty(B, H, r.capacity, device=dev, dtype=torch.float32) if two else pm  # pm: never read
-            # the score launch's programs: about score_tokens slots of one KV head each, or (score_heads) of all K
-            # (None: all K where a head's rebuild is small, i.e. over plain keys or a per-head basis: measured on an
-            # H100)
-            heads = score_heads if score_heads is not None else not (lowrank and hpb > 1)
-            per = max(SBT, score_tokens // K) if heads else score_tokens
-            # the score launch by latent groups (blocks of heads; None: wherever a block holds several heads), 8
-            # warps over 32 coefficients at a time; else 4 warps over 16 (per head: 40 coefficients in 3 chunks, not
-            # 2 of 32). Measured at 32K batch 1 on an H200: a basis per group of 4 heads 272 -> 201 us, joint
-            # 350 -> 257 us; per head 186 us either way (docs/kernels.md)
-            grp = (score_groups if score_groups is not None else hpb > 1) and not heads and wb > 1
-            krc = coef_chunk or (32 if grp else 16)
-            swarps = score_warps or (8 if grp else 4)
-            phases = ((1, max(ns, triton.cdiv(r.capacity, per))), (2, ns)) if two else ((0, ns),)
-            for phase, nsp in phases:
-                if phase == 1 and lowrank and score_cuda is not False:
-                    # the score pass on tensor cores in CUDA (kernels/lowrank_score.py) where it reads the region
-                    tabs = (cos, sin) if mode == 1 else None
-                    why = _ls.reason(q, r.keys, rep, hpb, K, tabs)
-                    if why is None:
-                        _ls.scores(q, qk, r.keys, r.pos, ln, ro, invf, rsc, dec, dhi, mean, hpb, sc, tabs)
-                        continue
-                    if score_cuda == "warn":  # the cuda-lowrank backend: never silently slower (once per reason)
-                        warnings.warn(
-                            f"the CUDA score pass cannot read a low-rank region ({why}); its scores run in Triton",
-                            stacklevel=2,
-                        )
-                    elif score_cuda:
-                        raise ValueError(f"the CUDA score pass cannot read this region: {why}")
-                tile = SBT if phase == 1 else BT
-                kall = heads and phase == 1
-                whole = phase != 1 or grp  # programs of whole latent groups
-                _lr_kernel[(nsp, 1 if kall else G if whole else K, B)](
-                    q,
-                    q.stride(0),
-                    q.stride(1),
-                    qk,
-                    r.pos,
-                    r.pos.stride(0),
-                    ln,
-                    npos,
-                    0 if win is None else int(win),
-                    ro,
-                    kd,
-                    kst[0],
-                    kst[1],
-                    kst[2],
-                    ks,
-                    kz,
-                    kss[0],
-                    kss[1],
-                    kss[2],
-                    kbias,
-                    kish,
-                    dec,
-                    dhi,
-                    dec.stride(0) if lowrank else 0,
-                    dec.stride(1) if lowrank else 0,
-                    mean,
-                    cos,
-                    sin,
-                    *cstr,
-                    invf,
-                    rsc,
-                    hd,
-                    hst[0],
-                    hst[1],
-                    hst[2],
-                    hs,
-                    hz,
-                    hss[0],
-                    hss[1],
-                    hss[2],
-                    hbias,
-                    hish,
-                    pm,
-                    pl,
-                    pacc,
-                    pacc.stride(2),
-                    rk,
-                    sc,
-                    sc.stride(0),
-                    sc.stride(1),
-                    slot0,
-                    n_slots,
-                    H,
-                    nsp,
-                    N=n,
-                    NH=NH,
-                    GS=g if whole else 1,  # the score launch: a program per KV head, unless by groups
-                    REP=rep,
-                    QGP=QGP if whole else max(16, pow2(rep)),
-                    BT=tile,
-                    LOWRANK=lowrank,
-                    HPB=hpb,
-                    WB=wb if whole else 1,
-                    KC=KC,
-                    KRC=max(16, krc),
-                    KPLANE=lowrank and KB in (2, 4, 8) and KCG == 1 and KTG % tile == 0,
-                    KBITS=KB,
-                    KTG=KTG,
-                    KCG=KCG,
-                    KSF8=KS8,
-                    KZF8=KZ8,
-                    KBP=KBP,
-                    ROPE=mode,
-                    RDT=TL_DTYPE[q.dtype],
-                    PRECISE=0 if interpreting() else 2 if fast_rope else 1,
-                    RSC=rsc != 1.0,
-                    RANK=r.rank,
-                    LC=LC,
-                    NLC=NLC,
-                    HBITS=HB,
-                    HG=HG,
-                    HSF8=HS8,
-                    HZF8=HZ8,
-                    HBP=HBP,
-                    HPL=HPL,
-                    HP=HP,
-                    HVB=HVB,
-                    HASM=bool(HPL) and HVB >= 4 and not interpreting() and q.dtype != torch.float32,
-                    LENP=isinstance(ln, torch.Tensor),
-                    NPP=isinstance(npos, torch.Tensor),
-                    WIN=win is not None,
-                    DOT=dot,
-                    PHASE=phase,
-                    KALL=kall,
-                    num_warps=swarps if phase == 1 else num_warps,
-                    num_stages=num_stages,
-                )
+            _launch_region(c, r, _region_plan(c, r, ns), slot0)
         slot0 += ns
     for st in side:
         cur.wait_stream(st)
-    return _attn._combine(pm, pl, pacc, rk, n_slots if regions else 0, q, k_new, h_new, qk, rep, g)
+    return _attn._combine(*partials, n_slots if regions else 0, q, k_new, h_new, c.qk, c.rep, c.g)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What every region's launches of one latent_attention_lowrank call share: the query, the cache's shape, the
+    partial results they write, the caller's rotary, and the call's launch options."""
+
+    q: torch.Tensor
+    qk: float  # scaling * log2(e)
+    K: int
+    G: int
+    npos: int | torch.Tensor
+    win: int | None
+    rot: tuple | None  # (inv_freq, attention scaling) of the caller's rotary
+    roff: torch.Tensor | None  # with rot: each row's rope offset
+    partials: tuple  # (m, l, acc, rank): _attn._partials
+    n_slots: int
+    BT: int
+    SBT: int
+    coef_chunk: int | None
+    fused_heads: bool
+    two_pass: bool
+    fast_rope: bool
+    score_tokens: int
+    score_warps: int | None
+    score_heads: bool | None
+    score_groups: bool | None
+    num_warps: int
+    num_stages: int
+    score_cuda: bool | str | None
+
+    @property
+    def rep(self) -> int:  # query heads per KV head
+        return self.q.shape[1] // self.K
+
+    @property
+    def g(self) -> int:  # KV heads per latent group
+        return self.K // self.G
+
+
+@dataclass
+class _RegionPlan:
+    """One region's launches: the kernel's arguments up to the score buffer (`args`) and its constexprs (`meta`) that
+    every phase shares, the phases (phase, splits), and what the phases choose between."""
+
+    args: list
+    meta: dict
+    phases: tuple
+    lowrank: bool
+    hpb: int  # KV heads per basis block
+    wb: int  # KV heads per block-diagonal dot
+    heads: bool  # the score launch: a program for every KV head
+    grp: bool  # the score launch: a program per latent group
+    swarps: int
+    tabs: tuple | None  # the region's RoPE tables (cos, sin), where the kernel reads them
+    scores: tuple  # lowrank_score.scores' arguments after the query's: the region's keys, RoPE, basis, score buffer
+
+
+def _region_plan(c: _Call, r: Region, ns: int) -> _RegionPlan:
+    """The arguments of one region's launches (`ns` splits): its quantized keys and latents, its basis, its RoPE, the
+    latents' plane layout and the score launch's programs."""
+    q, K, g = c.q, c.K, c.g
+    B, H, _, n = q.shape
+    dev = q.device
+    NH = max(16, n // 2)
+    pm, pl, pacc, rk = c.partials
+    lowrank = r.basis is not None
+    KC = r.keys.shape[-1] if lowrank else n
+    kd, kst, ks, kz, kss, kbias, kish, (KB, KTG, KCG, KS8, KZ8, KBP) = _qargs(r.keys, KC)
+    hd, hst, hs, hz, hss, hbias, hish, (HB, _, HG, HS8, HZ8, HBP) = _qargs(r.lat, r.rank)
+    if lowrank:
+        dec, dhi, mean = _basis_on(r.basis, NH, dev, torch.float32 if q.dtype == torch.float32 else torch.float16)
+        hpb = K // r.basis.blocks
+        # a group's heads in one dot where one block holds them all (the query tile is block-diagonal over
+        # the whole group); blocks smaller than a group: head by head
+        wb = g if c.fused_heads and hpb % g == 0 else 1
+    else:
+        dec = dhi = mean = kd
+        hpb, wb = 1, 1
+    # RoPE: none (keys after it), the region's tables (1), or computed here (2) from a rotary: the caller's,
+    # or the region's own (a cache that holds no tables)
+    invf, rsc, ro = kd, 1.0, r.pos
+    if r.rope is None:
+        mode, cos, sin = 0, kd, kd
+    elif c.rot is not None or isinstance(r.rope, Rotary):
+        mode, cos, sin = 2, kd, kd
+        (invf, rsc), ro = (c.rot, c.roff) if c.rot is not None else ((r.rope.inv_freq, r.rope.scaling), r.rope.offset)
+    else:
+        mode, cos, sin = 1, _c(r.rope[0]), _c(r.rope[1])
+    cstr = cos.stride()[:2] if mode == 1 else (0, 0)
+    HPL, HP, HVB = _lat_planes(r.lat, r.rank)
+    NLC, LC = (HPL, max(16, pow2(HP))) if HPL else _lat_chunks(r.rank)
+    ln = r.length
+    # two launches (two_pass): the scores of every slot first, many programs each holding only the key
+    # work; then softmax and latents over them. One launch: both per tile (today's fused program)
+    two = c.two_pass and (lowrank or mode != 0)
+    sc = torch.empty(B, H, r.capacity, device=dev, dtype=torch.float32) if two else pm  # pm: never read
+    # the score launch's programs: about score_tokens slots of one KV head each, or (score_heads) of all K
+    # (None: all K where a head's rebuild is small, i.e. over plain keys or a per-head basis: measured on an
+    # H100)
+    heads = c.score_heads if c.score_heads is not None else not (lowrank and hpb > 1)
+    per = max(c.SBT, c.score_tokens // K) if heads else c.score_tokens
+    # the score launch by latent groups (blocks of heads; None: wherever a block holds several heads), 8
+    # warps over 32 coefficients at a time; else 4 warps over 16 (per head: 40 coefficients in 3 chunks, not
+    # 2 of 32). Measured at 32K batch 1 on an H200: a basis per group of 4 heads 272 -> 201 us, joint
+    # 350 -> 257 us; per head 186 us either way (docs/kernels.md)
+    grp = (c.score_groups if c.score_groups is not None else hpb > 1) and not heads and wb > 1
+    krc = c.coef_chunk or (32 if grp else 16)
+    swarps = c.score_warps or (8 if grp else 4)
+    phases = ((1, max(ns, triton.cdiv(r.capacity, per))), (2, ns)) if two else ((0, ns),)
+    args = [
+        q,
+        q.stride(0),
+        q.stride(1),
+        c.qk,
+        r.pos,
+        r.pos.stride(0),
+        ln,
+        c.npos,
+        0 if c.win is None else int(c.win),
+        ro,
+        kd,
+        kst[0],
+        kst[1],
+        kst[2],
+        ks,
+        kz,
+        kss[0],
+        kss[1],
+        kss[2],
+        kbias,
+        kish,
+        dec,
+        dhi,
+        dec.stride(0) if lowrank else 0,
+        dec.stride(1) if lowrank else 0,
+        mean,
+        cos,
+        sin,
+        *cstr,
+        invf,
+        rsc,
+        hd,
+        hst[0],
+        hst[1],
+        hst[2],
+        hs,
+        hz,
+        hss[0],
+        hss[1],
+        hss[2],
+        hbias,
+        hish,
+        pm,
+        pl,
+        pacc,
+        pacc.stride(2),
+        rk,
+        sc,
+        sc.stride(0),
+        sc.stride(1),
+    ]
+    meta = dict(
+        N=n,
+        NH=NH,
+        REP=c.rep,
+        LOWRANK=lowrank,
+        HPB=hpb,
+        KC=KC,
+        KRC=max(16, krc),
+        KBITS=KB,
+        KTG=KTG,
+        KCG=KCG,
+        KSF8=KS8,
+        KZF8=KZ8,
+        KBP=KBP,
+        ROPE=mode,
+        RDT=TL_DTYPE[q.dtype],
+        PRECISE=0 if interpreting() else 2 if c.fast_rope else 1,
+        RSC=rsc != 1.0,
+        RANK=r.rank,
+        LC=LC,
+        NLC=NLC,
+        HBITS=HB,
+        HG=HG,
+        HSF8=HS8,
+        HZF8=HZ8,
+        HBP=HBP,
+        HPL=HPL,
+        HP=HP,
+        HVB=HVB,
+        HASM=bool(HPL) and HVB >= 4 and not interpreting() and q.dtype != torch.float32,
+        LENP=isinstance(ln, torch.Tensor),
+        NPP=isinstance(c.npos, torch.Tensor),
+        WIN=c.win is not None,
+        DOT=tl.float32 if q.dtype == torch.float32 else tl.float16,
+        num_stages=c.num_stages,
+    )
+    tabs = (cos, sin) if mode == 1 else None
+    scores = (r.keys, r.pos, ln, ro, invf, rsc, dec, dhi, mean, hpb, sc, tabs)
+    return _RegionPlan(args, meta, phases, lowrank, hpb, wb, heads, grp, swarps, tabs, scores)
+
+
+def _launch_region(c: _Call, r: Region, p: _RegionPlan, slot0: int) -> None:
+    """One region's launches: per phase the score pass in CUDA where asked and it reads the region, else the Triton
+    kernel (its programs: per split, per KV head or latent group, per row). Its slots start at `slot0` of the
+    partial results."""
+    q, K, G = c.q, c.K, c.G
+    B, H = q.shape[:2]
+    QGP = max(16, pow2(c.g * c.rep))
+    for phase, nsp in p.phases:
+        if phase == 1 and p.lowrank and c.score_cuda is not False:
+            # the score pass on tensor cores in CUDA (kernels/lowrank_score.py) where it reads the region
+            why = _ls.reason(q, r.keys, c.rep, p.hpb, K, p.tabs)
+            if why is None:
+                _ls.scores(q, c.qk, *p.scores)
+                continue
+            if c.score_cuda == "warn":  # the cuda-lowrank backend: never silently slower (once per reason)
+                warnings.warn(
+                    f"the CUDA score pass cannot read a low-rank region ({why}); its scores run in Triton",
+                    stacklevel=3,  # latent_attention_lowrank's caller
+                )
+            elif c.score_cuda:
+                raise ValueError(f"the CUDA score pass cannot read this region: {why}")
+        tile = c.SBT if phase == 1 else c.BT
+        kall = p.heads and phase == 1
+        whole = phase != 1 or p.grp  # programs of whole latent groups
+        m = p.meta
+        _lr_kernel[(nsp, 1 if kall else G if whole else K, B)](
+            *p.args,
+            slot0,
+            c.n_slots,
+            H,
+            nsp,
+            **m,
+            GS=c.g if whole else 1,  # the score launch: a program per KV head, unless by groups
+            QGP=QGP if whole else max(16, pow2(c.rep)),
+            BT=tile,
+            WB=p.wb if whole else 1,
+            KPLANE=p.lowrank and m["KBITS"] in (2, 4, 8) and m["KCG"] == 1 and m["KTG"] % tile == 0,
+            PHASE=phase,
+            KALL=kall,
+            num_warps=p.swarps if phase == 1 else c.num_warps,
+        )
 
 
 # the key basis in the dots' dtype on the query's device, made once per basis (before any CUDA graph captures a step)

@@ -52,6 +52,7 @@ of its own, captured at its second run and replayed after; with fp8 scales the p
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import types
 from dataclasses import dataclass, field, replace
@@ -301,6 +302,7 @@ def demote_at(s: Schedule, level: int, rank: int, keys, lat, keys_to, lat_to, or
 
 
 _FUSED: dict = {}
+_CODES = itertools.count()  # each compiled copy's own code name
 
 
 def _exact() -> dict:
@@ -327,11 +329,14 @@ def fused(fn, device: torch.device, key: tuple = ()):
     integers fn reads (schedule, level, rank): each key compiles a code object of its own, so that dynamo keeps them
     constant (one that changed between calls would become symbolic, and bit widths cannot) while tensor sizes, which
     change with every cache's capacity, may become dynamic."""
-    if device.type != "cuda":
-        return fn
-    f = _FUSED.get((fn, key))
+    return compiled(fn, key) if device.type == "cuda" else fn
+
+
+def compiled(fn, key: tuple = (), made: dict = _FUSED):
+    """fn compiled by inductor as `fused` compiles it (whole graph, eager's rounding), once per (fn, key) in `made`."""
+    f = made.get((fn, key))
     if f is None:
-        f = _FUSED[fn, key] = torch.compile(own_code(fn, len(_FUSED)), fullgraph=True, options=_exact())
+        f = made[fn, key] = torch.compile(own_code(fn, next(_CODES)), fullgraph=True, options=_exact())
     return f
 
 

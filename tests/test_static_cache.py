@@ -277,14 +277,8 @@ def test_inductor_compiles_the_device_writes_to_the_host_paths_codes(name, monke
     s, basis = {"lowrank-joint": lowrank(1)}.get(name, (SCHEDULES.get(name), None))
     want = _run_modes(s, basis, "host", monkeypatch, steps=60, dev="cpu")
 
-    made: dict = {}
-
-    def compiled(fn, device, key=()):  # fused's compile, on the CPU
-        if (fn, key) not in made:
-            made[fn, key] = torch.compile(sc.own_code(fn, 100 + len(made)), fullgraph=True, options=sc._exact())
-        return made[fn, key]
-
-    monkeypatch.setattr(sc, "fused", compiled)
+    made: dict = {}  # apart from fused's: these compile for the CPU
+    monkeypatch.setattr(sc, "fused", lambda fn, device, key=(): sc.compiled(fn, key, made))
     # the CPU's eager indexing of fp8 goes through bytes; inside the compiled pieces, as on CUDA, it needs no view
     monkeypatch.setattr(
         sc, "_bytes", lambda t: t if t.dtype != FP8 or torch.compiler.is_compiling() else t.view(torch.uint8)

@@ -28,6 +28,8 @@
 
 #define BT 64                         // slots per tile
 #define NHALF 64                      // channels per RoPE half (head dim 128)
+#define CSTR 72                       // cos/sin row stride, words: the epilogue's 8 slots x 4 frequency pairs of a
+                                      // half-warp land in distinct banks (a stride of 64 put every slot on one)
 #define KCP ((KC + 15) / 16 * 16)     // coefficients padded to the mma's k
 #define PNB (KC * KBITS / 8)          // bytes per packed row
 #define PNW (PNB / 4)                 // words per packed row
@@ -44,8 +46,8 @@
 // shared memory, bytes
 #define OFF_B 0
 #define OFF_A (OFF_B + KCP * BSTR * 2)
-#define OFF_CS (OFF_A + BT * ASTR * 2)                 // [64 slots][64 freq] {cos, sin} in the model dtype
-#define OFF_STC (OFF_CS + BT * NHALF * 4)              // stage: codes [64][PNB]
+#define OFF_CS (OFF_A + BT * ASTR * 2)                 // [64 slots][CSTR] {cos, sin} in the model dtype
+#define OFF_STC (OFF_CS + BT * CSTR * 4)               // stage: codes [64][PNB]
 #define OFF_STS (OFF_STC + BT * PNB)                   // stage: scales [NGT][KC], then zeros [NGT][KC]
 #define OFF_STP (OFF_STS + 2 * NGT * KC * MB)          // stage: positions [64]
 #define OFF_SZ (OFF_STP + BT * 4)                      // fp16 scales [NGT][KCP], then zeros [NGT][KCP]
@@ -210,7 +212,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
 #if ROPE_TAB  // the region's tables (the model's own cos/sin, already rounded and scaled)
             if (t0 + t < L) {
                 const long ci = (long)b * s_cb + (long)(t0 + t) * s_ct + (tid & 63);
-                cs[t * NHALF + (tid & 63)] = pack_cs(cos_t[ci], sin_t[ci]);
+                cs[t * CSTR + (tid & 63)] = pack_cs(cos_t[ci], sin_t[ci]);
             }
 #else
             float ang = (float)(stp[t] - my_roff) * my_invf;
@@ -224,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
             c *= rsc;
             s *= rsc;
 #endif
-            cs[t * NHALF + (tid & 63)] = pack_cs(c, s);
+            cs[t * CSTR + (tid & 63)] = pack_cs(c, s);
 #endif
         }
         __syncthreads();
@@ -287,7 +289,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
                     const int t = mt * 16 + (lane >> 2) + 8 * r;
-                    const uint2 cw = *(const uint2*)(cs + t * NHALF + f);
+                    const uint2 cw = *(const uint2*)(cs + t * CSTR + f);
 #pragma unroll
                     for (int e = 0; e < 2; e++) {
                         const float2 csv = unpack_cs(e ? cw.y : cw.x);
