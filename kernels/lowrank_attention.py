@@ -52,6 +52,7 @@ from tale_runtime.quant import FP8, QTensor
 from tale_runtime.regions import LayerView, Region, Rotary
 
 from . import attention as _attn
+from . import lowrank_latent as _ll
 from . import lowrank_score as _ls
 from ._common import TL_DTYPE, interpreting, plane, plane3, plane3_asm, plane_asm, pow2, runnable
 from .attention import _inv_bias
@@ -1212,6 +1213,20 @@ def _launch_region(c: _Call, r: Region, p: _RegionPlan, slot0: int) -> None:
                 )
             elif c.score_cuda:
                 raise ValueError(f"the CUDA score pass cannot read this region: {why}")
+        if phase == 2 and p.lowrank and c.score_cuda is not False and _ll.VARIANT == "cuda":
+            # the latent pass on tensor cores in CUDA (kernels/lowrank_latent.py) where it reads the region
+            sc, pos = p.scores[10], p.scores[1]
+            why = _ll.reason(q, r.lat, r.rank, c.g * c.rep, sc, pos)
+            if why is None:
+                _ll.latents(sc, pos, r.length, c.npos, c.win, r.lat, c.g * c.rep, c.partials, slot0, c.n_slots, nsp)
+                continue
+            if c.score_cuda == "warn":
+                warnings.warn(
+                    f"the CUDA latent pass cannot read a low-rank region ({why}); its latents run in Triton",
+                    stacklevel=3,
+                )
+            elif c.score_cuda:
+                raise ValueError(f"the CUDA latent pass cannot read this region: {why}")
         tile = c.SBT if phase == 1 else c.BT
         kall = p.heads and phase == 1
         whole = phase != 1 or p.grp  # programs of whole latent groups

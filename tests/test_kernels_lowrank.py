@@ -70,6 +70,7 @@ def make_view(
     tensor_len=False,
     meta="8/8",
     lat_bits=3,
+    lat_group=8,
     coef_bits=4,
     coef_group=8,
     blocks=1,
@@ -114,7 +115,7 @@ def make_view(
         elif kind == "lowrank":
             coef = rnd(B, blocks, cap, lay.r, s=3.0).to(dt)
             keys = quantize(coef, coef_bits, coef_group, -2, meta)
-            lat, rope, bs = quantize(h, lat_bits, 8, -1, meta), (cos, sin), basis
+            lat, rope, bs = quantize(h, lat_bits, lat_group, -1, meta), (cos, sin), basis
         elif kind == "chan4":
             keys = quantize(k_pre.to(dt), 4, 8, -2, meta)
             lat, rope, bs = quantize(h, 4, 8, -1, meta), (cos, sin), None
@@ -477,6 +478,61 @@ def test_cuda_score_pass(case, variant, monkeypatch):
         assert torch.isfinite(zc).all()
         assert rel(zc, ref) <= 5e-3, (rope is None, rel(zc, ref))
         assert rel(zc, zt) <= 5e-3, (rope is None, rel(zc, zt))
+
+
+# -- the latent pass in CUDA (kernels/lowrank_latent.py): rank 512, 3-bit latents in groups of 64, on a GPU
+
+CUDA_LATENT_CASES = [
+    # (B, H, K, G, meta, dtype, pad, window)
+    (1, 16, 4, 1, "8/8", torch.bfloat16, None, None),  # Llama-3.1-8B's latent group (the preset's)
+    (4, 16, 4, 1, "8/8", torch.bfloat16, [0, 3, 17, 40], 150),  # left padding, a window
+    (2, 8, 4, 1, "16", torch.float16, [0, 5], None),  # GQA 2 (8 of 16 rows), 16-bit scales, fp16
+    (3, 32, 8, 2, "8/8", torch.bfloat16, [0, 9, 1], None),  # two latent groups
+]
+
+
+@pytest.mark.skipif(not CUDA, reason="the CUDA latent pass needs a GPU")
+@pytest.mark.parametrize("case", CUDA_LATENT_CASES)
+def test_cuda_latent_pass(case, monkeypatch):
+    """Both CUDA passes give the reference's result within 5e-3 and agree with the Triton latent launch, with odd
+    lengths, unused slots (NaN scales), padding, windows, device lengths, and splits that hold no slot."""
+    from tale_kernels import lowrank_latent
+
+    B, H, K, G, meta, dt, pad, window = case
+    lay = Layout(B=B, H=H, K=K, G=G, n=128, r=96, r0=512, lens=(4, 397, 40, 17, 5), pad=pad, dtype=dt)
+    rot = rotary(128)
+    view = make_view(lay, rot, blocks=G, coef_bits=4, coef_group=32, meta=meta, extra=7, tensor_len=B > 1, lat_group=64)
+    lowr = next(x for x in view.regions if x.basis is not None)
+    sc = torch.empty(B, H, lowr.capacity, device="cuda")
+    q, k, h = new_token(lay, rot)
+    assert lowrank_latent.reason(q, lowr.lat, lowr.rank, H // G, sc, lowr.pos) is None
+    ref = ref_attention(q.float(), k.float(), h.float(), view, 128**-0.5, window)
+    for split in (None, 64, 1000):  # the default splits, one tile each, one split (the others empty)
+        kw = dict(rope=rot, score_cuda=True, split_tokens=split)
+        monkeypatch.setattr(lowrank_latent, "VARIANT", "cuda")
+        zc = lra.latent_attention_lowrank(q, k, h, view, 128**-0.5, window, **kw)
+        monkeypatch.setattr(lowrank_latent, "VARIANT", "triton")
+        zt = lra.latent_attention_lowrank(q, k, h, view, 128**-0.5, window, **kw)
+        assert torch.isfinite(zc).all()
+        assert rel(zc, ref) <= 5e-3, (split, rel(zc, ref))
+        assert rel(zc, zt) <= 5e-3, (split, rel(zc, zt))
+
+
+def test_cuda_latent_pass_refusals():
+    """Latents the CUDA latent pass does not read are refused with the reason, before any device is asked."""
+    from tale_kernels import lowrank_latent
+
+    lay = Layout(B=1, H=16, K=4, G=1, n=128, r=96, r0=256, lens=(4, 40, 8, 8, 3))
+    view = make_view(lay, rotary(128), lat_group=32)
+    lowr = next(x for x in view.regions if x.basis is not None)
+    q = torch.empty(1, 16, 1, 128, device=DEVICE)
+    sc = torch.empty(1, 16, lowr.capacity, device=DEVICE)
+    assert "rank 256" in lowrank_latent.reason(q, lowr.lat, lowr.rank, 16, sc, lowr.pos)
+    lay = Layout(B=1, H=16, K=4, G=1, n=128, r=96, r0=512, lens=(4, 40, 8, 8, 3))
+    for bits, group, qg, why in ((4, 64, 16, "3-bit"), (3, 64, 32, "at most 16"), (3, 8, 16, "groups of 64")):
+        view = make_view(lay, rotary(128), lat_bits=bits, lat_group=group)
+        lowr = next(x for x in view.regions if x.basis is not None)
+        assert why in lowrank_latent.reason(q, lowr.lat, lowr.rank, qg, sc, lowr.pos)
 
 
 def test_wgmma_basis_rebuilds_the_keys():
