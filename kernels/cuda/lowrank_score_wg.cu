@@ -287,7 +287,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) tale_lr_score_wg(
         float d[128];
         wg_fence();
 #pragma unroll
-        for (int ks = 0; ks < KCP / 16; ks++) wgmma256(d, gdesc(sA + ks * 256), gdesc(sB + ks * 256), ks);
+        for (int ks = 0; ks < KCP / 16; ks++) wgmma256(d, gdesc(sA + ks * 2 * LBO_K), gdesc(sB + ks * 2 * LBO_K), ks);
         wg_commit();
         wg_wait0();
         // -- RoPE (lo' = lo cos - hi sin, hi' = hi cos + lo sin: columns j and j + 8 of a head), times the pair's
