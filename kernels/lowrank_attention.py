@@ -924,7 +924,8 @@ def latent_attention_lowrank(
     False: both per tile in one program (255 registers and
     spills on an H100). `fast_rope`: RoPE computed in the kernel takes the SFU's cos/sin after a float32 reduction to
     [-pi, pi] (abs error about 5e-7, below the bf16 tables' rounding), not libdevice's (about 90 instructions each).
-    `score_cuda` (two_pass, low-rank regions): the score pass in CUDA on tensor cores (kernels/lowrank_score.py);
+    `score_cuda` (two_pass, low-rank regions): the score pass in CUDA on tensor cores (kernels/lowrank_score.py),
+    and the latent pass too where kernels/lowrank_latent.py reads the region (else the Triton latent launch);
     None: where it reads the region, else in Triton; True: required (ValueError where it cannot); "warn": where it
     can, else in Triton with a one-time warning naming why; False (the default): Triton."""
     if not isinstance(view, LayerView):
@@ -1214,19 +1215,12 @@ def _launch_region(c: _Call, r: Region, p: _RegionPlan, slot0: int) -> None:
             elif c.score_cuda:
                 raise ValueError(f"the CUDA score pass cannot read this region: {why}")
         if phase == 2 and p.lowrank and c.score_cuda is not False and _ll.VARIANT == "cuda":
-            # the latent pass on tensor cores in CUDA (kernels/lowrank_latent.py) where it reads the region
+            # the latent pass in CUDA (kernels/lowrank_latent.py) where it reads the region's latents (rank 512,
+            # 3 bits), else the Triton launch below: both on tensor cores, neither the reference
             sc, pos = p.scores[10], p.scores[1]
-            why = _ll.reason(q, r.lat, r.rank, c.g * c.rep, sc, pos)
-            if why is None:
+            if _ll.reason(q, r.lat, r.rank, c.g * c.rep, sc, pos) is None:
                 _ll.latents(sc, pos, r.length, c.npos, c.win, r.lat, c.g * c.rep, c.partials, slot0, c.n_slots, nsp)
                 continue
-            if c.score_cuda == "warn":
-                warnings.warn(
-                    f"the CUDA latent pass cannot read a low-rank region ({why}); its latents run in Triton",
-                    stacklevel=3,
-                )
-            elif c.score_cuda:
-                raise ValueError(f"the CUDA latent pass cannot read this region: {why}")
         tile = c.SBT if phase == 1 else c.BT
         kall = p.heads and phase == 1
         whole = phase != 1 or p.grp  # programs of whole latent groups

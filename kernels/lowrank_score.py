@@ -18,10 +18,6 @@ import torch
 from tale_runtime.quant import FP8, QTensor
 
 SRC = os.path.join(os.path.dirname(__file__), "cuda", "lowrank_score.cu")
-SRC_WG = os.path.join(os.path.dirname(__file__), "cuda", "lowrank_score_wg.cu")
-# which build runs the pass on Hopper: "mma" (mma.sync, lowrank_score.cu) or "wgmma" (warpgroup products,
-# lowrank_score_wg.cu: two KV heads per CTA, two warpgroups on alternate tiles)
-VARIANT = os.environ.get("TALE_LR_SCORE", "mma")
 BT = 64  # slots per tile (the .cu's BT)
 CSTR = 72  # cos/sin row stride in words (the .cu's CSTR)
 
@@ -44,66 +40,6 @@ def smem_bytes(kc: int, bits: int, ktg: int, meta8: bool, hpc: int) -> int:
         + 4 * hpc * 64 * 4  # column scales and means
         + hpc * 4 * 32 * 16  # the halves of the dot
     )
-
-
-def smem_bytes_wg(kc: int, bits: int, ktg: int, meta8: bool) -> int:
-    """Dynamic shared memory of one CTA of the wgmma build (the _wg.cu's SMEM)."""
-    a16 = lambda x: -(-x // 16) * 16  # noqa: E731
-    kcp = (kc + 16) // 16 * 16
-    ngt = BT // ktg if ktg < BT else 1
-    mb = 1 if meta8 else 2
-    off_w = a16(256 * kcp * 2 + 2 * 64 * 4 + 2 * 8 * 32 * 8)  # basis, powers of two, query fragments
-    w = BT * kcp * 2 + BT * CSTR * 4  # coefficients, cos/sin
-    w = a16(a16(w + BT * kc * bits // 8) + 2 * ngt * kc * mb) + BT * 4 + 2 * ngt * kcp * 2  # stage, fp16 scales
-    return off_w + 2 * (-(-w // 128) * 128)
-
-
-def wg_reason(device: torch.device, K: int, hpb: int, kc: int, bits: int, ktg: int, meta8: bool) -> str | None:
-    """Why the wgmma build cannot run this format (None: it can): sm_90a, two KV heads of one basis block per CTA."""
-    if torch.cuda.get_device_capability(device) != (9, 0):
-        return "wgmma needs sm_90a (H100, H200)"
-    if K % 2 or hpb % 2:
-        return f"{K} KV heads in basis blocks of {hpb} (two per CTA)"
-    if smem_bytes_wg(kc, bits, ktg, meta8) > _smem_limit(device):
-        return f"a basis block of {kc} coefficients does not fit shared memory"
-    return None
-
-
-_KMAJOR: dict = {}
-
-
-def kmajor_basis(dec_lo: torch.Tensor, dec_hi: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The wgmma build's basis from lowrank_attention._basis_on's: (bt [Kb, hpb 128, KCP] fp16, per column its
-    coefficients (channels in order, the lo half then the hi half of each head) and at KC the mean; svec [K 64]
-    float32, the power of two both columns of a frequency pair were divided by (one per pair, so that RoPE commutes
-    with it: the kernel multiplies the rotated pair back, exact)). Made once per basis and cached."""
-    import weakref
-
-    key = id(dec_lo)
-    hit = _KMAJOR.get(key)
-    if hit is None:
-        Kb, kc, cols = dec_lo.shape  # cols: hpb 64
-        hpb = cols // 64
-        kcp = (kc + 16) // 16 * 16
-        lo = dec_lo.float() * rows[2].view(Kb, 1, cols)  # the basis itself [Kb, kc, hpb 64]
-        hi = dec_hi.float() * rows[3].view(Kb, 1, cols)
-        mlo, mhi = rows[0].view(Kb, cols), rows[1].view(Kb, cols)
-        # the pair's largest entry into [0.5, 1]; the mean at most 1024 (fp16 holds both whatever their range)
-        top = torch.maximum(lo.abs().amax(1), hi.abs().amax(1))
-        top = torch.maximum(top, torch.maximum(mlo.abs(), mhi.abs()) / 1024)
-        e = torch.where(top > 0, torch.ceil(torch.log2(top.clamp_min(1e-30))), torch.zeros_like(top))
-        p2 = torch.exp2(e)  # [Kb, hpb 64]
-        bt = torch.zeros(Kb, hpb, 128, kcp, dtype=torch.float32, device=dec_lo.device)
-        bt[:, :, :64, :kc] = (lo / p2[:, None]).view(Kb, kc, hpb, 64).permute(0, 2, 3, 1)
-        bt[:, :, 64:, :kc] = (hi / p2[:, None]).view(Kb, kc, hpb, 64).permute(0, 2, 3, 1)
-        bt[:, :, :64, kc] = (mlo / p2).view(Kb, hpb, 64)
-        bt[:, :, 64:, kc] = (mhi / p2).view(Kb, hpb, 64)
-        hit = _KMAJOR[key] = (
-            bt.to(torch.float16).reshape(Kb, hpb * 128, kcp).contiguous(),
-            p2.reshape(-1).contiguous(),
-        )
-        weakref.finalize(dec_lo, _KMAJOR.pop, key, None)
-    return hit
 
 
 @cache
@@ -198,13 +134,13 @@ def build_options(
     return tuple(f"-D{k}={int(v)}" for k, v in flags.items())
 
 
-def _module(device: torch.device, options: tuple[str, ...], src: str = SRC):
+def _module(device: torch.device, options: tuple[str, ...]):
     from .cuda_module import Module
 
-    key = (device.index, options, src)
+    key = (device.index, options)
     if key not in _MODULES:
         with torch.cuda.device(device):
-            _MODULES[key] = Module(src, options)
+            _MODULES[key] = Module(SRC, options)
     return _MODULES[key]
 
 
@@ -234,16 +170,13 @@ def scores(
     meta8 = keys.meta == "8/8"
     dev = q.device
     limit = _smem_limit(dev)
-    wg = VARIANT == "wgmma" and wg_reason(dev, K, hpb, kc, bits, ktg, meta8) is None
-    hpc = 2 if wg else heads_per_cta(hpb, K, kc, bits, ktg, meta8, limit)
-    smem = smem_bytes_wg(kc, bits, ktg, meta8) if wg else smem_bytes(kc, bits, ktg, meta8, hpc)
+    hpc = heads_per_cta(hpb, K, kc, bits, ktg, meta8, limit)
+    smem = smem_bytes(kc, bits, ktg, meta8, hpc)
     opts = build_options(kc, bits, ktg, meta8, hpc, rep, q.dtype == torch.bfloat16, rsc != 1.0, tables is not None)
-    mod = _module(dev, opts, SRC_WG if wg else SRC)
-    fn = "tale_lr_score_wg" if wg else "tale_lr_score"
+    mod = _module(dev, opts)
+    fn = "tale_lr_score"
     mod.function(fn, smem)
     ctas = K // hpc
-    basis = kmajor_basis(dec_lo, dec_hi, rows) if wg else (dec_lo, dec_hi, dec_lo.stride(0), dec_lo.stride(1))
-    basis_args = (*basis, hpb) if wg else (*basis, rows, rows.shape[1], hpb)
     per_sm = max(1, limit // max(smem, 1))
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     nsplit = max(1, min(-(-cap // BT), round(waves * sms * per_sm / (B * ctas))))
@@ -260,7 +193,7 @@ def scores(
     mod.launch(
         fn,
         (nsplit, ctas, B),
-        256 if wg else 32 * 2 * hpc,
+        32 * 2 * hpc,
         (
             q,
             q.stride(0),
@@ -287,7 +220,13 @@ def scores(
             sc.stride(2),
             bias_p,
             float(inv_v),
-            *basis_args,
+            dec_lo,
+            dec_hi,
+            dec_lo.stride(0),
+            dec_lo.stride(1),
+            rows,
+            rows.shape[1],
+            hpb,
             out,
             out.stride(0),
             out.stride(1),
