@@ -219,3 +219,15 @@ class Module:
         else:
             rc = self.lib.cuLaunchKernel(self.function(name), *g[:3], *b[:3], shared, stream, pparams, None)
         _check(self.lib, rc, f"launching {name}")
+
+
+_LOADED: dict = {}
+
+
+def loaded(src: str, options: tuple[str, ...], device: torch.device) -> Module:
+    """The Module of `src` built with `options` on `device`, made once per process."""
+    key = (src, options, device.index)
+    if key not in _LOADED:
+        with torch.cuda.device(device):
+            _LOADED[key] = Module(src, options)
+    return _LOADED[key]

@@ -16,6 +16,7 @@ import torch
 
 from tale_runtime.quant import FP8, QTensor
 
+from .cuda_module import loaded
 from .lowrank_score import available
 
 SRC = os.path.join(os.path.dirname(__file__), "cuda", "lowrank_latent.cu")
@@ -24,19 +25,6 @@ RANK = 512  # the one rank it is built for
 # which kernel runs the latent pass of a low-rank region where the CUDA passes are asked for: "cuda" (this one,
 # where it reads the region) or "triton" (the Triton kernel's latent launch: benchmarks compare the two)
 VARIANT = os.environ.get("TALE_LR_LATENT", "cuda")
-
-
-_MODULES: dict = {}
-
-
-def _module(device: torch.device, options: tuple[str, ...]):
-    from .cuda_module import Module
-
-    key = (device.index, options)
-    if key not in _MODULES:
-        with torch.cuda.device(device):
-            _MODULES[key] = Module(SRC, options)
-    return _MODULES[key]
 
 
 def smem_bytes() -> int:
@@ -93,7 +81,7 @@ def latents(
     dev = scores.device
     meta8 = lat.meta == "8/8"
     opts = tuple(f"-D{k}={int(v)}" for k, v in dict(RANK=RANK, META8=meta8, QG=qg, WIN=window is not None).items())
-    mod = _module(dev, opts)
+    mod = loaded(SRC, opts, dev)
     mod.function("tale_lr_latent", smem_bytes())
 
     def scalar(v):  # (pointer, value): a device scalar is read by the kernel (value -1)

@@ -17,11 +17,11 @@ import torch
 
 from tale_runtime.quant import FP8, QTensor
 
+from .cuda_module import loaded
+
 SRC = os.path.join(os.path.dirname(__file__), "cuda", "lowrank_score.cu")
 BT = 64  # slots per tile (the .cu's BT)
 CSTR = 72  # cos/sin row stride in words (the .cu's CSTR)
-
-_MODULES: dict = {}
 
 
 def smem_bytes(kc: int, bits: int, ktg: int, meta8: bool, hpc: int) -> int:
@@ -134,16 +134,6 @@ def build_options(
     return tuple(f"-D{k}={int(v)}" for k, v in flags.items())
 
 
-def _module(device: torch.device, options: tuple[str, ...]):
-    from .cuda_module import Module
-
-    key = (device.index, options)
-    if key not in _MODULES:
-        with torch.cuda.device(device):
-            _MODULES[key] = Module(SRC, options)
-    return _MODULES[key]
-
-
 def scores(
     q: torch.Tensor,  # [B, H, 1, 128]
     qk: float,  # scaling * log2 e
@@ -173,7 +163,7 @@ def scores(
     hpc = heads_per_cta(hpb, K, kc, bits, ktg, meta8, limit)
     smem = smem_bytes(kc, bits, ktg, meta8, hpc)
     opts = build_options(kc, bits, ktg, meta8, hpc, rep, q.dtype == torch.bfloat16, rsc != 1.0, tables is not None)
-    mod = _module(dev, opts)
+    mod = loaded(SRC, opts, dev)
     fn = "tale_lr_score"
     mod.function(fn, smem)
     ctas = K // hpc
