@@ -4,6 +4,7 @@ transformers' static cache + torch.compile, on the same random 8B-shaped model (
 
     python3 benchmarks/bench_generate.py --out generate.md     # GPU: 32K, batch 1
     python3 benchmarks/bench_generate.py --quick               # CPU, tiny model: the script's logic only
+    python3 benchmarks/bench_generate.py --profile-first       # where the process's first call spends its time
 
 Per path: the first call of the process (it compiles the decode step: once per model and process), a later call
 with a new cache (it captures that cache's CUDA graph), and ms/token from the difference of two calls of m and
@@ -45,6 +46,25 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
+PROFILE_FIRST = False
+
+
+def profiled(fn):
+    """fn() under cProfile: prints the calls that took the most cumulative time (compiling, capturing, loading
+    cached code, the prefill) and dynamo's own phase times; returns fn's result."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    out = prof.runcall(fn)
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
+    print(buf.getvalue())
+    print(torch._dynamo.utils.compile_times(repr="str"))
+    return out
+
+
 @torch.inference_mode()
 def user_path(model, ids: torch.Tensor, m: int, n: int) -> dict:
     """model.generate with a new static cache per call: first call, a later call, ms/token.
@@ -60,7 +80,7 @@ def user_path(model, ids: torch.Tensor, m: int, n: int) -> dict:
         kw = dict(do_sample=False, max_new_tokens=k, min_new_tokens=k, attention_mask=torch.ones_like(ids))
         return timed(lambda: model.generate(ids, **cache_arg(cache), **kw))
 
-    first = call(m)
+    first = call(m) if not PROFILE_FIRST else profiled(lambda: call(m))
     later = call(m)
     call(m + n)  # every flush and demotion of the long call, compiled once
     long = call(m + n)
@@ -99,7 +119,14 @@ def main() -> None:
     ap.add_argument(
         "--key-basis-blocks", default="group", choices=["joint", "group", "head"], help="the lowrank preset's key basis"
     )
+    ap.add_argument(
+        "--profile-first",
+        action="store_true",
+        help="the first model.generate call under cProfile (slower): where a process's first call spends its time",
+    )
     a = ap.parse_args()
+    global PROFILE_FIRST
+    PROFILE_FIRST = a.profile_first
     device = "cpu" if a.quick else "cuda"
     ctx, n, m = (64, 8, 2) if a.quick else (a.ctx, a.new, 4)
     model, orig, tale = e2e.build(a.quick, device, preset=a.preset, key_basis_blocks=a.key_basis_blocks)
