@@ -5,7 +5,7 @@ the dev text calib/corpus_heldout.txt, measured ratio, pass-key), one JSON line 
 
 VARIANTS.json: {"name": {override_schedule kwargs}, ...}; "ranks0": [per-layer level-0 ranks] sets ranks per
 layer; "key_bands": {"LEVEL": [hi_bits, hi_channels]} adds key bands, the channel order computed from the
-calibration corpus (tale_convert.stats, as tale-convert --key-bands writes it). The full preset's windows (5 x 1024, prefill 128, chunk 4) and all 18 pass-key samples by default.
+calibration corpus (tale_convert.stats, as tale-convert --key-bands writes it). The full preset's windows (5 x 1024, prefill 128, chunk 4: --windows, --ctx, --prefill, --chunk) and all 18 pass-key samples by default.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ def main():
     ap.add_argument("--no-ppl", action="store_true")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--windows", type=int, default=5)
+    ap.add_argument("--prefill", type=int, default=128)
+    ap.add_argument("--chunk", type=int, default=4)
     ap.add_argument("--text", default="dev", help="dev, a test text, or a path (documents as in calib/)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -56,7 +58,7 @@ def main():
     base = model.tale_spec.schedule
     ids = perplexity.heldout_windows(tok, args.ctx, args.windows, args.text)
     samples = [] if args.no_passkey else passkey.load_samples()
-    pattern = perplexity.pattern(args.ctx, 128, 4)
+    pattern = perplexity.pattern(args.ctx, args.prefill, args.chunk)
     for name, kw in variants.items():
         kw = dict(kw)
         ranks0 = kw.pop("ranks0", None)
@@ -79,7 +81,7 @@ def main():
         }
         if not args.no_ppl:
             cache = pol.build(model, pattern)
-            nll, count = perplexity.decode_nll(model, ids, cache, 128, 4)
+            nll, count = perplexity.decode_nll(model, ids, cache, args.prefill, args.chunk)
             ratio = policies.reference_nbytes(model, ids.shape[0], sum(pattern)) / pol.nbytes(cache)
             row.update(ppl=math.exp(nll / count), ratio=ratio)
         if samples:
