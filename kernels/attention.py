@@ -102,6 +102,12 @@ def _nth(i: tl.constexpr, a, b, c, d):
     return x
 
 
+@triton.jit
+def _put(i: tl.constexpr, x, a, b, c, d):
+    """The four tensors with the i-th replaced by x (i < 4): _nth's inverse."""
+    return (x if i == 0 else a), (x if i == 1 else b), (x if i == 2 else c), (x if i == 3 else d)
+
+
 _META_SHIFT = tl.constexpr(META_SHIFT)  # 2^-8: also the operand shift of bf16 caches in float16 dots (SH)
 
 
@@ -433,43 +439,21 @@ def _lat_accs(acc0, acc1, acc2, acc3, pd, alpha, h_ptr, hb, hoff, hs_ptr, hz_ptr
     DOT: tl.constexpr, ASM: tl.constexpr, SH: tl.constexpr, HT: tl.constexpr, USE_DOT: tl.constexpr):  # fmt: skip
     """The accumulator planes rescaled by alpha plus the tile's weights pd times its latents, plane by plane
     (_lat_plane's arguments; NPH planes, the others are returned as they came)."""
-    acc0 = _dot(
-        pd, _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hm, 0, HBITS, HMETA, P, PP, VG, BT, DOT, ASM, SH, HT),
-        acc0 * alpha[:, None], USE_DOT,
-    )  # fmt: skip
-    if NPH > 1:
-        acc1 = _dot(
-            pd, _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hm, 1, HBITS, HMETA, P, PP, VG, BT, DOT, ASM, SH, HT),
-            acc1 * alpha[:, None], USE_DOT,
-        )  # fmt: skip
-    if NPH > 2:
-        acc2 = _dot(
-            pd, _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hm, 2, HBITS, HMETA, P, PP, VG, BT, DOT, ASM, SH, HT),
-            acc2 * alpha[:, None], USE_DOT,
-        )  # fmt: skip
-        acc3 = _dot(
-            pd, _lat_plane(h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hm, 3, HBITS, HMETA, P, PP, VG, BT, DOT, ASM, SH, HT),
-            acc3 * alpha[:, None], USE_DOT,
-        )  # fmt: skip
+    for i in tl.static_range(NPH):  # NPH is 1, 2 or 4
+        x = _lat_plane(
+            h_ptr, hb, hoff, hs_ptr, hz_ptr, soff, ok, tm, hm, i, HBITS, HMETA, P, PP, VG, BT, DOT, ASM, SH, HT
+        )
+        a = _dot(pd, x, _nth(i, acc0, acc1, acc2, acc3) * alpha[:, None], USE_DOT)
+        acc0, acc1, acc2, acc3 = _put(i, a, acc0, acc1, acc2, acc3)
     return acc0, acc1, acc2, acc3
 
 
 @triton.jit
 def _region(
-    RT,
-    CT,
-    slot,
-    spl,
-    args,
-    GS: tl.constexpr,
-    REP: tl.constexpr,
-    QGP: tl.constexpr,
-    KG: tl.constexpr,
-    VG: tl.constexpr,
-    WIN: tl.constexpr,
-    DOT: tl.constexpr,
-    QLOOP: tl.constexpr,
-):
+    RT, CT, slot, spl, args,
+    GS: tl.constexpr, REP: tl.constexpr, QGP: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr, WIN: tl.constexpr,
+    DOT: tl.constexpr, QLOOP: tl.constexpr,
+):  # fmt: skip
     """One split of one region: partial (max, sum, acc[:RANK]) of the group's query heads. args: the launch's
     runtime arguments that every region reads (_attn_kernel)."""
     qk_scale, b, c, n_slots, H, next_pos, window, pm_ptr, pl_ptr, pacc_ptr, s_acc, rk_ptr = args
@@ -995,6 +979,11 @@ def _partials(B: int, H: int, R: int, splits: list[int], dev) -> tuple[int, tupl
     return n_slots, (pm, torch.empty_like(pm), pacc, torch.empty(n_slots, device=dev, dtype=torch.int32))
 
 
+def _partial_args(pm, pl, pacc, rk) -> tuple:
+    """The partials as the kernels that write or merge them take them: pm_ptr, pl_ptr, pacc_ptr, s_acc, rk_ptr."""
+    return pm, pl, pacc, pacc.stride(2), rk
+
+
 # the combine launch (columns per program, slots per step, warps), by how many rows B * H it merges: few rows
 # (batch 1) want narrow column blocks and long slot steps over 4 warps, many rows wide blocks over 2 warps. Swept
 # on the H100 (docs/kernels.md: combine 8.6 -> 6.4 us at 32K B=1, 8.8 -> 5.5 at 32K B=4, 23.1 -> 13.3 at 32K B=16).
@@ -1016,11 +1005,7 @@ def _combine(pm, pl, pacc, rk, n_slots: int, q, k_new, h_new, qk: float, rep: in
     cfg = _combine_launch(B * H, _num_sms(q.device))
     BR = min(pacc.shape[-1], cfg["BR"])
     _combine_kernel[(B * H, triton.cdiv(R, BR))](
-        pm,
-        pl,
-        pacc,
-        pacc.stride(2),
-        rk,
+        *_partial_args(pm, pl, pacc, rk),
         z,
         n_slots,
         R,
@@ -1172,11 +1157,7 @@ def latent_attention(
             qk,
             npos,
             0 if win is None else int(win),
-            pm,
-            pl,
-            pacc,
-            pacc.stride(2),
-            rk,
+            *_partial_args(pm, pl, pacc, rk),
             n_slots,
             H,
             slot0,
