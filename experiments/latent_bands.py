@@ -195,6 +195,15 @@ def main_formats(R: int) -> dict:
         [(96, 3), (96, 1)],
         [(128, 2), (64, 1)],
         [(160, 2), (32, 0)],
+        # the best splits of the `all` screen between 2 and 2.6 bits per number
+        [(32, 4), (96, 2), (64, 0)],
+        [(32, 3), (128, 2), (32, 0)],
+        [(96, 3), (32, 2), (64, 0)],
+        [(32, 4), (128, 2), (32, 0)],
+        [(32, 4), (64, 3), (32, 2), (64, 0)],
+        [(64, 3), (96, 2), (32, 0)],
+        [(96, 3), (64, 2), (32, 0)],
+        [(32, 4), (64, 3), (64, 2), (32, 0)],
     ):
         f[name_of(bands)] = bands
     return f
@@ -206,6 +215,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--window", type=int, default=0)
+    ap.add_argument("--text", default="dev", help="dev, or a path to a file of documents (a domain left out)")
     ap.add_argument("--screen", default="main", choices=("main", "all", "rot", "eight"))
     ap.add_argument("--capture", type=Path, default=None, help="keep the captured window here (a .pt file)")
     ap.add_argument("--keys", default="exact,k56b4", help="key formats, one error column each")
@@ -218,7 +228,7 @@ def main():
     if args.capture and args.capture.exists():
         layers = torch.load(args.capture)
     else:
-        ids = heldout_windows(tok, args.ctx, args.window + 1)[args.window :]
+        ids = heldout_windows(tok, args.ctx, args.window + 1, args.text)[args.window :]
         layers = capture(model, ids)
         if args.capture:
             torch.save(layers, args.capture)
@@ -244,9 +254,7 @@ def main():
     elif args.screen == "rot":  # rot: Hadamard blocks over R (crossing band edges that are not multiples); band; none
         rows = []
         for bands in ([(192, 3)], [(192, 2)], [(128, 3), (64, 2)], [(64, 4), (128, 2)], [(32, 4), (160, 2)]):
-            for rot in (32, 64, 128, "band", 0):
-                if rot == 128 and len(bands) == 1:
-                    continue
+            for rot in (32, 64, "band", 0):
                 rows.append((f"{name_of(bands)} rot {rot}", bands, rot, ""))
         show(rows)
     elif args.screen == "all":  # keys exact: the latents' error alone
