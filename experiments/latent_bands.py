@@ -20,13 +20,12 @@ scales and zeros (fp8 scale and zero, 16 bits per group: the preset's value_meta
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 from pathlib import Path
 
 import torch
-from quant_proxy import attn_out, capture, fq, lowrank_keys, rope, rope_tables
+from quant_proxy import attn_out, capture, fq, lowrank_keys, rope, rope_tables, window_parser
 
 from tale_runtime import load
 from tale_runtime.model import hadamard
@@ -210,11 +209,7 @@ def main_formats(R: int) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("artifact")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--ctx", type=int, default=1024)
-    ap.add_argument("--window", type=int, default=0)
+    ap = window_parser()
     ap.add_argument("--text", default="dev", help="dev, or a path to a file of documents (a domain left out)")
     ap.add_argument("--screen", default="main", choices=("main", "all", "rot", "eight"))
     ap.add_argument("--capture", type=Path, default=None, help="keep the captured window here (a .pt file)")

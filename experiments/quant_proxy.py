@@ -417,12 +417,18 @@ def prerope_screen(stats) -> dict:
     return fm
 
 
-def main():
+def window_parser() -> argparse.ArgumentParser:
+    """The options of a screen over one captured window: the artifact, threads, the window's length and start."""
     ap = argparse.ArgumentParser()
     ap.add_argument("artifact")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--window", type=int, default=0)
+    return ap
+
+
+def main():
+    ap = window_parser()
     ap.add_argument(
         "--screen",
         default="formats",
