@@ -35,11 +35,8 @@ META_BITS = 16  # fp8 scale + fp8 zero per group
 
 
 def blockdiag(R: int, block: int) -> torch.Tensor:
-    Q = torch.zeros(R, R)
-    h = hadamard(block, "cpu", torch.float32)
-    for i in range(0, R, block):
-        Q[i : i + block, i : i + block] = h
-    return Q
+    """[R, R]: normalized Hadamard blocks of `block` channels on the diagonal (the artifact's latent rotation)."""
+    return torch.block_diag(*[hadamard(block, "cpu", torch.float32)] * (R // block))
 
 
 def band_group(ch: int, group: int) -> int:
