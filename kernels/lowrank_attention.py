@@ -54,8 +54,23 @@ from tale_runtime.regions import LayerView, Region, Rotary
 from . import attention as _attn
 from . import lowrank_latent as _ll
 from . import lowrank_score as _ls
-from ._common import TL_DTYPE, interpreting, plane, plane3, plane3_asm, plane_asm, pow2, runnable
-from .attention import _inv_bias
+from ._common import (
+    TL_DTYPE,
+    group_rows,
+    interpreting,
+    plane,
+    plane3,
+    plane3_asm,
+    plane_asm,
+    pow2,
+    program_ids,
+    runnable,
+    scalar,
+    slot_ok,
+    split_bounds,
+    tile_slots,
+)
+from .attention import _inv_bias, _nth, _put, _softmax_init, _softmax_step, _store_stats
 
 LOG2E = 1.4426950408889634
 
@@ -252,6 +267,19 @@ def _lat_plane(
 
 
 @triton.jit
+def _meta_inv(bias, ish, QC: tl.constexpr):
+    """The factors inv_s, inv_z of a tensor's scales and zeros (_deq) from _qargs' bias arg, 1 / shift and
+    constexprs QC: 1 / the fp8 bias where they are fp8, else 1 / the 16-bit shift."""
+    inv_s = ish
+    inv_z = ish
+    if QC[3]:
+        inv_s = _inv_bias(bias, QC[5])
+    if QC[4]:
+        inv_z = _inv_bias(bias, QC[5])
+    return inv_s, inv_z
+
+
+@triton.jit
 def _lr_kernel(
     q_ptr,
     s_qb,
@@ -263,17 +291,7 @@ def _lr_kernel(
     np_arg,
     window,
     roff_ptr,
-    k_ptr,
-    s_kb,
-    s_kh,
-    s_kt,
-    ks_ptr,
-    kz_ptr,
-    s_ksb,
-    s_ksh,
-    s_kst,
-    k_bias,
-    k_ish,
+    keys,  # the keys (_qargs): codes, their strides (row, block or head, slot), scale, zero, theirs, bias, 1 / shift
     dec_ptr,
     dhi_ptr,
     s_dblk,
@@ -285,22 +303,8 @@ def _lr_kernel(
     s_ct,
     invf_ptr,
     rope_scale,
-    h_ptr,
-    s_hb,
-    s_hg,
-    s_ht,
-    hs_ptr,
-    hz_ptr,
-    s_hsb,
-    s_hsg,
-    s_hst,
-    h_bias,
-    h_ish,
-    pm_ptr,
-    pl_ptr,
-    pacc_ptr,
-    s_acc,
-    rk_ptr,
+    lats,  # the latents, as keys (strides per row, latent group, slot)
+    parts,  # the partials (_attn._partial_args: pm, pl, pacc, its row stride, rk)
     sc_ptr,
     s_scb,
     s_sch,
@@ -319,13 +323,7 @@ def _lr_kernel(
     WB: tl.constexpr,
     KC: tl.constexpr,
     KRC: tl.constexpr,
-    KPLANE: tl.constexpr,
-    KBITS: tl.constexpr,
-    KTG: tl.constexpr,
-    KCG: tl.constexpr,
-    KSF8: tl.constexpr,
-    KZF8: tl.constexpr,
-    KBP: tl.constexpr,
+    KQ: tl.constexpr,  # the keys' (BITS, TG, CG, SF8, ZF8, BP) (_qargs)
     ROPE: tl.constexpr,
     RDT: tl.constexpr,
     PRECISE: tl.constexpr,  # RoPE computed here (ROPE 2): 0 numpy's (interpreter), 1 libdevice, 2 the SFU
@@ -333,11 +331,7 @@ def _lr_kernel(
     RANK: tl.constexpr,
     LC: tl.constexpr,
     NLC: tl.constexpr,
-    HBITS: tl.constexpr,
-    HG: tl.constexpr,
-    HSF8: tl.constexpr,
-    HZF8: tl.constexpr,
-    HBP: tl.constexpr,
+    HQ: tl.constexpr,  # the latents', as KQ
     HPL: tl.constexpr,
     HP: tl.constexpr,
     HVB: tl.constexpr,
@@ -357,27 +351,15 @@ def _lr_kernel(
     ROPE 0: keys after RoPE; 1: before, rotated by the tables cos/sin [B, cap, N]; 2: before, rotated by
     cos/sin(rope position * inv_freq) * rope_scale computed here (rope position = slot position - roff[b]),
     rounded to RDT as the model's tables are."""
-    sp = tl.program_id(0)
-    c = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    if LENP:
-        L = tl.load(len_arg).to(tl.int32)
-    else:
-        L = len_arg
-    if NPP:
-        next_pos = tl.load(np_arg).to(tl.int32)
-    else:
-        next_pos = np_arg
-    chunk = tl.cdiv(tl.cdiv(L, ns), BT) * BT
-    t_start = sp * chunk
-    t_end = tl.minimum(t_start + chunk, L)
+    sp, c, b = program_ids()
+    L = scalar(len_arg, LENP)
+    next_pos = scalar(np_arg, NPP)
+    t_start, t_end = split_bounds(L, ns, sp, BT)
 
     QG: tl.constexpr = GS * REP
     HALF: tl.constexpr = N // 2
     WN: tl.constexpr = WB * NH  # columns of one dot: channel d (of a RoPE half) of head w at column w NH + d
-    rows = tl.arange(0, QGP)
-    rmask = rows < QG
-    head = c * QG + rows
+    rows, head, rmask = group_rows(c, QG, QGP)
     jrow = rows // REP  # the KV head (within the group) each query row reads
     d = tl.arange(0, NH)
     dm = d < HALF
@@ -391,18 +373,15 @@ def _lr_kernel(
         q_lo = (tl.load(qrow + cd[None, :], mask=sel, other=0.0).to(tl.float32) * qk_scale).to(DOT)
         q_hi = (tl.load(qrow + HALF + cd[None, :], mask=sel, other=0.0).to(tl.float32) * qk_scale).to(DOT)
 
-    kinv_s = k_ish
-    kinv_z = k_ish
-    if KSF8:
-        kinv_s = _inv_bias(k_bias, KBP)
-    if KZF8:
-        kinv_z = _inv_bias(k_bias, KBP)
-    hinv_s = h_ish
-    hinv_z = h_ish
-    if HSF8:
-        hinv_s = _inv_bias(h_bias, HBP)
-    if HZF8:
-        hinv_z = _inv_bias(h_bias, HBP)
+    k_ptr, s_kb, s_kh, s_kt, ks_ptr, kz_ptr, s_ksb, s_ksh, s_kst, k_bias, k_ish = keys
+    h_ptr, s_hb, s_hg, s_ht, hs_ptr, hz_ptr, s_hsb, s_hsg, s_hst, h_bias, h_ish = lats
+    KBITS: tl.constexpr = KQ[0]
+    KTG: tl.constexpr = KQ[1]
+    KCG: tl.constexpr = KQ[2]
+    HBITS: tl.constexpr = HQ[0]
+    HG: tl.constexpr = HQ[2]
+    kinv_s, kinv_z = _meta_inv(k_bias, k_ish, KQ)
+    hinv_s, hinv_z = _meta_inv(h_bias, h_ish, HQ)
     if ROPE == 2:
         invf = tl.load(invf_ptr + d, mask=dm, other=0.0).to(tl.float32)
         roff = tl.load(roff_ptr + b).to(tl.int32)
@@ -410,27 +389,17 @@ def _lr_kernel(
     # keys per channel over token groups that each hold whole tiles (tiles start at multiples of BT): one row of
     # scales and zeros per tile
     KROW1: tl.constexpr = KTG % BT == 0
+    # low-rank coefficients so grouped, at 2/4/8 bits (whole codes per byte), are read by planes: each packed row
+    # once, its code planes in turn
+    KPLANE: tl.constexpr = LOWRANK and KROW1 and KCG == 1 and (KBITS == 2 or KBITS == 4 or KBITS == 8)
     PNB: tl.constexpr = KC * KBITS // 8  # bytes per packed row of keys (the plane path: KPLANE)
 
-    m_i = tl.full([QGP], float("-inf"), tl.float32)
-    l_i = tl.zeros([QGP], tl.float32)
-    acc0 = tl.zeros([QGP, LC], tl.float32)
-    acc1 = tl.zeros([QGP, LC], tl.float32)
-    acc2 = tl.zeros([QGP, LC], tl.float32)
-    acc3 = tl.zeros([QGP, LC], tl.float32)
-    acc4 = tl.zeros([QGP, LC], tl.float32)
-    acc5 = tl.zeros([QGP, LC], tl.float32)
-    acc6 = tl.zeros([QGP, LC], tl.float32)
-    acc7 = tl.zeros([QGP, LC], tl.float32)
+    m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _softmax_init(QGP, LC, 8)
     hbase = b * s_hb + c * s_hg
     hsbase = b * s_hsb + c * s_hsg
     for t0 in range(t_start, t_end, BT):
-        t = t0 + tl.arange(0, BT)
-        tm = t < t_end
-        pv = tl.load(pos_ptr + b * s_pb + t, mask=tm, other=-1)
-        ok = pv >= 0
-        if WIN:
-            ok = ok & (next_pos - pv < window)
+        t, tm = tile_slots(t0, t_end, BT)
+        pv, ok = slot_ok(pos_ptr + b * s_pb, t, tm, next_pos, window, WIN)
         if PHASE == 2:  # the tile's scores, written by the score launch (-inf where no token is)
             scm = rmask[:, None] & tm[None, :]
             logits = tl.load(sc_ptr + b * s_scb + head[:, None] * s_sch + t[None, :], mask=scm, other=0.0)
@@ -483,18 +452,19 @@ def _lr_kernel(
                     if LOWRANK:  # k_pre = mean + c dec[:r] of heads h0 .. h0 + WB - 1: [BT, WN] per RoPE half
                         blk = h0 // HPB  # their basis block, and their first column in it
                         cb = (h0 % HPB) * NH
+                        kb = b * s_kb + blk * s_kh
+                        ksb = b * s_ksb + blk * s_ksh
                         k_lo = tl.zeros([BT, WN], tl.float32)
                         k_hi = tl.zeros([BT, WN], tl.float32)
                         if KPLANE:  # packed rows read KRC contiguous bytes at a time, each chunk's code planes in turn
-                            pkb = b * s_kb + blk * s_kh
-                            pksb = b * s_ksb + blk * s_ksh + (t0 // KTG) * s_kst  # the tile's token group: one row
+                            pksb = ksb + (t0 // KTG) * s_kst  # the tile's token group: one row
                             for p0 in range(0, PNB, KRC):
                                 pj = p0 + tl.arange(0, KRC)
                                 pjm = pj < PNB
                                 # masked by the tile's range, not by the positions: the loads need not wait for them (the
                                 # scores of slots that hold no token are masked below)
                                 pbyt = tl.load(
-                                    k_ptr + pkb + t[:, None] * s_kt + pj[None, :],
+                                    k_ptr + kb + t[:, None] * s_kt + pj[None, :],
                                     mask=tm[:, None] & pjm[None, :],
                                     other=0,
                                 ).to(tl.int32)
@@ -511,8 +481,6 @@ def _lr_kernel(
                             ch = c0 + tl.arange(0, KRC)
                             chm = ch < KC
                             cm2 = ok[:, None] & chm[None, :]
-                            kb = b * s_kb + blk * s_kh
-                            ksb = b * s_ksb + blk * s_ksh
                             coef = _deq(
                                 k_ptr, kb, t, s_kt, ch, cm2, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, KC, KTG, KCG,
                                 t0, KROW1,
@@ -529,25 +497,9 @@ def _lr_kernel(
                         kb = b * s_kb + h0 * s_kh
                         ksb = b * s_ksb + h0 * s_ksh
                         k_lo = _deq(
-                            k_ptr,
-                            kb,
-                            t,
-                            s_kt,
-                            d,
-                            km,
-                            ks_ptr,
-                            kz_ptr,
-                            ksb,
-                            s_kst,
-                            kinv_s,
-                            kinv_z,
-                            KBITS,
-                            N,
-                            KTG,
-                            KCG,
-                            t0,
-                            KROW1,
-                        )
+                            k_ptr, kb, t, s_kt, d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG,
+                            t0, KROW1,
+                        )  # fmt: skip
                         k_hi = _deq(
                             k_ptr, kb, t, s_kt, HALF + d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG,
                             t0, KROW1,
@@ -577,14 +529,9 @@ def _lr_kernel(
                     tl.store(sc_ptr + b * s_scb + head[:, None] * s_sch + t[None, :], sco, mask=scm)
         logits = tl.where(ok[None, :], logits, float("-inf"))
         if PHASE != 1:
-            # -- online softmax (base 2)
-            m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(logits - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-            if HPL > 0:  # -- latents by planes (LC = the padded plane width, NLC = HPL planes)
+            # -- online softmax (base 2), then the latents into accumulator i: plane i (HPL > 0), else chunk i
+            p, alpha, m_i, l_i = _softmax_step(logits, m_i, l_i)
+            if HPL > 0:  # -- by planes (LC = the padded plane width, NLC = HPL planes): the tile's bytes read once
                 jp = tl.arange(0, LC)
                 bmask = tm[:, None] & (jp < HP)[None, :]
                 hrow = h_ptr + hbase + t[:, None] * s_ht + jp[None, :]
@@ -597,85 +544,36 @@ def _lr_kernel(
                     hi = lo0
                 srow = hsbase + t * s_hst
                 pd = p.to(DOT)
-                acc0 = _lat_plane(
-                    acc0, pd, alpha, 0, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB, HG,
-                    BT, DOT, HASM,
-                )  # fmt: skip
-                acc1 = _lat_plane(
-                    acc1, pd, alpha, 1, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB, HG,
-                    BT, DOT, HASM,
-                )  # fmt: skip
-                if NLC > 2:
-                    acc2 = _lat_plane(
-                        acc2, pd, alpha, 2, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB,
-                        HG, BT, DOT, HASM,
+            for i in tl.static_range(NLC):
+                a = _nth(i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7)
+                if HPL > 0:
+                    a = _lat_plane(
+                        a, pd, alpha, i, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB, HG,
+                        BT, DOT, HASM,
                     )  # fmt: skip
-                    acc3 = _lat_plane(
-                        acc3, pd, alpha, 3, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB,
-                        HG, BT, DOT, HASM,
+                else:
+                    a = _lat_chunk(
+                        a, p, alpha, i, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK,
+                        LC, HBITS, HG, DOT,
                     )  # fmt: skip
-                if NLC > 4:
-                    acc4 = _lat_plane(
-                        acc4, pd, alpha, 4, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB,
-                        HG, BT, DOT, HASM,
-                    )  # fmt: skip
-                    acc5 = _lat_plane(
-                        acc5, pd, alpha, 5, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB,
-                        HG, BT, DOT, HASM,
-                    )  # fmt: skip
-                    acc6 = _lat_plane(
-                        acc6, pd, alpha, 6, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB,
-                        HG, BT, DOT, HASM,
-                    )  # fmt: skip
-                    acc7 = _lat_plane(
-                        acc7, pd, alpha, 7, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB,
-                        HG, BT, DOT, HASM,
-                    )  # fmt: skip
-            else:  # -- latents, chunk by chunk
-                acc0 = _lat_chunk(
-                    acc0, p, alpha, 0, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK,
-                    LC, HBITS, HG, DOT,
-                )  # fmt: skip
-                if NLC > 1:
-                    acc1 = _lat_chunk(
-                        acc1, p, alpha, 1, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z,
-                        RANK, LC, HBITS, HG, DOT,
-                    )  # fmt: skip
-                if NLC > 2:
-                    acc2 = _lat_chunk(
-                        acc2, p, alpha, 2, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z,
-                        RANK, LC, HBITS, HG, DOT,
-                    )  # fmt: skip
-                if NLC > 3:
-                    acc3 = _lat_chunk(
-                        acc3, p, alpha, 3, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z,
-                        RANK, LC, HBITS, HG, DOT,
-                    )  # fmt: skip
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _put(
+                    i, a, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+                )
 
     # -- this split's partial, in kernels/attention.py's layout (channels past RANK are never written)
     if PHASE != 1:
+        pm_ptr, pl_ptr, pacc_ptr, s_acc, rk_ptr = parts
         slot = slot0 + sp
-        tl.store(rk_ptr + slot + tl.arange(0, 1), tl.full([1], RANK, tl.int32))
         prow = (b * H + head) * n_slots + slot
-        tl.store(pm_ptr + prow, m_i, mask=rmask)
-        tl.store(pl_ptr + prow, l_i, mask=rmask)
+        _store_stats(pm_ptr, pl_ptr, rk_ptr, slot, prow, rmask, m_i, l_i, RANK)
         jl = tl.arange(0, LC)
-        # accumulator i holds channels i CW + j, j < CV (planes: HP of LC; chunks: all LC below RANK)
+        # accumulator i holds channels i CW + j, j < CW (planes: HP of LC; chunks: all LC below RANK)
         CW: tl.constexpr = HP if HPL > 0 else LC
         jm = rmask[:, None] & (jl < CW)[None, :]
         base = pacc_ptr + prow[:, None] * s_acc + jl[None, :]
-        tl.store(base, acc0, mask=jm & (jl < RANK)[None, :])
-        if NLC > 1:
-            tl.store(base + CW, acc1, mask=jm & (CW + jl < RANK)[None, :])
-        if NLC > 2:
-            tl.store(base + 2 * CW, acc2, mask=jm & (2 * CW + jl < RANK)[None, :])
-        if NLC > 3:
-            tl.store(base + 3 * CW, acc3, mask=jm & (3 * CW + jl < RANK)[None, :])
-        if NLC > 4:
-            tl.store(base + 4 * CW, acc4, mask=jm & (4 * CW + jl < RANK)[None, :])
-            tl.store(base + 5 * CW, acc5, mask=jm & (5 * CW + jl < RANK)[None, :])
-            tl.store(base + 6 * CW, acc6, mask=jm & (6 * CW + jl < RANK)[None, :])
-            tl.store(base + 7 * CW, acc7, mask=jm & (7 * CW + jl < RANK)[None, :])
+        for i in tl.static_range(NLC):
+            a = _nth(i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7)
+            tl.store(base + i * CW, a, mask=jm & (i * CW + jl < RANK)[None, :])
 
 
 # -- host side -------------------------------------------------------------------------------
@@ -795,19 +693,19 @@ def _c(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _qargs(t: QTensor, C: int):
-    """(data, its strides [3], scale, zero, scale strides [3], bias arg, 1/shift, constexprs (BITS, TG, CG, SF8,
-    ZF8, BP)) of a region QTensor [X, Y, cap, C]."""
+def _qargs(t: QTensor, C: int) -> tuple[tuple, tuple]:
+    """The kernel's arguments of a region QTensor [X, Y, cap, C]: (data, its strides [3], scale, zero, scale strides
+    [3], bias arg, 1/shift) and its constexprs (BITS, TG, CG, SF8, ZF8, BP)."""
     data = _c(t.data)
     if t.bits == 16:
-        return data, data.stride()[:3], data, data, (0, 0, 0), 1.0, 1.0, (16, 1, 1, False, False, False)
+        return (data, *data.stride()[:3], data, data, 0, 0, 0, 1.0, 1.0), (16, 1, 1, False, False, False)
     sc, zr = _c(t.scale), _c(t.zero)
     per_tok = t.dim % 4 == 3
     tg, cg = (1, t.group) if per_tok else (t.group, 1)
     bp = isinstance(t.bias, torch.Tensor)
     bias = t.bias if bp else float(t.bias)
     s8, z8 = sc.dtype == FP8, zr.dtype == FP8
-    return data, data.stride()[:3], sc, zr, sc.stride()[:3], bias, 1.0 / t.shift, (t.bits, tg, cg, s8, z8, bp)
+    return (data, *data.stride()[:3], sc, zr, *sc.stride()[:3], bias, 1.0 / t.shift), (t.bits, tg, cg, s8, z8, bp)
 
 
 def _splits(regions: list[Region], B: int, G: int, sms: int, waves: float, min_split: int):
@@ -1059,8 +957,9 @@ def _region_plan(c: _Call, r: Region, ns: int) -> _RegionPlan:
     pm, pl, pacc, rk = c.partials
     lowrank = r.basis is not None
     KC = r.keys.shape[-1] if lowrank else n
-    kd, kst, ks, kz, kss, kbias, kish, (KB, KTG, KCG, KS8, KZ8, KBP) = _qargs(r.keys, KC)
-    hd, hst, hs, hz, hss, hbias, hish, (HB, _, HG, HS8, HZ8, HBP) = _qargs(r.lat, r.rank)
+    keys, KQ = _qargs(r.keys, KC)
+    lats, HQ = _qargs(r.lat, r.rank)
+    kd = keys[0]  # stands in for the pointers a region does not use
     if lowrank:
         dec, dhi, mean = _basis_on(r.basis, NH, dev, torch.float32 if q.dtype == torch.float32 else torch.float16)
         hpb = K // r.basis.blocks
@@ -1112,17 +1011,7 @@ def _region_plan(c: _Call, r: Region, ns: int) -> _RegionPlan:
         c.npos,
         0 if c.win is None else int(c.win),
         ro,
-        kd,
-        kst[0],
-        kst[1],
-        kst[2],
-        ks,
-        kz,
-        kss[0],
-        kss[1],
-        kss[2],
-        kbias,
-        kish,
+        keys,
         dec,
         dhi,
         dec.stride(0) if lowrank else 0,
@@ -1133,22 +1022,8 @@ def _region_plan(c: _Call, r: Region, ns: int) -> _RegionPlan:
         *cstr,
         invf,
         rsc,
-        hd,
-        hst[0],
-        hst[1],
-        hst[2],
-        hs,
-        hz,
-        hss[0],
-        hss[1],
-        hss[2],
-        hbias,
-        hish,
-        pm,
-        pl,
-        pacc,
-        pacc.stride(2),
-        rk,
+        lats,
+        _attn._partial_args(pm, pl, pacc, rk),
         sc,
         sc.stride(0),
         sc.stride(1),
@@ -1161,12 +1036,7 @@ def _region_plan(c: _Call, r: Region, ns: int) -> _RegionPlan:
         HPB=hpb,
         KC=KC,
         KRC=max(16, krc),
-        KBITS=KB,
-        KTG=KTG,
-        KCG=KCG,
-        KSF8=KS8,
-        KZF8=KZ8,
-        KBP=KBP,
+        KQ=KQ,
         ROPE=mode,
         RDT=TL_DTYPE[q.dtype],
         PRECISE=0 if interpreting() else 2 if c.fast_rope else 1,
@@ -1174,11 +1044,7 @@ def _region_plan(c: _Call, r: Region, ns: int) -> _RegionPlan:
         RANK=r.rank,
         LC=LC,
         NLC=NLC,
-        HBITS=HB,
-        HG=HG,
-        HSF8=HS8,
-        HZF8=HZ8,
-        HBP=HBP,
+        HQ=HQ,
         HPL=HPL,
         HP=HP,
         HVB=HVB,
@@ -1224,19 +1090,17 @@ def _launch_region(c: _Call, r: Region, p: _RegionPlan, slot0: int) -> None:
         tile = c.SBT if phase == 1 else c.BT
         kall = p.heads and phase == 1
         whole = phase != 1 or p.grp  # programs of whole latent groups
-        m = p.meta
         _lr_kernel[(nsp, 1 if kall else G if whole else K, B)](
             *p.args,
             slot0,
             c.n_slots,
             H,
             nsp,
-            **m,
+            **p.meta,
             GS=c.g if whole else 1,  # the score launch: a program per KV head, unless by groups
             QGP=QGP if whole else max(16, pow2(c.rep)),
             BT=tile,
             WB=p.wb if whole else 1,
-            KPLANE=p.lowrank and m["KBITS"] in (2, 4, 8) and m["KCG"] == 1 and m["KTG"] % tile == 0,
             PHASE=phase,
             KALL=kall,
             num_warps=p.swarps if phase == 1 else c.num_warps,
