@@ -222,6 +222,7 @@ class ExactTale(Tale):
         return replace(
             s,
             levels=[replace(lv, bits=16, key_bits=16, key_rank=0) for lv in s.levels],  # plain keys too
+            key_ranks=None,
             ranks=[[R] * len(s.levels) for _ in s.ranks],
             policy="exact",
             key_rope="post",  # 16-bit keys after RoPE, as the full cache holds them (before it: bf16 rounding apart)
