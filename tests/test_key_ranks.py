@@ -200,3 +200,19 @@ def test_an_energy_conversion_holds_other_ranks_per_layer_decodes_and_keeps_the_
     # a key_rank override applies one count to every layer
     flat = load(tmp_path / "e", device="cpu", dtype=torch.float32, key_rank=[16, 0, 0])[0].tale_spec.schedule
     assert flat.key_ranks is None and flat.levels[0].key_rank == 16
+
+
+def test_the_cuda_score_pass_is_asked_about_every_layers_coefficient_count():
+    """The cuda-lowrank backend checks each layer's count (the kernels read it from each region's tensors): 8
+    two-bit coefficients are half a word, which a uniform 16 never shows."""
+    pytest.importorskip("triton")
+    from tale_kernels.plugin import _cuda_lowrank_reason
+    from tale_runtime.spec import CacheSpec
+
+    arch = Arch("llama", 2, 1024, 8, 2, 128, 2, 1, 256)
+    s = lowrank(key_rank=16, layers=2)
+    s = replace(s, levels=[replace(s.levels[0], key_bits=2), *s.levels[1:]], key_group=32, key_meta="8/8")
+    spec = CacheSpec(arch, s, True, torch.device("cuda"), torch.bfloat16)
+    why = "8 coefficients at 2 bits (2/4/8 bits, packed rows of whole words)"
+    assert _cuda_lowrank_reason(spec) != why
+    assert _cuda_lowrank_reason(replace(spec, schedule=with_key_ranks(s, [[24, 0, 0], [8, 0, 0]]))) == why
