@@ -216,3 +216,21 @@ def test_the_cuda_score_pass_is_asked_about_every_layers_coefficient_count():
     why = "8 coefficients at 2 bits (2/4/8 bits, packed rows of whole words)"
     assert _cuda_lowrank_reason(spec) != why
     assert _cuda_lowrank_reason(replace(spec, schedule=with_key_ranks(s, [[24, 0, 0], [8, 0, 0]]))) == why
+
+
+def test_gemma3_global_and_sliding_layers_keep_their_own_totals(tiny_model_dir, tmp_path, monkeypatch):
+    """The converter hands the policy each layer's sliding window (None: global): the tiny Gemma 3's one sliding and
+    one global layer each keep the preset's count, so the schedule is the uniform one (format 2.4)."""
+    seen = []
+    real = rank_policy.key_ranks
+    monkeypatch.setattr(
+        rank_policy, "key_ranks", lambda e, m, s, kinds: seen.append(list(kinds)) or real(e, m, s, kinds)
+    )
+    report = convert(
+        str(tiny_model_dir("gemma3")),
+        tmp_path / "g",
+        Options(group=2, key_rank_policy="energy", **dict(TINY_OPTS, preset="lowrank", residual=None)),
+    )
+    assert seen == [[64, None]] and report.key_ranks is None
+    m = json.loads((tmp_path / "g" / MANIFEST).read_text())
+    assert m["format_version"] == "2.4" and "key_ranks" not in m["schedule"]
