@@ -4,6 +4,7 @@ preset's share of the joined keys (7/24 of K n: 56) and below it (6/24: 48).
 
     python experiments/key_rank_policy.py convert --work out/krp     # out/krp/e56, out/krp/e48
     python experiments/key_rank_policy.py dev --work out/krp         # dev text (5 x 1024 tokens), every variant
+    python experiments/key_rank_policy.py loo --work out/krp         # three calibration domains left out
     python experiments/key_rank_policy.py report --work out/krp --names full,k56-uniform,k56-energy
 
 `convert`: the default conversion (tale-convert smollm2 --group 3) with --key-rank-policy energy, at the preset's 7/24
@@ -11,7 +12,9 @@ and at 6/24 (the preset's key share replaced for that run; the tensors and the k
 the same as the uniform conversion's: only the schedule differs). Variants (experiments/search/key_rank_policy.json):
 uniform at 56 and 48 coefficients are `key_rank` overrides of e56 (one count in every layer); energy at 56 is e56 as
 converted, energy at 48 is e48 as converted. `dev`: experiments/tale_search.py on the dev text (calib/
-corpus_heldout.txt, never calibrated on), prefill 128, chunk 8, with the full 16-bit cache in the same run. `report`:
+corpus_heldout.txt, never calibrated on), prefill 128, chunk 8, with the full 16-bit cache in the same run. `loo`: per
+domain L of --domains (experiments/eight_search.py's selection domains), the same two conversions calibrated on the
+other five corpora, then the variants on L's own text (4 x 1024 tokens). `report`:
 the --names variants on both test texts (4 x 1024 tokens each, the preset table's windows): run once, after the
 choice.
 """
@@ -33,8 +36,9 @@ SHARES = {"e56": 7 / 24, "e48": 6 / 24}  # the preset's key share of K n, per ar
 ON = {"k48-energy": "e48"}  # the variant's artifact (default e56: the same tensors, the energy ranks at 56)
 
 
-def convert(out: Path, share: float) -> None:
-    """tale-convert smollm2 --group 3 --key-rank-policy energy, the lowrank preset's key share set to `share`."""
+def convert(out: Path, share: float, calib: list[Path] | None = None) -> None:
+    """tale-convert smollm2 --group 3 --key-rank-policy energy [--calib ...], the lowrank preset's key share set to
+    `share`."""
     if (out / "tale_config.json").is_file():
         return
     from tale_convert import Options
@@ -42,7 +46,7 @@ def convert(out: Path, share: float) -> None:
     from tale_runtime import schedule
 
     schedule.PRESETS["lowrank"] = replace(schedule.PRESETS["lowrank"], key_rank=(share, 0, 0))
-    report = run("smollm2", out, Options(group=3, key_rank_policy="energy"), log=print)
+    report = run("smollm2", out, Options(group=3, calib=calib, key_rank_policy="energy"), log=print)
     print(out, "key ranks:", [row[0] for row in report.key_ranks or []], flush=True)
 
 
@@ -78,8 +82,12 @@ def table(work: Path, texts: list[str], names: list[str]) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["convert-one"]:  # OUT SHARE CALIB (the loo stage's conversions)
+        convert(Path(sys.argv[2]), float(sys.argv[3]), [Path(sys.argv[4])])
+        return
     ap = argparse.ArgumentParser()
-    ap.add_argument("stage", choices=["convert", "dev", "report"])
+    ap.add_argument("stage", choices=["convert", "dev", "loo", "report"])
+    ap.add_argument("--domains", default="corpus_dialogue,corpus_instructional,corpus_science")
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--names", default=None, help="comma list of variants (default: all)")
     ap.add_argument("--dev-windows", type=int, default=5)
@@ -89,6 +97,30 @@ def main() -> None:
     if a.stage == "convert":
         for art, share in SHARES.items():
             convert(a.work / art, share)
+        return
+    if a.stage == "loo":
+        import tale_calib
+
+        sys.path.insert(0, str(HERE))
+        from domain_shift import corpus_jsonl
+
+        domains = a.domains.split(",")
+        for d in domains:
+            rest = [p for p in tale_calib.calib_paths() if p.stem != d]
+            calib = corpus_jsonl(rest, a.work / d / "calib.jsonl")
+            for art, share in SHARES.items():
+                subprocess.run(  # a process per conversion: each sets the preset's share for its own run
+                    [sys.executable, __file__, "convert-one", str(a.work / d / art), str(share), str(calib)],
+                    check=True,
+                    env=ENV,
+                )
+            text = str(next(p for p in tale_calib.calib_paths() if p.stem == d))
+            for art in SHARES:
+                mine = [x for x in names if ON.get(x, "e56") == art and (x != "full" or art == "e56")]
+                if mine:
+                    search(a.work / d / art, text, a.work / d / f"{art}-{d}.jsonl", 4, mine)
+        for d in domains:
+            table(a.work / d, [d], names)
         return
     texts = ["dev"] if a.stage == "dev" else ["botchan", "eb1911"]
     windows = a.dev_windows if a.stage == "dev" else a.test_windows
