@@ -1,4 +1,4 @@
-"""Pieces shared by the Triton kernels: code unpacking and the CPU/interpreter gate."""
+"""Pieces shared by the Triton kernels: code unpacking, the split-K prologue and the CPU/interpreter gate."""
 
 from __future__ import annotations
 
@@ -136,3 +136,57 @@ def plane3_asm(lo, hi, scale, zero, i: tl.constexpr, OUT: tl.constexpr):
     else:
         x = tl.inline_asm_elementwise(_DQ3_BF16, _DQ3_CONSTRAINTS, [lo, hi, scale, zero, sl, sh], tl.bfloat16, True, 4)
     return x
+
+
+# -- the prologue every split-K decode kernel shares: its scalars, its split's slots, its rows, each tile's slots
+
+
+@triton.jit
+def program_ids():
+    """The program's (split, head group, batch row) of a grid (splits, groups, B); the last two as int64 offsets."""
+    return tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+
+
+@triton.jit
+def scalar(arg, PTR: tl.constexpr):
+    """An int32 scalar: `arg` itself, or (PTR) the value of the device scalar it points to (read when the kernel
+    runs, so that a captured graph follows it)."""
+    if PTR:
+        x = tl.load(arg).to(tl.int32)
+    else:
+        x = arg
+    return x
+
+
+@triton.jit
+def split_bounds(L, ns, sp, BT: tl.constexpr):
+    """Slots [t_start, t_end) of split sp of ns over a used length L: whole tiles of BT slots each, computed on the
+    device (a split past L gets none)."""
+    chunk = tl.cdiv(tl.cdiv(L, ns), BT) * BT
+    t_start = sp * chunk
+    return t_start, tl.minimum(t_start + chunk, L)
+
+
+@triton.jit
+def group_rows(c, QG: tl.constexpr, QGP: tl.constexpr):
+    """The QGP (a power of two >= QG) query rows of head group c: row index, query head, and which are real."""
+    rows = tl.arange(0, QGP)
+    return rows, c * QG + rows, rows < QG
+
+
+@triton.jit
+def tile_slots(t0, t_end, BT: tl.constexpr):
+    """The slots of the tile at t0, and which are in the split."""
+    t = t0 + tl.arange(0, BT)
+    return t, t < t_end
+
+
+@triton.jit
+def slot_ok(p_row, t, tm, next_pos, window, WIN: tl.constexpr):
+    """Each slot's cache position (p_row: the row's positions; -1 outside the split) and whether it counts: a
+    position >= 0 and, with a window (WIN), next_pos - position < window."""
+    pv = tl.load(p_row + t, mask=tm, other=-1)
+    ok = pv >= 0
+    if WIN:
+        ok = ok & (next_pos - pv < window)
+    return pv, ok

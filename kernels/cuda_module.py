@@ -180,15 +180,18 @@ class Module:
         self.mod = ctypes.c_void_p()
         _check(self.lib, self.lib.cuModuleLoadData(ctypes.byref(self.mod), self._cubin), f"loading {src}")
         self.funcs: dict[str, ctypes.c_void_p] = {}
+        self._smem: dict[str, int] = {}  # the dynamic shared memory each kernel was last allowed
 
     def function(self, name: str, max_dynamic_shared: int = 0) -> ctypes.c_void_p:
+        """The kernel `name`, allowed `max_dynamic_shared` bytes of dynamic shared memory (set once per size)."""
         if name not in self.funcs:
             f = ctypes.c_void_p()
             _check(self.lib, self.lib.cuModuleGetFunction(ctypes.byref(f), self.mod, name.encode()), name)
             self.funcs[name] = f
-        if max_dynamic_shared:
+        if max_dynamic_shared and self._smem.get(name) != max_dynamic_shared:
             rc = self.lib.cuFuncSetAttribute(self.funcs[name], _ATTR_MAX_DYNAMIC_SHARED, max_dynamic_shared)
             _check(self.lib, rc, f"{name}: {max_dynamic_shared} bytes of shared memory")
+            self._smem[name] = max_dynamic_shared
         return self.funcs[name]
 
     def launch(self, name: str, grid, block, args, shared: int = 0, pdl: bool = False) -> None:
@@ -231,3 +234,20 @@ def loaded(src: str, options: tuple[str, ...], device: torch.device) -> Module:
         with torch.cuda.device(device):
             _LOADED[key] = Module(src, options)
     return _LOADED[key]
+
+
+def device_scalar(v, dummy: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A kernel's (pointer, value) pair for an int that is either a device scalar (read by the kernel: value -1) or a
+    Python int (the pointer is `dummy`, never read)."""
+    if isinstance(v, torch.Tensor):
+        return (v if v.dtype == torch.int32 else v.to(torch.int32)), -1
+    return dummy, int(v)
+
+
+def dequant_bias(planes, dummy: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """A kernel's (pointer, 1/value) pair for quantized planes' code bias: fp8 scales ("8/8") keep a bias that is a
+    device tensor (value -1) or a float; other planes' bias is 1/shift."""
+    if planes.meta != "8/8":
+        return dummy, 1.0 / planes.shift
+    b = planes.bias
+    return (b, -1.0) if isinstance(b, torch.Tensor) else (dummy, 1.0 / float(b))

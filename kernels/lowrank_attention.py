@@ -1045,6 +1045,7 @@ class _RegionPlan:
     grp: bool  # the score launch: a program per latent group
     swarps: int
     tabs: tuple | None  # the region's RoPE tables (cos, sin), where the kernel reads them
+    sc: torch.Tensor | None  # the score buffer the score pass writes and the latent pass reads
     scores: tuple  # lowrank_score.scores' arguments after the query's: the region's keys, RoPE, basis, score buffer
 
 
@@ -1190,7 +1191,7 @@ def _region_plan(c: _Call, r: Region, ns: int) -> _RegionPlan:
     )
     tabs = (cos, sin) if mode == 1 else None
     scores = (r.keys, r.pos, ln, ro, invf, rsc, dec, dhi, mean, hpb, sc, tabs)
-    return _RegionPlan(args, meta, phases, lowrank, hpb, wb, heads, grp, swarps, tabs, scores)
+    return _RegionPlan(args, meta, phases, lowrank, hpb, wb, heads, grp, swarps, tabs, sc, scores)
 
 
 def _launch_region(c: _Call, r: Region, p: _RegionPlan, slot0: int) -> None:
@@ -1217,9 +1218,8 @@ def _launch_region(c: _Call, r: Region, p: _RegionPlan, slot0: int) -> None:
         if phase == 2 and p.lowrank and c.score_cuda is not False and _ll.VARIANT == "cuda":
             # the latent pass in CUDA (kernels/lowrank_latent.py) where it reads the region's latents (rank 512,
             # 3 bits), else the Triton launch below: both on tensor cores, neither the reference
-            sc, pos = p.scores[10], p.scores[1]
-            if _ll.reason(q, r.lat, r.rank, c.g * c.rep, sc, pos) is None:
-                _ll.latents(sc, pos, r.length, c.npos, c.win, r.lat, c.g * c.rep, c.partials, slot0, c.n_slots, nsp)
+            if _ll.reason(q, r.lat, r.rank, c.g * c.rep, p.sc, r.pos) is None:
+                _ll.latents(p.sc, r.pos, r.length, c.npos, c.win, r.lat, c.g * c.rep, c.partials, slot0, c.n_slots, nsp)
                 continue
         tile = c.SBT if phase == 1 else c.BT
         kall = p.heads and phase == 1

@@ -16,7 +16,7 @@ import torch
 
 from tale_runtime.quant import FP8, QTensor
 
-from .cuda_module import loaded
+from .cuda_module import dequant_bias, device_scalar, loaded
 from .lowrank_score import available
 
 SRC = os.path.join(os.path.dirname(__file__), "cuda", "lowrank_latent.cu")
@@ -84,16 +84,7 @@ def latents(
     mod = loaded(SRC, opts, dev)
     mod.function("tale_lr_latent", smem_bytes())
 
-    def scalar(v):  # (pointer, value): a device scalar is read by the kernel (value -1)
-        if isinstance(v, torch.Tensor):
-            return (v if v.dtype == torch.int32 else v.to(torch.int32)), -1
-        return pos, int(v)
-
-    if meta8:
-        bias = lat.bias
-        bias_p, inv_v = (bias, -1.0) if isinstance(bias, torch.Tensor) else (pos, 1.0 / float(bias))
-    else:
-        bias_p, inv_v = pos, 1.0 / lat.shift
+    bias_p, inv_v = dequant_bias(lat, pos)
     pm, pl, pacc, rk = partials
     d, s, z = lat.data, lat.scale, lat.zero
     mod.launch(
@@ -106,9 +97,9 @@ def latents(
             scores.stride(1),
             pos,
             pos.stride(0),
-            *scalar(length),
+            *device_scalar(length, pos),
             cap,
-            *scalar(next_pos),
+            *device_scalar(next_pos, pos),
             0 if window is None else int(window),
             d,
             d.stride(0),

@@ -17,7 +17,7 @@ import torch
 
 from tale_runtime.quant import FP8, QTensor
 
-from .cuda_module import loaded
+from .cuda_module import dequant_bias, device_scalar, loaded
 
 SRC = os.path.join(os.path.dirname(__file__), "cuda", "lowrank_score.cu")
 BT = 64  # slots per tile (the .cu's BT)
@@ -170,15 +170,8 @@ def scores(
     per_sm = max(1, limit // max(smem, 1))
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     nsplit = max(1, min(-(-cap // BT), round(waves * sms * per_sm / (B * ctas))))
-    if isinstance(length, torch.Tensor):
-        len_p, len_v = length.to(torch.int32) if length.dtype != torch.int32 else length, -1
-    else:
-        len_p, len_v = pos, int(length)
-    if meta8:
-        bias = keys.bias
-        bias_p, inv_v = (bias, -1.0) if isinstance(bias, torch.Tensor) else (pos, 1.0 / float(bias))
-    else:
-        bias_p, inv_v = pos, 1.0 / keys.shift
+    len_p, len_v = device_scalar(length, pos)
+    bias_p, inv_v = dequant_bias(keys, pos)
     data, sc, zr = keys.data, keys.scale, keys.zero
     mod.launch(
         fn,

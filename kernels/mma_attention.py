@@ -30,7 +30,6 @@ PDL_MAIN = True
 KEY_BYTES = {kb: 4 * 128 * kb // 8 + 4 * 128 * 4 // 32 for kb in (2, 4)}  # per slot and group: codes, scale/zero
 LEVEL_BYTES = {2: KEY_BYTES[2] + 256 * 2 // 8 + 256 // 32 * 4, 4: KEY_BYTES[4] + 512 * 4 // 8 + 512 // 32 * 4}
 
-_MODULES: dict = {}
 _FAILED: dict = {}
 
 
@@ -47,18 +46,14 @@ PAPER_SMEM = max(smem_bytes(2, 2, NW[2]), smem_bytes(4, 4, NW[4]))
 
 def module(device: torch.device | None = None, options: tuple[str, ...] = OPTIONS, src: str = SRC):
     """The compiled kernels on `device` (built once per options; cached on disk by cuda_module)."""
-    from .cuda_module import Module
+    from .cuda_module import loaded
 
     dev = torch.device("cuda", torch.cuda.current_device() if device is None or device.index is None else device.index)
-    key = (dev.index, options, src)
-    if key not in _MODULES:
-        with torch.cuda.device(dev):
-            mod = Module(src, options)
-            mod.function("tale_attn_paper", PAPER_SMEM)
-            for kb in (2, 4):
-                mod.function(f"tale_attn_k{kb}l{kb}", smem_bytes(kb, kb, NW[kb]))
-        _MODULES[key] = mod
-    return _MODULES[key]
+    mod = loaded(src, options, dev)
+    mod.function("tale_attn_paper", PAPER_SMEM)
+    for kb in (2, 4):
+        mod.function(f"tale_attn_k{kb}l{kb}", smem_bytes(kb, kb, NW[kb]))
+    return mod
 
 
 def available(device: torch.device) -> bool:

@@ -26,8 +26,35 @@ from tale_runtime.attention import cached_keys
 from tale_runtime.paged import PagedPool, Sinks, _planes, paged_attention_reference, paged_view
 from tale_runtime.quant import META_SHIFT, dequantize
 
-from ._common import TL_DTYPE, interpreting, plane, plane_asm, pow2, runnable, to_float
-from .attention import LOG2E, _combine, _dot, _lat_plane, _meta, _num_sms, _partials, _shifted, _store_partial
+from ._common import (
+    TL_DTYPE,
+    group_rows,
+    interpreting,
+    plane,
+    plane_asm,
+    pow2,
+    program_ids,
+    runnable,
+    scalar,
+    split_bounds,
+    tile_slots,
+    to_float,
+)
+from .attention import (
+    LOG2E,
+    _combine,
+    _dot,
+    _lat_accs,
+    _meta,
+    _nth,
+    _num_sms,
+    _partial_args,
+    _partials,
+    _shifted,
+    _softmax_init,
+    _softmax_step,
+    _store_partial,
+)
 
 
 @triton.jit
@@ -158,18 +185,9 @@ def _paged_kernel(
     SH: tl.constexpr,
 ):
     """Program (split sp, latent group c, sequence b): partial (max, sum, acc[:RANK]) of the group's query heads."""
-    sp = tl.program_id(0)
-    c = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    QG: tl.constexpr = GS * REP
-    L = tl.load(len_ptr + b).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(L, S), BT) * BT
-    t_start = sp * chunk
-    t_end = tl.minimum(t_start + chunk, L)
-
-    rows = tl.arange(0, QGP)
-    head = c * QG + rows
-    rmask = rows < QG
+    sp, c, b = program_ids()
+    t_start, t_end = split_bounds(scalar(len_ptr + b, True), S, sp, BT)
+    rows, head, rmask = group_rows(c, GS * REP, QGP)
     col = tl.arange(0, KW)
     ju = col // PK
     kcol = col < GS * PK
@@ -188,16 +206,10 @@ def _paged_kernel(
     q_scale = qk_scale / (SH * SH)
     hm = (1.0, sh)
 
-    m_i = tl.full([QGP], float("-inf"), tl.float32)
-    l_i = tl.zeros([QGP], tl.float32)
-    acc0 = tl.zeros([QGP, PP], tl.float32)
-    acc1 = tl.zeros([QGP, PP], tl.float32)
-    acc2 = tl.zeros([QGP, PP], tl.float32)
-    acc3 = tl.zeros([QGP, PP], tl.float32)
+    m_i, l_i, acc0, acc1, acc2, acc3 = _softmax_init(QGP, PP)
     jp = tl.arange(0, PP)
     for t0 in range(t_start, t_end, BT):
-        t = t0 + tl.arange(0, BT)
-        tm = t < t_end
+        t, tm = tile_slots(t0, t_end, BT)
         page = tl.load(bt_ptr + b * s_bt + t // PS, mask=tm, other=0).to(tl.int64)
         base = page * s_page + (t % PS) * s_slot + c * s_grp  # [BT] the slot of each token (bytes)
         kmask = tm[:, None] & kcol[None, :]
@@ -206,36 +218,15 @@ def _paged_kernel(
             kb = tl.load(u8_ptr + base[:, None] + col[None, :], mask=kmask, other=0)
         # -- scores
         logits = tl.zeros([QGP, BT], tl.float32)
-        k0 = _key_plane(
-            u8_ptr, e_ptr, m_ptr, kb, base, col, ju, kmask, tm, sh, 0, N, GS, KBITS, PK, KW, KGRP, KS, KZ, MSZ,
-            ESZ, META, BT, DOT, KASM, SH,
-        )  # fmt: skip
-        logits = _dot(q0, tl.trans(k0), logits, KW >= 32)
-        if NPK > 1:
-            k1 = _key_plane(
-                u8_ptr, e_ptr, m_ptr, kb, base, col, ju, kmask, tm, sh, 1, N, GS, KBITS, PK, KW, KGRP, KS, KZ, MSZ,
+        for i in tl.static_range(NPK):  # NPK is 1, 2 or 4
+            ki = _key_plane(
+                u8_ptr, e_ptr, m_ptr, kb, base, col, ju, kmask, tm, sh, i, N, GS, KBITS, PK, KW, KGRP, KS, KZ, MSZ,
                 ESZ, META, BT, DOT, KASM, SH,
             )  # fmt: skip
-            logits = _dot(q1, tl.trans(k1), logits, KW >= 32)
-        if NPK > 2:
-            k2 = _key_plane(
-                u8_ptr, e_ptr, m_ptr, kb, base, col, ju, kmask, tm, sh, 2, N, GS, KBITS, PK, KW, KGRP, KS, KZ, MSZ,
-                ESZ, META, BT, DOT, KASM, SH,
-            )  # fmt: skip
-            logits = _dot(q2, tl.trans(k2), logits, KW >= 32)
-            k3 = _key_plane(
-                u8_ptr, e_ptr, m_ptr, kb, base, col, ju, kmask, tm, sh, 3, N, GS, KBITS, PK, KW, KGRP, KS, KZ, MSZ,
-                ESZ, META, BT, DOT, KASM, SH,
-            )  # fmt: skip
-            logits = _dot(q3, tl.trans(k3), logits, KW >= 32)
+            logits = _dot(_nth(i, q0, q1, q2, q3), tl.trans(ki), logits, KW >= 32)
         logits = tl.where(tm[None, :], logits * q_scale, float("-inf"))
         # -- online softmax
-        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(logits - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(logits, m_i, l_i)
         pd = p.to(DOT)
         # -- latents, plane by plane
         if HBITS == 16:
@@ -249,32 +240,16 @@ def _paged_kernel(
         hb = page  # stands in when the latents are not packed
         if HBITS < 8:
             hb = tl.load(u8_ptr + hoff[:, None] + jp[None, :], mask=tm[:, None] & (jp < P)[None, :], other=0)
-        x0 = _lat_plane(h_ptr, hb, hoff, m_ptr, hz_ptr, soff, tm, tm, hm, 0, HBITS, META, P, PP, VG, BT, DOT, HASM, SH)
-        acc0 = _dot(pd, x0, acc0 * alpha[:, None], PP >= 32)
-        if NPH > 1:
-            x1 = _lat_plane(
-                h_ptr, hb, hoff, m_ptr, hz_ptr, soff, tm, tm, hm, 1, HBITS, META, P, PP, VG, BT, DOT, HASM, SH
-            )
-            acc1 = _dot(pd, x1, acc1 * alpha[:, None], PP >= 32)
-        if NPH > 2:
-            x2 = _lat_plane(
-                h_ptr, hb, hoff, m_ptr, hz_ptr, soff, tm, tm, hm, 2, HBITS, META, P, PP, VG, BT, DOT, HASM, SH
-            )
-            acc2 = _dot(pd, x2, acc2 * alpha[:, None], PP >= 32)
-            x3 = _lat_plane(
-                h_ptr, hb, hoff, m_ptr, hz_ptr, soff, tm, tm, hm, 3, HBITS, META, P, PP, VG, BT, DOT, HASM, SH
-            )
-            acc3 = _dot(pd, x3, acc3 * alpha[:, None], PP >= 32)
+        acc0, acc1, acc2, acc3 = _lat_accs(
+            acc0, acc1, acc2, acc3, pd, alpha, h_ptr, hb, hoff, m_ptr, hz_ptr, soff, tm, tm, hm, NPH, HBITS, META, P, PP,
+            VG, BT, DOT, HASM, SH, False, PP >= 32,
+        )  # fmt: skip
 
-    if SH != 1.0:
-        acc0 = acc0 * (1.0 / SH)
-        acc1 = acc1 * (1.0 / SH)
-        acc2 = acc2 * (1.0 / SH)
-        acc3 = acc3 * (1.0 / SH)
     prow = (b * H + head) * n_slots + sp
     _store_partial(
-        pm_ptr, pl_ptr, pacc_ptr, s_acc, rk_ptr, sp, prow, rmask, m_i, l_i, jp, acc0, acc1, acc2, acc3, RANK, NPH, P
-    )
+        pm_ptr, pl_ptr, pacc_ptr, s_acc, rk_ptr, sp, prow, rmask, m_i, l_i, jp, acc0, acc1, acc2, acc3, RANK, NPH, P,
+        SH,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -376,11 +351,7 @@ def _launch(q, k_new, h_new, pool: PagedPool, block_table, lengths, scaling: flo
         data.stride(0),
         data.stride(1),
         data.stride(2),
-        pm,
-        pl,
-        pacc,
-        pacc.stride(2),
-        rk,
+        *_partial_args(pm, pl, pacc, rk),
         n_slots,
         H,
         S,

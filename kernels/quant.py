@@ -25,15 +25,16 @@ from ._common import TL_DTYPE, is_pow2, pow2, runnable
 
 
 @triton.jit
-def _load_x(
+def _load_tile(
     x_ptr,
     xs_ptr,
     xz_ptr,
-    xoff,
-    soff,
+    s_xa,
+    s_xd,
     s_xt,
+    s_sa,
+    s_sd,
     s_st,
-    t0,
     L,
     ch,
     cm,
@@ -46,9 +47,15 @@ def _load_x(
     ROUND: tl.constexpr,
     MSH: tl.constexpr,
 ):
-    """Float32 [BT, W] tile of the channels `ch` [W] (mask `cm`): raw (IN_BITS 16) or dequantized
-    (rounded to SRC if ROUND; scale and zero stored times MSH). Packed codes and their scales are gathered per
-    element: any channel order in, whatever the input's plane layout (NB_IN bytes per row)."""
+    """The program's tile (grid (token tiles, D, A) over the input viewed as [A, D, L, C]): float32 [BT, W] of the
+    channels `ch` [W] (mask `cm`), raw (IN_BITS 16) or dequantized (rounded to SRC if ROUND; scale and zero stored
+    times MSH), with its first token t0, its tokens t [BT] and the program's d, a. Packed codes and their scales are
+    gathered per element: any channel order in, whatever the input's plane layout (NB_IN bytes per row)."""
+    t0 = tl.program_id(0) * BT
+    d = tl.program_id(1).to(tl.int64)
+    a = tl.program_id(2).to(tl.int64)
+    xoff = a * s_xa + d * s_xd
+    soff = a * s_sa + d * s_sd
     t = t0 + tl.arange(0, BT)
     m = (t < L)[:, None] & cm[None, :]
     if IN_BITS == 16:
@@ -70,78 +77,31 @@ def _load_x(
         x = code * sc + zr
         if ROUND:
             x = x.to(SRC).to(tl.float32)
-    return x
+    return x, t0, t, d, a
 
 
 @triton.jit
 def _quant_kernel(
-    x_ptr,
-    xs_ptr,
-    xz_ptr,
-    s_xa,
-    s_xd,
-    s_xt,
-    s_sa,
-    s_sd,
-    s_st,
-    o_ptr,
-    os_ptr,
-    oz_ptr,
-    s_oa,
-    s_od,
-    s_ot,
-    s_osa,
-    s_osd,
-    s_ost,
-    L,
-    NB,
-    NB_IN,
-    IN_BITS: tl.constexpr,
-    OUT_BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    KEYS: tl.constexpr,
-    BT: tl.constexpr,
-    NBP: tl.constexpr,
-    SRC: tl.constexpr,
-    IN_MSH: tl.constexpr,
-    MDT: tl.constexpr,
-    MSH: tl.constexpr,
-):
+    x_ptr, xs_ptr, xz_ptr, s_xa, s_xd, s_xt, s_sa, s_sd, s_st,  # the input (_load_tile)
+    o_ptr, os_ptr, oz_ptr, s_oa, s_od, s_ot, s_osa, s_osd, s_ost,  # the codes, scales and zeros out
+    L, NB, NB_IN,
+    IN_BITS: tl.constexpr, OUT_BITS: tl.constexpr, GROUP: tl.constexpr, KEYS: tl.constexpr, BT: tl.constexpr,
+    NBP: tl.constexpr, SRC: tl.constexpr, IN_MSH: tl.constexpr, MDT: tl.constexpr, MSH: tl.constexpr,
+):  # fmt: skip
     """Quantize a tile of whole groups (the input's scale/zero stored times IN_MSH, the output's in MDT times MSH).
     Columns run in the output's plane order, padded: column u = (plane u // NBP, byte u % NBP) holds channel (u // NBP) * NB + u % NBP, so the
     packing is a reshape and a shifted sum; latent groups never straddle planes (NB % GROUP == 0)."""
-    t0 = tl.program_id(0) * BT
-    d = tl.program_id(1).to(tl.int64)
-    a = tl.program_id(2).to(tl.int64)
     PER: tl.constexpr = 8 // OUT_BITS
     CP: tl.constexpr = PER * NBP
     u = tl.arange(0, CP)
     jj = u % NBP
     ch = (u // NBP) * NB + jj
     cm = jj < NB
-    x = _load_x(
-        x_ptr,
-        xs_ptr,
-        xz_ptr,
-        a * s_xa + d * s_xd,
-        a * s_sa + d * s_sd,
-        s_xt,
-        s_st,
-        t0,
-        L,
-        ch,
-        cm,
-        NB_IN,
-        IN_BITS,
-        GROUP,
-        KEYS,
-        BT,
-        SRC,
-        True,
-        IN_MSH,
-    )
+    x, t0, t, d, a = _load_tile(
+        x_ptr, xs_ptr, xz_ptr, s_xa, s_xd, s_xt, s_sa, s_sd, s_st, L, ch, cm, NB_IN, IN_BITS, GROUP, KEYS, BT, SRC,
+        True, IN_MSH,
+    )  # fmt: skip
     QMAX: tl.constexpr = (1 << OUT_BITS) - 1
-    t = t0 + tl.arange(0, BT)
     tm = t < L
     if KEYS:  # per channel over GROUP tokens
         ROWS: tl.constexpr = BT // GROUP
@@ -183,56 +143,17 @@ def _quant_kernel(
 
 @triton.jit
 def _dequant_kernel(
-    x_ptr,
-    xs_ptr,
-    xz_ptr,
-    s_xa,
-    s_xd,
-    s_xt,
-    s_sa,
-    s_sd,
-    s_st,
-    o_ptr,
-    s_oa,
-    s_od,
-    s_ot,
-    L,
-    C,
-    NB_IN,
-    IN_BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    KEYS: tl.constexpr,
-    BT: tl.constexpr,
-    CP: tl.constexpr,
-    MSH: tl.constexpr,
-    OUT: tl.constexpr,
-):
-    t0 = tl.program_id(0) * BT
-    d = tl.program_id(1).to(tl.int64)
-    a = tl.program_id(2).to(tl.int64)
+    x_ptr, xs_ptr, xz_ptr, s_xa, s_xd, s_xt, s_sa, s_sd, s_st,  # the input (_load_tile)
+    o_ptr, s_oa, s_od, s_ot,  # the values out
+    L, C, NB_IN,
+    IN_BITS: tl.constexpr, GROUP: tl.constexpr, KEYS: tl.constexpr, BT: tl.constexpr, CP: tl.constexpr,
+    MSH: tl.constexpr, OUT: tl.constexpr,
+):  # fmt: skip
     ch = tl.arange(0, CP)
-    x = _load_x(
-        x_ptr,
-        xs_ptr,
-        xz_ptr,
-        a * s_xa + d * s_xd,
-        a * s_sa + d * s_sd,
-        s_xt,
-        s_st,
-        t0,
-        L,
-        ch,
-        ch < C,
-        NB_IN,
-        IN_BITS,
-        GROUP,
-        KEYS,
-        BT,
-        OUT,
-        False,
-        MSH,
-    )
-    t = t0 + tl.arange(0, BT)
+    x, t0, t, d, a = _load_tile(
+        x_ptr, xs_ptr, xz_ptr, s_xa, s_xd, s_xt, s_sa, s_sd, s_st, L, ch, ch < C, NB_IN, IN_BITS, GROUP, KEYS, BT, OUT,
+        False, MSH,
+    )  # fmt: skip
     tl.store(
         o_ptr + a * s_oa + d * s_od + t[:, None] * s_ot + ch[None, :],
         x.to(OUT),
@@ -296,21 +217,13 @@ def _launch_quant(
         x,
         xs,
         xz,
-        x.stride(0),
-        x.stride(1),
-        x.stride(2),
-        xs.stride(0),
-        xs.stride(1),
-        xs.stride(2),
+        *x.stride()[:3],
+        *xs.stride()[:3],
         out,
         scale,
         zero,
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        scale.stride(0),
-        scale.stride(1),
-        scale.stride(2),
+        *out.stride()[:3],
+        *scale.stride()[:3],
         L,
         NB,
         1 if raw else x.shape[-1],
@@ -371,16 +284,10 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         x,
         xs,
         xz,
-        x.stride(0),
-        x.stride(1),
-        x.stride(2),
-        xs.stride(0),
-        xs.stride(1),
-        xs.stride(2),
+        *x.stride()[:3],
+        *xs.stride()[:3],
         out,
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
+        *out.stride()[:3],
         L,
         C,
         x.shape[-1],
