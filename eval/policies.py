@@ -185,6 +185,7 @@ class Tale(Policy):
             + (f", key bits {key_bits}" if key_bits != bits else "")
             + (f" ({hi.key_hi_channels} channels/head at {hi.key_hi_bits})" if hi.key_hi_bits else "")
             + f", sinks {s.sinks}, groups {s.key_group}/{s.value_group}, residual {s.residual}"
+            + (f", key ranks {min(kr)}-{max(kr)} by layer" if (kr := [max(row) for row in s.key_ranks or []]) else "")
         )
 
     def build(self, model, pattern):
@@ -222,6 +223,7 @@ class ExactTale(Tale):
         return replace(
             s,
             levels=[replace(lv, bits=16, key_bits=16, key_rank=0) for lv in s.levels],  # plain keys too
+            key_ranks=None,
             ranks=[[R] * len(s.levels) for _ in s.ranks],
             policy="exact",
             key_rope="post",  # 16-bit keys after RoPE, as the full cache holds them (before it: bf16 rounding apart)

@@ -37,7 +37,7 @@ def smem_bytes(kc: int, bits: int, ktg: int, meta8: bool, hpc: int) -> int:
         + 2 * ngt * kc * mb  # stage: scales, zeros
         + BT * 4  # stage: positions
         + 2 * ngt * kcp * 2  # fp16 scales, zeros
-        + 4 * hpc * 64 * 4  # column scales and means
+        + 2 * hpc * 64 * 4  # column means
         + hpc * 4 * 32 * 16  # the halves of the dot
     )
 

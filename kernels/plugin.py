@@ -176,15 +176,18 @@ def _cuda_lowrank_reason(spec: CacheSpec) -> str | None:
     from . import lowrank_score
 
     K, rep = a.num_kv_heads, a.num_heads // a.num_kv_heads
-    for lv in lows:
+    for i, lv in enumerate(s.levels):
+        if not lv.key_rank:
+            continue
         if lv.key_axis != "channel":
             return "reads coefficients quantized per coefficient over token groups (key_axis 'channel')"
-        why = lowrank_score.format_reason(
-            spec.device, a.head_dim, spec.dtype, rep, K // s.key_blocks, K, lv.key_rank, lv.key_bits, s.key_group,
-            s.key_meta,
-        )  # fmt: skip
-        if why:
-            return why
+        for kr in sorted({s.key_rank(layer, i) for layer in range(max(1, len(s.ranks)))}):  # each layer's count
+            why = lowrank_score.format_reason(
+                spec.device, a.head_dim, spec.dtype, rep, K // s.key_blocks, K, kr, lv.key_bits, s.key_group,
+                s.key_meta,
+            )  # fmt: skip
+            if why:
+                return why
     return None
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 MANIFEST = "tale_config.json"
@@ -18,7 +18,9 @@ FORMAT = "tale"
 # Level.key_rank, which older readers refuse by name)
 # 2.3: the schedule field latent_rotation (latents rotated in blocks at conversion), written only when used
 # 2.4: the schedule field key_blocks (a key basis per KV head, 3-D in key_basis.safetensors), written only when used
-FORMAT_VERSION = "2.4"
+# 2.5: the schedule field key_ranks (low-rank keys' coefficients per layer), written only when they differ by layer;
+# an artifact without it is written as 2.4 (version_for), byte for byte what the 2.4 converter wrote
+FORMAT_VERSION = "2.5"
 TOOL_NAME = "tale-kv"
 
 # Per-layer tensor names (prefix: the attention module, e.g. "model.layers.3.self_attn.")
@@ -48,7 +50,8 @@ class Level:
     key_hi_channels: int = 0
     # > 0: keys held as their first `key_rank` coefficients per block of the artifact's key basis (before RoPE; one
     # block joins the layer's KV heads, or one per head: Schedule.key_blocks, tale_runtime.key_basis); needs
-    # key_rope "pre". A token holds key_blocks x key_rank codes
+    # key_rope "pre". A token holds key_blocks x key_rank codes. With Schedule.key_ranks the layers hold their own
+    # counts (read Schedule.key_rank(layer, level)): this one then marks the level and is their mean
     key_rank: int = 0
 
 
@@ -82,6 +85,26 @@ class Schedule:
     # blocks of the artifact's key basis (how it was written, not a knob): 1 joins every KV head of a layer, K is one
     # per head; each holds key_rank coefficients per token at levels with low-rank keys
     key_blocks: int = 1
+    # per layer, per level: the coefficients per key basis block that layer holds at that level (0 where the level
+    # has plain keys); None: every layer holds its level's key_rank. Written only when the layers differ
+    # (tale-convert --key-rank-policy energy)
+    key_ranks: list[list[int]] | None = None
+
+    def key_rank(self, layer: int, level: int) -> int:
+        """The coefficients per key basis block that `layer` holds at `level` (0: plain keys): the one place that
+        reads a level's key rank for a layer."""
+        if self.key_ranks is not None:
+            return self.key_ranks[layer][level]
+        return self.levels[level].key_rank
+
+    def layer_key_ranks(self, layer: int) -> tuple[int, ...]:
+        """key_rank(layer, level) of every level, oldest first: what a layer's cache quantizes its keys with."""
+        return tuple(self.key_rank(layer, i) for i in range(len(self.levels)))
+
+    def max_key_rank(self, layer: int | None = None) -> int:
+        """The most coefficients per block any level of `layer` (None: of any layer) holds; 0: no low-rank keys."""
+        layers = range(len(self.key_ranks)) if layer is None and self.key_ranks is not None else [layer or 0]
+        return max((r for i in layers for r in self.layer_key_ranks(i)), default=0)
 
     def unit(self, level: int) -> int:
         """Tokens a level's key groups span: stores of that level hold multiples of it."""
@@ -137,14 +160,22 @@ class Schedule:
             raise ArtifactError(f"key_blocks must be >= 1, got {self.key_blocks}")
         for lv in self.levels:
             if lv.key_rank:
-                if lv.key_rank < 0 or lv.key_rank % 8:
-                    raise ArtifactError(f"key_rank must be a positive multiple of 8, got {lv.key_rank}")
+                self._check_key_rank(lv, lv.key_rank, "")
                 if self.key_rope != "pre" or lv.key_hi_bits:
                     raise ArtifactError("key_rank (low-rank keys) needs key_rope 'pre' and no key bands")
-                if lv.key_axis == "token" and lv.key_rank % self.key_channel_group:
-                    raise ArtifactError(
-                        f"key_rank {lv.key_rank} is not a multiple of key_channel_group {self.key_channel_group}"
-                    )
+        if self.key_ranks is not None:
+            if num_layers is not None and len(self.key_ranks) != num_layers:
+                raise ArtifactError(f"key_ranks has {len(self.key_ranks)} layers, model has {num_layers}")
+            for li, krs in enumerate(self.key_ranks):
+                if len(krs) != len(self.levels):
+                    raise ArtifactError(f"layer {li}: {len(krs)} key_ranks for {len(self.levels)} levels")
+                for kr, lv in zip(krs, self.levels):
+                    if bool(kr) != bool(lv.key_rank):  # the level's key_rank says which levels hold coefficients
+                        raise ArtifactError(
+                            f"layer {li}: key_ranks {krs} must be > 0 exactly where a level has key_rank"
+                        )
+                    if kr:
+                        self._check_key_rank(lv, kr, f"layer {li}: ")
         axes = [lv.key_axis for lv in self.levels]
         if "token" in axes and "channel" in axes[axes.index("token") :]:
             raise ArtifactError("levels with per-token keys must be the newest ones (per-channel levels first)")
@@ -187,6 +218,12 @@ class Schedule:
                         f"layer {li}: ranks {rs} cut inside the latents' rotation blocks of {q} (use multiples of {q})"
                     )
 
+    def _check_key_rank(self, lv: Level, r: int, where: str) -> None:
+        if not isinstance(r, int) or r < 0 or r % 8:
+            raise ArtifactError(f"{where}key_rank must be a positive multiple of 8, got {r}")
+        if lv.key_axis == "token" and r % self.key_channel_group:
+            raise ArtifactError(f"{where}key_rank {r} is not a multiple of key_channel_group {self.key_channel_group}")
+
     def to_dict(self) -> dict:
         """Fields added in format 2.1 (key bands) and later (key_rope) are written only when used, so older readers
         read the rest (and refuse, in one line, a schedule that uses them)."""
@@ -199,6 +236,8 @@ class Schedule:
             del d["latent_rotation"]
         if d["key_blocks"] == 1:
             del d["key_blocks"]
+        if d["key_ranks"] is None:
+            del d["key_ranks"]
         for lv in d["levels"]:
             if not lv["key_hi_bits"]:
                 del lv["key_hi_bits"], lv["key_hi_channels"]
@@ -223,6 +262,12 @@ class Schedule:
         return [rest] + [lv.share for lv in self.levels[1:]]
 
 
+def version_for(schedule: Schedule) -> str:
+    """The format_version an artifact of this schedule is written with: 2.5 only where it holds key_ranks (the one
+    2.5 field), else 2.4, which every reader since 2.4 reads as before."""
+    return FORMAT_VERSION if schedule.key_ranks is not None else "2.4"
+
+
 def rotation_fits(block: int, R: int) -> bool:
     """Whether latents of rank R can be rotated in Hadamard blocks of `block` channels (Schedule.latent_rotation):
     a power of two >= 2 dividing R."""
@@ -238,26 +283,42 @@ def uniform_ranks(
     return [[round_rank(r0_frac, R, value_group)] + [R] * (n_levels - 1) for _ in range(num_layers)]
 
 
+def with_key_ranks(schedule: Schedule, key_ranks: list[list[int]]) -> Schedule:
+    """`schedule` with the low-rank keys' coefficients per layer and level (0 at levels with plain keys): key_ranks
+    where the layers differ (format 2.5), else each level's key_rank, so that equal ranks write what a uniform
+    schedule writes. Levels with low-rank keys keep their key_rank (the mean the ranks were allocated from)."""
+    rows = [list(map(int, krs)) for krs in key_ranks]
+    if all(r == rows[0] for r in rows):
+        levels = [replace(lv, key_rank=r) for lv, r in zip(schedule.levels, rows[0])] if rows else schedule.levels
+        return replace(schedule, levels=levels, key_ranks=None)
+    return replace(schedule, key_ranks=rows)
+
+
 def nominal_ratio(schedule: Schedule, head_dim: int, group: int, kv_heads: int | None = None) -> float:
     """16-bit K+V bits per token-head over TALE's, ignoring sinks and scales (DESIGN.md 1).
 
     Per token and KV head a level costs key_bits*n + bits*rank/g (a group latent serves g heads); key bands
     key_hi_bits on key_hi_channels of the n; low-rank keys key_bits*key_rank*key_blocks/K (the coefficients of the
-    key_blocks blocks serve the layer's K = kv_heads heads). Ranks are averaged over layers.
+    key_blocks blocks serve the layer's K = kv_heads heads), with each layer's key_rank. Bits are averaged over
+    layers.
     """
     n = head_dim
     if kv_heads is None and any(lv.key_rank for lv in schedule.levels):
         raise ValueError("the nominal ratio of low-rank keys (key_rank) needs kv_heads")
 
-    def keys(lv: Level) -> float:
-        if lv.key_rank:
-            return lv.key_bits * lv.key_rank * schedule.key_blocks / kv_heads
+    def keys(lv: Level, key_rank: int) -> float:
+        if key_rank:
+            return lv.key_bits * key_rank * schedule.key_blocks / kv_heads
         return lv.key_bits * (n - lv.key_hi_channels) + lv.key_hi_bits * lv.key_hi_channels
 
     layers = schedule.ranks or [[group * n] * len(schedule.levels)]
     per_layer = []
-    for rs in layers:
-        bits = sum(s * (keys(lv) + lv.bits * r / group) for s, lv, r in zip(schedule.shares(), schedule.levels, rs))
+    for li, rs in enumerate(layers):
+        krs = schedule.layer_key_ranks(li)
+        bits = sum(
+            s * (keys(lv, kr) + lv.bits * r / group)
+            for s, lv, r, kr in zip(schedule.shares(), schedule.levels, rs, krs)
+        )
         per_layer.append(bits)
     return 32 * n / (sum(per_layer) / len(per_layer))
 

@@ -63,23 +63,27 @@ def dry_run_nbytes(
 ) -> tuple[int, int]:
     """(bytes held, 16-bit K+V bytes) of a batch-1 TALE cache of `schedule` over the shapes of `arch`, every layer of
     the schedule, after forward calls of `pattern` tokens each: a dry run with zeros, one layer per distinct row of
-    ranks (the bytes depend on the call pattern and the ranks only: not on the tokens, the key basis or the key
-    bands' channel order). `memo` (ranks -> counts) carries over between schedules that differ in their ranks only."""
+    ranks and key ranks (the bytes depend on the call pattern and the ranks only: not on the tokens, the key basis or
+    the key bands' channel order). `memo` (a layer's ranks -> counts) carries over between schedules that differ in
+    their ranks only."""
     K, n, G, R = arch.num_kv_heads, arch.head_dim, arch.num_groups, arch.latent_rank
     memo = {} if memo is None else memo
     held = base = 0
-    for ranks in schedule.ranks:
-        if tuple(ranks) not in memo:
+    for li, ranks in enumerate(schedule.ranks):
+        krs = schedule.layer_key_ranks(li)
+        key = tuple(ranks) if schedule.key_ranks is None else (tuple(ranks), krs)
+        if key not in memo:
             # low-rank keys: any basis of the right shape (key_blocks blocks) holds the same bytes
             eye = torch.eye(K * n // schedule.key_blocks).expand(schedule.key_blocks, -1, -1)
-            basis = KeyBasis(eye, eye, torch.zeros(K * n), K, n) if any(lv.key_rank for lv in schedule.levels) else None
-            c = RegionStore(replace(schedule, ranks=[list(ranks)]), 0, K, n, G, R, basis=basis)
+            basis = KeyBasis(eye, eye, torch.zeros(K * n), K, n) if any(krs) else None
+            one = replace(schedule, ranks=[list(ranks)], key_ranks=None if schedule.key_ranks is None else [list(krs)])
+            c = RegionStore(one, 0, K, n, G, R, basis=basis)
             for T in pattern:
                 # keys held before RoPE keep the tables they were rotated by: any will do for a count of bytes
                 rope = (torch.ones(1, T, n), torch.zeros(1, T, n)) if schedule.key_rope == "pre" else None
                 c.append(torch.zeros(1, K, T, n, dtype=dtype), torch.zeros(1, G, T, R, dtype=dtype), rope=rope)
-            memo[tuple(ranks)] = c.nbytes(), c.baseline_nbytes()
-        held, base = held + memo[tuple(ranks)][0], base + memo[tuple(ranks)][1]
+            memo[key] = c.nbytes(), c.baseline_nbytes()
+        held, base = held + memo[key][0], base + memo[key][1]
     return held, base
 
 
@@ -199,6 +203,7 @@ def quant_level(
     s: Schedule,
     level: int,
     rank: int,
+    key_ranks: tuple[int, ...],
     k: torch.Tensor,
     h: torch.Tensor,
     order: list[list[int]] | None = None,
@@ -207,26 +212,28 @@ def quant_level(
 ) -> tuple[QTensor | Bands, QTensor]:
     """Exact tokens (k [B, K, T, n], h [B, G, T, R]) quantized at a level: keys per channel over token
     groups (in two bands at levels with key_hi_bits: `order` is the layer's Schedule.key_order; as
-    coefficients on the layer's key `basis` at levels with key_rank), latents truncated to `rank` and
-    quantized per token over channel groups. device_bias: fp8 biases as device scalars (quant.quantize)."""
+    coefficients on the layer's key `basis` at levels with key_rank: `key_ranks` is the layer's,
+    Schedule.layer_key_ranks), latents truncated to `rank` and quantized per token over channel groups.
+    device_bias: fp8 biases as device scalars (quant.quantize)."""
     lv = s.levels[level]
     lat = quantize(h[..., :rank].contiguous(), lv.bits, s.value_group, -1, s.value_meta, device_bias)
-    return quant_keys(s, level, k, order, basis, device_bias), lat
+    return quant_keys(s, level, key_ranks, k, order, basis, device_bias), lat
 
 
 def quant_keys(
     s: Schedule,
     level: int,
+    key_ranks: tuple[int, ...],
     k: torch.Tensor,
     order: list[list[int]] | None = None,
     basis: KeyBasis | None = None,
     device_bias: bool = False,
 ) -> QTensor | Bands:
     lv = s.levels[level]
-    if lv.key_rank:
+    if key_ranks[level]:
         if basis is None:
             raise ValueError("low-rank keys (key_rank) need the layer's key basis")
-        k = basis.encode(k, lv.key_rank)
+        k = basis.encode(k, key_ranks[level])
     if not lv.key_hi_bits:
         return quantize(k, lv.key_bits, **key_layout(s, level), device_bias=device_bias)
     if order is None:
@@ -238,6 +245,7 @@ def quant_keys(
 def demote_level(
     s: Schedule,
     level: int,
+    key_ranks: tuple[int, ...],
     keys: QTensor | Bands,
     lat: QTensor,
     rank: int,
@@ -246,15 +254,16 @@ def demote_level(
     device_bias: bool = False,
 ) -> tuple[QTensor | Bands, QTensor]:
     """Tokens of the level above requantized into `level` (keys [B, K, T, n], latents truncated to `rank`):
-    the demotion step of both caches. device_bias: fp8 biases as device scalars (quant.quantize)."""
-    lv, src, db = s.levels[level], s.levels[level + 1].key_rank, device_bias
-    if lv.key_rank and src:  # coefficients to fewer coefficients: truncate, as latents
-        keys = requantize(keys, lv.key_bits, min(lv.key_rank, src), **key_layout(s, level), device_bias=db)
-    elif lv.key_rank or src:  # between plain keys and coefficients: through the keys before RoPE
+    the demotion step of both caches; `key_ranks`: the layer's (Schedule.layer_key_ranks). device_bias: fp8 biases as
+    device scalars (quant.quantize)."""
+    lv, kr, src, db = s.levels[level], key_ranks[level], key_ranks[level + 1], device_bias
+    if kr and src:  # coefficients to fewer coefficients: truncate, as latents
+        keys = requantize(keys, lv.key_bits, min(kr, src), **key_layout(s, level), device_bias=db)
+    elif kr or src:  # between plain keys and coefficients: through the keys before RoPE
         x = dequantize(keys)
-        keys = quant_keys(s, level, basis.decode(x) if src else x, order, basis, db)
+        keys = quant_keys(s, level, key_ranks, basis.decode(x) if src else x, order, basis, db)
     elif lv.key_hi_bits:  # into bands; requantize handles bands into a plain level
-        keys = quant_keys(s, level, dequantize(keys), order, device_bias=db)
+        keys = quant_keys(s, level, key_ranks, dequantize(keys), order, device_bias=db)
     else:
         keys = requantize(keys, lv.key_bits, **key_layout(s, level), device_bias=db)
     return keys, requantize(lat, lv.bits, rank, meta=s.value_meta, device_bias=db)
@@ -333,12 +342,13 @@ class RegionStore:
             raise ValueError(f"keep must be one of {', '.join(KEEP)}, got {keep!r}")
         self.s, self.keep = schedule, keep
         self.ranks = schedule.ranks[layer_idx]
+        self.key_ranks = schedule.layer_key_ranks(layer_idx)  # low-rank keys' coefficients per level (0: plain)
         self.order = None if schedule.key_order is None else schedule.key_order[layer_idx]
         if self.order is not None and (len(self.order) != num_kv_heads or any(len(c) != head_dim for c in self.order)):
             raise ValueError(f"layer {layer_idx}: key_order is not [{num_kv_heads} heads][{head_dim} channels]")
         self.K, self.n, self.G, self.R = num_kv_heads, head_dim, num_groups, latent_rank
         self.basis = basis  # the layer's key basis (levels with key_rank read it)
-        if why := key_basis.missing(schedule, basis):
+        if why := key_basis.missing(schedule, basis, layer_idx):
             raise ValueError(f"layer {layer_idx}: {why}")
         if any(lv.key_axis == "token" for lv in schedule.levels) and head_dim % schedule.key_channel_group:
             raise ValueError(f"key_channel_group {schedule.key_channel_group} does not divide the head dim {head_dim}")
@@ -394,7 +404,7 @@ class RegionStore:
             # rounding of bf16 tables, whose cos^2 + sin^2 misses 1 by up to ~2^-8: far below 2-4 bit steps)
             cos, sin = self.rope.at(pos)
             k = apply_rope(k.float(), cos, -sin).to(k.dtype)
-        return Store(*quant_level(self.s, level, r, k, h, self.order, self.basis), r, pos)
+        return Store(*quant_level(self.s, level, r, self.key_ranks, k, h, self.order, self.basis), r, pos)
 
     def _push(self, level: int, st: Store) -> None:
         cur = self.levels[level]
@@ -439,7 +449,7 @@ class RegionStore:
                 old = Store(k_old, h_old, st.rank, st.pos[:n_move])
                 self.levels[i] = Store(k_keep, h_keep, st.rank, st.pos[n_move:])
             r = self.ranks[i - 1]
-            keys, lat = demote_level(self.s, i - 1, old.keys, old.lat, r, self.order, self.basis)
+            keys, lat = demote_level(self.s, i - 1, self.key_ranks, old.keys, old.lat, r, self.order, self.basis)
             self._push(i - 1, Store(keys, lat, r, old.pos))
 
     # -- filling -----------------------------------------------------------------------
@@ -581,9 +591,9 @@ class RegionStore:
         if self.sink_k is not None:
             sink = (_raw(self.sink_k), _raw(self.sink_h), self.R, False, None, torch.arange(self.sink_k.shape[-2]))
             parts.append(sink)
-        for lv, st in zip(self.s.levels, self.levels):
+        for kr, st in zip(self.key_ranks, self.levels):
             if st is not None and st.length:
-                parts.append((st.keys, st.lat, st.rank, pre, self.basis if lv.key_rank else None, st.pos))
+                parts.append((st.keys, st.lat, st.rank, pre, self.basis if kr else None, st.pos))
         if self.res_k is not None:
             res = (_raw(self.res_k), _raw(self.res_h), self.R, False, None, torch.arange(k - self.res_k.shape[-2], k))
             parts.append(res)

@@ -82,11 +82,8 @@ def fit(
     (blocks = 1: joint over the heads; K / g: per latent group; K: per head). enc = W^1/2 U, dec = U^T W^-1/2 with U
     the eigenvectors of the weighted covariance W^1/2 (m2 - mean mean^T) W^1/2, largest first: the truncation keeps
     what the logits see most (pass q2 through pair_mean: RoPE mixes a channel with its pair)."""
-    C = m2.shape[0]
-    nb = C // blocks
-    w = torch.ones(C, dtype=torch.float64) if q2 is None else q2.double().clamp_min(1e-12)
-    sw, mu = w.sqrt(), mean.double()
-    cov = sw[:, None] * (m2.double() - mu[:, None] * mu[None]) * sw[None]
+    cov, sw = _weighted(m2, mean, q2)
+    nb = cov.shape[0] // blocks
     encs, decs = [], []
     for j in range(blocks):
         s = slice(j * nb, (j + 1) * nb)
@@ -95,6 +92,23 @@ def fit(
         encs.append(sw[s, None] * U)
         decs.append(U.T / sw[None, s])
     return torch.stack(encs).float().contiguous(), torch.stack(decs).float().contiguous()
+
+
+def energy(m2: torch.Tensor, mean: torch.Tensor, q2: torch.Tensor | None, blocks: int = 1) -> torch.Tensor:
+    """[Kb, nb] float64: the eigenvalues of fit's weighted covariance per block, largest first (those of its
+    directions): the calibration energy, in the queries' norm (a share of the logits' variance), of each key basis
+    coefficient. A rank r keeps the sum of the first r of each block (tale_convert.rank_policy.key_ranks)."""
+    cov, _ = _weighted(m2, mean, q2)
+    nb = cov.shape[0] // blocks
+    ev = [torch.linalg.eigvalsh(cov[j * nb : (j + 1) * nb, j * nb : (j + 1) * nb]).flip(-1) for j in range(blocks)]
+    return torch.stack(ev).clamp_min(0)
+
+
+def _weighted(m2: torch.Tensor, mean: torch.Tensor, q2: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W^1/2 (m2 - mean mean^T) W^1/2 [C, C], W^1/2 [C]) in float64, W the queries' per-channel second moments."""
+    w = torch.ones(m2.shape[0], dtype=torch.float64) if q2 is None else q2.double().clamp_min(1e-12)
+    sw, mu = w.sqrt(), mean.double()
+    return sw[:, None] * (m2.double() - mu[:, None] * mu[None]) * sw[None], sw
 
 
 def pair_mean(q2: torch.Tensor, K: int, n: int) -> torch.Tensor:
@@ -119,11 +133,12 @@ def shard(basis: KeyBasis, rank: int, size: int, group) -> KeyBasis:
     return KeyBasis(enc, dec, basis.mean[lo:hi].contiguous(), k, n, group)
 
 
-def missing(schedule, basis: KeyBasis | list[KeyBasis] | None) -> str | None:
-    """Why the schedule's levels with low-rank keys cannot read `basis` (one layer's, or every layer's), or None when
-    they can: the one check behind load(), tale-eval's overrides and RegionStore. key_rank counts coefficients per
-    block, so the basis must have the schedule's key_blocks."""
-    kr = max((lv.key_rank for lv in schedule.levels), default=0)
+def missing(schedule, basis: KeyBasis | list[KeyBasis] | None, layer: int | None = None) -> str | None:
+    """Why the schedule's levels with low-rank keys cannot read `basis` (every layer's, a list; or layer `layer`'s;
+    or one basis for any layer: layer None), or None when they can: the one check behind load(), tale-eval's overrides
+    and RegionStore. key_rank counts coefficients per block, so the basis must have the schedule's key_blocks, and
+    each layer's basis at least the directions that layer's levels hold (Schedule.key_rank)."""
+    kr = schedule.max_key_rank(layer)
     if not kr:
         return None
     if basis is None:
@@ -136,8 +151,11 @@ def missing(schedule, basis: KeyBasis | list[KeyBasis] | None) -> str | None:
             f"the schedule counts key_rank in {schedule.key_blocks} key basis block(s), the key basis has "
             f"{bases[0].blocks}"
         )
-    have = min(b.directions for b in bases)
-    return f"key_rank {kr} exceeds the key basis ({have} directions)" if kr > have else None
+    for i, b in enumerate(bases):
+        need = schedule.max_key_rank(i) if isinstance(basis, list) else kr
+        if need > b.directions:
+            return f"key_rank {need} exceeds the key basis ({b.directions} directions)"
+    return None
 
 
 def load_file(root: Path, num_layers: int, heads: int, head_dim: int, device) -> list[KeyBasis] | None:

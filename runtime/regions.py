@@ -48,8 +48,8 @@ class Region:
     # keys held before RoPE (Schedule.key_rope "pre"): what rotates them as they are read, the (cos, sin) [B, cap, n]
     # tables of each slot, or a Rotary that makes them from the slots' positions
     rope: tuple[torch.Tensor, torch.Tensor] | Rotary | None = None
-    # low-rank keys (Level.key_rank): `keys` holds [B, Kb, cap, r] coefficients on this basis (Kb = basis.blocks: 1
-    # joint, K per head), decoded before RoPE
+    # low-rank keys (the layer's Schedule.key_rank): `keys` holds [B, Kb, cap, r] coefficients on this basis (Kb =
+    # basis.blocks: 1 joint, K per head), decoded before RoPE
     basis: KeyBasis | None = None
     # a dict that lives as long as the region's contents do (the dynamic cache's level stores on a CPU, cache.Store):
     # the torch reference keeps what it dequantizes there and reads it back at later steps; None: nothing kept

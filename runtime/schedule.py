@@ -128,7 +128,8 @@ def override_schedule(
       (int); the same for every layer.
     bits: one per level or one for all, for latents and keys; key_bits then replaces the key bits only.
     key_axis: "channel" or "token" per level (or one for all); key_rank: per level (or one for all), 0 for plain
-      keys; key_meta, value_meta, key_channel_group, rotate, key_rope: see Schedule.
+      keys, the same in every layer (an artifact's key ranks per layer, Schedule.key_ranks, are kept only when
+      neither key_rank nor the number of levels changes); key_meta, value_meta, key_channel_group, rotate, key_rope: see Schedule.
     r0: level 0's rank in every layer (a fraction of R or a rank, as `ranks`), the other levels keep theirs: what
       --r0 sets in every CLI (`ranks` sets every level's).
     Changing the number of levels needs `bits`; without `ranks`, level 0 keeps its ranks, the others get R.
@@ -191,6 +192,7 @@ def override_schedule(
         key_order=base.key_order,  # the artifact's calibration statistic (levels with key bands read it)
         latent_rotation=base.latent_rotation,  # how the artifact's factors were written: not a knob
         key_blocks=base.key_blocks,  # how the artifact's key basis was written: not a knob
+        key_ranks=base.key_ranks if key_rank is None and n == n_old else None,
     )
     try:
         sched.validate(R, num_layers)

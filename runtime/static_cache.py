@@ -10,7 +10,8 @@ Per layer (B batch rows, K KV heads, n head dim, G groups, R = g*n latent width,
     level i   keys QTensor [B, K, C_i, n*kb/8] (+ scale/zero [B, K, C_i/key_group, n]), or Bands of such
               buffers over the band's channels (index [K, c] on the device, the layer's key_order);
               per-token keys (key_axis "token") [B, K, C_i, n*kb/8] (+ scale/zero [B, K, C_i, n/key_channel_group]);
-              low-rank keys (key_rank r) the coefficients [B, Kb, C_i, r*kb/8] on the layer's key basis of Kb blocks,
+              low-rank keys (the layer's key rank r, Schedule.key_rank) the coefficients [B, Kb, C_i, r*kb/8] on the
+              layer's key basis of Kb blocks,
               latents QTensor [B, G, C_i, r_i*b/8] (+ scale/zero [B, G, C_i, r_i/value_group]); with 16-bit
               scales the codes channel-major (a transposed view of [B, G, r_i*b/8, C_i']: the kernel's dot layout)
               fp8 scales/zeros (key_meta, value_meta "8/16", "8/8"): one bias per buffer, a device scalar
@@ -281,22 +282,26 @@ def _empty_q(
     return QTensor(data, scale, zero, bits, group, dim, meta, bias, shift)
 
 
-def write_top(s: Schedule, L: int, rank: int, k, h, rope, keys: QTensor, lat: QTensor, order, basis, slot) -> None:
+def write_top(
+    s: Schedule, L: int, rank: int, key_ranks, k, h, rope, keys: QTensor, lat: QTensor, order, basis, slot
+) -> None:
     """A decode token (k post-RoPE [B, K, 1, n], h [B, G, 1, R]; rope its (cos, sin) with key_rope "pre") quantized
-    into the per-token top level L at the device-held `slot`, biases on the device."""
+    into the per-token top level L at the device-held `slot`, biases on the device; `key_ranks`: the layer's."""
     if rope is not None:
         k = apply_rope(k.float(), rope[0].float(), -rope[1].float()).to(k.dtype)
-    kq, hq = quant_level(s, L, rank, k, h, order, basis, device_bias=True)
+    kq, hq = quant_level(s, L, rank, key_ranks, k, h, order, basis, device_bias=True)
     at = Slots(slot, slot)  # per-token keys: a scale row per slot
     put_at(keys, kq, at)
     put_at(lat, hq, at)
 
 
-def demote_at(s: Schedule, level: int, rank: int, keys, lat, keys_to, lat_to, order, basis, src: Slots, dst: Slots):
+def demote_at(
+    s: Schedule, level: int, rank: int, key_ranks, keys, lat, keys_to, lat_to, order, basis, src: Slots, dst: Slots
+):
     """The tokens at slots `src` of the level above (keys, lat) requantized into `level` (keys_to, lat_to) at slots
-    `dst` (cache.demote_level), biases on the device."""
+    `dst` (cache.demote_level), biases on the device; `key_ranks`: the layer's."""
     kq, hq = take_at(keys, src), take_at(lat, src)
-    kq, hq = demote_level(s, level, kq, hq, rank, order, basis, device_bias=True)
+    kq, hq = demote_level(s, level, key_ranks, kq, hq, rank, order, basis, device_bias=True)
     put_at(keys_to, kq, dst)
     put_at(lat_to, hq, dst)
 
@@ -347,6 +352,7 @@ class StaticTaleLayer(TransformersCacheLayer):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
         self.ranks = cache.schedule.ranks[layer_idx]
+        self.key_ranks = cache.schedule.layer_key_ranks(layer_idx)  # low-rank keys' coefficients per level (0: plain)
         ko = cache.schedule.key_order
         self.order = None if ko is None else ko[layer_idx]
         self.basis: KeyBasis | None = None if cache.key_basis is None else cache.key_basis[layer_idx]
@@ -445,8 +451,8 @@ class StaticTaleLayer(TransformersCacheLayer):
         c, s = self.cache, self.cache.schedule
         lv = s.levels[level]
         lay = key_layout(s, level)  # per channel over token groups, or per token over channel groups
-        if lv.key_rank:  # coefficients [B, Kb, C, r] on the layer's key basis (cache.quant_keys)
-            lead, width = (B, self.basis.blocks), lv.key_rank
+        if self.key_ranks[level]:  # coefficients [B, Kb, C, r] on the layer's key basis (cache.quant_keys)
+            lead, width = (B, self.basis.blocks), self.key_ranks[level]
         else:
             lead, width = (B, c.K), c.n
         if not lv.key_hi_bits:
@@ -511,7 +517,7 @@ class StaticTaleLayer(TransformersCacheLayer):
             regions = [Region(_raw(self.sink_k), _raw(self.sink_h), c.R, c.pos[0], c.lens[0])]
             for i, (k, h) in enumerate(zip(self.keys, self.lat)):
                 rope = c.rotary or (c.rope[1 + i] if c.rope else None)  # keys before RoPE: rotated as they are read
-                basis = self.basis if c.schedule.levels[i].key_rank else None
+                basis = self.basis if self.key_ranks[i] else None
                 regions.append(Region(k, h, self.ranks[i], c.pos[1 + i], c.lens[1 + i], rope, basis))
             for i, f in enumerate(self.frag):
                 regions.append(FragRegion(f, self.ranks[i], c.pos[1 + i], c.lens[1 + i]))
@@ -539,7 +545,9 @@ class StaticTaleLayer(TransformersCacheLayer):
         cache does (RegionStore._quant)."""
         if rope is not None:
             k = apply_rope(k.float(), rope[0].float(), -rope[1].float()).to(k.dtype)
-        return quant_level(self.cache.schedule, i, self.ranks[i], k, h, self.order, self.basis, device_bias)
+        return quant_level(
+            self.cache.schedule, i, self.ranks[i], self.key_ranks, k, h, self.order, self.basis, device_bias
+        )
 
     def _write_new(self, op, k: torch.Tensor, h: torch.Tensor, rope=None) -> None:
         """The step's new tokens where the plan puts them; `rope` (cos, sin) [B, T, n] with key_rope "pre"."""
@@ -590,8 +598,9 @@ class StaticTaleLayer(TransformersCacheLayer):
         The same codes as the flush (_flush), which picks the bias on the host."""
         c = self.cache
         L = len(c.schedule.levels) - 1
-        args = (c.schedule, L, self.ranks[L], k, h, rope, self.keys[L], self.lat[L], self.order, self.basis, c.top_slot)
-        c.writer(write_top, k.device, L, self.ranks[L])(*args)
+        args = (c.schedule, L, self.ranks[L], self.key_ranks, k, h, rope, self.keys[L], self.lat[L])
+        args += (self.order, self.basis, c.top_slot)
+        c.writer(write_top, k.device, L, self.ranks[L], self.key_ranks)(*args)
 
     def _flush(self, q: int, w: int) -> None:
         """Quantize the first q residual tokens into the top level at its write counter w."""
@@ -611,7 +620,7 @@ class StaticTaleLayer(TransformersCacheLayer):
         c = self.cache
         parts = [self._take_level(i, slot, n) for slot, _, n in _spans(r, m, c.caps[i])]
         kq, hq = cat([k for k, _ in parts]), cat([h for _, h in parts])
-        keys, lat = demote_level(c.schedule, i - 1, kq, hq, self.ranks[i - 1], self.order, self.basis)
+        keys, lat = demote_level(c.schedule, i - 1, self.key_ranks, kq, hq, self.ranks[i - 1], self.order, self.basis)
         for slot, off, n in _spans(w, m, c.caps[i - 1]):
             self._put_level(i - 1, keys, lat, slot, off, n)
 
@@ -619,8 +628,8 @@ class StaticTaleLayer(TransformersCacheLayer):
         """_demote with the slots on the device and the fp8 biases there: no host read, so a CUDA graph captures it
         (StaticTaleCache._move_at); the same codes as _demote."""
         keys, lat = (self.keys[i], self.lat[i]), (self.keys[i - 1], self.lat[i - 1])
-        args = (self.cache.schedule, i - 1, self.ranks[i - 1], *keys, *lat, self.order, self.basis, src, dst)
-        self.cache.writer(demote_at, src.tok.device, i, self.ranks[i - 1])(*args)
+        args = (self.cache.schedule, i - 1, self.ranks[i - 1], self.key_ranks, *keys, *lat, self.order, self.basis)
+        self.cache.writer(demote_at, src.tok.device, i, self.ranks[i - 1], self.key_ranks)(*args, src, dst)
 
     def _put_level(self, i: int, keys, lat, slot: int, off: int, n: int) -> None:
         """Tokens [off, off + n) of a level's keys and latents into its slots [slot, slot + n)."""
@@ -726,7 +735,7 @@ class StaticTaleCache(CacheStep, Cache):
         if layout not in ("row", "frag"):
             raise ValueError(f"static cache layout must be 'row' or 'frag', not {layout!r}")
         for i in range(num_layers):  # low-rank keys: every layer's basis, with the schedule's blocks and directions
-            if why := kb.missing(schedule, None if key_basis is None else key_basis[i]):
+            if why := kb.missing(schedule, None if key_basis is None else key_basis[i], i):
                 raise ValueError(f"static cache: layer {i}: {why}")
         if layout == "frag" and (why := fits(schedule, head_dim, num_kv_heads, num_groups, torch.bfloat16)):
             raise ValueError(f"static cache layout 'frag': {why}")
@@ -1096,9 +1105,10 @@ class StaticTaleCache(CacheStep, Cache):
                 self.pos[1 + i][:, slot : slot + n] = -1
         return bool(q or moves)
 
-    def writer(self, fn, device: torch.device, level: int, rank: int):
-        """write_top or demote_at as this cache runs it: compiled (fused) for fp8 scales on CUDA, else as it is."""
-        return fused(fn, device, (self.schedule_key, level, rank)) if self.fuse else fn
+    def writer(self, fn, device: torch.device, level: int, rank: int, key_ranks: tuple[int, ...]):
+        """write_top or demote_at as this cache runs it: compiled (fused) for fp8 scales on CUDA, else as it is; one
+        code per (level, rank, the layer's key ranks): the integers it reads."""
+        return fused(fn, device, (self.schedule_key, level, rank, key_ranks)) if self.fuse else fn
 
     def _on_device(self, i: int, m: int, r: int, w: int) -> bool:
         """Whether a demotion runs addressed on the device (_move_at): row layout, whole key groups."""

@@ -146,7 +146,9 @@ def _schedule(m: dict, arch) -> str:
         ranks = [rs[i] for rs in s.ranks]
         rank = "?" if not ranks else str(ranks[0]) if len(set(ranks)) == 1 else f"{min(ranks)}..{max(ranks)} (by layer)"
         who = "oldest (middle)" if i == 0 else "most recent" if i == len(s.levels) - 1 else f"level {i}"
-        kb = f"{lv.key_bits}" + (f" ({lv.key_rank} coefficients{per})" if lv.key_rank else "")
+        krs = sorted({s.key_rank(layer, i) for layer in range(len(s.key_ranks or [None]))})
+        count = f"{krs[0]}" if len(krs) == 1 else f"{krs[0]}..{krs[-1]} (by layer, mean {lv.key_rank})"
+        kb = f"{lv.key_bits}" + (f" ({count} coefficients{per})" if lv.key_rank else "")
         rows.append(f"| {i} | {who} | {share:.3g} | {rank} / {R} | {lv.bits} | {kb} |")
     ratio = m.get("nominal_ratio")
     if ratio is None:
@@ -172,6 +174,11 @@ def _schedule(m: dict, arch) -> str:
             + ("joined keys" if s.key_blocks == 1 else "keys, per block of KV heads,")
             + " on the calibrated basis in key_basis.safetensors."
         )
+    if s.key_ranks is not None:  # tale-convert --key-rank-policy energy: the coefficients each layer holds
+        for i, lv in enumerate(s.levels):
+            if lv.key_rank:
+                per_layer = ", ".join(str(krs[i]) for krs in s.key_ranks)
+                lines += ["", f"Key coefficients per layer at level {i} (by calibration key energy): {per_layer}."]
     if ratio is not None:
         lines += [
             "",

@@ -110,6 +110,11 @@ class Opt:
     residual: Optional[int] = typer.Option(None, help="16-bit residual tokens (default: the preset's)")
     policy: str = typer.Option(D.policy, help="level-0 rank per layer: uniform, energy, fisher or progressive")
     energy: float = typer.Option(D.energy, help="--policy energy: whitened spectral energy kept per layer at level 0")
+    key_rank_policy: str = typer.Option(
+        D.key_rank_policy,
+        help="low-rank keys' coefficients per layer: uniform (the preset's everywhere) or energy (the same total, "
+        "by the layers' calibration key energy)",
+    )
     overwrite: bool = typer.Option(False, help="replace an existing artifact at --out")
     resume: bool = typer.Option(False, help="reuse the finished layers of an interrupted run with the same settings")
     shard_size: str = typer.Option(str(D.shard_size), help="max safetensors shard size, e.g. 2GB")
@@ -139,7 +144,7 @@ def _options(p: dict) -> Options:
     group = p["group"] if p["group"] is not None else MODELS[p["model"]].group if p["model"] in MODELS else D.group
     same = ("samples", "seq_len", "seed", "shrink", "rotate_latents", "device", "dtype", "sinks", "r0", "preset")
     same += ("target_ratio", "key_basis", "key_basis_blocks", "key_group", "value_group", "residual", "shard_size")
-    same += ("overwrite", "resume", "policy", "energy")
+    same += ("overwrite", "resume", "policy", "energy", "key_rank_policy")
     recent = p["recent"]
     return Options(
         group=group,

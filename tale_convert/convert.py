@@ -17,7 +17,6 @@ import torch
 from tale_runtime import console, families
 from tale_runtime.artifact import (
     FORMAT,
-    FORMAT_VERSION,
     MANIFEST,
     O_FUSED,
     TOOL_NAME,
@@ -26,6 +25,8 @@ from tale_runtime.artifact import (
     Schedule,
     hash_files,
     nominal_ratio,
+    version_for,
+    with_key_ranks,
     write_json,
 )
 
@@ -62,6 +63,8 @@ class Report:
     seconds: float = 0.0
     peak_rss: int = 0  # bytes, this process
     peak_device: int | None = None  # bytes, CUDA only
+    # per layer, per level: the low-rank keys' coefficients (Schedule.key_ranks) where they differ by layer, else None
+    key_ranks: list[list[int]] | None = None
 
 
 def convert(
@@ -215,6 +218,8 @@ def _convert_locked(model, out: Path, opts: Options, on_layer, log, warn, t0) ->
         )
         if opts.policy != "uniform":
             schedule, layers = _rank_policy(opts, schedule, layers, src, tokens, arch, partial, log)
+        if opts.key_rank_policy == "energy":
+            schedule = _key_rank_policy(schedule, arch, partial, families.sliding_windows(skeleton), log)
         if opts.target_ratio:
             schedule, layers = _target_ratio(opts, schedule, layers, arch, partial, log)
         files = writer.close()
@@ -255,6 +260,7 @@ def _convert_locked(model, out: Path, opts: Options, on_layer, log, warn, t0) ->
         time.perf_counter() - t0,
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        schedule.key_ranks,
     )
 
 
@@ -265,7 +271,8 @@ def _calibrated(tmp: Path, manifest: dict, bands, tokens, device, base_card: Pat
 
     t = time.perf_counter()
     schedule = Schedule.from_dict(manifest["schedule"])
-    plain = replace(schedule, levels=[replace(lv, key_rank=0) for lv in schedule.levels])  # the basis is not read
+    # the basis is not read
+    plain = replace(schedule, levels=[replace(lv, key_rank=0) for lv in schedule.levels], key_ranks=None)
     model, _ = load(tmp, device=str(device), dtype=torch.float32, schedule=plain)
     batches = [b.to(device) for b in tokens[:8].split(2)]
     order = stats.key_order(stats.key_importance(model, batches, schedule.key_group))
@@ -291,10 +298,13 @@ def _fit_key_basis(moments: stats.KeyMoments, blocks: int) -> dict[str, torch.Te
     from tale_runtime import key_basis
 
     m2, mean, q2 = (t.cpu() for t in moments.result())
-    enc, dec = key_basis.fit(m2, mean, key_basis.pair_mean(q2, moments.K, moments.n), blocks)
+    w = key_basis.pair_mean(q2, moments.K, moments.n)
+    enc, dec = key_basis.fit(m2, mean, w, blocks)
     if blocks == 1:
         enc, dec = enc[0], dec[0]
-    return dict(zip(resume.BASIS, (enc, dec, mean.float().contiguous())))
+    # the energy rides along in the partial layer file only (resume.KEY_ENERGY): the artifact's basis file is unchanged
+    out = dict(zip(resume.BASIS, (enc, dec, mean.float().contiguous())))
+    return out | {resume.KEY_ENERGY: key_basis.energy(m2, mean, w, blocks).contiguous()}
 
 
 def _write_key_basis(tmp: Path, partial, L: int) -> None:
@@ -322,7 +332,7 @@ def _write_key_basis(tmp: Path, partial, L: int) -> None:
 def _manifest(src, base_files, arch, schedule, layers, calib_info, opts, dtype, files) -> dict:
     return {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": version_for(schedule),
         "tool": {"name": TOOL_NAME, "version": __version__},
         "base": {
             "id": src.id,
@@ -541,6 +551,30 @@ def _rank_policy(opts, schedule, layers, src, tokens, arch, partial, log) -> tup
     schedule = rank_policy.apply(schedule, opts.policy, ranks0)
     layers = [replace(lr, energy=[energy_kept(S, r) for r in rs]) for lr, S, rs in zip(layers, spectra, schedule.ranks)]
     return schedule, layers
+
+
+def _key_rank_policy(schedule: Schedule, arch, partial, windows, log) -> Schedule:
+    """The low-rank keys' coefficients per layer by calibration key energy (--key-rank-policy energy): at each level
+    with low-rank keys, its key_rank per layer on average within each kind of layer (global, or sliding through one
+    window), multiples of 8 (of key_channel_group at per-token levels) that keep the most energy."""
+    energies = [partial.load_key_energy(i) for i in range(arch.num_layers)]
+    if any(e is None for e in energies):
+        raise ConvertError("the partial conversion holds no key energy: rerun without --resume")
+    rows = [list(schedule.layer_key_ranks(i)) for i in range(arch.num_layers)]
+    for j, lv in enumerate(schedule.levels):
+        if lv.key_rank:
+            step = 8 if lv.key_axis == "channel" else schedule.key_channel_group
+            try:
+                ranks = rank_policy.key_ranks(energies, lv.key_rank, step, windows)
+            except ValueError as e:
+                raise ConvertError(f"--key-rank-policy energy: {e}") from None
+            for row, r in zip(rows, ranks):
+                row[j] = r
+            total = sum(e.sum() for e in energies)
+            kept = sum(e[:, :r].sum() for e, r in zip(energies, ranks)) / total
+            flat = sum(e[:, : lv.key_rank].sum() for e in energies) / total
+            log(f"key ranks at level {j} by energy: {kept:.4f} of the calibration key energy kept ({flat:.4f} uniform)")
+    return with_key_ranks(schedule, rows)
 
 
 def _target_ratio(opts, schedule, layers, arch, partial, log) -> tuple[Schedule, list[LayerReport]]:

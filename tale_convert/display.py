@@ -102,6 +102,7 @@ def report_dict(report, warnings: list[str]) -> dict:
             }
             for lr in report.layers
         ],
+        "key_ranks": report.key_ranks,
         "warnings": warnings,
     }
 
@@ -125,6 +126,10 @@ def summary(to, report, few_tokens: bool = False, verbose: bool = False) -> None
             f"{report.layers[low].index}) over {len(e)} layers; --verbose shows each layer",
             markup=False,
         )
+    for j in range(len(report.key_ranks[0]) if report.key_ranks else 0):  # --key-rank-policy energy
+        ranks = [row[j] for row in report.key_ranks]
+        if any(ranks):
+            to.print(f"key ranks at level {j}, per layer: {', '.join(map(str, ranks))}", markup=False)
     dev = f", device peak {report.peak_device / 2**30:.2f} GiB" if report.peak_device is not None else ""
     to.print(
         f"wrote {report.out}\nnominal ratio {report.nominal_ratio:.2f}x, total {report.seconds:.1f} s, "

@@ -57,6 +57,9 @@ class Options:
     resume: bool = False
     policy: str = "uniform"  # rank policy (tale_convert.rank_policy): uniform, energy, fisher, progressive
     energy: float = 0.9  # energy policy: whitened spectral energy kept per layer at level 0
+    # low-rank keys' coefficients per layer (tale_convert.rank_policy.key_ranks): uniform, or energy (the same total,
+    # by each layer's calibration key energy; Schedule.key_ranks, format 2.5)
+    key_rank_policy: str = "uniform"
 
     def latent_group(self, R: int) -> int:
         """Channels per latent quantization group: --value-group, else the preset's where it divides R (the latents
@@ -117,6 +120,11 @@ class Options:
             raise ConvertError(f"unknown --policy {self.policy!r}: use one of {', '.join(rank_policy.POLICIES)}")
         if not 0 < self.energy <= 1:
             raise ConvertError(f"--energy must be a fraction in (0, 1], got {self.energy}")
+        if self.key_rank_policy not in rank_policy.KEY_RANK_POLICIES:
+            raise ConvertError(
+                f"unknown --key-rank-policy {self.key_rank_policy!r}: use one of "
+                f"{', '.join(rank_policy.KEY_RANK_POLICIES)}"
+            )
         if self.preset not in PRESETS:
             raise ConvertError(f"unknown --preset {self.preset!r}: use one of {', '.join(PRESETS)}")
         p = PRESETS[self.preset]
@@ -167,6 +175,11 @@ class Options:
             schedule.validate(R, num_layers)
         except ArtifactError as e:
             raise ConvertError(f"invalid schedule: {e}") from None
+        if self.key_rank_policy != "uniform" and not any(lv.key_rank for lv in levels):
+            raise ConvertError(
+                f"--key-rank-policy {self.key_rank_policy} sets the low-rank keys' coefficients per layer: this "
+                "schedule has no low-rank keys (use --preset lowrank)"
+            )
         return schedule
 
 

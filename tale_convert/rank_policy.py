@@ -9,6 +9,12 @@
 
 Ranks are multiples of value_group in [value_group, R]. Levels above 0 keep the uniform schedule's
 ranks, raised where needed so ranks never decrease over levels.
+
+Key rank policies (tale-convert --key-rank-policy): how many key basis coefficients each layer keeps at the levels
+with low-rank keys (Schedule.key_ranks).
+
+- uniform: the preset's key rank in every layer.
+- energy: the same total, moved to the layers whose keys hold more calibration energy (key_ranks).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from tale_runtime.cache import call_pattern, dry_run_nbytes
 from tale_runtime.spec import Arch
 
 POLICIES = ("uniform", "energy", "fisher", "progressive")
+KEY_RANK_POLICIES = ("uniform", "energy")
 
 
 def singular_values(v_v: torch.Tensor) -> torch.Tensor:
@@ -134,6 +141,30 @@ def level0_ranks(
     if policy == "progressive":
         return budget_ranks(progressive_weights(num_layers), R, value_group, num_layers * r0)
     raise ValueError(f"unknown rank policy {policy!r}: use one of {', '.join(POLICIES)}")
+
+
+def key_ranks(energies: list[torch.Tensor], mean: int, step: int, kinds: list | None = None) -> list[int]:
+    """Key basis coefficients per block for each layer: multiples of `step` in [step, the layer's directions], `mean`
+    per layer on average, keeping the most calibration key energy. energies: per layer [Kb, nb], each block's
+    coefficient energies largest first (tale_runtime.key_basis.energy); a rank r keeps the first r of every block.
+    Greedy water-filling: from `step` everywhere, the next `step` coefficients go to the layer whose next `step`
+    hold the most energy (summed over its blocks); each layer's gains only fall, so this keeps the most energy of any
+    allocation of that total. kinds: per layer a label (its sliding window; None: a global layer); each kind keeps
+    its own total, count x mean, since a coefficient costs other bytes in a layer that holds only a window of tokens."""
+    kinds = [None] * len(energies) if kinds is None else list(kinds)
+    if mean % step or mean < step:
+        raise ValueError(f"the mean key rank {mean} is not a positive multiple of {step}")
+    out = [step] * len(energies)
+    for kind in dict.fromkeys(kinds):
+        layers = [i for i, k in enumerate(kinds) if k == kind]
+        cap = {i: energies[i].shape[-1] // step * step for i in layers}
+        if any(mean > c for c in cap.values()):
+            raise ValueError(f"the mean key rank {mean} exceeds a layer's key basis ({min(cap.values())} directions)")
+        for _ in range((mean - step) * len(layers) // step):
+            gain = {i: energies[i][:, out[i] : out[i] + step].sum().item() for i in layers if out[i] < cap[i]}
+            best = max(gain, key=lambda i: (gain[i], -i))  # ties: the shallower layer
+            out[best] += step
+    return out
 
 
 def apply(schedule: Schedule, policy: str, ranks0: list[int]) -> Schedule:

@@ -2,7 +2,8 @@
 
 - settings.json: everything the factors depend on (model files, group, calibration tokens).
 - layer_NNNN.safetensors: a finished layer's A, B, S (float64) and eps: a few MB each; with a key basis wanted, also
-  the layer's basis (key_enc, key_dec, key_mean, float32), fitted in the same pass.
+  the layer's basis (key_enc, key_dec, key_mean, float32), fitted in the same pass, and its coefficients' energy
+  (key_energy, float64: what --key-rank-policy energy allocates by).
 - hidden.safetensors: the calibration hidden states entering layer k. Checkpointed at most
   every HIDDEN_EVERY_S seconds, because it is large (samples*seq_len*hidden*4 bytes); on
   resume, finished layers after the checkpoint are replayed forward only (no covariance, no SVD).
@@ -26,6 +27,7 @@ from .whiten import Factors
 
 DIR = ".partial"
 BASIS = ("key_enc", "key_dec", "key_mean")  # a layer's key basis, as save_layer stores it
+KEY_ENERGY = "key_energy"  # beside it: its coefficients' calibration energy [Kb, nb] (--key-rank-policy energy)
 HIDDEN_EVERY_S = 60.0
 
 
@@ -57,6 +59,12 @@ class Partial:
         """The key basis saved with layer i (key_enc, key_dec, key_mean)."""
         with safe_open(self._layer(i), "pt") as st:
             return {k: st.get_tensor(k) for k in BASIS if k in st.keys()}
+
+    def load_key_energy(self, i: int) -> torch.Tensor | None:
+        """The calibration energy of layer i's key basis coefficients [Kb, nb], or None (a partial run from before it
+        was saved)."""
+        with safe_open(self._layer(i), "pt") as st:
+            return st.get_tensor(KEY_ENERGY) if KEY_ENERGY in st.keys() else None
 
     def shards(self, plan: str) -> dict[str, str]:
         """Complete shards of the shard plan `plan` (a hash of names, shapes, dtype, shard size)."""

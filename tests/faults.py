@@ -838,6 +838,20 @@ def cases() -> list[Case]:
         "add --key-basis",
         check=nothing_at("out"),
     )
+    add(
+        "convert-key-rank-policy-unknown",
+        g,
+        [*cv, "--key-rank-policy", "bogus", "--out", "{W}/out"],
+        "unknown --key-rank-policy",
+        check=nothing_at("out"),
+    )
+    add(
+        "convert-key-rank-policy-without-low-rank-keys",
+        g,
+        [*cv, "--key-rank-policy", "energy", "--out", "{W}/out"],
+        "this schedule has no low-rank keys",
+        check=nothing_at("out"),
+    )
     add("lowrank-under-tp-without-torchrun", g, [*run[:1], "{LR}", *run[2:], "--tp", "2"], "start it with torchrun")
     return C
 

@@ -331,15 +331,17 @@ def test_without_rope_scaling_and_supported_reasons():
             lra.latent_attention_lowrank(q, k, h, odd, 0.2)
 
 
-@pytest.mark.parametrize("static", [False, True])
-def test_real_cache_through_a_tiny_model(static):
+@pytest.mark.parametrize("static, per_layer", [(False, False), (True, False), (False, True), (True, True)])
+def test_real_cache_through_a_tiny_model(static, per_layer):
     """A tiny llama talified with the lowrank preset's schedule (a random key basis), filled by a left-padded
     prefill and decode steps through the model; the kernel as the attention backend matches the reference. The
-    dynamic cache's regions carry RoPE tables, the static cache's a Rotary (the kernel computes RoPE from it)."""
+    dynamic cache's regions carry RoPE tables, the static cache's a Rotary (the kernel computes RoPE from it).
+    per_layer: the middle level's coefficients per layer (Schedule.key_ranks, 16 and 32): the kernel takes each
+    region's count from its tensors."""
     from tale_helpers import grouped_schedule, talify, tiny_model
 
     from tale_runtime import backends, new_cache
-    from tale_runtime.artifact import Level
+    from tale_runtime.artifact import Level, with_key_ranks
     from tale_runtime.model import cache_arg
 
     base = tiny_model("llama")
@@ -354,6 +356,8 @@ def test_real_cache_through_a_tiny_model(static):
     s = grouped_schedule(
         levels, [[16, R, R]] * L, sinks=4, residual=8, key_channel_group=8, key_meta="8/8", key_rope="pre"
     )
+    if per_layer:
+        s = with_key_ranks(s, [[16 * (1 + i % 2), 0, 0] for i in range(L)])
     tm = talify(base, 2, s).to(DEVICE)
     g = torch.Generator().manual_seed(3)
     bases = []
@@ -394,6 +398,8 @@ def test_real_cache_through_a_tiny_model(static):
     assert (True, True, 4) in kinds and (False, True, 8) in kinds and (False, False, 16) in kinds, kinds
     errs = [e.item() for e in calls]
     assert len(errs) == 2 * L * steps and max(errs) < 1e-4, errs
+    counts = [{r.keys.shape[-1] for r in layer.view().regions if r.basis is not None} for layer in cache.layers]
+    assert counts == [{s.key_rank(i, 0)} for i in range(L)], counts
 
 
 def test_registered_as_a_named_backend():

@@ -65,11 +65,6 @@ __device__ __forceinline__ u32 meta2(u32 v) {
     return v;
 #endif
 }
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
-    u32 r;
-    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
 __device__ __forceinline__ void cp16z(u32 saddr, const void* g, int bytes) {  // zero-filled past `bytes`
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(g), "r"(bytes));
 }

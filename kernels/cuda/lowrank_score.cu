@@ -13,10 +13,13 @@
 //      inv_freq (the SFU's cos/sin after a float32 reduction to [-pi, pi], rounded to the model dtype as its tables);
 //      then codes -> fp16 coefficients [64, KCP] (1024 + code under an fp16 exponent, one sub and one fma per pair);
 //   3. the rebuild as one GEMM [64, KCP] x [KCP, HPC * 128] by mma.sync m16n8k16 (float32 accumulators): the basis
-//      block's columns of the CTA's heads stay in shared memory for the CTA's life; warp (j, f) owns head j's
-//      channels f * 32 .. f * 32 + 31 of both RoPE halves, so RoPE pairs sit in one thread's registers;
-//   4. column scale and mean, RoPE, then the accumulators re-packed as fp16 A fragments (the C layout of one mma is
-//      the A layout of the next) times the query [128, 8 heads]: one m16n8k16 per 16 channels and 16 slots;
+//      block's columns of the CTA's heads, times their column scales, stay in shared memory for the CTA's life, with
+//      the column means as row KC against a coefficient held at 1 (where KC leaves a padding column; else the mean
+//      is added after); warp (j, f) owns head j's channels f * 32 .. f * 32 + 31 of both RoPE halves, so RoPE pairs
+//      sit in one thread's registers;
+//   4. the keys packed to fp16 pairs and rotated in half2 arithmetic (RoPE), which is the A layout of the next mma
+//      (the C layout of one mma is the A layout of the next), times the query [128, 8 heads]: one m16n8k16 per 16
+//      channels and 16 slots;
 //   5. the two warps of a head add their halves of the dot through shared memory; one writes the scores.
 //
 // Fixed per build: KC coefficients per block row (KC * KBITS / 8 bytes: whole 32-bit words), KBITS
@@ -31,6 +34,7 @@
 #define CSTR 72                       // cos/sin row stride, words: the epilogue's 8 slots x 4 frequency pairs of a
                                       // half-warp land in distinct banks (a stride of 64 put every slot on one)
 #define KCP ((KC + 15) / 16 * 16)     // coefficients padded to the mma's k
+#define FOLD_MEAN (KC < KCP)          // the column means as the GEMM's row KC (a padding coefficient held at 1)
 #define PNB (KC * KBITS / 8)          // bytes per packed row
 #define PNW (PNB / 4)                 // words per packed row
 #define NPL (8 / KBITS)               // code planes per byte
@@ -46,13 +50,13 @@
 // shared memory, bytes
 #define OFF_B 0
 #define OFF_A (OFF_B + KCP * BSTR * 2)
-#define OFF_CS (OFF_A + BT * ASTR * 2)                 // [64 slots][CSTR] {cos, sin} in the model dtype
+#define OFF_CS (OFF_A + BT * ASTR * 2)                 // [64 slots][CSTR] {cos, sin} fp16, of the model dtype's
 #define OFF_STC (OFF_CS + BT * CSTR * 4)               // stage: codes [64][PNB]
 #define OFF_STS (OFF_STC + BT * PNB)                   // stage: scales [NGT][KC], then zeros [NGT][KC]
 #define OFF_STP (OFF_STS + 2 * NGT * KC * MB)          // stage: positions [64]
 #define OFF_SZ (OFF_STP + BT * 4)                      // fp16 scales [NGT][KCP], then zeros [NGT][KCP]
-#define OFF_COL (OFF_SZ + 2 * NGT * KCP * 2)           // float [4][HPC][64]: scale lo, scale hi, mean lo, mean hi
-#define OFF_RED (OFF_COL + 4 * HPC * NHALF * 4)        // float [HPC][4][32][4]: the second warps' halves of the dot
+#define OFF_COL (OFF_SZ + 2 * NGT * KCP * 2)           // float [2][HPC][64]: the column means, lo and hi
+#define OFF_RED (OFF_COL + 2 * HPC * NHALF * 4)        // float [HPC][4][32][4]: the second warps' halves of the dot
 #define SMEM (OFF_RED + HPC * 4 * 32 * 16)
 
 #include "ptx.cuh"
@@ -66,22 +70,16 @@ __device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((u32)h) <
 __device__ __forceinline__ float fp8f(u32 b) {  // fp8 e4m3 byte -> float (exact; NaN unused)
     return __uint_as_float(((b & 0x7Fu) << 20) | ((b & 0x80u) << 24)) * 1.329227995784916e36f;  // 2^120
 }
-// {cos, sin} rounded to the model dtype, packed: cos in the low 16 bits
+// {cos, sin} rounded to the model dtype, held as fp16 for the half2 RoPE (a bf16 value of magnitude <= 1 is an fp16
+// one, down to fp16's subnormals), packed: cos in the low 16 bits
 __device__ __forceinline__ u32 pack_cs(float c, float s) {
-    u32 r;
 #if RDT_BF16
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(s), "f"(c));
-#else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(s), "f"(c));
+    u32 b;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(b) : "f"(s), "f"(c));
+    c = __uint_as_float(b << 16);
+    s = __uint_as_float(b & 0xFFFF0000u);
 #endif
-    return r;
-}
-__device__ __forceinline__ float2 unpack_cs(u32 v) {
-#if RDT_BF16
-    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xFFFF0000u));
-#else
-    return make_float2(h2f1((u16)(v & 0xFFFF)), h2f1((u16)(v >> 16)));
-#endif
+    return f2h(c, s);
 }
 __device__ __forceinline__ float qf(const u16* q, long i) {
 #if Q_BF16
@@ -151,22 +149,35 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
     };
     stage(tile0 * BT);
 
-    // the basis columns of the CTA's heads, for the CTA's life: row k, head j: lo channels at j 128, hi at j 128 + 64
+    // the basis columns of the CTA's heads times their column scales, for the CTA's life: row k, head j: lo channels
+    // at j 128, hi at j 128 + 64; row KC the column means (FOLD_MEAN), the rest of the padding rows zero
     for (int i = tid; i < KC * HPC * 16; i += NTHR) {
         const int k = i / (HPC * 16), j = (i / 16) % HPC, hf = (i / 8) % 2, c = i % 8;
         const u16* src = (hf ? dhi : dlo) + (long)blk * s_dblk + (long)k * s_dec + cb + j * NHALF + c * 8;
-        cp16(sB + (k * BSTR + j * 128 + hf * 64 + c * 8) * 2, src);
+        const float4* srow = (const float4*)(rows + (2 + hf) * knh + (kv0 + j) * NHALF + c * 8);
+        const uint4 v = *(const uint4*)src;
+        const float4 s0 = srow[0], s1 = srow[1];
+        const float2 h0 = h2f(v.x), h1 = h2f(v.y), h2 = h2f(v.z), h3 = h2f(v.w);
+        *(uint4*)(smem + OFF_B + (k * BSTR + j * 128 + hf * 64 + c * 8) * 2) =
+            make_uint4(f2h(h0.x * s0.x, h0.y * s0.y), f2h(h1.x * s0.z, h1.y * s0.w), f2h(h2.x * s1.x, h2.y * s1.y),
+                       f2h(h3.x * s1.z, h3.y * s1.w));
     }
-    cp_commit();
-    for (int i = tid; i < (KCP - KC) * BSTR / 2; i += NTHR) ((u32*)(smem + OFF_B))[KC * BSTR / 2 + i] = 0u;
-    for (int i = tid; i < BT * (KCP - KC); i += NTHR)  // the coefficient tile's padding columns: zero for good
-        ((u16*)(smem + OFF_A))[(i / (KCP - KC)) * ASTR + KC + i % (KCP - KC)] = 0;
+#if FOLD_MEAN
+    for (int i = tid; i < HPC * 128; i += NTHR) {
+        const int j = i / 128, hf = (i / 64) % 2, f = i % 64;
+        ((u16*)(smem + OFF_B))[KC * BSTR + i] = (u16)(f2h(rows[hf * knh + (kv0 + j) * NHALF + f], 0.f) & 0xFFFF);
+    }
+#endif
+    for (int i = tid; i < (KCP - KC - FOLD_MEAN) * BSTR / 2; i += NTHR)
+        ((u32*)(smem + OFF_B))[(KC + FOLD_MEAN) * BSTR / 2 + i] = 0u;
+    for (int i = tid; i < BT * (KCP - KC); i += NTHR) {  // the coefficient tile's padding columns, for good
+        const int c = KC + i % (KCP - KC);
+        ((u16*)(smem + OFF_A))[(i / (KCP - KC)) * ASTR + c] = FOLD_MEAN && c == KC ? 0x3C00 : 0;  // 1.0: the mean's row
+    }
     for (int i = tid; i < HPC * NHALF; i += NTHR) {
         const int gc = kv0 * NHALF + i;
-        col[i] = rows[2 * knh + gc];
-        col[HPC * NHALF + i] = rows[3 * knh + gc];
-        col[2 * HPC * NHALF + i] = rows[gc];
-        col[3 * HPC * NHALF + i] = rows[knh + gc];
+        col[i] = rows[gc];
+        col[HPC * NHALF + i] = rows[knh + gc];
     }
     // this warp: head j, channels f * 32 .. + 31 of each RoPE half. Its query heads' B fragments for the score mma,
     // per 16 channels s (0, 1: lo; 2, 3: hi): rows k = channel, column n = query head (n < REP; else zero)
@@ -276,42 +287,42 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
                     mma(acc[mt][nt], a[mt][0], a[mt][1], a[mt][2], a[mt][3], bf[nt >> 1][(nt & 1) * 2],
                         bf[nt >> 1][(nt & 1) * 2 + 1]);
         }
-        // -- column scale and mean, RoPE (lo' = lo cos - hi sin, hi' = hi cos + lo sin), in place
+        // -- RoPE in half2 (lo' = lo cos - hi sin, hi' = hi cos + lo sin) on the keys packed to fp16: kh[mt][nt][r]
+        // holds slot mt 16 + lane / 4 + 8 r, channels f, f + 1 (nt < 4 the lo half, else hi) as one A fragment register
+        u32 kh[4][8][2];
 #pragma unroll
         for (int nt = 0; nt < 4; nt++) {
             const int f = fh * 32 + nt * 8 + 2 * (lane & 3);
-            const float2 slo = *(const float2*)(col + j * NHALF + f);
-            const float2 shi = *(const float2*)(col + (HPC + j) * NHALF + f);
-            const float2 mlo = *(const float2*)(col + (2 * HPC + j) * NHALF + f);
-            const float2 mhi = *(const float2*)(col + (3 * HPC + j) * NHALF + f);
+#if !FOLD_MEAN
+            const float2 mlo = *(const float2*)(col + j * NHALF + f);
+            const float2 mhi = *(const float2*)(col + (HPC + j) * NHALF + f);
+#endif
 #pragma unroll
             for (int mt = 0; mt < 4; mt++)
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
                     const int t = mt * 16 + (lane >> 2) + 8 * r;
                     const uint2 cw = *(const uint2*)(cs + t * CSTR + f);
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const float2 csv = unpack_cs(e ? cw.y : cw.x);
-                        const float lo = acc[mt][nt][2 * r + e] * (e ? slo.y : slo.x) + (e ? mlo.y : mlo.x);
-                        const float hi = acc[mt][nt + 4][2 * r + e] * (e ? shi.y : shi.x) + (e ? mhi.y : mhi.x);
-                        acc[mt][nt][2 * r + e] = lo * csv.x - hi * csv.y;
-                        acc[mt][nt + 4][2 * r + e] = hi * csv.x + lo * csv.y;
-                    }
+                    const u32 c2 = __byte_perm(cw.x, cw.y, 0x5410), s2 = __byte_perm(cw.x, cw.y, 0x7632);
+                    float l0 = acc[mt][nt][2 * r], l1 = acc[mt][nt][2 * r + 1];
+                    float h0 = acc[mt][nt + 4][2 * r], h1 = acc[mt][nt + 4][2 * r + 1];
+#if !FOLD_MEAN
+                    l0 += mlo.x, l1 += mlo.y, h0 += mhi.x, h1 += mhi.y;
+#endif
+                    const u32 lo2 = f2h(l0, l1), hi2 = f2h(h0, h1);
+                    kh[mt][nt][r] = hfma2(lo2, c2, hmul2(hi2, s2 ^ 0x80008000u));
+                    kh[mt][nt + 4][r] = hfma2(hi2, c2, hmul2(lo2, s2));
                 }
         }
-        // -- scores: the rotated keys (fp16 A fragments straight from the accumulators) times the query heads
+        // -- scores: the rotated keys (fp16 A fragments) times the query heads
         float S[4][4];
 #pragma unroll
         for (int mt = 0; mt < 4; mt++) {
             S[mt][0] = S[mt][1] = S[mt][2] = S[mt][3] = 0.f;
 #pragma unroll
-            for (int s = 0; s < 4; s++) {
-                const float* c0 = acc[mt][2 * s];
-                const float* c1 = acc[mt][2 * s + 1];
-                mma(S[mt], f2h(c0[0], c0[1]), f2h(c0[2], c0[3]), f2h(c1[0], c1[1]), f2h(c1[2], c1[3]), qb[s][0],
+            for (int s = 0; s < 4; s++)
+                mma(S[mt], kh[mt][2 * s][0], kh[mt][2 * s][1], kh[mt][2 * s + 1][0], kh[mt][2 * s + 1][1], qb[s][0],
                     qb[s][1]);
-            }
         }
         if (fh)
 #pragma unroll

@@ -76,6 +76,11 @@ __device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
     asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
     return r;
 }
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
 __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
     u32 r;
     asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(c));
