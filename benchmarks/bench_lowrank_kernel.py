@@ -475,6 +475,10 @@ def main() -> int:
                 print(f"sweep 32K B=1 basis {label(spec)} {kw}: {t:.1f} us", flush=True)
                 if t < best[0]:
                     best = (t, kw)
+            # every configuration failed: timing the defaults instead would put them under the sweep's name
+            if best[0] == float("inf"):
+                print(f"error: no --sweep configuration ran for basis {label(spec)} (see 'timing failed' above)")
+                raise SystemExit(1)
             kws[spec] = best[1]
             del v
     print(f"kernel options per basis: {[(label(s), kw) for s, kw in kws.items()] or 'defaults'}")

@@ -13,10 +13,12 @@ Stages (each appends to WORK, a re-run adds only what is missing):
 `dev`: experiments/tale_search.py on the dev text (calib/corpus_heldout.txt, never calibrated on), --dev-windows x
 1024 tokens, prefill 128, chunk 8, with "full" (the 16-bit cache) in the same run. `loo`: per domain L, a default
 conversion calibrated on the other five corpora (experiments/domain_shift.py's), then the same on L's own text
-(--loo-windows windows). `choose` prints the table and applies the rule, fixed before any test text is read: the
-highest measured dev ratio among the variants within --limit on the dev text less --margin and within --limit on every
-left-out selection domain. `report`: the --names variants on both test texts (4 x 1024 tokens each, prefill 128, chunk
-8: the windows of docs/quality.md's preset table) and on the --domains left out (not used by `choose`).
+(--loo-windows windows; --convert-args: more tale-convert options for these conversions, e.g. the --samples /
+--seq-len of an artifact calibrated otherwise). `choose` prints the table and applies the rule, fixed before any test
+text is read: the highest measured dev ratio among the variants within --limit on the dev text less --margin and within
+--limit on every left-out selection domain. `report`: the --names variants on both test texts (4 x 1024 tokens each,
+prefill 128, chunk 8: the windows of docs/quality.md's preset table) and on the --domains left out (not used by
+`choose`).
 `retrieval`: experiments/retrieval_layers.py at 4K (--samples per family, the NIAH families by default: the full
 cache scores 0 on VT and CWE at 4K on SmolLM2) with the --names variants against the full cache.
 """
@@ -55,11 +57,12 @@ def domain_text(stem: str) -> Path:
     return next(p for p in tale_calib.calib_paths() if p.stem == stem)
 
 
-def loo_artifact(work: Path, stem: str) -> Path:
-    """The default conversion calibrated on every corpus but `stem` (domain_shift.py's layout)."""
+def loo_artifact(work: Path, stem: str, extra: list[str] | None = None) -> Path:
+    """The default conversion calibrated on every corpus but `stem` (domain_shift.py's layout); `extra`: more
+    tale-convert options (e.g. --samples / --seq-len: those of the artifact under test)."""
     rest = [p for p in tale_calib.calib_paths() if p.stem != stem]
     art = work / stem / "art"
-    convert(art, [corpus_jsonl(rest, work / stem / "calib.jsonl")], "lowrank", [])
+    convert(art, [corpus_jsonl(rest, work / stem / "calib.jsonl")], "lowrank", extra or [])
     return art
 
 
@@ -113,6 +116,11 @@ def main() -> None:
     ap.add_argument("variants", type=Path)
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--domains", default="corpus_dialogue,corpus_instructional,corpus_science")
+    ap.add_argument(
+        "--convert-args",
+        default="",
+        help="more tale-convert options for the left-out conversions (loo, report), e.g. '--samples 73 --seq-len 512'",
+    )
     ap.add_argument("--names", default=None, help="comma list of variants (default: all of VARIANTS.json)")
     ap.add_argument("--dev-windows", type=int, default=5)
     ap.add_argument("--loo-windows", type=int, default=4)
@@ -130,7 +138,7 @@ def main() -> None:
         run_search(a.artifact, a.variants, "dev", a.work / "dev.jsonl", a.dev_windows, with_full)
     elif a.stage == "loo":
         for d in domains:
-            art = loo_artifact(a.work, d)
+            art = loo_artifact(a.work, d, a.convert_args.split())
             run_search(art, a.variants, str(domain_text(d)), a.work / d / "loo.jsonl", a.loo_windows, with_full)
     elif a.stage == "choose":
         choose(a.work, names, domains, a.limit, a.margin)
@@ -138,7 +146,7 @@ def main() -> None:
         for t in ("botchan", "eb1911"):
             run_search(a.artifact, a.variants, t, a.work / f"{t}.jsonl", a.test_windows, with_full)
         for d in domains:
-            art = loo_artifact(a.work, d)
+            art = loo_artifact(a.work, d, a.convert_args.split())
             run_search(art, a.variants, str(domain_text(d)), a.work / d / "loo.jsonl", a.loo_windows, with_full)
         texts = {t: rows(a.work / f"{t}.jsonl") for t in ("botchan", "eb1911")}
         texts |= {d.removeprefix("corpus_"): rows(a.work / d / "loo.jsonl") for d in domains}

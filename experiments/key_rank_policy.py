@@ -50,16 +50,11 @@ def convert(out: Path, share: float, calib: list[Path] | None = None) -> None:
     print(out, "key ranks:", [row[0] for row in report.key_ranks or []], flush=True)
 
 
-def search(art: Path, text: str, out: Path, windows: int, names: list[str]) -> None:
-    """tale_search.py for the `names` that `out` does not hold yet (rows appended)."""
-    done = {json.loads(x)["name"] for x in out.read_text().splitlines()} if out.is_file() else set()
-    todo = [x for x in names if x not in done]
-    if not todo:
-        return
-    out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(HERE / "tale_search.py"), str(art), str(VARIANTS), "--out", str(out), "--threads", "1"]
-    cmd += ["--no-passkey", "--windows", str(windows), "--chunk", "8", "--text", text, "--only", ",".join(todo)]
-    subprocess.run(cmd, check=True, env=ENV)
+def search(art: Path, text: str, out: Path, windows: int, names: list[str], variants: Path = VARIANTS) -> None:
+    """tale_search.py for the `names` (of `variants`) that `out` does not hold yet (eight_search's, rows appended)."""
+    from eight_search import run_search
+
+    run_search(art, variants, text, out, windows, names)
 
 
 def table(work: Path, texts: list[str], names: list[str]) -> None:

@@ -69,6 +69,12 @@ __device__ __forceinline__ void wgmma256(float* d, unsigned long long da, unsign
 }
 
 // a: [T, 64, KP] fp16, b: [KP, NT] fp16 (row-major), d: [T, 64, NT] float32 (write) or [grid x threads] checksums
+// the accumulators ordered against wgmma's asynchronous writes (ptxas sees no dependence through the async proxy)
+__device__ __forceinline__ void fence_regs(float* d) {
+#pragma unroll
+    for (int i = 0; i < 128; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
 extern "C" __global__ void __launch_bounds__(NWG * 128, 1)
     probe(const u16* __restrict__ a, const u16* __restrict__ b, float* __restrict__ d, int T, int write) {
     extern __shared__ __align__(128) unsigned char smem[];
@@ -88,8 +94,9 @@ extern "C" __global__ void __launch_bounds__(NWG * 128, 1)
             cp16(smem_u32(sa + koff(r, 8 * k8, 64)), a + ((long)t * 64 + r) * KP + 8 * k8);
         }
         asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // this thread's writes, read by wgmma
         __syncthreads();
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic-proxy writes, read by wgmma
+        fence_regs(d_);
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
         const u32 a0 = smem_u32(sa), b0 = smem_u32(sb + koff(256 * wg, 0, NT));
 #pragma unroll 1
@@ -98,6 +105,7 @@ extern "C" __global__ void __launch_bounds__(NWG * 128, 1)
             for (int ks = 0; ks < KP / 16; ks++)
                 wgmma256(d_, desc(a0 + koff(0, 16 * ks, 64), 64), desc(b0 + koff(0, 16 * ks, NT), NT), rep + ks);
         asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        fence_regs(d_);
         if (write) {
 #pragma unroll
             for (int j = 0; j < 128; j++) {  // d[4 nb + 2 rr + e]: row 16 warp + lane / 4 + 8 rr, column 8 nb + 2 (lane % 4) + e

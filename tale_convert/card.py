@@ -146,7 +146,7 @@ def _schedule(m: dict, arch) -> str:
         ranks = [rs[i] for rs in s.ranks]
         rank = "?" if not ranks else str(ranks[0]) if len(set(ranks)) == 1 else f"{min(ranks)}..{max(ranks)} (by layer)"
         who = "oldest (middle)" if i == 0 else "most recent" if i == len(s.levels) - 1 else f"level {i}"
-        krs = sorted({s.key_rank(layer, i) for layer in range(len(s.key_ranks or [None]))})
+        krs = sorted({row[i] for row in s.key_ranks} if s.key_ranks else {lv.key_rank})  # the counts of its layers
         count = f"{krs[0]}" if len(krs) == 1 else f"{krs[0]}..{krs[-1]} (by layer, mean {lv.key_rank})"
         kb = f"{lv.key_bits}" + (f" ({count} coefficients{per})" if lv.key_rank else "")
         rows.append(f"| {i} | {who} | {share:.3g} | {rank} / {R} | {lv.bits} | {kb} |")

@@ -561,6 +561,7 @@ def _key_rank_policy(schedule: Schedule, arch, partial, windows, log) -> Schedul
     if any(e is None for e in energies):
         raise ConvertError("the partial conversion holds no key energy: rerun without --resume")
     rows = [list(schedule.layer_key_ranks(i)) for i in range(arch.num_layers)]
+    total = sum(e.sum() for e in energies)
     for j, lv in enumerate(schedule.levels):
         if lv.key_rank:
             step = 8 if lv.key_axis == "channel" else schedule.key_channel_group
@@ -570,7 +571,6 @@ def _key_rank_policy(schedule: Schedule, arch, partial, windows, log) -> Schedul
                 raise ConvertError(f"--key-rank-policy energy: {e}") from None
             for row, r in zip(rows, ranks):
                 row[j] = r
-            total = sum(e.sum() for e in energies)
             kept = sum(e[:, :r].sum() for e, r in zip(energies, ranks)) / total
             flat = sum(e[:, : lv.key_rank].sum() for e in energies) / total
             log(f"key ranks at level {j} by energy: {kept:.4f} of the calibration key energy kept ({flat:.4f} uniform)")

@@ -168,6 +168,7 @@ def test_an_energy_conversion_holds_other_ranks_per_layer_decodes_and_keeps_the_
         f"Key coefficients per layer at level 0 (by calibration key energy): {', '.join(map(str, ranks))}."
         in (tmp_path / "e" / "README.md").read_text()
     )
+    assert f"({min(ranks)}..{max(ranks)} (by layer, mean 16) coefficients" in (tmp_path / "e" / "README.md").read_text()
 
     ids = ids_for(60)
     models = [load(tmp_path / x, device="cpu", dtype=torch.float32)[0] for x in ("u", "e")]
