@@ -20,25 +20,25 @@ from tale_runtime.quant import FP8, QTensor
 from .cuda_module import dequant_bias, device_scalar, loaded
 
 SRC = os.path.join(os.path.dirname(__file__), "cuda", "lowrank_score.cu")
-BT = 64  # slots per tile (the .cu's BT)
+BT = 64  # slots per tile (the .cu's BT) of the default build; 32 halves the CTA's tile buffers
 CSTR = 72  # cos/sin row stride in words (the .cu's CSTR)
 
 
-def smem_bytes(kc: int, bits: int, ktg: int, meta8: bool, hpc: int) -> int:
-    """Dynamic shared memory of one CTA (the .cu's SMEM)."""
+def smem_bytes(kc: int, bits: int, ktg: int, meta8: bool, hpc: int, bt: int = BT) -> int:
+    """Dynamic shared memory of one CTA (the .cu's SMEM) with `bt` slots per tile."""
     kcp = -(-kc // 16) * 16
-    ngt = BT // ktg if ktg < BT else 1
+    ngt = bt // ktg if ktg < bt else 1
     mb = 1 if meta8 else 2
     return (
         kcp * (hpc * 128 + 8) * 2  # basis columns
-        + BT * (kcp + 8) * 2  # coefficient tile
-        + BT * CSTR * 4  # cos/sin
-        + BT * kc * bits // 8  # stage: codes
+        + bt * (kcp + 8) * 2  # coefficient tile
+        + bt * CSTR * 4  # cos/sin
+        + bt * kc * bits // 8  # stage: codes
         + 2 * ngt * kc * mb  # stage: scales, zeros
-        + BT * 4  # stage: positions
+        + bt * 4  # stage: positions
         + 2 * ngt * kcp * 2  # fp16 scales, zeros
         + 2 * hpc * 64 * 4  # column means
-        + hpc * 4 * 32 * 16  # the halves of the dot
+        + hpc * (bt // 16) * 32 * 16  # the halves of the dot
     )
 
 
@@ -125,12 +125,21 @@ def reason(q: torch.Tensor, keys: QTensor, rep: int, hpb: int, K: int, tables=No
 
 
 def build_options(
-    kc: int, bits: int, ktg: int, meta8: bool, hpc: int, rep: int, bf16: bool = True, rsc: bool = False, tables=False
+    kc: int,
+    bits: int,
+    ktg: int,
+    meta8: bool,
+    hpc: int,
+    rep: int,
+    bf16: bool = True,
+    rsc: bool = False,
+    tables=False,
+    bt: int = BT,
 ) -> tuple[str, ...]:
     """The .cu's -D configuration: coefficients per row, code bits, slots per scale group, fp8 scales, KV heads per
     CTA, query heads per KV head, bf16 queries and cos/sin, the rotary's attention scaling, cos/sin from tables."""
     flags = dict(KC=kc, KBITS=bits, KTG=ktg, META8=meta8, HPC=hpc, REP=rep, Q_BF16=bf16, RDT_BF16=bf16)
-    flags.update(RSC=rsc, ROPE_TAB=tables)
+    flags.update(RSC=rsc, ROPE_TAB=tables, BT=bt)
     return tuple(f"-D{k}={int(v)}" for k, v in flags.items())
 
 
@@ -161,15 +170,21 @@ def scores(
     dev = q.device
     limit = _smem_limit(dev)
     hpc = heads_per_cta(hpb, K, kc, bits, ktg, meta8, limit)
-    smem = smem_bytes(kc, bits, ktg, meta8, hpc)
-    opts = build_options(kc, bits, ktg, meta8, hpc, rep, q.dtype == torch.bfloat16, rsc != 1.0, tables is not None)
+    bt = BT
+    if tile := os.environ.get("TALE_LR_SCORE_TILE"):  # experiment: "heads per CTA:slots per tile"
+        h, bt = (int(x) for x in tile.split(":"))
+        hpc = min(h, hpc)
+    smem = smem_bytes(kc, bits, ktg, meta8, hpc, bt)
+    opts = build_options(
+        kc, bits, ktg, meta8, hpc, rep, q.dtype == torch.bfloat16, rsc != 1.0, tables is not None, bt
+    )
     mod = loaded(SRC, opts, dev)
     fn = "tale_lr_score"
     mod.function(fn, smem)
     ctas = K // hpc
     per_sm = max(1, limit // max(smem, 1))
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    nsplit = max(1, min(-(-cap // BT), round(waves * sms * per_sm / (B * ctas))))
+    nsplit = max(1, min(-(-cap // bt), round(waves * sms * per_sm / (B * ctas))))
     len_p, len_v = device_scalar(length, pos)
     bias_p, inv_v = dequant_bias(keys, pos)
     data, sc, zr = keys.data, keys.scale, keys.zero

@@ -29,7 +29,10 @@
 // (cos/sin rounded to bf16, else fp16), RSC (cos/sin times the rotary's attention scaling), ROPE_TAB (1: cos/sin
 // read from the region's float32 tables [B, cap, 128], the lo half of each: a cache that stores them). Head dim 128.
 
-#define BT 64                         // slots per tile
+#ifndef BT
+#define BT 64                         // slots per tile: 64, or 32 (a smaller CTA, two per SM)
+#endif
+#define MT (BT / 16)                  // m-tiles of 16 slots per tile
 #define NHALF 64                      // channels per RoPE half (head dim 128)
 #define CSTR 72                       // cos/sin row stride, words: the epilogue's 8 slots x 4 frequency pairs of a
                                       // half-warp land in distinct banks (a stride of 64 put every slot on one)
@@ -56,8 +59,8 @@
 #define OFF_STP (OFF_STS + 2 * NGT * KC * MB)          // stage: positions [64]
 #define OFF_SZ (OFF_STP + BT * 4)                      // fp16 scales [NGT][KCP], then zeros [NGT][KCP]
 #define OFF_COL (OFF_SZ + 2 * NGT * KCP * 2)           // float [2][HPC][64]: the column means, lo and hi
-#define OFF_RED (OFF_COL + 2 * HPC * NHALF * 4)        // float [HPC][4][32][4]: the second warps' halves of the dot
-#define SMEM (OFF_RED + HPC * 4 * 32 * 16)
+#define OFF_RED (OFF_COL + 2 * HPC * NHALF * 4)        // float [HPC][MT][32][4]: the second warps' halves of the dot
+#define SMEM (OFF_RED + HPC * MT * 32 * 16)
 
 #include "ptx.cuh"
 
@@ -265,23 +268,23 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
         if (tile + 1 < tile1) stage(t0 + BT);
 
         // -- the rebuild: acc[mt][nt] = slots mt*16.. x columns (nt < 4: lo, else hi) of head j, channels fh*32 + ..
-        float acc[4][8][4];
+        float acc[MT][8][4];
 #pragma unroll
-        for (int mt = 0; mt < 4; mt++)
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int nt = 0; nt < 8; nt++) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
         const u32 a_row = sA + ((lane & 15) * ASTR + (lane >> 4) * 8) * 2;
         const u32 b_row = sB + ((((lane & 7) + ((lane >> 3) & 1) * 8) * BSTR) + j * 128 + fh * 32 + (lane >> 4) * 8) * 2;
 #pragma unroll 1
         for (int ks = 0; ks < KCP / 16; ks++) {
-            u32 a[4][4], bf[4][4];
+            u32 a[MT][4], bf[4][4];
 #pragma unroll
-            for (int mt = 0; mt < 4; mt++) ldsm4(a[mt], a_row + (mt * 16 * ASTR + ks * 16) * 2);
+            for (int mt = 0; mt < MT; mt++) ldsm4(a[mt], a_row + (mt * 16 * ASTR + ks * 16) * 2);
 #pragma unroll
             for (int np = 0; np < 4; np++)  // n-tile pairs: lo 0-15, lo 16-31, hi 0-15, hi 16-31
                 ldsm4t(bf[np], b_row + (ks * 16 * BSTR + (np >> 1) * 64 + (np & 1) * 16) * 2);
 #pragma unroll
-            for (int mt = 0; mt < 4; mt++)
+            for (int mt = 0; mt < MT; mt++)
 #pragma unroll
                 for (int nt = 0; nt < 8; nt++)
                     mma(acc[mt][nt], a[mt][0], a[mt][1], a[mt][2], a[mt][3], bf[nt >> 1][(nt & 1) * 2],
@@ -289,7 +292,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
         }
         // -- RoPE in half2 (lo' = lo cos - hi sin, hi' = hi cos + lo sin) on the keys packed to fp16: kh[mt][nt][r]
         // holds slot mt 16 + lane / 4 + 8 r, channels f, f + 1 (nt < 4 the lo half, else hi) as one A fragment register
-        u32 kh[4][8][2];
+        u32 kh[MT][8][2];
 #pragma unroll
         for (int nt = 0; nt < 4; nt++) {
             const int f = fh * 32 + nt * 8 + 2 * (lane & 3);
@@ -298,7 +301,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
             const float2 mhi = *(const float2*)(col + (HPC + j) * NHALF + f);
 #endif
 #pragma unroll
-            for (int mt = 0; mt < 4; mt++)
+            for (int mt = 0; mt < MT; mt++)
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
                     const int t = mt * 16 + (lane >> 2) + 8 * r;
@@ -315,9 +318,9 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
                 }
         }
         // -- scores: the rotated keys (fp16 A fragments) times the query heads
-        float S[4][4];
+        float S[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < 4; mt++) {
+        for (int mt = 0; mt < MT; mt++) {
             S[mt][0] = S[mt][1] = S[mt][2] = S[mt][3] = 0.f;
 #pragma unroll
             for (int s = 0; s < 4; s++)
@@ -326,12 +329,12 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
         }
         if (fh)
 #pragma unroll
-            for (int mt = 0; mt < 4; mt++) red[(j * 4 + mt) * 32 + lane] = make_float4(S[mt][0], S[mt][1], S[mt][2], S[mt][3]);
+            for (int mt = 0; mt < MT; mt++) red[(j * MT + mt) * 32 + lane] = make_float4(S[mt][0], S[mt][1], S[mt][2], S[mt][3]);
         __syncthreads();
         if (!fh) {
 #pragma unroll
-            for (int mt = 0; mt < 4; mt++) {
-                const float4 o = red[(j * 4 + mt) * 32 + lane];
+            for (int mt = 0; mt < MT; mt++) {
+                const float4 o = red[(j * MT + mt) * 32 + lane];
                 const float v[4] = {S[mt][0] + o.x, S[mt][1] + o.y, S[mt][2] + o.z, S[mt][3] + o.w};
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
