@@ -178,6 +178,7 @@ def scores(
     opts = build_options(
         kc, bits, ktg, meta8, hpc, rep, q.dtype == torch.bfloat16, rsc != 1.0, tables is not None, bt
     )
+    opts += tuple(f"-D{d}" for d in os.environ.get("TALE_LR_SCORE_DEFS", "").split())  # experiment: e.g. "CS_REC=1"
     mod = loaded(SRC, opts, dev)
     fn = "tale_lr_score"
     mod.function(fn, smem)

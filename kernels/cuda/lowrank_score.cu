@@ -46,6 +46,10 @@
 #define ASTR (KCP + 8)
 #define NWARP (2 * HPC)
 #define NTHR (32 * NWARP)
+#define TSTEP (NTHR >> 6)             // slots between one thread's cos/sin rows
+#ifndef CS_REC
+#define CS_REC 0                      // 1: cos/sin of a slot TSTEP positions after the thread's last by rotation
+#endif
 #define NGT (KTG < BT ? BT / KTG : 1) // scale groups per tile
 #define MB (META8 ? 1 : 2)            // bytes per scale or zero
 #define SZW (KC * MB / 4)             // words of one group's scales (or zeros)
@@ -203,6 +207,15 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
 #if !ROPE_TAB
     const float my_invf = invf[tid & 63];
     const int my_roff = roff[b];
+#if CS_REC
+    // the rotation by TSTEP positions at this thread's frequency, once, in double: the recurrence below steps by it
+    float rc, rs;
+    {
+        double ds, dc;
+        sincos((double)TSTEP * (double)my_invf, &ds, &dc);
+        rc = (float)dc, rs = (float)ds;
+    }
+#endif
 #endif
 
     for (int tile = tile0; tile < tile1; tile++) {
@@ -222,25 +235,43 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
             sz[(z * NGT + g) * KCP + c] = (u16)(f2h(v * kinv, 0.f) & 0xFFFF);
         }
         // cos/sin of every (slot, frequency): the frequency is fixed per thread (NTHR is a multiple of 64)
-        for (int t = tid >> 6; t < BT; t += NTHR >> 6) {
+#if !ROPE_TAB && CS_REC
+        float c = 0.f, s = 0.f;
+        int pprev = 0;
+#endif
+        for (int t = tid >> 6; t < BT; t += TSTEP) {
 #if ROPE_TAB  // the region's tables (the model's own cos/sin, already rounded and scaled)
             if (t0 + t < L) {
                 const long ci = (long)b * s_cb + (long)(t0 + t) * s_ct + (tid & 63);
                 cs[t * CSTR + (tid & 63)] = pack_cs(cos_t[ci], sin_t[ci]);
             }
 #else
-            float ang = (float)(stp[t] - my_roff) * my_invf;
-            const float kq = floorf(ang * 0.15915494309189535f + 0.5f);
-            ang = fmaf(-kq, 6.2831854820251465f, ang);
-            ang = fmaf(-kq, -1.7484556000744487e-07f, ang);
+            const int p = stp[t] - my_roff;
+#if CS_REC  // a slot TSTEP positions after this thread's last one (the usual case): rotate that one's pair
+            if (t != (tid >> 6) && p == pprev + TSTEP) {
+                const float c2 = fmaf(c, rc, -s * rs);
+                s = fmaf(s, rc, c * rs);
+                c = c2;
+            } else
+#else
             float c, s;
-            asm("cos.approx.ftz.f32 %0, %1;" : "=f"(c) : "f"(ang));
-            asm("sin.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(ang));
-#if RSC
-            c *= rsc;
-            s *= rsc;
 #endif
+            {
+                float ang = (float)p * my_invf;
+                const float kq = floorf(ang * 0.15915494309189535f + 0.5f);
+                ang = fmaf(-kq, 6.2831854820251465f, ang);
+                ang = fmaf(-kq, -1.7484556000744487e-07f, ang);
+                asm("cos.approx.ftz.f32 %0, %1;" : "=f"(c) : "f"(ang));
+                asm("sin.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(ang));
+            }
+#if CS_REC
+            pprev = p;
+#endif
+#if RSC
+            cs[t * CSTR + (tid & 63)] = pack_cs(c * rsc, s * rsc);
+#else
             cs[t * CSTR + (tid & 63)] = pack_cs(c, s);
+#endif
 #endif
         }
         __syncthreads();
