@@ -24,21 +24,25 @@ BT = 64  # slots per tile (the .cu's BT) of the default build; 32 halves the CTA
 CSTR = 72  # cos/sin row stride in words (the .cu's CSTR)
 
 
-def smem_bytes(kc: int, bits: int, ktg: int, meta8: bool, hpc: int, bt: int = BT) -> int:
-    """Dynamic shared memory of one CTA (the .cu's SMEM) with `bt` slots per tile."""
+def smem_bytes(
+    kc: int, bits: int, ktg: int, meta8: bool, hpc: int, bt: int = BT, rep: int = 8, alias: bool = False
+) -> int:
+    """Dynamic shared memory of one CTA (the .cu's SMEM) with `bt` slots per tile; alias: cos/sin and the dot's
+    halves in the coefficient tile's space."""
     kcp = -(-kc // 16) * 16
     ngt = bt // ktg if ktg < bt else 1
     mb = 1 if meta8 else 2
+    tile = bt * (kcp + 8) * 2  # coefficient tile
+    cs = bt * CSTR * 4  # cos/sin
+    red = hpc * (bt // 16) * 8 * ((rep + 1) // 2) * 16  # the halves of the dot
     return (
         kcp * (hpc * 128 + 8) * 2  # basis columns
-        + bt * (kcp + 8) * 2  # coefficient tile
-        + bt * CSTR * 4  # cos/sin
+        + (max(tile, cs + red) if alias else tile + cs + red)
         + bt * kc * bits // 8  # stage: codes
         + 2 * ngt * kc * mb  # stage: scales, zeros
-        + bt * 4  # stage: positions
+        + (1 + alias) * bt * 4  # stage: positions
         + 2 * ngt * kcp * 2  # fp16 scales, zeros
-        + 2 * hpc * 64 * 4  # column means
-        + hpc * (bt // 16) * 32 * 16  # the halves of the dot
+        + (0 if kc < kcp else 2 * hpc * 64 * 4)  # column means, where the GEMM's padding row does not hold them
     )
 
 
@@ -170,14 +174,14 @@ def scores(
     dev = q.device
     limit = _smem_limit(dev)
     hpc = heads_per_cta(hpb, K, kc, bits, ktg, meta8, limit)
-    bt = BT
-    if tile := os.environ.get("TALE_LR_SCORE_TILE"):  # experiment: "heads per CTA:slots per tile"
-        h, bt = (int(x) for x in tile.split(":"))
-        hpc = min(h, hpc)
-    smem = smem_bytes(kc, bits, ktg, meta8, hpc, bt)
+    bt, alias = BT, 0
+    if tile := os.environ.get("TALE_LR_SCORE_TILE"):  # experiment: "heads per CTA:slots per tile[:alias]"
+        h, bt, *more = (int(x) for x in tile.split(":"))
+        hpc, alias = min(h, hpc), (more or [0])[0]
+    smem = smem_bytes(kc, bits, ktg, meta8, hpc, bt, rep, bool(alias))
     opts = build_options(
         kc, bits, ktg, meta8, hpc, rep, q.dtype == torch.bfloat16, rsc != 1.0, tables is not None, bt
-    )
+    ) + (f"-DALIAS={alias}",)
     opts += tuple(f"-D{d}" for d in os.environ.get("TALE_LR_SCORE_DEFS", "").split())  # experiment: e.g. "CS_REC=1"
     mod = loaded(SRC, opts, dev)
     fn = "tale_lr_score"

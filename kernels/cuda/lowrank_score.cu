@@ -53,18 +53,32 @@
 #define NGT (KTG < BT ? BT / KTG : 1) // scale groups per tile
 #define MB (META8 ? 1 : 2)            // bytes per scale or zero
 #define SZW (KC * MB / 4)             // words of one group's scales (or zeros)
+#define RW ((REP + 1) / 2)            // lanes per row of the score mma's C fragment that hold a query head
+#ifndef ALIAS
+#define ALIAS 0                       // 1: cos/sin and the dot's halves live in the coefficient tile's space, made
+#endif                                // after the GEMM (a smaller CTA: two per SM at 2 KV heads and 64 slots)
 
 // shared memory, bytes
+#define AB (BT * ASTR * 2)                             // the coefficient tile
+#define CSB (BT * CSTR * 4)                            // [BT slots][CSTR] {cos, sin} fp16, of the model dtype's
+#define REDB (HPC * MT * 8 * RW * 16)                  // float4 [HPC][MT][8][RW]: the second warps' halves of the dot
+#define COLB (FOLD_MEAN ? 0 : 2 * HPC * NHALF * 4)     // float [2][HPC][64]: the column means, lo and hi
 #define OFF_B 0
 #define OFF_A (OFF_B + KCP * BSTR * 2)
-#define OFF_CS (OFF_A + BT * ASTR * 2)                 // [64 slots][CSTR] {cos, sin} fp16, of the model dtype's
-#define OFF_STC (OFF_CS + BT * CSTR * 4)               // stage: codes [64][PNB]
+#if ALIAS
+#define OFF_CS OFF_A
+#define OFF_RED (OFF_A + CSB)
+#define OFF_STC (OFF_A + (AB > CSB + REDB ? AB : CSB + REDB))
+#else
+#define OFF_CS (OFF_A + AB)
+#define OFF_RED (OFF_CS + CSB)
+#define OFF_STC (OFF_RED + REDB)                       // stage: codes [BT][PNB]
+#endif
 #define OFF_STS (OFF_STC + BT * PNB)                   // stage: scales [NGT][KC], then zeros [NGT][KC]
-#define OFF_STP (OFF_STS + 2 * NGT * KC * MB)          // stage: positions [64]
-#define OFF_SZ (OFF_STP + BT * 4)                      // fp16 scales [NGT][KCP], then zeros [NGT][KCP]
-#define OFF_COL (OFF_SZ + 2 * NGT * KCP * 2)           // float [2][HPC][64]: the column means, lo and hi
-#define OFF_RED (OFF_COL + 2 * HPC * NHALF * 4)        // float [HPC][MT][32][4]: the second warps' halves of the dot
-#define SMEM (OFF_RED + HPC * MT * 32 * 16)
+#define OFF_STP (OFF_STS + 2 * NGT * KC * MB)          // stage: positions [1 + ALIAS][BT] (ALIAS: by tile parity)
+#define OFF_SZ (OFF_STP + (1 + ALIAS) * BT * 4)        // fp16 scales [NGT][KCP], then zeros [NGT][KCP]
+#define OFF_COL (OFF_SZ + 2 * NGT * KCP * 2)
+#define SMEM (OFF_COL + COLB)
 
 #include "ptx.cuh"
 
@@ -128,9 +142,11 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
     u32* cs = (u32*)(smem + OFF_CS);
     const unsigned char* stc = smem + OFF_STC;
     const unsigned char* sts = smem + OFF_STS;
-    const int* stp = (const int*)(smem + OFF_STP);
+    const int* stp0 = (const int*)(smem + OFF_STP);
     u16* sz = (u16*)(smem + OFF_SZ);
+#if !FOLD_MEAN
     float* col = (float*)(smem + OFF_COL);
+#endif
     float4* red = (float4*)(smem + OFF_RED);
 
     const unsigned char* kbase = codes + (long)b * s_kb + (long)blk * s_kh;
@@ -150,6 +166,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
             if (gg < ngroups)
                 cp4(smem_u32(sts + ((z * NGT + g) * KC) * MB + 4 * w), (z ? zbase : sbase) + (long)gg * s_st * MB + 4 * w);
         }
+        const int* stp = stp0 + (ALIAS ? ((t0 / BT) & 1) * BT : 0);  // ALIAS: read after the next stage is issued
         for (int i = tid; i < BT; i += NTHR)
             if (t0 + i < L) cp4(smem_u32(stp + i), pos + (long)b * s_pb + t0 + i);
         cp_commit();
@@ -177,15 +194,23 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
 #endif
     for (int i = tid; i < (KCP - KC - FOLD_MEAN) * BSTR / 2; i += NTHR)
         ((u32*)(smem + OFF_B))[(KC + FOLD_MEAN) * BSTR / 2 + i] = 0u;
-    for (int i = tid; i < BT * (KCP - KC); i += NTHR) {  // the coefficient tile's padding columns, for good
-        const int c = KC + i % (KCP - KC);
-        ((u16*)(smem + OFF_A))[(i / (KCP - KC)) * ASTR + c] = FOLD_MEAN && c == KC ? 0x3C00 : 0;  // 1.0: the mean's row
-    }
+    // the coefficient tile's padding columns (1.0 at KC: the mean's row), for good (ALIAS: per tile, see below)
+    auto pad_tile = [&]() {
+#if KCP > KC
+        for (int i = tid; i < BT * (KCP - KC); i += NTHR) {
+            const int c = KC + i % (KCP - KC);
+            ((u16*)(smem + OFF_A))[(i / (KCP - KC)) * ASTR + c] = FOLD_MEAN && c == KC ? 0x3C00 : 0;
+        }
+#endif
+    };
+    if (!ALIAS) pad_tile();
+#if !FOLD_MEAN
     for (int i = tid; i < HPC * NHALF; i += NTHR) {
         const int gc = kv0 * NHALF + i;
         col[i] = rows[gc];
         col[HPC * NHALF + i] = rows[knh + gc];
     }
+#endif
     // this warp: head j, channels f * 32 .. + 31 of each RoPE half. Its query heads' B fragments for the score mma,
     // per 16 channels s (0, 1: lo; 2, 3: hi): rows k = channel, column n = query head (n < REP; else zero)
     const int j = warp >> 1, fh = warp & 1;
@@ -218,23 +243,9 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
 #endif
 #endif
 
-    for (int tile = tile0; tile < tile1; tile++) {
-        const int t0 = tile * BT;
-        cp_wait_all();
-        __syncthreads();  // the stage (and, first time, the basis) landed; the last tile's readers are done
-        // scales/zeros -> fp16 [NGT][KCP] (scales, then zeros)
-        for (int i = tid; i < 2 * NGT * KC; i += NTHR) {
-            const int z = i / (NGT * KC), r = i % (NGT * KC);
-            float v;
-#if META8
-            v = fp8f(sts[z * NGT * KC + r]);
-#else
-            v = h2f1(((const u16*)sts)[z * NGT * KC + r]);
-#endif
-            const int g = r / KC, c = r % KC;
-            sz[(z * NGT + g) * KCP + c] = (u16)(f2h(v * kinv, 0.f) & 0xFFFF);
-        }
-        // cos/sin of every (slot, frequency): the frequency is fixed per thread (NTHR is a multiple of 64)
+    // cos/sin of every (slot, frequency) of the tile at t0 into cs: the frequency is fixed per thread (NTHR is a
+    // multiple of 64)
+    auto rope_table = [&](const int* stp, int t0) {
 #if !ROPE_TAB && CS_REC
         float c = 0.f, s = 0.f;
         int pprev = 0;
@@ -274,7 +285,30 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
 #endif
 #endif
         }
+    };
+
+    for (int tile = tile0; tile < tile1; tile++) {
+        const int t0 = tile * BT;
+        const int* stp = stp0 + (ALIAS ? (tile & 1) * BT : 0);
+        cp_wait_all();
+        __syncthreads();  // the stage (and, first time, the basis) landed; the last tile's readers are done
+        // scales/zeros -> fp16 [NGT][KCP] (scales, then zeros)
+        for (int i = tid; i < 2 * NGT * KC; i += NTHR) {
+            const int z = i / (NGT * KC), r = i % (NGT * KC);
+            float v;
+#if META8
+            v = fp8f(sts[z * NGT * KC + r]);
+#else
+            v = h2f1(((const u16*)sts)[z * NGT * KC + r]);
+#endif
+            const int g = r / KC, c = r % KC;
+            sz[(z * NGT + g) * KCP + c] = (u16)(f2h(v * kinv, 0.f) & 0xFFFF);
+        }
+#if !ALIAS
+        rope_table(stp, t0);
+#endif
         __syncthreads();
+        if (ALIAS) pad_tile();  // the last tile's cos/sin and dot halves wrote over them
         // codes -> coefficients: word w of row t holds, per plane p, codes p PNB + 4 w .. + 3
         for (int i = tid; i < BT * PNW; i += NTHR) {
             const int t = i / PNW, w = i % PNW;
@@ -321,6 +355,11 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
                     mma(acc[mt][nt], a[mt][0], a[mt][1], a[mt][2], a[mt][3], bf[nt >> 1][(nt & 1) * 2],
                         bf[nt >> 1][(nt & 1) * 2 + 1]);
         }
+#if ALIAS
+        __syncthreads();  // every warp's GEMM has read the coefficient tile: the cos/sin table takes its space
+        rope_table(stp, t0);
+        __syncthreads();
+#endif
         // -- RoPE in half2 (lo' = lo cos - hi sin, hi' = hi cos + lo sin) on the keys packed to fp16: kh[mt][nt][r]
         // holds slot mt 16 + lane / 4 + 8 r, channels f, f + 1 (nt < 4 the lo half, else hi) as one A fragment register
         u32 kh[MT][8][2];
@@ -358,14 +397,16 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
                 mma(S[mt], kh[mt][2 * s][0], kh[mt][2 * s][1], kh[mt][2 * s + 1][0], kh[mt][2 * s + 1][1], qb[s][0],
                     qb[s][1]);
         }
-        if (fh)
+        // lanes with lane % 4 < RW hold query heads (n = 2 (lane % 4) + 0, 1 < REP): only they trade halves
+        const int ri = (lane >> 2) * RW + (lane & 3);
+        if (fh && (lane & 3) < RW)
 #pragma unroll
-            for (int mt = 0; mt < MT; mt++) red[(j * MT + mt) * 32 + lane] = make_float4(S[mt][0], S[mt][1], S[mt][2], S[mt][3]);
+            for (int mt = 0; mt < MT; mt++) red[(j * MT + mt) * 8 * RW + ri] = make_float4(S[mt][0], S[mt][1], S[mt][2], S[mt][3]);
         __syncthreads();
-        if (!fh) {
+        if (!fh && (lane & 3) < RW) {
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
-                const float4 o = red[(j * MT + mt) * 32 + lane];
+                const float4 o = red[(j * MT + mt) * 8 * RW + ri];
                 const float v[4] = {S[mt][0] + o.x, S[mt][1] + o.y, S[mt][2] + o.z, S[mt][3] + o.w};
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
