@@ -6,13 +6,17 @@
 // the slots (positions, windows) itself, so this kernel writes every slot below the length unmasked.
 // tale_kernels.lowrank_attention compiles it (kernels/cuda_module.py: NVRTC or nvcc) per configuration (-D below).
 //
-// A CTA owns HPC KV heads of one basis block (2 HPC warps) and a run of 64-slot tiles; per tile:
+// A CTA owns HPC KV heads of one basis block (2 HPC warps) and a run of BT-slot tiles; per tile:
 //   1. cp.async brings the tile's packed codes, the scales/zeros of its token groups and its positions into a stage
 //      (issued one tile ahead, while the previous tile's products run);
 //   2. all threads: scales/zeros to fp16; cos/sin of every (slot, frequency) from the positions and the model's
-//      inv_freq (the SFU's cos/sin after a float32 reduction to [-pi, pi], rounded to the model dtype as its tables);
-//      then codes -> fp16 coefficients [64, KCP] (1024 + code under an fp16 exponent, one sub and one fma per pair);
-//   3. the rebuild as one GEMM [64, KCP] x [KCP, HPC * 128] by mma.sync m16n8k16 (float32 accumulators): the basis
+//      inv_freq (the SFU's cos/sin after a float32 reduction to [-pi, pi], rounded to the model dtype as its tables;
+//      CS_REC: a slot one step after the thread's last one rotates that one's pair instead, one SFU pair per thread
+//      and tile); then codes -> fp16 coefficients [BT, KCP] (1024 + code under an fp16 exponent, one sub and one fma
+//      per pair). ALIAS: the cos/sin table is made after step 3 instead, in the coefficient tile's space, with the
+//      dot's halves of step 5 beside it: the CTA shrinks to 112 KB at 2 KV heads and 64 slots, two per SM, so one
+//      CTA's GEMM runs beside the other's unpacking;
+//   3. the rebuild as one GEMM [BT, KCP] x [KCP, HPC * 128] by mma.sync m16n8k16 (float32 accumulators): the basis
 //      block's columns of the CTA's heads, times their column scales, stay in shared memory for the CTA's life, with
 //      the column means as row KC against a coefficient held at 1 (where KC leaves a padding column; else the mean
 //      is added after); warp (j, f) owns head j's channels f * 32 .. f * 32 + 31 of both RoPE halves, so RoPE pairs
@@ -25,9 +29,11 @@
 // Fixed per build: KC coefficients per block row (KC * KBITS / 8 bytes: whole 32-bit words), KBITS
 // 2/4/8 (codes in runtime/quant.py's planar rows: code c in byte c % PNB at bit (c / PNB) * KBITS), KTG slots per
 // scale group (16, 32, or a multiple of 64), META8 (1: fp8 e4m3 scale and zero times 1 / bias; 0: 16-bit fp16
-// bits times 1 / shift), HPC KV heads per CTA, REP query heads per KV head (<= 8), Q_BF16 (query dtype), RDT_BF16
-// (cos/sin rounded to bf16, else fp16), RSC (cos/sin times the rotary's attention scaling), ROPE_TAB (1: cos/sin
-// read from the region's float32 tables [B, cap, 128], the lo half of each: a cache that stores them). Head dim 128.
+// bits times 1 / shift), REP query heads per KV head (<= 8), the CTA's cut (HPC KV heads, BT slots per tile, ALIAS,
+// CS_REC: kernels/lowrank_score.py Tiling), Q_BF16 (query dtype), RDT_BF16 (cos/sin rounded to bf16, else fp16), RSC
+// (cos/sin times the rotary's attention scaling), ROPE_TAB (1: cos/sin read from the region's float32 tables
+// [B, cap, 128], the lo half of each: a cache that stores them), SMEM_LAUNCH (the bytes the launch gives). Head dim
+// 128.
 
 #ifndef BT
 #define BT 64                         // slots per tile: 64, or 32 (a smaller CTA, two per SM)
@@ -79,6 +85,9 @@
 #define OFF_SZ (OFF_STP + (1 + ALIAS) * BT * 4)        // fp16 scales [NGT][KCP], then zeros [NGT][KCP]
 #define OFF_COL (OFF_SZ + 2 * NGT * KCP * 2)
 #define SMEM (OFF_COL + COLB)
+#ifdef SMEM_LAUNCH  // the launch's bytes (kernels/lowrank_score.py smem_bytes): a layout edit must move both
+static_assert(SMEM == SMEM_LAUNCH, "the launch's shared memory differs from the kernel's layout");
+#endif
 
 #include "ptx.cuh"
 
