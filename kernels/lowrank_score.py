@@ -21,23 +21,40 @@ from tale_runtime.quant import FP8, QTensor
 from .cuda_module import dequant_bias, device_scalar, loaded
 
 SRC = os.path.join(os.path.dirname(__file__), "cuda", "lowrank_score.cu")
+SRC_WG = os.path.join(os.path.dirname(__file__), "cuda", "lowrank_score_wg.cu")  # the rebuild on wgmma (sm_90a)
 CSTR = 72  # cos/sin row stride in words (the .cu's CSTR)
 
 
 class Tiling(NamedTuple):
-    """How one CTA of the score pass is cut (the .cu's HPC, BT, ALIAS, CS_REC)."""
+    """How one CTA of the score pass is cut (the .cu's HPC, BT, ALIAS, CS_REC), or wg: lowrank_score_wg.cu, one
+    warpgroup of 2 KV heads rebuilding on wgmma (Hopper), 64-slot tiles."""
 
     hpc: int  # KV heads per CTA (2 warps each), of one basis block
     bt: int = 64  # slots per tile: 64, or 32 (half the tile buffers)
     alias: bool = False  # cos/sin and the dot's halves in the coefficient tile's space, made after the GEMM
     rec: bool = False  # cos/sin of a slot one step after the thread's last by rotation, not the SFU
+    wg: bool = False
+
+    @property
+    def threads(self) -> int:
+        return 128 if self.wg else 64 * self.hpc
+
+    @property
+    def src(self) -> str:
+        return SRC_WG if self.wg else SRC
+
+
+WG = Tiling(2, 64, wg=True)
 
 
 def smem_bytes(kc: int, bits: int, ktg: int, meta8: bool, rep: int, t: Tiling) -> int:
     """Dynamic shared memory of one CTA (the .cu's SMEM; its build asserts the two agree)."""
-    kcp = -(-kc // 16) * 16
     ngt = t.bt // ktg if ktg < t.bt else 1
     mb = 1 if meta8 else 2
+    if t.wg:
+        kcp = (kc + 16) // 16 * 16  # the coefficients and the means' constant one
+        return 256 * kcp * 2 + t.bt * kcp * 2 + t.bt * kc * bits // 8 + 2 * ngt * kc * mb + 2 * ngt * kcp * 2 + 16
+    kcp = -(-kc // 16) * 16
     tile = t.bt * (kcp + 8) * 2  # coefficient tile
     cs = t.bt * CSTR * 4  # cos/sin
     red = t.hpc * (t.bt // 16) * 8 * ((rep + 1) // 2) * 16  # the halves of the dot
@@ -58,17 +75,24 @@ def _smem_limit(device: torch.device) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
 
 
-def tiling(hpb: int, K: int, kc: int, bits: int, ktg: int, meta8: bool, rep: int, limit: int) -> Tiling | None:
+def tiling(
+    hpb: int, K: int, kc: int, bits: int, ktg: int, meta8: bool, rep: int, limit: int, hopper: bool = False
+) -> Tiling | None:
     """The CTA's cut for coefficients of this format: the most KV heads of one basis block (4, 2 or 1) whose basis
     columns fit `limit` bytes of shared memory, or None. TALE_LR_SCORE_TILE="hpc:bt:alias:rec" overrides it (the
-    heads capped at that most), for timing the cuts against each other."""
+    heads capped at that most), or "wg" (on Hopper, blocks of an even number of heads), for timing the cuts against
+    each other."""
     for hpc in (4, 2, 1):
         t = Tiling(hpc)
         if hpb % hpc == 0 and K % hpc == 0 and smem_bytes(kc, bits, ktg, meta8, rep, t) <= limit:
             break
     else:
         return None
-    if env := os.environ.get("TALE_LR_SCORE_TILE"):
+    env = os.environ.get("TALE_LR_SCORE_TILE")
+    if env == "wg":
+        ok = hopper and hpb % 2 == 0 and K % 2 == 0 and smem_bytes(kc, bits, ktg, meta8, rep, WG) <= limit
+        return WG if ok else t
+    if env:
         h, bt, alias, rec = (int(x) for x in (env.split(":") + ["0", "0"])[:4])
         t = Tiling(min(h, t.hpc), bt, bool(alias), bool(rec))
     return t
@@ -180,10 +204,10 @@ def scores(
     meta8 = keys.meta == "8/8"
     dev = q.device
     limit = _smem_limit(dev)
-    t = tiling(hpb, K, kc, bits, ktg, meta8, rep, limit)
+    t = tiling(hpb, K, kc, bits, ktg, meta8, rep, limit, torch.cuda.get_device_capability(dev) == (9, 0))
     smem = smem_bytes(kc, bits, ktg, meta8, rep, t)
     opts = build_options(kc, bits, ktg, meta8, rep, t, q.dtype == torch.bfloat16, rsc != 1.0, tables is not None)
-    mod = loaded(SRC, opts, dev)
+    mod = loaded(t.src, opts, dev)
     fn = "tale_lr_score"
     mod.function(fn, smem)
     ctas = K // t.hpc
@@ -196,7 +220,7 @@ def scores(
     mod.launch(
         fn,
         (nsplit, ctas, B),
-        32 * 2 * t.hpc,
+        t.threads,
         (
             q,
             q.stride(0),

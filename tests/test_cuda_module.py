@@ -88,6 +88,8 @@ SCORE_BUILDS = [
     (152, 4, 64, True, 4, (2, 64, True, True), False),  # two per SM, the tile's space shared
     (144, 2, 16, False, 8, (2, 64, True, False), True),  # no padding coefficient, 16-bit scales, GQA 8, tables
     (96, 8, 32, False, 3, (1, 64, True, True), False),
+    (152, 4, 64, True, 4, "wg", False),  # the rebuild on wgmma, one warpgroup of 2 KV heads, two CTAs per SM
+    (144, 2, 16, False, 8, "wg", True),
 ]
 
 
@@ -102,15 +104,13 @@ def test_score_pass_builds_fit_their_launch(tmp_path, case):
     from tale_kernels import lowrank_score
 
     kc, bits, ktg, meta8, rep, cut, tables = case
-    t = lowrank_score.Tiling(*cut)
+    t = lowrank_score.WG if cut == "wg" else lowrank_score.Tiling(*cut)
     opts = lowrank_score.build_options(kc, bits, ktg, meta8, rep, t, tables=tables)
     inc = f"-I{os.path.dirname(lowrank_score.SRC)}"
 
     def nvcc(*o):
         cmd = ["nvcc", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", inc, *o]
-        return subprocess.run(
-            [*cmd, "-o", str(tmp_path / "k.cubin"), lowrank_score.SRC], capture_output=True, text=True
-        )
+        return subprocess.run([*cmd, "-o", str(tmp_path / "k.cubin"), t.src], capture_output=True, text=True)
 
     r = nvcc(*opts)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -118,7 +118,7 @@ def test_score_pass_builds_fit_their_launch(tmp_path, case):
     assert used and "0 bytes spill stores" in r.stderr, r.stderr[-2000:]
     smem = lowrank_score.smem_bytes(kc, bits, ktg, meta8, rep, t)
     per_sm = 233472 // (smem + 1024)  # Hopper: 228 KB per SM, 1 KB of it reserved per CTA
-    assert per_sm >= 1 and int(used[1]) * 64 * t.hpc * per_sm <= 65536, (used[1], per_sm)
+    assert per_sm >= 1 and int(used[1]) * t.threads * per_sm <= 65536, (used[1], per_sm)
     wrong = [o if not o.startswith("-DSMEM_LAUNCH=") else f"-DSMEM_LAUNCH={smem + 16}" for o in opts]
     r = nvcc(*wrong)
     assert r.returncode != 0 and "shared memory differs" in r.stderr
