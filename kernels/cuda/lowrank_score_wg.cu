@@ -193,9 +193,12 @@ extern "C" __global__ void __launch_bounds__(128, 2) tale_lr_score(
             sz[(z * NGT + r / KC) * KCP + r % KC] = (u16)(f2h(v * kinv, 0.f) & 0xFFFF);
         }
         __syncthreads();
-        // codes -> coefficients: word wd of row t holds, per plane p, codes p PNB + 4 wd .. + 3
-        for (int i = tid; i < BT * PNW; i += 128) {
-            const int t = i / PNW, wd = i % PNW;
+        // codes -> coefficients: word wd of row t holds, per plane p, codes p PNB + 4 wd .. + 3. Lanes take 8 rows x
+        // 2 neighbouring words x 2 row groups: the K-major stores of 16 lanes then fill 32 banks (a warp along one
+        // row would put its stores 128 bytes apart, all in the same banks)
+        for (int i = tid; i < BT * ((PNW + 1) / 2) * 2; i += 128) {
+            const int rest = i >> 4, t = (rest % (BT / 8)) * 8 + (i & 7), wd = (rest / (BT / 8)) * 2 + ((i >> 3) & 1);
+            if (wd >= PNW) continue;
             const u32 word = *(const u32*)(stc + t * PNB + 4 * wd);
             const int g = KTG < BT ? t / KTG : 0;
             const u16* srow = sz + g * KCP;
