@@ -135,16 +135,22 @@ extern "C" __global__ void __launch_bounds__(128, 2) tale_lr_score(
     };
     stage(tile0 * BT);
 
-    // the basis times its column scales for the CTA's life, the column means as row KC, zero rows after
-    for (int i = tid; i < KCP * NCOL; i += 128) {
-        const int k = i / NCOL, n = i % NCOL;  // n fastest: reads along the basis' columns
+    // the basis times its column scales for the CTA's life, the column means as row KC, zero rows after: a thread
+    // reads 8 coefficients' rows of one column (lanes along the columns: coalesced) and stores them as one 16-byte
+    // row of a core matrix
+    for (int i = tid; i < KCP / 8 * NCOL; i += 128) {
+        const int n = i % NCOL, k0 = i / NCOL * 8;
         const int j = n >> 7, hf = (n >> 6) & 1, f = n & 63, gc = (kv0 + j) * NHALF + f;
-        float v = 0.f;
-        if (k < KC)
-            v = h2f1((hf ? dhi : dlo)[(long)blk * s_dblk + (long)k * s_dec + cb + j * NHALF + f]) * rows[(2 + hf) * knh + gc];
-        else if (k == KC)
-            v = rows[hf * knh + gc];
-        *(u16*)(smem + OFF_B + KOFF(n, k)) = (u16)(f2h(v, 0.f) & 0xFFFF);
+        const u16* src = (hf ? dhi : dlo) + (long)blk * s_dblk + cb + j * NHALF + f;
+        const float scale = rows[(2 + hf) * knh + gc], mean = rows[hf * knh + gc];
+        float v[8];
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++) {
+            const int k = k0 + kk;
+            v[kk] = k < KC ? h2f1(src[(long)k * s_dec]) * scale : k == KC ? mean : 0.f;
+        }
+        *(uint4*)(smem + OFF_B + KOFF(n, k0)) =
+            make_uint4(f2h(v[0], v[1]), f2h(v[2], v[3]), f2h(v[4], v[5]), f2h(v[6], v[7]));
     }
     // the coefficient tile's padding columns, for good: the means' constant one at KC, zeros after
     for (int i = tid; i < BT * (KCP - KC); i += 128) {
