@@ -135,16 +135,22 @@ extern "C" __global__ void __launch_bounds__(128, 2) tale_lr_score(
     };
     stage(tile0 * BT);
 
-    // the basis times its column scales for the CTA's life, the column means as row KC, zero rows after
-    for (int i = tid; i < KCP * NCOL; i += 128) {
-        const int k = i / NCOL, n = i % NCOL;  // n fastest: reads along the basis' columns
+    // the basis times its column scales for the CTA's life, the column means as row KC, zero rows after: a thread
+    // reads 8 coefficients' rows of one column (lanes along the columns: coalesced) and stores them as one 16-byte
+    // row of a core matrix
+    for (int i = tid; i < KCP / 8 * NCOL; i += 128) {
+        const int n = i % NCOL, k0 = i / NCOL * 8;
         const int j = n >> 7, hf = (n >> 6) & 1, f = n & 63, gc = (kv0 + j) * NHALF + f;
-        float v = 0.f;
-        if (k < KC)
-            v = h2f1((hf ? dhi : dlo)[(long)blk * s_dblk + (long)k * s_dec + cb + j * NHALF + f]) * rows[(2 + hf) * knh + gc];
-        else if (k == KC)
-            v = rows[hf * knh + gc];
-        *(u16*)(smem + OFF_B + KOFF(n, k)) = (u16)(f2h(v, 0.f) & 0xFFFF);
+        const u16* src = (hf ? dhi : dlo) + (long)blk * s_dblk + cb + j * NHALF + f;
+        const float scale = rows[(2 + hf) * knh + gc], mean = rows[hf * knh + gc];
+        float v[8];
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++) {
+            const int k = k0 + kk;
+            v[kk] = k < KC ? h2f1(src[(long)k * s_dec]) * scale : k == KC ? mean : 0.f;
+        }
+        *(uint4*)(smem + OFF_B + KOFF(n, k0)) =
+            make_uint4(f2h(v[0], v[1]), f2h(v[2], v[3]), f2h(v[4], v[5]), f2h(v[6], v[7]));
     }
     // the coefficient tile's padding columns, for good: the means' constant one at KC, zeros after
     for (int i = tid; i < BT * (KCP - KC); i += 128) {
@@ -193,9 +199,12 @@ extern "C" __global__ void __launch_bounds__(128, 2) tale_lr_score(
             sz[(z * NGT + r / KC) * KCP + r % KC] = (u16)(f2h(v * kinv, 0.f) & 0xFFFF);
         }
         __syncthreads();
-        // codes -> coefficients: word wd of row t holds, per plane p, codes p PNB + 4 wd .. + 3
-        for (int i = tid; i < BT * PNW; i += 128) {
-            const int t = i / PNW, wd = i % PNW;
+        // codes -> coefficients: word wd of row t holds, per plane p, codes p PNB + 4 wd .. + 3. Lanes take 8 rows x
+        // 2 neighbouring words x 2 row groups: the K-major stores of 16 lanes then fill 32 banks (a warp along one
+        // row would put its stores 128 bytes apart, all in the same banks)
+        for (int i = tid; i < BT * ((PNW + 1) / 2) * 2; i += 128) {
+            const int rest = i >> 4, t = (rest % (BT / 8)) * 8 + (i & 7), wd = (rest / (BT / 8)) * 2 + ((i >> 3) & 1);
+            if (wd >= PNW) continue;
             const u32 word = *(const u32*)(stc + t * PNB + 4 * wd);
             const int g = KTG < BT ? t / KTG : 0;
             const u16* srow = sz + g * KCP;
