@@ -83,6 +83,20 @@ def talify(model, group: int, schedule: Schedule | None = None):
     return tm
 
 
+@torch.no_grad()
+def feed(model, ids: torch.Tensor, cache, prefix: int, end: int | None = None, chunks: list[int] | None = None):
+    """Prefill ids[:, :prefix] into `cache`, then feed ids[:, prefix:end] in `chunks` (default: one token at a
+    time): the logits [B, 1 + fed, V] of the prefill's last position and of every position fed."""
+    from tale_runtime.model import cache_arg
+
+    out = [model(ids[:, :prefix], **cache_arg(cache)).logits[:, -1:]]
+    t = prefix
+    for c in chunks or [1] * ((ids.shape[1] if end is None else end) - prefix):
+        out.append(model(ids[:, t : t + c], **cache_arg(cache)).logits)
+        t += c
+    return torch.cat(out, 1)
+
+
 def exact_schedule(R: int, layers: int, sinks: int = 4) -> Schedule:
     """No compression: r0 = R, all bits 16."""
     return Schedule(

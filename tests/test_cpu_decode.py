@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_OPTS
+from tale_helpers import feed
 from test_runtime import ids_for
 
 import tale_runtime.cache as cache_mod
 from tale_convert.convert import Options, convert
 from tale_runtime import load, new_cache
 from tale_runtime.load import default_dtype, default_output_path
-from tale_runtime.model import cache_arg
 
 
 @pytest.fixture(scope="module", params=["lowrank", "paper"])
@@ -31,14 +31,10 @@ def artifact(request, tiny_model_dir, tmp_path_factory):
     return out
 
 
-@torch.no_grad()
 def steps(model, ids: torch.Tensor, prefix: int):
     """Prefill ids[:, :prefix], then feed the rest one token at a time: the logits of every step and the cache."""
     cache = new_cache(model)
-    out = [model(ids[:, :prefix], **cache_arg(cache)).logits[:, -1]]
-    for t in range(prefix, ids.shape[1]):
-        out.append(model(ids[:, t : t + 1], **cache_arg(cache)).logits[:, -1])
-    return torch.stack(out, 1), cache
+    return feed(model, ids, cache, prefix), cache
 
 
 def test_kept_levels_decode_bit_for_bit_as_recomputed_ones(artifact, monkeypatch):

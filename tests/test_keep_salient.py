@@ -11,7 +11,6 @@ import torch
 from tale_runtime.artifact import Level, Schedule
 from tale_runtime.attention import key_mass, latent_attention
 from tale_runtime.cache import RegionStore
-from tale_runtime.model import cache_arg
 from tale_runtime.quant import dequantize, quantize, quantize_bands, take
 
 K, H, n, G, R = 2, 4, 16, 1, 32
@@ -150,7 +149,7 @@ def test_through_the_model_exact_levels_match_and_static_refuses():
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from tale_helpers import exact_schedule, talify, tiny_model
+    from tale_helpers import exact_schedule, feed, talify, tiny_model
 
     from tale_runtime import new_cache
 
@@ -160,11 +159,7 @@ def test_through_the_model_exact_levels_match_and_static_refuses():
 
     def decode(schedule, keep):
         cache = new_cache(tm, schedule, keep=keep)
-        with torch.no_grad():
-            out = [tm(ids[:, :40], **cache_arg(cache)).logits[:, -1]]
-            for t in range(40, 70):
-                out.append(tm(ids[:, t : t + 1], **cache_arg(cache)).logits[:, -1])
-        return torch.cat(out), cache
+        return feed(tm, ids, cache, 40)[0], cache
 
     ex = exact_schedule(R, L, sinks=2)
     ex.levels[1].share = 0.3

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import TINY_OPTS
-from tale_helpers import exact_schedule, talify, tiny_model
+from tale_helpers import exact_schedule, feed, talify, tiny_model
 from test_runtime import decode_logits, ids_for, rel
 
 from tale_convert.convert import Options, convert
@@ -321,10 +321,7 @@ def test_the_lowrank_preset_converts_with_its_basis_and_holds_fewer_bytes(tiny_m
     sizes = []
     for m in (model, paper):
         cache = new_cache(m)
-        with torch.no_grad():
-            m(ids[:, :150], **cache_arg(cache))
-            for t in range(150, 199):
-                m(ids[:, t : t + 1], **cache_arg(cache))
+        feed(m, ids, cache, 150, 199)
         sizes.append(cache.nbytes())
     assert sizes[0] < sizes[1], sizes
 

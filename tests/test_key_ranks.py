@@ -14,6 +14,7 @@ from itertools import product
 import pytest
 import torch
 from conftest import TINY_OPTS
+from tale_helpers import feed
 from test_runtime import decode_logits, ids_for
 
 from tale_convert import rank_policy
@@ -175,10 +176,7 @@ def test_an_energy_conversion_holds_other_ranks_per_layer_decodes_and_keeps_the_
     held = []
     for m in models:
         cache = new_cache(m)
-        with torch.no_grad():
-            m(ids[:, :40], **cache_arg(cache))
-            for t in range(40, 59):
-                m(ids[:, t : t + 1], **cache_arg(cache))
+        feed(m, ids, cache, 40, 59)
         held.append(cache.nbytes())
         level0 = [layer.levels[0].keys.shape[-1] for layer in cache.layers]  # coefficients per token, per layer
         assert level0 == [m.tale_spec.schedule.key_rank(i, 0) for i in range(3)]

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tale_helpers import TINY, exact_schedule, random_model, talify, tiny_model
+from tale_helpers import TINY, exact_schedule, feed, random_model, talify, tiny_model
 from test_runtime import decode_logits, hf_greedy, ids_for, left_pad, rel
 
 from tale_runtime import ArtifactError, new_cache
@@ -170,11 +170,7 @@ def test_the_layers_of_a_cache_share_one_rope_table():
 
     tm = talify(tiny_model("llama"), 2, pre(exact_schedule(32, 2)))
     cache = new_cache(tm)
-    ids = ids_for(40)
-    with torch.no_grad():
-        tm(ids[:, :30], **cache_arg(cache))
-        for t in range(30, 40):
-            tm(ids[:, t : t + 1], **cache_arg(cache))
+    feed(tm, ids_for(40), cache, 30)
     assert all(layer.rope is cache.ropes[None] for layer in cache.layers)
     assert cache.ropes[None].length == 40 == cache.layers[1].kappa
     cache.reset()

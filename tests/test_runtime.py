@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from tale_helpers import byte_tokenizer, exact_schedule, save_artifact, talify, tiny_model
+from tale_helpers import byte_tokenizer, exact_schedule, feed, save_artifact, talify, tiny_model
 
 from tale_runtime import ArtifactError, load, new_cache, set_output_path
 from tale_runtime.artifact import Level, Schedule, hash_files, nominal_ratio, uniform_ranks
@@ -42,15 +42,9 @@ def ids_for(T: int, B: int = 1, seed: int = 0) -> torch.Tensor:
 
 @torch.no_grad()
 def decode_logits(tm, ids: torch.Tensor, prefix: int, chunks: list[int] | None = None) -> torch.Tensor:
-    """Prefill ids[:, :prefix], then feed the rest in `chunks` (default: one token at a time);
+    """Prefill ids[:, :prefix] into a new cache, then feed the rest in `chunks` (default: one token at a time);
     return the logits of every position from prefix - 1 on."""
-    cache = new_cache(tm)
-    out = [tm(ids[:, :prefix], **cache_arg(cache)).logits[:, -1:]]
-    t = prefix
-    for c in chunks or [1] * (ids.shape[1] - prefix):
-        out.append(tm(ids[:, t : t + c], **cache_arg(cache)).logits)
-        t += c
-    return torch.cat(out, dim=1)[:, :-1]
+    return feed(tm, ids, new_cache(tm), prefix, chunks=chunks)[:, :-1]
 
 
 def schedule_for(tm, **kw) -> Schedule:
@@ -112,10 +106,7 @@ def test_sliding_window_layers_hold_only_their_window(monkeypatch):
     W = layers[0].self_attn.sliding_window
     assert W == 24 and layers[1].self_attn.sliding_window is None
     cache = new_cache(tm)
-    with torch.no_grad():
-        tm(ids[:, :30], **cache_arg(cache))
-        for t in range(30, 66):
-            tm(ids[:, t : t + 1], **cache_arg(cache))
+    feed(tm, ids, cache, 30)
     slide, full = cache.layers
     cut = slide.kappa - W
     for i, st in enumerate(slide.levels):  # every group a later query can still read
