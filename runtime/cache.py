@@ -64,8 +64,8 @@ def dry_run_nbytes(
     """(bytes held, 16-bit K+V bytes) of a batch-1 TALE cache of `schedule` over the shapes of `arch`, every layer of
     the schedule, after forward calls of `pattern` tokens each: a dry run with zeros, one layer per distinct row of
     ranks and key ranks (the bytes depend on the call pattern and the ranks only: not on the tokens, the key basis or
-    the key bands' channel order). `memo` (a layer's ranks and key ranks -> counts) carries over between schedules that differ in
-    their ranks only."""
+    the key bands' channel order). `memo` (a layer's ranks and key ranks -> counts) carries over between schedules
+    that differ in their ranks only."""
     K, n, G, R = arch.num_kv_heads, arch.head_dim, arch.num_groups, arch.latent_rank
     memo = {} if memo is None else memo
     held = base = 0
