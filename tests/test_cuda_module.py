@@ -63,6 +63,13 @@ def test_a_header_edit_rebuilds(monkeypatch, tmp_path):
         f.write("\n// edited\n")
     cuda_module.compile_cubin(cu, mma_attention.OPTIONS, arch="sm_90a")
     assert len(builds) == 2
+    # a header included through another one (lowrank_score_wg.cu -> wgmma.cuh -> ptx.cuh) is in the key too
+    wg = str(src / "lowrank_score_wg.cu")
+    cuda_module.compile_cubin(wg, ("-DKC=152",), arch="sm_90a")
+    with open(src / "ptx.cuh", "a") as f:
+        f.write("\n// edited again\n")
+    cuda_module.compile_cubin(wg, ("-DKC=152",), arch="sm_90a")
+    assert len(builds) == 4
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
