@@ -50,6 +50,25 @@ spec = b.parse_spec(SPEC)
 q, k, h = b.new_token(1)
 v = b.kernel_view(b.lowrank_view(1, 32768, spec, rot))
 lra.latent_attention_lowrank(q, k, h, v, 128**-0.5, rope=rot, **json.loads(os.environ.get("KW", "{}")))
+
+
+def typed(val, path, attrs):
+    """The signature type of a runtime argument (a tuple: of each element), and in attrs, at its path, what the JIT
+    specializes: pointers and ints divisible by 16."""
+    if isinstance(val, tuple):
+        return tuple(typed(v, (*path, j), attrs) for j, v in enumerate(val))
+    if isinstance(val, torch.Tensor):
+        attrs[path] = [["tt.divisibility", 16]]
+        return POINTER_TYPES[val.dtype]
+    if isinstance(val, float):
+        return "fp32"
+    if isinstance(val, bool):
+        return "i1"
+    if val and val % 16 == 0:
+        attrs[path] = [["tt.divisibility", 16]]
+    return "i64" if abs(val) >= 2**31 else "i32"
+
+
 for n, (grid, a, kw) in enumerate(calls):
     kw = dict(kw)
     warps, stages = kw.pop("num_warps"), kw.pop("num_stages")
@@ -57,22 +76,10 @@ for n, (grid, a, kw) in enumerate(calls):
     pos = list(a)
     for i, nm in enumerate(fn.arg_names):
         if nm in kw:
-            val = kw[nm]
             sig[nm] = "constexpr"
-            cx[(i,)] = val
-            continue
-        val = pos.pop(0)
-        if isinstance(val, torch.Tensor):
-            sig[nm] = POINTER_TYPES[val.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(val, float):
-            sig[nm] = "fp32"
-        elif isinstance(val, bool):
-            sig[nm] = "i1"
+            cx[(i,)] = kw[nm]
         else:
-            sig[nm] = "i64" if abs(val) >= 2**31 else "i32"
-            if val and val % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
+            sig[nm] = typed(pos.pop(0), (i,), attrs)
     kern = triton.compile(
         ASTSource(fn, sig, cx, attrs),
         target=GPUTarget("cuda", 90, 32),

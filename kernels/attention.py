@@ -89,23 +89,34 @@ def _split4(x, NP: tl.constexpr, M: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _nth(i: tl.constexpr, a, b, c, d):
-    """The i-th of four tensors (i < 4), e.g. a query plane of _split4 held in registers."""
+def _nth(i: tl.constexpr, a, b, c, d, e=None, f=None, g=None, h=None):
+    """The i-th of four tensors (i < 4; e.g. a query plane of _split4 held in registers), or of eight (e .. h given)."""
     if i == 0:
         x = a
     elif i == 1:
         x = b
     elif i == 2:
         x = c
-    else:
+    elif i == 3:
         x = d
+    elif i == 4:
+        x = e
+    elif i == 5:
+        x = f
+    elif i == 6:
+        x = g
+    else:
+        x = h
     return x
 
 
 @triton.jit
-def _put(i: tl.constexpr, x, a, b, c, d):
-    """The four tensors with the i-th replaced by x (i < 4): _nth's inverse."""
-    return (x if i == 0 else a), (x if i == 1 else b), (x if i == 2 else c), (x if i == 3 else d)
+def _put(i: tl.constexpr, x, a, b, c, d, e=None, f=None, g=None, h=None):
+    """The four (or eight) tensors with the i-th replaced by x: _nth's inverse."""
+    r = (x if i == 0 else a), (x if i == 1 else b), (x if i == 2 else c), (x if i == 3 else d)
+    if e is not None:
+        r = r + ((x if i == 4 else e), (x if i == 5 else f), (x if i == 6 else g), (x if i == 7 else h))
+    return r
 
 
 _META_SHIFT = tl.constexpr(META_SHIFT)  # 2^-8: also the operand shift of bf16 caches in float16 dots (SH)
@@ -368,6 +379,15 @@ def _key_logits(
 
 
 @triton.jit
+def _store_stats(pm_ptr, pl_ptr, rk_ptr, slot, prow, rmask, m, l, RANK: tl.constexpr):
+    """One split's max m and sum l [QGP] at its heads' rows `prow`, and the region's rank at the slot (the combine
+    reads that many channels)."""
+    tl.store(rk_ptr + slot + tl.arange(0, 1), tl.full([1], RANK, tl.int32))
+    tl.store(pm_ptr + prow, m, mask=rmask)
+    tl.store(pl_ptr + prow, l, mask=rmask)
+
+
+@triton.jit
 def _store_partial(
     pm_ptr,
     pl_ptr,
@@ -397,9 +417,7 @@ def _store_partial(
         acc1 = acc1 * (1.0 / SH)
         acc2 = acc2 * (1.0 / SH)
         acc3 = acc3 * (1.0 / SH)
-    tl.store(rk_ptr + slot + tl.arange(0, 1), tl.full([1], RANK, tl.int32))
-    tl.store(pm_ptr + prow, m, mask=rmask)
-    tl.store(pl_ptr + prow, l, mask=rmask)
+    _store_stats(pm_ptr, pl_ptr, rk_ptr, slot, prow, rmask, m, l, RANK)
     am = rmask[:, None] & (jp < P)[None, :]
     base = pacc_ptr + prow[:, None] * s_acc + jp[None, :]
     tl.store(base, acc0, mask=am)
@@ -411,15 +429,23 @@ def _store_partial(
 
 
 @triton.jit
-def _softmax_init(QGP: tl.constexpr, PP: tl.constexpr):
-    """The online softmax's state before the first tile: max, sum [QGP] and four accumulator planes [QGP, PP]."""
+def _softmax_init(QGP: tl.constexpr, PP: tl.constexpr, NACC: tl.constexpr = 4):
+    """The online softmax's state before the first tile: max, sum [QGP] and NACC (4 or 8) accumulator planes
+    [QGP, PP]."""
     m_i = tl.full([QGP], float("-inf"), tl.float32)
     l_i = tl.zeros([QGP], tl.float32)
     acc0 = tl.zeros([QGP, PP], tl.float32)
     acc1 = tl.zeros([QGP, PP], tl.float32)
     acc2 = tl.zeros([QGP, PP], tl.float32)
     acc3 = tl.zeros([QGP, PP], tl.float32)
-    return m_i, l_i, acc0, acc1, acc2, acc3
+    r = m_i, l_i, acc0, acc1, acc2, acc3
+    if NACC == 8:
+        acc4 = tl.zeros([QGP, PP], tl.float32)
+        acc5 = tl.zeros([QGP, PP], tl.float32)
+        acc6 = tl.zeros([QGP, PP], tl.float32)
+        acc7 = tl.zeros([QGP, PP], tl.float32)
+        r = r + (acc4, acc5, acc6, acc7)
+    return r
 
 
 @triton.jit

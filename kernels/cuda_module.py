@@ -132,10 +132,17 @@ def compiler() -> str | None:
     return "nvcc" if want != "nvrtc" and shutil.which("nvcc") else None
 
 
-def _includes(code: bytes, here: str) -> list[str]:
-    """The headers of `here` that `code` includes (#include "name"), in order: part of the cache key."""
-    names = re.findall(rb'^\s*#include\s+"([^"]+)"', code, re.M)
-    return [n.decode() for n in names if os.path.exists(os.path.join(here, n.decode()))]
+def _includes(code: bytes, here: str, seen: list[str] | None = None) -> list[str]:
+    """The headers of `here` that `code` includes (#include "name"), and those they include, in order: part of the
+    cache key."""
+    seen = [] if seen is None else seen
+    for n in re.findall(rb'^\s*#include\s+"([^"]+)"', code, re.M):
+        name = n.decode()
+        path = os.path.join(here, name)
+        if name not in seen and os.path.exists(path):
+            seen.append(name)
+            _includes(open(path, "rb").read(), here, seen)
+    return seen
 
 
 def compile_cubin(src: str, options: tuple[str, ...], arch: str | None = None) -> bytes:

@@ -54,8 +54,23 @@ from tale_runtime.regions import LayerView, Region, Rotary
 from . import attention as _attn
 from . import lowrank_latent as _ll
 from . import lowrank_score as _ls
-from ._common import TL_DTYPE, interpreting, plane, plane3, plane3_asm, plane_asm, pow2, runnable
-from .attention import _inv_bias
+from ._common import (
+    TL_DTYPE,
+    group_rows,
+    interpreting,
+    plane,
+    plane3,
+    plane3_asm,
+    plane_asm,
+    pow2,
+    program_ids,
+    runnable,
+    scalar,
+    slot_ok,
+    split_bounds,
+    tile_slots,
+)
+from .attention import _inv_bias, _nth, _put, _softmax_init, _softmax_step, _store_stats
 
 LOG2E = 1.4426950408889634
 
@@ -96,9 +111,10 @@ def _approx(x, FN: tl.constexpr):
 
 
 @triton.jit
-def _q_halves(q_ptr, b, s_qb, s_qh, head, rmask, d, dm, HALF: tl.constexpr, qk_scale):
-    """The query rows `head` [QGP] of batch row b: their RoPE halves [QGP, NH] in float32, times qk_scale (rows past
-    rmask and channels past dm: 0)."""
+def _q_halves(query, b, head, rmask, d, dm, HALF: tl.constexpr):
+    """The query rows `head` [QGP] of batch row b (query: q, its batch and head strides, qk_scale): their RoPE halves
+    [QGP, NH] in float32, times qk_scale (rows past rmask and channels past dm: 0)."""
+    q_ptr, s_qb, s_qh, qk_scale = query
     qrow = q_ptr + b * s_qb + head[:, None] * s_qh
     qm = rmask[:, None] & dm[None, :]
     q_lo = tl.load(qrow + d[None, :], mask=qm, other=0.0).to(tl.float32) * qk_scale
@@ -252,58 +268,268 @@ def _lat_plane(
 
 
 @triton.jit
+def _meta_inv(qa, QC: tl.constexpr):
+    """The factors (inv_s, inv_z) of a tensor's scales and zeros (_deq) from its _qargs arguments qa (bias arg, 1 /
+    shift) and constexprs QC: 1 / the fp8 bias where they are fp8, else 1 / the 16-bit shift."""
+    bias = qa[9]
+    inv_s = qa[10]
+    inv_z = qa[10]
+    if QC[3]:
+        inv_s = _inv_bias(bias, QC[5])
+    if QC[4]:
+        inv_z = _inv_bias(bias, QC[5])
+    return inv_s, inv_z
+
+
+@triton.jit
+def _q_block_diag(
+    query, b, head, rmask, jrow, NH: tl.constexpr, HALF: tl.constexpr, WB: tl.constexpr, DOT: tl.constexpr
+):
+    """The group's query rows `head` [QGP] of batch row b side by side, a block-diagonal tile [QGP, WB NH] in DOT per
+    RoPE half, times qk_scale: row r holds its head's channel d at column jrow[r] NH + d (d < n/2; elsewhere 0)."""
+    q_ptr, s_qb, s_qh, qk_scale = query
+    cols = tl.arange(0, WB * NH)
+    cd = cols % NH
+    qrow = q_ptr + b * s_qb + head[:, None] * s_qh
+    sel = rmask[:, None] & ((cols // NH)[None, :] == jrow[:, None]) & (cd < HALF)[None, :]
+    q_lo = (tl.load(qrow + cd[None, :], mask=sel, other=0.0).to(tl.float32) * qk_scale).to(DOT)
+    q_hi = (tl.load(qrow + HALF + cd[None, :], mask=sel, other=0.0).to(tl.float32) * qk_scale).to(DOT)
+    return q_lo, q_hi
+
+
+@triton.jit
+def _rope_tables(rope, b, t, ok, d, dm, HALF: tl.constexpr):
+    """cos and sin of slots t [BT] read from the region's tables [B, cap, N] per RoPE half: cos_lo, cos_hi, sin_lo,
+    sin_hi [BT, NH] float32 (slots that hold no token and channels past n/2: 0)."""
+    cos_ptr, sin_ptr, s_cb, s_ct, _, _ = rope
+    cm = ok[:, None] & dm[None, :]
+    crow = b * s_cb + t[:, None] * s_ct + d[None, :]
+    cos_lo = tl.load(cos_ptr + crow, mask=cm, other=0.0).to(tl.float32)
+    cos_hi = tl.load(cos_ptr + crow + HALF, mask=cm, other=0.0).to(tl.float32)
+    sin_lo = tl.load(sin_ptr + crow, mask=cm, other=0.0).to(tl.float32)
+    sin_hi = tl.load(sin_ptr + crow + HALF, mask=cm, other=0.0).to(tl.float32)
+    return cos_lo, cos_hi, sin_lo, sin_hi
+
+
+@triton.jit
+def _cos_sin(ang, rope_scale, RDT: tl.constexpr, PRECISE: tl.constexpr, RSC: tl.constexpr):
+    """cos and sin of float32 angles `ang` (any range) times rope_scale, rounded to RDT as the model's tables are.
+    PRECISE 2: the SFU's; 1: libdevice's cosf/sinf (the GPU); 0: numpy's (the interpreter)."""
+    if PRECISE == 2:  # reduced to [-pi, pi] in float32 (Cody-Waite: 2 pi = C1 + C2, <= 2e-7 off), then the SFU's
+        # approximations (abs error <= 2^-20.9 there: below the bf16 tables' rounding)
+        kq = tl.floor(ang * 0.15915494309189535 + 0.5)
+        ang = tl.fma(-kq, 6.2831854820251465, ang)
+        ang = tl.fma(-kq, -1.7484556000744487e-07, ang)
+        cos_a = _approx(ang, "cos")
+        sin_a = _approx(ang, "sin")
+        if RSC:
+            cos_a = cos_a * rope_scale
+            sin_a = sin_a * rope_scale
+        # rounded as the model's tables by the hardware's conversion (the interpreter, which truncates, never takes
+        # this branch)
+        cos_a = cos_a.to(RDT).to(tl.float32)
+        sin_a = sin_a.to(RDT).to(tl.float32)
+    else:  # reduced in float64 (exact to ~1e-11; then rounded to float32: <= 2e-7 off), so cosf/sinf take their fast
+        # path at any position
+        a64 = ang.to(tl.float64)
+        ang = (a64 - tl.floor(a64 * 0.15915494309189535 + 0.5) * 6.283185307179586).to(tl.float32)
+        if PRECISE:
+            cos_a = _round(libdevice.cos(ang) * rope_scale, RDT)
+            sin_a = _round(libdevice.sin(ang) * rope_scale, RDT)
+        else:
+            cos_a = _round(tl.cos(ang) * rope_scale, RDT)
+            sin_a = _round(tl.sin(ang) * rope_scale, RDT)
+    return cos_a, sin_a
+
+
+@triton.jit
+def _lr_keys(
+    keys, kinv, basis, KNH, b, h0, t0, t, tm, ok,
+    NH: tl.constexpr, WB: tl.constexpr, BT: tl.constexpr, HPB: tl.constexpr, KC: tl.constexpr, KRC: tl.constexpr,
+    KQ: tl.constexpr, KROW1: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """The keys before RoPE of KV heads h0 .. h0 + WB - 1 (of one basis block) at slots t [BT], rebuilt on tensor
+    cores from their KC coefficients, KRC at a time: k_pre = mean + c dec[:KC], k_lo and k_hi [BT, WB NH] float32 per
+    RoPE half (channel d of head w at column w NH + d). basis: (dec lo, dec hi [blocks, KC, K NH / blocks], their
+    block and row strides, the rows buffer of _basis_on (K NH a row): mean lo, mean hi, column scale lo, hi)."""
+    k_ptr, s_kb, s_kh, s_kt, ks_ptr, kz_ptr, s_ksb, s_ksh, s_kst, _, _ = keys
+    dec_ptr, dhi_ptr, s_dblk, s_dec, mean_ptr = basis
+    kinv_s, kinv_z = kinv
+    KBITS: tl.constexpr = KQ[0]
+    KTG: tl.constexpr = KQ[1]
+    KCG: tl.constexpr = KQ[2]
+    # coefficients grouped per tile (KROW1) at 2/4/8 bits (whole codes per byte) are read by planes: each packed row
+    # once, its code planes in turn
+    KPLANE: tl.constexpr = KROW1 and KCG == 1 and (KBITS == 2 or KBITS == 4 or KBITS == 8)
+    PNB: tl.constexpr = KC * KBITS // 8  # bytes per packed row (KPLANE)
+    WN: tl.constexpr = WB * NH
+    cols = tl.arange(0, WN)
+    blk = h0 // HPB  # the heads' basis block, and their first column in it
+    cb = (h0 % HPB) * NH
+    kb = b * s_kb + blk * s_kh
+    ksb = b * s_ksb + blk * s_ksh
+    k_lo = tl.zeros([BT, WN], tl.float32)
+    k_hi = tl.zeros([BT, WN], tl.float32)
+    if KPLANE:  # packed rows read KRC contiguous bytes at a time, each chunk's code planes in turn
+        pksb = ksb + (t0 // KTG) * s_kst  # the tile's token group: one row
+        for p0 in range(0, PNB, KRC):
+            pj = p0 + tl.arange(0, KRC)
+            pjm = pj < PNB
+            # masked by the tile's range, not by the positions: the loads need not wait for them (the scores of
+            # slots that hold no token are masked later)
+            pbyt = tl.load(k_ptr + kb + t[:, None] * s_kt + pj[None, :], mask=tm[:, None] & pjm[None, :], other=0)
+            pbyt = pbyt.to(tl.int32)
+            for i in tl.static_range(8 // KBITS):
+                pch = i * PNB + pj  # plane i: coefficient i PNB + j sits in byte j at bit i KBITS
+                pcode = (pbyt >> (i * KBITS)) & ((1 << KBITS) - 1)
+                psc = tl.load(ks_ptr + pksb + pch, mask=pjm, other=0.0).to(tl.float32) * kinv_s
+                pzr = tl.load(kz_ptr + pksb + pch, mask=pjm, other=0.0).to(tl.float32) * kinv_z
+                pcoef = (pcode.to(tl.float32) * psc[None, :] + pzr[None, :]).to(DOT)
+                prow = blk * s_dblk + pch[:, None] * s_dec + cb + cols[None, :]
+                k_lo = _dot(pcoef, tl.load(dec_ptr + prow, mask=pjm[:, None], other=0.0), k_lo, DOT)
+                k_hi = _dot(pcoef, tl.load(dhi_ptr + prow, mask=pjm[:, None], other=0.0), k_hi, DOT)
+    for c0 in range(0, 0 if KPLANE else KC, KRC):
+        ch = c0 + tl.arange(0, KRC)
+        chm = ch < KC
+        cm2 = ok[:, None] & chm[None, :]
+        coef = _deq(
+            k_ptr, kb, t, s_kt, ch, cm2, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, KC, KTG, KCG, t0, KROW1
+        ).to(DOT)
+        drow = blk * s_dblk + ch[:, None] * s_dec + cb + cols[None, :]
+        k_lo = _dot(coef, tl.load(dec_ptr + drow, mask=chm[:, None], other=0.0), k_lo, DOT)
+        k_hi = _dot(coef, tl.load(dhi_ptr + drow, mask=chm[:, None], other=0.0), k_hi, DOT)
+    gc = h0 * NH + cols
+    k_lo = k_lo * tl.load(mean_ptr + 2 * KNH + gc)[None, :] + tl.load(mean_ptr + gc)[None, :]
+    k_hi = k_hi * tl.load(mean_ptr + 3 * KNH + gc)[None, :] + tl.load(mean_ptr + KNH + gc)[None, :]
+    return k_lo, k_hi
+
+
+@triton.jit
+def _plain_keys(keys, kinv, b, h0, t0, t, ok, d, dm, N: tl.constexpr, KQ: tl.constexpr, KROW1: tl.constexpr):
+    """The keys of KV head h0 at slots t [BT], dequantized per RoPE half: k_lo, k_hi [BT, NH] float32 (slots that hold
+    no token and channels past n/2: 0)."""
+    k_ptr, s_kb, s_kh, s_kt, ks_ptr, kz_ptr, s_ksb, s_ksh, s_kst, _, _ = keys
+    kinv_s, kinv_z = kinv
+    KBITS: tl.constexpr = KQ[0]
+    KTG: tl.constexpr = KQ[1]
+    KCG: tl.constexpr = KQ[2]
+    HALF: tl.constexpr = N // 2
+    km = ok[:, None] & dm[None, :]
+    kb = b * s_kb + h0 * s_kh
+    ksb = b * s_ksb + h0 * s_ksh
+    k_lo = _deq(k_ptr, kb, t, s_kt, d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG, t0, KROW1)
+    k_hi = _deq(
+        k_ptr, kb, t, s_kt, HALF + d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG, t0, KROW1
+    )
+    return k_lo, k_hi
+
+
+@triton.jit
+def _rotate(k_lo, k_hi, cos_lo, cos_hi, sin_lo, sin_hi, WB: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr):
+    """RoPE of keys k_lo, k_hi [BT, WB NH] (WB heads side by side), x cos + rotate_half(x) sin with rotate_half(x) =
+    (-x_hi, x_lo); cos and sin [BT, NH] per half, the same for every head."""
+    if WB == 1:
+        r_lo = k_lo * cos_lo - k_hi * sin_lo
+        r_hi = k_hi * cos_hi + k_lo * sin_hi
+    else:
+        lo3 = tl.reshape(k_lo, (BT, WB, NH))
+        hi3 = tl.reshape(k_hi, (BT, WB, NH))
+        r_lo = tl.reshape(lo3 * cos_lo[:, None, :] - hi3 * sin_lo[:, None, :], (BT, WB * NH))
+        r_hi = tl.reshape(hi3 * cos_hi[:, None, :] + lo3 * sin_hi[:, None, :], (BT, WB * NH))
+    return r_lo, r_hi
+
+
+@triton.jit
+def _add_scores(logits, q_lo, q_hi, k_lo, k_hi, jrow, j: tl.constexpr, WB: tl.constexpr, DOT: tl.constexpr):
+    """logits [QGP, BT] plus the query rows' dots with keys k_lo, k_hi [BT, WB NH]: WB = 1, the rows of the dot's
+    head j (jrow: the head of each row) from the query halves [QGP, NH]; else the block-diagonal tile
+    (_q_block_diag)."""
+    if WB == 1:
+        sel_j = (jrow == j)[:, None]
+        logits = _dot(tl.where(sel_j, q_lo, 0.0), tl.trans(k_lo), logits, DOT)
+        logits = _dot(tl.where(sel_j, q_hi, 0.0), tl.trans(k_hi), logits, DOT)
+    else:
+        logits = _dot(q_lo, tl.trans(k_lo), logits, DOT)
+        logits = _dot(q_hi, tl.trans(k_hi), logits, DOT)
+    return logits
+
+
+@triton.jit
+def _lat_tile(
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, p, alpha, lats, hinv, hbase, hsbase, t, tm, ok,
+    RANK: tl.constexpr, LC: tl.constexpr, NLC: tl.constexpr, HQ: tl.constexpr, HPL: tl.constexpr, HP: tl.constexpr,
+    HVB: tl.constexpr, HASM: tl.constexpr, BT: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """The accumulators [QGP, LC] times alpha [QGP] plus the tile's weights p [QGP, BT] times its latents (rows at
+    hbase, metadata rows at hsbase): accumulator i takes plane i (HPL > 0: LC the padded plane width, NLC = HPL planes;
+    the tile's bytes read once), else chunk i."""
+    h_ptr, _, _, s_ht, hs_ptr, hz_ptr, _, _, s_hst, _, _ = lats
+    hinv_s, hinv_z = hinv
+    HBITS: tl.constexpr = HQ[0]
+    HG: tl.constexpr = HQ[2]
+    if HPL > 0:
+        jp = tl.arange(0, LC)
+        bmask = tm[:, None] & (jp < HP)[None, :]
+        hrow = h_ptr + hbase + t[:, None] * s_ht + jp[None, :]
+        lo0 = tl.load(hrow, mask=bmask, other=0)
+        if HBITS == 3:  # low-byte halves of HP bytes each, then the high bits
+            lo1 = tl.load(hrow + HP, mask=bmask, other=0)
+            hi = tl.load(hrow + 2 * HP, mask=bmask, other=0)
+        else:
+            lo1 = lo0
+            hi = lo0
+        srow = hsbase + t * s_hst
+        pd = p.to(DOT)
+    for i in tl.static_range(NLC):
+        a = _nth(i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7)
+        if HPL > 0:
+            a = _lat_plane(
+                a, pd, alpha, i, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB, HG, BT,
+                DOT, HASM,
+            )  # fmt: skip
+        else:
+            a = _lat_chunk(
+                a, p, alpha, i, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK, LC,
+                HBITS, HG, DOT,
+            )  # fmt: skip
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _put(i, a, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7)
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.jit
+def _store_lr_partial(
+    parts, slot, prow, rmask, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+    RANK: tl.constexpr, LC: tl.constexpr, NLC: tl.constexpr, HPL: tl.constexpr, HP: tl.constexpr,
+):  # fmt: skip
+    """One split's partial in kernels/attention.py's layout (parts: _attn._partial_args) at its heads' rows `prow`:
+    max m and sum l [QGP], and the accumulators [QGP, LC], accumulator i holding channels i CW + j, j < CW (planes:
+    HP of LC; chunks: all LC). Channels past RANK are never written."""
+    pm_ptr, pl_ptr, pacc_ptr, s_acc, rk_ptr = parts
+    _store_stats(pm_ptr, pl_ptr, rk_ptr, slot, prow, rmask, m, l, RANK)
+    jl = tl.arange(0, LC)
+    CW: tl.constexpr = HP if HPL > 0 else LC
+    jm = rmask[:, None] & (jl < CW)[None, :]
+    base = pacc_ptr + prow[:, None] * s_acc + jl[None, :]
+    for i in tl.static_range(NLC):
+        a = _nth(i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7)
+        tl.store(base + i * CW, a, mask=jm & (i * CW + jl < RANK)[None, :])
+
+
+@triton.jit
 def _lr_kernel(
-    q_ptr,
-    s_qb,
-    s_qh,
-    qk_scale,
+    query,  # (q, its batch and head strides, qk_scale)
     pos_ptr,
     s_pb,
     len_arg,
     np_arg,
     window,
     roff_ptr,
-    k_ptr,
-    s_kb,
-    s_kh,
-    s_kt,
-    ks_ptr,
-    kz_ptr,
-    s_ksb,
-    s_ksh,
-    s_kst,
-    k_bias,
-    k_ish,
-    dec_ptr,
-    dhi_ptr,
-    s_dblk,
-    s_dec,
-    mean_ptr,
-    cos_ptr,
-    sin_ptr,
-    s_cb,
-    s_ct,
-    invf_ptr,
-    rope_scale,
-    h_ptr,
-    s_hb,
-    s_hg,
-    s_ht,
-    hs_ptr,
-    hz_ptr,
-    s_hsb,
-    s_hsg,
-    s_hst,
-    h_bias,
-    h_ish,
-    pm_ptr,
-    pl_ptr,
-    pacc_ptr,
-    s_acc,
-    rk_ptr,
-    sc_ptr,
-    s_scb,
-    s_sch,
+    keys,  # the keys (_qargs): codes, their strides (row, block or head, slot), scale, zero, theirs, bias, 1 / shift
+    basis,  # (dec lo, dec hi, their block and row strides, rows): _lr_keys
+    rope,  # (cos, sin, their batch and slot strides, inv_freq, rope_scale)
+    lats,  # the latents, as keys (strides per row, latent group, slot)
+    parts,  # the partials (_attn._partial_args: pm, pl, pacc, its row stride, rk)
+    sc_buf,  # the scores [B, H, cap] float32 of the score launch, its batch and head strides
     slot0,
     n_slots,
     H,
@@ -319,13 +545,7 @@ def _lr_kernel(
     WB: tl.constexpr,
     KC: tl.constexpr,
     KRC: tl.constexpr,
-    KPLANE: tl.constexpr,
-    KBITS: tl.constexpr,
-    KTG: tl.constexpr,
-    KCG: tl.constexpr,
-    KSF8: tl.constexpr,
-    KZF8: tl.constexpr,
-    KBP: tl.constexpr,
+    KQ: tl.constexpr,  # the keys' (BITS, TG, CG, SF8, ZF8, BP) (_qargs)
     ROPE: tl.constexpr,
     RDT: tl.constexpr,
     PRECISE: tl.constexpr,  # RoPE computed here (ROPE 2): 0 numpy's (interpreter), 1 libdevice, 2 the SFU
@@ -333,11 +553,7 @@ def _lr_kernel(
     RANK: tl.constexpr,
     LC: tl.constexpr,
     NLC: tl.constexpr,
-    HBITS: tl.constexpr,
-    HG: tl.constexpr,
-    HSF8: tl.constexpr,
-    HZF8: tl.constexpr,
-    HBP: tl.constexpr,
+    HQ: tl.constexpr,  # the latents', as KQ
     HPL: tl.constexpr,
     HP: tl.constexpr,
     HVB: tl.constexpr,
@@ -357,117 +573,50 @@ def _lr_kernel(
     ROPE 0: keys after RoPE; 1: before, rotated by the tables cos/sin [B, cap, N]; 2: before, rotated by
     cos/sin(rope position * inv_freq) * rope_scale computed here (rope position = slot position - roff[b]),
     rounded to RDT as the model's tables are."""
-    sp = tl.program_id(0)
-    c = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    if LENP:
-        L = tl.load(len_arg).to(tl.int32)
-    else:
-        L = len_arg
-    if NPP:
-        next_pos = tl.load(np_arg).to(tl.int32)
-    else:
-        next_pos = np_arg
-    chunk = tl.cdiv(tl.cdiv(L, ns), BT) * BT
-    t_start = sp * chunk
-    t_end = tl.minimum(t_start + chunk, L)
+    sp, c, b = program_ids()
+    L = scalar(len_arg, LENP)
+    next_pos = scalar(np_arg, NPP)
+    t_start, t_end = split_bounds(L, ns, sp, BT)
 
     QG: tl.constexpr = GS * REP
     HALF: tl.constexpr = N // 2
-    WN: tl.constexpr = WB * NH  # columns of one dot: channel d (of a RoPE half) of head w at column w NH + d
-    rows = tl.arange(0, QGP)
-    rmask = rows < QG
-    head = c * QG + rows
+    rows, head, rmask = group_rows(c, QG, QGP)
     jrow = rows // REP  # the KV head (within the group) each query row reads
     d = tl.arange(0, NH)
     dm = d < HALF
-    cols = tl.arange(0, WN)
-    cd = cols % NH
     if WB == 1:  # head by head: the rows of head j picked per dot from the query halves
-        q_lo, q_hi = _q_halves(q_ptr, b, s_qb, s_qh, head, rmask, d, dm, HALF, qk_scale)
+        q_lo, q_hi = _q_halves(query, b, head, rmask, d, dm, HALF)
     else:  # the group's heads side by side (WB = GS): a block-diagonal query tile [QGP, GS NH] per half
-        qrow = q_ptr + b * s_qb + head[:, None] * s_qh
-        sel = rmask[:, None] & ((cols // NH)[None, :] == jrow[:, None]) & (cd < HALF)[None, :]
-        q_lo = (tl.load(qrow + cd[None, :], mask=sel, other=0.0).to(tl.float32) * qk_scale).to(DOT)
-        q_hi = (tl.load(qrow + HALF + cd[None, :], mask=sel, other=0.0).to(tl.float32) * qk_scale).to(DOT)
+        q_lo, q_hi = _q_block_diag(query, b, head, rmask, jrow, NH, HALF, WB, DOT)
 
-    kinv_s = k_ish
-    kinv_z = k_ish
-    if KSF8:
-        kinv_s = _inv_bias(k_bias, KBP)
-    if KZF8:
-        kinv_z = _inv_bias(k_bias, KBP)
-    hinv_s = h_ish
-    hinv_z = h_ish
-    if HSF8:
-        hinv_s = _inv_bias(h_bias, HBP)
-    if HZF8:
-        hinv_z = _inv_bias(h_bias, HBP)
+    kinv = _meta_inv(keys, KQ)
+    hinv = _meta_inv(lats, HQ)
     if ROPE == 2:
+        _, _, _, _, invf_ptr, rope_scale = rope
         invf = tl.load(invf_ptr + d, mask=dm, other=0.0).to(tl.float32)
         roff = tl.load(roff_ptr + b).to(tl.int32)
     KNH = (H // QG) * GS * NH  # K NH: the length of a row of the basis' rows buffer (_basis_on)
     # keys per channel over token groups that each hold whole tiles (tiles start at multiples of BT): one row of
     # scales and zeros per tile
-    KROW1: tl.constexpr = KTG % BT == 0
-    PNB: tl.constexpr = KC * KBITS // 8  # bytes per packed row of keys (the plane path: KPLANE)
+    KROW1: tl.constexpr = KQ[1] % BT == 0
+    sc_ptr, s_scb, s_sch = sc_buf
 
-    m_i = tl.full([QGP], float("-inf"), tl.float32)
-    l_i = tl.zeros([QGP], tl.float32)
-    acc0 = tl.zeros([QGP, LC], tl.float32)
-    acc1 = tl.zeros([QGP, LC], tl.float32)
-    acc2 = tl.zeros([QGP, LC], tl.float32)
-    acc3 = tl.zeros([QGP, LC], tl.float32)
-    acc4 = tl.zeros([QGP, LC], tl.float32)
-    acc5 = tl.zeros([QGP, LC], tl.float32)
-    acc6 = tl.zeros([QGP, LC], tl.float32)
-    acc7 = tl.zeros([QGP, LC], tl.float32)
-    hbase = b * s_hb + c * s_hg
+    m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _softmax_init(QGP, LC, 8)
+    _, s_hb, s_hg, _, _, _, s_hsb, s_hsg, _, _, _ = lats
+    hbase = b * s_hb + c * s_hg  # the group's latent rows, and their scales' and zeros'
     hsbase = b * s_hsb + c * s_hsg
     for t0 in range(t_start, t_end, BT):
-        t = t0 + tl.arange(0, BT)
-        tm = t < t_end
-        pv = tl.load(pos_ptr + b * s_pb + t, mask=tm, other=-1)
-        ok = pv >= 0
-        if WIN:
-            ok = ok & (next_pos - pv < window)
+        t, tm = tile_slots(t0, t_end, BT)
+        pv, ok = slot_ok(pos_ptr + b * s_pb, t, tm, next_pos, window, WIN)
         if PHASE == 2:  # the tile's scores, written by the score launch (-inf where no token is)
             scm = rmask[:, None] & tm[None, :]
             logits = tl.load(sc_ptr + b * s_scb + head[:, None] * s_sch + t[None, :], mask=scm, other=0.0)
         else:
             if ROPE == 1:
-                cm = ok[:, None] & dm[None, :]
-                crow = b * s_cb + t[:, None] * s_ct + d[None, :]
-                cos_lo = tl.load(cos_ptr + crow, mask=cm, other=0.0).to(tl.float32)
-                cos_hi = tl.load(cos_ptr + crow + HALF, mask=cm, other=0.0).to(tl.float32)
-                sin_lo = tl.load(sin_ptr + crow, mask=cm, other=0.0).to(tl.float32)
-                sin_hi = tl.load(sin_ptr + crow + HALF, mask=cm, other=0.0).to(tl.float32)
-            elif ROPE == 2:
+                cos_lo, cos_hi, sin_lo, sin_hi = _rope_tables(rope, b, t, ok, d, dm, HALF)
+            elif ROPE == 2:  # the halves share cos and sin
                 ang = (pv - roff).to(tl.float32)[:, None] * invf[None, :]  # one rounding, as the model's product
-                if PRECISE == 2:  # reduced to [-pi, pi] in float32 (Cody-Waite: 2 pi = C1 + C2, <= 2e-7 off), then
-                    # the SFU's approximations (abs error <= 2^-20.9 there: below the bf16 tables' rounding)
-                    kq = tl.floor(ang * 0.15915494309189535 + 0.5)
-                    ang = tl.fma(-kq, 6.2831854820251465, ang)
-                    ang = tl.fma(-kq, -1.7484556000744487e-07, ang)
-                    cos_lo = _approx(ang, "cos")
-                    sin_lo = _approx(ang, "sin")
-                    if RSC:
-                        cos_lo = cos_lo * rope_scale
-                        sin_lo = sin_lo * rope_scale
-                    # rounded as the model's tables by the hardware's conversion (the interpreter, which truncates,
-                    # never takes this branch)
-                    cos_lo = cos_lo.to(RDT).to(tl.float32)
-                    sin_lo = sin_lo.to(RDT).to(tl.float32)
-                else:  # reduced in float64 (exact to ~1e-11; then rounded to float32: <= 2e-7 off), so cosf/sinf
-                    # take their fast path at any position
-                    a64 = ang.to(tl.float64)
-                    ang = (a64 - tl.floor(a64 * 0.15915494309189535 + 0.5) * 6.283185307179586).to(tl.float32)
-                    if PRECISE:  # libdevice's cosf/sinf (the GPU)
-                        cos_lo = _round(libdevice.cos(ang) * rope_scale, RDT)
-                        sin_lo = _round(libdevice.sin(ang) * rope_scale, RDT)
-                    else:  # the interpreter (numpy's)
-                        cos_lo = _round(tl.cos(ang) * rope_scale, RDT)
-                        sin_lo = _round(tl.sin(ang) * rope_scale, RDT)
+                cos_lo, sin_lo = _cos_sin(ang, rope_scale, RDT, PRECISE, RSC)
                 cos_hi = cos_lo
                 sin_hi = sin_lo
             logits = tl.zeros([QGP, BT], tl.float32)
@@ -477,205 +626,36 @@ def _lr_kernel(
                 logits = tl.zeros([QGP, BT], tl.float32)
                 if KALL:
                     head = cg * QG + rows
-                    q_lo, q_hi = _q_halves(q_ptr, b, s_qb, s_qh, head, rmask, d, dm, HALF, qk_scale)
+                    q_lo, q_hi = _q_halves(query, b, head, rmask, d, dm, HALF)
                 for j in tl.static_range(GS // WB):
                     h0 = cg * GS + j * WB  # the first KV head of this dot
-                    if LOWRANK:  # k_pre = mean + c dec[:r] of heads h0 .. h0 + WB - 1: [BT, WN] per RoPE half
-                        blk = h0 // HPB  # their basis block, and their first column in it
-                        cb = (h0 % HPB) * NH
-                        k_lo = tl.zeros([BT, WN], tl.float32)
-                        k_hi = tl.zeros([BT, WN], tl.float32)
-                        if KPLANE:  # packed rows read KRC contiguous bytes at a time, each chunk's code planes in turn
-                            pkb = b * s_kb + blk * s_kh
-                            pksb = b * s_ksb + blk * s_ksh + (t0 // KTG) * s_kst  # the tile's token group: one row
-                            for p0 in range(0, PNB, KRC):
-                                pj = p0 + tl.arange(0, KRC)
-                                pjm = pj < PNB
-                                # masked by the tile's range, not by the positions: the loads need not wait for them (the
-                                # scores of slots that hold no token are masked below)
-                                pbyt = tl.load(
-                                    k_ptr + pkb + t[:, None] * s_kt + pj[None, :],
-                                    mask=tm[:, None] & pjm[None, :],
-                                    other=0,
-                                ).to(tl.int32)
-                                for i in tl.static_range(8 // KBITS):
-                                    pch = i * PNB + pj  # plane i: coefficient i PNB + j sits in byte j at bit i KBITS
-                                    pcode = (pbyt >> (i * KBITS)) & ((1 << KBITS) - 1)
-                                    psc = tl.load(ks_ptr + pksb + pch, mask=pjm, other=0.0).to(tl.float32) * kinv_s
-                                    pzr = tl.load(kz_ptr + pksb + pch, mask=pjm, other=0.0).to(tl.float32) * kinv_z
-                                    pcoef = (pcode.to(tl.float32) * psc[None, :] + pzr[None, :]).to(DOT)
-                                    prow = blk * s_dblk + pch[:, None] * s_dec + cb + cols[None, :]
-                                    k_lo = _dot(pcoef, tl.load(dec_ptr + prow, mask=pjm[:, None], other=0.0), k_lo, DOT)
-                                    k_hi = _dot(pcoef, tl.load(dhi_ptr + prow, mask=pjm[:, None], other=0.0), k_hi, DOT)
-                        for c0 in range(0, 0 if KPLANE else KC, KRC):
-                            ch = c0 + tl.arange(0, KRC)
-                            chm = ch < KC
-                            cm2 = ok[:, None] & chm[None, :]
-                            kb = b * s_kb + blk * s_kh
-                            ksb = b * s_ksb + blk * s_ksh
-                            coef = _deq(
-                                k_ptr, kb, t, s_kt, ch, cm2, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, KC, KTG, KCG,
-                                t0, KROW1,
-                            ).to(DOT)  # fmt: skip
-                            drow = blk * s_dblk + ch[:, None] * s_dec + cb + cols[None, :]
-                            k_lo = _dot(coef, tl.load(dec_ptr + drow, mask=chm[:, None], other=0.0), k_lo, DOT)
-                            k_hi = _dot(coef, tl.load(dhi_ptr + drow, mask=chm[:, None], other=0.0), k_hi, DOT)
-                        # rows of the basis buffer (K NH each): mean lo, mean hi, column scale lo, column scale hi
-                        gc = h0 * NH + cols
-                        k_lo = k_lo * tl.load(mean_ptr + 2 * KNH + gc)[None, :] + tl.load(mean_ptr + gc)[None, :]
-                        k_hi = k_hi * tl.load(mean_ptr + 3 * KNH + gc)[None, :] + tl.load(mean_ptr + KNH + gc)[None, :]
-                    else:  # plain keys of head h0 (WB = 1)
-                        km = ok[:, None] & dm[None, :]
-                        kb = b * s_kb + h0 * s_kh
-                        ksb = b * s_ksb + h0 * s_ksh
-                        k_lo = _deq(
-                            k_ptr,
-                            kb,
-                            t,
-                            s_kt,
-                            d,
-                            km,
-                            ks_ptr,
-                            kz_ptr,
-                            ksb,
-                            s_kst,
-                            kinv_s,
-                            kinv_z,
-                            KBITS,
-                            N,
-                            KTG,
-                            KCG,
-                            t0,
-                            KROW1,
+                    if LOWRANK:  # [BT, WB NH] per RoPE half
+                        k_lo, k_hi = _lr_keys(
+                            keys, kinv, basis, KNH, b, h0, t0, t, tm, ok, NH, WB, BT, HPB, KC, KRC, KQ, KROW1, DOT
                         )
-                        k_hi = _deq(
-                            k_ptr, kb, t, s_kt, HALF + d, km, ks_ptr, kz_ptr, ksb, s_kst, kinv_s, kinv_z, KBITS, N, KTG, KCG,
-                            t0, KROW1,
-                        )  # fmt: skip
-                    if ROPE != 0:  # x cos + rotate_half(x) sin, rotate_half(x) = (-x_hi, x_lo); the tables per head
-                        if WB == 1:
-                            r_lo = k_lo * cos_lo - k_hi * sin_lo
-                            k_hi = k_hi * cos_hi + k_lo * sin_hi
-                            k_lo = r_lo
-                        else:
-                            lo3 = tl.reshape(k_lo, (BT, WB, NH))
-                            hi3 = tl.reshape(k_hi, (BT, WB, NH))
-                            r_lo = lo3 * cos_lo[:, None, :] - hi3 * sin_lo[:, None, :]
-                            r_hi = hi3 * cos_hi[:, None, :] + lo3 * sin_hi[:, None, :]
-                            k_lo = tl.reshape(r_lo, (BT, WN))
-                            k_hi = tl.reshape(r_hi, (BT, WN))
-                    if WB == 1:
-                        sel_j = (jrow == j)[:, None]
-                        logits = _dot(tl.where(sel_j, q_lo, 0.0), tl.trans(k_lo), logits, DOT)
-                        logits = _dot(tl.where(sel_j, q_hi, 0.0), tl.trans(k_hi), logits, DOT)
-                    else:
-                        logits = _dot(q_lo, tl.trans(k_lo), logits, DOT)
-                        logits = _dot(q_hi, tl.trans(k_hi), logits, DOT)
+                    else:  # plain keys of head h0 (WB = 1)
+                        k_lo, k_hi = _plain_keys(keys, kinv, b, h0, t0, t, ok, d, dm, N, KQ, KROW1)
+                    if ROPE != 0:
+                        k_lo, k_hi = _rotate(k_lo, k_hi, cos_lo, cos_hi, sin_lo, sin_hi, WB, NH, BT)
+                    logits = _add_scores(logits, q_lo, q_hi, k_lo, k_hi, jrow, j, WB, DOT)
                 if PHASE == 1:  # the score launch: the tile's scores, for the latent launch
                     scm = rmask[:, None] & tm[None, :]
                     sco = tl.where(ok[None, :], logits, float("-inf"))
                     tl.store(sc_ptr + b * s_scb + head[:, None] * s_sch + t[None, :], sco, mask=scm)
         logits = tl.where(ok[None, :], logits, float("-inf"))
-        if PHASE != 1:
-            # -- online softmax (base 2)
-            m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(logits - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-            if HPL > 0:  # -- latents by planes (LC = the padded plane width, NLC = HPL planes)
-                jp = tl.arange(0, LC)
-                bmask = tm[:, None] & (jp < HP)[None, :]
-                hrow = h_ptr + hbase + t[:, None] * s_ht + jp[None, :]
-                lo0 = tl.load(hrow, mask=bmask, other=0)
-                if HBITS == 3:  # low-byte halves of HP bytes each, then the high bits
-                    lo1 = tl.load(hrow + HP, mask=bmask, other=0)
-                    hi = tl.load(hrow + 2 * HP, mask=bmask, other=0)
-                else:
-                    lo1 = lo0
-                    hi = lo0
-                srow = hsbase + t * s_hst
-                pd = p.to(DOT)
-                acc0 = _lat_plane(
-                    acc0, pd, alpha, 0, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB, HG,
-                    BT, DOT, HASM,
-                )  # fmt: skip
-                acc1 = _lat_plane(
-                    acc1, pd, alpha, 1, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB, HG,
-                    BT, DOT, HASM,
-                )  # fmt: skip
-                if NLC > 2:
-                    acc2 = _lat_plane(
-                        acc2, pd, alpha, 2, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB,
-                        HG, BT, DOT, HASM,
-                    )  # fmt: skip
-                    acc3 = _lat_plane(
-                        acc3, pd, alpha, 3, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB,
-                        HG, BT, DOT, HASM,
-                    )  # fmt: skip
-                if NLC > 4:
-                    acc4 = _lat_plane(
-                        acc4, pd, alpha, 4, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB,
-                        HG, BT, DOT, HASM,
-                    )  # fmt: skip
-                    acc5 = _lat_plane(
-                        acc5, pd, alpha, 5, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB,
-                        HG, BT, DOT, HASM,
-                    )  # fmt: skip
-                    acc6 = _lat_plane(
-                        acc6, pd, alpha, 6, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB,
-                        HG, BT, DOT, HASM,
-                    )  # fmt: skip
-                    acc7 = _lat_plane(
-                        acc7, pd, alpha, 7, lo0, lo1, hi, hs_ptr, hz_ptr, srow, ok, hinv_s, hinv_z, HBITS, HP, LC, HVB,
-                        HG, BT, DOT, HASM,
-                    )  # fmt: skip
-            else:  # -- latents, chunk by chunk
-                acc0 = _lat_chunk(
-                    acc0, p, alpha, 0, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z, RANK,
-                    LC, HBITS, HG, DOT,
-                )  # fmt: skip
-                if NLC > 1:
-                    acc1 = _lat_chunk(
-                        acc1, p, alpha, 1, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z,
-                        RANK, LC, HBITS, HG, DOT,
-                    )  # fmt: skip
-                if NLC > 2:
-                    acc2 = _lat_chunk(
-                        acc2, p, alpha, 2, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z,
-                        RANK, LC, HBITS, HG, DOT,
-                    )  # fmt: skip
-                if NLC > 3:
-                    acc3 = _lat_chunk(
-                        acc3, p, alpha, 3, h_ptr, hbase, t, s_ht, ok, hs_ptr, hz_ptr, hsbase, s_hst, hinv_s, hinv_z,
-                        RANK, LC, HBITS, HG, DOT,
-                    )  # fmt: skip
+        if PHASE != 1:  # -- online softmax (base 2), then the latents
+            p, alpha, m_i, l_i = _softmax_step(logits, m_i, l_i)
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _lat_tile(
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, p, alpha, lats, hinv, hbase, hsbase, t, tm, ok, RANK,
+                LC, NLC, HQ, HPL, HP, HVB, HASM, BT, DOT,
+            )  # fmt: skip
 
-    # -- this split's partial, in kernels/attention.py's layout (channels past RANK are never written)
-    if PHASE != 1:
+    if PHASE != 1:  # -- this split's partial
         slot = slot0 + sp
-        tl.store(rk_ptr + slot + tl.arange(0, 1), tl.full([1], RANK, tl.int32))
         prow = (b * H + head) * n_slots + slot
-        tl.store(pm_ptr + prow, m_i, mask=rmask)
-        tl.store(pl_ptr + prow, l_i, mask=rmask)
-        jl = tl.arange(0, LC)
-        # accumulator i holds channels i CW + j, j < CV (planes: HP of LC; chunks: all LC below RANK)
-        CW: tl.constexpr = HP if HPL > 0 else LC
-        jm = rmask[:, None] & (jl < CW)[None, :]
-        base = pacc_ptr + prow[:, None] * s_acc + jl[None, :]
-        tl.store(base, acc0, mask=jm & (jl < RANK)[None, :])
-        if NLC > 1:
-            tl.store(base + CW, acc1, mask=jm & (CW + jl < RANK)[None, :])
-        if NLC > 2:
-            tl.store(base + 2 * CW, acc2, mask=jm & (2 * CW + jl < RANK)[None, :])
-        if NLC > 3:
-            tl.store(base + 3 * CW, acc3, mask=jm & (3 * CW + jl < RANK)[None, :])
-        if NLC > 4:
-            tl.store(base + 4 * CW, acc4, mask=jm & (4 * CW + jl < RANK)[None, :])
-            tl.store(base + 5 * CW, acc5, mask=jm & (5 * CW + jl < RANK)[None, :])
-            tl.store(base + 6 * CW, acc6, mask=jm & (6 * CW + jl < RANK)[None, :])
-            tl.store(base + 7 * CW, acc7, mask=jm & (7 * CW + jl < RANK)[None, :])
+        _store_lr_partial(
+            parts, slot, prow, rmask, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, RANK, LC, NLC, HPL, HP
+        )
 
 
 # -- host side -------------------------------------------------------------------------------
@@ -795,19 +775,19 @@ def _c(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _qargs(t: QTensor, C: int):
-    """(data, its strides [3], scale, zero, scale strides [3], bias arg, 1/shift, constexprs (BITS, TG, CG, SF8,
-    ZF8, BP)) of a region QTensor [X, Y, cap, C]."""
+def _qargs(t: QTensor, C: int) -> tuple[tuple, tuple]:
+    """The kernel's arguments of a region QTensor [X, Y, cap, C]: (data, its strides [3], scale, zero, scale strides
+    [3], bias arg, 1/shift) and its constexprs (BITS, TG, CG, SF8, ZF8, BP)."""
     data = _c(t.data)
     if t.bits == 16:
-        return data, data.stride()[:3], data, data, (0, 0, 0), 1.0, 1.0, (16, 1, 1, False, False, False)
+        return (data, *data.stride()[:3], data, data, 0, 0, 0, 1.0, 1.0), (16, 1, 1, False, False, False)
     sc, zr = _c(t.scale), _c(t.zero)
     per_tok = t.dim % 4 == 3
     tg, cg = (1, t.group) if per_tok else (t.group, 1)
     bp = isinstance(t.bias, torch.Tensor)
     bias = t.bias if bp else float(t.bias)
     s8, z8 = sc.dtype == FP8, zr.dtype == FP8
-    return data, data.stride()[:3], sc, zr, sc.stride()[:3], bias, 1.0 / t.shift, (t.bits, tg, cg, s8, z8, bp)
+    return (data, *data.stride()[:3], sc, zr, *sc.stride()[:3], bias, 1.0 / t.shift), (t.bits, tg, cg, s8, z8, bp)
 
 
 def _splits(regions: list[Region], B: int, G: int, sms: int, waves: float, min_split: int):
@@ -1059,8 +1039,9 @@ def _region_plan(c: _Call, r: Region, ns: int) -> _RegionPlan:
     pm, pl, pacc, rk = c.partials
     lowrank = r.basis is not None
     KC = r.keys.shape[-1] if lowrank else n
-    kd, kst, ks, kz, kss, kbias, kish, (KB, KTG, KCG, KS8, KZ8, KBP) = _qargs(r.keys, KC)
-    hd, hst, hs, hz, hss, hbias, hish, (HB, _, HG, HS8, HZ8, HBP) = _qargs(r.lat, r.rank)
+    keys, KQ = _qargs(r.keys, KC)
+    lats, HQ = _qargs(r.lat, r.rank)
+    kd = keys[0]  # stands in for the pointers a region does not use
     if lowrank:
         dec, dhi, mean = _basis_on(r.basis, NH, dev, torch.float32 if q.dtype == torch.float32 else torch.float16)
         hpb = K // r.basis.blocks
@@ -1102,56 +1083,19 @@ def _region_plan(c: _Call, r: Region, ns: int) -> _RegionPlan:
     swarps = c.score_warps or (8 if grp else 4)
     phases = ((1, max(ns, triton.cdiv(r.capacity, per))), (2, ns)) if two else ((0, ns),)
     args = [
-        q,
-        q.stride(0),
-        q.stride(1),
-        c.qk,
+        (q, q.stride(0), q.stride(1), c.qk),
         r.pos,
         r.pos.stride(0),
         ln,
         c.npos,
         0 if c.win is None else int(c.win),
         ro,
-        kd,
-        kst[0],
-        kst[1],
-        kst[2],
-        ks,
-        kz,
-        kss[0],
-        kss[1],
-        kss[2],
-        kbias,
-        kish,
-        dec,
-        dhi,
-        dec.stride(0) if lowrank else 0,
-        dec.stride(1) if lowrank else 0,
-        mean,
-        cos,
-        sin,
-        *cstr,
-        invf,
-        rsc,
-        hd,
-        hst[0],
-        hst[1],
-        hst[2],
-        hs,
-        hz,
-        hss[0],
-        hss[1],
-        hss[2],
-        hbias,
-        hish,
-        pm,
-        pl,
-        pacc,
-        pacc.stride(2),
-        rk,
-        sc,
-        sc.stride(0),
-        sc.stride(1),
+        keys,
+        (dec, dhi, dec.stride(0) if lowrank else 0, dec.stride(1) if lowrank else 0, mean),
+        (cos, sin, *cstr, invf, rsc),
+        lats,
+        _attn._partial_args(pm, pl, pacc, rk),
+        (sc, sc.stride(0), sc.stride(1)),
     ]
     meta = dict(
         N=n,
@@ -1161,12 +1105,7 @@ def _region_plan(c: _Call, r: Region, ns: int) -> _RegionPlan:
         HPB=hpb,
         KC=KC,
         KRC=max(16, krc),
-        KBITS=KB,
-        KTG=KTG,
-        KCG=KCG,
-        KSF8=KS8,
-        KZF8=KZ8,
-        KBP=KBP,
+        KQ=KQ,
         ROPE=mode,
         RDT=TL_DTYPE[q.dtype],
         PRECISE=0 if interpreting() else 2 if c.fast_rope else 1,
@@ -1174,11 +1113,7 @@ def _region_plan(c: _Call, r: Region, ns: int) -> _RegionPlan:
         RANK=r.rank,
         LC=LC,
         NLC=NLC,
-        HBITS=HB,
-        HG=HG,
-        HSF8=HS8,
-        HZF8=HZ8,
-        HBP=HBP,
+        HQ=HQ,
         HPL=HPL,
         HP=HP,
         HVB=HVB,
@@ -1224,19 +1159,17 @@ def _launch_region(c: _Call, r: Region, p: _RegionPlan, slot0: int) -> None:
         tile = c.SBT if phase == 1 else c.BT
         kall = p.heads and phase == 1
         whole = phase != 1 or p.grp  # programs of whole latent groups
-        m = p.meta
         _lr_kernel[(nsp, 1 if kall else G if whole else K, B)](
             *p.args,
             slot0,
             c.n_slots,
             H,
             nsp,
-            **m,
+            **p.meta,
             GS=c.g if whole else 1,  # the score launch: a program per KV head, unless by groups
             QGP=QGP if whole else max(16, pow2(c.rep)),
             BT=tile,
             WB=p.wb if whole else 1,
-            KPLANE=p.lowrank and m["KBITS"] in (2, 4, 8) and m["KCG"] == 1 and m["KTG"] % tile == 0,
             PHASE=phase,
             KALL=kall,
             num_warps=p.swarps if phase == 1 else c.num_warps,

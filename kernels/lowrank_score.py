@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from functools import cache
+from typing import NamedTuple
 
 import torch
 
@@ -20,25 +21,51 @@ from tale_runtime.quant import FP8, QTensor
 from .cuda_module import dequant_bias, device_scalar, loaded
 
 SRC = os.path.join(os.path.dirname(__file__), "cuda", "lowrank_score.cu")
-BT = 64  # slots per tile (the .cu's BT)
+SRC_WG = os.path.join(os.path.dirname(__file__), "cuda", "lowrank_score_wg.cu")  # the rebuild on wgmma (sm_90a)
 CSTR = 72  # cos/sin row stride in words (the .cu's CSTR)
 
 
-def smem_bytes(kc: int, bits: int, ktg: int, meta8: bool, hpc: int) -> int:
-    """Dynamic shared memory of one CTA (the .cu's SMEM)."""
-    kcp = -(-kc // 16) * 16
-    ngt = BT // ktg if ktg < BT else 1
+class Tiling(NamedTuple):
+    """How one CTA of the score pass is cut (the .cu's HPC, BT, ALIAS, CS_REC), or wg: lowrank_score_wg.cu, one
+    warpgroup of 2 KV heads rebuilding on wgmma (Hopper), 64-slot tiles."""
+
+    hpc: int  # KV heads per CTA (2 warps each), of one basis block
+    bt: int = 64  # slots per tile: 64, or 32 (half the tile buffers)
+    alias: bool = False  # cos/sin and the dot's halves in the coefficient tile's space, made after the GEMM
+    rec: bool = False  # cos/sin of a slot one step after the thread's last by rotation, not the SFU
+    wg: bool = False
+
+    @property
+    def threads(self) -> int:
+        return 128 if self.wg else 64 * self.hpc
+
+    @property
+    def src(self) -> str:
+        return SRC_WG if self.wg else SRC
+
+
+WG = Tiling(2, 64, wg=True)
+
+
+def smem_bytes(kc: int, bits: int, ktg: int, meta8: bool, rep: int, t: Tiling) -> int:
+    """Dynamic shared memory of one CTA (the .cu's SMEM; its build asserts the two agree)."""
+    ngt = t.bt // ktg if ktg < t.bt else 1
     mb = 1 if meta8 else 2
+    if t.wg:
+        kcp = (kc + 16) // 16 * 16  # the coefficients and the means' constant one
+        return 256 * kcp * 2 + t.bt * kcp * 2 + t.bt * kc * bits // 8 + 2 * ngt * kc * mb + 2 * ngt * kcp * 2 + 16
+    kcp = -(-kc // 16) * 16
+    tile = t.bt * (kcp + 8) * 2  # coefficient tile
+    cs = t.bt * CSTR * 4  # cos/sin
+    red = t.hpc * (t.bt // 16) * 8 * ((rep + 1) // 2) * 16  # the halves of the dot
     return (
-        kcp * (hpc * 128 + 8) * 2  # basis columns
-        + BT * (kcp + 8) * 2  # coefficient tile
-        + BT * CSTR * 4  # cos/sin
-        + BT * kc * bits // 8  # stage: codes
+        kcp * (t.hpc * 128 + 8) * 2  # basis columns
+        + (max(tile, cs + red) if t.alias else tile + cs + red)
+        + t.bt * kc * bits // 8  # stage: codes
         + 2 * ngt * kc * mb  # stage: scales, zeros
-        + BT * 4  # stage: positions
+        + (1 + t.alias) * t.bt * 4  # stage: positions
         + 2 * ngt * kcp * 2  # fp16 scales, zeros
-        + 2 * hpc * 64 * 4  # column means
-        + hpc * 4 * 32 * 16  # the halves of the dot
+        + (0 if kc < kcp else 2 * t.hpc * 64 * 4)  # column means, where the GEMM's padding row does not hold them
     )
 
 
@@ -48,12 +75,27 @@ def _smem_limit(device: torch.device) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
 
 
-def heads_per_cta(hpb: int, K: int, kc: int, bits: int, ktg: int, meta8: bool, limit: int) -> int | None:
-    """The most KV heads of one basis block a CTA can hold the basis columns of (4, 2 or 1), or None."""
+def tiling(
+    hpb: int, K: int, kc: int, bits: int, ktg: int, meta8: bool, rep: int, limit: int, hopper: bool = False
+) -> Tiling | None:
+    """The CTA's cut for coefficients of this format: the most KV heads of one basis block (4, 2 or 1) whose basis
+    columns fit `limit` bytes of shared memory, or None. TALE_LR_SCORE_TILE="hpc:bt:alias:rec" overrides it (the
+    heads capped at that most), or "wg" (on Hopper, blocks of an even number of heads), for timing the cuts against
+    each other."""
     for hpc in (4, 2, 1):
-        if hpb % hpc == 0 and K % hpc == 0 and smem_bytes(kc, bits, ktg, meta8, hpc) <= limit:
-            return hpc
-    return None
+        t = Tiling(hpc)
+        if hpb % hpc == 0 and K % hpc == 0 and smem_bytes(kc, bits, ktg, meta8, rep, t) <= limit:
+            break
+    else:
+        return None
+    env = os.environ.get("TALE_LR_SCORE_TILE")
+    if env == "wg":
+        ok = hopper and hpb % 2 == 0 and K % 2 == 0 and smem_bytes(kc, bits, ktg, meta8, rep, WG) <= limit
+        return WG if ok else t
+    if env:
+        h, bt, alias, rec = (int(x) for x in (env.split(":") + ["0", "0"])[:4])
+        t = Tiling(min(h, t.hpc), bt, bool(alias), bool(rec))
+    return t
 
 
 @cache  # asked at every decode call: the answer does not change within a process
@@ -85,13 +127,13 @@ def format_reason(
         return f"{rep} query heads per KV head (at most 8)"
     if bits not in (2, 4, 8) or (kc * bits // 8) % 4:
         return f"{kc} coefficients at {bits} bits (2/4/8 bits, packed rows of whole words)"
-    if not (ktg in (16, 32) or ktg % BT == 0):
-        return f"token groups of {ktg} (16, 32 or a multiple of {BT})"
+    if not (ktg in (16, 32) or ktg % 64 == 0):  # whole groups in a tile, or whole tiles in a group
+        return f"token groups of {ktg} (16, 32 or a multiple of 64)"
     if meta not in ("8/8", "16"):
         return f"scale/zero format {meta!r} (fp8 '8/8' or 16-bit)"
     if why := available(device):
         return why
-    if heads_per_cta(hpb, K, kc, bits, ktg, meta == "8/8", _smem_limit(device)) is None:
+    if tiling(hpb, K, kc, bits, ktg, meta == "8/8", rep, _smem_limit(device)) is None:
         return f"a basis block of {kc} coefficients does not fit shared memory"
     return None
 
@@ -125,12 +167,14 @@ def reason(q: torch.Tensor, keys: QTensor, rep: int, hpb: int, K: int, tables=No
 
 
 def build_options(
-    kc: int, bits: int, ktg: int, meta8: bool, hpc: int, rep: int, bf16: bool = True, rsc: bool = False, tables=False
+    kc: int, bits: int, ktg: int, meta8: bool, rep: int, t: Tiling, bf16: bool = True, rsc: bool = False, tables=False
 ) -> tuple[str, ...]:
-    """The .cu's -D configuration: coefficients per row, code bits, slots per scale group, fp8 scales, KV heads per
-    CTA, query heads per KV head, bf16 queries and cos/sin, the rotary's attention scaling, cos/sin from tables."""
-    flags = dict(KC=kc, KBITS=bits, KTG=ktg, META8=meta8, HPC=hpc, REP=rep, Q_BF16=bf16, RDT_BF16=bf16)
-    flags.update(RSC=rsc, ROPE_TAB=tables)
+    """The .cu's -D configuration: coefficients per row, code bits, slots per scale group, fp8 scales, query heads
+    per KV head, the CTA's cut, bf16 queries and cos/sin, the rotary's attention scaling, cos/sin from tables; and
+    the shared memory the launch gives, which the build checks against its own layout."""
+    flags = dict(KC=kc, KBITS=bits, KTG=ktg, META8=meta8, REP=rep, HPC=t.hpc, BT=t.bt, ALIAS=t.alias, CS_REC=t.rec)
+    flags.update(Q_BF16=bf16, RDT_BF16=bf16, RSC=rsc, ROPE_TAB=tables)
+    flags.update(SMEM_LAUNCH=smem_bytes(kc, bits, ktg, meta8, rep, t))
     return tuple(f"-D{k}={int(v)}" for k, v in flags.items())
 
 
@@ -160,23 +204,23 @@ def scores(
     meta8 = keys.meta == "8/8"
     dev = q.device
     limit = _smem_limit(dev)
-    hpc = heads_per_cta(hpb, K, kc, bits, ktg, meta8, limit)
-    smem = smem_bytes(kc, bits, ktg, meta8, hpc)
-    opts = build_options(kc, bits, ktg, meta8, hpc, rep, q.dtype == torch.bfloat16, rsc != 1.0, tables is not None)
-    mod = loaded(SRC, opts, dev)
+    t = tiling(hpb, K, kc, bits, ktg, meta8, rep, limit, torch.cuda.get_device_capability(dev) == (9, 0))
+    smem = smem_bytes(kc, bits, ktg, meta8, rep, t)
+    opts = build_options(kc, bits, ktg, meta8, rep, t, q.dtype == torch.bfloat16, rsc != 1.0, tables is not None)
+    mod = loaded(t.src, opts, dev)
     fn = "tale_lr_score"
     mod.function(fn, smem)
-    ctas = K // hpc
+    ctas = K // t.hpc
     per_sm = max(1, limit // max(smem, 1))
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    nsplit = max(1, min(-(-cap // BT), round(waves * sms * per_sm / (B * ctas))))
+    nsplit = max(1, min(-(-cap // t.bt), round(waves * sms * per_sm / (B * ctas))))
     len_p, len_v = device_scalar(length, pos)
     bias_p, inv_v = dequant_bias(keys, pos)
     data, sc, zr = keys.data, keys.scale, keys.zero
     mod.launch(
         fn,
         (nsplit, ctas, B),
-        32 * 2 * hpc,
+        t.threads,
         (
             q,
             q.stride(0),

@@ -64,14 +64,14 @@ def dry_run_nbytes(
     """(bytes held, 16-bit K+V bytes) of a batch-1 TALE cache of `schedule` over the shapes of `arch`, every layer of
     the schedule, after forward calls of `pattern` tokens each: a dry run with zeros, one layer per distinct row of
     ranks and key ranks (the bytes depend on the call pattern and the ranks only: not on the tokens, the key basis or
-    the key bands' channel order). `memo` (a layer's ranks -> counts) carries over between schedules that differ in
-    their ranks only."""
+    the key bands' channel order). `memo` (a layer's ranks and key ranks -> counts) carries over between schedules
+    that differ in their ranks only."""
     K, n, G, R = arch.num_kv_heads, arch.head_dim, arch.num_groups, arch.latent_rank
     memo = {} if memo is None else memo
     held = base = 0
     for li, ranks in enumerate(schedule.ranks):
         krs = schedule.layer_key_ranks(li)
-        key = tuple(ranks) if schedule.key_ranks is None else (tuple(ranks), krs)
+        key = (tuple(ranks), krs)
         if key not in memo:
             # low-rank keys: any basis of the right shape (key_blocks blocks) holds the same bytes
             eye = torch.eye(K * n // schedule.key_blocks).expand(schedule.key_blocks, -1, -1)

@@ -1,6 +1,7 @@
 """tale_kernels.cuda_module's build step without a GPU: the compiler choice and its one-line errors."""
 
 import os
+import re
 import shutil
 
 import pytest
@@ -62,6 +63,13 @@ def test_a_header_edit_rebuilds(monkeypatch, tmp_path):
         f.write("\n// edited\n")
     cuda_module.compile_cubin(cu, mma_attention.OPTIONS, arch="sm_90a")
     assert len(builds) == 2
+    # a header included through another one (lowrank_score_wg.cu -> wgmma.cuh -> ptx.cuh) is in the key too
+    wg = str(src / "lowrank_score_wg.cu")
+    cuda_module.compile_cubin(wg, ("-DKC=152",), arch="sm_90a")
+    with open(src / "ptx.cuh", "a") as f:
+        f.write("\n// edited again\n")
+    cuda_module.compile_cubin(wg, ("-DKC=152",), arch="sm_90a")
+    assert len(builds) == 4
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
@@ -73,5 +81,51 @@ def test_sources_build_with_their_header(monkeypatch, tmp_path, name):
     monkeypatch.setattr(cuda_module, "CACHE", str(tmp_path))
     monkeypatch.setenv("TALE_CUDA_COMPILER", "nvcc")
     src = os.path.join(os.path.dirname(mma_attention.SRC), name)
-    opts = mma_attention.OPTIONS if name == "latent_level.cu" else lowrank_score.build_options(152, 4, 32, True, 4, 4)
+    tiling = lowrank_score.Tiling(4)
+    opts = (
+        mma_attention.OPTIONS if name == "latent_level.cu" else lowrank_score.build_options(152, 4, 32, True, 4, tiling)
+    )
     assert len(cuda_module.compile_cubin(src, opts, arch="sm_90a")) > 10000
+
+
+SCORE_BUILDS = [
+    # (KC, bits, token group, fp8 scales, query heads per KV head, Tiling(hpc, bt, alias, rec), RoPE tables)
+    (152, 4, 64, True, 4, (4, 64), False),  # the lowrank preset's at 8B shapes: one CTA per SM
+    (152, 4, 64, True, 4, (2, 32, False, True), False),  # two per SM, 32-slot tiles
+    (152, 4, 64, True, 4, (2, 64, True, True), False),  # two per SM, the tile's space shared
+    (144, 2, 16, False, 8, (2, 64, True, False), True),  # no padding coefficient, 16-bit scales, GQA 8, tables
+    (96, 8, 32, False, 3, (1, 64, True, True), False),
+    (152, 4, 64, True, 4, "wg", False),  # the rebuild on wgmma, one warpgroup of 2 KV heads, two CTAs per SM
+    (144, 2, 16, False, 8, "wg", True),
+]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("case", SCORE_BUILDS)
+def test_score_pass_builds_fit_their_launch(tmp_path, case):
+    """Each cut of the CUDA score pass builds offline for sm_90a with the shared memory its launch gives (the build
+    asserts the two layouts agree), spills nothing, and its registers let as many CTAs share an SM as their shared
+    memory does; a launch that gives other bytes does not build."""
+    import subprocess
+
+    from tale_kernels import lowrank_score
+
+    kc, bits, ktg, meta8, rep, cut, tables = case
+    t = lowrank_score.WG if cut == "wg" else lowrank_score.Tiling(*cut)
+    opts = lowrank_score.build_options(kc, bits, ktg, meta8, rep, t, tables=tables)
+    inc = f"-I{os.path.dirname(lowrank_score.SRC)}"
+
+    def nvcc(*o):
+        cmd = ["nvcc", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", inc, *o]
+        return subprocess.run([*cmd, "-o", str(tmp_path / "k.cubin"), t.src], capture_output=True, text=True)
+
+    r = nvcc(*opts)
+    assert r.returncode == 0, r.stderr[-2000:]
+    used = re.search(r"Used (\d+) registers", r.stderr)
+    assert used and "0 bytes spill stores" in r.stderr, r.stderr[-2000:]
+    smem = lowrank_score.smem_bytes(kc, bits, ktg, meta8, rep, t)
+    per_sm = 233472 // (smem + 1024)  # Hopper: 228 KB per SM, 1 KB of it reserved per CTA
+    assert per_sm >= 1 and int(used[1]) * t.threads * per_sm <= 65536, (used[1], per_sm)
+    wrong = [o if not o.startswith("-DSMEM_LAUNCH=") else f"-DSMEM_LAUNCH={smem + 16}" for o in opts]
+    r = nvcc(*wrong)
+    assert r.returncode != 0 and "shared memory differs" in r.stderr

@@ -6,13 +6,17 @@
 // the slots (positions, windows) itself, so this kernel writes every slot below the length unmasked.
 // tale_kernels.lowrank_attention compiles it (kernels/cuda_module.py: NVRTC or nvcc) per configuration (-D below).
 //
-// A CTA owns HPC KV heads of one basis block (2 HPC warps) and a run of 64-slot tiles; per tile:
+// A CTA owns HPC KV heads of one basis block (2 HPC warps) and a run of BT-slot tiles; per tile:
 //   1. cp.async brings the tile's packed codes, the scales/zeros of its token groups and its positions into a stage
 //      (issued one tile ahead, while the previous tile's products run);
 //   2. all threads: scales/zeros to fp16; cos/sin of every (slot, frequency) from the positions and the model's
-//      inv_freq (the SFU's cos/sin after a float32 reduction to [-pi, pi], rounded to the model dtype as its tables);
-//      then codes -> fp16 coefficients [64, KCP] (1024 + code under an fp16 exponent, one sub and one fma per pair);
-//   3. the rebuild as one GEMM [64, KCP] x [KCP, HPC * 128] by mma.sync m16n8k16 (float32 accumulators): the basis
+//      inv_freq (the SFU's cos/sin after a float32 reduction to [-pi, pi], rounded to the model dtype as its tables;
+//      CS_REC: a slot one step after the thread's last one rotates that one's pair instead, one SFU pair per thread
+//      and tile); then codes -> fp16 coefficients [BT, KCP] (1024 + code under an fp16 exponent, one sub and one fma
+//      per pair). ALIAS: the cos/sin table is made after step 3 instead, in the coefficient tile's space, with the
+//      dot's halves of step 5 beside it: the CTA shrinks to 112 KB at 2 KV heads and 64 slots, two per SM, so one
+//      CTA's GEMM runs beside the other's unpacking;
+//   3. the rebuild as one GEMM [BT, KCP] x [KCP, HPC * 128] by mma.sync m16n8k16 (float32 accumulators): the basis
 //      block's columns of the CTA's heads, times their column scales, stay in shared memory for the CTA's life, with
 //      the column means as row KC against a coefficient held at 1 (where KC leaves a padding column; else the mean
 //      is added after); warp (j, f) owns head j's channels f * 32 .. f * 32 + 31 of both RoPE halves, so RoPE pairs
@@ -25,11 +29,16 @@
 // Fixed per build: KC coefficients per block row (KC * KBITS / 8 bytes: whole 32-bit words), KBITS
 // 2/4/8 (codes in runtime/quant.py's planar rows: code c in byte c % PNB at bit (c / PNB) * KBITS), KTG slots per
 // scale group (16, 32, or a multiple of 64), META8 (1: fp8 e4m3 scale and zero times 1 / bias; 0: 16-bit fp16
-// bits times 1 / shift), HPC KV heads per CTA, REP query heads per KV head (<= 8), Q_BF16 (query dtype), RDT_BF16
-// (cos/sin rounded to bf16, else fp16), RSC (cos/sin times the rotary's attention scaling), ROPE_TAB (1: cos/sin
-// read from the region's float32 tables [B, cap, 128], the lo half of each: a cache that stores them). Head dim 128.
+// bits times 1 / shift), REP query heads per KV head (<= 8), the CTA's cut (HPC KV heads, BT slots per tile, ALIAS,
+// CS_REC: kernels/lowrank_score.py Tiling), Q_BF16 (query dtype), RDT_BF16 (cos/sin rounded to bf16, else fp16), RSC
+// (cos/sin times the rotary's attention scaling), ROPE_TAB (1: cos/sin read from the region's float32 tables
+// [B, cap, 128], the lo half of each: a cache that stores them), SMEM_LAUNCH (the bytes the launch gives). Head dim
+// 128.
 
-#define BT 64                         // slots per tile
+#ifndef BT
+#define BT 64                         // slots per tile: 64, or 32 (a smaller CTA, two per SM)
+#endif
+#define MT (BT / 16)                  // m-tiles of 16 slots per tile
 #define NHALF 64                      // channels per RoPE half (head dim 128)
 #define CSTR 72                       // cos/sin row stride, words: the epilogue's 8 slots x 4 frequency pairs of a
                                       // half-warp land in distinct banks (a stride of 64 put every slot on one)
@@ -43,21 +52,42 @@
 #define ASTR (KCP + 8)
 #define NWARP (2 * HPC)
 #define NTHR (32 * NWARP)
+#define TSTEP (NTHR >> 6)             // slots between one thread's cos/sin rows
+#ifndef CS_REC
+#define CS_REC 0                      // 1: cos/sin of a slot TSTEP positions after the thread's last by rotation
+#endif
 #define NGT (KTG < BT ? BT / KTG : 1) // scale groups per tile
 #define MB (META8 ? 1 : 2)            // bytes per scale or zero
 #define SZW (KC * MB / 4)             // words of one group's scales (or zeros)
+#define RW ((REP + 1) / 2)            // lanes per row of the score mma's C fragment that hold a query head
+#ifndef ALIAS
+#define ALIAS 0                       // 1: cos/sin and the dot's halves live in the coefficient tile's space, made
+#endif                                // after the GEMM (a smaller CTA: two per SM at 2 KV heads and 64 slots)
 
 // shared memory, bytes
+#define AB (BT * ASTR * 2)                             // the coefficient tile
+#define CSB (BT * CSTR * 4)                            // [BT slots][CSTR] {cos, sin} fp16, of the model dtype's
+#define REDB (HPC * MT * 8 * RW * 16)                  // float4 [HPC][MT][8][RW]: the second warps' halves of the dot
+#define COLB (FOLD_MEAN ? 0 : 2 * HPC * NHALF * 4)     // float [2][HPC][64]: the column means, lo and hi
 #define OFF_B 0
 #define OFF_A (OFF_B + KCP * BSTR * 2)
-#define OFF_CS (OFF_A + BT * ASTR * 2)                 // [64 slots][CSTR] {cos, sin} fp16, of the model dtype's
-#define OFF_STC (OFF_CS + BT * CSTR * 4)               // stage: codes [64][PNB]
+#if ALIAS
+#define OFF_CS OFF_A
+#define OFF_RED (OFF_A + CSB)
+#define OFF_STC (OFF_A + (AB > CSB + REDB ? AB : CSB + REDB))
+#else
+#define OFF_CS (OFF_A + AB)
+#define OFF_RED (OFF_CS + CSB)
+#define OFF_STC (OFF_RED + REDB)                       // stage: codes [BT][PNB]
+#endif
 #define OFF_STS (OFF_STC + BT * PNB)                   // stage: scales [NGT][KC], then zeros [NGT][KC]
-#define OFF_STP (OFF_STS + 2 * NGT * KC * MB)          // stage: positions [64]
-#define OFF_SZ (OFF_STP + BT * 4)                      // fp16 scales [NGT][KCP], then zeros [NGT][KCP]
-#define OFF_COL (OFF_SZ + 2 * NGT * KCP * 2)           // float [2][HPC][64]: the column means, lo and hi
-#define OFF_RED (OFF_COL + 2 * HPC * NHALF * 4)        // float [HPC][4][32][4]: the second warps' halves of the dot
-#define SMEM (OFF_RED + HPC * 4 * 32 * 16)
+#define OFF_STP (OFF_STS + 2 * NGT * KC * MB)          // stage: positions [1 + ALIAS][BT] (ALIAS: by tile parity)
+#define OFF_SZ (OFF_STP + (1 + ALIAS) * BT * 4)        // fp16 scales [NGT][KCP], then zeros [NGT][KCP]
+#define OFF_COL (OFF_SZ + 2 * NGT * KCP * 2)
+#define SMEM (OFF_COL + COLB)
+#ifdef SMEM_LAUNCH  // the launch's bytes (kernels/lowrank_score.py smem_bytes): a layout edit must move both
+static_assert(SMEM == SMEM_LAUNCH, "the launch's shared memory differs from the kernel's layout");
+#endif
 
 #include "ptx.cuh"
 
@@ -121,9 +151,11 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
     u32* cs = (u32*)(smem + OFF_CS);
     const unsigned char* stc = smem + OFF_STC;
     const unsigned char* sts = smem + OFF_STS;
-    const int* stp = (const int*)(smem + OFF_STP);
+    const int* stp0 = (const int*)(smem + OFF_STP);
     u16* sz = (u16*)(smem + OFF_SZ);
+#if !FOLD_MEAN
     float* col = (float*)(smem + OFF_COL);
+#endif
     float4* red = (float4*)(smem + OFF_RED);
 
     const unsigned char* kbase = codes + (long)b * s_kb + (long)blk * s_kh;
@@ -143,6 +175,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
             if (gg < ngroups)
                 cp4(smem_u32(sts + ((z * NGT + g) * KC) * MB + 4 * w), (z ? zbase : sbase) + (long)gg * s_st * MB + 4 * w);
         }
+        const int* stp = stp0 + (ALIAS ? ((t0 / BT) & 1) * BT : 0);  // ALIAS: read after the next stage is issued
         for (int i = tid; i < BT; i += NTHR)
             if (t0 + i < L) cp4(smem_u32(stp + i), pos + (long)b * s_pb + t0 + i);
         cp_commit();
@@ -170,15 +203,23 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
 #endif
     for (int i = tid; i < (KCP - KC - FOLD_MEAN) * BSTR / 2; i += NTHR)
         ((u32*)(smem + OFF_B))[(KC + FOLD_MEAN) * BSTR / 2 + i] = 0u;
-    for (int i = tid; i < BT * (KCP - KC); i += NTHR) {  // the coefficient tile's padding columns, for good
-        const int c = KC + i % (KCP - KC);
-        ((u16*)(smem + OFF_A))[(i / (KCP - KC)) * ASTR + c] = FOLD_MEAN && c == KC ? 0x3C00 : 0;  // 1.0: the mean's row
-    }
+    // the coefficient tile's padding columns (1.0 at KC: the mean's row), for good (ALIAS: per tile, see below)
+    auto pad_tile = [&]() {
+#if KCP > KC
+        for (int i = tid; i < BT * (KCP - KC); i += NTHR) {
+            const int c = KC + i % (KCP - KC);
+            ((u16*)(smem + OFF_A))[(i / (KCP - KC)) * ASTR + c] = FOLD_MEAN && c == KC ? 0x3C00 : 0;
+        }
+#endif
+    };
+    if (!ALIAS) pad_tile();
+#if !FOLD_MEAN
     for (int i = tid; i < HPC * NHALF; i += NTHR) {
         const int gc = kv0 * NHALF + i;
         col[i] = rows[gc];
         col[HPC * NHALF + i] = rows[knh + gc];
     }
+#endif
     // this warp: head j, channels f * 32 .. + 31 of each RoPE half. Its query heads' B fragments for the score mma,
     // per 16 channels s (0, 1: lo; 2, 3: hi): rows k = channel, column n = query head (n < REP; else zero)
     const int j = warp >> 1, fh = warp & 1;
@@ -200,10 +241,64 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
 #if !ROPE_TAB
     const float my_invf = invf[tid & 63];
     const int my_roff = roff[b];
+#if CS_REC
+    // the rotation by TSTEP positions at this thread's frequency, once, in double: the recurrence below steps by it
+    float rc, rs;
+    {
+        double ds, dc;
+        sincos((double)TSTEP * (double)my_invf, &ds, &dc);
+        rc = (float)dc, rs = (float)ds;
+    }
 #endif
+#endif
+
+    // cos/sin of every (slot, frequency) of the tile at t0 into cs: the frequency is fixed per thread (NTHR is a
+    // multiple of 64)
+    auto rope_table = [&](const int* stp, int t0) {
+#if !ROPE_TAB && CS_REC
+        float c = 0.f, s = 0.f;
+        int pprev = 0;
+#endif
+        for (int t = tid >> 6; t < BT; t += TSTEP) {
+#if ROPE_TAB  // the region's tables (the model's own cos/sin, already rounded and scaled)
+            if (t0 + t < L) {
+                const long ci = (long)b * s_cb + (long)(t0 + t) * s_ct + (tid & 63);
+                cs[t * CSTR + (tid & 63)] = pack_cs(cos_t[ci], sin_t[ci]);
+            }
+#else
+            const int p = stp[t] - my_roff;
+#if CS_REC  // a slot TSTEP positions after this thread's last one (the usual case): rotate that one's pair
+            if (t != (tid >> 6) && p == pprev + TSTEP) {
+                const float c2 = fmaf(c, rc, -s * rs);
+                s = fmaf(s, rc, c * rs);
+                c = c2;
+            } else
+#else
+            float c, s;
+#endif
+            {
+                float ang = (float)p * my_invf;
+                const float kq = floorf(ang * 0.15915494309189535f + 0.5f);
+                ang = fmaf(-kq, 6.2831854820251465f, ang);
+                ang = fmaf(-kq, -1.7484556000744487e-07f, ang);
+                asm("cos.approx.ftz.f32 %0, %1;" : "=f"(c) : "f"(ang));
+                asm("sin.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(ang));
+            }
+#if CS_REC
+            pprev = p;
+#endif
+#if RSC
+            cs[t * CSTR + (tid & 63)] = pack_cs(c * rsc, s * rsc);
+#else
+            cs[t * CSTR + (tid & 63)] = pack_cs(c, s);
+#endif
+#endif
+        }
+    };
 
     for (int tile = tile0; tile < tile1; tile++) {
         const int t0 = tile * BT;
+        const int* stp = stp0 + (ALIAS ? (tile & 1) * BT : 0);
         cp_wait_all();
         __syncthreads();  // the stage (and, first time, the basis) landed; the last tile's readers are done
         // scales/zeros -> fp16 [NGT][KCP] (scales, then zeros)
@@ -218,29 +313,11 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
             const int g = r / KC, c = r % KC;
             sz[(z * NGT + g) * KCP + c] = (u16)(f2h(v * kinv, 0.f) & 0xFFFF);
         }
-        // cos/sin of every (slot, frequency): the frequency is fixed per thread (NTHR is a multiple of 64)
-        for (int t = tid >> 6; t < BT; t += NTHR >> 6) {
-#if ROPE_TAB  // the region's tables (the model's own cos/sin, already rounded and scaled)
-            if (t0 + t < L) {
-                const long ci = (long)b * s_cb + (long)(t0 + t) * s_ct + (tid & 63);
-                cs[t * CSTR + (tid & 63)] = pack_cs(cos_t[ci], sin_t[ci]);
-            }
-#else
-            float ang = (float)(stp[t] - my_roff) * my_invf;
-            const float kq = floorf(ang * 0.15915494309189535f + 0.5f);
-            ang = fmaf(-kq, 6.2831854820251465f, ang);
-            ang = fmaf(-kq, -1.7484556000744487e-07f, ang);
-            float c, s;
-            asm("cos.approx.ftz.f32 %0, %1;" : "=f"(c) : "f"(ang));
-            asm("sin.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(ang));
-#if RSC
-            c *= rsc;
-            s *= rsc;
+#if !ALIAS
+        rope_table(stp, t0);
 #endif
-            cs[t * CSTR + (tid & 63)] = pack_cs(c, s);
-#endif
-        }
         __syncthreads();
+        if (ALIAS) pad_tile();  // the last tile's cos/sin and dot halves wrote over them
         // codes -> coefficients: word w of row t holds, per plane p, codes p PNB + 4 w .. + 3
         for (int i = tid; i < BT * PNW; i += NTHR) {
             const int t = i / PNW, w = i % PNW;
@@ -265,31 +342,36 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
         if (tile + 1 < tile1) stage(t0 + BT);
 
         // -- the rebuild: acc[mt][nt] = slots mt*16.. x columns (nt < 4: lo, else hi) of head j, channels fh*32 + ..
-        float acc[4][8][4];
+        float acc[MT][8][4];
 #pragma unroll
-        for (int mt = 0; mt < 4; mt++)
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int nt = 0; nt < 8; nt++) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
         const u32 a_row = sA + ((lane & 15) * ASTR + (lane >> 4) * 8) * 2;
         const u32 b_row = sB + ((((lane & 7) + ((lane >> 3) & 1) * 8) * BSTR) + j * 128 + fh * 32 + (lane >> 4) * 8) * 2;
 #pragma unroll 1
         for (int ks = 0; ks < KCP / 16; ks++) {
-            u32 a[4][4], bf[4][4];
+            u32 a[MT][4], bf[4][4];
 #pragma unroll
-            for (int mt = 0; mt < 4; mt++) ldsm4(a[mt], a_row + (mt * 16 * ASTR + ks * 16) * 2);
+            for (int mt = 0; mt < MT; mt++) ldsm4(a[mt], a_row + (mt * 16 * ASTR + ks * 16) * 2);
 #pragma unroll
             for (int np = 0; np < 4; np++)  // n-tile pairs: lo 0-15, lo 16-31, hi 0-15, hi 16-31
                 ldsm4t(bf[np], b_row + (ks * 16 * BSTR + (np >> 1) * 64 + (np & 1) * 16) * 2);
 #pragma unroll
-            for (int mt = 0; mt < 4; mt++)
+            for (int mt = 0; mt < MT; mt++)
 #pragma unroll
                 for (int nt = 0; nt < 8; nt++)
                     mma(acc[mt][nt], a[mt][0], a[mt][1], a[mt][2], a[mt][3], bf[nt >> 1][(nt & 1) * 2],
                         bf[nt >> 1][(nt & 1) * 2 + 1]);
         }
+#if ALIAS
+        __syncthreads();  // every warp's GEMM has read the coefficient tile: the cos/sin table takes its space
+        rope_table(stp, t0);
+        __syncthreads();
+#endif
         // -- RoPE in half2 (lo' = lo cos - hi sin, hi' = hi cos + lo sin) on the keys packed to fp16: kh[mt][nt][r]
         // holds slot mt 16 + lane / 4 + 8 r, channels f, f + 1 (nt < 4 the lo half, else hi) as one A fragment register
-        u32 kh[4][8][2];
+        u32 kh[MT][8][2];
 #pragma unroll
         for (int nt = 0; nt < 4; nt++) {
             const int f = fh * 32 + nt * 8 + 2 * (lane & 3);
@@ -298,7 +380,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
             const float2 mhi = *(const float2*)(col + (HPC + j) * NHALF + f);
 #endif
 #pragma unroll
-            for (int mt = 0; mt < 4; mt++)
+            for (int mt = 0; mt < MT; mt++)
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
                     const int t = mt * 16 + (lane >> 2) + 8 * r;
@@ -315,23 +397,25 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(
                 }
         }
         // -- scores: the rotated keys (fp16 A fragments) times the query heads
-        float S[4][4];
+        float S[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < 4; mt++) {
+        for (int mt = 0; mt < MT; mt++) {
             S[mt][0] = S[mt][1] = S[mt][2] = S[mt][3] = 0.f;
 #pragma unroll
             for (int s = 0; s < 4; s++)
                 mma(S[mt], kh[mt][2 * s][0], kh[mt][2 * s][1], kh[mt][2 * s + 1][0], kh[mt][2 * s + 1][1], qb[s][0],
                     qb[s][1]);
         }
-        if (fh)
+        // lanes with lane % 4 < RW hold query heads (n = 2 (lane % 4) + 0, 1 < REP): only they trade halves
+        const int ri = (lane >> 2) * RW + (lane & 3);
+        if (fh && (lane & 3) < RW)
 #pragma unroll
-            for (int mt = 0; mt < 4; mt++) red[(j * 4 + mt) * 32 + lane] = make_float4(S[mt][0], S[mt][1], S[mt][2], S[mt][3]);
+            for (int mt = 0; mt < MT; mt++) red[(j * MT + mt) * 8 * RW + ri] = make_float4(S[mt][0], S[mt][1], S[mt][2], S[mt][3]);
         __syncthreads();
-        if (!fh) {
+        if (!fh && (lane & 3) < RW) {
 #pragma unroll
-            for (int mt = 0; mt < 4; mt++) {
-                const float4 o = red[(j * 4 + mt) * 32 + lane];
+            for (int mt = 0; mt < MT; mt++) {
+                const float4 o = red[(j * MT + mt) * 8 * RW + ri];
                 const float v[4] = {S[mt][0] + o.x, S[mt][1] + o.y, S[mt][2] + o.z, S[mt][3] + o.w};
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
