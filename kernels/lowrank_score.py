@@ -78,24 +78,23 @@ def _smem_limit(device: torch.device) -> int:
 def tiling(
     hpb: int, K: int, kc: int, bits: int, ktg: int, meta8: bool, rep: int, limit: int, hopper: bool = False
 ) -> Tiling | None:
-    """The CTA's cut for coefficients of this format: the most KV heads of one basis block (4, 2 or 1) whose basis
-    columns fit `limit` bytes of shared memory, or None. TALE_LR_SCORE_TILE="hpc:bt:alias:rec" overrides it (the
-    heads capped at that most), or "wg" (on Hopper, blocks of an even number of heads), for timing the cuts against
-    each other."""
+    """The CTA's cut for coefficients of this format, or None where no cut's basis columns fit `limit` bytes of
+    shared memory: on Hopper, basis blocks of an even number of KV heads, the wgmma build (WG: 168 against 190 us
+    for the score launch at 128K batch 1, 8B shapes, H100); else the mma.sync build with the most KV heads of one
+    block (4, 2 or 1) that fit. TALE_LR_SCORE_TILE="hpc:bt:alias:rec" (an mma.sync cut, its heads capped at that
+    most) or "wg" overrides it, for timing the cuts against each other."""
     for hpc in (4, 2, 1):
         t = Tiling(hpc)
         if hpb % hpc == 0 and K % hpc == 0 and smem_bytes(kc, bits, ktg, meta8, rep, t) <= limit:
             break
     else:
         return None
+    wg = hopper and hpb % 2 == 0 and K % 2 == 0 and smem_bytes(kc, bits, ktg, meta8, rep, WG) <= limit
     env = os.environ.get("TALE_LR_SCORE_TILE")
-    if env == "wg":
-        ok = hopper and hpb % 2 == 0 and K % 2 == 0 and smem_bytes(kc, bits, ktg, meta8, rep, WG) <= limit
-        return WG if ok else t
-    if env:
+    if env and env != "wg":
         h, bt, alias, rec = (int(x) for x in (env.split(":") + ["0", "0"])[:4])
-        t = Tiling(min(h, t.hpc), bt, bool(alias), bool(rec))
-    return t
+        return Tiling(min(h, t.hpc), bt, bool(alias), bool(rec))
+    return WG if wg else t
 
 
 @cache  # asked at every decode call: the answer does not change within a process

@@ -129,3 +129,20 @@ def test_score_pass_builds_fit_their_launch(tmp_path, case):
     wrong = [o if not o.startswith("-DSMEM_LAUNCH=") else f"-DSMEM_LAUNCH={smem + 16}" for o in opts]
     r = nvcc(*wrong)
     assert r.returncode != 0 and "shared memory differs" in r.stderr
+
+
+def test_score_pass_cut_choice(monkeypatch):
+    """The score pass' cut: the wgmma build on Hopper for basis blocks of an even number of KV heads, the mma.sync
+    build with the most heads that fit elsewhere; TALE_LR_SCORE_TILE overrides it; nothing where no basis fits."""
+    from tale_kernels import lowrank_score as ls
+
+    monkeypatch.delenv("TALE_LR_SCORE_TILE", raising=False)
+    fmt = (152, 4, 64, True, 4)  # the lowrank preset's coefficients at 8B shapes, GQA 4
+    kw = dict(limit=232448)  # an H100's shared memory per block
+    assert ls.tiling(4, 8, *fmt, **kw, hopper=True) == ls.WG
+    assert ls.tiling(4, 8, *fmt, **kw, hopper=False) == ls.Tiling(4)
+    assert ls.tiling(3, 3, *fmt, **kw, hopper=True) == ls.Tiling(1)  # odd blocks: no pair of heads
+    assert ls.tiling(4, 8, *fmt, limit=100_000, hopper=True) == ls.Tiling(1)  # only one head's columns fit
+    assert ls.tiling(4, 8, *fmt, limit=40_000, hopper=True) is None
+    monkeypatch.setenv("TALE_LR_SCORE_TILE", "2:64:1:1")
+    assert ls.tiling(4, 8, *fmt, **kw, hopper=True) == ls.Tiling(2, 64, True, True)
