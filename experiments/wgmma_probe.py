@@ -11,6 +11,7 @@ the tile loads (REPS), against cuBLAS on the same product.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import os
 import subprocess
@@ -21,6 +22,10 @@ import torch
 from tale_kernels.cuda_module import Module
 
 SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "wgmma_probe.cu")
+HDR = os.path.join(os.path.dirname(SRC), "..", "kernels", "cuda")
+HDR_KEY = hashlib.sha256(
+    b"".join(open(os.path.join(HDR, h), "rb").read() for h in ("wgmma.cuh", "ptx.cuh"))
+).hexdigest()[:12]
 NWG = 2  # warpgroups per CTA: 512 columns, a latent group's 4 KV heads
 
 
@@ -32,6 +37,8 @@ def build(kp: int, layout: int, swap: int, trans_b: int, reps: int = 1) -> Modul
         f"-DSWAP={swap}",
         f"-DTRANS_B={trans_b}",
         f"-DREPS={reps}",
+        f"-I{HDR}",  # wgmma.cuh: the score pass' own wgmma
+        f"-DHDR_KEY={HDR_KEY}",  # its headers' hash: the cubin cache keys on the source's own folder only
     )
     mod = Module(SRC, opts)
     mod.function("probe", smem(kp))
