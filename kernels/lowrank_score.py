@@ -1,10 +1,11 @@
-"""The score pass of a low-rank-key region in CUDA (kernels/cuda/lowrank_score.cu): the rebuild of every slot's keys
-from its coefficient codes as a tensor-core GEMM against the basis held in shared memory, RoPE computed from the
-model's rotary, and the dot with the query heads, written as float32 scores [B, H, cap] for the latent pass of
-kernels/lowrank_attention.py.
+"""The score pass of a low-rank-key region in CUDA: the rebuild of every slot's keys from its coefficient codes as a
+tensor-core GEMM against the basis held in shared memory, RoPE computed from the model's rotary, and the dot with the
+query heads, written as float32 scores [B, H, cap] for the latent pass of kernels/lowrank_attention.py. Two builds:
+kernels/cuda/lowrank_score.cu (mma.sync) and, on Hopper, kernels/cuda/lowrank_score_wg.cu (wgmma); `tiling(...)`
+picks the build and the CTA's cut (`Tiling`).
 
 `reason(...)` says why a region cannot take it (None: it can); `scores(...)` launches it. One build per
-configuration (coefficients, bits, token group, scale format, heads per CTA, GQA, dtype), cached on disk by
+configuration (coefficients, bits, token group, scale format, the CTA's cut, GQA, dtype), cached on disk by
 kernels/cuda_module.py. Graph-safe: the length may be a device scalar, the grid comes from the capacity.
 """
 
