@@ -7,7 +7,7 @@
 // 2: the row groups of a K column adjacent, 128 bytes apart), SWAP (1: the descriptor's two offsets exchanged),
 // TRANS_B (wgmma's imm-trans-b), REPS (the k-loop repeated on the same tile: the tensor rate without the loads).
 
-#include "wgmma.cuh"  // kernels/cuda: wgmma256, and through ptx.cuh u16, u32, smem_u32, cp16
+#include "wgmma.cuh"  // kernels/cuda: wgmma256 and its fences, and through ptx.cuh u16, u32, smem_u32, cp16
 #define NT (NWG * 256)
 
 // byte offset of element (row r, k) of a K-major operand of R rows
@@ -27,11 +27,6 @@ __device__ __forceinline__ unsigned long long desc(u32 saddr, int R) {
            ((unsigned long long)(sbo >> 4) << 32);
 }
 // a: [T, 64, KP] fp16, b: [KP, NT] fp16 (row-major), d: [T, 64, NT] float32 (write) or [grid x threads] checksums
-// the accumulators ordered against wgmma's asynchronous writes (ptxas sees no dependence through the async proxy)
-__device__ __forceinline__ void fence_regs(float* d) {
-#pragma unroll
-    for (int i = 0; i < 128; i++) asm volatile("" : "+f"(d[i])::"memory");
-}
 
 extern "C" __global__ void __launch_bounds__(NWG * 128, 1)
     probe(const u16* __restrict__ a, const u16* __restrict__ b, float* __restrict__ d, int T, int write) {
@@ -51,19 +46,21 @@ extern "C" __global__ void __launch_bounds__(NWG * 128, 1)
             const int r = i / (KP / 8), k8 = i % (KP / 8);
             cp16(smem_u32(sa + koff(r, 8 * k8, 64)), a + ((long)t * 64 + r) * KP + 8 * k8);
         }
-        asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // this thread's writes, read by wgmma
+        cp_commit();
+        cp_wait_all();
+        fence_proxy_async();  // this thread's writes, read by wgmma
         __syncthreads();
-        fence_regs(d_);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        wg_fence_regs<128>(d_);
+        wg_fence();
         const u32 a0 = smem_u32(sa), b0 = smem_u32(sb + koff(256 * wg, 0, NT));
 #pragma unroll 1
         for (int rep = 0; rep < REPS; rep++)
 #pragma unroll
             for (int ks = 0; ks < KP / 16; ks++)
                 wgmma256<TRANS_B>(d_, desc(a0 + koff(0, 16 * ks, 64), 64), desc(b0 + koff(0, 16 * ks, NT), NT), rep + ks);
-        asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        fence_regs(d_);
+        wg_commit();
+        wg_wait<0>();
+        wg_fence_regs<128>(d_);
         if (write) {
 #pragma unroll
             for (int j = 0; j < 128; j++) {  // d[4 nb + 2 rr + e]: row 16 warp + lane / 4 + 8 rr, column 8 nb + 2 (lane % 4) + e
