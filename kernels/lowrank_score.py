@@ -27,13 +27,10 @@ CSTR = 72  # cos/sin row stride in words (the .cu's CSTR)
 
 
 class Tiling(NamedTuple):
-    """How one CTA of the score pass is cut (the .cu's HPC, BT, ALIAS, CS_REC), or wg: lowrank_score_wg.cu, one
-    warpgroup of 2 KV heads rebuilding on wgmma (Hopper), 64-slot tiles."""
+    """How one CTA of the score pass is cut: HPC KV heads of one basis block on mma.sync (lowrank_score.cu, 2 warps
+    per head), or wg: lowrank_score_wg.cu, one warpgroup of 2 KV heads rebuilding on wgmma (Hopper). 64-slot tiles."""
 
-    hpc: int  # KV heads per CTA (2 warps each), of one basis block
-    bt: int = 64  # slots per tile: 64, or 32 (half the tile buffers)
-    alias: bool = False  # cos/sin and the dot's halves in the coefficient tile's space, made after the GEMM
-    rec: bool = False  # cos/sin of a slot one step after the thread's last by rotation, not the SFU
+    hpc: int  # KV heads per CTA, of one basis block
     wg: bool = False
 
     @property
@@ -45,26 +42,26 @@ class Tiling(NamedTuple):
         return SRC_WG if self.wg else SRC
 
 
-WG = Tiling(2, 64, wg=True)
+WG = Tiling(2, wg=True)
+BT = 64  # slots per tile (the .cu's BT)
 
 
 def smem_bytes(kc: int, bits: int, ktg: int, meta8: bool, rep: int, t: Tiling) -> int:
     """Dynamic shared memory of one CTA (the .cu's SMEM; its build asserts the two agree)."""
-    ngt = t.bt // ktg if ktg < t.bt else 1
+    ngt = BT // ktg if ktg < BT else 1
     mb = 1 if meta8 else 2
+    stage = BT * kc * bits // 8 + 2 * ngt * kc * mb  # codes, scales, zeros
     if t.wg:
         kcp = (kc + 16) // 16 * 16  # the coefficients and the means' constant one
-        return 256 * kcp * 2 + t.bt * kcp * 2 + t.bt * kc * bits // 8 + 2 * ngt * kc * mb + 2 * ngt * kcp * 2 + 16
+        return 256 * kcp * 2 + BT * kcp * 2 + stage + 2 * ngt * kcp * 2 + 16
     kcp = -(-kc // 16) * 16
-    tile = t.bt * (kcp + 8) * 2  # coefficient tile
-    cs = t.bt * CSTR * 4  # cos/sin
-    red = t.hpc * (t.bt // 16) * 8 * ((rep + 1) // 2) * 16  # the halves of the dot
     return (
         kcp * (t.hpc * 128 + 8) * 2  # basis columns
-        + (max(tile, cs + red) if t.alias else tile + cs + red)
-        + t.bt * kc * bits // 8  # stage: codes
-        + 2 * ngt * kc * mb  # stage: scales, zeros
-        + (1 + t.alias) * t.bt * 4  # stage: positions
+        + BT * (kcp + 8) * 2  # coefficient tile
+        + BT * CSTR * 4  # cos/sin
+        + t.hpc * (BT // 16) * 8 * ((rep + 1) // 2) * 16  # the halves of the dot
+        + stage
+        + BT * 4  # stage: positions
         + 2 * ngt * kcp * 2  # fp16 scales, zeros
         + (0 if kc < kcp else 2 * t.hpc * 64 * 4)  # column means, where the GEMM's padding row does not hold them
     )
@@ -82,8 +79,8 @@ def tiling(
     """The CTA's cut for coefficients of this format, or None where no cut's basis columns fit `limit` bytes of
     shared memory: on Hopper, basis blocks of an even number of KV heads, the wgmma build (WG: 168 against 190 us
     for the score launch at 128K batch 1, 8B shapes, H100); else the mma.sync build with the most KV heads of one
-    block (4, 2 or 1) that fit. TALE_LR_SCORE_TILE="hpc:bt:alias:rec" (an mma.sync cut, its heads capped at that
-    most) or "wg" overrides it, for timing the cuts against each other."""
+    block (4, 2 or 1) that fit. TALE_LR_SCORE_TILE="wg" or "hpc" (an mma.sync cut of at most that many heads)
+    overrides it, for timing the cuts against each other."""
     for hpc in (4, 2, 1):
         t = Tiling(hpc)
         if hpb % hpc == 0 and K % hpc == 0 and smem_bytes(kc, bits, ktg, meta8, rep, t) <= limit:
@@ -93,8 +90,7 @@ def tiling(
     wg = hopper and hpb % 2 == 0 and K % 2 == 0 and smem_bytes(kc, bits, ktg, meta8, rep, WG) <= limit
     env = os.environ.get("TALE_LR_SCORE_TILE")
     if env and env != "wg":
-        h, bt, alias, rec = (int(x) for x in (env.split(":") + ["0", "0"])[:4])
-        return Tiling(min(h, t.hpc), bt, bool(alias), bool(rec))
+        return Tiling(min(int(env), t.hpc))
     return WG if wg else t
 
 
@@ -172,7 +168,7 @@ def build_options(
     """The .cu's -D configuration: coefficients per row, code bits, slots per scale group, fp8 scales, query heads
     per KV head, the CTA's cut, bf16 queries and cos/sin, the rotary's attention scaling, cos/sin from tables; and
     the shared memory the launch gives, which the build checks against its own layout."""
-    flags = dict(KC=kc, KBITS=bits, KTG=ktg, META8=meta8, REP=rep, HPC=t.hpc, BT=t.bt, ALIAS=t.alias, CS_REC=t.rec)
+    flags = dict(KC=kc, KBITS=bits, KTG=ktg, META8=meta8, REP=rep, HPC=t.hpc)
     flags.update(Q_BF16=bf16, RDT_BF16=bf16, RSC=rsc, ROPE_TAB=tables)
     flags.update(SMEM_LAUNCH=smem_bytes(kc, bits, ktg, meta8, rep, t))
     return tuple(f"-D{k}={int(v)}" for k, v in flags.items())
@@ -213,7 +209,7 @@ def scores(
     ctas = K // t.hpc
     per_sm = max(1, limit // max(smem, 1))
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    nsplit = max(1, min(-(-cap // t.bt), round(waves * sms * per_sm / (B * ctas))))
+    nsplit = max(1, min(-(-cap // BT), round(waves * sms * per_sm / (B * ctas))))
     len_p, len_v = device_scalar(length, pos)
     bias_p, inv_v = dequant_bias(keys, pos)
     data, sc, zr = keys.data, keys.scale, keys.zero

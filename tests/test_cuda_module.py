@@ -89,12 +89,10 @@ def test_sources_build_with_their_header(monkeypatch, tmp_path, name):
 
 
 SCORE_BUILDS = [
-    # (KC, bits, token group, fp8 scales, query heads per KV head, Tiling(hpc, bt, alias, rec), RoPE tables)
-    (152, 4, 64, True, 4, (4, 64), False),  # the lowrank preset's at 8B shapes: one CTA per SM
-    (152, 4, 64, True, 4, (2, 32, False, True), False),  # two per SM, 32-slot tiles
-    (152, 4, 64, True, 4, (2, 64, True, True), False),  # two per SM, the tile's space shared
-    (144, 2, 16, False, 8, (2, 64, True, False), True),  # no padding coefficient, 16-bit scales, GQA 8, tables
-    (96, 8, 32, False, 3, (1, 64, True, True), False),
+    # (KC, bits, token group, fp8 scales, query heads per KV head, KV heads per CTA or "wg", RoPE tables)
+    (152, 4, 64, True, 4, 4, False),  # the lowrank preset's at 8B shapes on mma.sync: one CTA per SM
+    (144, 2, 16, False, 8, 2, True),  # no padding coefficient, 16-bit scales, GQA 8, tables
+    (96, 8, 32, False, 3, 1, False),
     (152, 4, 64, True, 4, "wg", False),  # the rebuild on wgmma, one warpgroup of 2 KV heads, two CTAs per SM
     (144, 2, 16, False, 8, "wg", True),
 ]
@@ -111,7 +109,7 @@ def test_score_pass_builds_fit_their_launch(tmp_path, case):
     from tale_kernels import lowrank_score
 
     kc, bits, ktg, meta8, rep, cut, tables = case
-    t = lowrank_score.WG if cut == "wg" else lowrank_score.Tiling(*cut)
+    t = lowrank_score.WG if cut == "wg" else lowrank_score.Tiling(cut)
     opts = lowrank_score.build_options(kc, bits, ktg, meta8, rep, t, tables=tables)
     inc = f"-I{os.path.dirname(lowrank_score.SRC)}"
 
@@ -144,5 +142,5 @@ def test_score_pass_cut_choice(monkeypatch):
     assert ls.tiling(3, 3, *fmt, **kw, hopper=True) == ls.Tiling(1)  # odd blocks: no pair of heads
     assert ls.tiling(4, 8, *fmt, limit=100_000, hopper=True) == ls.Tiling(1)  # only one head's columns fit
     assert ls.tiling(4, 8, *fmt, limit=40_000, hopper=True) is None
-    monkeypatch.setenv("TALE_LR_SCORE_TILE", "2:64:1:1")
-    assert ls.tiling(4, 8, *fmt, **kw, hopper=True) == ls.Tiling(2, 64, True, True)
+    monkeypatch.setenv("TALE_LR_SCORE_TILE", "2")
+    assert ls.tiling(4, 8, *fmt, **kw, hopper=True) == ls.Tiling(2)

@@ -17,8 +17,6 @@
 // The descriptors are experiments/wgmma_probe.py's convention: K-major without swizzle, LBO between core matrices
 // along K, SBO between 8-row groups.
 
-#include "wgmma.cuh"
-
 #define BT 64                             // slots per tile
 #define NHALF 64                          // channels per RoPE half (head dim 128)
 #define KCP ((KC + 16) / 16 * 16)         // coefficients and the means' constant one, padded to wgmma's k
@@ -48,89 +46,30 @@
 static_assert(SMEM == SMEM_LAUNCH, "the launch's shared memory differs from the kernel's layout");
 #endif
 
-__device__ __forceinline__ float h2f1(u16 h) {
-    float f;
-    asm("{.reg .f16 t;\n mov.b16 t, %1;\n cvt.f32.f16 %0, t;}\n" : "=f"(f) : "h"(h));
-    return f;
-}
-__device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((u32)h) << 16); }
-__device__ __forceinline__ float fp8f(u32 b) {  // fp8 e4m3 byte -> float (exact; NaN unused)
-    return __uint_as_float(((b & 0x7Fu) << 20) | ((b & 0x80u) << 24)) * 1.329227995784916e36f;  // 2^120
-}
-__device__ __forceinline__ float qf(const u16* q, long i) {
-#if Q_BF16
-    return bf2f(q[i]);
-#else
-    return h2f1(q[i]);
-#endif
-}
-// two values rounded to the model dtype, as fp16 (a bf16 value of magnitude <= 1 is an fp16 one)
-__device__ __forceinline__ u32 pair_rdt(float a, float b) {
-#if RDT_BF16
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(b), "f"(a));
-    a = __uint_as_float(r << 16);
-    b = __uint_as_float(r & 0xFFFF0000u);
-#endif
-    return f2h(a, b);
-}
-// cos and sin of a float32 angle as the model's tables hold them: reduced to [-pi, pi] in float32, then the SFU
-__device__ __forceinline__ void sincos_red(float ang, float* c, float* s) {
-    const float kq = floorf(ang * 0.15915494309189535f + 0.5f);
-    ang = fmaf(-kq, 6.2831854820251465f, ang);
-    ang = fmaf(-kq, -1.7484556000744487e-07f, ang);
-    asm("cos.approx.ftz.f32 %0, %1;" : "=f"(*c) : "f"(ang));
-    asm("sin.approx.ftz.f32 %0, %1;" : "=f"(*s) : "f"(ang));
-}
+#include "lowrank_common.cuh"
+#include "wgmma.cuh"
 
-extern "C" __global__ void __launch_bounds__(128, 2) tale_lr_score(
-    const u16* __restrict__ q, int s_qb, int s_qh, float qk,             // query [B, H, 1, 128]
-    const int* __restrict__ pos, int s_pb,                               // slot positions [B, cap]
-    const int* __restrict__ len_p, int len_v, int cap,                   // length: *len_p if len_v < 0
-    const int* __restrict__ roff,                                        // rope offset per row [B]
-    const float* __restrict__ invf, float rsc,                           // inv_freq [64], attention scaling
-    const float* __restrict__ cos_t, const float* __restrict__ sin_t, int s_cb, int s_ct,  // ROPE_TAB: [B, cap, 128]
-    const unsigned char* __restrict__ codes, int s_kb, int s_kh, int s_kt,       // [B, Kb, cap, PNB]
-    const unsigned char* __restrict__ ksc, const unsigned char* __restrict__ kzr,  // [B, Kb, cap / KTG, KC]
-    int s_sb, int s_sh, int s_st,                                      // their strides, elements
-    const float* __restrict__ bias_p, float inv_v,                       // 1 / bias or shift; <= 0: 1 / *bias_p
-    const u16* __restrict__ dlo, const u16* __restrict__ dhi, int s_dblk, int s_dec,  // [Kb, C, K 64] fp16
-    const float* __restrict__ rows, int knh,                             // [4, K 64]: mean lo, hi, scale lo, hi
-    int hpb,                                                             // KV heads per basis block
-    float* __restrict__ sc, int s_scb, int s_sch,                      // scores [B, H, cap]
-    int nsplit) {
+
+extern "C" __global__ void __launch_bounds__(128, 2) tale_lr_score(LR_SCORE_ARGS) {
     extern __shared__ __align__(128) unsigned char smem[];
     const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
     const int sp = blockIdx.x, cta = blockIdx.y, b = blockIdx.z;
     const int kv0 = cta * 2;                              // the CTA's first KV head
     const int blk = kv0 / hpb, cb = (kv0 % hpb) * NHALF;  // its basis block and first column in it
-    const int L = len_v >= 0 ? len_v : min(*len_p, cap);
-    const int ntile = (L + BT - 1) / BT;
-    const int per = (ntile + nsplit - 1) / nsplit;
-    const int tile0 = sp * per, tile1 = min(tile0 + per, ntile);
+    const TileRun run = tile_run(len_p, len_v, cap, sp, nsplit);
+    const int L = run.L, tile0 = run.tile0, tile1 = run.tile1;
     if (tile0 >= tile1) return;
     const float kinv = inv_v > 0.f ? inv_v : 1.0f / *bias_p;
 
-    const unsigned char* stc = smem + OFF_STC;
-    const unsigned char* sts = smem + OFF_STS;
+    unsigned char* stc = smem + OFF_STC;
+    unsigned char* sts = smem + OFF_STS;
     u16* sz = (u16*)(smem + OFF_SZ);
     const unsigned char* kbase = codes + (long)b * s_kb + (long)blk * s_kh;
     const unsigned char* sbase = ksc + ((long)b * s_sb + (long)blk * s_sh) * MB;
     const unsigned char* zbase = kzr + ((long)b * s_sb + (long)blk * s_sh) * MB;
     const int ngroups = cap / KTG;
-    // cp.async of the tile at slot t0: codes, its groups' scales and zeros (rows past the length: left stale, their
-    // scores are never written)
     auto stage = [&](int t0) {
-        for (int i = tid; i < BT * PNW; i += 128) {
-            const int t = i / PNW, wd = i % PNW;
-            if (t0 + t < L) cp4(smem_u32(stc + t * PNB + 4 * wd), kbase + (long)(t0 + t) * s_kt + 4 * wd);
-        }
-        for (int i = tid; i < 2 * NGT * SZW; i += 128) {
-            const int z = i / (NGT * SZW), g = (i / SZW) % NGT, wd = i % SZW;
-            const int gg = t0 / KTG + g;
-            if (gg < ngroups)
-                cp4(smem_u32(sts + ((z * NGT + g) * KC) * MB + 4 * wd), (z ? zbase : sbase) + (long)gg * s_st * MB + 4 * wd);
-        }
+        stage_codes<128>(stc, sts, kbase, sbase, zbase, s_kt, s_st, ngroups, t0, L, tid);
         cp_commit();
     };
     stage(tile0 * BT);
@@ -161,24 +100,10 @@ extern "C" __global__ void __launch_bounds__(128, 2) tale_lr_score(
     // the query heads' B fragments for the score mma, per head h and 16 channels q8: rows k = channel, column n =
     // query head (n < REP; else zero)
     u32 qb[2][8][2];
-    {
-        const int n = lane >> 2, kk = 2 * (lane & 3);
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const long qrow = (long)b * s_qb + (long)((kv0 + h) * REP + (n < REP ? n : 0)) * s_qh;
+    for (int h = 0; h < 2; h++)
 #pragma unroll
-            for (int q8 = 0; q8 < 8; q8++) {
-                const int d = 16 * q8 + kk;
-                float v0 = 0.f, v1 = 0.f, v2 = 0.f, v3 = 0.f;
-                if (n < REP) {
-                    v0 = qf(q, qrow + d) * qk, v1 = qf(q, qrow + d + 1) * qk;
-                    v2 = qf(q, qrow + d + 8) * qk, v3 = qf(q, qrow + d + 9) * qk;
-                }
-                qb[h][q8][0] = f2h(v0, v1);
-                qb[h][q8][1] = f2h(v2, v3);
-            }
-        }
-    }
+        for (int q8 = 0; q8 < 8; q8++) q_frag(qb[h][q8], q, (long)b * s_qb + (long)(kv0 + h) * REP * s_qh, s_qh, 16 * q8, qk, lane);
 #if !ROPE_TAB
     const int my_roff = roff[b];
 #endif
@@ -189,15 +114,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) tale_lr_score(
         const int t0 = tile * BT;
         cp_wait_all();
         __syncthreads();  // the stage (and, first time, the basis) landed; the last tile's epilogue is done
-        for (int i = tid; i < 2 * NGT * KC; i += 128) {  // scales, zeros -> fp16 [NGT][KCP] each
-            const int z = i / (NGT * KC), r = i % (NGT * KC);
-#if META8
-            const float v = fp8f(sts[z * NGT * KC + r]);
-#else
-            const float v = h2f1(((const u16*)sts)[z * NGT * KC + r]);
-#endif
-            sz[(z * NGT + r / KC) * KCP + r % KC] = (u16)(f2h(v * kinv, 0.f) & 0xFFFF);
-        }
+        scales_fp16<128>(sts, sz, kinv, tid);
         __syncthreads();
         // codes -> coefficients: word wd of row t holds, per plane p, codes p PNB + 4 wd .. + 3. Lanes take 8 rows x
         // 2 neighbouring words x 2 row groups: the K-major stores of 16 lanes then fill 32 banks (a warp along one
@@ -210,14 +127,8 @@ extern "C" __global__ void __launch_bounds__(128, 2) tale_lr_score(
             const u16* srow = sz + g * KCP;
             const u16* zrow = sz + (NGT + g) * KCP;
 #pragma unroll
-            for (int p = 0; p < NPL; p++) {
-                const u32 x = (word >> (p * KBITS)) & (KBITS == 8 ? 0xFFFFFFFFu : KBITS == 4 ? 0x0F0F0F0Fu : 0x03030303u);
-                const int c = p * PNB + 4 * wd;
-                const u32 c01 = hsub2(__byte_perm(x, 0x64646464u, 0x4140), 0x64006400u);
-                const u32 c23 = hsub2(__byte_perm(x, 0x64646464u, 0x4342), 0x64006400u);
-                const uint2 s2 = *(const uint2*)(srow + c), z2 = *(const uint2*)(zrow + c);
-                *(uint2*)(smem + OFF_A + KOFF(t, c)) = make_uint2(hfma2(c01, s2.x, z2.x), hfma2(c23, s2.y, z2.y));
-            }
+            for (int p = 0; p < NPL; p++)
+                *(uint2*)(smem + OFF_A + KOFF(t, p * PNB + 4 * wd)) = dequant4(word, p, srow, zrow, p * PNB + 4 * wd);
         }
         fence_proxy_async();  // this thread's coefficients (and, first time, the basis), read by wgmma
         __syncthreads();      // the coefficient tile is complete and the stage consumed
