@@ -71,21 +71,33 @@ __device__ __forceinline__ TileRun tile_run(const int* len_p, int len_v, int cap
     return {L, sp * per, min(sp * per + per, ntile)};
 }
 
+// where a CTA's basis block `blk` of batch row b keeps its codes [cap, PNB] and their groups' scales and zeros
+// [cap / KTG, KC]
+struct CodeRows {
+    const unsigned char *k, *s, *z;
+    int s_kt, s_st, ngroups;
+};
+__device__ __forceinline__ CodeRows code_rows(const unsigned char* codes, const unsigned char* ksc,
+                                              const unsigned char* kzr, int s_kb, int s_kh, int s_kt, int s_sb,
+                                              int s_sh, int s_st, int cap, int b, int blk) {
+    const long sz0 = ((long)b * s_sb + (long)blk * s_sh) * MB;
+    return {codes + (long)b * s_kb + (long)blk * s_kh, ksc + sz0, kzr + sz0, s_kt, s_st, cap / KTG};
+}
+
 // cp.async of the tile at slot t0 into the stage: codes [BT][PNB], then its groups' scales [NGT][KC] and zeros
 // [NGT][KC] (rows past the length are left stale: their scores are never written). The caller commits.
 template <int NT>
-__device__ __forceinline__ void stage_codes(unsigned char* stc, unsigned char* sts, const unsigned char* kbase,
-                                            const unsigned char* sbase, const unsigned char* zbase, int s_kt, int s_st,
-                                            int ngroups, int t0, int L, int tid) {
+__device__ __forceinline__ void stage_codes(unsigned char* stc, unsigned char* sts, const CodeRows& r, int t0, int L,
+                                            int tid) {
     for (int i = tid; i < BT * PNW; i += NT) {
         const int t = i / PNW, w = i % PNW;
-        if (t0 + t < L) cp4(smem_u32(stc + t * PNB + 4 * w), kbase + (long)(t0 + t) * s_kt + 4 * w);
+        if (t0 + t < L) cp4(smem_u32(stc + t * PNB + 4 * w), r.k + (long)(t0 + t) * r.s_kt + 4 * w);
     }
     for (int i = tid; i < 2 * NGT * SZW; i += NT) {
         const int z = i / (NGT * SZW), g = (i / SZW) % NGT, w = i % SZW;
         const int gg = t0 / KTG + g;
-        if (gg < ngroups)
-            cp4(smem_u32(sts + ((z * NGT + g) * KC) * MB + 4 * w), (z ? zbase : sbase) + (long)gg * s_st * MB + 4 * w);
+        if (gg < r.ngroups)
+            cp4(smem_u32(sts + ((z * NGT + g) * KC) * MB + 4 * w), (z ? r.z : r.s) + (long)gg * r.s_st * MB + 4 * w);
     }
 }
 
@@ -101,6 +113,15 @@ __device__ __forceinline__ void scales_fp16(const unsigned char* sts, u16* sz, f
 #endif
         sz[(z * NGT + r / KC) * KCP + r % KC] = (u16)(f2h(v * kinv, 0.f) & 0xFFFF);
     }
+}
+
+// the packed word w of staged row t, and its token group's fp16 scale and zero rows
+__device__ __forceinline__ u32 code_word(const unsigned char* stc, const u16* sz, int t, int w, const u16** srow,
+                                         const u16** zrow) {
+    const int g = KTG < BT ? t / KTG : 0;
+    *srow = sz + g * KCP;
+    *zrow = sz + (NGT + g) * KCP;
+    return *(const u32*)(stc + t * PNB + 4 * w);
 }
 
 // plane p of a packed word -> coefficients c .. c + 3 (c = p PNB + 4 w for word w), as two fp16 pairs: a code plus

@@ -95,13 +95,10 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(LR_SCORE_ARG
 #endif
     float4* red = (float4*)(smem + OFF_RED);
 
-    const unsigned char* kbase = codes + (long)b * s_kb + (long)blk * s_kh;
-    const unsigned char* sbase = ksc + ((long)b * s_sb + (long)blk * s_sh) * MB;
-    const unsigned char* zbase = kzr + ((long)b * s_sb + (long)blk * s_sh) * MB;
-    const int ngroups = cap / KTG;
+    const CodeRows cr = code_rows(codes, ksc, kzr, s_kb, s_kh, s_kt, s_sb, s_sh, s_st, cap, b, blk);
     // stage the tile at slot t0: codes, scales, zeros and positions
     auto stage = [&](int t0) {
-        stage_codes<NTHR>(stc, smem + OFF_STS, kbase, sbase, zbase, s_kt, s_st, ngroups, t0, L, tid);
+        stage_codes<NTHR>(stc, sts, cr, t0, L, tid);
         for (int i = tid; i < BT; i += NTHR)
             if (t0 + i < L) cp4(smem_u32(stp + i), pos + (long)b * s_pb + t0 + i);
         cp_commit();
@@ -184,10 +181,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) tale_lr_score(LR_SCORE_ARG
         // codes -> coefficients: word w of row t holds, per plane p, codes p PNB + 4 w .. + 3
         for (int i = tid; i < BT * PNW; i += NTHR) {
             const int t = i / PNW, w = i % PNW;
-            const u32 word = *(const u32*)(stc + t * PNB + 4 * w);
-            const int g = KTG < BT ? t / KTG : 0;
-            const u16* srow = sz + g * KCP;
-            const u16* zrow = sz + (NGT + g) * KCP;
+            const u16 *srow, *zrow;
+            const u32 word = code_word(stc, sz, t, w, &srow, &zrow);
 #pragma unroll
             for (int p = 0; p < NPL; p++)
                 *(uint2*)(smem + OFF_A + (t * ASTR + p * PNB + 4 * w) * 2) = dequant4(word, p, srow, zrow, p * PNB + 4 * w);

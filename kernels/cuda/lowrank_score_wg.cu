@@ -64,12 +64,9 @@ extern "C" __global__ void __launch_bounds__(128, 2) tale_lr_score(LR_SCORE_ARGS
     unsigned char* stc = smem + OFF_STC;
     unsigned char* sts = smem + OFF_STS;
     u16* sz = (u16*)(smem + OFF_SZ);
-    const unsigned char* kbase = codes + (long)b * s_kb + (long)blk * s_kh;
-    const unsigned char* sbase = ksc + ((long)b * s_sb + (long)blk * s_sh) * MB;
-    const unsigned char* zbase = kzr + ((long)b * s_sb + (long)blk * s_sh) * MB;
-    const int ngroups = cap / KTG;
+    const CodeRows cr = code_rows(codes, ksc, kzr, s_kb, s_kh, s_kt, s_sb, s_sh, s_st, cap, b, blk);
     auto stage = [&](int t0) {
-        stage_codes<128>(stc, sts, kbase, sbase, zbase, s_kt, s_st, ngroups, t0, L, tid);
+        stage_codes<128>(stc, sts, cr, t0, L, tid);
         cp_commit();
     };
     stage(tile0 * BT);
@@ -122,10 +119,8 @@ extern "C" __global__ void __launch_bounds__(128, 2) tale_lr_score(LR_SCORE_ARGS
         for (int i = tid; i < BT * ((PNW + 1) / 2) * 2; i += 128) {
             const int rest = i >> 4, t = (rest % (BT / 8)) * 8 + (i & 7), wd = (rest / (BT / 8)) * 2 + ((i >> 3) & 1);
             if (wd >= PNW) continue;
-            const u32 word = *(const u32*)(stc + t * PNB + 4 * wd);
-            const int g = KTG < BT ? t / KTG : 0;
-            const u16* srow = sz + g * KCP;
-            const u16* zrow = sz + (NGT + g) * KCP;
+            const u16 *srow, *zrow;
+            const u32 word = code_word(stc, sz, t, wd, &srow, &zrow);
 #pragma unroll
             for (int p = 0; p < NPL; p++)
                 *(uint2*)(smem + OFF_A + KOFF(t, p * PNB + 4 * wd)) = dequant4(word, p, srow, zrow, p * PNB + 4 * wd);
